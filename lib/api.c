@@ -1,0 +1,318 @@
+/* SPDX-License-Identifier: MIT */
+/* The public interface: argument checks, sequence bookkeeping, dispatch to the backend. */
+#include <math.h>
+#include <string.h>
+
+#include "half.h"
+#include "internal.h"
+
+static const char *backend_name(uint32_t b)
+{
+	return b == KVT_BACKEND_CPU ? "CPU" : b == KVT_BACKEND_CUDA ? "CUDA" : "AUTO";
+}
+
+/* Pick the backend; for CUDA, also install the runtime's pinning hooks. */
+static int choose_backend(kvt_cache *c, char *busid, size_t n)
+{
+	uint32_t want = c->cfg.backend;
+	char why[256] = "this build has no CUDA runtime";
+	int gpu = -ENODEV;
+#if KVT_HAVE_CUDA
+	gpu = kvt_gpu_probe(c->cfg.device, busid, n, why, sizeof why);
+	if (gpu == 0)
+		kvt_mem_set_hooks(kvt_gpu_mem_hooks());
+#else
+	(void)busid;
+	(void)n;
+#endif
+	if (want == KVT_BACKEND_CPU || (want == KVT_BACKEND_AUTO && (gpu != 0 || !kvt_cuda_backend_ops))) {
+		c->ops = &kvt_cpu_backend;
+		return 0;
+	}
+	KVT_RETURN_IF(!kvt_cuda_backend_ops, NULL, -EOPNOTSUPP,
+		      "backend = CUDA (%u) but this build has no CUDA backend", want);
+	KVT_RETURN_IF(gpu != 0, NULL, -ENODEV, "backend = %s, device = %d: %s", backend_name(want),
+		      c->cfg.device, why);
+	c->ops = kvt_cuda_backend_ops;
+	return 0;
+}
+
+static void cache_free(kvt_cache *c)
+{
+	if (c->seqs) {
+		for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
+			if (c->seqs[s].open)
+				kvt_seq_close(c, s);
+	}
+	if (c->ops && c->ops->fini)
+		c->ops->fini(c);
+	kvt_extents_fini(&c->host);
+	kvt_mem_free(KVT_MEM_HOST, c->seqs, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->batch, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->batch_tokens, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->rot, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->scores, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->work, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->mask, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->rows, 0);
+	kvt_mem_free(KVT_MEM_HOST, c, 0);
+}
+
+KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
+{
+	KVT_RETURN_IF(!out, NULL, -EINVAL, "out is NULL");
+	KVT_TRY(kvt_config_check(cfg));
+	kvt_cache *c = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c);
+	KVT_RETURN_IF(!c, NULL, -ENOMEM, "out of memory allocating the cache (%zu bytes)", sizeof *c);
+	c->cfg = *cfg;
+	if (!c->cfg.out_dtype)
+		c->cfg.out_dtype = c->cfg.dtype;
+	c->d = cfg->head_dim;
+	c->words = c->d / 32;
+	c->group = cfg->n_q_heads / cfg->n_kv_heads;
+	c->scale = cfg->scale > 0.0f ? cfg->scale : 1.0f / sqrtf((float)c->d);
+	c->elem = 2;
+	c->row_bytes = 2 * c->d * c->elem;
+	c->out_elem = c->cfg.out_dtype == KVT_DTYPE_F32 ? 4 : 2;
+	c->st.size = sizeof c->st;
+	c->st.host_bytes_capacity = cfg->host_bytes;
+	c->st.index_bytes_per_token_head = c->d / 8 + 4;
+	char busid[32] = "";
+	int rc = choose_backend(c, busid, sizeof busid);
+	if (rc < 0) {
+		kvt_mem_free(KVT_MEM_HOST, c, 0);
+		return rc;
+	}
+	c->st.backend = c->ops->name;
+	size_t rot_bytes = sizeof(float) * cfg->n_layers * c->d * c->d;
+	c->rot = kvt_mem_alloc(KVT_MEM_HOST, rot_bytes);
+	c->seqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->seqs * cfg->max_seqs);
+	c->batch = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch * cfg->max_seqs);
+	c->batch_tokens = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch_tokens * cfg->max_seqs);
+	rc = kvt_extents_init(&c->host, cfg->host_bytes, KVT_BLOCK_TOKENS * c->row_bytes,
+			      busid[0] ? busid : NULL);
+	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || rc < 0) {
+		cache_free(c);
+		return kvt_seterr(NULL, -ENOMEM, "out of memory allocating rotations (%zu bytes) or "
+				  "the sequence table (%u sequences)", rot_bytes, cfg->max_seqs);
+	}
+	for (uint32_t l = 0; l < cfg->n_layers && rc == 0; l++)
+		rc = kvt_rotation_generate(cfg->seed, l, c->d, c->rot + (size_t)l * c->d * c->d);
+	if (rc == 0 && c->ops->init)
+		rc = c->ops->init(c);
+	if (rc < 0) {
+		cache_free(c);
+		return kvt_seterr(NULL, rc, "%s backend initialization failed: %s", c->st.backend,
+				  rc == -ENOMEM ? "out of memory" : kvt_strerror(rc));
+	}
+	*out = c;
+	return 0;
+}
+
+KVT_API void kvt_cache_destroy(kvt_cache *cache)
+{
+	if (cache)
+		cache_free(cache);
+}
+
+/* The open sequence `seq`, or an error naming it. */
+static int lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out)
+{
+	KVT_RETURN_IF(seq >= c->cfg.max_seqs || !c->seqs[seq].open, c, -ENOENT,
+		      "seq = %u is not an open sequence", seq);
+	*out = &c->seqs[seq];
+	return 0;
+}
+
+static int check_layer(kvt_cache *c, uint32_t layer)
+{
+	KVT_RETURN_IF(layer >= c->cfg.n_layers, c, -EINVAL, "layer = %u, must be < n_layers = %u",
+		      layer, c->cfg.n_layers);
+	return 0;
+}
+
+KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
+{
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!seq, c, -EINVAL, "seq is NULL");
+	uint32_t s = 0;
+	while (s < c->cfg.max_seqs && c->seqs[s].open)
+		s++;
+	KVT_RETURN_IF(s == c->cfg.max_seqs, c, -ENOSPC, "all max_seqs = %u sequences are open",
+		      c->cfg.max_seqs);
+	struct kvt_layer *layers = kvt_mem_alloc(KVT_MEM_HOST, sizeof *layers * c->cfg.n_layers);
+	KVT_RETURN_IF(!layers, c, -ENOMEM, "out of memory opening a sequence (%u layers)",
+		      c->cfg.n_layers);
+	c->seqs[s] = (struct kvt_seq){ .open = true, .last_use = ++c->clock, .layers = layers };
+	c->st.seqs_open++;
+	*seq = s;
+	return 0;
+}
+
+KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
+{
+	struct kvt_seq *s = NULL;
+	if (!c)
+		return -EINVAL;
+	KVT_TRY(lookup(c, seq, &s));
+	for (uint32_t l = 0; l < c->cfg.n_layers; l++) {
+		c->st.tokens -= s->layers[l].n_tokens;
+		c->st.tokens_indexed -= s->layers[l].n_indexed;
+		kvt_layer_free(c, &s->layers[l]);
+	}
+	kvt_mem_free(KVT_MEM_HOST, s->layers, 0);
+	memset(s, 0, sizeof *s);
+	c->st.seqs_open--;
+	return 0;
+}
+
+KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
+{
+	struct kvt_seq *s = NULL;
+	if (!c)
+		return -EINVAL;
+	KVT_TRY(lookup(c, seq, &s));
+	KVT_TRY(check_layer(c, layer));
+	return s->layers[layer].n_tokens;
+}
+
+KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
+			const void *v, uint32_t n_tokens, void *stream)
+{
+	struct kvt_seq *s = NULL;
+	if (!c)
+		return -EINVAL;
+	KVT_TRY(lookup(c, seq, &s));
+	KVT_TRY(check_layer(c, layer));
+	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
+	KVT_RETURN_IF(n_tokens == 0, c, -EINVAL, "n_tokens = 0, must be >= 1");
+	struct kvt_layer *l = &s->layers[layer];
+	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
+		      "n_tokens = %u would grow seq %u layer %u past %d tokens", n_tokens, seq, layer,
+		      INT32_MAX);
+	s->last_use = ++c->clock;
+	return c->ops->prefill(c, l, layer, q, k, v, n_tokens, stream);
+}
+
+/* Resolve a batch of distinct open sequences to their layer state. */
+static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		 struct kvt_layer **ls)
+{
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_seq *s = NULL;
+		KVT_TRY(lookup(c, seqs[i], &s));
+		for (uint32_t j = 0; j < i; j++)
+			KVT_RETURN_IF(seqs[j] == seqs[i], c, -EINVAL,
+				      "seqs[%u] = seqs[%u] = %u: a sequence appears twice in one batch",
+				      j, i, seqs[i]);
+		ls[i] = &s->layers[layer];
+	}
+	return 0;
+}
+
+/* Common checks of the batched calls; *ls receives the cache's batch array (no allocation on the
+ * decode path). */
+static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		      struct kvt_layer ***ls)
+{
+	KVT_TRY(check_layer(c, layer));
+	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
+		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
+	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
+	*ls = c->batch;
+	KVT_TRY(batch(c, layer, n_seqs, seqs, *ls));
+	for (uint32_t i = 0; i < n_seqs; i++)
+		c->seqs[seqs[i]].last_use = ++c->clock;
+	return 0;
+}
+
+KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *k, const void *v, void *stream)
+{
+	struct kvt_layer **ls;
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	int rc = 0;
+	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
+		if (ls[i]->n_tokens >= INT32_MAX)
+			rc = kvt_seterr(c, -EINVAL, "seq %u layer %u holds %d tokens, the limit",
+					seqs[i], layer, INT32_MAX);
+	if (rc == 0)
+		rc = c->ops->append(c, layer, n_seqs, ls, k, v, stream);
+	return rc;
+}
+
+static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			 const void *q, void *out, void *stream)
+{
+	struct kvt_layer **ls;
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	int rc = 0;
+	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
+		if (ls[i]->n_tokens == 0)
+			rc = kvt_seterr(c, -EINVAL, "seq %u holds no tokens on layer %u", seqs[i],
+					layer);
+	if (rc == 0)
+		rc = c->ops->attend(c, layer, n_seqs, ls, q, out, stream);
+	return rc;
+}
+
+KVT_API int kvt_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *q, void *out, void *stream)
+{
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!q || !out, c, -EINVAL, "%s is NULL", !q ? "q" : "out");
+	int rc = attend_common(c, layer, n_seqs, seqs, q, out, stream);
+	return rc < 0 ? rc : 0;
+}
+
+KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *q, void *stream)
+{
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!q, c, -EINVAL, "q is NULL");
+	return attend_common(c, layer, n_seqs, seqs, q, NULL, stream);
+}
+
+KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
+		       void *stream)
+{
+	struct kvt_layer **ls;
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!counts, c, -EINVAL, "counts is NULL");
+	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
+		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	int rc = 0;
+	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
+		if (!ls[i]->sel_epoch)
+			rc = kvt_seterr(c, -EINVAL,
+					"seq %u layer %u has no selection: call kvt_select or "
+					"kvt_attend first",
+					seqs[i], layer);
+	if (rc == 0)
+		rc = c->ops->gather(c, layer, n_seqs, ls, max_tokens, counts, pos, k_out, v_out,
+				    stream);
+	return rc;
+}
+
+KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
+{
+	if (!c)
+		return -EINVAL;
+	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
+	KVT_RETURN_IF(st->size != sizeof(kvt_stats), c, -EINVAL,
+		      "stats->size = %zu, expected sizeof(kvt_stats) = %zu", st->size,
+		      sizeof(kvt_stats));
+	c->st.host_bytes_used = c->host.used;
+	c->st.index_bytes = c->st.tokens_indexed * c->cfg.n_kv_heads * c->st.index_bytes_per_token_head;
+	*st = c->st;
+	return 0;
+}

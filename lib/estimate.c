@@ -1,0 +1,135 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The unbiased score estimator of DESIGN.md: index build (rotated sign codes, sigma, beta) and
+ * INT4 x binary scoring. Every float sum runs in index order, without contraction, so that a GPU twin
+ * that keeps the same order reproduces the codes and scalars bit for bit.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "half.h"
+#include "internal.h"
+
+/* y = rot r, each y[j] summed over i in increasing order; rot is row-major, read as columns so the
+ * loop over j vectorizes without reordering any single sum. */
+static void rotate(uint32_t d, const float *rot, const float *r, float *y)
+{
+	for (uint32_t j = 0; j < d; j++)
+		y[j] = 0.0f;
+	for (uint32_t i = 0; i < d; i++) {
+		float ri = r[i];
+		for (uint32_t j = 0; j < d; j++)
+			y[j] += rot[(size_t)j * d + i] * ri;
+	}
+}
+
+static float dot(uint32_t d, const float *a, const float *b)
+{
+	float s = 0.0f;
+	for (uint32_t i = 0; i < d; i++)
+		s += a[i] * b[i];
+	return s;
+}
+
+void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float *c_q, uint32_t n,
+		     const float *keys, size_t key_stride, uint32_t *codes, uint16_t *sigma,
+		     uint16_t *beta)
+{
+	const uint32_t words = d / 32;
+	float r[KVT_MAX_HEAD_DIM], y[KVT_MAX_HEAD_DIM];
+	for (uint32_t t = 0; t < n; t++) {
+		const float *k = keys + (size_t)t * key_stride;
+		uint32_t *code = codes + (size_t)t * words;
+		float n2 = 0.0f, l1 = 0.0f;
+		for (uint32_t i = 0; i < d; i++) {
+			r[i] = k[i] - c_k[i];
+			n2 += r[i] * r[i];
+		}
+		rotate(d, rot, r, y);
+		for (uint32_t w = 0; w < words; w++) {
+			uint32_t bits = 0;
+			for (uint32_t j = 0; j < 32; j++)
+				bits |= (uint32_t)(y[32 * w + j] > 0.0f) << j;
+			code[w] = bits;
+		}
+		for (uint32_t j = 0; j < d; j++)
+			l1 += fabsf(y[j]);
+		/* sigma = ||r|| / alpha, alpha = ||y||_1 / (||r|| sqrt(d)) for unnormalized y */
+		float s = l1 > 0.0f ? n2 / l1 * sqrtf((float)d) : 0.0f;
+		if (!(l1 > 0.0f))
+			memset(code, 0, sizeof *code * words);
+		sigma[t] = kvt_f32_to_f16(s);
+		beta[t] = kvt_f32_to_f16(dot(d, c_q, k));
+	}
+}
+
+void kvt_query_prepare(uint32_t d, const float *rot, const float *c_q, const float *c_k,
+		       const float *q, kvt_qcode *qc)
+{
+	float r[KVT_MAX_HEAD_DIM] = { 0 };
+	for (uint32_t i = 0; i < d; i++)
+		r[i] = q[i] - c_q[i];
+	qc->qc_ck = dot(d, r, c_k);
+	rotate(d, rot, r, qc->x);
+	float lo = qc->x[0], hi = qc->x[0];
+	for (uint32_t j = 1; j < d; j++) {
+		lo = qc->x[j] < lo ? qc->x[j] : lo;
+		hi = qc->x[j] > hi ? qc->x[j] : hi;
+	}
+	qc->x_l = lo;
+	qc->delta = (hi - lo) / 15.0f;
+	memset(qc->planes, 0, sizeof qc->planes);
+	uint32_t sum = 0;
+	for (uint32_t j = 0; j < d; j++) {
+		float t = qc->delta > 0.0f ? (qc->x[j] - lo) / qc->delta : 0.0f;
+		float f = floorf(t + 0.5f);
+		uint32_t u = f < 0.0f ? 0u : f > 15.0f ? 15u : (uint32_t)f;
+		qc->u[j] = (uint8_t)u;
+		sum += u;
+		for (uint32_t p = 0; p < 4; p++)
+			qc->planes[p][j / 32] |= ((u >> p) & 1u) << (j % 32);
+	}
+	qc->sum_u = (float)sum;
+}
+
+static inline uint32_t pop64(uint64_t x)
+{
+	return (uint32_t)__builtin_popcountll(x);
+}
+
+void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
+	       const uint16_t *sigma, const uint16_t *beta, float *scores)
+{
+	const uint32_t words = d / 32, pairs = words / 2;
+	const float isd = 1.0f / sqrtf((float)d);
+	/* E = A <b, u> + B popcount(b) + C, from DESIGN.md's formula */
+	const float A = 2.0f * qc->delta * isd, B = 2.0f * qc->x_l * isd;
+	const float C = (-qc->delta * qc->sum_u - (float)d * qc->x_l) * isd;
+	uint64_t pl[4][KVT_MAX_WORDS / 2];
+	for (uint32_t p = 0; p < 4; p++)
+		memcpy(pl[p], qc->planes[p], sizeof(uint32_t) * words);
+	for (uint32_t t = 0; t < n; t++) {
+		uint64_t b[KVT_MAX_WORDS / 2];
+		memcpy(b, codes + (size_t)t * words, sizeof(uint32_t) * words);
+		uint32_t pb = 0, bu = 0;
+		for (uint32_t w = 0; w < pairs; w++) {
+			pb += pop64(b[w]);
+			bu += pop64(b[w] & pl[0][w]) + 2 * pop64(b[w] & pl[1][w]) +
+			      4 * pop64(b[w] & pl[2][w]) + 8 * pop64(b[w] & pl[3][w]);
+		}
+		float E = A * (float)bu + B * (float)pb + C;
+		scores[t] = kvt_f16_to_f32(sigma[t]) * E + kvt_f16_to_f32(beta[t]) + qc->qc_ck;
+	}
+}
+
+float kvt_score_float(uint32_t d, const kvt_qcode *qc, bool quantized, const uint32_t *code,
+		      uint16_t sigma, uint16_t beta)
+{
+	double e = 0.0;
+	for (uint32_t j = 0; j < d; j++) {
+		double x = quantized ? (double)qc->delta * qc->u[j] + qc->x_l : qc->x[j];
+		e += ((code[j / 32] >> (j % 32)) & 1u) ? x : -x;
+	}
+	e /= sqrt((double)d);
+	return (float)((double)kvt_f16_to_f32(sigma) * e + kvt_f16_to_f32(beta) + qc->qc_ck);
+}

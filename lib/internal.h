@@ -1,0 +1,248 @@
+/* SPDX-License-Identifier: MIT */
+/* Internal interfaces shared by lib/, host/, gpu/ and the tests. Never installed. */
+#ifndef KVT_INTERNAL_H
+#define KVT_INTERNAL_H
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvtier.h"
+#include "kvt_config.h"
+#include "alloc.h"
+#include "../host/extent.h"
+
+#define KVT_MAX_HEAD_DIM 256u
+#define KVT_MAX_WORDS (KVT_MAX_HEAD_DIM / 32u)
+/* Tokens of one KV head per host-tier block: neighbouring tokens of a head stay contiguous. */
+#define KVT_BLOCK_TOKENS 256u
+
+/* ---- errors (lib/error.c) ---------------------------------------------------------------- */
+
+/* Record the detail of an error on `c` (or on the calling thread when c is NULL) and return `code`. */
+int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+#define KVT_RETURN_IF(cond, c, err, ...)                                                            \
+	do {                                                                                       \
+		if (cond)                                                                          \
+			return kvt_seterr((c), (err), __VA_ARGS__);                                \
+	} while (0)
+
+#define KVT_TRY(expr)                                                                              \
+	do {                                                                                       \
+		int kvt_try_rc_ = (expr);                                                          \
+		if (kvt_try_rc_ < 0)                                                               \
+			return kvt_try_rc_;                                                        \
+	} while (0)
+
+/* ---- numbers (lib/half.h, lib/rotation.c) ------------------------------------------------ */
+
+/*
+ * The rotation of `layer`: R = P^T, an orthogonal d x d matrix, row-major, so that y = R r.
+ * Gaussian entries from a counter-based generator and an arithmetic-only logarithm, then Householder
+ * QR in double with the signs of R's diagonal fixed (Haar distributed). Uses only +, -, *, /, sqrt
+ * with contraction disabled, so every IEEE platform produces the same bits for a seed.
+ * Returns 0 or -ENOMEM (scratch of 2 d^2 + d doubles).
+ */
+int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot);
+
+/* ---- the estimator (lib/estimate.c) ----------------------------------------------------- */
+
+/*
+ * Index `n` keys: for key i (floats at keys + i * key_stride), r = k - c_k, y = R r / ||r||,
+ * code = [y > 0] packed little-endian into d/32 words (bit j of word w is coordinate 32w + j),
+ * sigma = ||r|| / alpha with alpha = ||y||_1 / sqrt(d), beta = <c_q, k>; sigma and beta stored as
+ * fp16 bits. A zero residual gives code 0 and sigma 0.
+ */
+void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float *c_q, uint32_t n,
+		     const float *keys, size_t key_stride, uint32_t *codes, uint16_t *sigma,
+		     uint16_t *beta);
+
+/* A query prepared for scoring against one KV head's index. */
+typedef struct kvt_qcode {
+	float x_l;     /* min of x */
+	float delta;   /* (max x - x_l) / 15, 0 when x is constant */
+	float sum_u;   /* sum of the quantized coordinates */
+	float qc_ck;   /* <q - c_q, c_k> */
+	uint32_t planes[4][KVT_MAX_WORDS]; /* bit-plane j of x_u, packed like the codes */
+	float x[KVT_MAX_HEAD_DIM];         /* unquantized x = R (q - c_q) (for tests and twins) */
+	uint8_t u[KVT_MAX_HEAD_DIM];       /* quantized x_u in [0, 15] */
+} kvt_qcode;
+
+void kvt_query_prepare(uint32_t d, const float *rot, const float *c_q, const float *c_k,
+		       const float *q, kvt_qcode *qc);
+
+/* Estimated <q, k> of n indexed tokens through the INT4 x binary bit-plane popcount. */
+void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
+	       const uint16_t *sigma, const uint16_t *beta, float *scores);
+
+/* The same estimate with E evaluated in floating point on the quantized (u) or unquantized x. */
+float kvt_score_float(uint32_t d, const kvt_qcode *qc, bool quantized, const uint32_t *code,
+		      uint16_t sigma, uint16_t beta);
+
+/* ---- selection (lib/select.c) ----------------------------------------------------------- */
+
+/*
+ * Top-p threshold of softmax(scores * scale) over n scores, in expected linear time (partitioning on
+ * mass, no sort). The selected set is every i with scores[i] >= *thresh: the sort-based definition's
+ * smallest prefix with mass >= p, extended over ties at the boundary. p >= 1 selects all.
+ * `scratch` holds n floats. Returns the number selected, or -EINVAL when a score is NaN or
+ * infinite (*bad receives its index).
+ */
+int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, float *scratch,
+		       float *thresh, uint32_t *bad);
+
+/*
+ * The m-th largest of n scores (1 <= m <= n), expected linear time. `scratch` holds n floats.
+ */
+float kvt_kth_largest(const float *scores, uint32_t n, uint32_t m, float *scratch);
+
+/*
+ * Mark in `mask` (n bytes, OR-ed, not cleared) the Top-p set clamped to [bmin, bmax] tokens
+ * (bmax 0: no cap). Exactly clamp(count, bmin, bmax) tokens are marked when clamping applies;
+ * among tied scores at the boundary the lowest positions win. *clamped: 0, +1 raised to bmin,
+ * -1 cut to bmax. Returns the number marked by this call's set, or -EINVAL (non-finite; *bad).
+ */
+int kvt_topp_mark(const float *scores, uint32_t n, float scale, float p, uint32_t bmin,
+		  uint32_t bmax, float *scratch, uint8_t *mask, int *clamped, uint32_t *bad);
+
+/* ---- attention (lib/attention.c) -------------------------------------------------------- */
+
+/*
+ * Exact attention of one query (d floats) over n K/V rows (row i at rows[i]: K then V, d elements
+ * each of `dtype`), softmax(q.K * scale) V with fp32 accumulation, written to out (d floats).
+ */
+void kvt_attention(uint32_t d, uint32_t dtype, float scale, const float *q, uint32_t n,
+		   const void *const *rows, float *out);
+
+/* ---- state ------------------------------------------------------------------------------ */
+
+/* Per (sequence, layer). Token positions: [0, n_sink) sinks, then the index covers
+ * [n_sink, n_sink + n_indexed), and the window is the rest up to n_tokens. */
+struct kvt_layer {
+	uint32_t n_tokens;
+	uint32_t n_indexed;
+	bool centroids;     /* frozen */
+	float *c_k;         /* [n_kv_heads, d] */
+	float *c_q;         /* [n_kv_heads, d] */
+	uint32_t idx_cap;   /* tokens of index storage per KV head */
+	uint32_t *codes;    /* [n_kv_heads, idx_cap, d/32] */
+	uint16_t *sigma;    /* [n_kv_heads, idx_cap] fp16 */
+	uint16_t *beta;     /* [n_kv_heads, idx_cap] fp16 */
+	uint32_t blk_cap;   /* host-tier blocks per KV head the table can hold */
+	uint32_t n_blocks;  /* blocks per KV head in use */
+	void **blocks;      /* [n_kv_heads, blk_cap] */
+	/* selection of the last kvt_select / kvt_attend, with the lengths it was made at */
+	uint64_t sel_epoch; /* 0: none */
+	uint32_t sel_tokens, sel_indexed;
+	uint32_t *sel;      /* [n_kv_heads, idx_cap] index positions (not token positions) */
+	uint32_t *sel_n;    /* [n_kv_heads] */
+	void *dev;          /* backend-owned per-layer state */
+};
+
+struct kvt_seq {
+	bool open;
+	uint64_t last_use;
+	struct kvt_layer *layers; /* [n_layers] */
+};
+
+struct kvt_backend_ops;
+
+struct kvt_cache {
+	kvt_config cfg;
+	uint32_t d, words, group; /* head_dim, d / 32, n_q_heads / n_kv_heads */
+	float scale;
+	size_t elem;              /* bytes per K/V element */
+	size_t row_bytes;         /* K then V of one token of one KV head */
+	size_t out_elem;
+	const struct kvt_backend_ops *ops;
+	void *be;                 /* backend-owned cache state */
+	float *rot;               /* [n_layers, d, d] */
+	struct kvt_seq *seqs;     /* [max_seqs] */
+	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */
+	uint32_t *batch_tokens;   /* [max_seqs], their token counts after an append */
+	struct kvt_extents host;
+	kvt_stats st;
+	uint64_t clock;           /* use counter for LRU and selection epochs */
+	/* scratch of the CPU pipeline, grown with the largest layer so that decode never allocates */
+	uint32_t scratch_cap;     /* indexed tokens the scratch serves */
+	float *scores;            /* [scratch_cap] */
+	float *work;              /* [rows_cap]: threshold scratch, then token positions */
+	uint8_t *mask;            /* [scratch_cap] */
+	uint32_t rows_cap;        /* row pointers: sinks + scratch_cap + window + flush_batch */
+	const void **rows;        /* [rows_cap] */
+	char err[512];
+};
+
+/* Address of the host-tier row of token `pos` of KV head `h`. */
+static inline void *kvt_row(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t pos)
+{
+	return (char *)l->blocks[(size_t)h * l->blk_cap + pos / KVT_BLOCK_TOKENS] +
+	       (size_t)(pos % KVT_BLOCK_TOKENS) * c->row_bytes;
+}
+
+/* Window tokens currently held (positions past sinks and index). */
+static inline uint32_t kvt_window_count(const kvt_cache *c, const struct kvt_layer *l)
+{
+	uint32_t front = l->n_tokens < c->cfg.n_sink ? l->n_tokens : c->cfg.n_sink;
+	return l->n_tokens - front - l->n_indexed;
+}
+
+/* ---- the backend table (lib/backend.h) -------------------------------------------------- */
+
+struct kvt_backend_ops {
+	const char *name;
+	/* Whether this backend can run here; the text says why not. */
+	int (*probe)(kvt_cache *c);
+	int (*init)(kvt_cache *c);
+	void (*fini)(kvt_cache *c);
+	/* Release backend state of one layer of a closing sequence. */
+	void (*layer_fini)(kvt_cache *c, struct kvt_layer *l);
+	/* Arguments validated and host blocks reserved by the caller (lib/api.c). */
+	int (*prefill)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+		       const void *k, const void *v, uint32_t n, void *stream);
+	int (*append)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const void *k, const void *v, void *stream);
+	/* out == NULL: select only. Returns the largest per-KV-head token count. */
+	int (*attend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const void *q, void *out, void *stream);
+	int (*gather)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
+		      void *stream);
+};
+
+extern const struct kvt_backend_ops kvt_cpu_backend;
+/* Defined in gpu/ when the CUDA backend is built, NULL otherwise (lib/backend.c). */
+extern const struct kvt_backend_ops *const kvt_cuda_backend_ops;
+
+/* ---- shared pieces of the pipeline (lib/seq.c) ------------------------------------------ */
+
+/* Grow l's index, centroid and selection storage (and the cache scratch) to hold `tokens`
+ * indexed tokens per KV head. All or nothing; -ENOMEM. */
+int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens);
+/*
+ * Give each of n layers the host-tier blocks to hold new_tokens[i] tokens. All or nothing over the
+ * n layers: -ENOSPC (text names bytes needed, free and the capacity) or -ENOMEM.
+ */
+int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
+			 const uint32_t *new_tokens);
+/* Indexed tokens a layer holding n_tokens should have after a prefill (all but sinks and window). */
+uint32_t kvt_prefill_target(const kvt_cache *c, uint32_t n_tokens);
+/* Free everything a layer holds. */
+void kvt_layer_free(kvt_cache *c, struct kvt_layer *l);
+
+/* Validate a configuration; the text names the field, its value and the limit. */
+int kvt_config_check(const kvt_config *cfg);
+
+#if KVT_HAVE_CUDA
+/* Provided by gpu/runtime.c: whether `device` is usable (fills its PCI bus id), and the pinning and
+ * device-memory hooks of the CUDA runtime. */
+int kvt_gpu_probe(int device, char *busid, size_t n, char *why, size_t whyn);
+const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void);
+#endif
+
+/* Monotonic nanoseconds. */
+uint64_t kvt_now_ns(void);
+
+#endif /* KVT_INTERNAL_H */

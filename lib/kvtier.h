@@ -1,0 +1,235 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvtier: tiered K/V storage with a compact on-device index for long-context decoding.
+ *
+ * Full-precision K/V rows live in a host tier (pinned host memory). A compact index of every key
+ * (1-bit rotated codes plus two fp16 scalars, D/8 + 4 bytes per token per KV head) estimates each
+ * token's attention score without bias; at each decode step the smallest set of tokens that covers
+ * probability mass p (Top-p) is selected, and exact attention runs over sinks + selected + window.
+ *
+ * Conventions, for every function below:
+ * - Return value: 0 (or a non-negative count) on success, a negative errno value on failure:
+ *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
+ *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
+ *   -ENOENT unknown sequence. kvt_strerror() gives the text; kvt_last_error() the detail.
+ * - A call that fails changes nothing that the caller can observe (except the last-error text and the
+ *   error counter in kvt_stats), unless its comment says otherwise.
+ * - Pointers to tensors are host pointers for the CPU backend and device pointers for the CUDA
+ *   backend. Tensors are dense, row-major, in the cache's dtype unless stated otherwise.
+ * - Streams are `void *` (a cudaStream_t for the CUDA backend, ignored by the CPU backend).
+ * - Thread safety: calls on one cache must be serialized by the caller. Distinct caches may be used
+ *   from distinct threads concurrently.
+ */
+#ifndef KVTIER_H
+#define KVTIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(KVT_BUILDING) && defined(__GNUC__)
+#define KVT_API __attribute__((visibility("default")))
+#else
+#define KVT_API
+#endif
+
+#define KVT_VERSION_MAJOR 0
+#define KVT_VERSION_MINOR 1
+#define KVT_VERSION_PATCH 0
+#define KVT_VERSION_NUMBER (KVT_VERSION_MAJOR * 10000 + KVT_VERSION_MINOR * 100 + KVT_VERSION_PATCH)
+
+/* Element types of K, V, queries and outputs. */
+typedef enum kvt_dtype {
+	KVT_DTYPE_DEFAULT = 0, /* only for kvt_config.out_dtype: same as kvt_config.dtype */
+	KVT_DTYPE_F16 = 1,     /* IEEE binary16 */
+	KVT_DTYPE_BF16 = 2,    /* bfloat16 */
+	KVT_DTYPE_F32 = 3      /* only for kvt_config.out_dtype */
+} kvt_dtype;
+
+typedef enum kvt_backend_kind {
+	KVT_BACKEND_AUTO = 0, /* CUDA when built and a GPU is present, else CPU */
+	KVT_BACKEND_CPU = 1,
+	KVT_BACKEND_CUDA = 2
+} kvt_backend_kind;
+
+/*
+ * Cache configuration. Initialize with KVT_CONFIG_INIT, then set the model shape; every other field
+ * has a documented default. `size` must be sizeof(kvt_config) of the header the caller was built
+ * with; `reserved` must be all zero.
+ */
+typedef struct kvt_config {
+	size_t size;          /* sizeof(kvt_config) */
+	/* model shape */
+	uint32_t n_layers;    /* >= 1 */
+	uint32_t n_q_heads;   /* query heads, a multiple of n_kv_heads (GQA; equal for MHA) */
+	uint32_t n_kv_heads;  /* >= 1 */
+	uint32_t head_dim;    /* 64, 128 or 256 */
+	uint32_t dtype;       /* kvt_dtype of K, V and queries: F16 (default) or BF16 */
+	uint32_t out_dtype;   /* kvt_dtype of attention outputs: DEFAULT (= dtype), F16, BF16, F32 */
+	/* backend */
+	uint32_t backend;     /* kvt_backend_kind, default AUTO */
+	int32_t device;       /* CUDA device ordinal, default 0 */
+	/* tiers */
+	uint64_t host_bytes;  /* capacity of the host tier for K/V rows, > 0; default 1 GiB */
+	uint32_t max_seqs;    /* sequences open at once, >= 1; default 256 */
+	/* selection */
+	float p;              /* Top-p mass in (0, 1]; default 0.9 */
+	float scale;          /* attention scale; 0 (default) means 1/sqrt(head_dim) */
+	uint32_t n_sink;      /* first tokens always attended, never indexed; default 4 */
+	uint32_t window;      /* last tokens always attended (W); default 64 */
+	uint32_t flush_batch; /* decode tokens indexed per flush (B), >= 1; default 64 */
+	uint32_t budget_min;  /* min indexed tokens selected per query head per step; default 0 */
+	uint32_t budget_max;  /* max per query head per step; 0 (default) means no cap */
+	uint64_t seed;        /* seeds the per-layer rotations; default 0x6b767469 */
+	uint64_t reserved[8]; /* must be zero */
+} kvt_config;
+
+#define KVT_CONFIG_INIT                                                                            \
+	{                                                                                          \
+		sizeof(kvt_config), 0, 0, 0, 0, KVT_DTYPE_F16, KVT_DTYPE_DEFAULT, KVT_BACKEND_AUTO, \
+			0, (uint64_t)1 << 30, 256, 0.9f, 0.0f, 4, 64, 64, 0, 0, 0x6b767469u,       \
+		{                                                                                  \
+			0                                                                          \
+		}                                                                                  \
+	}
+
+/* Counters since kvt_cache_create. `size` must be set to sizeof(kvt_stats) by the caller. */
+typedef struct kvt_stats {
+	size_t size;
+	const char *backend;          /* "cpu" or "cuda"; static storage */
+	uint64_t seqs_open;
+	uint64_t tokens;              /* tokens held, summed over open sequences and layers */
+	uint64_t tokens_indexed;      /* of which covered by the index */
+	uint64_t host_bytes_used;     /* host-tier bytes allocated for K/V rows */
+	uint64_t host_bytes_capacity; /* kvt_config.host_bytes */
+	uint64_t index_bytes;         /* bytes of codes + sigma + beta in use */
+	uint64_t index_bytes_per_token_head; /* head_dim / 8 + 4 */
+	uint64_t steps;               /* kvt_attend / kvt_select calls x sequences x layers */
+	uint64_t selected_tokens;     /* indexed tokens selected, summed over steps and KV heads */
+	uint64_t candidate_tokens;    /* indexed tokens scored, summed over steps and KV heads */
+	uint64_t budget_max_hits;     /* query-head selections cut by budget_max */
+	uint64_t budget_min_hits;     /* query-head selections raised to budget_min */
+	uint64_t flushes;             /* lazy window flushes */
+	uint64_t rows_fetched;        /* K/V rows read from the host tier for attention or gather */
+	uint64_t bytes_fetched;
+	uint64_t hot_hits;            /* rows served from the device hot cache (CUDA backend) */
+	uint64_t hot_misses;
+	uint64_t errors;              /* calls that returned an error */
+	/* wall-clock nanoseconds spent per stage */
+	uint64_t ns_index;            /* rotation, codes, sigma, beta (prefill and flushes) */
+	uint64_t ns_store;            /* writing rows to the host tier */
+	uint64_t ns_score;            /* query quantization and bit-plane scoring */
+	uint64_t ns_select;           /* softmax statistics, Top-p threshold, union */
+	uint64_t ns_attend;           /* gather and exact attention */
+} kvt_stats;
+
+typedef struct kvt_cache kvt_cache;
+
+/*
+ * Create a cache. `cfg` must start from KVT_CONFIG_INIT. On success *out receives the cache and 0 is
+ * returned; on failure *out is untouched and kvt_last_error(NULL) gives the detail on this thread.
+ * Errors: -EINVAL (NULL pointer, bad size, reserved field, any field out of range: the text names it),
+ * -ENOMEM, -EOPNOTSUPP (CUDA backend requested but not built), -ENODEV (CUDA requested, no GPU).
+ * Thread safety: may be called from any thread.
+ */
+KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out);
+
+/* Destroy a cache and every sequence in it. NULL is accepted. */
+KVT_API void kvt_cache_destroy(kvt_cache *cache);
+
+/*
+ * Open a sequence (one request's context). On success *seq receives its id (a small integer that is
+ * reused after kvt_seq_close). Errors: -EINVAL (NULL), -ENOSPC (max_seqs open), -ENOMEM.
+ */
+KVT_API int kvt_seq_open(kvt_cache *cache, uint32_t *seq);
+
+/* Close a sequence and free its host rows and index. Errors: -EINVAL, -ENOENT (not open). */
+KVT_API int kvt_seq_close(kvt_cache *cache, uint32_t seq);
+
+/* Tokens held by `seq` on `layer`, or a negative code (-EINVAL, -ENOENT). */
+KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
+
+/*
+ * Add one prefill chunk of `seq` on `layer`: stores its K/V rows in the host tier and indexes every
+ * token of the chunk except sinks and the last `window` tokens of the sequence. The first chunk of a
+ * layer fixes the key centroid (mean of its keys) and the query centroid (mean of its queries over the
+ * query group, or zero when q is NULL).
+ *   q: [n_tokens, n_q_heads, head_dim] or NULL
+ *   k, v: [n_tokens, n_kv_heads, head_dim]
+ * Keys must be finite. Returns 0. Errors: -EINVAL (NULL k/v, n_tokens == 0, layer out of range,
+ * non-finite key), -ENOENT, -ENOSPC (host tier full: the text names the bytes needed and free),
+ * -ENOMEM.
+ */
+KVT_API int kvt_prefill(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,
+			const void *k, const void *v, uint32_t n_tokens, void *stream);
+
+/*
+ * Append one decode token to each of `n_seqs` sequences on `layer`. When a sequence's window holds
+ * window + flush_batch tokens, its oldest flush_batch window tokens are indexed in one batch.
+ *   seqs: host array [n_seqs]; k, v: [n_seqs, n_kv_heads, head_dim]
+ * All-or-nothing: on failure no sequence changes. Errors: -EINVAL (NULL, n_seqs == 0, duplicate
+ * sequence, layer, non-finite key), -ENOENT, -ENOSPC, -ENOMEM.
+ */
+KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *k, const void *v, void *stream);
+
+/*
+ * One decode step of attention on `layer` for `n_seqs` sequences: estimate scores from the index,
+ * select per query head the smallest set with mass >= p (clamped to the budget bounds), take the
+ * union over each KV head's query group, and compute exact attention over sinks + union + window.
+ *   q: [n_seqs, n_q_heads, head_dim] (dtype); out: [n_seqs, n_q_heads, head_dim] (out_dtype)
+ * The selection is kept until the next kvt_select/kvt_attend on this layer and can be read back with
+ * kvt_gather. Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite
+ * query or score), -ENOENT, -ENOMEM.
+ */
+KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *q, void *out, void *stream);
+
+/*
+ * Split form, step 1: the selection of kvt_attend without the attention. On success returns the
+ * largest number of tokens (sinks + selected + window) of any (sequence, KV head) pair, which is the
+ * `max_tokens` kvt_gather needs. Errors: as kvt_attend.
+ */
+KVT_API int kvt_select(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *q, void *stream);
+
+/*
+ * Split form, step 2: copy the tokens chosen by the last kvt_select or kvt_attend on `layer` for
+ * these sequences (the same list, in the same order) into caller buffers, in ascending position
+ * order (sinks, selected, window).
+ *   counts: host [n_seqs, n_kv_heads] int32, receives each pair's token count (required)
+ *   pos: [n_seqs, n_kv_heads, max_tokens] int32 token positions, or NULL
+ *   k_out, v_out: [n_seqs, n_kv_heads, max_tokens, head_dim] in dtype, or NULL (both or neither)
+ * Returns the total number of tokens copied. Errors: -EINVAL (NULL counts, max_tokens smaller than
+ * a count: the text names both, no selection for this layer and sequence list, k_out without v_out),
+ * -ENOENT.
+ */
+KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
+		       void *stream);
+
+/* Fill *stats (stats->size must be sizeof(kvt_stats)). Errors: -EINVAL. */
+KVT_API int kvt_get_stats(kvt_cache *cache, kvt_stats *stats);
+
+/* Static text for a return code (negative errno values and 0). Never NULL. */
+KVT_API const char *kvt_strerror(int code);
+
+/*
+ * Detail of the last error of `cache` (which argument, which value, which limit), or "" when none.
+ * With cache == NULL: the detail of the last failed kvt_cache_create on the calling thread.
+ * The text stays valid until the next call on the same cache (or thread, for NULL).
+ */
+KVT_API const char *kvt_last_error(const kvt_cache *cache);
+
+/* KVT_VERSION_NUMBER of the library actually loaded, and its "MAJOR.MINOR.PATCH" text. */
+KVT_API unsigned kvt_version_number(void);
+KVT_API const char *kvt_version_string(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVTIER_H */

@@ -1,0 +1,201 @@
+/* SPDX-License-Identifier: MIT */
+/* Storage of one (sequence, layer): index arrays, centroids, host-tier block table. */
+#include <string.h>
+
+#include "internal.h"
+
+/* Replace *p (old_n elements of `size` per KV head, `old_cap` per head) by a fresh array of new_cap
+ * per head with the old contents copied head by head. */
+static void *regrow(kvt_cache *c, const void *old, size_t size, uint32_t old_cap, uint32_t new_cap,
+		    uint32_t heads)
+{
+	char *n = kvt_mem_alloc(KVT_MEM_HOST, size * new_cap * heads);
+	if (n && old)
+		for (uint32_t h = 0; h < heads; h++)
+			memcpy(n + size * new_cap * h, (const char *)old + size * old_cap * h,
+			       size * old_cap);
+	(void)c;
+	return n;
+}
+
+static int reserve_scratch(kvt_cache *c, uint32_t tokens)
+{
+	uint32_t rows = c->cfg.n_sink + tokens + c->cfg.window + c->cfg.flush_batch;
+	if (tokens <= c->scratch_cap && rows <= c->rows_cap)
+		return 0;
+	float *s = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * tokens);
+	float *w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * rows);
+	uint8_t *m = kvt_mem_alloc(KVT_MEM_HOST, tokens);
+	const void **r = kvt_mem_alloc(KVT_MEM_HOST, sizeof(void *) * rows);
+	if (!s || !w || !m || !r) {
+		kvt_mem_free(KVT_MEM_HOST, s, 0);
+		kvt_mem_free(KVT_MEM_HOST, w, 0);
+		kvt_mem_free(KVT_MEM_HOST, m, 0);
+		kvt_mem_free(KVT_MEM_HOST, r, 0);
+		return kvt_seterr(c, -ENOMEM, "out of memory growing scratch to %u tokens", tokens);
+	}
+	kvt_mem_free(KVT_MEM_HOST, c->scores, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->work, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->mask, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->rows, 0);
+	c->scores = s;
+	c->work = w;
+	c->mask = m;
+	c->rows = r;
+	c->scratch_cap = tokens;
+	c->rows_cap = rows;
+	return 0;
+}
+
+int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens)
+{
+	const uint32_t H = c->cfg.n_kv_heads, d = c->d;
+	if (tokens <= l->idx_cap && l->c_k)
+		return 0;
+	uint32_t cap = l->idx_cap;
+	if (tokens > cap || cap == 0) {
+		cap = cap ? cap * 2 : 256;
+		cap = cap < tokens ? tokens : cap;
+	}
+	KVT_TRY(reserve_scratch(c, cap));
+	float *ck = l->c_k ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
+	float *cq = l->c_q ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
+	uint32_t *sel_n = l->sel_n ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * H);
+	uint32_t *codes = NULL, *sel = NULL;
+	uint16_t *sigma = NULL, *beta = NULL;
+	if (cap > l->idx_cap) {
+		codes = regrow(c, l->codes, sizeof(uint32_t) * c->words, l->idx_cap, cap, H);
+		sigma = regrow(c, l->sigma, sizeof(uint16_t), l->idx_cap, cap, H);
+		beta = regrow(c, l->beta, sizeof(uint16_t), l->idx_cap, cap, H);
+		sel = regrow(c, l->sel, sizeof(uint32_t), l->idx_cap, cap, H);
+	}
+	if ((!l->c_k && !ck) || (!l->c_q && !cq) || (!l->sel_n && !sel_n) ||
+	    (cap > l->idx_cap && (!codes || !sigma || !beta || !sel))) {
+		kvt_mem_free(KVT_MEM_HOST, ck, 0);
+		kvt_mem_free(KVT_MEM_HOST, cq, 0);
+		kvt_mem_free(KVT_MEM_HOST, sel_n, 0);
+		kvt_mem_free(KVT_MEM_HOST, codes, 0);
+		kvt_mem_free(KVT_MEM_HOST, sigma, 0);
+		kvt_mem_free(KVT_MEM_HOST, beta, 0);
+		kvt_mem_free(KVT_MEM_HOST, sel, 0);
+		return kvt_seterr(c, -ENOMEM, "out of memory growing the index to %u tokens per KV head",
+				  cap);
+	}
+	if (ck) {
+		l->c_k = ck;
+		l->c_q = cq;
+		l->sel_n = sel_n;
+	}
+	if (cap > l->idx_cap) {
+		kvt_mem_free(KVT_MEM_HOST, l->codes, 0);
+		kvt_mem_free(KVT_MEM_HOST, l->sigma, 0);
+		kvt_mem_free(KVT_MEM_HOST, l->beta, 0);
+		kvt_mem_free(KVT_MEM_HOST, l->sel, 0);
+		l->codes = codes;
+		l->sigma = sigma;
+		l->beta = beta;
+		l->sel = sel;
+		l->idx_cap = cap;
+	}
+	return 0;
+}
+
+static uint32_t blocks_for(uint32_t tokens)
+{
+	return (tokens + KVT_BLOCK_TOKENS - 1) / KVT_BLOCK_TOKENS;
+}
+
+/* Make l's block table hold `blocks` per KV head. */
+static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
+{
+	if (blocks <= l->blk_cap)
+		return 0;
+	uint32_t cap = l->blk_cap ? l->blk_cap * 2 : 4;
+	cap = cap < blocks ? blocks : cap;
+	void **t = regrow(c, l->blocks, sizeof(void *), l->blk_cap, cap, c->cfg.n_kv_heads);
+	if (!t)
+		return kvt_seterr(c, -ENOMEM, "out of memory growing a block table to %u blocks", cap);
+	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
+	l->blocks = t;
+	l->blk_cap = cap;
+	return 0;
+}
+
+/* Blocks per KV head of one layer, back to `keep` (undoing a partial grow). */
+static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
+{
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads && l->n_blocks > keep; h++)
+		kvt_extents_give(&c->host, l->n_blocks - keep, l->blocks + (size_t)h * l->blk_cap + keep);
+	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
+}
+
+int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
+			 const uint32_t *new_tokens)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	uint64_t need = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t want = blocks_for(new_tokens[i]);
+		if (want > ls[i]->n_blocks)
+			need += (uint64_t)(want - ls[i]->n_blocks) * H;
+	}
+	uint64_t bytes = need * c->host.block_bytes, free = kvt_extents_free_bytes(&c->host);
+	KVT_RETURN_IF(bytes > free, c, -ENOSPC,
+		      "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
+		      "host_bytes = %llu",
+		      (unsigned long long)bytes, (unsigned long long)need, c->host.block_bytes,
+		      (unsigned long long)free, (unsigned long long)c->host.capacity);
+	uint32_t done = 0;
+	int rc = 0;
+	for (; done < n && rc == 0; done++) {
+		struct kvt_layer *l = ls[done];
+		uint32_t want = blocks_for(new_tokens[done]), have = l->n_blocks;
+		if (want <= have)
+			continue;
+		rc = reserve_table(c, l, want);
+		for (uint32_t h = 0; h < H && rc == 0; h++) {
+			rc = kvt_extents_take(&c->host, want - have,
+					      l->blocks + (size_t)h * l->blk_cap + have);
+			if (rc == 0)
+				continue;
+			/* give back the heads already served */
+			for (uint32_t g = 0; g < h; g++)
+				kvt_extents_give(&c->host, want - have,
+						 l->blocks + (size_t)g * l->blk_cap + have);
+		}
+		if (rc == 0)
+			l->n_blocks = want;
+	}
+	if (rc == 0)
+		return 0;
+	/* undo the layers grown before the failing one (its own heads were given back above) */
+	for (uint32_t i = 0; i + 1 < done; i++)
+		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
+	if (rc == -ENOSPC)
+		return kvt_seterr(c, rc, "host tier full: capacity host_bytes = %llu",
+				  (unsigned long long)c->host.capacity);
+	return kvt_seterr(c, rc, "out of memory allocating a host-tier extent of %zu bytes",
+			  c->host.extent_bytes);
+}
+
+uint32_t kvt_prefill_target(const kvt_cache *c, uint32_t n_tokens)
+{
+	uint64_t keep = (uint64_t)c->cfg.n_sink + c->cfg.window;
+	return n_tokens > keep ? (uint32_t)(n_tokens - keep) : 0;
+}
+
+void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)
+{
+	if (c->ops->layer_fini)
+		c->ops->layer_fini(c, l);
+	shrink_rows(c, l, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->codes, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->sigma, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->beta, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->sel, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->sel_n, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->c_k, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->c_q, 0);
+	memset(l, 0, sizeof *l);
+}

@@ -1,0 +1,474 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The estimator of DESIGN.md: rotations (orthogonal, deterministic, golden bits), the index entry
+ * of a key (codes, sigma, beta), the prepared query, the INT4 bit-plane score against its float
+ * forms, and the statistical claims: unbiased over random rotations, spread shrinking as 1/sqrt(d).
+ */
+#include "common.h"
+
+static const uint32_t dims[3] = {64, 128, 256};
+
+/* fp16 rounding of a value v computed in float: at most half an fp16 ulp (<= 2^-11 |v|) plus the
+ * float error of computing v (`err`), and 2^-25 absolute for the subnormal range. */
+static double f16_tol(double v, double err)
+{
+	return fabs(v) * 0x1p-11 + err + 0x1p-25;
+}
+
+static float *rotation(uint64_t seed, uint32_t layer, uint32_t d)
+{
+	float *rot = (float *)t_alloc(sizeof(float) * d * d);
+	kvt_rotation_generate(seed, layer, d, rot);
+	return rot;
+}
+
+/* ---- rotations --------------------------------------------------------------------------- */
+
+static void test_rotation_orthogonal(void **state)
+{
+	(void)state;
+	const uint64_t seeds[2] = {1, 0x6b767469u};
+	for (int di = 0; di < 3; di++)
+		for (int si = 0; si < 2; si++)
+			for (uint32_t layer = 0; layer < 4; layer += 3) {
+				uint32_t d = dims[di];
+				float *rot = rotation(seeds[si], layer, d);
+				double worst = 0;
+				uint32_t wi = 0, wj = 0;
+				for (uint32_t i = 0; i < d; i++)
+					for (uint32_t j = 0; j < d; j++) {
+						double s = 0, t = 0;
+						for (uint32_t k = 0; k < d; k++) {
+							s += (double)rot[i * d + k] * rot[j * d + k];
+							t += (double)rot[k * d + i] * rot[k * d + j];
+						}
+						double e = fmax(fabs(s - (i == j)), fabs(t - (i == j)));
+						if (e > worst) {
+							worst = e;
+							wi = i;
+							wj = j;
+						}
+					}
+				T_CHECK(worst <= 1e-5,
+					"d=%u seed=%llu layer=%u: |R R^T - I| at (%u,%u) got %.3g, "
+					"wanted <= 1e-5",
+					d, (unsigned long long)seeds[si], layer, wi, wj, worst);
+				free(rot);
+			}
+}
+
+static void test_rotation_determinism(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++) {
+		uint32_t d = dims[di];
+		size_t bytes = sizeof(float) * d * d;
+		float *a = rotation(7, 2, d), *b = rotation(7, 2, d);
+		float *s = rotation(8, 2, d), *l = rotation(7, 3, d);
+		T_CHECK(memcmp(a, b, bytes) == 0, "d=%u: seed 7 layer 2 generated twice differs", d);
+		size_t same_s = 0, same_l = 0;
+		for (size_t i = 0; i < (size_t)d * d; i++) {
+			same_s += a[i] == s[i];
+			same_l += a[i] == l[i];
+		}
+		T_CHECK(same_s < (size_t)d, "d=%u: seed 7 vs seed 8: %zu of %u entries equal, wanted < %u",
+			d, same_s, d * d, d);
+		T_CHECK(same_l < (size_t)d,
+			"d=%u: layer 2 vs layer 3: %zu of %u entries equal, wanted < %u", d, same_l,
+			d * d, d);
+		free(a);
+		free(b);
+		free(s);
+		free(l);
+	}
+
+	/*
+	 * Golden bits: FNV-1a 64 over the little-endian bytes of the float bit patterns of
+	 * kvt_rotation_generate(seed 1, layer 0, d 64), computed on x86-64 with this library. The
+	 * generator uses only correctly rounded operations without contraction, so every IEEE-754
+	 * platform must produce exactly these bits: CPU and GPU share one index.
+	 */
+	const uint64_t golden = 0x0ull;
+	float *g = rotation(1, 0, 64);
+	uint32_t *w = (uint32_t *)t_alloc(sizeof(uint32_t) * 64 * 64);
+	for (size_t i = 0; i < 64 * 64; i++)
+		w[i] = t_fbits(g[i]);
+	uint64_t h = t_fnv1a_words(w, 64 * 64);
+	T_CHECK(h == golden,
+		"rotation(seed 1, layer 0, d 64): FNV-1a got 0x%016llx, wanted 0x%016llx "
+		"(R[0][0..1] = %.9g %.9g)",
+		(unsigned long long)h, (unsigned long long)golden, (double)g[0], (double)g[1]);
+	free(g);
+	free(w);
+}
+
+/* ---- one index entry and one prepared query against the formulas of DESIGN.md ------------- */
+
+/* Random vector of norm `norm`. */
+static void rand_dir(t_rng *r, uint32_t d, double norm, double *v)
+{
+	double n2 = 0;
+	for (uint32_t i = 0; i < d; i++) {
+		v[i] = t_normal(r);
+		n2 += v[i] * v[i];
+	}
+	for (uint32_t i = 0; i < d; i++)
+		v[i] *= norm / sqrt(n2);
+}
+
+/* Checks the entry (code, sigma, beta) of key k against double-precision formulas. */
+static void check_entry(const char *what, uint32_t d, const float *rot, const float *c_k,
+			const float *c_q, const float *k, const uint32_t *code, uint16_t sigma,
+			uint16_t beta)
+{
+	double r[KVT_MAX_HEAD_DIM], y[KVT_MAX_HEAD_DIM], n2 = 0, l1 = 0, b = 0, babs = 0;
+	for (uint32_t i = 0; i < d; i++) {
+		r[i] = (double)k[i] - c_k[i];
+		n2 += r[i] * r[i];
+		b += (double)c_q[i] * k[i];
+		babs += fabs((double)c_q[i] * k[i]);
+	}
+	double n = sqrt(n2);
+	for (uint32_t j = 0; j < d; j++) {
+		double s = 0;
+		for (uint32_t i = 0; i < d; i++)
+			s += (double)rot[j * d + i] * r[i];
+		y[j] = s / n;
+		l1 += fabs(y[j]);
+	}
+	for (uint32_t j = 0; j < d; j++) {
+		if (fabs(y[j]) < 1e-5) /* the sign of a float sum this close to 0 is not defined */
+			continue;
+		unsigned got = (code[j / 32] >> (j % 32)) & 1u, want = y[j] > 0;
+		T_CHECK(got == want, "%s d=%u: code bit %u (word %u bit %u) got %u, wanted %u (y=%.6g)",
+			what, d, j, j / 32, j % 32, got, want, y[j]);
+	}
+	double sig = n / (l1 / sqrt((double)d)), gs = t_h2f(sigma), gb = t_h2f(beta);
+	T_CHECK(fabs(gs - sig) <= f16_tol(sig, 1e-5 * sig),
+		"%s d=%u: sigma got %.8g (fp16 0x%04x), wanted %.8g rounded to fp16", what, d, gs,
+		sigma, sig);
+	T_CHECK(fabs(gb - b) <= f16_tol(b, 1e-5 * babs),
+		"%s d=%u: beta got %.8g (fp16 0x%04x), wanted %.8g rounded to fp16", what, d, gb, beta,
+		b);
+}
+
+static void test_index_entry(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++) {
+		uint32_t d = dims[di], words = d / 32, n = 40, stride = d + 3;
+		t_rng rng;
+		t_rng_seed(&rng, 0x1de0u + d);
+		float *rot = rotation(3, 1, d);
+		float *keys = (float *)t_alloc(sizeof(float) * n * stride);
+		float c_k[KVT_MAX_HEAD_DIM], c_q[KVT_MAX_HEAD_DIM];
+		for (uint32_t i = 0; i < d; i++) {
+			c_k[i] = (float)(0.3 + 0.5 * t_normal(&rng));
+			c_q[i] = (float)(-0.2 + 0.4 * t_normal(&rng));
+		}
+		for (uint32_t t = 0; t < n; t++)
+			for (uint32_t i = 0; i < stride; i++)
+				keys[t * stride + i] =
+					i < d ? (float)(c_k[i] + (0.2 + t * 0.1) * t_normal(&rng))
+					      : NAN; /* padding the library must not read */
+		uint32_t *codes = (uint32_t *)t_alloc(sizeof(uint32_t) * n * words);
+		uint16_t *sig = (uint16_t *)t_alloc(2 * n), *bet = (uint16_t *)t_alloc(2 * n);
+		kvt_index_build(d, rot, c_k, c_q, n, keys, stride, codes, sig, bet);
+		for (uint32_t t = 0; t < n; t++) {
+			char what[64];
+			snprintf(what, sizeof what, "key %u of a batch (seed 0x%llx)", t,
+				 (unsigned long long)rng.seed);
+			check_entry(what, d, rot, c_k, c_q, keys + t * stride, codes + t * words,
+				    sig[t], bet[t]);
+			/* one key at a time gives the same bits as the batch */
+			uint32_t c1[KVT_MAX_WORDS];
+			uint16_t s1, b1;
+			kvt_index_build(d, rot, c_k, c_q, 1, keys + t * stride, stride, c1, &s1, &b1);
+			T_CHECK(memcmp(c1, codes + t * words, 4 * words) == 0 && s1 == sig[t] &&
+					b1 == bet[t],
+				"%s d=%u: single build differs from batch build (sigma 0x%04x vs "
+				"0x%04x)",
+				what, d, s1, sig[t]);
+		}
+		/* a key equal to the centroid: code 0, sigma 0 */
+		uint32_t c0[KVT_MAX_WORDS];
+		uint16_t s0, b0;
+		memset(c0, 0xa5, sizeof c0);
+		kvt_index_build(d, rot, c_k, c_q, 1, c_k, d, c0, &s0, &b0);
+		uint32_t any = 0;
+		for (uint32_t w = 0; w < words; w++)
+			any |= c0[w];
+		T_CHECK(any == 0 && t_h2f(s0) == 0.0f,
+			"d=%u zero residual: code OR got 0x%08x, sigma got %g, wanted 0 and 0", d, any,
+			(double)t_h2f(s0));
+		free(rot);
+		free(keys);
+		free(codes);
+		free(sig);
+		free(bet);
+	}
+}
+
+/* The prepared query against R (q - c_q) in double and its INT4 quantization. */
+static void check_query(const char *what, uint32_t d, const float *rot, const float *c_q,
+			const float *c_k, const float *q, const kvt_qcode *qc)
+{
+	double r[KVT_MAX_HEAD_DIM], qn = 0, qck = 0, qckabs = 0;
+	for (uint32_t i = 0; i < d; i++) {
+		r[i] = (double)q[i] - c_q[i];
+		qn += r[i] * r[i];
+		qck += r[i] * c_k[i];
+		qckabs += fabs(r[i] * c_k[i]);
+	}
+	qn = sqrt(qn);
+	T_CHECK(fabs(qc->qc_ck - qck) <= 1e-5 * qckabs + 1e-30,
+		"%s d=%u: qc_ck got %.8g, wanted %.8g", what, d, (double)qc->qc_ck, qck);
+	float lo = qc->x[0], hi = qc->x[0];
+	uint32_t sum = 0;
+	for (uint32_t j = 0; j < d; j++) {
+		double x = 0;
+		for (uint32_t i = 0; i < d; i++)
+			x += (double)rot[j * d + i] * r[i];
+		T_CHECK(fabs(qc->x[j] - x) <= 1e-5 * qn, "%s d=%u: x[%u] got %.8g, wanted %.8g", what,
+			d, j, (double)qc->x[j], x);
+		lo = fminf(lo, qc->x[j]);
+		hi = fmaxf(hi, qc->x[j]);
+	}
+	T_CHECK(qc->x_l == lo, "%s d=%u: x_l got %.9g, wanted min x = %.9g", what, d,
+		(double)qc->x_l, (double)lo);
+	double dl = ((double)hi - lo) / 15;
+	T_CHECK(fabs(qc->delta - dl) <= 1e-6 * dl, "%s d=%u: delta got %.9g, wanted %.9g", what, d,
+		(double)qc->delta, dl);
+	for (uint32_t j = 0; j < d; j++) {
+		double t = ((double)qc->x[j] - qc->x_l) / qc->delta;
+		T_CHECK(qc->u[j] <= 15 && fabs(qc->u[j] - t) <= 0.5 + 1e-4,
+			"%s d=%u: u[%u] got %u, wanted round(%.6f)", what, d, j, qc->u[j], t);
+		for (uint32_t p = 0; p < 4; p++) {
+			unsigned got = (qc->planes[p][j / 32] >> (j % 32)) & 1u;
+			T_CHECK(got == ((qc->u[j] >> p) & 1u),
+				"%s d=%u: plane %u bit %u got %u, wanted bit %u of u=%u", what, d, p,
+				j, got, p, qc->u[j]);
+		}
+		sum += qc->u[j];
+	}
+	T_CHECK(qc->sum_u == (float)sum, "%s d=%u: sum_u got %g, wanted %u", what, d,
+		(double)qc->sum_u, sum);
+}
+
+/* INT4 score vs the float forms; returns the INT4 score. */
+static float check_score(const char *what, uint32_t d, const kvt_qcode *qc, const uint32_t *code,
+			 uint16_t sigma, uint16_t beta)
+{
+	double isd = 1 / sqrt((double)d), s = t_h2f(sigma), b = t_h2f(beta);
+	double eq = 0, ex = 0, mq = 0, mx = 0;
+	for (uint32_t j = 0; j < d; j++) {
+		double sign = ((code[j / 32] >> (j % 32)) & 1u) ? 1 : -1;
+		double xq = (double)qc->delta * qc->u[j] + qc->x_l;
+		eq += sign * xq * isd;
+		ex += sign * qc->x[j] * isd;
+		mq += (fabs((double)qc->delta * qc->u[j]) + fabs(qc->x_l)) * isd;
+		mx += fabs(qc->x[j]) * isd;
+	}
+	/* magnitude of the terms the float evaluation adds up */
+	double tq = s * (mq + (double)qc->delta * qc->sum_u * isd + d * fabs(qc->x_l) * isd) +
+		    fabs(b) + fabs(qc->qc_ck);
+	double tx = s * mx + fabs(b) + fabs(qc->qc_ck);
+	float got;
+	kvt_score(d, qc, 1, code, &sigma, &beta, &got);
+	float fq = kvt_score_float(d, qc, true, code, sigma, beta);
+	float fx = kvt_score_float(d, qc, false, code, sigma, beta);
+	double want_q = s * eq + b + qc->qc_ck, want_x = s * ex + b + qc->qc_ck;
+	T_CHECK(fabs(got - fq) <= 1e-5 * tq, "%s d=%u: kvt_score got %.9g, score_float(quantized) %.9g, "
+		"wanted equal within %.3g",
+		what, d, (double)got, (double)fq, 1e-5 * tq);
+	T_CHECK(fabs(fq - want_q) <= 1e-5 * tq, "%s d=%u: score_float(quantized) got %.9g, wanted %.9g",
+		what, d, (double)fq, want_q);
+	T_CHECK(fabs(fx - want_x) <= 1e-5 * tx, "%s d=%u: score_float(unquantized) got %.9g, wanted %.9g",
+		what, d, (double)fx, want_x);
+	/* each coordinate of x is within delta/2 of delta * u + x_l */
+	double bound = s * sqrt((double)d) * qc->delta / 2 * (1 + 1e-4) + 1e-5 * (tq + tx);
+	T_CHECK(fabs((double)fx - got) <= bound,
+		"%s d=%u: |score_float(unquantized) - kvt_score| got %.6g (%.9g vs %.9g), wanted <= "
+		"sigma sqrt(d) delta/2 = %.6g",
+		what, d, fabs((double)fx - got), (double)fx, (double)got, bound);
+	return got;
+}
+
+/* ---- unbiasedness and spread over random rotations -------------------------------------- */
+
+#define N_ROT 400
+#define N_PAIRS 6
+
+/*
+ * For d, N_PAIRS (q, k) pairs with ||c_q|| = ||c_k|| = 1, ||q - c_q|| = 4, ||k - c_k|| = 2 and
+ * cos(q - c_q, k - c_k) = 0.3, scored under N_ROT rotations of distinct seeds. Checks every
+ * entry, query and score on the way; returns the pooled std of the error.
+ */
+static double estimator_spread(uint32_t d)
+{
+	const uint64_t seed = 0xe57u * 1000 + d;
+	t_rng rng;
+	t_rng_seed(&rng, seed);
+	float q[N_PAIRS][KVT_MAX_HEAD_DIM], k[N_PAIRS][KVT_MAX_HEAD_DIM];
+	float c_q[KVT_MAX_HEAD_DIM], c_k[KVT_MAX_HEAD_DIM];
+	double qk[N_PAIRS], sum[N_PAIRS] = {0}, sum2[N_PAIRS] = {0};
+	double a[KVT_MAX_HEAD_DIM], b[KVT_MAX_HEAD_DIM], w[KVT_MAX_HEAD_DIM];
+	rand_dir(&rng, d, 1, a);
+	rand_dir(&rng, d, 1, b);
+	for (uint32_t i = 0; i < d; i++) {
+		c_q[i] = (float)a[i];
+		c_k[i] = (float)b[i];
+	}
+	for (int p = 0; p < N_PAIRS; p++) {
+		rand_dir(&rng, d, 1, a);
+		rand_dir(&rng, d, 1, w);
+		double proj = 0, wn = 0;
+		for (uint32_t i = 0; i < d; i++)
+			proj += a[i] * w[i];
+		for (uint32_t i = 0; i < d; i++) {
+			w[i] -= proj * a[i];
+			wn += w[i] * w[i];
+		}
+		qk[p] = 0;
+		for (uint32_t i = 0; i < d; i++) {
+			q[p][i] = (float)(c_q[i] + 4 * a[i]);
+			k[p][i] = (float)(c_k[i] + 2 * (0.3 * a[i] + sqrt(1 - 0.09) * w[i] / sqrt(wn)));
+			qk[p] += (double)q[p][i] * k[p][i];
+		}
+	}
+	float *rot = (float *)t_alloc(sizeof(float) * d * d);
+	for (uint32_t t = 0; t < N_ROT; t++) {
+		uint64_t rseed = 0x5eed0000ull + t;
+		kvt_rotation_generate(rseed, 0, d, rot);
+		for (int p = 0; p < N_PAIRS; p++) {
+			char what[96];
+			snprintf(what, sizeof what, "pair %d rotation seed 0x%llx (inputs seed 0x%llx)",
+				 p, (unsigned long long)rseed, (unsigned long long)seed);
+			uint32_t code[KVT_MAX_WORDS];
+			uint16_t sg, bt;
+			kvt_qcode qc;
+			kvt_index_build(d, rot, c_k, c_q, 1, k[p], d, code, &sg, &bt);
+			kvt_query_prepare(d, rot, c_q, c_k, q[p], &qc);
+			if (t < 8) { /* the formulas, on a few rotations (they are slow in double) */
+				check_entry(what, d, rot, c_k, c_q, k[p], code, sg, bt);
+				check_query(what, d, rot, c_q, c_k, q[p], &qc);
+			}
+			float s = check_score(what, d, &qc, code, sg, bt);
+			/* beta's fp16 rounding is the same for every rotation: a known constant, not
+			 * part of the estimator's error */
+			double cqk = 0;
+			for (uint32_t i = 0; i < d; i++)
+				cqk += (double)c_q[i] * k[p][i];
+			double e = (double)s - qk[p] - ((double)t_h2f(bt) - cqk);
+			sum[p] += e;
+			sum2[p] += e * e;
+		}
+	}
+	free(rot);
+	double var_pool = 0, mean_pool = 0;
+	for (int p = 0; p < N_PAIRS; p++) {
+		double mean = sum[p] / N_ROT, var = (sum2[p] - N_ROT * mean * mean) / (N_ROT - 1);
+		double se = sqrt(var / N_ROT);
+		T_CHECK(fabs(mean) <= 4 * se,
+			"d=%u pair %d (seed 0x%llx): mean error got %.5g, wanted within 4 SE = %.5g "
+			"of 0 (<q,k> = %.5g, std %.5g)",
+			d, p, (unsigned long long)seed, mean, 4 * se, qk[p], sqrt(var));
+		var_pool += var / N_PAIRS;
+		mean_pool += mean / N_PAIRS;
+	}
+	double se_pool = sqrt(var_pool / (N_ROT * N_PAIRS));
+	T_CHECK(fabs(mean_pool) <= 3 * se_pool,
+		"d=%u (seed 0x%llx): mean error over %d pairs x %d rotations got %.5g, wanted within "
+		"3 SE = %.5g of 0",
+		d, (unsigned long long)seed, N_PAIRS, N_ROT, mean_pool, 3 * se_pool);
+	print_message("d=%u: mean error %.5f (3 SE %.5f), std %.5f\n", d, mean_pool, 3 * se_pool,
+		      sqrt(var_pool));
+	return sqrt(var_pool);
+}
+
+static void test_unbiased_and_spread(void **state)
+{
+	(void)state;
+	double sd[3];
+	for (int di = 0; di < 3; di++)
+		sd[di] = estimator_spread(dims[di]);
+	/*
+	 * The error std is O(||q - c_q|| ||k - c_k|| / sqrt(d)): each doubling of d divides it by
+	 * sqrt 2 = 1.414. The pooled std of 2400 samples has a relative standard error of about
+	 * 1/sqrt(2 * 2400) = 1.4% (more with heavier tails), so a ratio is good to about 3%;
+	 * [1.2, 1.7] is more than 6 of those either side, yet excludes no shrinking (1.0) and 1/d (2.0).
+	 */
+	for (int di = 0; di < 2; di++) {
+		double ratio = sd[di] / sd[di + 1];
+		T_CHECK(ratio >= 1.2 && ratio <= 1.7,
+			"std(d=%u) / std(d=%u) got %.4f (%.5f / %.5f), wanted in [1.2, 1.7] "
+			"(sqrt 2 = 1.414)",
+			dims[di], dims[di + 1], ratio, sd[di], sd[di + 1]);
+	}
+}
+
+/* Scores of many keys and queries of unrelated shapes (outliers, tiny and large norms). */
+static void test_score_paths(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++) {
+		uint32_t d = dims[di], words = d / 32;
+		t_rng rng;
+		t_rng_seed(&rng, 0x5c0e0000u + d);
+		float *rot = rotation(11, 0, d);
+		float c_k[KVT_MAX_HEAD_DIM], c_q[KVT_MAX_HEAD_DIM], key[KVT_MAX_HEAD_DIM],
+			q[KVT_MAX_HEAD_DIM];
+		for (int trial = 0; trial < 50; trial++) {
+			double ks = exp(t_range(&rng, -4, 4)), qs = exp(t_range(&rng, -4, 4));
+			for (uint32_t i = 0; i < d; i++) {
+				c_k[i] = (float)(0.5 * t_normal(&rng));
+				c_q[i] = (float)(0.5 * t_normal(&rng));
+				key[i] = (float)(c_k[i] + ks * t_normal(&rng));
+				q[i] = (float)(c_q[i] + qs * t_normal(&rng));
+			}
+			if (trial % 5 == 0) /* an outlier coordinate stretches the INT4 range */
+				q[t_below(&rng, d)] += (float)(20 * qs);
+			char what[80];
+			snprintf(what, sizeof what, "trial %d (seed 0x%llx)", trial,
+				 (unsigned long long)rng.seed);
+			uint32_t code[KVT_MAX_WORDS];
+			uint16_t sg, bt;
+			kvt_qcode qc;
+			kvt_index_build(d, rot, c_k, c_q, 1, key, d, code, &sg, &bt);
+			kvt_query_prepare(d, rot, c_q, c_k, q, &qc);
+			check_entry(what, d, rot, c_k, c_q, key, code, sg, bt);
+			check_query(what, d, rot, c_q, c_k, q, &qc);
+			check_score(what, d, &qc, code, sg, bt);
+		}
+		/* batch scoring equals one-at-a-time */
+		enum { N = 33 };
+		float keys[N * KVT_MAX_HEAD_DIM], sc[N];
+		uint32_t codes[N * KVT_MAX_WORDS];
+		uint16_t sgs[N], bts[N];
+		kvt_qcode qc;
+		for (uint32_t i = 0; i < N * d; i++)
+			keys[i] = (float)t_normal(&rng);
+		kvt_index_build(d, rot, c_k, c_q, N, keys, d, codes, sgs, bts);
+		kvt_query_prepare(d, rot, c_q, c_k, q, &qc);
+		kvt_score(d, &qc, N, codes, sgs, bts, sc);
+		for (uint32_t t = 0; t < N; t++) {
+			float one;
+			kvt_score(d, &qc, 1, codes + t * words, sgs + t, bts + t, &one);
+			T_CHECK(one == sc[t], "d=%u: batch score %u got %.9g, single %.9g, wanted equal",
+				d, t, (double)sc[t], (double)one);
+		}
+		free(rot);
+	}
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_rotation_orthogonal),
+		cmocka_unit_test(test_rotation_determinism),
+		cmocka_unit_test(test_index_entry),
+		cmocka_unit_test(test_score_paths),
+		cmocka_unit_test(test_unbiased_and_spread),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
