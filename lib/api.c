@@ -133,8 +133,7 @@ static int check_layer(kvt_cache *c, uint32_t layer)
 
 KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
 {
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!seq, c, -EINVAL, "seq is NULL");
 	uint32_t s = 0;
 	while (s < c->cfg.max_seqs && c->seqs[s].open)
@@ -153,8 +152,7 @@ KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
 KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 {
 	struct kvt_seq *s = NULL;
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
 	for (uint32_t l = 0; l < c->cfg.n_layers; l++) {
 		c->st.tokens -= s->layers[l].n_tokens;
@@ -170,8 +168,7 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
 {
 	struct kvt_seq *s = NULL;
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
 	KVT_TRY(check_layer(c, layer));
 	return s->layers[layer].n_tokens;
@@ -181,8 +178,7 @@ KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *
 			const void *v, uint32_t n_tokens, void *stream)
 {
 	struct kvt_seq *s = NULL;
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
 	KVT_TRY(check_layer(c, layer));
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
@@ -231,8 +227,7 @@ KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 		       const void *k, const void *v, void *stream)
 {
 	struct kvt_layer **ls;
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
 	int rc = 0;
@@ -263,8 +258,7 @@ static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const ui
 KVT_API int kvt_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream)
 {
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!q || !out, c, -EINVAL, "%s is NULL", !q ? "q" : "out");
 	int rc = attend_common(c, layer, n_seqs, seqs, q, out, stream);
 	return rc < 0 ? rc : 0;
@@ -273,8 +267,7 @@ KVT_API int kvt_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *stream)
 {
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!q, c, -EINVAL, "q is NULL");
 	return attend_common(c, layer, n_seqs, seqs, q, NULL, stream);
 }
@@ -284,8 +277,7 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 		       void *stream)
 {
 	struct kvt_layer **ls;
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!counts, c, -EINVAL, "counts is NULL");
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
@@ -305,8 +297,7 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 
 KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 {
-	if (!c)
-		return -EINVAL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
 	KVT_RETURN_IF(st->size != sizeof(kvt_stats), c, -EINVAL,
 		      "stats->size = %zu, expected sizeof(kvt_stats) = %zu", st->size,

@@ -181,8 +181,8 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * select per query head the smallest set with mass >= p (clamped to the budget bounds), take the
  * union over each KV head's query group, and compute exact attention over sinks + union + window.
  *   q: [n_seqs, n_q_heads, head_dim] (dtype); out: [n_seqs, n_q_heads, head_dim] (out_dtype)
- * The selection is kept until the next kvt_select/kvt_attend on this layer and can be read back with
- * kvt_gather. Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite
+ * The selection of each sequence is kept, and can be read back with kvt_gather, until the next
+ * kvt_select, kvt_attend, kvt_append or kvt_prefill of that sequence on this layer. Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite
  * query or score), -ENOENT, -ENOMEM.
  */
 KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -219,7 +219,8 @@ KVT_API const char *kvt_strerror(int code);
 
 /*
  * Detail of the last error of `cache` (which argument, which value, which limit), or "" when none.
- * With cache == NULL: the detail of the last failed kvt_cache_create on the calling thread.
+ * With cache == NULL: the detail of the last failed kvt_cache_create, or of the last call made with a
+ * NULL cache, on the calling thread.
  * The text stays valid until the next call on the same cache (or thread, for NULL).
  */
 KVT_API const char *kvt_last_error(const kvt_cache *cache);

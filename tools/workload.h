@@ -88,7 +88,7 @@ typedef struct wl wl;
 void wl_params_default(wl_params *p);
 
 /* Build the per-layer, per-head frames. Returns 0, -EINVAL (bad shape: n_q_heads not a multiple of
- * n_kv_heads, head_dim not a multiple of 8 or < 32, a zero count, tau or sink bounds reversed) or
+ * n_kv_heads, head_dim not a multiple of 8 or outside 32..512, a zero count, tau or sink bounds reversed) or
  * -ENOMEM. */
 int wl_create(const wl_params *p, wl **out);
 void wl_destroy(wl *w);

@@ -1,0 +1,265 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Exact attention: kvt_attention against a double-precision reference on random fp16 and bf16
+ * rows, the library's fp16/bf16 conversions against the tests' own, and kvt_attend through the
+ * public API with p = 1 (every token selected) against full attention over all tokens.
+ */
+#include "common.h"
+#include "half.h"
+
+static const uint32_t dims[3] = {64, 128, 256};
+static const uint32_t dtypes[2] = {KVT_DTYPE_F16, KVT_DTYPE_BF16};
+
+/* ---- conversions ------------------------------------------------------------------------- */
+
+static void test_half_conversions(void **state)
+{
+	(void)state;
+	for (uint32_t h = 0; h < 65536; h++) {
+		float a = kvt_f16_to_f32((uint16_t)h), b = t_h2f((uint16_t)h);
+		T_CHECK(t_fbits(a) == t_fbits(b) || (isnan(a) && isnan(b)),
+			"f16 0x%04x -> f32: got 0x%08x, wanted 0x%08x", h, t_fbits(a), t_fbits(b));
+		a = kvt_bf16_to_f32((uint16_t)h);
+		b = t_bf2f((uint16_t)h);
+		T_CHECK(t_fbits(a) == t_fbits(b), "bf16 0x%04x -> f32: got 0x%08x, wanted 0x%08x", h,
+			t_fbits(a), t_fbits(b));
+	}
+	/* every fp16 value and the midpoints between neighbours round trip / round to even */
+	t_rng rng;
+	t_rng_seed(&rng, 0x4a1f);
+	for (uint32_t i = 0; i < 400000; i++) {
+		uint32_t u;
+		if (i < 65536) { /* midpoints between fp16 neighbours: ties */
+			float lo = t_h2f((uint16_t)i), hi = t_h2f((uint16_t)(i + 1));
+			if (!isfinite(lo) || !isfinite(hi) || (i & 0x7fff) == 0x7bff)
+				continue;
+			u = t_fbits((float)(((double)lo + hi) / 2));
+		} else {
+			u = (uint32_t)t_next(&rng);
+			if (i & 1) /* exponents from fp16 subnormals to overflow */
+				u = (u & 0x807fffffu) | ((100u + t_below(&rng, 48)) << 23);
+		}
+		float f = t_bitsf(u);
+		if (isnan(f))
+			continue;
+		uint16_t a = kvt_f32_to_f16(f), b = t_f2h(f);
+		T_CHECK(a == b, "f32 %.9g (0x%08x) -> f16: got 0x%04x, wanted 0x%04x (seed 0x%llx)",
+			(double)f, u, a, b, (unsigned long long)rng.seed);
+		a = kvt_f32_to_bf16(f);
+		b = t_f2bf(f);
+		T_CHECK(a == b, "f32 %.9g (0x%08x) -> bf16: got 0x%04x, wanted 0x%04x", (double)f, u,
+			a, b);
+	}
+}
+
+/* ---- kvt_attention ------------------------------------------------------------------------ */
+
+static void test_attention_kernel(void **state)
+{
+	(void)state;
+	const uint32_t ns[] = {1, 2, 7, 100, 1500};
+	const float scales[] = {0, 0.3f}; /* 0: 1/sqrt(d) */
+	for (int di = 0; di < 3; di++)
+		for (int ti = 0; ti < 2; ti++)
+			for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+				for (int si = 0; si < 2; si++) {
+					uint32_t d = dims[di], dt = dtypes[ti], n = ns[ni];
+					float scale = scales[si] ? scales[si] : 1.0f / sqrtf((float)d);
+					uint64_t seed = 0xa77e0000u + di * 1000 + ti * 100 + ni * 10 + si;
+					t_rng rng;
+					t_rng_seed(&rng, seed);
+					uint16_t *rows = (uint16_t *)t_alloc(2 * 2 * (size_t)d * n);
+					float *kf = (float *)t_alloc(4 * (size_t)d * n);
+					float *vf = (float *)t_alloc(4 * (size_t)d * n);
+					const void **rp = (const void **)t_alloc(sizeof(void *) * n);
+					const float **kp = (const float **)t_alloc(sizeof(float *) * n);
+					const float **vp = (const float **)t_alloc(sizeof(float *) * n);
+					float q[KVT_MAX_HEAD_DIM], out[KVT_MAX_HEAD_DIM];
+					double ref[KVT_MAX_HEAD_DIM], mag[KVT_MAX_HEAD_DIM];
+					/* scaled scores of std about 2 so the softmax is neither flat nor one-hot */
+					double qsd = 2.0 / (scale * sqrt((double)d));
+					for (uint32_t j = 0; j < d; j++)
+						q[j] = (float)(qsd * t_normal(&rng));
+					/* rows stored in reverse order of memory to catch indexing by i */
+					for (uint32_t i = 0; i < n; i++) {
+						uint16_t *row = rows + (size_t)(n - 1 - i) * 2 * d;
+						t_fill(&rng, dt, d, 0.1, 1.0, row, kf + (size_t)i * d);
+						t_fill(&rng, dt, d, -0.2, 1.0, row + d, vf + (size_t)i * d);
+						rp[i] = row;
+						kp[i] = kf + (size_t)i * d;
+						vp[i] = vf + (size_t)i * d;
+					}
+					for (uint32_t j = 0; j < d; j++)
+						out[j] = NAN;
+					kvt_attention(d, dt, scale, q, n, rp, out);
+					t_ref_attention(d, scale, q, n, kp, vp, ref, mag);
+					for (uint32_t j = 0; j < d; j++)
+						T_CHECK(fabs(out[j] - ref[j]) <= 1e-5 * mag[j],
+							"d=%u %s n=%u scale=%g seed 0x%llx: out[%u] got "
+							"%.9g, wanted %.9g (rel err %.3g of sum p|v| = %.6g, "
+							"wanted < 1e-5)",
+							d, t_dtype_name(dt), n, (double)scale,
+							(unsigned long long)seed, j, (double)out[j], ref[j],
+							fabs(out[j] - ref[j]) / mag[j], mag[j]);
+					free(rows);
+					free(kf);
+					free(vf);
+					free(rp);
+					free(kp);
+					free(vp);
+				}
+}
+
+/* ---- kvt_attend with p = 1 against full attention --------------------------------------- */
+
+/* The keys, values and the decoded floats given to one (sequence, layer). */
+struct hist {
+	uint32_t n;
+	float *k, *v; /* [cap, n_kv, d] decoded */
+};
+
+static void hist_add(struct hist *h, uint32_t nkv, uint32_t d, uint32_t dt, const uint16_t *k,
+		     const uint16_t *v, uint32_t n)
+{
+	for (size_t i = 0; i < (size_t)n * nkv * d; i++) {
+		h->k[(size_t)h->n * nkv * d + i] = t_dec(dt, k[i]);
+		h->v[(size_t)h->n * nkv * d + i] = t_dec(dt, v[i]);
+	}
+	h->n += n;
+}
+
+/* Checks out[n_q, d] for one sequence against full attention over every token given so far. */
+static void check_full(const char *what, const kvt_config *cfg, const struct hist *h,
+		       const uint16_t *q, const float *out)
+{
+	uint32_t d = cfg->head_dim, nkv = cfg->n_kv_heads, group = cfg->n_q_heads / nkv;
+	const float **kp = (const float **)t_alloc(sizeof(float *) * h->n);
+	const float **vp = (const float **)t_alloc(sizeof(float *) * h->n);
+	double ref[KVT_MAX_HEAD_DIM], mag[KVT_MAX_HEAD_DIM];
+	float qf[KVT_MAX_HEAD_DIM];
+	for (uint32_t hq = 0; hq < cfg->n_q_heads; hq++) {
+		uint32_t hk = hq / group;
+		for (uint32_t i = 0; i < h->n; i++) {
+			kp[i] = h->k + ((size_t)i * nkv + hk) * d;
+			vp[i] = h->v + ((size_t)i * nkv + hk) * d;
+		}
+		for (uint32_t j = 0; j < d; j++)
+			qf[j] = t_dec(cfg->dtype, q[(size_t)hq * d + j]);
+		t_ref_attention(d, 1.0 / sqrt((double)d), qf, h->n, kp, vp, ref, mag);
+		for (uint32_t j = 0; j < d; j++) {
+			double got = out[(size_t)hq * d + j];
+			T_CHECK(fabs(got - ref[j]) <= 1e-5 * mag[j],
+				"%s tokens=%u q head %u (kv head %u) out[%u]: got %.9g, wanted %.9g "
+				"(err %.3g, allowed %.3g)",
+				what, h->n, hq, hk, j, got, ref[j], fabs(got - ref[j]), 1e-5 * mag[j]);
+		}
+	}
+	free(kp);
+	free(vp);
+}
+
+static void attend_full_case(uint32_t nq, uint32_t nkv, uint32_t d, uint32_t dt)
+{
+	enum { LAYERS = 2, SEQS = 2, STEPS = 14, CAP = 200 };
+	const uint32_t chunks[SEQS][2] = {{70, 0}, {30, 19}}; /* B: two prefill chunks */
+	kvt_config cfg = t_config(LAYERS, nq, nkv, d, dt);
+	cfg.p = 1.0f;
+	cfg.budget_max = 0;
+	char what[128];
+	snprintf(what, sizeof what, "%s q_heads=%u kv_heads=%u d=%u", t_dtype_name(dt), nq, nkv, d);
+	kvt_cache *c = t_create(&cfg);
+	t_rng rng;
+	t_rng_seed(&rng, 0xa11u * 1000 + nq * 100 + d + dt);
+	uint32_t seqs[SEQS];
+	struct hist h[SEQS][LAYERS];
+	size_t kvn = (size_t)nkv * d, qn = (size_t)nq * d;
+	uint16_t *k = (uint16_t *)t_alloc(2 * CAP * kvn), *v = (uint16_t *)t_alloc(2 * CAP * kvn);
+	uint16_t *q = (uint16_t *)t_alloc(2 * CAP * qn);
+	float *out = (float *)t_alloc(4 * SEQS * qn);
+	for (int s = 0; s < SEQS; s++) {
+		int rc = kvt_seq_open(c, &seqs[s]);
+		T_CHECK(rc == 0, "%s: kvt_seq_open got %d (%s)", what, rc, kvt_last_error(c));
+		for (int l = 0; l < LAYERS; l++) {
+			h[s][l].n = 0;
+			h[s][l].k = (float *)t_alloc(4 * CAP * kvn);
+			h[s][l].v = (float *)t_alloc(4 * CAP * kvn);
+			for (int ch = 0; ch < 2 && chunks[s][ch]; ch++) {
+				uint32_t n = chunks[s][ch];
+				t_fill(&rng, dt, n * kvn, 0.3, 1.0, k, NULL);
+				t_fill(&rng, dt, n * kvn, 0.0, 1.0, v, NULL);
+				t_fill(&rng, dt, n * qn, 0.1, 1.5, q, NULL);
+				rc = kvt_prefill(c, seqs[s], (uint32_t)l, l ? q : NULL, k, v, n, NULL);
+				T_CHECK(rc == 0, "%s seq %d layer %d chunk %d: kvt_prefill got %d (%s)",
+					what, s, l, ch, rc, kvt_last_error(c));
+				hist_add(&h[s][l], nkv, d, dt, k, v, n);
+			}
+		}
+	}
+	for (int step = 0; step < STEPS; step++)
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			t_fill(&rng, dt, SEQS * kvn, 0.3, 1.0, k, NULL);
+			t_fill(&rng, dt, SEQS * kvn, 0.0, 1.0, v, NULL);
+			int rc = kvt_append(c, l, SEQS, seqs, k, v, NULL);
+			T_CHECK(rc == 0, "%s step %d layer %u: kvt_append got %d (%s)", what, step, l, rc,
+				kvt_last_error(c));
+			for (int s = 0; s < SEQS; s++)
+				hist_add(&h[s][l], nkv, d, dt, k + s * kvn, v + s * kvn, 1);
+			if (step % 3 != 2 && step != STEPS - 1)
+				continue;
+			t_fill(&rng, dt, SEQS * qn, 0.1, 1.5, q, NULL);
+			for (size_t i = 0; i < SEQS * qn; i++)
+				out[i] = NAN;
+			rc = kvt_attend(c, l, SEQS, seqs, q, out, NULL);
+			T_CHECK(rc == 0, "%s step %d layer %u: kvt_attend got %d (%s)", what, step, l, rc,
+				kvt_last_error(c));
+			for (int s = 0; s < SEQS; s++) {
+				char w2[192];
+				snprintf(w2, sizeof w2, "%s step %d layer %u seq %d (seed 0x%llx)", what,
+					 step, l, s, (unsigned long long)rng.seed);
+				T_CHECK(kvt_seq_length(c, seqs[s], l) == h[s][l].n,
+					"%s: kvt_seq_length got %lld, wanted %u", w2,
+					(long long)kvt_seq_length(c, seqs[s], l), h[s][l].n);
+				check_full(w2, &cfg, &h[s][l], q + s * qn, out + s * qn);
+			}
+		}
+	kvt_stats st = t_stats(c);
+	T_CHECK(st.flushes > 0, "%s: flushes got %llu, wanted > 0 (appends crossed a flush)", what,
+		(unsigned long long)st.flushes);
+	kvt_cache_destroy(c);
+	for (int s = 0; s < SEQS; s++)
+		for (int l = 0; l < LAYERS; l++) {
+			free(h[s][l].k);
+			free(h[s][l].v);
+		}
+	free(k);
+	free(v);
+	free(q);
+	free(out);
+}
+
+static void test_attend_full_mha(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++)
+		for (int ti = 0; ti < 2; ti++)
+			attend_full_case(2, 2, dims[di], dtypes[ti]);
+}
+
+static void test_attend_full_gqa(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++)
+		for (int ti = 0; ti < 2; ti++)
+			attend_full_case(8, 2, dims[di], dtypes[ti]);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_half_conversions),
+		cmocka_unit_test(test_attention_kernel),
+		cmocka_unit_test(test_attend_full_mha),
+		cmocka_unit_test(test_attend_full_gqa),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
