@@ -97,6 +97,10 @@ static inline uint32_t pop64(uint64_t x)
 	return (uint32_t)__builtin_popcountll(x);
 }
 
+/* The popcount instruction is not in the x86-64 baseline; a clone with it is picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("popcnt", "default")))
+#endif
 void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
 	       const uint16_t *sigma, const uint16_t *beta, float *scores)
 {
