@@ -101,9 +101,10 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	if (rc == 0 && c->ops->init)
 		rc = c->ops->init(c);
 	if (rc < 0) {
+		const char *name = c->st.backend;
 		cache_free(c);
-		return kvt_seterr(NULL, rc, "%s backend initialization failed: %s", c->st.backend,
-				  rc == -ENOMEM ? "out of memory" : kvt_strerror(rc));
+		return kvt_seterr(NULL, rc, "%s backend initialization failed: %s", name,
+				  kvt_strerror(rc));
 	}
 	*out = c;
 	return 0;

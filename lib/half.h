@@ -41,8 +41,9 @@ static inline uint16_t kvt_f32_to_f16(float f)
 	if (abs >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
 		return (uint16_t)(sign | 0x7c00u);
 	if (abs < 0x38800000u) { /* below the smallest normal: subnormal or zero */
-		uint32_t shift = 113u - (abs >> 23);
-		if (shift > 24)
+		/* value = man * 2^(e - 150) and the fp16 subnormal unit is 2^-24 */
+		uint32_t shift = 126u - (abs >> 23);
+		if (shift > 25)
 			return (uint16_t)sign;
 		uint32_t man = (abs & 0x7fffffu) | 0x800000u;
 		uint32_t half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);

@@ -43,7 +43,7 @@ int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...) __attribute__((form
  * Gaussian entries from a counter-based generator and an arithmetic-only logarithm, then Householder
  * QR in double with the signs of R's diagonal fixed (Haar distributed). Uses only +, -, *, /, sqrt
  * with contraction disabled, so every IEEE platform produces the same bits for a seed.
- * Returns 0 or -ENOMEM (scratch of 2 d^2 + d doubles).
+ * Returns 0 or -ENOMEM (scratch of 2 d^2 + 2 d doubles).
  */
 int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot);
 

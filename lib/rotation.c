@@ -55,12 +55,26 @@ static void gaussian_fill(uint64_t *s, double *out, size_t n)
 	}
 }
 
+/* a[k.., k..] -= 2 v (v^T a[k.., k..]) for the unit reflector v, by rows so the loops over j vectorize;
+ * each dot[j] still sums over i in increasing order. dot: d doubles. */
+static void reflect(uint32_t d, uint32_t k, const double *v, double *a, double *dot, uint32_t j0)
+{
+	for (uint32_t j = j0; j < d; j++)
+		dot[j] = 0.0;
+	for (uint32_t i = k; i < d; i++)
+		for (uint32_t j = j0; j < d; j++)
+			dot[j] += v[i] * a[(size_t)i * d + j];
+	for (uint32_t i = k; i < d; i++)
+		for (uint32_t j = j0; j < d; j++)
+			a[(size_t)i * d + j] -= 2.0 * dot[j] * v[i];
+}
+
 /*
  * Householder QR of the d x d matrix a (row-major), in place: on return a holds Q * diag(sign R_ii),
  * which is Haar distributed when a is Gaussian. v: d * d doubles for the unit reflectors,
- * sgn: d doubles.
+ * sgn and dot: d doubles each.
  */
-static void haar_qr(uint32_t d, double *a, double *v, double *sgn)
+static void haar_qr(uint32_t d, double *a, double *v, double *sgn, double *dot)
 {
 	for (uint32_t k = 0; k < d; k++) {
 		double *vk = v + (size_t)k * d, norm = 0.0, vn = 0.0;
@@ -76,13 +90,7 @@ static void haar_qr(uint32_t d, double *a, double *v, double *sgn)
 		double inv = vn > 0.0 ? 1.0 / sqrt(vn) : 0.0;
 		for (uint32_t i = k; i < d; i++)
 			vk[i] *= inv;
-		for (uint32_t j = k; j < d; j++) {
-			double dot = 0.0;
-			for (uint32_t i = k; i < d; i++)
-				dot += vk[i] * a[(size_t)i * d + j];
-			for (uint32_t i = k; i < d; i++)
-				a[(size_t)i * d + j] -= 2.0 * dot * vk[i];
-		}
+		reflect(d, k, vk, a, dot, k);
 		sgn[k] = alpha < 0 ? -1.0 : 1.0;
 	}
 	/* Q = H_0 H_1 ... H_{d-1}: the reflectors applied to the identity in reverse order */
@@ -90,16 +98,8 @@ static void haar_qr(uint32_t d, double *a, double *v, double *sgn)
 		a[i] = 0.0;
 	for (uint32_t i = 0; i < d; i++)
 		a[(size_t)i * d + i] = 1.0;
-	for (uint32_t k = d; k-- > 0;) {
-		const double *vk = v + (size_t)k * d;
-		for (uint32_t j = 0; j < d; j++) {
-			double dot = 0.0;
-			for (uint32_t i = k; i < d; i++)
-				dot += vk[i] * a[(size_t)i * d + j];
-			for (uint32_t i = k; i < d; i++)
-				a[(size_t)i * d + j] -= 2.0 * dot * vk[i];
-		}
-	}
+	for (uint32_t k = d; k-- > 0;)
+		reflect(d, k, v + (size_t)k * d, a, dot, 0);
 	for (uint32_t i = 0; i < d; i++)
 		for (uint32_t j = 0; j < d; j++)
 			a[(size_t)i * d + j] *= sgn[j];
@@ -107,7 +107,7 @@ static void haar_qr(uint32_t d, double *a, double *v, double *sgn)
 
 int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot)
 {
-	size_t n = (size_t)d * d, bytes = sizeof(double) * (2 * n + d);
+	size_t n = (size_t)d * d, bytes = sizeof(double) * (2 * n + 2 * d);
 	double *a = kvt_mem_alloc(KVT_MEM_HOST, bytes);
 	if (!a)
 		return -ENOMEM;
@@ -115,7 +115,7 @@ int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot)
 	uint64_t s = seed ^ (0xd1b54a32d192ed03ull * ((uint64_t)layer + 1));
 	splitmix64(&s);
 	gaussian_fill(&s, a, n);
-	haar_qr(d, a, a + n, a + 2 * n);
+	haar_qr(d, a, a + n, a + 2 * n, a + 2 * n + d);
 	/* P = Q; rot = P^T so that y = rot r */
 	for (uint32_t i = 0; i < d; i++)
 		for (uint32_t j = 0; j < d; j++)

@@ -1,0 +1,12 @@
+/* SPDX-License-Identifier: MIT */
+/* The public header on its own, as strict C11: built with -std=c11 -pedantic -Werror. */
+#include "kvtier.h"
+
+int main(void)
+{
+	kvt_config cfg = KVT_CONFIG_INIT;
+	if (cfg.size != sizeof(kvt_config) || cfg.dtype != KVT_DTYPE_F16 || cfg.reserved[7] != 0)
+		return 1;
+	/* linked against the installed library: the exported names resolve */
+	return kvt_version_number() == KVT_VERSION_NUMBER && kvt_strerror(0) != 0 ? 0 : 1;
+}

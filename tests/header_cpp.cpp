@@ -1,0 +1,15 @@
+// SPDX-License-Identifier: MIT
+// The public header compiled as C++11 (-pedantic -Werror): extern "C", and KVT_CONFIG_INIT as a
+// braced initializer.
+#include "kvtier.h"
+
+int main()
+{
+	kvt_config cfg = KVT_CONFIG_INIT;
+	cfg.n_layers = 1;
+	kvt_cache *cache = nullptr;
+	kvt_cache_destroy(cache);
+	if (cfg.size != sizeof(kvt_config) || cfg.p != 0.9f || cfg.reserved[0] != 0)
+		return 1;
+	return kvt_version_number() == KVT_VERSION_NUMBER ? 0 : 1;
+}

@@ -1,0 +1,274 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Allocation failures: for N = 1, 2, ... fail the N-th allocation of a whole script (create, open,
+ * chunked prefill, appends across flushes, attend, select + gather, close, destroy) until a run
+ * completes without the failure firing. Every call must succeed or return -ENOMEM; a failed call
+ * changes nothing (lengths and stats as before) and its retry succeeds; the final outputs equal
+ * those of a run without failures bit for bit; nothing leaks.
+ */
+#include "common.h"
+
+enum { LAYERS = 2, NQ = 4, NKV = 2, D = 64, SEQS = 2, APPENDS = 12, MAXTOK = 400 };
+static const uint32_t chunk0[2] = {40, 300}; /* sequence 0: the second chunk grows the index */
+static const uint32_t chunk1 = 25;
+
+struct outputs {
+	float out[LAYERS][SEQS * NQ * D];
+	int32_t counts[SEQS * NKV];
+	int32_t pos[SEQS * NKV * MAXTOK];
+	int total;
+};
+
+struct inputs {
+	uint16_t *k, *v, *q; /* enough for the largest chunk */
+};
+
+/* What must not change when a call fails. */
+struct state {
+	int64_t len[SEQS][LAYERS];
+	uint64_t tokens, host_used, seqs_open, indexed;
+};
+
+static void observe(kvt_cache *c, const uint32_t *seqs, uint32_t nseqs, struct state *s)
+{
+	memset(s, 0, sizeof *s);
+	for (uint32_t i = 0; i < nseqs; i++)
+		for (uint32_t l = 0; l < LAYERS; l++)
+			s->len[i][l] = kvt_seq_length(c, seqs[i], l);
+	kvt_stats st = t_stats(c);
+	s->tokens = st.tokens;
+	s->host_used = st.host_bytes_used;
+	s->seqs_open = st.seqs_open;
+	s->indexed = st.tokens_indexed;
+}
+
+struct iter {
+	uint64_t n;      /* the allocation made to fail, 0 for none */
+	int fired;       /* the injected failure fired (and was reported or absorbed) */
+	int enomem;      /* calls that returned -ENOMEM */
+	kvt_cache *c;
+	uint32_t seqs[SEQS], nseqs;
+};
+
+/*
+ * Run one call; on -ENOMEM check that nothing changed, turn injection off and retry once. Any other
+ * failure, or a failed retry, fails the test.
+ */
+#define STEP(it, what, expr)                                                                       \
+	do {                                                                                       \
+		struct state before_, after_;                                                      \
+		observe((it)->c, (it)->seqs, (it)->nseqs, &before_);                               \
+		int rc_ = (expr);                                                                  \
+		if (rc_ == -ENOMEM) {                                                              \
+			(it)->enomem++;                                                            \
+			observe((it)->c, (it)->seqs, (it)->nseqs, &after_);                        \
+			T_CHECK(memcmp(&before_, &after_, sizeof before_) == 0,                   \
+				"N=%llu %s: failed with -ENOMEM but changed the state (tokens %llu "  \
+				"-> %llu, host bytes %llu -> %llu, indexed %llu -> %llu)",            \
+				(unsigned long long)(it)->n, what,                                 \
+				(unsigned long long)before_.tokens,                                \
+				(unsigned long long)after_.tokens,                                 \
+				(unsigned long long)before_.host_used,                             \
+				(unsigned long long)after_.host_used,                              \
+				(unsigned long long)before_.indexed,                               \
+				(unsigned long long)after_.indexed);                               \
+			(it)->fired |= kvt_mem_fired();                                            \
+			kvt_mem_fail_at(0);                                                        \
+			rc_ = (expr);                                                              \
+		}                                                                                  \
+		T_CHECK(rc_ >= 0, "N=%llu %s: got %d (%s: %s), wanted success or -ENOMEM",        \
+			(unsigned long long)(it)->n, what, rc_, kvt_strerror(rc_),                 \
+			kvt_last_error((it)->c));                                                  \
+	} while (0)
+
+/* The script; returns 0 when it ran to the end, 1 when cache creation failed (nothing to do). */
+static int script(struct iter *it, const struct inputs *in, struct outputs *o)
+{
+	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+	cfg.p = 0.7f;
+	cfg.budget_min = 2;
+	cfg.budget_max = 100;
+	kvt_cache *c = NULL;
+	int rc = kvt_cache_create(&cfg, &c);
+	if (rc == -ENOMEM) {
+		it->enomem++;
+		it->fired |= kvt_mem_fired();
+		T_CHECK(c == NULL, "N=%llu create: failed but wrote *out", (unsigned long long)it->n);
+		return 1;
+	}
+	T_CHECK(rc == 0, "N=%llu create: got %d (%s), wanted 0 or -ENOMEM",
+		(unsigned long long)it->n, rc, kvt_last_error(NULL));
+	it->c = c;
+	it->nseqs = 0;
+	for (uint32_t s = 0; s < SEQS; s++) {
+		STEP(it, "seq_open", kvt_seq_open(c, &it->seqs[s]));
+		it->nseqs++;
+	}
+	size_t kvn = (size_t)NKV * D, qn = (size_t)NQ * D;
+	uint32_t off = 0;
+	for (int ch = 0; ch < 2; ch++) {
+		for (uint32_t l = 0; l < LAYERS; l++)
+			STEP(it, ch ? "prefill chunk 2" : "prefill chunk 1",
+			     kvt_prefill(c, it->seqs[0], l, l ? NULL : in->q + off * qn, in->k + off * kvn,
+					 in->v + off * kvn, chunk0[ch], NULL));
+		off += chunk0[ch];
+	}
+	for (uint32_t l = 0; l < LAYERS; l++)
+		STEP(it, "prefill seq 1",
+		     kvt_prefill(c, it->seqs[1], l, in->q, in->k + kvn, in->v, chunk1, NULL));
+	for (uint32_t a = 0; a < APPENDS; a++)
+		for (uint32_t l = 0; l < LAYERS; l++)
+			STEP(it, "append",
+			     kvt_append(c, l, SEQS, it->seqs, in->k + (a * 2 + l) * kvn,
+					in->v + (a * 3 + l) * kvn, NULL));
+	for (uint32_t l = 0; l < LAYERS; l++)
+		STEP(it, "attend",
+		     kvt_attend(c, l, SEQS, it->seqs, in->q + (l + 1) * SEQS * qn, o->out[l], NULL));
+	int mx = 0;
+	STEP(it, "select", (mx = kvt_select(c, 1, SEQS, it->seqs, in->q + 7 * qn, NULL)));
+	T_CHECK(mx <= MAXTOK, "select got %d, more than %d", mx, MAXTOK);
+	STEP(it, "gather",
+	     (o->total = kvt_gather(c, 1, SEQS, it->seqs, MAXTOK, o->counts, o->pos, NULL, NULL,
+				    NULL)));
+	STEP(it, "seq_close", kvt_seq_close(c, it->seqs[1]));
+	it->nseqs = 1;
+	kvt_stats st = t_stats(c);
+	T_CHECK(st.flushes > 0, "N=%llu: flushes got 0, wanted > 0", (unsigned long long)it->n);
+	kvt_cache_destroy(c);
+	it->c = NULL;
+	return 0;
+}
+
+static void test_fail_nth_allocation(void **state)
+{
+	(void)state;
+	struct inputs in;
+	size_t kvn = (size_t)MAXTOK * NKV * D, qn = (size_t)MAXTOK * NQ * D;
+	in.k = (uint16_t *)t_alloc(2 * kvn);
+	in.v = (uint16_t *)t_alloc(2 * kvn);
+	in.q = (uint16_t *)t_alloc(2 * qn);
+	t_rng rng;
+	t_rng_seed(&rng, 0xfa11);
+	t_fill(&rng, KVT_DTYPE_F16, kvn, 0.5, 1, in.k, NULL);
+	t_fill(&rng, KVT_DTYPE_F16, kvn, 0, 1, in.v, NULL);
+	t_fill(&rng, KVT_DTYPE_F16, qn, 0, 1, in.q, NULL);
+	struct outputs *ref = (struct outputs *)t_alloc(sizeof *ref);
+	struct outputs *got = (struct outputs *)t_alloc(sizeof *got);
+
+	/* the reference run, counting the allocations it makes */
+	int64_t live0 = kvt_mem_live();
+	struct iter it = {0};
+	kvt_mem_fail_at(0);
+	T_CHECK(script(&it, &in, ref) == 0 && it.enomem == 0, "reference run failed");
+	uint64_t allocs = kvt_mem_attempts();
+	T_CHECK(kvt_mem_live() == live0, "reference run leaked: live %lld, wanted %lld",
+		(long long)kvt_mem_live(), (long long)live0);
+	T_CHECK(allocs >= 24, "the script made %llu allocations, wanted at least a few dozen",
+		(unsigned long long)allocs);
+
+	uint64_t n;
+	int completed = 0;
+	for (n = 1; n < 100000; n++) {
+		memset(&it, 0, sizeof it);
+		it.n = n;
+		memset(got, 0xff, sizeof *got);
+		int64_t live = kvt_mem_live();
+		kvt_mem_fail_at(n);
+		int r = script(&it, &in, got);
+		it.fired |= kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		T_CHECK(kvt_mem_live() == live,
+			"N=%llu: live allocations got %lld after the script, wanted %lld (a leak after "
+			"%d -ENOMEM)",
+			(unsigned long long)n, (long long)kvt_mem_live(), (long long)live, it.enomem);
+		if (r == 0) {
+			completed++;
+			for (int l = 0; l < LAYERS; l++)
+				for (size_t i = 0; i < SEQS * NQ * D; i++)
+					T_CHECK(t_fbits(got->out[l][i]) == t_fbits(ref->out[l][i]),
+						"N=%llu: attend layer %d out[%zu] got %.9g, wanted %.9g as "
+						"without failures",
+						(unsigned long long)n, l, i, (double)got->out[l][i],
+						(double)ref->out[l][i]);
+			T_CHECK(got->total == ref->total &&
+					memcmp(got->counts, ref->counts, sizeof got->counts) == 0,
+				"N=%llu: gather total got %d, wanted %d", (unsigned long long)n,
+				got->total, ref->total);
+			/* pos is [seq, kv head, MAXTOK]: compare each pair's first counts[] slots */
+			for (int sh = 0; sh < SEQS * NKV; sh++)
+				for (int i = 0; i < ref->counts[sh]; i++)
+					T_CHECK(got->pos[sh * MAXTOK + i] == ref->pos[sh * MAXTOK + i],
+						"N=%llu: gathered position %d of (seq, kv head) %d got %d, "
+						"wanted %d",
+						(unsigned long long)n, i, sh, got->pos[sh * MAXTOK + i],
+						ref->pos[sh * MAXTOK + i]);
+		}
+		if (!it.fired) {
+			T_CHECK(it.enomem == 0, "N=%llu: %d calls returned -ENOMEM without an injected "
+				"failure", (unsigned long long)n, it.enomem);
+			break;
+		}
+	}
+	print_message("fault injection: %llu allocations failed in turn, %d runs completed\n",
+		      (unsigned long long)(n - 1), completed);
+	T_CHECK(n - 1 >= 24 && n - 1 >= allocs,
+		"allocations exercised got %llu, wanted >= 24 and >= the %llu of the reference run",
+		(unsigned long long)(n - 1), (unsigned long long)allocs);
+	T_CHECK(kvt_mem_live() == live0, "live allocations at the end got %lld, wanted %lld",
+		(long long)kvt_mem_live(), (long long)live0);
+	free(in.k);
+	free(in.v);
+	free(in.q);
+	free(ref);
+	free(got);
+}
+
+/* A prefill that fails with -ENOMEM leaves the sequence as it was, and a retry succeeds. */
+static void test_failed_prefill_retry(void **state)
+{
+	(void)state;
+	kvt_config cfg = t_config(1, 2, 2, 128, KVT_DTYPE_BF16);
+	kvt_cache *c = t_create(&cfg);
+	uint32_t s;
+	T_CHECK(kvt_seq_open(c, &s) == 0, "seq_open");
+	size_t kvn = (size_t)600 * 2 * 128;
+	uint16_t *k = (uint16_t *)t_alloc(2 * kvn), *v = (uint16_t *)t_alloc(2 * kvn);
+	t_rng rng;
+	t_rng_seed(&rng, 0x7e7);
+	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0.2, 1, k, NULL);
+	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0, 1, v, NULL);
+	T_CHECK(kvt_prefill(c, s, 0, NULL, k, v, 20, NULL) == 0, "first chunk: %s", kvt_last_error(c));
+	int failures = 0;
+	/* the second chunk grows index, blocks and scratch: fail each of its allocations in turn */
+	for (uint64_t n = 1; n < 1000; n++) {
+		kvt_mem_fail_at(n);
+		int rc = kvt_prefill(c, s, 0, NULL, k + 20 * 256, v + 20 * 256, 580, NULL);
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(rc == -ENOMEM, "N=%llu: prefill got %d (%s), wanted -ENOMEM",
+			(unsigned long long)n, rc, kvt_last_error(c));
+		failures++;
+		int64_t len = kvt_seq_length(c, s, 0);
+		T_CHECK(len == 20, "N=%llu: after the failed prefill length got %lld, wanted 20",
+			(unsigned long long)n, (long long)len);
+		T_CHECK(c->seqs[s].layers[0].n_indexed == 0,
+			"N=%llu: after the failed prefill indexed got %u, wanted 0",
+			(unsigned long long)n, c->seqs[s].layers[0].n_indexed);
+	}
+	T_CHECK(failures > 0, "no allocation of the second chunk could be failed");
+	T_CHECK(kvt_seq_length(c, s, 0) == 600, "length after the successful retry got %lld, wanted 600",
+		(long long)kvt_seq_length(c, s, 0));
+	kvt_cache_destroy(c);
+	free(k);
+	free(v);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_fail_nth_allocation),
+		cmocka_unit_test(test_failed_prefill_retry),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
