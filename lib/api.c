@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The public interface: argument checks, sequence bookkeeping, dispatch to the backend. */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "half.h"
@@ -46,6 +47,7 @@ static void cache_free(kvt_cache *c)
 	}
 	if (c->ops && c->ops->fini)
 		c->ops->fini(c);
+	kvt_tier_fini(c);
 	kvt_extents_fini(&c->host);
 	kvt_mem_free(KVT_MEM_HOST, c->seqs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch, 0);
@@ -98,7 +100,15 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	}
 	for (uint32_t l = 0; l < cfg->n_layers && rc == 0; l++)
 		rc = kvt_rotation_generate(cfg->seed, l, c->d, c->rot + (size_t)l * c->d * c->d);
-	if (rc == 0 && c->ops->init)
+	if (rc == 0)
+		rc = kvt_tier_init(c);
+	if (rc < 0) {
+		char why[512];
+		snprintf(why, sizeof why, "%s", kvt_last_error(NULL));
+		cache_free(c);
+		return kvt_seterr(NULL, rc, "%s", why);
+	}
+	if (c->ops->init)
 		rc = c->ops->init(c);
 	if (rc < 0) {
 		const char *name = c->st.backend;
@@ -144,7 +154,12 @@ KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
 	struct kvt_layer *layers = kvt_mem_alloc(KVT_MEM_HOST, sizeof *layers * c->cfg.n_layers);
 	KVT_RETURN_IF(!layers, c, -ENOMEM, "out of memory opening a sequence (%u layers)",
 		      c->cfg.n_layers);
-	c->seqs[s] = (struct kvt_seq){ .open = true, .last_use = ++c->clock, .layers = layers };
+	c->seqs[s] = (struct kvt_seq){
+		.open = true, .uid = ++c->next_uid, .last_use = ++c->clock, .layers = layers };
+	for (uint32_t l = 0; l < c->cfg.n_layers; l++) {
+		layers[l].seq_uid = c->seqs[s].uid;
+		layers[l].index = l;
+	}
 	c->st.seqs_open++;
 	*seq = s;
 	return 0;
@@ -164,6 +179,24 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 	memset(s, 0, sizeof *s);
 	c->st.seqs_open--;
 	return 0;
+}
+
+KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(lookup(c, seq, &s));
+	return kvt_tier_spill(c, s, seq);
+}
+
+KVT_API int64_t kvt_seq_restore(kvt_cache *c, uint32_t seq)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(lookup(c, seq, &s));
+	c->call_start = c->clock + 1;
+	s->last_use = ++c->clock;
+	return kvt_tier_restore(c, s, seq);
 }
 
 KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
@@ -188,6 +221,7 @@ KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *
 	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
 		      "n_tokens = %u would grow seq %u layer %u past %d tokens", n_tokens, seq, layer,
 		      INT32_MAX);
+	c->call_start = c->clock + 1;
 	s->last_use = ++c->clock;
 	return c->ops->prefill(c, l, layer, q, k, v, n_tokens, stream);
 }
@@ -219,6 +253,7 @@ static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint3
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
 	*ls = c->batch;
 	KVT_TRY(batch(c, layer, n_seqs, seqs, *ls));
+	c->call_start = c->clock + 1;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		c->seqs[seqs[i]].last_use = ++c->clock;
 	return 0;
@@ -305,6 +340,16 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 		      sizeof(kvt_stats));
 	c->st.host_bytes_used = c->host.used;
 	c->st.index_bytes = c->st.tokens_indexed * c->cfg.n_kv_heads * c->st.index_bytes_per_token_head;
+	c->st.nvme_bytes_capacity = 0;
+	if (c->nvme) {
+		struct kvt_nvme_stats ns;
+		kvt_nvme_get_stats(c->nvme, &ns);
+		c->st.nvme_bytes_used = ns.bytes_used;
+		c->st.nvme_bytes_capacity = ns.bytes_used + ns.bytes_free;
+		c->st.nvme_bytes_written = ns.bytes_written;
+		c->st.nvme_bytes_read = ns.bytes_read;
+		c->st.nvme_reads = ns.read_ios;
+	}
 	*st = c->st;
 	return 0;
 }

@@ -34,6 +34,25 @@ int kvt_config_check(const kvt_config *cfg)
 	CHECK(cfg->host_bytes > 0, "host_bytes = 0, must be > 0");
 	CHECK(cfg->max_seqs >= 1 && cfg->max_seqs <= 65536, "max_seqs = %u, must be in [1, 65536]",
 	      cfg->max_seqs);
+	CHECK(cfg->n_nvme <= 64, "n_nvme = %u, must be <= 64", cfg->n_nvme);
+	CHECK(cfg->n_nvme == 0 || (cfg->nvme_paths && cfg->nvme_bytes),
+	      "n_nvme = %u but nvme_%s is NULL", cfg->n_nvme, cfg->nvme_paths ? "bytes" : "paths");
+	for (uint32_t i = 0; i < cfg->n_nvme; i++) {
+		CHECK(cfg->nvme_paths[i], "nvme_paths[%u] is NULL", i);
+		CHECK(cfg->nvme_bytes[i] > 0, "nvme_bytes[%u] = 0 (%s), must be > 0", i,
+		      cfg->nvme_paths[i]);
+	}
+	CHECK(cfg->n_nvme == 0 || cfg->nvme_cache_bytes >= ((uint64_t)1 << 20),
+	      "nvme_cache_bytes = %llu, must be >= 1 MiB with an NVMe tier",
+	      (unsigned long long)cfg->nvme_cache_bytes);
+	CHECK(cfg->nvme_cache_bytes <= ((uint64_t)1 << 40), "nvme_cache_bytes = %llu, must be <= 1 TiB",
+	      (unsigned long long)cfg->nvme_cache_bytes);
+	CHECK(cfg->nvme_queue_depth <= 1024, "nvme_queue_depth = %u, must be <= 1024",
+	      cfg->nvme_queue_depth);
+	CHECK(cfg->spill_policy <= KVT_SPILL_LRU, "spill_policy = %u, must be NONE (0) or LRU (1)",
+	      cfg->spill_policy);
+	CHECK(cfg->spill_policy == KVT_SPILL_NONE || cfg->n_nvme > 0,
+	      "spill_policy = LRU (1) needs an NVMe tier, but n_nvme = 0");
 	CHECK(cfg->p > 0.0f && cfg->p <= 1.0f, "p = %g, must be in (0, 1]", (double)cfg->p);
 	CHECK(cfg->scale >= 0.0f && isfinite(cfg->scale),
 	      "scale = %g, must be finite and >= 0 (0 means 1/sqrt(head_dim))", (double)cfg->scale);

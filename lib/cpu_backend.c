@@ -226,15 +226,14 @@ static void store_out(const kvt_cache *c, void *out, size_t at, const float *o)
 }
 
 /* Exact attention of KV head h's query group of batch entry i over its selection. */
-static void attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, const void *q,
-			void *out, uint32_t i)
+static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, const void *q,
+		       void *out, uint32_t i)
 {
 	const uint32_t d = c->d, G = c->group;
 	int32_t *pos = (int32_t *)c->work; /* scores and work are free again here */
 	uint64_t t0 = kvt_now_ns();
 	uint32_t n = positions(c, l, h, pos);
-	for (uint32_t t = 0; t < n; t++)
-		c->rows[t] = kvt_row(c, l, h, (uint32_t)pos[t]);
+	KVT_TRY(kvt_rows_get(c, l, h, n, pos, c->rows));
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM], o[KVT_MAX_HEAD_DIM];
 		size_t at = ((size_t)i * c->cfg.n_q_heads + h * G + g) * d;
@@ -245,6 +244,15 @@ static void attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, con
 	c->st.rows_fetched += n;
 	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;
 	c->st.ns_attend += kvt_now_ns() - t0;
+	return 0;
+}
+
+/* The batch's selections are dropped, not left half made. */
+static int drop_selections(struct kvt_layer *const *ls, uint32_t upto, int rc)
+{
+	for (uint32_t j = 0; j <= upto; j++)
+		ls[j]->sel_epoch = 0;
+	return rc;
 }
 
 static int cpu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -257,12 +265,8 @@ static int cpu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		struct kvt_layer *l = ls[i];
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
 			int rc = select_head(c, layer, l, h, q, i);
-			if (rc < 0) {
-				/* the batch's selections are dropped, not left half made */
-				for (uint32_t j = 0; j <= i; j++)
-					ls[j]->sel_epoch = 0;
-				return rc;
-			}
+			if (rc < 0)
+				return drop_selections(ls, i, rc);
 		}
 		l->sel_epoch = ++c->clock;
 		l->sel_tokens = l->n_tokens;
@@ -271,8 +275,9 @@ static int cpu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
 			uint32_t n = sinks_of(c, l->n_tokens) + l->sel_n[h] + kvt_window_count(c, l);
 			most = n > most ? n : most;
-			if (out)
-				attend_head(c, l, h, q, out, i);
+			int rc = out ? attend_head(c, l, h, q, out, i) : 0;
+			if (rc < 0)
+				return drop_selections(ls, i, rc);
 		}
 	}
 	return (int)most;
@@ -287,6 +292,7 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	const uint32_t H = c->cfg.n_kv_heads;
 	const size_t half = c->d * c->elem;
 	int32_t *tmp = (int32_t *)c->work;
+	const void **rows = c->rows;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];
@@ -306,8 +312,10 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 			counts[slot] = (int32_t)n;
 			if (pos)
 				memcpy(pos + slot * max_tokens, tmp, sizeof *tmp * n);
+			if (k_out)
+				KVT_TRY(kvt_rows_get(c, l, h, n, tmp, rows));
 			for (uint32_t t = 0; k_out && t < n; t++) {
-				const char *row = kvt_row(c, l, h, (uint32_t)tmp[t]);
+				const char *row = rows[t];
 				size_t at = (slot * max_tokens + t) * half;
 				memcpy((char *)k_out + at, row, half);
 				memcpy((char *)v_out + at, row + half, half);

@@ -12,6 +12,7 @@
 #include "kvt_config.h"
 #include "alloc.h"
 #include "../host/extent.h"
+#include "../host/nvme_store.h"
 
 #define KVT_MAX_HEAD_DIM 256u
 #define KVT_MAX_WORDS (KVT_MAX_HEAD_DIM / 32u)
@@ -138,11 +139,21 @@ struct kvt_layer {
 	uint32_t sel_tokens, sel_indexed;
 	uint32_t *sel;      /* [n_kv_heads, idx_cap] index positions (not token positions) */
 	uint32_t *sel_n;    /* [n_kv_heads] */
+	struct kvt_spill *spill; /* [n_kv_heads, blk_cap] where blocks are on NVMe, or NULL */
+	uint64_t seq_uid;   /* the owning sequence's uid (NVMe block identity, block cache key) */
+	uint32_t index;     /* this layer's number */
 	void *dev;          /* backend-owned per-layer state */
+};
+
+/* A host-tier block that lives on NVMe: blocks[i] is NULL and loc.bytes != 0. */
+struct kvt_spill {
+	struct kvt_nvme_loc loc;
+	uint64_t gen;
 };
 
 struct kvt_seq {
 	bool open;
+	uint64_t uid;       /* never reused, unlike the slot number */
 	uint64_t last_use;
 	struct kvt_layer *layers; /* [n_layers] */
 };
@@ -165,6 +176,13 @@ struct kvt_cache {
 	struct kvt_extents host;
 	kvt_stats st;
 	uint64_t clock;           /* use counter for LRU and selection epochs */
+	uint64_t call_start;      /* clock value of the current call's first sequence */
+	uint64_t next_uid;
+	/* NVMe tier (lib/tier.c) */
+	struct kvt_nvme *nvme;    /* NULL: no NVMe tier */
+	struct kvt_bcache *bc;    /* block cache of direct serving */
+	uint64_t next_gen;        /* generation of the next NVMe block written */
+	struct kvt_nvme_rows *reqs; /* [block cache slots] read requests of one direct-serving call */
 	/* scratch of the CPU pipeline, grown with the largest layer so that decode never allocates */
 	uint32_t scratch_cap;     /* indexed tokens the scratch serves */
 	float *scores;            /* [scratch_cap] */
@@ -241,6 +259,24 @@ int kvt_config_check(const kvt_config *cfg);
 int kvt_gpu_probe(int device, char *busid, size_t n, char *why, size_t whyn);
 const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void);
 #endif
+
+/* ---- the NVMe tier (lib/tier.c) ------------------------------------------------------- */
+
+int kvt_tier_init(kvt_cache *c);
+void kvt_tier_fini(kvt_cache *c);
+/* Spill LRU sequences not in the current call until `bytes` of host tier are free (KVT_SPILL_LRU). */
+int kvt_tier_make_room(kvt_cache *c, uint64_t bytes);
+int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
+int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
+/* Free the NVMe copies of a layer's spilled blocks. */
+void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l);
+/*
+ * Row pointers for n ascending token positions of KV head h: host-tier rows directly, spilled rows
+ * through the block cache (read and verified from NVMe on a miss). The pointers stay valid until the
+ * next call. Errors: the NVMe read's (-EIO, -EBADMSG, ...), -ENOSPC (block cache too small).
+ */
+int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
+		 const int32_t *pos, const void **rows);
 
 /* Monotonic nanoseconds. */
 uint64_t kvt_now_ns(void);

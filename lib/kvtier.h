@@ -49,6 +49,12 @@ typedef enum kvt_dtype {
 	KVT_DTYPE_F32 = 3      /* only for kvt_config.out_dtype */
 } kvt_dtype;
 
+/* What a cache does when the host tier cannot hold new rows. */
+typedef enum kvt_spill_policy {
+	KVT_SPILL_NONE = 0, /* the call returns -ENOSPC */
+	KVT_SPILL_LRU = 1   /* spill the least recently used sequences not in the call to NVMe first */
+} kvt_spill_policy;
+
 typedef enum kvt_backend_kind {
 	KVT_BACKEND_AUTO = 0, /* CUDA when built and a GPU is present, else CPU */
 	KVT_BACKEND_CPU = 1,
@@ -74,7 +80,14 @@ typedef struct kvt_config {
 	int32_t device;       /* CUDA device ordinal, default 0 */
 	/* tiers */
 	uint64_t host_bytes;  /* capacity of the host tier for K/V rows, > 0; default 1 GiB */
+	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier */
+	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use */
+	uint64_t nvme_cache_bytes;     /* host memory caching blocks read for direct serving, >= 1 MiB
+					  when n_nvme > 0; default 64 MiB */
 	uint32_t max_seqs;    /* sequences open at once, >= 1; default 256 */
+	uint32_t n_nvme;      /* files of the NVMe tier, 0 (default) for none, at most 64 */
+	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, 1 .. 1024; 0 (default) means 32 */
+	uint32_t spill_policy;     /* kvt_spill_policy, default KVT_SPILL_NONE */
 	/* selection */
 	float p;              /* Top-p mass in (0, 1]; default 0.9 */
 	float scale;          /* attention scale; 0 (default) means 1/sqrt(head_dim) */
@@ -90,7 +103,8 @@ typedef struct kvt_config {
 #define KVT_CONFIG_INIT                                                                            \
 	{                                                                                          \
 		sizeof(kvt_config), 0, 0, 0, 0, KVT_DTYPE_F16, KVT_DTYPE_DEFAULT, KVT_BACKEND_AUTO, \
-			0, (uint64_t)1 << 30, 256, 0.9f, 0.0f, 4, 64, 64, 0, 0, 0x6b767469u,       \
+			0, (uint64_t)1 << 30, NULL, NULL, (uint64_t)64 << 20, 256, 0, 0,            \
+			KVT_SPILL_NONE, 0.9f, 0.0f, 4, 64, 64, 0, 0, 0x6b767469u,                  \
 		{                                                                                  \
 			0                                                                          \
 		}                                                                                  \
@@ -118,6 +132,15 @@ typedef struct kvt_stats {
 	uint64_t hot_hits;            /* rows served from the device hot cache (CUDA backend) */
 	uint64_t hot_misses;
 	uint64_t errors;              /* calls that returned an error */
+	/* NVMe tier */
+	uint64_t spills, restores;    /* kvt_seq_spill / kvt_seq_restore that moved data */
+	uint64_t auto_spills;         /* sequences spilled by KVT_SPILL_LRU */
+	uint64_t nvme_bytes_used, nvme_bytes_capacity;
+	uint64_t nvme_bytes_written, nvme_bytes_read; /* moved to and from the files */
+	uint64_t nvme_reads;          /* read I/Os, direct serving and restores */
+	uint64_t nvme_cache_hits;     /* 4 KiB payload chunks served from the block cache */
+	uint64_t nvme_cache_misses;   /* chunks read from NVMe for direct serving */
+	uint64_t ns_nvme;             /* wall-clock nanoseconds in NVMe I/O */
 	/* wall-clock nanoseconds spent per stage */
 	uint64_t ns_index;            /* rotation, codes, sigma, beta (prefill and flushes) */
 	uint64_t ns_store;            /* writing rows to the host tier */
@@ -148,6 +171,28 @@ KVT_API int kvt_seq_open(kvt_cache *cache, uint32_t *seq);
 
 /* Close a sequence and free its host rows and index. Errors: -EINVAL, -ENOENT (not open). */
 KVT_API int kvt_seq_close(kvt_cache *cache, uint32_t seq);
+
+/*
+ * Move the K/V rows of `seq` from the host tier to the NVMe tier: every full host-tier block (256
+ * tokens of one layer and KV head) whose tokens are all sinks or indexed is written through io_uring,
+ * checksummed, and its host memory freed once every write has completed. The window and the partial
+ * last block of each layer and head stay in host memory, so decoding goes on; the sequence can still
+ * be attended: the rows it selects are read from NVMe (direct serving, through a host block cache of
+ * nvme_cache_bytes). Returns the bytes of rows moved (0 when nothing was left to move). All or
+ * nothing: on failure the host copy is intact and no NVMe space is held.
+ * Errors: -EINVAL, -ENOENT, -EOPNOTSUPP (no NVMe tier configured, or built without liburing),
+ * -ENOSPC (the NVMe files are full), -EIO (or another I/O error), -ENOMEM.
+ */
+KVT_API int64_t kvt_seq_spill(kvt_cache *cache, uint32_t seq);
+
+/*
+ * Bring every spilled block of `seq` back into the host tier and free its NVMe space. Each block is
+ * verified (header, identity, generation, crc32c) before it is used. Returns the bytes moved.
+ * All or nothing: on failure the NVMe copy stays the valid one and no host memory is held.
+ * Errors: -EINVAL, -ENOENT, -EOPNOTSUPP, -ENOSPC (host tier full and KVT_SPILL_NONE, or nothing
+ * left to spill), -EBADMSG (a block failed verification: the text names it), -EIO, -ENOMEM.
+ */
+KVT_API int64_t kvt_seq_restore(kvt_cache *cache, uint32_t seq);
 
 /* Tokens held by `seq` on `layer`, or a negative code (-EINVAL, -ENOENT). */
 KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);

@@ -113,10 +113,19 @@ static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
 	uint32_t cap = l->blk_cap ? l->blk_cap * 2 : 4;
 	cap = cap < blocks ? blocks : cap;
 	void **t = regrow(c, l->blocks, sizeof(void *), l->blk_cap, cap, c->cfg.n_kv_heads);
-	if (!t)
+	struct kvt_spill *sp = NULL;
+	if (t && l->spill)
+		sp = regrow(c, l->spill, sizeof *sp, l->blk_cap, cap, c->cfg.n_kv_heads);
+	if (!t || (l->spill && !sp)) {
+		kvt_mem_free(KVT_MEM_HOST, t, 0);
 		return kvt_seterr(c, -ENOMEM, "out of memory growing a block table to %u blocks", cap);
+	}
 	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
 	l->blocks = t;
+	if (sp) {
+		kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
+		l->spill = sp;
+	}
 	l->blk_cap = cap;
 	return 0;
 }
@@ -124,8 +133,10 @@ static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
 /* Blocks per KV head of one layer, back to `keep` (undoing a partial grow). */
 static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
 {
-	for (uint32_t h = 0; h < c->cfg.n_kv_heads && l->n_blocks > keep; h++)
-		kvt_extents_give(&c->host, l->n_blocks - keep, l->blocks + (size_t)h * l->blk_cap + keep);
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
+		for (uint32_t b = keep; b < l->n_blocks; b++)
+			if (l->blocks[(size_t)h * l->blk_cap + b]) /* NULL: spilled, see kvt_tier_drop */
+				kvt_extents_give(&c->host, 1, &l->blocks[(size_t)h * l->blk_cap + b]);
 	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
 }
 
@@ -139,7 +150,10 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		if (want > ls[i]->n_blocks)
 			need += (uint64_t)(want - ls[i]->n_blocks) * H;
 	}
-	uint64_t bytes = need * c->host.block_bytes, free = kvt_extents_free_bytes(&c->host);
+	uint64_t bytes = need * c->host.block_bytes;
+	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
+		KVT_TRY(kvt_tier_make_room(c, bytes));
+	uint64_t free = kvt_extents_free_bytes(&c->host);
 	KVT_RETURN_IF(bytes > free, c, -ENOSPC,
 		      "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
 		      "host_bytes = %llu",
@@ -188,6 +202,7 @@ void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)
 {
 	if (c->ops->layer_fini)
 		c->ops->layer_fini(c, l);
+	kvt_tier_drop(c, l);
 	shrink_rows(c, l, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->codes, 0);

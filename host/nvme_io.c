@@ -1,0 +1,614 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The I/O engine of the NVMe store, and the calls built on it (write, read, free).
+ *
+ * One call (a write or a read of n blocks) runs a small engine: a block is admitted when enough
+ * adjacent bounce slots are free, broken into pieces that each stay inside one registered slot, and
+ * the pieces are submitted with at most queue_depth in flight. Completions are handled in whatever
+ * order they come; a block is finished (written, or verified and copied out) when its last piece
+ * completes, and its slots go back to the pool. After the first error nothing new is submitted or
+ * delivered, but the call still waits for every I/O in flight, because until then the kernel owns
+ * the bounce memory.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvt_config.h"
+
+#if KVT_HAVE_LIBURING
+#include "../lib/alloc.h"
+#include "nvme_priv.h"
+
+/* Per I/O: -EAGAIN retries, and short transfers that made no aligned progress. */
+#define MAX_TRIES 8u
+/* A submission refused with -EAGAIN/-EBUSY is retried this many times, 1 ms apart. */
+#define MAX_BUSY 1000
+
+/* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
+struct call {
+	int write, rc;
+	uint32_t n, next, done;
+	const struct kvt_nvme_block *blocks;
+	struct kvt_nvme_loc *locs;
+	const struct kvt_nvme_rows *rows;
+	const struct kvt_nvme_loc *rlocs;
+	const struct kvt_nvme_block_id *expect;
+	void *const *outs;
+};
+
+/* The first error of a call wins; what goes wrong while draining is not recorded. */
+__attribute__((format(printf, 4, 5))) static void call_fail(struct kvt_nvme *st, struct call *c,
+							     int code, const char *fmt, ...)
+{
+	if (c->rc)
+		return;
+	c->rc = code;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(st->err, sizeof st->err, fmt, ap);
+	va_end(ap);
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t round_up(uint64_t x, uint32_t a)
+{
+	return (x + a - 1) & ~(uint64_t)(a - 1);
+}
+
+static uint64_t round_down(uint64_t x, uint32_t a)
+{
+	return x & ~(uint64_t)(a - 1);
+}
+
+static void call_rows(const struct call *c, uint32_t i, struct kvt_nvme_rows *q)
+{
+	if (c->rows) {
+		*q = c->rows[i];
+		return;
+	}
+	q->loc = c->rlocs[i];
+	q->expect = c->expect[i];
+	q->row_begin = 0;
+	q->row_end = c->expect[i].n_tokens;
+	q->out = c->outs[i];
+}
+
+/* How messages name a block: "path @ offset (+bytes), seq S layer L head H tokens a..b gen G". */
+static void name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+		       const struct kvt_nvme_block_id *id, char *buf, size_t n)
+{
+	const char *path = l->file < st->n_files ? st->files[l->file].path : "?";
+	snprintf(buf, n,
+		 "%s @ %" PRIu64 " (+%u), seq %" PRIu64 " layer %u head %u tokens %" PRIu64 "..%" PRIu64
+		 " gen %" PRIu64,
+		 path, l->offset, l->bytes, id->seq, id->layer, id->kv_head, id->first_token,
+		 id->first_token + id->n_tokens, id->generation);
+}
+
+/* ---- geometry of a read ------------------------------------------------------------------- */
+
+/*
+ * Which aligned ranges of the block a read of rows [row_begin, row_end) needs: the header, and the
+ * 4 KiB chunks covering the rows (so each can be checked against its CRC). Returns the bytes to
+ * stage: the two ranges back to back, or one range when they touch.
+ */
+static uint64_t read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_rows *q,
+			      struct req *r)
+{
+	uint32_t p = kvt_nvme_payload_bytes(&q->expect), hb = kvt_nvme_header_bytes(p);
+	uint64_t row = (uint64_t)q->expect.head_dim * 4u;
+	r->c0 = (uint32_t)(q->row_begin * row / KVT_NVME_CHUNK);
+	r->c1 = (uint32_t)((q->row_end * row + KVT_NVME_CHUNK - 1) / KVT_NVME_CHUNK);
+	uint64_t chunk_end = (uint64_t)r->c1 * KVT_NVME_CHUNK < p ? (uint64_t)r->c1 * KVT_NVME_CHUNK : p;
+	r->hr = (uint32_t)round_up(hb, st->align);
+	r->ds = round_down(hb + (uint64_t)r->c0 * KVT_NVME_CHUNK, st->align);
+	r->de = round_up(hb + chunk_end, st->align);
+	r->merged = r->ds <= r->hr;
+	return r->merged ? r->de : r->hr + (r->de - r->ds);
+}
+
+/* Where byte `off` of the block sits in the staged copy. */
+static uint64_t stage_pos(const struct req *r, uint64_t off)
+{
+	return r->merged || off < r->hr ? off : r->hr + (off - r->ds);
+}
+
+/* ---- pools ------------------------------------------------------------------------------- */
+
+static void pools_reset(struct kvt_nvme *st)
+{
+	for (uint32_t i = 0; i < st->n_ops; i++)
+		st->op_free[i] = i;
+	st->n_op_free = st->n_ops;
+	for (uint32_t i = 0; i < st->qd; i++)
+		st->req_free[i] = i;
+	st->n_req_free = st->qd;
+	memset(st->slot_used, 0, st->qd);
+	st->pend_head = st->pend_n = 0;
+}
+
+/* First fit of k adjacent free slots; 0 with *first set, or -1 (wait for completions). */
+static int slots_take(struct kvt_nvme *st, uint32_t k, uint32_t *first)
+{
+	for (uint32_t i = 0, run = 0; i < st->qd; i++) {
+		run = st->slot_used[i] ? 0 : run + 1;
+		if (run == k) {
+			*first = i + 1 - k;
+			memset(&st->slot_used[*first], 1, k);
+			return 0;
+		}
+	}
+	return -1;
+}
+
+static void pend_push(struct kvt_nvme *st, uint32_t oi)
+{
+	st->pending[(st->pend_head + st->pend_n++) % st->n_ops] = oi;
+}
+
+/* Queue the pieces of block range [boff, boff + len), staged at `soff` of the request's slots. */
+static void add_range(struct kvt_nvme *st, struct req *r, uint32_t ri,
+		      const struct kvt_nvme_loc *loc, uint64_t boff, uint64_t len, uint64_t soff)
+{
+	while (len) {
+		uint64_t a = (uint64_t)r->slot0 * st->bounce + soff;
+		uint64_t room = st->bounce - a % st->bounce;
+		uint32_t piece = (uint32_t)(len < room ? len : room);
+		uint32_t oi = st->op_free[--st->n_op_free];
+		struct op *o = &st->ops[oi];
+		memset(o, 0, sizeof *o);
+		o->file_off = loc->offset + boff;
+		o->stage = a;
+		o->req = ri;
+		o->len = piece;
+		o->slot = (uint32_t)(a / st->bounce);
+		o->file = (uint16_t)loc->file;
+		r->ops_left++;
+		pend_push(st, oi);
+		boff += piece;
+		soff += piece;
+		len -= piece;
+	}
+}
+
+/*
+ * Admit blocks in order while bounce slots are free: stage a write's image (encode) or plan a
+ * read's ranges. Piece count is bounded: a block of k slots has at most k + 1 pieces, and the
+ * active blocks hold at most qd slots, so 2 * qd + 2 pieces always suffice.
+ */
+static void admit(struct kvt_nvme *st, struct call *c)
+{
+	while (!c->rc && c->next < c->n && st->n_req_free) {
+		uint32_t i = c->next, slot0;
+		struct req tmp;
+		struct kvt_nvme_rows q;
+		uint64_t stage;
+		memset(&tmp, 0, sizeof tmp);
+		if (c->write) {
+			stage = c->locs[i].bytes;
+		} else {
+			call_rows(c, i, &q);
+			stage = read_geometry(st, &q, &tmp);
+		}
+		uint32_t k = (uint32_t)((stage + st->bounce - 1) / st->bounce);
+		if (st->n_op_free < k + 1 || slots_take(st, k, &slot0))
+			return;
+		uint32_t ri = st->req_free[--st->n_req_free];
+		struct req *r = &st->reqs[ri];
+		*r = tmp;
+		r->idx = i;
+		r->slot0 = slot0;
+		r->n_slots = k;
+		if (c->write) {
+			kvt_nvme_encode(&c->blocks[i].id, c->blocks[i].payload,
+					st->arena + (size_t)slot0 * st->bounce, c->locs[i].bytes);
+			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
+		} else if (r->merged) {
+			add_range(st, r, ri, &q.loc, 0, r->de, 0);
+		} else {
+			add_range(st, r, ri, &q.loc, 0, r->hr, 0);
+			add_range(st, r, ri, &q.loc, r->ds, r->de - r->ds, r->hr);
+		}
+		c->next++;
+	}
+}
+
+/* ---- submission and completion ----------------------------------------------------------- */
+
+/* Put pending pieces into SQEs while fewer than queue_depth are in flight. */
+static void prepare(struct kvt_nvme *st, struct call *c)
+{
+	while (!c->rc && st->pend_n && st->inflight < st->qd) {
+		struct io_uring_sqe *sqe = io_uring_get_sqe(&st->ring);
+		if (!sqe)
+			return; /* cannot happen: the SQ ring has >= qd entries; kept as a guard */
+		uint32_t oi = st->pending[st->pend_head];
+		st->pend_head = (st->pend_head + 1) % st->n_ops;
+		st->pend_n--;
+		struct op *o = &st->ops[oi];
+		unsigned char *buf = st->arena + o->stage + o->done;
+		unsigned len = o->len - o->done;
+		uint64_t off = o->file_off + o->done;
+		int fd = st->fixed_files ? (int)o->file : st->files[o->file].fd;
+		if (c->write && st->fixed_bufs)
+			io_uring_prep_write_fixed(sqe, fd, buf, len, off, (int)o->slot);
+		else if (c->write)
+			io_uring_prep_write(sqe, fd, buf, len, off);
+		else if (st->fixed_bufs)
+			io_uring_prep_read_fixed(sqe, fd, buf, len, off, (int)o->slot);
+		else
+			io_uring_prep_read(sqe, fd, buf, len, off);
+		if (st->fixed_files)
+			sqe->flags |= IOSQE_FIXED_FILE;
+		io_uring_sqe_set_data64(sqe, oi);
+		o->t_submit = now_ns();
+		o->seqno = ++st->seqno;
+		st->inflight++;
+	}
+}
+
+/* Submit what is prepared and wait for `want` completions. Returns 0, or -1 with the store broken. */
+static int enter(struct kvt_nvme *st, struct call *c, unsigned want)
+{
+	for (int busy = 0;;) {
+		int r = io_uring_submit_and_wait(&st->ring, want);
+		st->stats.submits++;
+		if (r >= 0 || r == -EINTR || r == -ETIME)
+			return 0;
+		if ((r == -EAGAIN || r == -EBUSY) && io_uring_cq_ready(&st->ring))
+			return 0;
+		if ((r == -EAGAIN || r == -EBUSY) && ++busy < MAX_BUSY) {
+			/* The kernel is short of request memory or the CQ is backed up: give it a moment. */
+			struct timespec ms = {0, 1000000};
+			nanosleep(&ms, NULL);
+			continue;
+		}
+		/*
+		 * The SQ ring may hold entries the kernel never took, so in-flight accounting is lost:
+		 * the store refuses further calls (closing it is still safe).
+		 */
+		st->broken = 1;
+		call_fail(st, c, -EIO, "io_uring_submit_and_wait: %s; the store is out of service",
+			  strerror(-r));
+		return -1;
+	}
+}
+
+static void finish(struct kvt_nvme *st, struct call *c, struct req *r, uint32_t ri);
+
+static const char *dir(const struct call *c)
+{
+	return c->write ? "write" : "read";
+}
+
+/* Handle one completion of piece oi with (possibly rewritten) result res. */
+static void complete(struct kvt_nvme *st, struct call *c, uint32_t oi, int res, uint64_t now)
+{
+	struct op *o = &st->ops[oi];
+	struct nv_file *f = &st->files[o->file];
+	uint64_t lat = now - o->t_submit;
+	st->inflight--;
+	st->stats.lat_sum_ns += lat;
+	if (lat > st->stats.lat_max_ns)
+		st->stats.lat_max_ns = lat;
+	if (o->seqno < st->max_reaped)
+		st->stats.reordered++;
+	else
+		st->max_reaped = o->seqno;
+	*(c->write ? &st->stats.write_ios : &st->stats.read_ios) += 1;
+	if (st->hook)
+		res = st->hook(st->hook_ctx, ++st->hook_nth, res);
+	if (c->rc)
+		return; /* draining after an error: the piece is given up either way */
+	uint32_t left = o->len - o->done;
+	uint64_t at = o->file_off + o->done;
+	if (res == -EAGAIN || res == -EINTR) {
+		if (++o->tries > MAX_TRIES) {
+			call_fail(st, c, -EIO, "%s of %u bytes at %s @ %" PRIu64 ": %s %u times",
+					 dir(c), left, f->path, at, strerror(-res), MAX_TRIES + 1);
+			return;
+		}
+		st->stats.retries++;
+		pend_push(st, oi);
+		return;
+	}
+	if (res < 0) {
+		call_fail(st, c, res, "%s of %u bytes at %s @ %" PRIu64 ": %s", dir(c), left,
+				 f->path, at, strerror(-res));
+		return;
+	}
+	if (res == 0) {
+		call_fail(st, c, -EIO, "%s of %u bytes at %s @ %" PRIu64 " moved 0 bytes",
+				 dir(c), left, f->path, at);
+		return;
+	}
+	if ((uint32_t)res > left) {
+		call_fail(st, c, -EIO, "%s at %s @ %" PRIu64 " reports %d bytes, %u were asked",
+				 dir(c), f->path, at, res, left);
+		return;
+	}
+	*(c->write ? &st->stats.bytes_written : &st->stats.bytes_read) += (uint64_t)res;
+	if ((uint32_t)res < left) {
+		/* Continue from the last aligned byte: O_DIRECT needs aligned offsets and buffers. */
+		uint32_t done = (uint32_t)round_down(o->done + (uint32_t)res, st->align);
+		st->stats.short_ios++;
+		if (done == o->done && ++o->tries > MAX_TRIES) {
+			call_fail(st, c, -EIO,
+					 "%s at %s @ %" PRIu64 ": %u short transfers without progress",
+					 dir(c), f->path, at, MAX_TRIES + 1);
+			return;
+		}
+		o->done = done;
+		pend_push(st, oi);
+		return;
+	}
+	o->done = o->len;
+	uint32_t ri = o->req;
+	st->op_free[st->n_op_free++] = oi;
+	if (--st->reqs[ri].ops_left == 0)
+		finish(st, c, &st->reqs[ri], ri);
+}
+
+/* A read block has all its pieces: verify it in the bounce buffer, then copy the rows out. */
+static void deliver(struct kvt_nvme *st, struct call *c, const struct req *r)
+{
+	struct kvt_nvme_rows q;
+	call_rows(c, r->idx, &q);
+	const unsigned char *stage = st->arena + (size_t)r->slot0 * st->bounce;
+	uint32_t p = kvt_nvme_payload_bytes(&q.expect), hb = kvt_nvme_header_bytes(p);
+	uint64_t row = (uint64_t)q.expect.head_dim * 4u;
+	struct kvt_nvme_view v = {.hdr = stage, .c0 = r->c0, .c1 = r->c1};
+	v.data = stage + stage_pos(r, hb + (uint64_t)r->c0 * KVT_NVME_CHUNK);
+	if (r->de == q.loc.bytes) {
+		v.pad = stage + stage_pos(r, (uint64_t)hb + p);
+		v.pad_bytes = q.loc.bytes - hb - p;
+	}
+	char why[192], name[256];
+	if (kvt_nvme_verify(&v, &q.expect, why, sizeof why)) {
+		st->stats.checksum_failures++;
+		name_block(st, &q.loc, &q.expect, name, sizeof name);
+		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s", r->idx, name, why);
+		return;
+	}
+	memcpy(q.out, v.data + (q.row_begin * row - (uint64_t)r->c0 * KVT_NVME_CHUNK),
+	       (q.row_end - q.row_begin) * row);
+	st->stats.blocks_read++;
+}
+
+static void finish(struct kvt_nvme *st, struct call *c, struct req *r, uint32_t ri)
+{
+	if (!c->write)
+		deliver(st, c, r);
+	memset(&st->slot_used[r->slot0], 0, r->n_slots);
+	st->req_free[st->n_req_free++] = ri;
+	c->done++;
+}
+
+/* Reap what has completed (everything in flight, shuffled, when the test shim asks for it). */
+static void reap(struct kvt_nvme *st, struct call *c)
+{
+	if (enter(st, c, st->shuffle ? st->inflight : 1))
+		return;
+	unsigned got = io_uring_peek_batch_cqe(&st->ring, st->cqp, st->qd);
+	for (unsigned i = 0; i < got; i++) {
+		st->cqes[i].data = io_uring_cqe_get_data64(st->cqp[i]);
+		st->cqes[i].res = st->cqp[i]->res;
+	}
+	io_uring_cq_advance(&st->ring, got);
+	for (unsigned i = got; st->shuffle && i > 1; i--) {
+		/* Fisher-Yates with xorshift64: the order is a function of the seed alone. */
+		uint64_t x = st->shuffle;
+		x ^= x << 13;
+		x ^= x >> 7;
+		x ^= x << 17;
+		st->shuffle = x;
+		unsigned j = (unsigned)(x % i);
+		struct cqe_copy t = st->cqes[i - 1];
+		st->cqes[i - 1] = st->cqes[j];
+		st->cqes[j] = t;
+	}
+	uint64_t now = now_ns();
+	for (unsigned i = 0; i < got; i++)
+		complete(st, c, (uint32_t)st->cqes[i].data, st->cqes[i].res, now);
+}
+
+static int run_call(struct kvt_nvme *st, struct call *c)
+{
+	pools_reset(st);
+	for (;;) {
+		admit(st, c);
+		prepare(st, c);
+		if (!st->inflight) {
+			/*
+			 * Nothing in flight means every slot was free for admit and every pending piece
+			 * went to prepare: unless the call is over, that is a stall, never a wait.
+			 */
+			if (!c->rc && c->done < c->n)
+				call_fail(st, c, -EIO, "internal: block %u cannot be staged", c->next);
+			break;
+		}
+		reap(st, c);
+		if (st->broken)
+			break; /* pieces in the SQ ring may never complete: nothing to wait for */
+	}
+	if (c->rc && c->rc != -EBADMSG)
+		st->stats.io_errors++;
+	return c->rc;
+}
+
+/* ---- the calls ---------------------------------------------------------------------------- */
+
+static int usable(struct kvt_nvme *st)
+{
+	if (!st)
+		return -EINVAL;
+	if (st->broken)
+		return kvt_nvme_seterr(st, -EIO, "the store is out of service after a failed submission");
+	return 0;
+}
+
+/* Space for all n blocks, files taken in turn; all or nothing. */
+static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs)
+{
+	uint64_t need = 0, avail = 0, largest = 0;
+	for (uint32_t i = 0; i < n; i++)
+		need += locs[i].bytes;
+	for (uint32_t i = 0; i < n; i++) {
+		int rc = -ENOSPC;
+		for (uint32_t t = 0; t < st->n_files && rc == -ENOSPC; t++) {
+			uint32_t fi = (st->rotor + t) % st->n_files;
+			rc = kvt_space_reserve(&st->files[fi].space);
+			if (!rc)
+				rc = kvt_space_alloc(&st->files[fi].space, locs[i].bytes, &locs[i].offset);
+			if (!rc) {
+				locs[i].file = fi;
+				st->rotor = fi + 1;
+			}
+		}
+		if (rc) {
+			for (uint32_t j = 0; j < i; j++)
+				kvt_space_free(&st->files[locs[j].file].space, locs[j].offset, locs[j].bytes);
+			for (uint32_t f = 0; f < st->n_files; f++) {
+				avail += st->files[f].space.free;
+				uint64_t l = kvt_space_largest(&st->files[f].space);
+				largest = l > largest ? l : largest;
+			}
+			if (rc == -ENOMEM)
+				return kvt_nvme_seterr(st, rc, "no memory for the free list (block %u)", i);
+			return kvt_nvme_seterr(st, -ENOSPC,
+					       "%u blocks need %" PRIu64 " bytes; %" PRIu64
+					       " bytes free over %u files, largest free extent %" PRIu64
+					       " (block %u of %u bytes did not fit)",
+					       n, need, avail, st->n_files, largest, i, locs[i].bytes);
+		}
+	}
+	return 0;
+}
+
+int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
+			  struct kvt_nvme_loc *locs)
+{
+	int rc = usable(st);
+	if (rc)
+		return rc;
+	if (n && (!blocks || !locs))
+		return kvt_nvme_seterr(st, -EINVAL, "blocks and locs_out must not be NULL");
+	if (n)
+		memset(locs, 0, (size_t)n * sizeof *locs);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvt_nvme_block_id *id = &blocks[i].id;
+		uint64_t disk = kvt_nvme_disk_bytes(id, st->align);
+		if (!disk || !blocks[i].payload)
+			return kvt_nvme_seterr(st, -EINVAL,
+					       "block %u: %u tokens x head_dim %u (payload %p): need 1.. "
+					       "rows of 1.. elements, at most %u payload bytes",
+					       i, id->n_tokens, id->head_dim, blocks[i].payload,
+					       KVT_NVME_MAX_PAYLOAD);
+		if (disk > (uint64_t)st->qd * st->bounce)
+			return kvt_nvme_seterr(st, -EINVAL,
+					       "block %u takes %" PRIu64 " bytes, more than the bounce "
+					       "pool of %u x %u bytes",
+					       i, disk, st->qd, st->bounce);
+		locs[i].bytes = (uint32_t)disk;
+	}
+	rc = take_space(st, n, locs);
+	if (rc) {
+		memset(locs, 0, (size_t)n * sizeof *locs);
+		return rc;
+	}
+	struct call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
+	rc = n ? run_call(st, &c) : 0;
+	if (rc) {
+		/* Nothing of a failed call is reported written: its space goes back, its locs are zero. */
+		for (uint32_t i = 0; i < n; i++)
+			kvt_space_free(&st->files[locs[i].file].space, locs[i].offset, locs[i].bytes);
+		memset(locs, 0, (size_t)n * sizeof *locs);
+		return rc;
+	}
+	st->stats.blocks_written += n;
+	return 0;
+}
+
+/* A request must name a block of the store that matches its identity, and rows inside it. */
+static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q)
+{
+	const struct kvt_nvme_loc *l = &q->loc;
+	uint64_t disk = kvt_nvme_disk_bytes(&q->expect, st->align);
+	const char *bad = NULL;
+	struct req r;
+	if (!disk || disk != l->bytes)
+		bad = "the loc's size does not match the identity's";
+	else if (l->file >= st->n_files || (l->offset & (st->align - 1)) ||
+		 l->offset > st->files[l->file].bytes || l->bytes > st->files[l->file].bytes - l->offset)
+		bad = "the loc is not an aligned range inside one of the files";
+	else if (q->row_begin >= q->row_end || q->row_end > q->expect.n_tokens || !q->out)
+		bad = "the rows are empty or past the block, or out is NULL";
+	else if (read_geometry(st, q, &r) > (uint64_t)st->qd * st->bounce)
+		bad = "it needs more staging than the bounce pool holds";
+	if (!bad)
+		return 0;
+	char name[256];
+	name_block(st, l, &q->expect, name, sizeof name);
+	return kvt_nvme_seterr(st, -EINVAL, "read %u (%s, rows [%u, %u), out %p): %s; the identity "
+			       "needs %" PRIu64 " bytes on disk, bounce pool %u x %u", i, name,
+			       q->row_begin, q->row_end, q->out, bad, disk, st->qd, st->bounce);
+}
+
+static int run_read(struct kvt_nvme *st, struct call *c)
+{
+	int rc = usable(st);
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < c->n; i++) {
+		struct kvt_nvme_rows q;
+		call_rows(c, i, &q);
+		rc = check_read(st, i, &q);
+		if (rc)
+			return rc;
+	}
+	return c->n ? run_call(st, c) : 0;
+}
+
+int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
+			 const struct kvt_nvme_block_id *expect, void *const *payload_out)
+{
+	if (st && n && (!locs || !expect || !payload_out))
+		return kvt_nvme_seterr(st, -EINVAL, "locs, expect and payload_out must not be NULL");
+	struct call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out};
+	return run_read(st, &c);
+}
+
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)
+{
+	if (st && n && !reqs)
+		return kvt_nvme_seterr(st, -EINVAL, "reqs must not be NULL");
+	struct call c = {.n = n, .rows = reqs};
+	return run_read(st, &c);
+}
+
+void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)
+{
+	if (!st || !locs)
+		return;
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvt_nvme_loc *l = &locs[i];
+		if (!l->bytes)
+			continue;
+		if (l->file >= st->n_files || (l->offset & (st->align - 1)) ||
+		    kvt_space_free(&st->files[l->file].space, l->offset, l->bytes))
+			st->stats.bad_frees++;
+	}
+}
+
+#endif

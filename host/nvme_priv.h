@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Internals of the NVMe store shared by nvme_store.c (open, close, queries) and nvme_io.c (the I/O
+ * engine, reads, writes, frees). Never included outside host/nvme_*.c. Only built with liburing.
+ */
+#ifndef KVT_NVME_PRIV_H
+#define KVT_NVME_PRIV_H
+
+#include <liburing.h>
+#include <stdint.h>
+
+#include "nvme_space.h"
+#include "nvme_store.h"
+
+struct nv_file {
+	int fd;
+	uint64_t bytes; /* usable: the configured size rounded down to the alignment */
+	struct kvt_space space;
+	char *path;
+	size_t path_bytes;
+};
+
+/* One piece of I/O: a range of one block inside one bounce slot. */
+struct op {
+	uint64_t file_off; /* where the piece starts in the file */
+	uint64_t t_submit, seqno;
+	uint64_t stage;      /* offset of the piece in the arena */
+	uint32_t req;        /* owning block */
+	uint32_t len, done;  /* done stays a multiple of the alignment */
+	uint32_t slot;
+	uint16_t file;
+	uint8_t tries;
+};
+
+/* One block being moved. For reads, which parts of it were staged where. */
+struct req {
+	uint32_t idx, slot0, n_slots, ops_left;
+	uint32_t hr, c0, c1; /* header range [0, hr) staged at 0; payload chunks [c0, c1) */
+	uint64_t ds, de;     /* block range [ds, de) holding those chunks, staged at hr */
+	int merged;          /* the two ranges touch: one range [0, de) staged at 0 */
+};
+
+struct cqe_copy {
+	uint64_t data;
+	int res;
+};
+
+struct kvt_nvme {
+	struct io_uring ring;
+	int ring_ok, fixed_files, fixed_bufs, broken;
+	uint32_t n_files, qd, align, bounce;
+	struct nv_file *files;
+	unsigned char *arena;
+	size_t arena_bytes;
+	uint8_t *slot_used;
+	struct op *ops;
+	uint32_t n_ops, n_op_free, *op_free;
+	uint32_t *pending, pend_head, pend_n; /* FIFO of ops waiting for a submission slot */
+	struct req *reqs;
+	uint32_t n_req_free, *req_free;
+	struct io_uring_cqe **cqp;
+	struct cqe_copy *cqes;
+	uint32_t inflight, rotor;
+	uint64_t seqno, max_reaped;
+	int (*hook)(void *ctx, uint64_t nth, int res);
+	void *hook_ctx;
+	uint64_t hook_nth, shuffle;
+	struct kvt_nvme_stats stats;
+	char status[1024];
+	char err[512];
+};
+
+/* Record the detail of a failure in st->err and return code. */
+int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+#endif

@@ -1,0 +1,416 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The NVMe tier seen from the cache: spill and restore of whole sequences, the LRU spill policy,
+ * and direct serving of spilled rows through a host-memory block cache.
+ *
+ * Only full host-tier blocks whose tokens are all sinks or indexed are spilled. Index builds (window
+ * flushes) and row stores touch only the window and the last block, so they never need a spilled
+ * row and never fail on I/O; only attention and gather read spilled rows, and they are read-only.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* One cached 4 KiB payload chunk of a spilled block. */
+struct bslot {
+	uint64_t uid;
+	uint32_t layer, head, block, chunk;
+	int32_t next;   /* hash chain */
+	uint64_t stamp; /* call that last needed it: never evicted during that call */
+	bool used;
+};
+
+struct kvt_bcache {
+	uint32_t n_slots, n_buckets, hand;
+	uint64_t stamp;
+	unsigned char *data; /* [n_slots, KVT_NVME_CHUNK] */
+	struct bslot *slots;
+	int32_t *buckets;
+};
+
+static uint32_t bucket_of(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
+			  uint32_t block, uint32_t chunk)
+{
+	uint64_t h = uid * 0x9e3779b97f4a7c15ull;
+	h ^= ((uint64_t)layer << 40) ^ ((uint64_t)head << 24) ^ ((uint64_t)block << 8) ^ chunk;
+	h *= 0xbf58476d1ce4e5b9ull;
+	return (uint32_t)(h >> 32) & (bc->n_buckets - 1);
+}
+
+static void bc_unlink(struct kvt_bcache *bc, int32_t i)
+{
+	struct bslot *s = &bc->slots[i];
+	int32_t *p = &bc->buckets[bucket_of(bc, s->uid, s->layer, s->head, s->block, s->chunk)];
+	while (*p != i)
+		p = &bc->slots[*p].next;
+	*p = s->next;
+	s->used = false;
+}
+
+static int32_t bc_find(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
+		       uint32_t block, uint32_t chunk)
+{
+	for (int32_t i = bc->buckets[bucket_of(bc, uid, layer, head, block, chunk)]; i >= 0;
+	     i = bc->slots[i].next) {
+		const struct bslot *s = &bc->slots[i];
+		if (s->uid == uid && s->layer == layer && s->head == head && s->block == block &&
+		    s->chunk == chunk)
+			return i;
+	}
+	return -1;
+}
+
+/* A slot for a new chunk, evicting by clock; -1 when every slot is needed by this call. */
+static int32_t bc_take(struct kvt_bcache *bc)
+{
+	for (uint32_t tries = 0; tries < bc->n_slots; tries++) {
+		int32_t i = (int32_t)bc->hand;
+		bc->hand = (bc->hand + 1) % bc->n_slots;
+		if (bc->slots[i].used && bc->slots[i].stamp == bc->stamp)
+			continue;
+		if (bc->slots[i].used)
+			bc_unlink(bc, i);
+		return i;
+	}
+	return -1;
+}
+
+int kvt_tier_init(kvt_cache *c)
+{
+	if (c->cfg.n_nvme == 0)
+		return 0;
+	char err[256] = "";
+	const struct kvt_nvme_config nc = {
+		.paths = c->cfg.nvme_paths,
+		.bytes = c->cfg.nvme_bytes,
+		.n_files = c->cfg.n_nvme,
+		.queue_depth = c->cfg.nvme_queue_depth,
+	};
+	int rc = kvt_nvme_open(&nc, &c->nvme, err, sizeof err);
+	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err);
+	struct kvt_bcache *bc = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc);
+	KVT_RETURN_IF(!bc, NULL, -ENOMEM, "out of memory for the block cache");
+	c->bc = bc;
+	bc->n_slots = (uint32_t)(c->cfg.nvme_cache_bytes / KVT_NVME_CHUNK);
+	bc->n_buckets = 1;
+	while (bc->n_buckets < 2 * bc->n_slots)
+		bc->n_buckets *= 2;
+	bc->data = kvt_mem_alloc(KVT_MEM_PAGES, (size_t)bc->n_slots * KVT_NVME_CHUNK);
+	bc->slots = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->slots * bc->n_slots);
+	bc->buckets = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->buckets * bc->n_buckets);
+	/* one read request per chunk at most, and a call never holds more chunks than slots */
+	c->reqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->reqs * bc->n_slots);
+	KVT_RETURN_IF(!bc->data || !bc->slots || !bc->buckets || !c->reqs, NULL, -ENOMEM,
+		      "out of memory for the block cache (nvme_cache_bytes = %llu)",
+		      (unsigned long long)c->cfg.nvme_cache_bytes);
+	for (uint32_t i = 0; i < bc->n_buckets; i++)
+		bc->buckets[i] = -1;
+	return 0;
+}
+
+void kvt_tier_fini(kvt_cache *c)
+{
+	struct kvt_bcache *bc = c->bc;
+	if (bc) {
+		kvt_mem_free(KVT_MEM_PAGES, bc->data, (size_t)bc->n_slots * KVT_NVME_CHUNK);
+		kvt_mem_free(KVT_MEM_HOST, bc->slots, 0);
+		kvt_mem_free(KVT_MEM_HOST, bc->buckets, 0);
+		kvt_mem_free(KVT_MEM_HOST, bc, 0);
+		c->bc = NULL;
+	}
+	kvt_mem_free(KVT_MEM_HOST, c->reqs, 0);
+	c->reqs = NULL;
+	kvt_nvme_close(c->nvme);
+	c->nvme = NULL;
+}
+
+static int need_tier(kvt_cache *c)
+{
+	KVT_RETURN_IF(!c->nvme, c, -EOPNOTSUPP,
+		      "no NVMe tier: n_nvme = 0 in the config%s",
+		      KVT_HAVE_LIBURING ? "" : " (and this build has no liburing)");
+	return 0;
+}
+
+static uint32_t block_rows(const kvt_cache *c, const struct kvt_layer *l, uint32_t b)
+{
+	uint32_t end = (b + 1) * KVT_BLOCK_TOKENS;
+	return (end < l->n_tokens ? end : l->n_tokens) - b * KVT_BLOCK_TOKENS;
+}
+
+static struct kvt_nvme_block_id block_id(const kvt_cache *c, const struct kvt_layer *l, uint32_t h,
+					 uint32_t b, uint64_t gen)
+{
+	return (struct kvt_nvme_block_id){
+		.seq = l->seq_uid,
+		.generation = gen,
+		.first_token = (uint64_t)b * KVT_BLOCK_TOKENS,
+		.n_tokens = block_rows(c, l, b),
+		.layer = l->index,
+		.kv_head = h,
+		.head_dim = c->d,
+		.flags = (uint16_t)c->cfg.dtype,
+	};
+}
+
+/* Blocks of l that may be spilled: full, host resident, all tokens sinks or indexed. */
+static uint32_t spillable_blocks(const kvt_cache *c, const struct kvt_layer *l)
+{
+	uint32_t front = l->n_tokens < c->cfg.n_sink ? l->n_tokens : c->cfg.n_sink;
+	return (front + l->n_indexed) / KVT_BLOCK_TOKENS;
+}
+
+static int ensure_spill_table(kvt_cache *c, struct kvt_layer *l)
+{
+	if (l->spill || !l->blk_cap)
+		return 0;
+	l->spill = kvt_mem_alloc(KVT_MEM_HOST, sizeof *l->spill * l->blk_cap * c->cfg.n_kv_heads);
+	KVT_RETURN_IF(!l->spill, c, -ENOMEM, "out of memory for a spill table of %u blocks",
+		      l->blk_cap);
+	return 0;
+}
+
+/* The uid and layer/head/block of every spill candidate of s, in a stable order. */
+#define FOR_EACH_BLOCK(c, s, l, h, b)                                                               \
+	for (uint32_t layer_ = 0; layer_ < (c)->cfg.n_layers; layer_++)                             \
+		for (struct kvt_layer *l = &(s)->layers[layer_]; l; l = NULL)                       \
+			for (uint32_t h = 0; h < (c)->cfg.n_kv_heads; h++)                          \
+				for (uint32_t b = 0; b < l->n_blocks; b++)
+
+int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
+{
+	KVT_TRY(need_tier(c));
+	uint32_t n = 0;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		if (b < spillable_blocks(c, l) && l->blocks[(size_t)h * l->blk_cap + b])
+			n++;
+	}
+	if (n == 0)
+		return 0;
+	for (uint32_t i = 0; i < c->cfg.n_layers; i++)
+		KVT_TRY(ensure_spill_table(c, &s->layers[i]));
+	struct kvt_nvme_block *blocks = kvt_mem_alloc(KVT_MEM_HOST, sizeof *blocks * n);
+	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
+	if (!blocks || !locs) {
+		kvt_mem_free(KVT_MEM_HOST, blocks, 0);
+		kvt_mem_free(KVT_MEM_HOST, locs, 0);
+		return kvt_seterr(c, -ENOMEM, "out of memory spilling seq %u (%u blocks)", slot, n);
+	}
+	uint32_t i = 0;
+	uint64_t gen0 = c->next_gen;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		void *host = l->blocks[(size_t)h * l->blk_cap + b];
+		if (b < spillable_blocks(c, l) && host) {
+			blocks[i].id = block_id(c, l, h, b, gen0 + i + 1);
+			blocks[i++].payload = host;
+		}
+	}
+	uint64_t t0 = kvt_now_ns();
+	int rc = kvt_nvme_write_blocks(c->nvme, n, blocks, locs);
+	c->st.ns_nvme += kvt_now_ns() - t0;
+	if (rc < 0) {
+		kvt_mem_free(KVT_MEM_HOST, blocks, 0);
+		kvt_mem_free(KVT_MEM_HOST, locs, 0);
+		return kvt_seterr(c, rc, "spilling seq %u: %s", slot, kvt_nvme_error(c->nvme));
+	}
+	c->next_gen = gen0 + n;
+	i = 0;
+	int64_t moved = 0;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		size_t at = (size_t)h * l->blk_cap + b;
+		if (b < spillable_blocks(c, l) && l->blocks[at]) {
+			l->spill[at] = (struct kvt_spill){ .loc = locs[i], .gen = blocks[i].id.generation };
+			kvt_extents_give(&c->host, 1, &l->blocks[at]);
+			l->blocks[at] = NULL;
+			moved += (int64_t)blocks[i++].id.n_tokens * (int64_t)c->row_bytes;
+		}
+	}
+	kvt_mem_free(KVT_MEM_HOST, blocks, 0);
+	kvt_mem_free(KVT_MEM_HOST, locs, 0);
+	c->st.spills++;
+	return moved;
+}
+
+int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
+{
+	while (kvt_extents_free_bytes(&c->host) < bytes) {
+		uint32_t victim = UINT32_MAX;
+		for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
+			const struct kvt_seq *s = &c->seqs[i];
+			if (!s->open || s->last_use >= c->call_start)
+				continue;
+			bool any = false;
+			for (uint32_t L = 0; L < c->cfg.n_layers && !any; L++)
+				for (uint32_t h = 0; h < c->cfg.n_kv_heads && !any; h++)
+					for (uint32_t b = 0; b < spillable_blocks(c, &s->layers[L]); b++)
+						if (s->layers[L].blocks[(size_t)h * s->layers[L].blk_cap + b]) {
+							any = true;
+							break;
+						}
+			if (any && (victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use))
+				victim = i;
+		}
+		KVT_RETURN_IF(victim == UINT32_MAX, c, -ENOSPC,
+			      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
+			      "no idle sequence has blocks left to spill",
+			      (unsigned long long)bytes,
+			      (unsigned long long)kvt_extents_free_bytes(&c->host),
+			      (unsigned long long)c->host.capacity);
+		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim);
+		if (rc < 0)
+			return (int)rc;
+		c->st.auto_spills++;
+	}
+	return 0;
+}
+
+int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
+{
+	KVT_TRY(need_tier(c));
+	uint32_t n = 0;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		if (!l->blocks[(size_t)h * l->blk_cap + b])
+			n++;
+	}
+	if (n == 0)
+		return 0;
+	uint64_t bytes = (uint64_t)n * c->host.block_bytes;
+	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
+		KVT_TRY(kvt_tier_make_room(c, bytes));
+	KVT_RETURN_IF(bytes > kvt_extents_free_bytes(&c->host), c, -ENOSPC,
+		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = %llu",
+		      slot, (unsigned long long)bytes,
+		      (unsigned long long)kvt_extents_free_bytes(&c->host),
+		      (unsigned long long)c->host.capacity);
+	void **host = kvt_mem_alloc(KVT_MEM_HOST, sizeof *host * n);
+	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
+	struct kvt_nvme_block_id *ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *ids * n);
+	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host) : -ENOMEM;
+	if (rc < 0) {
+		kvt_mem_free(KVT_MEM_HOST, host, 0);
+		kvt_mem_free(KVT_MEM_HOST, locs, 0);
+		kvt_mem_free(KVT_MEM_HOST, ids, 0);
+		return kvt_seterr(c, rc, "restoring seq %u: out of memory", slot);
+	}
+	uint32_t i = 0;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		size_t at = (size_t)h * l->blk_cap + b;
+		if (!l->blocks[at]) {
+			locs[i] = l->spill[at].loc;
+			ids[i++] = block_id(c, l, h, b, l->spill[at].gen);
+		}
+	}
+	uint64_t t0 = kvt_now_ns();
+	rc = kvt_nvme_read_blocks(c->nvme, n, locs, ids, host);
+	c->st.ns_nvme += kvt_now_ns() - t0;
+	if (rc == 0) {
+		i = 0;
+		FOR_EACH_BLOCK(c, s, l, h, b)
+		{
+			size_t at = (size_t)h * l->blk_cap + b;
+			if (!l->blocks[at]) {
+				l->blocks[at] = host[i++];
+				memset(&l->spill[at], 0, sizeof l->spill[at]);
+			}
+		}
+		kvt_nvme_free(c->nvme, n, locs);
+		c->st.restores++;
+	} else {
+		kvt_extents_give(&c->host, n, host);
+		rc = kvt_seterr(c, rc, "restoring seq %u: %s", slot, kvt_nvme_error(c->nvme));
+	}
+	kvt_mem_free(KVT_MEM_HOST, host, 0);
+	kvt_mem_free(KVT_MEM_HOST, locs, 0);
+	kvt_mem_free(KVT_MEM_HOST, ids, 0);
+	return rc < 0 ? rc : (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
+}
+
+void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
+{
+	if (!l->spill)
+		return;
+	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
+		if (l->spill[i].loc.bytes)
+			kvt_nvme_free(c->nvme, 1, &l->spill[i].loc);
+	kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
+	l->spill = NULL;
+}
+
+/* Forget the slots this call reserved but could not fill. */
+static void drop_pending(struct kvt_bcache *bc, const struct kvt_nvme_rows *reqs, uint32_t n)
+{
+	for (uint32_t r = 0; r < n; r++) {
+		int32_t i = (int32_t)(((const unsigned char *)reqs[r].out - bc->data) / KVT_NVME_CHUNK);
+		if (bc->slots[i].used)
+			bc_unlink(bc, i);
+	}
+}
+
+int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
+		 const int32_t *pos, const void **rows)
+{
+	struct kvt_bcache *bc = c->bc;
+	const uint32_t per_chunk = KVT_NVME_CHUNK / (uint32_t)c->row_bytes;
+	uint32_t nreq = 0, hits = 0;
+	if (bc)
+		bc->stamp++;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t p = (uint32_t)pos[i], b = p / KVT_BLOCK_TOKENS, r = p % KVT_BLOCK_TOKENS;
+		size_t at = (size_t)h * l->blk_cap + b;
+		if (l->blocks[at]) {
+			rows[i] = kvt_row(c, l, h, p);
+			continue;
+		}
+		uint32_t chunk = r / per_chunk;
+		int32_t s = bc_find(bc, l->seq_uid, l->index, h, b, chunk);
+		if (s >= 0) {
+			hits += bc->slots[s].stamp != bc->stamp;
+		} else {
+			s = bc_take(bc);
+			if (s < 0) {
+				drop_pending(bc, c->reqs, nreq);
+				return kvt_seterr(c, -ENOSPC,
+						  "direct serving of KV head %u needs more than "
+						  "nvme_cache_bytes = %llu of block cache: restore the "
+						  "sequence or raise nvme_cache_bytes",
+						  h, (unsigned long long)c->cfg.nvme_cache_bytes);
+			}
+			struct bslot *sl = &bc->slots[s];
+			*sl = (struct bslot){ .uid = l->seq_uid, .layer = l->index, .head = h,
+					      .block = b, .chunk = chunk, .used = true };
+			uint32_t bk = bucket_of(bc, sl->uid, sl->layer, h, b, chunk);
+			sl->next = bc->buckets[bk];
+			bc->buckets[bk] = s;
+			struct kvt_nvme_rows *q = &c->reqs[nreq++];
+			q->loc = l->spill[at].loc;
+			q->expect = block_id(c, l, h, b, l->spill[at].gen);
+			q->row_begin = chunk * per_chunk;
+			q->row_end = q->row_begin + per_chunk;
+			q->row_end = q->row_end < q->expect.n_tokens ? q->row_end : q->expect.n_tokens;
+			q->out = bc->data + (size_t)s * KVT_NVME_CHUNK;
+		}
+		bc->slots[s].stamp = bc->stamp;
+		rows[i] = bc->data + (size_t)s * KVT_NVME_CHUNK + (size_t)(r % per_chunk) * c->row_bytes;
+	}
+	if (!bc)
+		return 0;
+	c->st.nvme_cache_hits += hits;
+	if (nreq == 0)
+		return 0;
+	uint64_t t0 = kvt_now_ns();
+	int rc = kvt_nvme_read_rows(c->nvme, nreq, c->reqs);
+	c->st.ns_nvme += kvt_now_ns() - t0;
+	if (rc < 0) {
+		drop_pending(bc, c->reqs, nreq);
+		return kvt_seterr(c, rc, "direct serving of layer %u KV head %u: %s", l->index, h,
+				  kvt_nvme_error(c->nvme));
+	}
+	c->st.nvme_cache_misses += nreq;
+	return 0;
+}
