@@ -9,7 +9,9 @@
 #include <string.h>
 
 #define WL_SINKS 4u     /* tokens that carry the sink direction */
-#define WL_FREQS 8u     /* recency rotation frequencies (M) */
+#define WL_FREQS 16u    /* recency rotation frequencies (M): enough that echoes stay small */
+#define WL_REC_P0 32.0   /* shortest recency period, tokens */
+#define WL_REC_PMAX 65536.0 /* longest recency period, tokens */
 #define WL_MAX_DIM 512u /* rank D/8 fits WL_MAX_RANK */
 #define WL_MAX_RANK (WL_MAX_DIM / 8u)
 #define WL_ISO2 0.15    /* share of the key content variance that is isotropic (eta^2) */
@@ -29,6 +31,7 @@ struct wl {
 	wl_params p;
 	uint32_t d, group, rank, n_frame;
 	double omega[WL_FREQS];
+	double *rec_cs; /* [context + steps, WL_FREQS, 2]: cos, sin of omega_m t, computed once */
 	float *c;      /* [rank] content spectrum */
 	float lambda;  /* query content normalizer */
 	float eta;     /* isotropic key noise amplitude */
@@ -243,38 +246,41 @@ static void build_scales(wl *w)
 	w->eta = (float)sqrt(WL_ISO2);
 	w->lambda = (float)(sqrt(c4) / sd);
 	double x0 = sqrt(c2) / w->lambda, r0 = sd;
-	double pr = w->p.recency * sd, pu = w->p.hitter_bonus * sd, pn = w->p.needle_bonus * sd;
+	double pr = w->p.recency * sd, pn = w->p.needle_bonus * sd;
 	w->a_r = (float)sqrt(pr * x0 / r0);
 	w->a_rk = (float)sqrt(pr * r0 / x0);
-	w->a_u = (float)sqrt(pu * x0 / r0);
-	w->nu = (float)sqrt(pn * x0 / r0);
-	w->needle_k = (float)sqrt(pn * r0 / x0);
+	/* The topic and needle parts of a query are as long as its content part; the key side
+	 * carries the rest of the bonus. */
+	w->a_u = (float)x0;
+	w->nu = (float)x0;
+	w->needle_k = (float)(pn / x0);
 	w->sink_amp = (float)(WL_SINKAMP * sd);
 	for (uint32_t m = 0; m < WL_FREQS; m++)
-		w->omega[m] = 2.0 * M_PI / (8.0 * pow(4.0, m));
+		w->omega[m] = 2.0 * M_PI /
+			      (WL_REC_P0 * pow(WL_REC_PMAX / WL_REC_P0, m / (WL_FREQS - 1.0)));
 }
 
 void wl_params_default(wl_params *p)
 {
 	memset(p, 0, sizeof(*p));
 	p->seed = 1;
-	p->tau_min = 0.5f;
-	p->tau_max = 2.5f;
-	p->sink_min = 3.0f;
-	p->sink_max = 9.0f;
-	p->recency = 1.5f;
+	p->tau_min = 0.7f;
+	p->tau_max = 2.0f;
+	p->sink_min = 4.0f;
+	p->sink_max = 11.0f;
+	p->recency = 5.0f;
 	p->hitter_frac = 0.004f;
-	p->hitter_bonus = 3.0f;
-	p->hitter_spread = 2.0f;
+	p->hitter_bonus = 6.0f;
+	p->hitter_spread = 1.5f;
 	p->n_needles = 4;
-	p->needle_bonus = 12.0f;
+	p->needle_bonus = 10.0f;
 }
 
 static bool params_ok(const wl_params *p)
 {
 	return p->n_layers && p->n_q_heads && p->n_kv_heads && p->n_q_heads % p->n_kv_heads == 0 &&
-	       p->head_dim >= 32 && p->head_dim <= WL_MAX_DIM && p->head_dim % 8 == 0 && p->context && p->tau_min > 0 &&
-	       p->tau_min <= p->tau_max && p->sink_min > 0 && p->sink_min <= p->sink_max &&
+	       p->head_dim >= 32 && p->head_dim <= WL_MAX_DIM && p->head_dim % 8 == 0 &&
+	       p->context && p->tau_min > 0 && p->tau_min <= p->tau_max && p->sink_min > 0 && p->sink_min <= p->sink_max &&
 	       p->hitter_frac >= 0 && p->hitter_frac <= 1;
 }
 
@@ -297,13 +303,20 @@ int wl_create(const wl_params *p, wl **out)
 	w->qmean = calloc(qh * w->d, sizeof(float));
 	w->tau = calloc(qh, sizeof(float));
 	w->sink = calloc(qh, sizeof(float));
+	w->rec_cs = calloc(((size_t)p->context + p->steps) * 2 * WL_FREQS, sizeof(double));
 	uint32_t *perm = calloc(p->n_q_heads, sizeof(uint32_t));
-	if (!w->c || !w->frame || !w->kmean || !w->qmean || !w->tau || !w->sink || !perm) {
+	if (!w->c || !w->frame || !w->kmean || !w->qmean || !w->tau || !w->sink || !w->rec_cs ||
+	    !perm) {
 		free(perm);
 		wl_destroy(w);
 		return -ENOMEM;
 	}
 	build_scales(w);
+	for (size_t t = 0; t < (size_t)p->context + p->steps; t++)
+		for (uint32_t m = 0; m < WL_FREQS; m++) {
+			w->rec_cs[(t * WL_FREQS + m) * 2] = cos(w->omega[m] * (double)t);
+			w->rec_cs[(t * WL_FREQS + m) * 2 + 1] = sin(w->omega[m] * (double)t);
+		}
 	for (uint32_t l = 0; l < p->n_layers; l++) {
 		for (uint32_t h = 0; h < p->n_kv_heads; h++)
 			build_frame(w, l, h);
@@ -324,6 +337,7 @@ void wl_destroy(wl *w)
 	free(w->qmean);
 	free(w->tau);
 	free(w->sink);
+	free(w->rec_cs);
 	free(w);
 }
 
@@ -371,15 +385,25 @@ static float hitter_amp(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh,
 	return (float)(bonus * sqrt((double)w->d) / w->a_u);
 }
 
+static void rec_phase(const wl *w, uint32_t t, double *cs)
+{
+	if (t < w->p.context + w->p.steps) {
+		memcpy(cs, w->rec_cs + (size_t)t * 2 * WL_FREQS, 2 * WL_FREQS * sizeof(double));
+		return;
+	}
+	for (uint32_t m = 0; m < WL_FREQS; m++) {
+		cs[2 * m] = cos(w->omega[m] * t);
+		cs[2 * m + 1] = sin(w->omega[m] * t);
+	}
+}
+
 /* y += amp * rho(t): the rotating recency component. */
 static void add_recency(const wl *w, uint32_t layer, uint32_t kvh, uint32_t t, float amp, float *y)
 {
-	float a = amp / sqrtf((float)WL_FREQS);
-	for (uint32_t m = 0; m < WL_FREQS; m++) {
-		double ph = w->omega[m] * t;
-		axpy(w->d, (float)(a * cos(ph)), frame_vec(w, layer, kvh, f_rec(w, 2 * m)), y);
-		axpy(w->d, (float)(a * sin(ph)), frame_vec(w, layer, kvh, f_rec(w, 2 * m + 1)), y);
-	}
+	double a = amp / sqrt((double)WL_FREQS), cs[2 * WL_FREQS];
+	rec_phase(w, t, cs);
+	for (uint32_t i = 0; i < 2 * WL_FREQS; i++)
+		axpy(w->d, (float)(a * cs[i]), frame_vec(w, layer, kvh, f_rec(w, i)), y);
 }
 
 void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos, float *k,
@@ -413,8 +437,8 @@ void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos
 	rng_gauss(&r, v, d);
 }
 
-void wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t pos, int32_t step,
-	      float *q)
+int64_t wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t pos, int32_t step,
+		 float *q)
 {
 	uint32_t d = w->d, kvh = qh / w->group, g = qh % w->group;
 	float zh[WL_MAX_RANK], zp[WL_MAX_RANK];
@@ -433,9 +457,13 @@ void wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t p
 	axpy(d, tau * w->a_u, frame_vec(w, layer, kvh, f_topic(w, g)), q);
 	add_recency(w, layer, kvh, pos, tau * w->a_r, q);
 	needle n;
+	int64_t asked = -1;
 	for (uint32_t i = 0; step >= 0 && needle_at(w, seq, layer, kvh, i, &n); i++)
-		if (n.step == (uint32_t)step && n.head == g)
-			axpy(d, w->nu, frame_vec(w, layer, kvh, f_needle(w, i)), q);
+		if (n.step == (uint32_t)step && n.head == g) {
+			axpy(d, tau * w->nu, frame_vec(w, layer, kvh, f_needle(w, i)), q);
+			asked = n.pos;
+		}
+	return asked;
 }
 
 float wl_head_tau(const wl *w, uint32_t layer, uint32_t qh)
