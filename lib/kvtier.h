@@ -227,8 +227,11 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * union over each KV head's query group, and compute exact attention over sinks + union + window.
  *   q: [n_seqs, n_q_heads, head_dim] (dtype); out: [n_seqs, n_q_heads, head_dim] (out_dtype)
  * The selection of each sequence is kept, and can be read back with kvt_gather, until the next
- * kvt_select, kvt_attend, kvt_append or kvt_prefill of that sequence on this layer. Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite
- * query or score), -ENOENT, -ENOMEM.
+ * kvt_select, kvt_attend, kvt_append or kvt_prefill of that sequence on this layer.
+ * Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite query or score),
+ * -ENOENT, -ENOMEM; for a spilled sequence also the NVMe read's errors (-EIO, -EBADMSG naming the
+ * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On any error the batch's
+ * selections are dropped and `out` may be partly written.
  */
 KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream);
@@ -250,7 +253,8 @@ KVT_API int kvt_select(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  *   k_out, v_out: [n_seqs, n_kv_heads, max_tokens, head_dim] in dtype, or NULL (both or neither)
  * Returns the total number of tokens copied. Errors: -EINVAL (NULL counts, max_tokens smaller than
  * a count: the text names both, no selection for this layer and sequence list, k_out without v_out),
- * -ENOENT.
+ * -ENOENT, and for spilled sequences the errors of kvt_attend's direct serving, after which the
+ * output buffers may be partly written (never with unverified bytes).
  */
 KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
