@@ -61,6 +61,7 @@ int kvt_config_check(const kvt_config *cfg)
 	CHECK(cfg->flush_batch >= 1 && cfg->flush_batch <= 65536,
 	      "flush_batch = %u, must be in [1, 65536]", cfg->flush_batch);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
-	      "budget_min = %u exceeds budget_max = %u", cfg->budget_min, cfg->budget_max);
+	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too)",
+	      cfg->budget_min, cfg->budget_max);
 	return 0;
 }

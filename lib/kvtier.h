@@ -94,7 +94,9 @@ typedef struct kvt_config {
 	uint32_t n_sink;      /* first tokens always attended, never indexed; default 4 */
 	uint32_t window;      /* last tokens always attended (W); default 64 */
 	uint32_t flush_batch; /* decode tokens indexed per flush (B), >= 1; default 64 */
-	uint32_t budget_min;  /* min indexed tokens selected per query head per step; default 0 */
+	uint32_t budget_min;  /* min indexed tokens selected per query head per step; default 64: the
+				 1-bit estimate can rank a peaked head's one dominant token below
+				 others, and a small floor of top estimates recovers it cheaply */
 	uint32_t budget_max;  /* max per query head per step; 0 (default) means no cap */
 	uint64_t seed;        /* seeds the per-layer rotations; default 0x6b767469 */
 	uint64_t reserved[8]; /* must be zero */
@@ -104,7 +106,7 @@ typedef struct kvt_config {
 	{                                                                                          \
 		sizeof(kvt_config), 0, 0, 0, 0, KVT_DTYPE_F16, KVT_DTYPE_DEFAULT, KVT_BACKEND_AUTO, \
 			0, (uint64_t)1 << 30, NULL, NULL, (uint64_t)64 << 20, 256, 0, 0,            \
-			KVT_SPILL_NONE, 0.9f, 0.0f, 4, 64, 64, 0, 0, 0x6b767469u,                  \
+			KVT_SPILL_NONE, 0.9f, 0.0f, 4, 64, 64, 64, 0, 0x6b767469u,                  \
 		{                                                                                  \
 			0                                                                          \
 		}                                                                                  \

@@ -228,9 +228,10 @@ static void build_means(wl *w, uint32_t layer, uint32_t *perm)
 	}
 }
 
-/* Content spectrum and the amplitudes that turn logit targets into vector norms. A logit bonus
- * b = <x, y> / sqrt(D) is split as |x| = sqrt(b sqrt(D) X0 / R0), |y| = sqrt(b sqrt(D) R0 / X0),
- * X0 and R0 being the typical query and key content norms. */
+/* Content spectrum and the amplitudes that turn logit targets into vector norms. The recency bonus
+ * b = <x, y> / sqrt(D), on every key, is split as |x| = sqrt(b sqrt(D) X0 / R0) and
+ * |y| = sqrt(b sqrt(D) R0 / X0), X0 and R0 being the typical query and key content norms: the split
+ * with the smallest |x| |y|, which bounds any key-compression error. */
 static void build_scales(wl *w)
 {
 	uint32_t d = w->d;
@@ -280,8 +281,8 @@ static bool params_ok(const wl_params *p)
 {
 	return p->n_layers && p->n_q_heads && p->n_kv_heads && p->n_q_heads % p->n_kv_heads == 0 &&
 	       p->head_dim >= 32 && p->head_dim <= WL_MAX_DIM && p->head_dim % 8 == 0 &&
-	       p->context && p->tau_min > 0 && p->tau_min <= p->tau_max && p->sink_min > 0 && p->sink_min <= p->sink_max &&
-	       p->hitter_frac >= 0 && p->hitter_frac <= 1;
+	       p->context && p->tau_min > 0 && p->tau_min <= p->tau_max && p->sink_min > 0 &&
+	       p->sink_min <= p->sink_max && p->hitter_frac >= 0 && p->hitter_frac <= 1;
 }
 
 int wl_create(const wl_params *p, wl **out)
@@ -397,17 +398,19 @@ static void rec_phase(const wl *w, uint32_t t, double *cs)
 	}
 }
 
-/* y += amp * rho(t): the rotating recency component. */
-static void add_recency(const wl *w, uint32_t layer, uint32_t kvh, uint32_t t, float amp, float *y)
+/* rho(t): the rotating recency vector of a KV head (unit norm), shared by its key and queries. */
+static void recency_vec(const wl *w, uint32_t layer, uint32_t kvh, uint32_t t, float *rho)
 {
-	double a = amp / sqrt((double)WL_FREQS), cs[2 * WL_FREQS];
+	double cs[2 * WL_FREQS];
 	rec_phase(w, t, cs);
+	memset(rho, 0, w->d * sizeof(float));
 	for (uint32_t i = 0; i < 2 * WL_FREQS; i++)
-		axpy(w->d, (float)(a * cs[i]), frame_vec(w, layer, kvh, f_rec(w, i)), y);
+		axpy(w->d, (float)(cs[i] / sqrt((double)WL_FREQS)), frame_vec(w, layer, kvh, f_rec(w, i)),
+		     rho);
 }
 
-void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos, float *k,
-	   float *v)
+static void make_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos,
+		    const float *rho, float *k, float *v)
 {
 	uint32_t d = w->d;
 	float z[WL_MAX_RANK];
@@ -422,7 +425,7 @@ void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos
 	rng_gauss(&r, z, w->rank);
 	for (uint32_t i = 0; i < w->rank; i++)
 		axpy(d, content * w->c[i] * z[i], frame_vec(w, layer, kvh, i), k);
-	add_recency(w, layer, kvh, pos, w->a_rk, k);
+	axpy(d, w->a_rk, rho, k);
 	if (pos < WL_SINKS)
 		axpy(d, wl_sink_weight[pos] * w->sink_amp, frame_vec(w, layer, kvh, f_sink(w)), k);
 	uint32_t topic = 0;
@@ -437,8 +440,8 @@ void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos
 	rng_gauss(&r, v, d);
 }
 
-int64_t wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t pos, int32_t step,
-		 float *q)
+static int64_t make_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t pos,
+			  int32_t step, const float *rho, float *q)
 {
 	uint32_t d = w->d, kvh = qh / w->group, g = qh % w->group;
 	float zh[WL_MAX_RANK], zp[WL_MAX_RANK];
@@ -455,7 +458,7 @@ int64_t wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_
 		axpy(d, tau * w->c[i] * zeta / w->lambda, frame_vec(w, layer, kvh, i), q);
 	}
 	axpy(d, tau * w->a_u, frame_vec(w, layer, kvh, f_topic(w, g)), q);
-	add_recency(w, layer, kvh, pos, tau * w->a_r, q);
+	axpy(d, tau * w->a_r, rho, q);
 	needle n;
 	int64_t asked = -1;
 	for (uint32_t i = 0; step >= 0 && needle_at(w, seq, layer, kvh, i, &n); i++)
@@ -464,6 +467,21 @@ int64_t wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_
 			asked = n.pos;
 		}
 	return asked;
+}
+
+void wl_token(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos, int32_t step,
+	      float *k, float *v, float *q, int64_t *asked)
+{
+	float rho[WL_MAX_DIM];
+	recency_vec(w, layer, kvh, pos, rho);
+	if (k)
+		make_kv(w, seq, layer, kvh, pos, rho, k, v);
+	for (uint32_t g = 0; q && g < w->group; g++) {
+		int64_t a = make_query(w, seq, layer, kvh * w->group + g, pos, step, rho,
+				       q + (size_t)g * w->d);
+		if (asked)
+			asked[g] = a;
+	}
 }
 
 float wl_head_tau(const wl *w, uint32_t layer, uint32_t qh)

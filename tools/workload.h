@@ -102,15 +102,17 @@ void wl_params_default(wl_params *p);
 int wl_create(const wl_params *p, wl **out);
 void wl_destroy(wl *w);
 
-/* Key and value (head_dim floats each) of token `pos` of sequence `seq` on `layer`, KV head `kvh`. */
-void wl_kv(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos, float *k,
-	   float *v);
-
-/* Query (head_dim floats) of query head `qh` for the token at `pos`; `step` is the decode step
- * index (0-based) for decode queries, -1 for prefill queries (which never ask for needles).
- * Returns the position of the needle this query asks for, or -1. */
-int64_t wl_query(const wl *w, uint32_t seq, uint32_t layer, uint32_t qh, uint32_t pos, int32_t step,
-		 float *q);
+/*
+ * Token `pos` of sequence `seq` on `layer`, KV head `kvh` (one call shares the recency vector
+ * between the key and the group's queries):
+ *   k, v: head_dim floats each, or k = NULL (then v is not written)
+ *   q: [group, head_dim] floats, the queries of the group's heads for this position, or NULL
+ *   asked: [group], receives the position of the needle each query asks for, or -1; may be NULL
+ * `step` is the decode step index (0-based) for decode queries, -1 for prefill queries, which never
+ * ask for needles.
+ */
+void wl_token(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, uint32_t pos, int32_t step,
+	      float *k, float *v, float *q, int64_t *asked);
 
 /* Sharpness tau_j and token-0 sink bonus of query head `qh` on `layer`. */
 float wl_head_tau(const wl *w, uint32_t layer, uint32_t qh);
