@@ -46,10 +46,11 @@ uint32_t kvt_crc32c_sw(uint32_t crc, const void *p, size_t n)
 		uint32_t lo, hi;
 		memcpy(&lo, b, 4);
 		memcpy(&hi, b + 4, 4);
-		lo ^= c; /* the format is little-endian and so is every host this code is built for */
-		c = table[7][lo & 0xffu] ^ table[6][(lo >> 8) & 0xffu] ^ table[5][(lo >> 16) & 0xffu] ^
-		    table[4][lo >> 24] ^ table[3][hi & 0xffu] ^ table[2][(hi >> 8) & 0xffu] ^
-		    table[1][(hi >> 16) & 0xffu] ^ table[0][hi >> 24];
+		lo ^= c; /* the format is little-endian and so is every host this code is built for
+			  */
+		c = table[7][lo & 0xffu] ^ table[6][(lo >> 8) & 0xffu] ^
+		    table[5][(lo >> 16) & 0xffu] ^ table[4][lo >> 24] ^ table[3][hi & 0xffu] ^
+		    table[2][(hi >> 8) & 0xffu] ^ table[1][(hi >> 16) & 0xffu] ^ table[0][hi >> 24];
 	}
 	while (n--)
 		c = (c >> 8) ^ table[0][(c ^ *b++) & 0xffu];
@@ -75,7 +76,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const 
 
 /* Four independent streams of n bytes each (n a multiple of 8), interleaved. */
 __attribute__((target("sse4.2"))) static void crc_sse42_x4(const unsigned char *p, size_t stride,
-							      size_t n, uint32_t *out)
+							   size_t n, uint32_t *out)
 {
 	uint64_t c0 = 0xffffffffu, c1 = c0, c2 = c0, c3 = c0;
 	const unsigned char *p1 = p + stride, *p2 = p1 + stride, *p3 = p2 + stride;
@@ -98,7 +99,7 @@ __attribute__((target("sse4.2"))) static void crc_sse42_x4(const unsigned char *
 
 static int have_sse42(void)
 {
-	/* __builtin_cpu_supports reads data that __builtin_cpu_init fills; calling it is idempotent. */
+	/* __builtin_cpu_supports reads what __builtin_cpu_init fills in (idempotent). */
 	__builtin_cpu_init();
 	return __builtin_cpu_supports("sse4.2");
 }

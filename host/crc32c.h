@@ -26,12 +26,14 @@ uint32_t kvt_crc32c(uint32_t crc, const void *p, size_t n);
  */
 void kvt_crc32c_chunks(const void *p, size_t chunk_bytes, size_t n_chunks, uint32_t *out);
 
-/* The table-driven software implementation (slicing by 8), for tests and machines without SSE4.2. */
+/* The table-driven software implementation (slicing by 8), for tests and machines without SSE4.2.
+ */
 uint32_t kvt_crc32c_sw(uint32_t crc, const void *p, size_t n);
 
 /*
  * The SSE4.2 implementation, or -1 when this CPU (or this build's target) lacks the instruction:
- * then *out is left alone. Returns 0 with the CRC in *out otherwise. For tests that compare the two.
+ * then *out is left alone. Returns 0 with the CRC in *out otherwise. For tests that compare the
+ * two.
  */
 int kvt_crc32c_hw(uint32_t crc, const void *p, size_t n, uint32_t *out);
 

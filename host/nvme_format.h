@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The on-disk block format of the NVMe tier (doc/nvme-format.md is the specification): a header with
- * the block's identity and a CRC-32C per 4 KiB chunk of payload, the payload of K/V rows, and zero
- * padding to the file's I/O alignment. Pure functions over memory, no I/O, so the format can be
- * encoded, checked and tested apart from io_uring.
+ * The on-disk block format of the NVMe tier (doc/nvme-format.md is the specification): a header
+ * with the block's identity and a CRC-32C per 4 KiB chunk of payload, the payload of K/V rows, and
+ * zero padding to the file's I/O alignment. Pure functions over memory, no I/O, so the format can
+ * be encoded, checked and tested apart from io_uring.
  *
  * Thread safety: every function is reentrant.
  */
@@ -35,15 +35,17 @@ struct kvt_nvme_block_id {
 	uint32_t n_tokens;    /* rows, >= 1 */
 	uint32_t layer;
 	uint32_t kv_head;
-	uint32_t head_dim;    /* elements per K (and per V) row, >= 1 */
-	uint16_t flags;       /* the owner's (dtype, say); stored and checked, not interpreted */
+	uint32_t head_dim; /* elements per K (and per V) row, >= 1 */
+	uint16_t flags;    /* the owner's (dtype, say); stored and checked, not interpreted */
 };
 
-/* Payload bytes of a block (n_tokens * head_dim * 4), or 0 when zero or over KVT_NVME_MAX_PAYLOAD. */
+/* Payload bytes of a block (n_tokens * head_dim * 4), or 0 when zero or over KVT_NVME_MAX_PAYLOAD.
+ */
 uint32_t kvt_nvme_payload_bytes(const struct kvt_nvme_block_id *id);
 /* Header bytes for a payload: 64 + 4 per started 4 KiB chunk. */
 uint32_t kvt_nvme_header_bytes(uint32_t payload_bytes);
-/* Bytes a block takes on disk: header + payload rounded up to `align` (a power of two); 0 if bad. */
+/* Bytes a block takes on disk: header + payload rounded up to `align` (a power of two); 0 if bad.
+ */
 uint64_t kvt_nvme_disk_bytes(const struct kvt_nvme_block_id *id, uint32_t align);
 
 /*

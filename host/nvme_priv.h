@@ -24,9 +24,9 @@ struct nv_file {
 struct op {
 	uint64_t file_off; /* where the piece starts in the file */
 	uint64_t t_submit, seqno;
-	uint64_t stage;      /* offset of the piece in the arena */
-	uint32_t req;        /* owning block */
-	uint32_t len, done;  /* done stays a multiple of the alignment */
+	uint64_t stage;     /* offset of the piece in the arena */
+	uint32_t req;       /* owning block */
+	uint32_t len, done; /* done stays a multiple of the alignment */
 	uint32_t slot;
 	uint16_t file;
 	uint8_t tries;
@@ -49,6 +49,8 @@ struct kvt_nvme {
 	struct io_uring ring;
 	int ring_ok, fixed_files, fixed_bufs, broken;
 	uint32_t n_files, qd, align, bounce;
+	uint32_t n_slots; /* bounce slots: 2 * qd, so verifying and copying out never starve the
+			     queue */
 	struct nv_file *files;
 	unsigned char *arena;
 	size_t arena_bytes;
@@ -58,6 +60,8 @@ struct kvt_nvme {
 	uint32_t *pending, pend_head, pend_n; /* FIFO of ops waiting for a submission slot */
 	struct req *reqs;
 	uint32_t n_req_free, *req_free;
+	uint32_t n_ready,
+		*ready; /* blocks whose I/O is complete, to be finished after resubmission */
 	struct io_uring_cqe **cqp;
 	struct cqe_copy *cqes;
 	uint32_t inflight, rotor;

@@ -36,7 +36,8 @@ int kvt_space_reserve(struct kvt_space *s)
 	if (need > UINT32_MAX / 2)
 		return -ENOMEM;
 	uint32_t cap = s->cap * 2 > need ? s->cap * 2 : (uint32_t)need;
-	void *p = kvt_mem_realloc(s->ext, (size_t)s->cap * sizeof *s->ext, (size_t)cap * sizeof *s->ext);
+	void *p = kvt_mem_realloc(s->ext, (size_t)s->cap * sizeof *s->ext,
+				  (size_t)cap * sizeof *s->ext);
 	if (!p)
 		return -ENOMEM;
 	s->ext = p;
@@ -79,10 +80,12 @@ int kvt_space_free(struct kvt_space *s, uint64_t off, uint64_t len)
 			lo = mid + 1;
 	}
 	uint32_t i = lo;
-	struct kvt_space_ext *prev = i ? &s->ext[i - 1] : NULL, *next = i < s->n ? &s->ext[i] : NULL;
+	struct kvt_space_ext *prev = i ? &s->ext[i - 1] : NULL,
+			     *next = i < s->n ? &s->ext[i] : NULL;
 	if ((prev && prev->off + prev->len > off) || (next && off + len > next->off))
 		return -EINVAL;
-	int join_prev = prev && prev->off + prev->len == off, join_next = next && off + len == next->off;
+	int join_prev = prev && prev->off + prev->len == off,
+	    join_next = next && off + len == next->off;
 	if (join_prev && join_next) {
 		prev->len += len + next->len;
 		memmove(next, next + 1, (size_t)(s->n - i - 1) * sizeof *next);
@@ -93,7 +96,7 @@ int kvt_space_free(struct kvt_space *s, uint64_t off, uint64_t len)
 		next->off = off;
 		next->len += len;
 	} else {
-		/* Room is guaranteed: the live - 1 blocks left separate at most live extents <= cap. */
+		/* Room is sure: live - 1 blocks left separate at most live <= cap extents. */
 		memmove(&s->ext[i + 1], &s->ext[i], (size_t)(s->n - i) * sizeof *s->ext);
 		s->ext[i].off = off;
 		s->ext[i].len = len;

@@ -82,12 +82,12 @@ static uint32_t file_alignment(int fd, const struct stat *sb, char *why, size_t 
 {
 #ifdef STATX_DIOALIGN
 	struct statx sx;
-	if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
-	    sx.stx_dio_offset_align) {
+	if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+	    (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_offset_align) {
 		snprintf(why, n, "statx DIOALIGN (memory %u, offset %u)", sx.stx_dio_mem_align,
 			 sx.stx_dio_offset_align);
 		return sx.stx_dio_offset_align > sx.stx_dio_mem_align ? sx.stx_dio_offset_align
-								       : sx.stx_dio_mem_align;
+								      : sx.stx_dio_mem_align;
 	}
 #endif
 	int v = 0;
@@ -117,7 +117,8 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	const char *mode = buffered ? "buffered (KVT_NVME_BUFFERED)" : "O_DIRECT";
 	f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | (buffered ? 0 : O_DIRECT), 0600);
 	if (f->fd < 0 && !buffered && errno == EINVAL) {
-		/* Some file systems (FUSE, tmpfs before 6.6) refuse O_DIRECT: use the page cache. */
+		/* Some file systems (FUSE, tmpfs before 6.6) refuse O_DIRECT: use the page cache.
+		 */
 		mode = "buffered (O_DIRECT refused: EINVAL)";
 		f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 	}
@@ -132,7 +133,8 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 		if (ioctl(f->fd, BLKGETSIZE64, &dev_bytes) != 0)
 			return seterr(st, -EIO, "BLKGETSIZE64 %s: %s", path, strerror(errno));
 		if (bytes > dev_bytes)
-			return seterr(st, -EINVAL, "bytes[%u] = %" PRIu64 " but block device %s holds %" PRIu64,
+			return seterr(st, -EINVAL,
+				      "bytes[%u] = %" PRIu64 " but block device %s holds %" PRIu64,
 				      i, bytes, path, dev_bytes);
 		prealloc = "block device";
 	} else if (!S_ISREG(sb.st_mode)) {
@@ -140,12 +142,13 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	} else {
 		if (ftruncate(f->fd, (off_t)bytes) != 0)
 			return seterr(st, errno == ENOSPC || errno == EFBIG ? -ENOSPC : -EIO,
-				      "ftruncate %s to %" PRIu64 " bytes: %s", path, bytes, strerror(errno));
-		/* Reserve the blocks now, so a write can never fail later for want of file system space. */
+				      "ftruncate %s to %" PRIu64 " bytes: %s", path, bytes,
+				      strerror(errno));
+		/* Reserve the space now, so no write can fail later for want of it. */
 		if (fallocate(f->fd, 0, 0, (off_t)bytes) != 0) {
 			if (errno == ENOSPC)
-				return seterr(st, -ENOSPC, "fallocate %s of %" PRIu64 " bytes: %s", path,
-					      bytes, strerror(errno));
+				return seterr(st, -ENOSPC, "fallocate %s of %" PRIu64 " bytes: %s",
+					      path, bytes, strerror(errno));
 			if (errno != EOPNOTSUPP)
 				return seterr(st, -EIO, "fallocate %s: %s", path, strerror(errno));
 			prealloc = "not preallocated (fallocate unsupported)";
@@ -154,8 +157,9 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	char why[96];
 	uint32_t a = file_alignment(f->fd, &sb, why, sizeof why);
 	if (a < 512 || (a & (a - 1)) || a > (1u << 20))
-		return seterr(st, -EINVAL, "%s: DIO alignment %u (%s) is not a power of two in 512..1M",
-			      path, a, why);
+		return seterr(st, -EINVAL,
+			      "%s: DIO alignment %u (%s) is not a power of two in 512..1M", path, a,
+			      why);
 	if (a > *align)
 		*align = a;
 	f->bytes = bytes;
@@ -178,14 +182,15 @@ static int check_config(struct kvt_nvme *st, const struct kvt_nvme_config *cfg)
 		return seterr(st, -EINVAL, "flags = 0x%x: unknown bits 0x%x", cfg->flags,
 			      cfg->flags & ~(uint32_t)KVT_NVME_BUFFERED);
 	if (cfg->bounce_bytes > MAX_BOUNCE)
-		return seterr(st, -EINVAL, "bounce_bytes = %u, must be at most %u", cfg->bounce_bytes,
-			      MAX_BOUNCE);
+		return seterr(st, -EINVAL, "bounce_bytes = %u, must be at most %u",
+			      cfg->bounce_bytes, MAX_BOUNCE);
 	for (uint32_t i = 0; i < cfg->n_files; i++) {
 		if (!cfg->paths[i] || !cfg->paths[i][0])
 			return seterr(st, -EINVAL, "paths[%u] is empty", i);
 		if (cfg->bytes[i] < 4096 || cfg->bytes[i] > (uint64_t)INT64_MAX)
-			return seterr(st, -EINVAL, "bytes[%u] = %" PRIu64 " (%s): must be 4096 .. 2^63",
-				      i, cfg->bytes[i], cfg->paths[i]);
+			return seterr(st, -EINVAL,
+				      "bytes[%u] = %" PRIu64 " (%s): must be 4096 .. 2^63", i,
+				      cfg->bytes[i], cfg->paths[i]);
 	}
 	return 0;
 }
@@ -194,7 +199,8 @@ static int setup_ring(struct kvt_nvme *st)
 {
 	struct io_uring_params p;
 	memset(&p, 0, sizeof p);
-	/* Cooperative task running saves an interrupt per completion; kernels before 5.19 lack it. */
+	/* Cooperative task running saves an interrupt per completion; kernels before 5.19 lack it.
+	 */
 	p.flags = IORING_SETUP_COOP_TASKRUN;
 	int rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
 	if (rc == -EINVAL) {
@@ -214,43 +220,54 @@ static int setup_ring(struct kvt_nvme *st)
 
 static int alloc_pools(struct kvt_nvme *st)
 {
-	/* A block of k slots has at most k + 1 pieces (header and data ranges), so 2 * qd suffice. */
-	st->n_ops = 2 * st->qd + 2;
-	st->arena_bytes = (size_t)st->qd * st->bounce;
+	/*
+	 * Twice as many bounce slots as I/Os in flight: a block's slots stay taken from its read's
+	 * completion until it is verified and copied out, and meanwhile the other half keeps the
+	 * device's queue full. A block of k slots has at most k + 1 pieces (header and data
+	 * ranges).
+	 */
+	st->n_slots = 2 * st->qd;
+	st->n_ops = 2 * st->n_slots + 2;
+	st->arena_bytes = (size_t)st->n_slots * st->bounce;
 	st->arena = kvt_mem_alloc(KVT_MEM_PAGES, st->arena_bytes);
-	st->slot_used = kvt_mem_alloc(KVT_MEM_HOST, st->qd);
+	st->slot_used = kvt_mem_alloc(KVT_MEM_HOST, st->n_slots);
 	st->ops = kvt_mem_alloc(KVT_MEM_HOST, st->n_ops * sizeof *st->ops);
 	st->op_free = kvt_mem_alloc(KVT_MEM_HOST, st->n_ops * sizeof *st->op_free);
 	st->pending = kvt_mem_alloc(KVT_MEM_HOST, st->n_ops * sizeof *st->pending);
-	st->reqs = kvt_mem_alloc(KVT_MEM_HOST, st->qd * sizeof *st->reqs);
-	st->req_free = kvt_mem_alloc(KVT_MEM_HOST, st->qd * sizeof *st->req_free);
+	st->reqs = kvt_mem_alloc(KVT_MEM_HOST, st->n_slots * sizeof *st->reqs);
+	st->req_free = kvt_mem_alloc(KVT_MEM_HOST, st->n_slots * sizeof *st->req_free);
+	st->ready = kvt_mem_alloc(KVT_MEM_HOST, st->n_slots * sizeof *st->ready);
 	st->cqp = kvt_mem_alloc(KVT_MEM_HOST, st->qd * sizeof *st->cqp);
 	st->cqes = kvt_mem_alloc(KVT_MEM_HOST, st->qd * sizeof *st->cqes);
 	if (!st->arena || !st->slot_used || !st->ops || !st->op_free || !st->pending || !st->reqs ||
-	    !st->req_free || !st->cqp || !st->cqes)
-		return seterr(st, -ENOMEM, "no memory for the bounce pool (%u x %u bytes) or its tables",
-			      st->qd, st->bounce);
+	    !st->req_free || !st->ready || !st->cqp || !st->cqes)
+		return seterr(st, -ENOMEM,
+			      "no memory for the bounce pool (%u x %u bytes) or its tables",
+			      st->n_slots, st->bounce);
 	return 0;
 }
 
-/* Register the bounce slots and the files; where the kernel says no, plain I/O does the same job. */
+/* Register the bounce slots and the files; where the kernel says no, plain I/O does the same job.
+ */
 static void register_all(struct kvt_nvme *st, char *note, size_t n)
 {
 	size_t used = 0;
-	struct iovec *iov = kvt_mem_alloc(KVT_MEM_HOST, st->qd * sizeof *iov);
+	struct iovec *iov = kvt_mem_alloc(KVT_MEM_HOST, st->n_slots * sizeof *iov);
 	int rc = -ENOMEM;
 	if (iov) {
-		for (uint32_t i = 0; i < st->qd; i++) {
+		for (uint32_t i = 0; i < st->n_slots; i++) {
 			iov[i].iov_base = st->arena + (size_t)i * st->bounce;
 			iov[i].iov_len = st->bounce;
 		}
-		rc = io_uring_register_buffers(&st->ring, iov, st->qd);
-		kvt_mem_free(KVT_MEM_HOST, iov, st->qd * sizeof *iov);
+		rc = io_uring_register_buffers(&st->ring, iov, st->n_slots);
+		kvt_mem_free(KVT_MEM_HOST, iov, st->n_slots * sizeof *iov);
 	}
 	st->fixed_bufs = rc == 0;
-	used += (size_t)snprintf(note + used, n - used, "%s", rc == 0 ? "registered" : "unregistered");
+	used += (size_t)snprintf(note + used, n - used, "%s",
+				 rc == 0 ? "registered" : "unregistered");
 	if (rc)
-		used += (size_t)snprintf(note + used, n - used, " (%s, RLIMIT_MEMLOCK?)", strerror(-rc));
+		used += (size_t)snprintf(note + used, n - used, " (%s, RLIMIT_MEMLOCK?)",
+					 strerror(-rc));
 	int fds[KVT_NVME_MAX_FILES];
 	for (uint32_t i = 0; i < st->n_files; i++)
 		fds[i] = st->files[i].fd;
@@ -292,8 +309,9 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char
 	size_t nl = 0;
 	st->align = 512;
 	for (uint32_t i = 0; !rc && i < st->n_files; i++) {
-		rc = open_file(st, i, cfg->paths[i], cfg->bytes[i], !!(cfg->flags & KVT_NVME_BUFFERED),
-			       &st->align, notes + nl, sizeof notes - nl);
+		rc = open_file(st, i, cfg->paths[i], cfg->bytes[i],
+			       !!(cfg->flags & KVT_NVME_BUFFERED), &st->align, notes + nl,
+			       sizeof notes - nl);
 		nl = strlen(notes);
 	}
 	for (uint32_t i = 0; !rc && i < st->n_files; i++) {
@@ -304,11 +322,12 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char
 			seterr(st, rc, "no memory for the free list of %s", f->path);
 	}
 	if (!rc) {
-		uint64_t b = round_up(cfg->bounce_bytes ? cfg->bounce_bytes : KVT_NVME_DEFAULT_BOUNCE,
-				      st->align);
-		if (b > MAX_BOUNCE || b * st->qd > MAX_POOL)
-			rc = seterr(st, -EINVAL, "bounce pool of %u x %" PRIu64 " bytes exceeds %" PRIu64,
-				    st->qd, b, MAX_POOL);
+		uint64_t b = round_up(
+			cfg->bounce_bytes ? cfg->bounce_bytes : KVT_NVME_DEFAULT_BOUNCE, st->align);
+		if (b > MAX_BOUNCE || b * 2 * st->qd > MAX_POOL)
+			rc = seterr(st, -EINVAL,
+				    "bounce pool of %u x %" PRIu64 " bytes exceeds %" PRIu64,
+				    2 * st->qd, b, MAX_POOL);
 		st->bounce = (uint32_t)b;
 	}
 	if (!rc)
@@ -322,8 +341,8 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char
 	char reg[160];
 	register_all(st, reg, sizeof reg);
 	snprintf(st->status, sizeof st->status,
-		 "io_uring qd %u, align %u, bounce %u x %u bytes %s, crc32c %s%s", st->qd, st->align,
-		 st->qd, st->bounce, reg, kvt_crc32c_impl(), notes);
+		 "io_uring qd %u, align %u, bounce %u x %u bytes %s, crc32c %s%s", st->qd,
+		 st->align, st->n_slots, st->bounce, reg, kvt_crc32c_impl(), notes);
 	for (uint32_t i = 0; i < st->n_files; i++)
 		st->stats.bytes_free += st->files[i].bytes;
 	*out = st;
@@ -345,12 +364,13 @@ void kvt_nvme_close(struct kvt_nvme *st)
 	}
 	kvt_mem_free(KVT_MEM_HOST, st->files, st->n_files * sizeof *st->files);
 	kvt_mem_free(KVT_MEM_PAGES, st->arena, st->arena_bytes);
-	kvt_mem_free(KVT_MEM_HOST, st->slot_used, st->qd);
+	kvt_mem_free(KVT_MEM_HOST, st->slot_used, st->n_slots);
 	kvt_mem_free(KVT_MEM_HOST, st->ops, st->n_ops * sizeof *st->ops);
 	kvt_mem_free(KVT_MEM_HOST, st->op_free, st->n_ops * sizeof *st->op_free);
 	kvt_mem_free(KVT_MEM_HOST, st->pending, st->n_ops * sizeof *st->pending);
-	kvt_mem_free(KVT_MEM_HOST, st->reqs, st->qd * sizeof *st->reqs);
-	kvt_mem_free(KVT_MEM_HOST, st->req_free, st->qd * sizeof *st->req_free);
+	kvt_mem_free(KVT_MEM_HOST, st->reqs, st->n_slots * sizeof *st->reqs);
+	kvt_mem_free(KVT_MEM_HOST, st->req_free, st->n_slots * sizeof *st->req_free);
+	kvt_mem_free(KVT_MEM_HOST, st->ready, st->n_slots * sizeof *st->ready);
 	kvt_mem_free(KVT_MEM_HOST, st->cqp, st->qd * sizeof *st->cqp);
 	kvt_mem_free(KVT_MEM_HOST, st->cqes, st->qd * sizeof *st->cqes);
 	kvt_mem_free(KVT_MEM_HOST, st, sizeof *st);
@@ -362,7 +382,8 @@ int kvt_nvme_available(char *why, size_t n)
 	int rc = io_uring_queue_init(2, &r, 0);
 	if (rc < 0) {
 		if (why && n)
-			snprintf(why, n, "the kernel refuses io_uring (io_uring_setup: %s)", strerror(-rc));
+			snprintf(why, n, "the kernel refuses io_uring (io_uring_setup: %s)",
+				 strerror(-rc));
 		return 0;
 	}
 	io_uring_queue_exit(&r);

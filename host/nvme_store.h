@@ -8,12 +8,13 @@
  * A block lives where kvt_nvme_write_blocks put it until kvt_nvme_free; nothing survives
  * kvt_nvme_close (the files are a cache, not a database: no superblock, no fsync).
  *
- * I/O: every block passes through a bounce pool of queue_depth slots of bounce_bytes, pinned and
- * registered with the kernel; a block larger than one slot takes several adjacent slots and is
- * moved in one I/O per slot. Up to queue_depth I/Os are in flight. A short transfer is continued
- * from where it stopped (re-aligned), -EAGAIN is retried up to 8 times per I/O, any other error
- * ends the call after every I/O in flight has completed, so no buffer is reused while the kernel
- * still owns it.
+ * I/O: every block passes through a bounce pool of 2 x queue_depth slots of bounce_bytes, pinned
+ * and registered with the kernel; a block larger than one slot takes several adjacent slots and is
+ * moved in one I/O per slot. Up to queue_depth I/Os are in flight; the second half of the slots
+ * lets blocks be verified and copied out while the device's queue stays full. A short transfer is
+ * continued from where it stopped (re-aligned), -EAGAIN is retried up to 8 times per I/O, any other
+ * error ends the call after every I/O in flight has completed, so no buffer is reused while the
+ * kernel still owns it.
  *
  * Integrity: a block is checked in full (header CRC, identity, generation, the CRC of each 4 KiB
  * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller.
@@ -40,8 +41,10 @@ struct kvt_nvme;
 
 /* Config flags. */
 enum {
-	/* Use the page cache instead of O_DIRECT: where direct I/O is slow or broken, and in tests of
-	 * the path taken automatically when O_DIRECT is refused. */
+	/*
+	 * Use the page cache instead of O_DIRECT: where direct I/O is slow or broken, and in tests
+	 * of the path taken automatically when O_DIRECT is refused.
+	 */
 	KVT_NVME_BUFFERED = 1u << 0,
 };
 
@@ -49,7 +52,7 @@ struct kvt_nvme_config {
 	const char *const *paths; /* n_files paths: created when missing, resized to bytes[i] */
 	const uint64_t *bytes;    /* capacity of each file; rounded down to the I/O alignment */
 	uint32_t n_files;         /* 1 .. KVT_NVME_MAX_FILES */
-	uint32_t queue_depth;     /* I/Os in flight and bounce slots, 1 .. 1024; 0 = 32 */
+	uint32_t queue_depth;     /* I/Os in flight (bounce slots: twice that), 1 .. 1024; 0 = 32 */
 	uint32_t bounce_bytes;    /* one slot, rounded up to the alignment, <= 1 GiB; 0 = 1 MiB */
 	uint32_t flags;           /* KVT_NVME_* flags, 0 for none */
 };
@@ -81,17 +84,18 @@ struct kvt_nvme_rows {
 
 /* Counters since open (monotonic; the two space figures are current). */
 struct kvt_nvme_stats {
-	uint64_t blocks_written, blocks_read;  /* blocks (or row ranges) delivered by successful I/O */
-	uint64_t bytes_written, bytes_read;    /* bytes moved to/from the files, padding included */
-	uint64_t write_ios, read_ios;          /* I/Os completed, retries and continuations included */
-	uint64_t submits;                      /* io_uring_submit calls (system calls) */
-	uint64_t short_ios, retries;           /* short transfers continued; -EAGAIN retries */
-	uint64_t io_errors;                    /* calls ended by an I/O error */
-	uint64_t checksum_failures;            /* blocks refused by kvt_nvme_verify */
-	uint64_t reordered;                    /* completions that overtook an earlier submission */
-	uint64_t lat_sum_ns, lat_max_ns;       /* per I/O, submission to reaped completion */
-	uint64_t bad_frees;                    /* kvt_nvme_free of a range that was not in use */
-	uint64_t bytes_used, bytes_free;       /* space now in use / free, over all files */
+	uint64_t blocks_written,
+		blocks_read;                /* blocks (or row ranges) delivered by successful I/O */
+	uint64_t bytes_written, bytes_read; /* bytes moved to/from the files, padding included */
+	uint64_t write_ios, read_ios;       /* I/Os completed, retries and continuations included */
+	uint64_t submits;                   /* io_uring_submit calls (system calls) */
+	uint64_t short_ios, retries;        /* short transfers continued; -EAGAIN retries */
+	uint64_t io_errors;                 /* calls ended by an I/O error */
+	uint64_t checksum_failures;         /* blocks refused by kvt_nvme_verify */
+	uint64_t reordered;                 /* completions that overtook an earlier submission */
+	uint64_t lat_sum_ns, lat_max_ns;    /* per I/O, submission to reaped completion */
+	uint64_t bad_frees;                 /* kvt_nvme_free of a range that was not in use */
+	uint64_t bytes_used, bytes_free;    /* space now in use / free, over all files */
 };
 
 /*
@@ -120,7 +124,7 @@ void kvt_nvme_close(struct kvt_nvme *st);
  * where blocks[i] went. All or nothing: on any error the space of every block of the call is
  * freed and every locs_out[i] is zeroed (bytes = 0), so no block is ever reported written that was
  * not written in full. Returns 0 or: -EINVAL (a bad block, named: zero or too many rows, a block
- * larger than the bounce pool), -ENOSPC (bytes needed and free), -ENOMEM, an I/O error from a
+ * larger than the whole bounce pool), -ENOSPC (bytes needed and free), -ENOMEM, an I/O error from a
  * completion (-EIO, -ECANCELED, -ENOSPC, ...) or -EIO (a zero-length transfer, retries exhausted).
  */
 int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,

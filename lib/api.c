@@ -339,6 +339,9 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 		      "stats->size = %zu, expected sizeof(kvt_stats) = %zu", st->size,
 		      sizeof(kvt_stats));
 	c->st.host_bytes_used = c->host.used;
+	c->st.host_placement = c->host.placement;
+	c->st.host_numa_node = c->host.node;
+	c->st.host_pinned = (uint32_t)c->host.pinned;
 	c->st.index_bytes = c->st.tokens_indexed * c->cfg.n_kv_heads * c->st.index_bytes_per_token_head;
 	c->st.nvme_bytes_capacity = 0;
 	if (c->nvme) {

@@ -121,6 +121,10 @@ typedef struct kvt_stats {
 	uint64_t tokens_indexed;      /* of which covered by the index */
 	uint64_t host_bytes_used;     /* host-tier bytes allocated for K/V rows */
 	uint64_t host_bytes_capacity; /* kvt_config.host_bytes */
+	const char *host_placement;   /* how the host tier's NUMA node was chosen (valid while the
+					 cache lives) */
+	int32_t host_numa_node;       /* -1: left to first touch */
+	uint32_t host_pinned;         /* 1 when host-tier extents are pinned for a GPU */
 	uint64_t index_bytes;         /* bytes of codes + sigma + beta in use */
 	uint64_t index_bytes_per_token_head; /* head_dim / 8 + 4 */
 	uint64_t steps;               /* kvt_attend / kvt_select calls x sequences x layers */
