@@ -26,8 +26,7 @@ uint32_t kvt_crc32c(uint32_t crc, const void *p, size_t n);
  */
 void kvt_crc32c_chunks(const void *p, size_t chunk_bytes, size_t n_chunks, uint32_t *out);
 
-/* The table-driven software implementation (slicing by 8), for tests and machines without SSE4.2.
- */
+/* The table-driven software version (slicing by 8), for tests and CPUs without SSE4.2. */
 uint32_t kvt_crc32c_sw(uint32_t crc, const void *p, size_t n);
 
 /*

@@ -188,8 +188,7 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 		return BAD("sizes: header %u, payload %u, chunk %u bytes; wanted %u, %u, %u",
 			   get32(h + OFF_HDR_BYTES), get32(h + OFF_PAYLOAD), get32(h + OFF_CHUNK),
 			   hb, p, KVT_NVME_CHUNK);
-	/* Sizes agree, so the header is hb bytes: its CRC can be checked before any field is used.
-	 */
+	/* Sizes agree, so the header is hb bytes: check its CRC before trusting any field. */
 	uint32_t got = get32(h + OFF_CRC), want = header_crc(h, hb);
 	if (got != want)
 		return BAD("header crc32c 0x%08x, computed 0x%08x", got, want);
@@ -209,8 +208,7 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 					   c, off, off + len, cg, crc[j]);
 		}
 	}
-	/* All zero: the first byte is, and every byte equals its successor (one vectorized memcmp).
-	 */
+	/* All zero: the first byte is, and each byte equals the next (one vectorized memcmp). */
 	if (v->pad && v->pad_bytes &&
 	    (v->pad[0] || memcmp(v->pad, v->pad + 1, v->pad_bytes - 1) != 0))
 		for (uint32_t i = 0; i < v->pad_bytes; i++)

@@ -39,13 +39,11 @@ struct kvt_nvme_block_id {
 	uint16_t flags;    /* the owner's (dtype, say); stored and checked, not interpreted */
 };
 
-/* Payload bytes of a block (n_tokens * head_dim * 4), or 0 when zero or over KVT_NVME_MAX_PAYLOAD.
- */
+/* Payload bytes (n_tokens * head_dim * 4), or 0 when zero or over KVT_NVME_MAX_PAYLOAD. */
 uint32_t kvt_nvme_payload_bytes(const struct kvt_nvme_block_id *id);
 /* Header bytes for a payload: 64 + 4 per started 4 KiB chunk. */
 uint32_t kvt_nvme_header_bytes(uint32_t payload_bytes);
-/* Bytes a block takes on disk: header + payload rounded up to `align` (a power of two); 0 if bad.
- */
+/* On-disk bytes: header + payload rounded up to `align` (a power of two); 0 if bad. */
 uint64_t kvt_nvme_disk_bytes(const struct kvt_nvme_block_id *id, uint32_t align);
 
 /*

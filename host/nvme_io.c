@@ -346,8 +346,7 @@ static void complete(struct kvt_nvme *st, struct call *c, uint32_t oi, int res, 
 	}
 	*(c->write ? &st->stats.bytes_written : &st->stats.bytes_read) += (uint64_t)res;
 	if ((uint32_t)res < left) {
-		/* Continue from the last aligned byte: O_DIRECT wants aligned offsets and buffers.
-		 */
+		/* Go on from the last aligned byte: O_DIRECT wants aligned offsets. */
 		uint32_t done = (uint32_t)round_down(o->done + (uint32_t)res, st->align);
 		st->stats.short_ios++;
 		if (done == o->done && ++o->tries > MAX_TRIES) {

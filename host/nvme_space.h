@@ -26,8 +26,7 @@ struct kvt_space {
 /* A space of `capacity` bytes, all free. Returns 0 or -ENOMEM. */
 int kvt_space_init(struct kvt_space *s, uint64_t capacity);
 void kvt_space_fini(struct kvt_space *s);
-/* Make room for the extents one more allocation may need. Returns 0 or -ENOMEM (nothing changed).
- */
+/* Room for the extents one more allocation may need: 0 or -ENOMEM (nothing changed). */
 int kvt_space_reserve(struct kvt_space *s);
 /* First fit of len bytes after kvt_space_reserve: 0 with *off set, or -ENOSPC (nothing changed). */
 int kvt_space_alloc(struct kvt_space *s, uint64_t len, uint64_t *off);

@@ -117,8 +117,7 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	const char *mode = buffered ? "buffered (KVT_NVME_BUFFERED)" : "O_DIRECT";
 	f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | (buffered ? 0 : O_DIRECT), 0600);
 	if (f->fd < 0 && !buffered && errno == EINVAL) {
-		/* Some file systems (FUSE, tmpfs before 6.6) refuse O_DIRECT: use the page cache.
-		 */
+		/* Some file systems (FUSE, tmpfs before 6.6) refuse O_DIRECT: go buffered. */
 		mode = "buffered (O_DIRECT refused: EINVAL)";
 		f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 	}
@@ -199,8 +198,7 @@ static int setup_ring(struct kvt_nvme *st)
 {
 	struct io_uring_params p;
 	memset(&p, 0, sizeof p);
-	/* Cooperative task running saves an interrupt per completion; kernels before 5.19 lack it.
-	 */
+	/* Cooperative task running saves an interrupt per completion (kernel >= 5.19). */
 	p.flags = IORING_SETUP_COOP_TASKRUN;
 	int rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
 	if (rc == -EINVAL) {
@@ -247,8 +245,7 @@ static int alloc_pools(struct kvt_nvme *st)
 	return 0;
 }
 
-/* Register the bounce slots and the files; where the kernel says no, plain I/O does the same job.
- */
+/* Register the bounce slots and files; where the kernel says no, plain I/O does the job. */
 static void register_all(struct kvt_nvme *st, char *note, size_t n)
 {
 	size_t used = 0;

@@ -1,0 +1,452 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The NVMe block store (host/nvme_store.c, nvme_io.c, nvme_format.c, nvme_space.c, crc32c.c):
+ * CRC-32C against the standard check value in both implementations, the block format's checks,
+ * byte-identical round trips of many random blocks across several files (whole blocks and row
+ * ranges, blocks spanning several bounce slots), all-or-nothing -ENOSPC, free and reuse, refusal
+ * of a block under the wrong identity, and the page-cache (buffered) path.
+ * Scratch files go to $KVT_TEST_DIR or the current directory; exits 77 without io_uring.
+ */
+#include <sys/vfs.h>
+
+#include "host/crc32c.h"
+#include "nvme_util.h"
+
+#define TMPFS_MAGIC_ 0x01021994
+
+static void test_crc32c(void **state)
+{
+	(void)state;
+	const char *v = "123456789";
+	uint32_t hw = 0;
+	T_CHECK(kvt_crc32c(0, v, 9) == 0xE3069283u,
+		"crc32c(\"123456789\") got 0x%08x, wanted 0xE3069283", kvt_crc32c(0, v, 9));
+	T_CHECK(kvt_crc32c_sw(0, v, 9) == 0xE3069283u,
+		"software crc32c got 0x%08x, wanted 0xE3069283", kvt_crc32c_sw(0, v, 9));
+	int have_hw = kvt_crc32c_hw(0, v, 9, &hw) == 0;
+	printf("crc32c implementation: %s\n", kvt_crc32c_impl());
+	if (have_hw)
+		T_CHECK(hw == 0xE3069283u, "sse4.2 crc32c got 0x%08x, wanted 0xE3069283", hw);
+	/* Other published values: 32 zero bytes and 32 0xff bytes (RFC 3720 B.4). */
+	unsigned char z[32], o[32];
+	memset(z, 0, sizeof z);
+	memset(o, 0xff, sizeof o);
+	T_CHECK(kvt_crc32c(0, z, 32) == 0x8A9136AAu,
+		"crc32c(32 x 00) got 0x%08x, wanted 0x8A9136AA", kvt_crc32c(0, z, 32));
+	T_CHECK(kvt_crc32c(0, o, 32) == 0x62A8AB43u,
+		"crc32c(32 x ff) got 0x%08x, wanted 0x62A8AB43", kvt_crc32c(0, o, 32));
+	/* Random lengths and offsets: both implementations agree; chaining splits anywhere. */
+	t_rng r;
+	t_rng_seed(&r, 42);
+	unsigned char *buf = nv_random_payload(&r, 70000);
+	for (int t = 0; t < 300; t++) {
+		size_t off = t_below(&r, 64), n = t_below(&r, 65000),
+		       cut = n ? t_below(&r, (uint32_t)n) : 0;
+		uint32_t sw = kvt_crc32c_sw(0, buf + off, n), all = kvt_crc32c(0, buf + off, n);
+		uint32_t two = kvt_crc32c(kvt_crc32c(0, buf + off, cut), buf + off + cut, n - cut);
+		T_CHECK(sw == all && two == all,
+			"len %zu at +%zu cut %zu: sw 0x%08x, dispatch 0x%08x, "
+			"chained 0x%08x",
+			n, off, cut, sw, all, two);
+		if (have_hw) {
+			kvt_crc32c_hw(0, buf + off, n, &hw);
+			T_CHECK(hw == sw, "len %zu at +%zu: sse4.2 0x%08x, software 0x%08x", n, off,
+				hw, sw);
+		}
+	}
+	/* Chunked CRCs (four streams side by side) equal one CRC per chunk. */
+	for (size_t n = 0; n <= 9; n++) {
+		uint32_t got[9];
+		kvt_crc32c_chunks(buf + 3, 4096, n, got);
+		for (size_t i = 0; i < n; i++) {
+			uint32_t want = kvt_crc32c_sw(0, buf + 3 + i * 4096, 4096);
+			T_CHECK(got[i] == want, "chunk %zu of %zu: 0x%08x, wanted 0x%08x", i, n,
+				got[i], want);
+		}
+	}
+	free(buf);
+}
+
+/* The format alone: a block verifies under its own identity and fails, by name, under any other. */
+static void test_format(void **state)
+{
+	(void)state;
+	t_rng r;
+	t_rng_seed(&r, 7);
+	struct kvt_nvme_block_id id = nv_id(&r, 37, 64);
+	uint32_t p = kvt_nvme_payload_bytes(&id), hb = kvt_nvme_header_bytes(p);
+	uint64_t disk = kvt_nvme_disk_bytes(&id, 4096);
+	T_CHECK(p == 37 * 64 * 4 && hb == 64 + 4 * 3 && disk == 12288,
+		"sizes: payload %u header %u disk %llu, wanted 9472 76 12288", p, hb,
+		(unsigned long long)disk);
+	unsigned char *src = nv_random_payload(&r, p), *img = t_alloc(disk);
+	kvt_nvme_encode(&id, src, img, disk);
+	T_CHECK(memcmp(img, "KVTB", 4) == 0 && memcmp(img + hb, src, p) == 0,
+		"the image starts with KVTB and holds the payload at the header's end");
+	struct kvt_nvme_view v = {img, img + hb, 0, 3, img + hb + p, (uint32_t)(disk - hb - p)};
+	char why[256];
+	int rc = kvt_nvme_verify(&v, &id, why, sizeof why);
+	T_CHECK(rc == 0, "verify of a fresh image: got %d (%s), wanted 0", rc, why);
+	const char *names[] = {"seq",   "generation", "first_token", "n_tokens",
+			       "layer", "kv_head",    "flags"};
+	for (int k = 0; k < 7; k++) {
+		struct kvt_nvme_block_id e = id;
+		switch (k) {
+		case 0: e.seq++; break;
+		case 1: e.generation++; break;
+		case 2: e.first_token++; break;
+		case 3: break; /* n_tokens changes the sizes: checked below */
+		case 4: e.layer++; break;
+		case 5: e.kv_head++; break;
+		default: e.flags ^= 1; break;
+		}
+		if (k == 3)
+			continue;
+		rc = kvt_nvme_verify(&v, &e, why, sizeof why);
+		T_CHECK(rc == -EBADMSG && strstr(why, names[k]),
+			"expect with another %s: got %d (%s), "
+			"wanted -EBADMSG naming it",
+			names[k], rc, why);
+	}
+	struct kvt_nvme_block_id e = id;
+	e.n_tokens = 36;
+	rc = kvt_nvme_verify(&v, &e, why, sizeof why);
+	T_CHECK(rc == -EBADMSG && strstr(why, "sizes"), "36 rows expected: got %d (%s)", rc, why);
+	img[disk - 1] = 1;
+	rc = kvt_nvme_verify(&v, &id, why, sizeof why);
+	T_CHECK(rc == -EBADMSG && strstr(why, "padding"), "nonzero padding: got %d (%s)", rc, why);
+	free(src);
+	free(img);
+}
+
+struct nv_written {
+	struct kvt_nvme_block_id id;
+	struct kvt_nvme_loc loc;
+	unsigned char *payload;
+	uint32_t bytes;
+};
+
+/* Write `n` random blocks in batches of 1..max_batch; rows per block in [1, max_tokens]. */
+static void write_random(struct kvt_nvme *st, t_rng *r, struct nv_written *w, uint32_t n,
+			 uint32_t max_tokens, uint32_t max_batch)
+{
+	for (uint32_t i = 0; i < n;) {
+		uint32_t b = 1 + t_below(r, max_batch);
+		b = b > n - i ? n - i : b;
+		struct kvt_nvme_block blk[64];
+		struct kvt_nvme_loc locs[64];
+		for (uint32_t j = 0; j < b; j++) {
+			w[i + j].id =
+				nv_id(r, 1 + t_below(r, max_tokens), t_below(r, 2) ? 128 : 64);
+			w[i + j].id.seq =
+				i + j; /* distinct, so a block read at another's loc fails */
+			w[i + j].bytes = kvt_nvme_payload_bytes(&w[i + j].id);
+			w[i + j].payload = nv_random_payload(r, w[i + j].bytes);
+			blk[j].id = w[i + j].id;
+			blk[j].payload = w[i + j].payload;
+		}
+		int rc = kvt_nvme_write_blocks(st, b, blk, locs);
+		T_CHECK(rc == 0, "write of blocks %u..%u: got %d (%s), wanted 0", i, i + b, rc,
+			kvt_nvme_error(st));
+		for (uint32_t j = 0; j < b; j++)
+			w[i + j].loc = locs[j];
+		i += b;
+	}
+}
+
+/* Read back every block in a random order and batches, whole, then random row ranges. */
+static void read_check(struct kvt_nvme *st, t_rng *r, struct nv_written *w, uint32_t n)
+{
+	uint32_t *order = t_alloc(n * sizeof *order);
+	for (uint32_t i = 0; i < n; i++)
+		order[i] = i;
+	for (uint32_t i = n; i > 1; i--) {
+		uint32_t j = t_below(r, i), t = order[i - 1];
+		order[i - 1] = order[j];
+		order[j] = t;
+	}
+	for (uint32_t i = 0; i < n;) {
+		uint32_t b = 1 + t_below(r, 24);
+		b = b > n - i ? n - i : b;
+		struct kvt_nvme_loc locs[24];
+		struct kvt_nvme_block_id ids[24];
+		void *outs[24];
+		for (uint32_t j = 0; j < b; j++) {
+			struct nv_written *x = &w[order[i + j]];
+			locs[j] = x->loc;
+			ids[j] = x->id;
+			outs[j] = t_alloc(x->bytes);
+			memset(outs[j], 0xa5, x->bytes);
+		}
+		int rc = kvt_nvme_read_blocks(st, b, locs, ids, outs);
+		T_CHECK(rc == 0, "read of %u blocks: got %d (%s), wanted 0", b, rc,
+			kvt_nvme_error(st));
+		for (uint32_t j = 0; j < b; j++) {
+			struct nv_written *x = &w[order[i + j]];
+			T_CHECK(memcmp(outs[j], x->payload, x->bytes) == 0,
+				"block seq %llu (%u bytes at file %u offset %llu) differs after "
+				"the round trip",
+				(unsigned long long)x->id.seq, x->bytes, x->loc.file,
+				(unsigned long long)x->loc.offset);
+			free(outs[j]);
+		}
+		i += b;
+	}
+	for (uint32_t t = 0; t < 2 * n; t++) {
+		struct nv_written *x = &w[t_below(r, n)];
+		uint32_t a = t_below(r, x->id.n_tokens), e = a + 1 + t_below(r, x->id.n_tokens - a);
+		size_t row = (size_t)x->id.head_dim * 4, bytes = (e - a) * row;
+		struct kvt_nvme_rows q = {x->loc, x->id, a, e, t_alloc(bytes)};
+		int rc = kvt_nvme_read_rows(st, 1, &q);
+		T_CHECK(rc == 0 && memcmp(q.out, x->payload + a * row, bytes) == 0,
+			"rows [%u, %u) of block seq %llu (%u rows): got %d (%s), wanted 0 and "
+			"equal bytes",
+			a, e, (unsigned long long)x->id.seq, x->id.n_tokens, rc,
+			kvt_nvme_error(st));
+		free(q.out);
+	}
+	free(order);
+}
+
+static void free_written(struct nv_written *w, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		free(w[i].payload);
+}
+
+static void test_round_trip(void **state)
+{
+	(void)state;
+	nv_files f;
+	int64_t live0 = kvt_mem_live();
+	int fds0 = nv_fd_count();
+	/* Three files; 64 KiB bounce slots, so blocks of up to 300 rows x 512 B span several. */
+	struct kvt_nvme *st = nv_open(&f, nv_dir(), 3, (uint64_t)64 << 20, 16, 64 << 10);
+	printf("store: %s\n", kvt_nvme_status(st));
+	printf("I/O alignment: %u bytes\n", kvt_nvme_alignment(st));
+	t_rng r;
+	t_rng_seed(&r, 1234);
+	enum { N = 300 };
+	struct nv_written *w = t_alloc(N * sizeof *w);
+	write_random(st, &r, w, N, 300, 40);
+	uint32_t per_file[3] = {0};
+	for (uint32_t i = 0; i < N; i++) {
+		per_file[w[i].loc.file]++;
+		T_CHECK(w[i].loc.offset % kvt_nvme_alignment(st) == 0 &&
+				w[i].loc.bytes == kvt_nvme_block_bytes(st, &w[i].id),
+			"block %u: loc offset %llu bytes %u, alignment %u, block bytes %llu", i,
+			(unsigned long long)w[i].loc.offset, w[i].loc.bytes, kvt_nvme_alignment(st),
+			(unsigned long long)kvt_nvme_block_bytes(st, &w[i].id));
+	}
+	T_CHECK(per_file[0] && per_file[1] && per_file[2],
+		"blocks per file %u %u %u: all files used", per_file[0], per_file[1], per_file[2]);
+	read_check(st, &r, w, N);
+	struct kvt_nvme_stats s;
+	kvt_nvme_get_stats(st, &s);
+	printf("written %llu blocks in %llu I/Os, read %llu in %llu I/Os, %llu submits, mean "
+	       "latency "
+	       "%.1f us, max %.1f us, %llu completions out of order\n",
+	       (unsigned long long)s.blocks_written, (unsigned long long)s.write_ios,
+	       (unsigned long long)s.blocks_read, (unsigned long long)s.read_ios,
+	       (unsigned long long)s.submits,
+	       s.lat_sum_ns / 1e3 / (double)(s.read_ios + s.write_ios), s.lat_max_ns / 1e3,
+	       (unsigned long long)s.reordered);
+	T_CHECK(s.blocks_written == N && s.checksum_failures == 0 && s.io_errors == 0,
+		"stats: %llu written, %llu checksum failures, %llu I/O errors",
+		(unsigned long long)s.blocks_written, (unsigned long long)s.checksum_failures,
+		(unsigned long long)s.io_errors);
+	for (uint32_t i = 0; i < N; i++)
+		kvt_nvme_free(st, 1, &w[i].loc);
+	kvt_nvme_get_stats(st, &s);
+	T_CHECK(s.bytes_used == 0 && s.bad_frees == 0,
+		"after freeing all: %llu bytes used, %llu "
+		"bad frees",
+		(unsigned long long)s.bytes_used, (unsigned long long)s.bad_frees);
+	kvt_nvme_close(st);
+	free_written(w, N);
+	free(w);
+	T_CHECK(kvt_mem_live() == live0 && nv_fd_count() == fds0,
+		"leak: live %lld (was %lld), fds %d "
+		"(were %d)",
+		(long long)kvt_mem_live(), (long long)live0, nv_fd_count(), fds0);
+}
+
+/* Fill two small files to -ENOSPC: the failing call changes nothing; freed space is reused. */
+static void test_enospc_free_reuse(void **state)
+{
+	(void)state;
+	nv_files f;
+	struct kvt_nvme *st = nv_open(&f, nv_dir(), 2, 256 << 10, 4, 32 << 10);
+	t_rng r;
+	t_rng_seed(&r, 99);
+	enum { MAXB = 128 };
+	struct nv_written w[MAXB];
+	uint32_t n = 0;
+	int rc = 0;
+	for (; n < MAXB; n++) {
+		w[n].id =
+			nv_id(&r, 16, 64); /* 4 KiB payload: 8 KiB on disk with a 4 KiB alignment */
+		w[n].id.seq = n;
+		w[n].bytes = kvt_nvme_payload_bytes(&w[n].id);
+		w[n].payload = nv_random_payload(&r, w[n].bytes);
+		struct kvt_nvme_block b = {w[n].id, w[n].payload};
+		rc = kvt_nvme_write_blocks(st, 1, &b, &w[n].loc);
+		if (rc)
+			break;
+	}
+	T_CHECK(rc == -ENOSPC && n > 0, "filling: got %d after %u blocks (%s), wanted -ENOSPC", rc,
+		n, kvt_nvme_error(st));
+	printf("full after %u blocks: %s\n", n, kvt_nvme_error(st));
+	free(w[n].payload);
+	struct kvt_nvme_stats s0, s1;
+	kvt_nvme_get_stats(st, &s0);
+	/* Free two blocks, ask for three: still -ENOSPC, and the two freed ranges stay free. */
+	kvt_nvme_free(st, 1, &w[1].loc);
+	kvt_nvme_free(st, 1, &w[2].loc);
+	kvt_nvme_get_stats(st, &s0);
+	struct kvt_nvme_block b3[3];
+	struct kvt_nvme_loc l3[3];
+	for (int i = 0; i < 3; i++)
+		b3[i] = (struct kvt_nvme_block){w[0].id, w[0].payload};
+	rc = kvt_nvme_write_blocks(st, 3, b3, l3);
+	kvt_nvme_get_stats(st, &s1);
+	T_CHECK(rc == -ENOSPC && s1.bytes_used == s0.bytes_used && l3[0].bytes == 0 &&
+			l3[1].bytes == 0,
+		"3 blocks into room for 2: got %d (%s), used %llu -> %llu, locs %u %u", rc,
+		kvt_nvme_error(st), (unsigned long long)s0.bytes_used,
+		(unsigned long long)s1.bytes_used, l3[0].bytes, l3[1].bytes);
+	T_CHECK(strstr(kvt_nvme_error(st), "need") && strstr(kvt_nvme_error(st), "free"),
+		"the -ENOSPC message names the bytes needed and free: %s", kvt_nvme_error(st));
+	/* Two fit: they reuse the freed ranges. */
+	for (int i = 1; i <= 2; i++) {
+		w[i].id.generation++;
+		memset(w[i].payload, 0x10 + i, w[i].bytes);
+		struct kvt_nvme_block b = {w[i].id, w[i].payload};
+		rc = kvt_nvme_write_blocks(st, 1, &b, &w[i].loc);
+		T_CHECK(rc == 0, "rewrite of block %d into freed space: got %d (%s)", i, rc,
+			kvt_nvme_error(st));
+	}
+	read_check(st, &r, w, n);
+	/* A double free is refused and counted; the space stays consistent. */
+	kvt_nvme_free(st, 1, &w[0].loc);
+	kvt_nvme_free(st, 1, &w[0].loc);
+	kvt_nvme_get_stats(st, &s1);
+	T_CHECK(s1.bad_frees == 1, "double free: bad_frees %llu, wanted 1",
+		(unsigned long long)s1.bad_frees);
+	kvt_nvme_close(st);
+	free_written(w, n);
+}
+
+/* The wrong identity or generation is refused with -EBADMSG naming the block; output untouched. */
+static void test_identity_refused(void **state)
+{
+	(void)state;
+	nv_files f;
+	struct kvt_nvme *st = nv_open(&f, nv_dir(), 1, 8 << 20, 8, 0);
+	t_rng r;
+	t_rng_seed(&r, 5);
+	struct nv_written w[2];
+	write_random(st, &r, w, 2, 50, 2);
+	uint32_t bytes = w[0].bytes;
+	unsigned char *out = t_alloc(bytes);
+	memset(out, 0xa5, bytes);
+	struct kvt_nvme_block_id e = w[0].id;
+	e.generation++;
+	void *outs[1] = {out};
+	int rc = kvt_nvme_read_blocks(st, 1, &w[0].loc, &e, outs);
+	T_CHECK(rc == -EBADMSG && strstr(kvt_nvme_error(st), "generation") &&
+			strstr(kvt_nvme_error(st), "seq 0"),
+		"stale generation: got %d (%s), wanted -EBADMSG naming generation and the block",
+		rc, kvt_nvme_error(st));
+	for (uint32_t i = 0; i < bytes; i++)
+		T_CHECK(out[i] == 0xa5, "byte %u of the refused block's output was written", i);
+	/* Block 1's identity at block 0's loc: other sizes (-EINVAL) or seq (-EBADMSG). */
+	struct kvt_nvme_loc l = w[0].loc;
+	rc = kvt_nvme_read_blocks(st, 1, &l, &w[1].id, outs);
+	T_CHECK(rc == -EINVAL || rc == -EBADMSG, "another block's identity: got %d (%s)", rc,
+		kvt_nvme_error(st));
+	printf("refusals: %s\n", kvt_nvme_error(st));
+	kvt_nvme_close(st);
+	free(out);
+	free_written(w, 2);
+}
+
+/*
+ * The page-cache path: forced through KVT_NVME_BUFFERED, and on tmpfs, where kernels before 6.6
+ * refuse O_DIRECT (newer ones accept it; the status line says which happened).
+ */
+static void test_buffered(void **state)
+{
+	(void)state;
+	struct statfs sf;
+	int tmpfs = statfs("/dev/shm", &sf) == 0 && sf.f_type == TMPFS_MAGIC_;
+	for (int pass = 0; pass < 1 + tmpfs; pass++) {
+		nv_files f;
+		const char *dir = pass ? "/dev/shm" : nv_dir();
+		nv_make_files(&f, dir, 1, 8 << 20);
+		struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 1,
+					      4,      0,       pass ? 0 : KVT_NVME_BUFFERED};
+		struct kvt_nvme *st = NULL;
+		char err[512];
+		int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+		nv_unlink(&f);
+		T_CHECK(rc == 0, "open in %s: %d (%s)", dir, rc, err);
+		printf("%s store: %s\n", pass ? "tmpfs" : "forced buffered", kvt_nvme_status(st));
+		T_CHECK(pass || strstr(kvt_nvme_status(st), "buffered (KVT_NVME_BUFFERED)"),
+			"status names the forced buffered mode: %s", kvt_nvme_status(st));
+		t_rng r;
+		t_rng_seed(&r, 11 + (uint64_t)pass);
+		struct nv_written w[20];
+		write_random(st, &r, w, 20, 100, 5);
+		read_check(st, &r, w, 20);
+		kvt_nvme_close(st);
+		free_written(w, 20);
+	}
+	if (!tmpfs)
+		printf("no tmpfs at /dev/shm: only the forced buffered mode was exercised\n");
+}
+
+/* Bad configurations are refused with -EINVAL and the value named. */
+static void test_bad_config(void **state)
+{
+	(void)state;
+	const char *paths[1] = {"./kvt-nvme-never-created"};
+	uint64_t bytes[1] = {1 << 20};
+	struct kvt_nvme_config cfg = {paths, bytes, 1, 5000, 0, 0};
+	struct kvt_nvme *st = (struct kvt_nvme *)1;
+	char err[256];
+	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	T_CHECK(rc == -EINVAL && st == NULL && strstr(err, "queue_depth = 5000"),
+		"queue depth 5000: got %d (%s)", rc, err);
+	cfg.queue_depth = 4;
+	cfg.n_files = 0;
+	rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	T_CHECK(rc == -EINVAL && strstr(err, "n_files = 0"), "no files: got %d (%s)", rc, err);
+	const char *bad[1] = {"/nonexistent-dir/kvt"};
+	cfg.n_files = 1;
+	cfg.paths = bad;
+	rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	T_CHECK(rc == -EIO && strstr(err, "/nonexistent-dir/kvt") && strstr(err, "No such file"),
+		"missing directory: got %d (%s)", rc, err);
+}
+
+int main(void)
+{
+	/* The checksum and the format need no io_uring: they run (and must pass) everywhere. */
+	const struct CMUnitTest pure[] = {
+		cmocka_unit_test(test_crc32c),
+		cmocka_unit_test(test_format),
+	};
+	int failed = cmocka_run_group_tests_name("nvme format", pure, NULL, NULL);
+	if (failed)
+		return failed;
+	nv_skip_unless_available();
+	const struct CMUnitTest store[] = {
+		cmocka_unit_test(test_bad_config),
+		cmocka_unit_test(test_round_trip),
+		cmocka_unit_test(test_enospc_free_reuse),
+		cmocka_unit_test(test_identity_refused),
+		cmocka_unit_test(test_buffered),
+	};
+	return cmocka_run_group_tests_name("nvme store", store, NULL, NULL);
+}
