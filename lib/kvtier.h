@@ -212,7 +212,8 @@ KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
  *   k, v: [n_tokens, n_kv_heads, head_dim]
  * Keys must be finite. Returns 0. Errors: -EINVAL (NULL k/v, n_tokens == 0, layer out of range,
  * non-finite key), -ENOENT, -ENOSPC (host tier full: the text names the bytes needed and free),
- * -ENOMEM.
+ * -ENOMEM; with KVT_SPILL_LRU also the I/O errors of the automatic spill (-EIO, -ECANCELED, ...),
+ * after which the victim keeps its host copy.
  */
 KVT_API int kvt_prefill(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,
 			const void *k, const void *v, uint32_t n_tokens, void *stream);
@@ -222,7 +223,8 @@ KVT_API int kvt_prefill(kvt_cache *cache, uint32_t seq, uint32_t layer, const vo
  * window + flush_batch tokens, its oldest flush_batch window tokens are indexed in one batch.
  *   seqs: host array [n_seqs]; k, v: [n_seqs, n_kv_heads, head_dim]
  * All-or-nothing: on failure no sequence changes. Errors: -EINVAL (NULL, n_seqs == 0, duplicate
- * sequence, layer, non-finite key), -ENOENT, -ENOSPC, -ENOMEM.
+ * sequence, layer, non-finite key), -ENOENT, -ENOSPC, -ENOMEM, and with KVT_SPILL_LRU the I/O
+ * errors of the automatic spill, as kvt_prefill.
  */
 KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *k, const void *v, void *stream);

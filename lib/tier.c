@@ -261,8 +261,12 @@ int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
 			      (unsigned long long)kvt_extents_free_bytes(&c->host),
 			      (unsigned long long)c->host.capacity);
 		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim);
-		if (rc < 0)
-			return (int)rc;
+		if (rc < 0) {
+			char why[400];
+			snprintf(why, sizeof why, "%s", c->err);
+			return kvt_seterr(c, (int)rc, "automatic spill (KVT_SPILL_LRU) to free %llu "
+					  "bytes of host tier failed: %s", (unsigned long long)bytes, why);
+		}
 		c->st.auto_spills++;
 	}
 	return 0;
@@ -376,10 +380,10 @@ int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n
 			if (s < 0) {
 				drop_pending(bc, c->reqs, nreq);
 				return kvt_seterr(c, -ENOSPC,
-						  "direct serving of KV head %u needs more than "
-						  "nvme_cache_bytes = %llu of block cache: restore the "
-						  "sequence or raise nvme_cache_bytes",
-						  h, (unsigned long long)c->cfg.nvme_cache_bytes);
+						  "direct serving of layer %u KV head %u needs more "
+						  "than nvme_cache_bytes = %llu of block cache: restore "
+						  "the sequence or raise nvme_cache_bytes",
+						  l->index, h, (unsigned long long)c->cfg.nvme_cache_bytes);
 			}
 			struct bslot *sl = &bc->slots[s];
 			*sl = (struct bslot){ .uid = l->seq_uid, .layer = l->index, .head = h,
