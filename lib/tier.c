@@ -262,7 +262,7 @@ int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
 			      (unsigned long long)c->host.capacity);
 		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim);
 		if (rc < 0) {
-			char why[400];
+			char why[sizeof c->err];
 			snprintf(why, sizeof why, "%s", c->err);
 			return kvt_seterr(c, (int)rc, "automatic spill (KVT_SPILL_LRU) to free %llu "
 					  "bytes of host tier failed: %s", (unsigned long long)bytes, why);
