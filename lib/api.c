@@ -352,6 +352,9 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 		c->st.nvme_bytes_written = ns.bytes_written;
 		c->st.nvme_bytes_read = ns.bytes_read;
 		c->st.nvme_reads = ns.read_ios;
+		c->st.nvme_ios = ns.read_ios + ns.write_ios;
+		c->st.nvme_lat_ns_sum = ns.lat_sum_ns;
+		c->st.nvme_lat_ns_max = ns.lat_max_ns;
 	}
 	*st = c->st;
 	return 0;

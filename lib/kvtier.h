@@ -144,6 +144,9 @@ typedef struct kvt_stats {
 	uint64_t nvme_bytes_used, nvme_bytes_capacity;
 	uint64_t nvme_bytes_written, nvme_bytes_read; /* moved to and from the files */
 	uint64_t nvme_reads;          /* read I/Os, direct serving and restores */
+	uint64_t nvme_ios;            /* all I/Os completed, retries and continuations included */
+	uint64_t nvme_lat_ns_sum;     /* per I/O, submission to completion: mean = sum / nvme_ios */
+	uint64_t nvme_lat_ns_max;
 	uint64_t nvme_cache_hits;     /* 4 KiB payload chunks served from the block cache */
 	uint64_t nvme_cache_misses;   /* chunks read from NVMe for direct serving */
 	uint64_t ns_nvme;             /* wall-clock nanoseconds in NVMe I/O */
