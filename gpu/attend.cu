@@ -1,0 +1,303 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Exact attention over gathered rows (split over chunks of rows, then merged).
+ *
+ * A row group of d/8 lanes reads one row with one 16-byte load of K and one of V per lane, so a
+ * warp covers 4, 2 or 1 rows (d 64, 128, 256) with fully used 512-byte transactions, and each lane
+ * keeps the 8 output dimensions it loads. Several rows per group are loaded before any is used:
+ * rows read over PCIe from mapped host memory take microseconds, and only many requests in flight
+ * hide that. Query heads of the group (up to 8 per block, more through grid.z) share every load.
+ */
+#include "attend.cuh"
+#include "common.cuh"
+
+#define AT_THREADS 256
+#define AT_CHUNK 256u /* rows per block */
+#define AT_UNROLL 4   /* rows per group in flight */
+
+static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, uint32_t i)
+{
+	if (it.rows)
+		return (const char *)it.rows[i];
+	return (const char *)it.base + (uint64_t)(it.pos ? it.pos[i] : i) * it.stride;
+}
+
+template <int D, int DT, int GB>
+static __global__ void __launch_bounds__(AT_THREADS)
+	k_attend(const void *q, const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, float scale,
+		 uint32_t max_rows, uint32_t chunks, float *part, unsigned long long *err)
+{
+	constexpr int LPR = D / 8, GROUPS = AT_THREADS / LPR;
+	__shared__ float sm_m[GROUPS], sm_l[GROUPS];
+	__shared__ float sm_acc[GROUPS][D];
+	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
+	const uint32_t g0 = blockIdx.z * GB, ng = min((uint32_t)GB, G - g0);
+	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR;
+	const kvt_gpu_rows it = items[item];
+	uint32_t n = it.n;
+	if (n > max_rows) {
+		if (blockIdx.x == 0 && blockIdx.z == 0 && tid == 0)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+		n = 0;
+	}
+	const uint32_t r0 = blockIdx.x * AT_CHUNK, r1 = min(r0 + AT_CHUNK, n);
+	if (r0 >= n)
+		return; /* the merge reads only the chunks that hold rows */
+
+	float qv[GB][8], m[GB], l[GB], acc[GB][8];
+#pragma unroll
+	for (int g = 0; g < GB; g++) {
+		const size_t at = ((size_t)seq * hq + (size_t)h * G + g0 + g) * D + 8 * li;
+		if ((uint32_t)g < ng)
+			kvt_d_unpack8<DT>(*(const uint4 *)((const uint16_t *)q + at), qv[g]);
+		else
+#pragma unroll
+			for (int e = 0; e < 8; e++)
+				qv[g][e] = 0.0f;
+		m[g] = -INFINITY;
+		l[g] = 0.0f;
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			acc[g][e] = 0.0f;
+	}
+
+	/* the bound is uniform over the warp: the shuffles below need every lane */
+	for (uint32_t r = r0 + grp, base = r0; base < r1; r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
+		uint4 kb[AT_UNROLL], vb[AT_UNROLL];
+#pragma unroll
+		for (int u = 0; u < AT_UNROLL; u++) {
+			const uint32_t rr = r + u * GROUPS;
+			if (rr < r1) {
+				const char *p = row_ptr(it, rr);
+				kb[u] = *(const uint4 *)(p + 16 * li);
+				vb[u] = *(const uint4 *)(p + 2 * D + 16 * li);
+			} else {
+				kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
+			}
+		}
+		float s[AT_UNROLL][GB];
+#pragma unroll
+		for (int u = 0; u < AT_UNROLL; u++) {
+			float kf[8];
+			kvt_d_unpack8<DT>(kb[u], kf);
+#pragma unroll
+			for (int g = 0; g < GB; g++) {
+				float dot = 0.0f;
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					dot = fmaf(qv[g][e], kf[e], dot);
+#pragma unroll
+				for (int o = LPR / 2; o; o >>= 1)
+					dot += __shfl_xor_sync(0xffffffffu, dot, o);
+				s[u][g] = r + u * GROUPS < r1 ? dot * scale : -INFINITY;
+			}
+		}
+#pragma unroll
+		for (int g = 0; g < GB; g++) {
+			float mn = m[g];
+#pragma unroll
+			for (int u = 0; u < AT_UNROLL; u++)
+				mn = fmaxf(mn, s[u][g]);
+			if (mn == -INFINITY)
+				continue;
+			const float corr = expf(m[g] - mn);
+			l[g] *= corr;
+#pragma unroll
+			for (int e = 0; e < 8; e++)
+				acc[g][e] *= corr;
+			m[g] = mn;
+		}
+#pragma unroll
+		for (int u = 0; u < AT_UNROLL; u++) {
+			float vf[8];
+			kvt_d_unpack8<DT>(vb[u], vf);
+#pragma unroll
+			for (int g = 0; g < GB; g++) {
+				const float w = s[u][g] == -INFINITY ? 0.0f : expf(s[u][g] - m[g]);
+				l[g] += w;
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+			}
+		}
+	}
+
+	/* merge the row groups of the block, one query head at a time (bounded shared memory) */
+	for (uint32_t g = 0; g < ng; g++) {
+		float mg = -INFINITY, lg = 0.0f, ag[8];
+#pragma unroll
+		for (int gg = 0; gg < GB; gg++)
+			if ((uint32_t)gg == g) {
+				mg = m[gg];
+				lg = l[gg];
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					ag[e] = acc[gg][e];
+			}
+		if (li == 0) {
+			sm_m[grp] = mg;
+			sm_l[grp] = lg;
+		}
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			sm_acc[grp][8 * li + e] = ag[e];
+		__syncthreads();
+		float *dst = part + (((size_t)item * chunks + blockIdx.x) * G + g0 + g) * (D + 2);
+		if (tid < D) {
+			float M = -INFINITY;
+			for (int k = 0; k < GROUPS; k++)
+				M = fmaxf(M, sm_m[k]);
+			float L = 0.0f, a = 0.0f;
+			for (int k = 0; k < GROUPS; k++) {
+				if (sm_m[k] == -INFINITY)
+					continue;
+				const float f = expf(sm_m[k] - M);
+				L = fmaf(f, sm_l[k], L);
+				a = fmaf(f, sm_acc[k][tid], a);
+			}
+			dst[2 + tid] = a;
+			if (tid == 0) {
+				dst[0] = M;
+				dst[1] = L;
+			}
+		}
+		__syncthreads();
+	}
+}
+
+/* Merge the chunks of one (item, query head) and convert to the output type. */
+template <int D>
+static __global__ void __launch_bounds__(D)
+	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,
+		uint32_t chunks, const float *part, uint32_t out_dtype, void *out)
+{
+	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
+	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
+	const uint32_t n = items[item].n > max_rows ? 0 : items[item].n;
+	const uint32_t used = (n + AT_CHUNK - 1) / AT_CHUNK;
+	float M = -INFINITY;
+	for (uint32_t c = 0; c < used; c++)
+		M = fmaxf(M, part[(((size_t)item * chunks + c) * G + g) * (D + 2)]);
+	float L = 0.0f, a = 0.0f;
+	for (uint32_t c = 0; c < used; c++) {
+		const float *p = part + (((size_t)item * chunks + c) * G + g) * (D + 2);
+		if (p[0] == -INFINITY)
+			continue;
+		const float f = expf(p[0] - M);
+		L = fmaf(f, p[1], L);
+		a = fmaf(f, p[2 + j], a);
+	}
+	const float o = L > 0.0f ? a / L : 0.0f;
+	const size_t at = ((size_t)seq * hq + (size_t)h * G + g) * D + j;
+	if (out_dtype == KVT_DTYPE_F32)
+		((float *)out)[at] = o;
+	else if (out_dtype == KVT_DTYPE_BF16)
+		((uint16_t *)out)[at] = kvt_d_f32_to_bf16(o);
+	else
+		((uint16_t *)out)[at] = kvt_d_f32_to_f16(o);
+}
+
+/* ---- launchers --------------------------------------------------------------------------- */
+
+struct at_args {
+	uint32_t hq, hkv, n_items, max_rows, chunks;
+	float scale;
+	const void *q;
+	const kvt_gpu_rows *items;
+	float *part;
+	unsigned long long *err;
+	cudaStream_t s;
+};
+
+static uint32_t chunks_of(uint32_t max_rows)
+{
+	return max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
+}
+
+template <int D, int DT, int GB>
+static int launch(const at_args &a)
+{
+	const uint32_t G = a.hq / a.hkv;
+	const dim3 grid(a.chunks, a.n_items, (G + GB - 1) / GB);
+	k_attend<D, DT, GB><<<grid, AT_THREADS, 0, a.s>>>(a.q, a.items, a.hq, a.hkv, a.scale,
+							   a.max_rows, a.chunks, a.part, a.err);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+/* Query heads per block: the group rounded up to a power of two, at most 8 (grid.z covers more). */
+template <int D, int DT>
+static int dispatch_group(const at_args &a)
+{
+	const uint32_t G = a.hq / a.hkv;
+	if (G == 1)
+		return launch<D, DT, 1>(a);
+	if (G == 2)
+		return launch<D, DT, 2>(a);
+	if (G <= 4)
+		return launch<D, DT, 4>(a);
+	return launch<D, DT, 8>(a);
+}
+
+template <int D>
+static int dispatch_dtype(uint32_t dtype, uint32_t out_dtype, const at_args &a, void *out)
+{
+	int rc;
+	switch (dtype) {
+	case KVT_DTYPE_F16:
+		rc = dispatch_group<D, KVT_DTYPE_F16>(a);
+		break;
+	case KVT_DTYPE_BF16:
+		rc = dispatch_group<D, KVT_DTYPE_BF16>(a);
+		break;
+	default:
+		return -EOPNOTSUPP;
+	}
+	if (rc < 0)
+		return rc;
+	k_merge<D><<<a.n_items * (a.hq / a.hkv), D, 0, a.s>>>(a.items, a.hq, a.hkv, a.max_rows,
+							       a.chunks, a.part, out_dtype, out);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" size_t kvt_gpu_attend_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads,
+					       uint32_t n_kv_heads, uint32_t d, uint32_t max_rows)
+{
+	(void)n_kv_heads;
+	return (size_t)n_seqs * n_q_heads * chunks_of(max_rows) * (d + 2) * sizeof(float);
+}
+
+extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_seqs,
+			      uint32_t n_q_heads, uint32_t n_kv_heads, float scale, const void *q,
+			      const kvt_gpu_rows *items, uint32_t max_rows, void *out,
+			      void *scratch, size_t scratch_bytes, unsigned long long *err,
+			      void *stream)
+{
+	if (!q || !items || !out || !scratch || n_kv_heads == 0 || n_q_heads % n_kv_heads)
+		return -EINVAL;
+	if ((uint64_t)n_seqs * n_kv_heads > 65535 || (uint64_t)n_seqs * n_q_heads > 0x7fffffffu ||
+	    !isfinite(scale) || ((uintptr_t)q & 15) || ((uintptr_t)scratch & 15))
+		return -EINVAL;
+	if (!kvt_is_pow2_dim(d) || (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16) ||
+	    (out_dtype != KVT_DTYPE_F32 && out_dtype != KVT_DTYPE_F16 &&
+	     out_dtype != KVT_DTYPE_BF16))
+		return -EOPNOTSUPP;
+	if (scratch_bytes < kvt_gpu_attend_scratch_bytes(n_seqs, n_q_heads, n_kv_heads, d, max_rows))
+		return -EINVAL;
+	if (n_seqs == 0 || n_q_heads == 0)
+		return 0;
+	const at_args a = {n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows,
+			   chunks_of(max_rows), scale, q, items, (float *)scratch, err,
+			   KVT_STREAM(stream)};
+	switch (d) {
+	case 64:
+		return dispatch_dtype<64>(dtype, out_dtype, a, out);
+	case 128:
+		return dispatch_dtype<128>(dtype, out_dtype, a, out);
+	case 256:
+		return dispatch_dtype<256>(dtype, out_dtype, a, out);
+	default:
+		return -EOPNOTSUPP;
+	}
+}

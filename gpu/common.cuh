@@ -1,0 +1,124 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What every kernel file of gpu/ shares: checked CUDA calls that map failures to -EIO, the error
+ * word kernels raise instead of trapping, and fp16/bf16 conversions that reproduce lib/half.h bit for
+ * bit (integer ports, so NaN payloads and subnormals come out as the CPU twin writes them).
+ * C++ only: included by the .cu files, never by C code.
+ */
+#ifndef KVT_GPU_COMMON_CUH
+#define KVT_GPU_COMMON_CUH
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "internal.h"
+#include "errword.h"
+
+/* Return -EIO from the enclosing launcher when a CUDA call fails. */
+#define KVT_CU(expr)                                                                               \
+	do {                                                                                       \
+		if ((expr) != cudaSuccess)                                                         \
+			return -EIO;                                                               \
+	} while (0)
+
+/* After every launch: a bad configuration or a sticky error from earlier work surfaces here. */
+#define KVT_CU_LAUNCHED() KVT_CU(cudaGetLastError())
+
+#define KVT_STREAM(s) ((cudaStream_t)(s))
+
+/* Record the first error of a launch in the caller's error word; later ones keep the first. */
+static __device__ __forceinline__ void kvt_d_raise(unsigned long long *err, uint32_t code,
+						   uint32_t where, uint32_t index)
+{
+	if (err)
+		atomicCAS(err, 0ull, KVT_GPU_ERR_MAKE(code, where, index));
+}
+
+/* ---- fp16 / bf16, ported from lib/half.h -------------------------------------------------- */
+
+static __device__ __forceinline__ float kvt_d_f16_to_f32(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+	if (exp == 0x1f)
+		return __uint_as_float(sign | 0x7f800000u | (man << 13));
+	if (exp == 0) {
+		float f = __fmul_rn((float)man, 1.0f / 16777216.0f);
+		return sign ? -f : f;
+	}
+	return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+static __device__ __forceinline__ uint16_t kvt_d_f32_to_f16(float f)
+{
+	uint32_t u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, abs = u & 0x7fffffffu;
+	if (abs >= 0x7f800000u)
+		return (uint16_t)(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));
+	if (abs >= 0x477ff000u)
+		return (uint16_t)(sign | 0x7c00u);
+	if (abs < 0x38800000u) {
+		uint32_t shift = 126u - (abs >> 23);
+		if (shift > 25)
+			return (uint16_t)sign;
+		uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+		uint32_t half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+		if (rem > mid || (rem == mid && (half & 1u)))
+			half++;
+		return (uint16_t)(sign | half);
+	}
+	uint32_t r = abs - 0x38000000u;
+	uint32_t half = r >> 13, rem = r & 0x1fffu;
+	if (rem > 0x1000u || (rem == 0x1000u && (half & 1u)))
+		half++;
+	return (uint16_t)(sign | half);
+}
+
+static __device__ __forceinline__ float kvt_d_bf16_to_f32(uint16_t h)
+{
+	return __uint_as_float((uint32_t)h << 16);
+}
+
+static __device__ __forceinline__ uint16_t kvt_d_f32_to_bf16(float f)
+{
+	uint32_t u = __float_as_uint(f);
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((u >> 16) | 0x40u);
+	u += 0x7fffu + ((u >> 16) & 1u);
+	return (uint16_t)(u >> 16);
+}
+
+/* Element i of a tensor of kvt_dtype DT (F16, BF16, or F32 where a launcher allows it). */
+template <int DT>
+static __device__ __forceinline__ float kvt_d_load(const void *base, size_t i)
+{
+	if (DT == KVT_DTYPE_F32)
+		return ((const float *)base)[i];
+	uint16_t h = ((const uint16_t *)base)[i];
+	return DT == KVT_DTYPE_BF16 ? kvt_d_bf16_to_f32(h) : kvt_d_f16_to_f32(h);
+}
+
+/* Eight packed 16-bit elements to floats (exact for every finite value; the attention path). */
+template <int DT>
+static __device__ __forceinline__ void kvt_d_unpack8(uint4 v, float *f)
+{
+	const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		if (DT == KVT_DTYPE_BF16) {
+			f[2 * i] = __uint_as_float(w[i] << 16);
+			f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+		} else {
+			__half2 h = *(const __half2 *)&w[i];
+			float2 p = __half22float2(h);
+			f[2 * i] = p.x;
+			f[2 * i + 1] = p.y;
+		}
+	}
+}
+
+static inline bool kvt_is_pow2_dim(uint32_t d)
+{
+	return d == 64 || d == 128 || d == 256;
+}
+
+#endif

@@ -1,0 +1,431 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Query preparation and the INT4 x binary scan.
+ *
+ * The scan computes <b, u> (code bits times the 4-bit quantized query) and popcount(b) for every
+ * token and every query head of the group with 8-bit integer tensor-core MMAs instead of bit-plane
+ * popcounts: with 4 query heads per KV head the popcount form needs 68 POPC per token, which runs
+ * at a quarter of the integer rate and would make the scan compute-bound at about a third of memory
+ * speed. As an MMA, tokens are the rows of A (16 per warp tile), the k dimension is the d
+ * coordinates, and the columns of B hold the group's queries in the even columns, four per n-tile,
+ * and all ones in column 7 of the first, so one m16n8k32 product yields <b, u_q> and popcount(b),
+ * and each lane of a quad finds one query's results for its two rows (no idle lanes in the
+ * epilogue, which is most of the instructions).
+ *
+ * The order of coordinates along k is free as long as A and B agree, and it is chosen so that
+ * expanding code bits into the bytes of A costs one AND per register: at k-step s, lane t of a quad
+ * masks code word word(t, s) with 0x01010101 << sh (sh = shift(t, s) < 4) for a0 and the same
+ * word shifted right by 4 (once per tile) for a2, so byte i of a0 holds bit sh + 8 i as 0 or 2^sh
+ * and byte i of a2 bit sh + 4 + 8 i likewise. B carries u * 2^(4 - sh) at those coordinates (at
+ * most 240: u8), so every product is 16 * bit * u and the accumulators hold 16 <b, u> and
+ * 16 popcount(b) exactly. kvt_gpu_query_prepare lays u out in this order (kvt_gpu_qcode.frag).
+ *
+ * The float epilogue then repeats kvt_score's operations in its order with round-to-nearest
+ * intrinsics (no contraction), which makes every score bit-equal to the CPU's.
+ */
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "score.cuh"
+
+/*
+ * The coordinate order along k: at k-step s, lane t of a quad works on code word word(t, s) at bit
+ * offset shift(t, s); bytes i of a0 and a2 are coordinates 32 word + shift + 8 i and
+ * 32 word + shift + 4 + 8 i. Over the quad's lanes and the d/32 k-steps every coordinate comes once.
+ */
+template <int D>
+static __device__ __forceinline__ uint32_t lane_word(uint32_t t, int s)
+{
+	return D == 64 ? t >> 1 : D == 128 ? t : 2 * t + (uint32_t)(s >> 2);
+}
+
+template <int D>
+static __device__ __forceinline__ uint32_t lane_shift(uint32_t t, int s)
+{
+	return D == 64 ? (t & 1u) + 2u * (uint32_t)s : D == 128 ? (uint32_t)s : (uint32_t)(s & 3);
+}
+
+/* ---- query preparation ------------------------------------------------------------------- */
+
+template <int D, int DT>
+static __global__ void __launch_bounds__(D)
+	k_prepare(const float *__restrict__ rot, const void *q, const float *const *c_q,
+		  const float *const *c_k, uint32_t hq, uint32_t group, kvt_gpu_qcode *out)
+{
+	constexpr int W = D / 32, S = D / 32;
+	__shared__ __align__(16) float rs[D];
+	__shared__ float xs[D];
+	__shared__ uint8_t us[D];
+	__shared__ float lo_s, delta_s;
+	__shared__ uint32_t pl[4][W];
+	const uint32_t sq = blockIdx.x, seq = sq / hq, kvh = (sq % hq) / group, j = threadIdx.x;
+	const float *cq = c_q[seq] + (size_t)kvh * D, *ck = c_k[seq] + (size_t)kvh * D;
+	kvt_gpu_qcode *o = out + sq;
+
+	rs[j] = __fsub_rn(kvt_d_load<DT>(q, (size_t)sq * D + j), cq[j]);
+	__syncthreads();
+	float x = 0.0f; /* x[j] = sum over i increasing of rot[j][i] r[i], as rotate() */
+	const float4 *rj = (const float4 *)(rot + (size_t)j * D);
+	for (int i4 = 0; i4 < D / 4; i4++) {
+		const float4 a = __ldg(rj + i4), r = *(const float4 *)&rs[4 * i4];
+		x = __fadd_rn(x, __fmul_rn(a.x, r.x));
+		x = __fadd_rn(x, __fmul_rn(a.y, r.y));
+		x = __fadd_rn(x, __fmul_rn(a.z, r.z));
+		x = __fadd_rn(x, __fmul_rn(a.w, r.w));
+	}
+	xs[j] = x;
+	__syncthreads();
+	if (j == 0) {
+		/* sequential, so that ties between -0 and +0 resolve as on the CPU */
+		float lo = xs[0], hi = xs[0];
+		for (int i = 1; i < D; i++) {
+			lo = xs[i] < lo ? xs[i] : lo;
+			hi = xs[i] > hi ? xs[i] : hi;
+		}
+		lo_s = lo;
+		delta_s = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
+	} else if (j == 32) {
+		float s = 0.0f;
+		for (int i = 0; i < D; i++)
+			s = __fadd_rn(s, __fmul_rn(rs[i], ck[i]));
+		o->qc_ck = s;
+	}
+	__syncthreads();
+	const float lo = lo_s, delta = delta_s;
+	const float t = delta > 0.0f ? __fdiv_rn(__fsub_rn(x, lo), delta) : 0.0f;
+	const float f = floorf(__fadd_rn(t, 0.5f));
+	const uint32_t u = f < 0.0f ? 0u : f > 15.0f ? 15u : (uint32_t)f;
+	us[j] = (uint8_t)u;
+#pragma unroll
+	for (int p = 0; p < 4; p++) {
+		const uint32_t bits = __ballot_sync(0xffffffffu, (u >> p) & 1u);
+		if (j % 32 == 0)
+			pl[p][j / 32] = bits;
+	}
+	__syncthreads();
+	if (j < 32)
+		o->planes[j / 8][j % 8] = j % 8 < W ? pl[j / 8][j % 8] : 0u;
+	if (j < 64) { /* frag[s][t][h]: the four bytes of operand B that lane t of a quad holds */
+		const uint32_t s = j / 8, t = (j / 2) % 4, hh = j % 2;
+		uint32_t v = 0;
+		if ((int)s < S) {
+			const uint32_t sh = lane_shift<D>(t, (int)s), w = lane_word<D>(t, (int)s);
+			for (uint32_t i = 0; i < 4; i++)
+				v |= ((uint32_t)us[32 * w + sh + 4 * hh + 8 * i] << (4 - sh)) << (8 * i);
+		}
+		o->frag[s][t][hh] = v;
+	}
+	if (j == 0) {
+		uint32_t sum = 0; /* sum of u, exactly, from the planes */
+		for (int p = 0; p < 4; p++)
+			for (int w = 0; w < W; w++)
+				sum += (uint32_t)__popc(pl[p][w]) << p;
+		const float sum_u = (float)sum, isd = __fdiv_rn(1.0f, __fsqrt_rn((float)D));
+		o->x_l = lo;
+		o->delta = delta;
+		o->sum_u = sum_u;
+		o->d = D;
+		o->A = __fmul_rn(__fmul_rn(2.0f, delta), isd);
+		o->B = __fmul_rn(__fmul_rn(2.0f, lo), isd);
+		o->C = __fmul_rn(__fsub_rn(__fmul_rn(-delta, sum_u), __fmul_rn((float)D, lo)), isd);
+	}
+}
+
+/* ---- the scan ---------------------------------------------------------------------------- */
+
+#define SC_WARPS 8
+#define SC_TILES 2 /* 16-token tiles per warp per chunk (and as many more in flight) */
+#define SC_TOKENS (SC_WARPS * SC_TILES * 16)
+#define SC_MAX_NT ((KVT_GPU_MAX_GROUP + 3) / 4)
+
+static __device__ __forceinline__ void mma_u8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+					      uint32_t a3, uint32_t b0, uint32_t b1)
+{
+	asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 "
+		     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+		     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+		     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* An integer below 2^23 to float, exactly, on the full-rate pipes (I2F runs at a quarter rate). */
+static __device__ __forceinline__ float small_u2f(uint32_t v)
+{
+	return __fsub_rn(__uint_as_float(0x4b000000u | v), 8388608.0f);
+}
+
+static __device__ __forceinline__ float h2f(uint32_t h)
+{
+	return __half2float(__ushort_as_half((uint16_t)h));
+}
+
+/*
+ * Operand B of n-tile nt for this lane: column 2c is query 4 nt + c, column 7 of n-tile 0 is all
+ * ones (popcount of the code), the other odd columns are zero. So lane t of a quad finds query
+ * 4 nt + t in its accumulators c[0] and c[2] (rows g and g + 8), and every lane finishes two
+ * scores per tile.
+ */
+template <int D>
+static __device__ __forceinline__ uint2 b_frag(const kvt_gpu_qcode *q0, uint32_t G, uint32_t nt,
+					       int s, uint32_t lane)
+{
+	const uint32_t col = lane >> 2, t = lane & 3, q = nt * 4 + col / 2;
+	if (col == 7 && nt == 0) {
+		const uint32_t v = 0x01010101u << (4 - lane_shift<D>(t, s));
+		return make_uint2(v, v);
+	}
+	if (col % 2 == 0 && q < G)
+		return make_uint2(q0[q].frag[s][t][0], q0[q].frag[s][t][1]);
+	return make_uint2(0, 0);
+}
+
+/* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta. */
+template <int WPL> struct tile_in {
+	uint32_t wa[WPL], wb[WPL];
+	uint32_t sa, sb, ba, bb;
+};
+
+template <int D, int WPL>
+static __device__ __forceinline__ void load_tile(tile_in<WPL> &x, const uint32_t *codes,
+						 const uint16_t *sig, const uint16_t *bet, uint32_t ra,
+						 uint32_t n, uint32_t off)
+{
+	constexpr int W = D / 32;
+	const uint32_t rb = ra + 8;
+#pragma unroll
+	for (int w = 0; w < WPL; w++) {
+		x.wa[w] = ra < n ? __ldg(codes + (size_t)ra * W + off + w) : 0u;
+		x.wb[w] = rb < n ? __ldg(codes + (size_t)rb * W + off + w) : 0u;
+	}
+	x.sa = ra < n ? __ldg(sig + ra) : 0u;
+	x.sb = rb < n ? __ldg(sig + rb) : 0u;
+	x.ba = ra < n ? __ldg(bet + ra) : 0u;
+	x.bb = rb < n ? __ldg(bet + rb) : 0u;
+}
+
+/* The scores of one tile for n-tile nt (accumulators c) into out, rows ra and ra + 8. */
+static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &kq, const float *sg,
+					      const float *bt, const float *pbf, float *outq,
+					      uint32_t ra, uint32_t n)
+{
+#pragma unroll
+	for (int r = 0; r < 2; r++) {
+		const uint32_t row = ra + 8 * r;
+		if (row >= n)
+			continue;
+		const float bu = small_u2f((uint32_t)c[2 * r] >> 4);
+		const float E = __fadd_rn(__fadd_rn(__fmul_rn(kq.x, bu), __fmul_rn(kq.y, pbf[r])), kq.z);
+		outq[row] = __fadd_rn(__fadd_rn(__fmul_rn(sg[r], E), bt[r]), kq.w);
+	}
+}
+
+/* ONE: the group fits one n-tile (G <= 4), so operand B and the query constants stay in registers. */
+template <int D, bool ONE>
+static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
+	k_score(const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views, const uint32_t *n_tokens,
+		uint32_t max_n, uint32_t hq, uint32_t hkv, float *scores, size_t ld,
+		unsigned long long *err)
+{
+	constexpr int S = D / 32, W = D / 32, WPL = D == 256 ? 2 : 1;
+	__shared__ uint2 bfrag[ONE ? 1 : SC_MAX_NT][ONE ? 1 : S][32];
+	__shared__ float4 qk[ONE ? 1 : KVT_GPU_MAX_GROUP];
+	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
+	const uint32_t NT = ONE ? 1 : (G + 3) / 4;
+	const uint32_t n = n_tokens[seq];
+	const kvt_gpu_index_view v = views[seq];
+	if (n > max_n || n > v.cap) {
+		if (blockIdx.x == 0 && threadIdx.x == 0)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+		return;
+	}
+	if (blockIdx.x * SC_TOKENS >= n)
+		return;
+	const kvt_gpu_qcode *q0 = qc + (size_t)seq * hq + (size_t)h * G;
+	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, t = lane & 3;
+
+	uint2 breg[S];
+	float4 kreg = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+	if (ONE) {
+#pragma unroll
+		for (int s = 0; s < S; s++)
+			breg[s] = b_frag<D>(q0, G, 0, s, lane);
+		if (t < G)
+			kreg = make_float4(q0[t].A, q0[t].B, q0[t].C, q0[t].qc_ck);
+	} else {
+		for (uint32_t e = threadIdx.x; e < NT * S * 32; e += blockDim.x)
+			bfrag[e / (32 * S)][(e / 32) % S][e % 32] =
+				b_frag<D>(q0, G, e / (32 * S), (int)((e / 32) % S), e % 32);
+		for (uint32_t c = threadIdx.x; c < G; c += blockDim.x)
+			qk[c] = make_float4(q0[c].A, q0[c].B, q0[c].C, q0[c].qc_ck);
+		__syncthreads();
+	}
+	uint32_t mask[S];
+#pragma unroll
+	for (int s = 0; s < S; s++)
+		mask[s] = 0x01010101u << lane_shift<D>(t, s);
+
+	const uint32_t *codes = v.codes + (size_t)h * v.cap * W;
+	const uint16_t *sig = v.sigma + (size_t)h * v.cap, *bet = v.beta + (size_t)h * v.cap;
+	float *out = scores + ((size_t)seq * hq + (size_t)h * G) * ld;
+	const uint32_t off = D == 64 ? t >> 1 : D == 128 ? t : 2 * t;
+	const uint32_t stride = gridDim.x * SC_TOKENS;
+
+	/* software pipeline: the next chunk's tiles load while this chunk's are computed */
+	tile_in<WPL> cur[SC_TILES], nxt[SC_TILES];
+	uint32_t base = blockIdx.x * SC_TOKENS;
+#pragma unroll
+	for (int k = 0; k < SC_TILES; k++)
+		load_tile<D, WPL>(cur[k], codes, sig, bet, base + (warp * SC_TILES + k) * 16 + g, n, off);
+	for (; base < n; base += stride) {
+#pragma unroll
+		for (int k = 0; k < SC_TILES; k++)
+			load_tile<D, WPL>(nxt[k], codes, sig, bet,
+					  base + stride + (warp * SC_TILES + k) * 16 + g, n, off);
+#pragma unroll
+		for (int k = 0; k < SC_TILES; k++) {
+			const tile_in<WPL> &x = cur[k];
+			const uint32_t ra = base + (warp * SC_TILES + k) * 16 + g;
+			const float sg[2] = {h2f(x.sa), h2f(x.sb)}, bt[2] = {h2f(x.ba), h2f(x.bb)};
+			uint32_t a4[WPL], b4[WPL];
+#pragma unroll
+			for (int w = 0; w < WPL; w++) {
+				a4[w] = x.wa[w] >> 4;
+				b4[w] = x.wb[w] >> 4;
+			}
+			float pbf[2] = {0.0f, 0.0f};
+			for (uint32_t nt = 0; nt < NT; nt++) {
+				int c[4] = {0, 0, 0, 0};
+#pragma unroll
+				for (int s = 0; s < S; s++) {
+					const int w = D == 256 ? s >> 2 : 0;
+					const uint2 b = ONE ? breg[s] : bfrag[ONE ? 0 : nt][ONE ? 0 : s][lane];
+					mma_u8(c, x.wa[w] & mask[s], x.wb[w] & mask[s], a4[w] & mask[s],
+					       b4[w] & mask[s], b.x, b.y);
+				}
+				if (nt == 0) { /* column 7, held by the quad's last lane: popcounts */
+					const int pa = __shfl_sync(0xffffffffu, c[1], (int)(lane | 3u));
+					const int pb = __shfl_sync(0xffffffffu, c[3], (int)(lane | 3u));
+					pbf[0] = small_u2f((uint32_t)pa >> 4);
+					pbf[1] = small_u2f((uint32_t)pb >> 4);
+				}
+				const uint32_t q = nt * 4 + t;
+				if (q < G)
+					finish(c, ONE ? kreg : qk[ONE ? 0 : q], sg, bt, pbf, out + (size_t)q * ld,
+					       ra, n);
+			}
+		}
+#pragma unroll
+		for (int k = 0; k < SC_TILES; k++)
+			cur[k] = nxt[k];
+	}
+}
+
+/* ---- launchers --------------------------------------------------------------------------- */
+
+template <int D>
+static int prepare_d(uint32_t dtype, uint32_t blocks, uint32_t hq, uint32_t group, const float *rot,
+		     const void *q, const float *const *c_q, const float *const *c_k,
+		     kvt_gpu_qcode *out, cudaStream_t s)
+{
+	switch (dtype) {
+	case KVT_DTYPE_F16:
+		k_prepare<D, KVT_DTYPE_F16><<<blocks, D, 0, s>>>(rot, q, c_q, c_k, hq, group, out);
+		break;
+	case KVT_DTYPE_BF16:
+		k_prepare<D, KVT_DTYPE_BF16><<<blocks, D, 0, s>>>(rot, q, c_q, c_k, hq, group, out);
+		break;
+	default:
+		return -EOPNOTSUPP;
+	}
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs,
+				     uint32_t n_q_heads, uint32_t n_kv_heads, const float *rot,
+				     const void *q, const float *const *c_q,
+				     const float *const *c_k, kvt_gpu_qcode *out, void *stream)
+{
+	if (!rot || !q || !c_q || !c_k || !out || n_kv_heads == 0 || n_q_heads % n_kv_heads)
+		return -EINVAL;
+	if ((uint64_t)n_seqs * n_q_heads > 0x7fffffffu)
+		return -EINVAL;
+	if (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16)
+		return -EOPNOTSUPP;
+	const uint32_t blocks = n_seqs * n_q_heads, group = n_q_heads / n_kv_heads;
+	if (blocks == 0)
+		return 0;
+	cudaStream_t s = KVT_STREAM(stream);
+	switch (d) {
+	case 64:
+		return prepare_d<64>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
+	case 128:
+		return prepare_d<128>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
+	case 256:
+		return prepare_d<256>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
+	default:
+		return -EOPNOTSUPP;
+	}
+}
+
+template <int D, bool ONE>
+static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
+		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
+		   float *scores, size_t ld, unsigned long long *err, cudaStream_t s)
+{
+	/* one wave of resident blocks, each looping over its share of the chunks, so that the
+	 * per-block setup (the B fragments) is paid once per block rather than once per chunk */
+	static int occupancy; /* blocks per SM, computed once (a racing first call computes it twice) */
+	int dev = 0, sms = 0, per_sm = __atomic_load_n(&occupancy, __ATOMIC_RELAXED);
+	KVT_CU(cudaGetDevice(&dev));
+	KVT_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+	if (per_sm == 0) {
+		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE>, SC_WARPS * 32, 0));
+		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
+	}
+	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
+	const uint32_t wave = (uint32_t)(sms * (per_sm > 0 ? per_sm : 1));
+	const uint32_t fill = (wave + items - 1) / items;
+	const dim3 grid(chunks < fill ? chunks : fill, items);
+	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores, ld, err);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+template <int D>
+static int score_d(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
+		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
+		   float *scores, size_t ld, unsigned long long *err, cudaStream_t s)
+{
+	if (hq / hkv <= 4)
+		return score_g<D, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, err, s);
+	return score_g<D, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, err, s);
+}
+
+extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+			     const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views,
+			     const uint32_t *n_tokens, uint32_t max_n, float *scores, size_t ld,
+			     unsigned long long *err, void *stream)
+{
+	if (!qc || !views || !n_tokens || !scores || n_kv_heads == 0 || n_q_heads % n_kv_heads)
+		return -EINVAL;
+	if (n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP || (uint64_t)n_seqs * n_kv_heads > 65535)
+		return -EINVAL;
+	if (ld % 4 || max_n > ld)
+		return -EINVAL;
+	if (!kvt_is_pow2_dim(d))
+		return -EOPNOTSUPP;
+	if (n_seqs == 0 || max_n == 0)
+		return 0;
+	cudaStream_t s = KVT_STREAM(stream);
+	switch (d) {
+	case 64:
+		return score_d<64>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
+				   err, s);
+	case 128:
+		return score_d<128>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
+				    err, s);
+	default:
+		return score_d<256>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
+				    err, s);
+	}
+}

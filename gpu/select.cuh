@@ -1,0 +1,79 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Top-p selection on the GPU without sorting: the twins of kvt_topp_threshold and kvt_topp_mark
+ * (lib/select.c), then the union over each KV head's query group and its compaction into sorted
+ * index positions, as the CPU backend's select_head builds l->sel. C and C++.
+ */
+#ifndef KVT_GPU_SELECT_CUH
+#define KVT_GPU_SELECT_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "errword.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The selection of one (sequence, query head) segment (24 bytes, device memory). */
+typedef struct kvt_gpu_topp {
+	float thresh;       /* Top-p threshold, as kvt_topp_threshold's *thresh (0 when n is 0) */
+	uint32_t count;     /* tokens with score >= thresh: kvt_topp_threshold's return */
+	uint32_t marked;    /* tokens marked after the budget clamp: kvt_topp_mark's return */
+	int32_t clamped;    /* as kvt_topp_mark's *clamped: 0, +1 raised to bmin, -1 cut to bmax */
+	unsigned long long cut; /* when marked > 0, index position t with score s is marked iff
+				   (key(s) << 32 | (0xffffffff - t)) >= cut, key(s) the order-preserving
+				   bits of s (-0 taken as +0): ties at the boundary by lowest position */
+} kvt_gpu_topp;
+
+/* Bytes of scratch that kvt_gpu_topp_threshold and kvt_gpu_topp_union need for these shapes. */
+size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				    uint32_t max_n);
+
+/*
+ * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
+ * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time: a max/min
+ * pass, then a radix select over the order-preserving bits of the scores (11 + 11 + 10 bits) whose
+ * histograms accumulate, per bin, the count and the probability mass exp((s - max) * scale) (in
+ * double, as the CPU, summed exactly in 128-bit fixed point of 2^-80). With clamping, a second radix
+ * select finds the want-th largest score and, when ties straddle the boundary, the lowest positions.
+ * The result equals the CPU's on the same scores, except where the cumulative mass at the boundary
+ * is within double rounding of p times the total.
+ *   scores:   device [n_seqs][n_q_heads][ld] floats (16-byte aligned), ld a multiple of 4
+ *   n_tokens: device [n_seqs]: scored tokens per head, each <= max_n (host bound, <= ld, <= 2^24)
+ *   scale > 0 and finite; p > 0 (p >= 1 selects all)
+ *   out:      device [n_seqs][n_q_heads]
+ *   scratch:  device, scratch_bytes >= kvt_gpu_select_scratch_bytes(...), 16-byte aligned;
+ *             no initial contents needed
+ *   err:      device error word or NULL: KVT_GPU_ERR_NONFINITE (where = segment
+ *             s * n_q_heads + j, index = position) when a score is NaN or infinite; that segment
+ *             then marks nothing. KVT_GPU_ERR_RANGE when n_tokens[s] > max_n (likewise).
+ * Returns 0, -EINVAL (NULL pointer, shapes, scratch too small, p, scale) or -EIO. Asynchronous,
+ * allocation-free; uses a cudaMemsetAsync on scratch.
+ */
+int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores, size_t ld,
+			   const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
+			   uint32_t bmin, uint32_t bmax, kvt_gpu_topp *out, void *scratch,
+			   size_t scratch_bytes, unsigned long long *err, void *stream);
+
+/*
+ * The union of the marked sets of each KV head's query group (query heads h * G .. h * G + G - 1,
+ * G = n_q_heads / n_kv_heads), compacted into ascending index positions.
+ *   scores, ld, n_tokens, max_n: as given to kvt_gpu_topp_threshold; topp: its output
+ *   sel:   device [n_seqs][n_kv_heads][sel_ld] uint32, sel_ld >= max_n; entries past the count
+ *          are not written
+ *   sel_n: device [n_seqs][n_kv_heads]: the counts
+ *   scratch: as for kvt_gpu_topp_threshold (the same buffer may serve both)
+ * Returns 0, -EINVAL or -EIO. Asynchronous, allocation-free.
+ */
+int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+		       const float *scores, size_t ld, const uint32_t *n_tokens, uint32_t max_n,
+		       const kvt_gpu_topp *topp, uint32_t *sel, size_t sel_ld, uint32_t *sel_n,
+		       void *scratch, size_t scratch_bytes, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
