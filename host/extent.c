@@ -96,13 +96,19 @@ void kvt_extents_fini(struct kvt_extents *x)
 	kvt_mem_free(KVT_MEM_HOST, x->free_blocks, 0);
 	x->free_blocks = NULL;
 	x->n_free = x->free_cap = 0;
-	x->used = 0;
+	x->used = x->mapped = 0;
 }
 
 /* Map, bind and pin one more extent and push its blocks on the free stack. */
 static int grow(struct kvt_extents *x)
 {
+	/* the last extent only spans what the capacity still allows, so nothing is pinned in vain */
+	uint64_t left_blocks = (x->capacity - x->mapped) / x->block_bytes;
 	size_t nblocks = x->extent_bytes / x->block_bytes;
+	if (left_blocks == 0)
+		return -ENOSPC;
+	nblocks = left_blocks < nblocks ? (size_t)left_blocks : nblocks;
+	size_t bytes = nblocks * x->block_bytes;
 	size_t cap = x->free_cap + nblocks;
 	void **stack = kvt_mem_realloc(x->free_blocks, sizeof(void *) * x->free_cap,
 				       sizeof(void *) * cap);
@@ -111,21 +117,22 @@ static int grow(struct kvt_extents *x)
 	x->free_blocks = stack;
 	x->free_cap = cap;
 	struct kvt_extent *e = kvt_mem_alloc(KVT_MEM_HOST, sizeof *e);
-	void *base = e ? kvt_mem_alloc(KVT_MEM_PAGES, x->extent_bytes) : NULL;
+	void *base = e ? kvt_mem_alloc(KVT_MEM_PAGES, bytes) : NULL;
 	if (!base) {
 		kvt_mem_free(KVT_MEM_HOST, e, sizeof *e);
 		return -ENOMEM;
 	}
 #if KVT_HAVE_NUMA
 	if (x->node >= 0)
-		numa_tonode_memory(base, x->extent_bytes, x->node);
+		numa_tonode_memory(base, bytes, x->node);
 #endif
-	if (kvt_mem_pin(base, x->extent_bytes) < 0) {
-		kvt_mem_free(KVT_MEM_PAGES, base, x->extent_bytes);
+	if (kvt_mem_pin(base, bytes) < 0) {
+		kvt_mem_free(KVT_MEM_PAGES, base, bytes);
 		kvt_mem_free(KVT_MEM_HOST, e, sizeof *e);
 		return -ENOMEM;
 	}
-	*e = (struct kvt_extent){ .next = x->extents, .base = base, .bytes = x->extent_bytes };
+	*e = (struct kvt_extent){ .next = x->extents, .base = base, .bytes = bytes };
+	x->mapped += bytes;
 	x->extents = e;
 	/* push in reverse so blocks are handed out in address order */
 	for (size_t i = nblocks; i-- > 0;)

@@ -15,6 +15,7 @@ struct kvt_extent;
 struct kvt_extents {
 	uint64_t capacity;        /* bytes of blocks that may be handed out */
 	uint64_t used;            /* bytes of blocks handed out */
+	uint64_t mapped;          /* bytes of extents mapped, <= capacity */
 	size_t block_bytes;       /* one block */
 	size_t extent_bytes;      /* one extent (a multiple of block_bytes) */
 	int node;                 /* NUMA node the extents are bound to, -1 for none */

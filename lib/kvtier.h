@@ -52,7 +52,8 @@ typedef enum kvt_dtype {
 /* What a cache does when the host tier cannot hold new rows. */
 typedef enum kvt_spill_policy {
 	KVT_SPILL_NONE = 0, /* the call returns -ENOSPC */
-	KVT_SPILL_LRU = 1   /* spill the least recently used sequences not in the call to NVMe first */
+	KVT_SPILL_LRU = 1   /* spill least recently used sequences to NVMe first: idle ones, then
+			       the indexed blocks of the call's own sequences */
 } kvt_spill_policy;
 
 typedef enum kvt_backend_kind {

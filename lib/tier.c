@@ -235,28 +235,48 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	return moved;
 }
 
-int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
+static bool has_spillable(const kvt_cache *c, const struct kvt_seq *s)
 {
-	while (kvt_extents_free_bytes(&c->host) < bytes) {
+	for (uint32_t L = 0; L < c->cfg.n_layers; L++) {
+		const struct kvt_layer *l = &s->layers[L];
+		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
+			for (uint32_t b = 0; b < spillable_blocks(c, l); b++)
+				if (l->blocks[(size_t)h * l->blk_cap + b])
+					return true;
+	}
+	return false;
+}
+
+/*
+ * The least recently used sequence with blocks to spill: idle ones first, then those of the
+ * current call (their spillable blocks are never written by it: rows are stored past the index and
+ * flushes read only the window, and attention serves spilled rows from NVMe).
+ */
+static uint32_t pick_victim(const kvt_cache *c)
+{
+	for (int pass = 0; pass < 2; pass++) {
 		uint32_t victim = UINT32_MAX;
 		for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 			const struct kvt_seq *s = &c->seqs[i];
-			if (!s->open || s->last_use >= c->call_start)
+			if (!s->open || (pass == 0 && s->last_use >= c->call_start))
 				continue;
-			bool any = false;
-			for (uint32_t L = 0; L < c->cfg.n_layers && !any; L++)
-				for (uint32_t h = 0; h < c->cfg.n_kv_heads && !any; h++)
-					for (uint32_t b = 0; b < spillable_blocks(c, &s->layers[L]); b++)
-						if (s->layers[L].blocks[(size_t)h * s->layers[L].blk_cap + b]) {
-							any = true;
-							break;
-						}
-			if (any && (victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use))
+			if ((victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use) &&
+			    has_spillable(c, s))
 				victim = i;
 		}
+		if (victim != UINT32_MAX)
+			return victim;
+	}
+	return UINT32_MAX;
+}
+
+int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
+{
+	while (kvt_extents_free_bytes(&c->host) < bytes) {
+		uint32_t victim = pick_victim(c);
 		KVT_RETURN_IF(victim == UINT32_MAX, c, -ENOSPC,
 			      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
-			      "no idle sequence has blocks left to spill",
+			      "no sequence has indexed blocks left to spill",
 			      (unsigned long long)bytes,
 			      (unsigned long long)kvt_extents_free_bytes(&c->host),
 			      (unsigned long long)c->host.capacity);

@@ -1,0 +1,346 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvbench's options. The selection and tier defaults come from a KVT_CONFIG_INIT initializer rather
+ * than copies, so that kvbench measures what a caller of the library gets by default and --help
+ * states it.
+ */
+#include "kvbench.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The --capacity preset: enough sequences that three hosts' worth of K/V must share one, each short
+ * enough that kvbench's exact reference keeps the run well under a minute on two cores. */
+#define CAP_SEQS 6u
+#define CAP_CONTEXT 2048u
+#define CAP_STEPS 8u
+
+static const char *const spill_names[] = {"none", "lru", NULL};
+static const uint32_t spill_codes[] = {KVT_SPILL_NONE, KVT_SPILL_LRU};
+
+static void opts_default(opts *o)
+{
+	const kvt_config cfg = KVT_CONFIG_INIT;
+	*o = (opts){.context = 24576, .steps = 16, .layers = 2, .seqs = 1, .q_heads = 32,
+		    .kv_heads = 8, .head_dim = 128, .chunk = 4096, .dtype = cfg.dtype,
+		    .backend = KVT_BACKEND_CPU, .seed = 1, .p = cfg.p, .sinks = cfg.n_sink,
+		    .window = cfg.window, .flush = cfg.flush_batch, .budget_min = cfg.budget_min,
+		    .budget_max = cfg.budget_max, .nvme_cache = cfg.nvme_cache_bytes,
+		    .nvme_qd = cfg.nvme_queue_depth, .spill = cfg.spill_policy};
+}
+
+static void capacity_preset(opts *o)
+{
+	o->capacity = true;
+	o->seqs = CAP_SEQS;
+	o->context = CAP_CONTEXT;
+	o->steps = CAP_STEPS;
+	o->spill = KVT_SPILL_LRU;
+}
+
+const char *fmt_bytes(uint64_t bytes, char *out, size_t n)
+{
+	static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+	double x = (double)bytes;
+	int u = 0;
+	while (x >= 1024.0 && u < 4) {
+		x /= 1024.0;
+		u++;
+	}
+	snprintf(out, n, u ? "%.1f %s" : "%.0f %s", x, unit[u]);
+	return out;
+}
+
+static void usage(FILE *f, const opts *d)
+{
+	char nc[32];
+	fprintf(f,
+		"usage: kvbench [options]\n"
+		"Prefill a synthetic long context into a kvtier cache, decode, and compare with exact\n"
+		"attention. Defaults: a Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128,\n"
+		"fp16), 2 layers, 16 steps, one sequence of 24576 tokens, CPU backend; selection and\n"
+		"tier settings are the library's defaults (KVT_CONFIG_INIT), shown in parentheses.\n"
+		"  --context N      prefill tokens per sequence (%u)\n"
+		"  --steps N        decode steps (%u; per decode phase with --capacity)\n"
+		"  --layers N       layers (%u)\n"
+		"  --seqs N         sequences decoded together (%u)\n"
+		"  --p X            Top-p mass in (0, 1] (%.3g)\n"
+		"  --seed N         workload and rotation seed (%" PRIu64 ")\n"
+		"  --q-heads N      query heads (%u)\n"
+		"  --kv-heads N     KV heads, dividing --q-heads (%u)\n"
+		"  --head-dim N     64, 128 or 256 (%u)\n"
+		"  --dtype T        f16 or bf16 (%s)\n",
+		d->context, d->steps, d->layers, d->seqs, (double)d->p, d->seed, d->q_heads,
+		d->kv_heads, d->head_dim, d->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16");
+	fprintf(f,
+		"  --sinks N        sink tokens always attended (%u)\n"
+		"  --window N       local window W (%u)\n"
+		"  --flush N        flush batch B, >= 1 (%u)\n"
+		"  --budget-min N   min indexed tokens per query head per step (%u)\n"
+		"  --budget-max N   max indexed tokens per query head per step, 0 = none (%u)\n"
+		"  --chunk N        prefill chunk tokens (%u)\n"
+		"  --backend B      cpu, cuda or auto (cpu)\n",
+		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
+	fprintf(f,
+		"Tiers (sizes are bytes with an optional K, M, G or T suffix, powers of 1024):\n"
+		"  --host-bytes N   host tier capacity (sized by kvbench: never the limit, or a third\n"
+		"                   of the K/V with --capacity)\n"
+		"  --nvme P[,P...]  files of the NVMe tier (none; %s with --capacity)\n"
+		"  --nvme-bytes N   bytes of each NVMe file (sized by kvbench from the K/V)\n"
+		"  --nvme-qd N      NVMe I/Os in flight, 1 .. 1024 (%u%s)\n"
+		"  --nvme-cache N   block cache of direct serving, >= 1M (%s)\n"
+		"  --spill P        none or lru: what the cache does when the host tier is full (%s)\n"
+		"  --capacity       the capacity experiment: --seqs %u --context %u --steps %u --spill\n"
+		"                   lru unless given; fill the sequences one by one, decode them all,\n"
+		"                   restore the least recently used one, decode again; per-phase report\n",
+		KB_NVME_DEFAULT, d->nvme_qd, d->nvme_qd ? "" : ": the library's default",
+		fmt_bytes(d->nvme_cache, nc, sizeof nc), spill_names[d->spill], CAP_SEQS,
+		CAP_CONTEXT, CAP_STEPS);
+	fprintf(f,
+		"Output:\n"
+		"  --json           print one JSON object on stdout instead of the table\n"
+		"  --quiet          no progress on stderr, no per-step table\n"
+		"  --help           this text\n"
+		"Exit status: 0 done, 1 library or system error, 2 bad option.\n");
+}
+
+static _Noreturn void bad_value(const char *flag, const char *val, const char *want)
+{
+	fprintf(stderr, "kvbench: %s: invalid value '%s' (%s)\n", flag, val, want);
+	exit(2);
+}
+
+static uint64_t parse_uint(const char *flag, const char *val, uint64_t lo, uint64_t hi)
+{
+	char *end, want[96];
+	errno = 0;
+	unsigned long long x = strtoull(val, &end, 10);
+	if (errno || end == val || *end || val[0] == '-' || x < lo || x > hi) {
+		snprintf(want, sizeof(want), "expected an integer in [%" PRIu64 ", %" PRIu64 "]", lo, hi);
+		bad_value(flag, val, want);
+	}
+	return x;
+}
+
+/* A byte count: an integer with an optional suffix K, M, G or T (case-insensitive, powers of
+ * 1024), in [lo, hi]. */
+static uint64_t parse_size(const char *flag, const char *val, uint64_t lo, uint64_t hi)
+{
+	static const char suffixes[] = "KMGT";
+	char *end, want[128], l[32], h[32];
+	errno = 0;
+	unsigned long long x = strtoull(val, &end, 10);
+	unsigned shift = 0;
+	const char *s = *end ? strchr(suffixes, toupper((unsigned char)*end)) : NULL;
+	if (s) {
+		shift = 10u * (unsigned)(s - suffixes + 1);
+		end++;
+	}
+	bool ok = !errno && end != val && !*end && val[0] != '-' && x <= (UINT64_MAX >> shift);
+	uint64_t bytes = ok ? (uint64_t)x << shift : 0;
+	if (!ok || bytes < lo || bytes > hi) {
+		if (hi == UINT64_MAX)
+			snprintf(want, sizeof(want), "expected a byte count of at least %s, optionally "
+				 "with a K, M, G or T suffix", fmt_bytes(lo, l, sizeof l));
+		else
+			snprintf(want, sizeof(want), "expected a byte count in [%s, %s], optionally "
+				 "with a K, M, G or T suffix", fmt_bytes(lo, l, sizeof l),
+				 fmt_bytes(hi, h, sizeof h));
+		bad_value(flag, val, want);
+	}
+	return bytes;
+}
+
+static uint32_t parse_enum(const char *flag, const char *val, const char *const *names,
+			   const uint32_t *codes, const char *want)
+{
+	for (uint32_t i = 0; names[i]; i++)
+		if (!strcmp(val, names[i]))
+			return codes[i];
+	bad_value(flag, val, want);
+}
+
+/* --nvme PATH[,PATH...]: a copy of the argument, cut at the commas. */
+static void set_nvme(opts *o, const char *flag, const char *val)
+{
+	free(o->nvme_arg);
+	o->nvme_arg = strdup(val);
+	if (!o->nvme_arg)
+		fail("out of memory", "copying --nvme");
+	o->n_nvme = 0;
+	o->nvme_own = false;
+	for (char *p = o->nvme_arg, *next; p; p = next) {
+		next = strchr(p, ',');
+		if (next)
+			*next++ = 0;
+		if (!*p)
+			bad_value(flag, val, "expected PATH[,PATH...] with no empty path");
+		if (o->n_nvme == KB_MAX_NVME)
+			bad_value(flag, val, "at most 64 files");
+		o->nvme_paths[o->n_nvme++] = p;
+	}
+}
+
+/* Options whose value is a 32-bit count; false when `flag` is not one. */
+static bool set_u32(opts *o, const char *flag, const char *val)
+{
+	const uint64_t big = INT32_MAX / 2; /* positions are int32 in kvt_gather */
+	const struct { const char *name; uint32_t *dst; uint64_t lo, hi; } u32[] = {
+		{"--context", &o->context, 1, big}, {"--steps", &o->steps, 1, 1u << 20},
+		{"--layers", &o->layers, 1, 4096}, {"--seqs", &o->seqs, 1, 4096},
+		{"--q-heads", &o->q_heads, 1, 1024}, {"--kv-heads", &o->kv_heads, 1, 1024},
+		{"--sinks", &o->sinks, 0, big}, {"--window", &o->window, 0, big},
+		{"--flush", &o->flush, 1, big}, {"--budget-min", &o->budget_min, 0, big},
+		{"--budget-max", &o->budget_max, 0, big}, {"--chunk", &o->chunk, 1, 1u << 20},
+		{"--nvme-qd", &o->nvme_qd, 1, 1024},
+	};
+	for (size_t i = 0; i < sizeof(u32) / sizeof(u32[0]); i++)
+		if (!strcmp(flag, u32[i].name)) {
+			*u32[i].dst = (uint32_t)parse_uint(flag, val, u32[i].lo, u32[i].hi);
+			return true;
+		}
+	return false;
+}
+
+static void set_option(opts *o, const char *flag, const char *val)
+{
+	static const char *const dt_names[] = {"f16", "bf16", NULL};
+	static const uint32_t dt_codes[] = {KVT_DTYPE_F16, KVT_DTYPE_BF16};
+	static const char *const be_names[] = {"cpu", "cuda", "auto", NULL};
+	static const uint32_t be_codes[] = {KVT_BACKEND_CPU, KVT_BACKEND_CUDA, KVT_BACKEND_AUTO};
+	static const char *const nvme_only[] = {"--nvme-bytes", "--nvme-qd", "--nvme-cache"};
+	for (size_t i = 0; i < sizeof(nvme_only) / sizeof(nvme_only[0]); i++)
+		if (!strcmp(flag, nvme_only[i]))
+			o->nvme_only = nvme_only[i];
+	if (set_u32(o, flag, val))
+		return;
+	if (!strcmp(flag, "--seed")) {
+		o->seed = parse_uint(flag, val, 0, 1ull << 53); /* exact in JSON */
+	} else if (!strcmp(flag, "--head-dim")) {
+		o->head_dim = (uint32_t)parse_uint(flag, val, 64, 256);
+		if (o->head_dim != 64 && o->head_dim != 128 && o->head_dim != 256)
+			bad_value(flag, val, "expected 64, 128 or 256");
+	} else if (!strcmp(flag, "--p")) {
+		char *end;
+		errno = 0;
+		double x = strtod(val, &end);
+		if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
+			bad_value(flag, val, "expected a number in (0, 1]");
+		o->p = (float)x;
+	} else if (!strcmp(flag, "--dtype")) {
+		o->dtype = parse_enum(flag, val, dt_names, dt_codes, "expected f16 or bf16");
+	} else if (!strcmp(flag, "--backend")) {
+		o->backend = parse_enum(flag, val, be_names, be_codes, "expected cpu, cuda or auto");
+	} else if (!strcmp(flag, "--spill")) {
+		o->spill = parse_enum(flag, val, spill_names, spill_codes, "expected none or lru");
+	} else if (!strcmp(flag, "--host-bytes")) {
+		o->host_bytes = parse_size(flag, val, 1, UINT64_MAX);
+	} else if (!strcmp(flag, "--nvme-bytes")) {
+		o->nvme_bytes = parse_size(flag, val, 1, UINT64_MAX);
+	} else if (!strcmp(flag, "--nvme-cache")) {
+		o->nvme_cache = parse_size(flag, val, 1ull << 20, 1ull << 40);
+	} else if (!strcmp(flag, "--nvme")) {
+		set_nvme(o, flag, val);
+	} else {
+		fprintf(stderr, "kvbench: unknown option '%s' (see --help)\n", flag);
+		exit(2);
+	}
+}
+
+static bool is_switch(const char *a)
+{
+	return !strcmp(a, "--json") || !strcmp(a, "--quiet") || !strcmp(a, "--capacity") ||
+	       !strcmp(a, "--help") || !strcmp(a, "-h");
+}
+
+/*
+ * One pass over argv. The first pass (apply false) only looks for --capacity, whose preset must be
+ * in place before the other options so that those given explicitly override it; it stops quietly
+ * at anything malformed, which the second pass reports.
+ */
+static void scan(int argc, char **argv, opts *o, bool apply)
+{
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *eq = strchr(a, '=');
+		char flag[64];
+		if (is_switch(a)) {
+			if (!apply && !strcmp(a, "--capacity"))
+				capacity_preset(o);
+			if (apply && (!strcmp(a, "--help") || !strcmp(a, "-h"))) {
+				opts d;
+				opts_default(&d);
+				usage(stdout, &d);
+				exit(0);
+			}
+			o->json |= apply && !strcmp(a, "--json");
+			o->quiet |= apply && !strcmp(a, "--quiet");
+			continue;
+		}
+		size_t n = eq ? (size_t)(eq - a) : strlen(a);
+		bool known = !strncmp(a, "--", 2) && n < sizeof(flag), has_value = eq || i + 1 < argc;
+		if (!apply && (!known || !has_value))
+			return;
+		if (!known) {
+			fprintf(stderr, "kvbench: unknown option '%s' (see --help)\n", a);
+			exit(2);
+		}
+		memcpy(flag, a, n);
+		flag[n] = 0;
+		if (!has_value) {
+			fprintf(stderr, "kvbench: %s needs a value (see --help)\n", flag);
+			exit(2);
+		}
+		const char *val = eq ? eq + 1 : argv[++i];
+		if (apply)
+			set_option(o, flag, val);
+	}
+}
+
+/* Checks that involve several options, and the preset's NVMe file. */
+static void finish(opts *o)
+{
+	char v[32];
+	snprintf(v, sizeof(v), "%u", o->kv_heads);
+	if (o->q_heads % o->kv_heads)
+		bad_value("--kv-heads", v, "must divide --q-heads");
+	snprintf(v, sizeof(v), "%u", o->budget_max);
+	if (o->budget_max && o->budget_max < o->budget_min) {
+		char want[96];
+		snprintf(want, sizeof(want), "must be 0 or at least --budget-min, which is %u",
+			 o->budget_min);
+		bad_value("--budget-max", v, want);
+	}
+	snprintf(v, sizeof(v), "%u", o->seqs);
+	if (o->capacity && o->seqs < 2)
+		bad_value("--seqs", v, "--capacity spills and restores between sequences: at least 2");
+	if (o->capacity && o->n_nvme == 0) {
+		o->nvme_paths[0] = KB_NVME_DEFAULT;
+		o->n_nvme = 1;
+		o->nvme_own = true;
+	}
+	if (o->spill == KVT_SPILL_LRU && o->n_nvme == 0)
+		bad_value("--spill", "lru", "spilling needs an NVMe tier: give --nvme or --capacity");
+	if (o->nvme_only && o->n_nvme == 0) {
+		fprintf(stderr, "kvbench: %s needs an NVMe tier: give --nvme or --capacity\n",
+			o->nvme_only);
+		exit(2);
+	}
+}
+
+void parse_args(int argc, char **argv, opts *o)
+{
+	opts_default(o);
+	scan(argc, argv, o, false);
+	scan(argc, argv, o, true);
+	finish(o);
+}
+
+void opts_free(opts *o)
+{
+	free(o->nvme_arg);
+	o->nvme_arg = NULL;
+	o->n_nvme = 0;
+}

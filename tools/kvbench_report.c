@@ -1,0 +1,450 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvbench's output: the per-step table, the summary in words and the JSON object (doc/kvbench.md
+ * defines every field). With an NVMe tier, the tiers' configuration and counters; with --capacity,
+ * one record per phase.
+ */
+#include "kvbench.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *dtype_name(uint32_t dtype)
+{
+	return dtype == KVT_DTYPE_BF16 ? "bf16" : "f16";
+}
+
+static const char *spill_name(uint32_t policy)
+{
+	return policy == KVT_SPILL_LRU ? "lru" : "none";
+}
+
+static double mib(uint64_t bytes)
+{
+	return (double)bytes / 1048576.0;
+}
+
+/* Mean of a sum over n, NaN (printed as null or "-") when there is nothing to average. */
+static double mean(double sum, uint64_t n)
+{
+	return n ? sum / (double)n : NAN;
+}
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+void print_row(const bench *b, int step, const acc *a)
+{
+	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
+	if (step < 0)
+		printf("  all");
+	else
+		printf("%5d", step);
+	printf(" %9u  %.4f  %.4f  %.4f  %.4f  %5.2f  %.2e  %8.2f\n",
+	       b->o.context + (step < 0 ? b->steps_total : (uint32_t)step + 1),
+	       mean(a->recall_sum, a->recall_n), a->recall_min, bud, orc, orc > 0 ? bud / orc : 0.0,
+	       sqrt(a->err2 / a->full2),
+	       (double)a->ns / 1e6 / b->o.layers / (step < 0 ? b->steps_total : 1));
+}
+
+void print_header(const bench *b)
+{
+	const opts *o = &b->o;
+	char h[32], k[32], f[32];
+	kvt_stats st = {.size = sizeof(st)};
+	int rc = kvt_get_stats(b->cache, &st);
+	if (rc < 0)
+		lib_fail(b->cache, rc, "kvt_get_stats");
+	printf("kvbench %s: %u query heads, %u KV heads, head_dim %u, %s; %u layers, %u seq, "
+	       "context %u, %u decode steps; p %.3g, sinks %u, window %u, flush %u; backend %s\n",
+	       kvt_version_string(), o->q_heads, o->kv_heads, o->head_dim, dtype_name(o->dtype),
+	       o->layers, o->seqs, o->context, b->steps_total, (double)o->p, o->sinks, o->window,
+	       o->flush, st.backend ? st.backend : "?");
+	if (o->n_nvme)
+		printf("tiers: K/V %s on a host tier of %s (x%.2f); NVMe %u file%s of %s, spill %s%s\n",
+		       fmt_bytes(tier_kv_bytes(b), k, sizeof k),
+		       fmt_bytes(st.host_bytes_capacity, h, sizeof h),
+		       (double)tier_kv_bytes(b) / (double)st.host_bytes_capacity, o->n_nvme,
+		       o->n_nvme > 1 ? "s" : "", fmt_bytes(b->nvme_sizes[0], f, sizeof f),
+		       spill_name(o->spill), o->capacity ? "; phases: fill, decode_spilled, restore, "
+							  "decode_restored" : "");
+}
+
+void print_columns(void)
+{
+	printf(" step    tokens  recall  r_min   budget  oracle  b/o    rel_err  ms/layer\n");
+}
+
+void print_phase_line(const phase *ph)
+{
+	const kvt_stats *e = &ph->st1, *s = &ph->st0;
+	printf("-- %s: %.2f s; host %.1f of %.1f MiB, NVMe %.1f MiB; spills %" PRIu64
+	       " (auto %" PRIu64 "), restores %" PRIu64, ph->name, (double)ph->ns / 1e9,
+	       mib(e->host_bytes_used), mib(e->host_bytes_capacity), mib(e->nvme_bytes_used),
+	       e->spills - s->spills, e->auto_spills - s->auto_spills, e->restores - s->restores);
+	if (ph->restored >= 0)
+		printf("; seq %u back, %.1f MiB", ph->restored_seq, mib((uint64_t)ph->restored));
+	printf("\n");
+}
+
+/* ---- spread over heads ------------------------------------------------------------------- */
+
+static int cmp_dbl(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* min, median, max over (layer, query head) of a per-head mean over sequences and steps */
+static void spread(const bench *b, const double *sum, double out[3])
+{
+	size_t n = (size_t)b->o.layers * b->o.q_heads;
+	double *v = xcalloc(n, sizeof(double));
+	for (size_t i = 0; i < n; i++)
+		v[i] = sum[i] / ((double)b->o.seqs * b->steps_total);
+	qsort(v, n, sizeof(double), cmp_dbl);
+	out[0] = v[0];
+	out[1] = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+	out[2] = v[n - 1];
+	free(v);
+}
+
+/* ---- JSON -------------------------------------------------------------------------------- */
+
+/* A JSON string: quotes, backslashes and control characters escaped (paths are the user's). */
+static void jstr(const char *s)
+{
+	putchar('"');
+	for (; *s; s++) {
+		unsigned char c = (unsigned char)*s;
+		if (c == '"' || c == '\\')
+			printf("\\%c", c);
+		else if (c < 0x20)
+			printf("\\u%04x", c);
+		else
+			putchar(c);
+	}
+	putchar('"');
+}
+
+/* One JSON member: a number (integral values print as integers, non-finite ones as null) or, with
+ * s set, a string. */
+typedef struct jv {
+	const char *k;
+	double v;
+	const char *s;
+} jv;
+
+static void jmembers(const jv *m, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		printf("%s\"%s\": ", i ? ", " : "", m[i].k);
+		if (m[i].s)
+			jstr(m[i].s);
+		else if (!isfinite(m[i].v))
+			printf("null");
+		else if (m[i].v == floor(m[i].v) && fabs(m[i].v) < 9e15)
+			printf("%.0f", m[i].v);
+		else
+			printf("%.6g", m[i].v);
+	}
+}
+
+/* A member object (key NULL: an array element), followed by a comma when `more`. */
+#define JOBJ(key, more, ...)                                                                       \
+	do {                                                                                       \
+		const jv m_[] = {__VA_ARGS__};                                                     \
+		const char *k_ = (key);                                                            \
+		if (k_)                                                                            \
+			printf("\"%s\": ", k_);                                                    \
+		printf("{");                                                                       \
+		jmembers(m_, sizeof(m_) / sizeof(m_[0]));                                          \
+		printf("}%s", (more) ? ", " : "");                                                 \
+	} while (0)
+
+static void json_stages(const char *key, const kvt_stats *e, const kvt_stats *s, double div)
+{
+	JOBJ(key, true, {"index", (double)(e->ns_index - s->ns_index) / 1e6 / div, NULL},
+	     {"store", (double)(e->ns_store - s->ns_store) / 1e6 / div, NULL},
+	     {"score", (double)(e->ns_score - s->ns_score) / 1e6 / div, NULL},
+	     {"select", (double)(e->ns_select - s->ns_select) / 1e6 / div, NULL},
+	     {"attend", (double)(e->ns_attend - s->ns_attend) / 1e6 / div, NULL});
+}
+
+static void json_per_step(const bench *b)
+{
+	printf("\"per_step\": [");
+	for (uint32_t i = 0; i < b->steps_total; i++) {
+		const acc *a = &b->step[i];
+		JOBJ(NULL, i + 1 < b->steps_total, {"step", i, NULL},
+		     {"recall_mean", mean(a->recall_sum, a->recall_n), NULL},
+		     {"recall_min", a->recall_min, NULL},
+		     {"budget_mean", mean(a->budget_sum, a->kv_n), NULL},
+		     {"oracle_budget_mean", mean(a->oracle_sum, a->kv_n), NULL},
+		     {"output_rel_err", sqrt(a->err2 / a->full2), NULL},
+		     {"ms_per_layer", (double)a->ns / 1e6 / b->o.layers, NULL});
+	}
+	printf("]");
+}
+
+enum { N_TIER = 13 };
+
+/* What each tier holds at snapshot e, and what moved since snapshot s. */
+static void tier_members(const kvt_stats *e, const kvt_stats *s, jv m[N_TIER])
+{
+	const jv t[N_TIER] = {
+		{"host_bytes_used", (double)e->host_bytes_used, NULL},
+		{"host_bytes_capacity", (double)e->host_bytes_capacity, NULL},
+		{"nvme_bytes_used", (double)e->nvme_bytes_used, NULL},
+		{"nvme_bytes_capacity", (double)e->nvme_bytes_capacity, NULL},
+		{"nvme_bytes_written", (double)(e->nvme_bytes_written - s->nvme_bytes_written), NULL},
+		{"nvme_bytes_read", (double)(e->nvme_bytes_read - s->nvme_bytes_read), NULL},
+		{"nvme_reads", (double)(e->nvme_reads - s->nvme_reads), NULL},
+		{"nvme_cache_hits", (double)(e->nvme_cache_hits - s->nvme_cache_hits), NULL},
+		{"nvme_cache_misses", (double)(e->nvme_cache_misses - s->nvme_cache_misses), NULL},
+		{"spills", (double)(e->spills - s->spills), NULL},
+		{"restores", (double)(e->restores - s->restores), NULL},
+		{"auto_spills", (double)(e->auto_spills - s->auto_spills), NULL},
+		{"ns_nvme", (double)(e->ns_nvme - s->ns_nvme), NULL},
+	};
+	memcpy(m, t, sizeof(t));
+}
+
+/* Members m, then the tier members of (e, s). */
+static void jmembers_tiers(const jv *m, size_t n, const kvt_stats *e, const kvt_stats *s)
+{
+	jv t[N_TIER];
+	tier_members(e, s, t);
+	jmembers(m, n);
+	printf(", ");
+	jmembers(t, N_TIER);
+}
+
+static void json_tiers(const bench *b)
+{
+	const opts *o = &b->o;
+	const kvt_stats *e = &b->st_end;
+	double kv = (double)tier_kv_bytes(b);
+	const jv m[] = {{"mode", 0, o->capacity ? "capacity" : "standard"},
+			{"spill_policy", 0, spill_name(o->spill)}, {"kv_bytes", kv, NULL},
+			{"kv_over_host", kv / (double)e->host_bytes_capacity, NULL},
+			{"nvme_files", o->n_nvme, NULL},
+			{"nvme_bytes_per_file", (double)b->nvme_sizes[0], NULL},
+			{"nvme_queue_depth", o->nvme_qd, NULL},
+			{"nvme_cache_bytes", (double)o->nvme_cache, NULL}};
+	/* the paths first: jmembers has no arrays */
+	printf("\"tiers\": {\"nvme_paths\": [");
+	for (uint32_t i = 0; i < o->n_nvme; i++) {
+		printf("%s", i ? ", " : "");
+		jstr(o->nvme_paths[i]);
+	}
+	printf("], ");
+	jmembers_tiers(m, sizeof(m) / sizeof(m[0]), e, &(kvt_stats){0});
+	printf("}, ");
+}
+
+static void phase_acc(const bench *b, const phase *ph, acc *a)
+{
+	acc_init(a);
+	for (uint32_t i = ph->step0; i < ph->step0 + ph->steps; i++)
+		acc_add(a, &b->step[i]);
+}
+
+static void json_phases(const bench *b)
+{
+	printf("\"phases\": [");
+	for (uint32_t i = 0; i < b->n_phases; i++) {
+		const phase *ph = &b->phases[i];
+		acc a;
+		phase_acc(b, ph, &a);
+		double sl = (double)ph->steps * b->o.layers;
+		bool rs = ph->restored >= 0;
+		const jv m[] = {{"name", 0, ph->name}, {"wall_s", (double)ph->ns / 1e9, NULL},
+			{"library_ms", (double)ph->ns_lib / 1e6, NULL}, {"steps", ph->steps, NULL},
+			{"step_ms_per_layer", sl ? (double)a.ns / 1e6 / sl : NAN, NULL},
+			{"recall_mean", mean(a.recall_sum, a.recall_n), NULL},
+			{"recall_min", a.recall_n ? a.recall_min : NAN, NULL},
+			{"budget_mean", mean(a.budget_sum, a.kv_n), NULL},
+			{"oracle_budget_mean", mean(a.oracle_sum, a.kv_n), NULL},
+			{"budget_over_oracle", a.oracle_sum > 0 ? a.budget_sum / a.oracle_sum : NAN, NULL},
+			{"output_rel_err", a.full2 > 0 ? sqrt(a.err2 / a.full2) : NAN, NULL},
+			{"needles_asked", ph->steps ? (double)a.needles : NAN, NULL},
+			{"needles_found", ph->steps ? (double)a.needles_found : NAN, NULL},
+			{"restored_seq", rs ? (double)ph->restored_seq : NAN, NULL},
+			{"restored_bytes", rs ? (double)ph->restored : NAN, NULL}};
+		printf("{");
+		jmembers_tiers(m, sizeof(m) / sizeof(m[0]), &ph->st1, &ph->st0);
+		printf("}%s", i + 1 < b->n_phases ? ", " : "");
+	}
+	printf("], ");
+}
+
+void print_json(const bench *b, double wall)
+{
+	const opts *o = &b->o;
+	const kvt_stats *e = &b->st_end;
+	const acc *a = &b->all;
+	double sl = (double)b->steps_total * o->layers, ho[3], he[3];
+	spread(b, b->head_oracle, ho);
+	spread(b, b->head_eff, he);
+	const jv top[] = {{"library_version", 0, kvt_version_string()}, {"p", o->p, NULL},
+	     {"index_bytes_per_token_head", (double)e->index_bytes_per_token_head, NULL},
+	     {"index_overhead", (double)e->index_bytes_per_token_head / (2.0 * b->d * 2), NULL},
+	     {"recall_mean", mean(a->recall_sum, a->recall_n), NULL}, {"recall_min", a->recall_min, NULL},
+	     {"recall_below_half", mean((double)a->recall_low, a->recall_n), NULL},
+	     {"budget_mean", mean(a->budget_sum, a->kv_n), NULL},
+	     {"oracle_budget_mean", mean(a->oracle_sum, a->kv_n), NULL},
+	     {"budget_over_oracle", a->oracle_sum > 0 ? a->budget_sum / a->oracle_sum : NAN, NULL},
+	     {"output_rel_err", sqrt(a->err2 / a->full2), NULL},
+	     {"needles_asked", (double)a->needles, NULL},
+	     {"needles_found", (double)a->needles_found, NULL},
+	     {"prefill_ms", (double)b->ns_prefill / 1e6, NULL},
+	     {"step_ms_per_layer", (double)a->ns / 1e6 / sl, NULL},
+	     {"gather_ms_per_layer", (double)b->ns_gather / 1e6 / sl, NULL},
+	     {"tokens", (double)e->tokens, NULL}, {"tokens_indexed", (double)e->tokens_indexed, NULL},
+	     {"index_bytes", (double)e->index_bytes, NULL},
+	     {"host_bytes_used", (double)e->host_bytes_used, NULL},
+	     {"host_bytes_capacity", (double)e->host_bytes_capacity, NULL},
+	     {"budget_max_hits", (double)e->budget_max_hits, NULL},
+	     {"budget_min_hits", (double)e->budget_min_hits, NULL},
+	     {"flushes", (double)e->flushes, NULL},
+	     {"selected_tokens", (double)e->selected_tokens, NULL},
+	     {"candidate_tokens", (double)e->candidate_tokens, NULL},
+	     {"rows_fetched", (double)e->rows_fetched, NULL},
+	     {"bytes_fetched", (double)e->bytes_fetched, NULL}, {"wall_s", wall, NULL}};
+	printf("{");
+	jmembers(top, sizeof(top) / sizeof(top[0]));
+	printf(", ");
+	JOBJ("config", true, {"q_heads", o->q_heads, NULL}, {"kv_heads", o->kv_heads, NULL},
+	     {"head_dim", o->head_dim, NULL}, {"dtype", 0, dtype_name(o->dtype)},
+	     {"context", o->context, NULL}, {"steps", o->steps, NULL}, {"layers", o->layers, NULL},
+	     {"seqs", o->seqs, NULL}, {"seed", (double)o->seed, NULL},
+	     {"backend", 0, e->backend ? e->backend : "?"}, {"chunk", o->chunk, NULL},
+	     {"sinks", o->sinks, NULL}, {"window", o->window, NULL}, {"flush", o->flush, NULL},
+	     {"budget_min", o->budget_min, NULL}, {"budget_max", o->budget_max, NULL});
+	JOBJ("heads", true, {"count", (double)o->layers * o->q_heads, NULL},
+	     {"oracle_budget_min", ho[0], NULL}, {"oracle_budget_median", ho[1], NULL},
+	     {"oracle_budget_max", ho[2], NULL}, {"eff_tokens_min", he[0], NULL},
+	     {"eff_tokens_median", he[1], NULL}, {"eff_tokens_max", he[2], NULL});
+	json_stages("stage_ms", e, &(kvt_stats){0}, 1.0);
+	json_stages("decode_stage_ms_per_step_layer", e, &b->st_prefill, sl);
+	if (o->n_nvme)
+		json_tiers(b);
+	if (b->n_phases)
+		json_phases(b);
+	json_per_step(b);
+	printf("}\n");
+}
+
+/* ---- the summary in words ---------------------------------------------------------------- */
+
+/* A cell of the phase table: a figure (fixed or, with sci, exponent notation), or "-" where the
+ * phase has none. */
+static void cell(double v, int width, int prec, bool sci)
+{
+	if (!isfinite(v))
+		printf(" %*s", width, "-");
+	else if (sci)
+		printf(" %*.*e", width, prec, v);
+	else
+		printf(" %*.*f", width, prec, v);
+}
+
+static void summary_phases(const bench *b)
+{
+	printf("phase              wall_s    lib_ms  ms/layer  recall  budget   b/o  rel_err\n");
+	for (uint32_t i = 0; i < b->n_phases; i++) {
+		const phase *ph = &b->phases[i];
+		acc a;
+		phase_acc(b, ph, &a);
+		double sl = (double)ph->steps * b->o.layers;
+		printf("%-16s %8.2f %9.1f", ph->name, (double)ph->ns / 1e9, (double)ph->ns_lib / 1e6);
+		cell(sl ? (double)a.ns / 1e6 / sl : NAN, 9, 2, false);
+		cell(mean(a.recall_sum, a.recall_n), 7, 4, false);
+		cell(mean(a.budget_sum, a.kv_n), 7, 4, false);
+		cell(a.oracle_sum > 0 ? a.budget_sum / a.oracle_sum : NAN, 5, 2, false);
+		cell(a.full2 > 0 ? sqrt(a.err2 / a.full2) : NAN, 8, 2, true);
+		printf("\n");
+	}
+	printf("phase            host MiB used/cap  NVMe MiB used/cap  written   read MiB    reads"
+	       "  cache hit/miss  spills auto restores  nvme_ms\n");
+	for (uint32_t i = 0; i < b->n_phases; i++) {
+		const kvt_stats *e = &b->phases[i].st1, *s = &b->phases[i].st0;
+		printf("%-16s %8.1f/%-8.1f %8.1f/%-8.1f %8.1f %8.1f %9" PRIu64 " %8" PRIu64
+		       "/%-7" PRIu64 " %5" PRIu64 " %4" PRIu64 " %8" PRIu64 " %8.1f\n",
+		       b->phases[i].name, mib(e->host_bytes_used), mib(e->host_bytes_capacity),
+		       mib(e->nvme_bytes_used), mib(e->nvme_bytes_capacity),
+		       mib(e->nvme_bytes_written - s->nvme_bytes_written),
+		       mib(e->nvme_bytes_read - s->nvme_bytes_read), e->nvme_reads - s->nvme_reads,
+		       e->nvme_cache_hits - s->nvme_cache_hits,
+		       e->nvme_cache_misses - s->nvme_cache_misses, e->spills - s->spills,
+		       e->auto_spills - s->auto_spills, e->restores - s->restores,
+		       (double)(e->ns_nvme - s->ns_nvme) / 1e6);
+	}
+}
+
+static void summary_tiers(const bench *b)
+{
+	const kvt_stats *e = &b->st_end;
+	char k[32], h[32], n[32], c[32];
+	char qd[48] = "the library's default queue depth";
+	if (b->o.nvme_qd)
+		snprintf(qd, sizeof(qd), "queue depth %u", b->o.nvme_qd);
+	printf("tiers    K/V %s = %.2f x the host tier of %s; NVMe %s in %u file%s, %s, block cache "
+	       "%s; spill %s\n",
+	       fmt_bytes(tier_kv_bytes(b), k, sizeof k),
+	       (double)tier_kv_bytes(b) / (double)e->host_bytes_capacity,
+	       fmt_bytes(e->host_bytes_capacity, h, sizeof h),
+	       fmt_bytes(e->nvme_bytes_capacity, n, sizeof n), b->o.n_nvme,
+	       b->o.n_nvme > 1 ? "s" : "", qd,
+	       fmt_bytes(b->o.nvme_cache, c, sizeof c), spill_name(b->o.spill));
+	printf("nvme     written %.1f MiB, read %.1f MiB in %" PRIu64 " reads, block cache %" PRIu64
+	       " hits / %" PRIu64 " misses; spills %" PRIu64 " (auto %" PRIu64 "), restores %" PRIu64
+	       "; %.1f ms in NVMe I/O\n",
+	       mib(e->nvme_bytes_written), mib(e->nvme_bytes_read), e->nvme_reads, e->nvme_cache_hits,
+	       e->nvme_cache_misses, e->spills, e->auto_spills, e->restores,
+	       (double)e->ns_nvme / 1e6);
+}
+
+void print_summary(const bench *b, double wall)
+{
+	const kvt_stats *e = &b->st_end, *s = &b->st_prefill;
+	const acc *a = &b->all;
+	double sl = (double)b->steps_total * b->o.layers, ho[3], he[3];
+	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
+	spread(b, b->head_oracle, ho);
+	spread(b, b->head_eff, he);
+	if (b->n_phases)
+		summary_phases(b);
+	printf("index    %" PRIu64 " B per token per KV head = %.2f%% of its K+V bytes (%u B)\n",
+	       e->index_bytes_per_token_head,
+	       100.0 * (double)e->index_bytes_per_token_head / (4.0 * b->d), 4 * b->d);
+	printf("recall   mean %.4f, min %.4f, below 0.5 for %.2f%% of query heads x steps (exact "
+	       "softmax mass on the attended tokens)\n", mean(a->recall_sum, a->recall_n), a->recall_min,
+	       100.0 * mean((double)a->recall_low, a->recall_n));
+	if (a->kv_n)
+		printf("budget   %.4f of the indexed tokens fetched; exact Top-%.3g oracle %.4f "
+		       "(x%.2f)\n", bud, (double)b->o.p, orc, bud / orc);
+	else
+		printf("budget   no token was indexed (context within sinks + window)\n");
+	printf("output   relative L2 error %.3e; needles found %" PRIu64 " of %" PRIu64 "\n",
+	       sqrt(a->err2 / a->full2), a->needles_found, a->needles);
+	printf("heads    oracle share min %.4f, median %.4f, max %.4f; effective tokens "
+	       "(exp entropy) min %.0f, median %.0f, max %.0f\n",
+	       ho[0], ho[1], ho[2], he[0], he[1], he[2]);
+	printf("time     prefill %.0f ms; decode %.2f ms per step per layer (index %.2f, store %.2f, "
+	       "score %.2f, select %.2f, attend %.2f)\n",
+	       (double)b->ns_prefill / 1e6, (double)a->ns / 1e6 / sl,
+	       (double)(e->ns_index - s->ns_index) / 1e6 / sl,
+	       (double)(e->ns_store - s->ns_store) / 1e6 / sl,
+	       (double)(e->ns_score - s->ns_score) / 1e6 / sl,
+	       (double)(e->ns_select - s->ns_select) / 1e6 / sl,
+	       (double)(e->ns_attend - s->ns_attend) / 1e6 / sl);
+	if (b->o.n_nvme)
+		summary_tiers(b);
+	printf("cache    %" PRIu64 " tokens, %" PRIu64 " indexed, host %.1f of %.1f MiB, budget_max "
+	       "hits %" PRIu64 ", budget_min hits %" PRIu64 ", flushes %" PRIu64 "; wall %.1f s\n",
+	       e->tokens, e->tokens_indexed, mib(e->host_bytes_used), mib(e->host_bytes_capacity),
+	       e->budget_max_hits, e->budget_min_hits, e->flushes, wall);
+}
