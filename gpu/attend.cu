@@ -62,7 +62,8 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	}
 
 	/* the bound is uniform over the warp: the shuffles below need every lane */
-	for (uint32_t r = r0 + grp, base = r0; base < r1; r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
+	for (uint32_t r = r0 + grp, base = r0; base < r1;
+	     r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
 		uint4 kb[AT_UNROLL], vb[AT_UNROLL];
 #pragma unroll
 		for (int u = 0; u < AT_UNROLL; u++) {
@@ -220,7 +221,7 @@ static int launch(const at_args &a)
 	const uint32_t G = a.hq / a.hkv;
 	const dim3 grid(a.chunks, a.n_items, (G + GB - 1) / GB);
 	k_attend<D, DT, GB><<<grid, AT_THREADS, 0, a.s>>>(a.q, a.items, a.hq, a.hkv, a.scale,
-							   a.max_rows, a.chunks, a.part, a.err);
+							  a.max_rows, a.chunks, a.part, a.err);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -255,8 +256,8 @@ static int dispatch_dtype(uint32_t dtype, uint32_t out_dtype, const at_args &a, 
 	}
 	if (rc < 0)
 		return rc;
-	k_merge<D><<<a.n_items * (a.hq / a.hkv), D, 0, a.s>>>(a.items, a.hq, a.hkv, a.max_rows,
-							       a.chunks, a.part, out_dtype, out);
+	k_merge<D><<<a.n_items *(a.hq / a.hkv), D, 0, a.s>>>(a.items, a.hq, a.hkv, a.max_rows,
+							     a.chunks, a.part, out_dtype, out);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -283,13 +284,14 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 	    (out_dtype != KVT_DTYPE_F32 && out_dtype != KVT_DTYPE_F16 &&
 	     out_dtype != KVT_DTYPE_BF16))
 		return -EOPNOTSUPP;
-	if (scratch_bytes < kvt_gpu_attend_scratch_bytes(n_seqs, n_q_heads, n_kv_heads, d, max_rows))
+	if (scratch_bytes <
+	    kvt_gpu_attend_scratch_bytes(n_seqs, n_q_heads, n_kv_heads, d, max_rows))
 		return -EINVAL;
 	if (n_seqs == 0 || n_q_heads == 0)
 		return 0;
-	const at_args a = {n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows,
-			   chunks_of(max_rows), scale, q, items, (float *)scratch, err,
-			   KVT_STREAM(stream)};
+	const at_args a = {
+		n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows, chunks_of(max_rows), scale,
+		q,         items,      (float *)scratch,    err,      KVT_STREAM(stream)};
 	switch (d) {
 	case 64:
 		return dispatch_dtype<64>(dtype, out_dtype, a, out);

@@ -24,10 +24,10 @@ extern "C" {
  */
 typedef struct kvt_gpu_rows {
 	const void *const *rows; /* device array [n] of row pointers, or NULL for base/pos */
-	const void *base;        /* when rows is NULL: row i at base + (pos ? pos[i] : i) * stride */
-	const uint32_t *pos;     /* device [n] or NULL */
-	uint64_t stride;         /* bytes between consecutive rows at base */
-	uint32_t n;              /* rows, <= max_rows of the launch */
+	const void *base;    /* when rows is NULL: row i at base + (pos ? pos[i] : i) * stride */
+	const uint32_t *pos; /* device [n] or NULL */
+	uint64_t stride;     /* bytes between consecutive rows at base */
+	uint32_t n;          /* rows, <= max_rows of the launch */
 	uint32_t reserved;
 } kvt_gpu_rows;
 

@@ -61,7 +61,8 @@ static __device__ __forceinline__ uint16_t kvt_d_f32_to_f16(float f)
 		if (shift > 25)
 			return (uint16_t)sign;
 		uint32_t man = (abs & 0x7fffffu) | 0x800000u;
-		uint32_t half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+		uint32_t half = man >> shift, rem = man & ((1u << shift) - 1),
+			 mid = 1u << (shift - 1);
 		if (rem > mid || (rem == mid && (half & 1u)))
 			half++;
 		return (uint16_t)(sign | half);

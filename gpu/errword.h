@@ -12,14 +12,16 @@
 #include <stdint.h>
 
 enum kvt_gpu_err_code {
-	KVT_GPU_ERR_NONFINITE = 1, /* a score was NaN or infinite: where = segment, index = position */
-	KVT_GPU_ERR_RANGE = 2,     /* a count or position beyond what the launch was sized for:
-				      where = work item, index = the offending count or position */
+	/* a score was NaN or infinite: where = segment, index = position */
+	KVT_GPU_ERR_NONFINITE = 1,
+	/* a count or position beyond what the launch was sized for: where = work item, index = the
+	 * offending count or position */
+	KVT_GPU_ERR_RANGE = 2,
 };
 
 /* code in bits 56..63, where in 32..55 (24 bits), index in 0..31 */
 #define KVT_GPU_ERR_MAKE(code, where, index)                                                       \
-	(((unsigned long long)(code) << 56) | ((unsigned long long)((where) & 0xffffffu) << 32) |  \
+	(((unsigned long long)(code) << 56) | ((unsigned long long)((where)&0xffffffu) << 32) |    \
 	 (unsigned long long)(uint32_t)(index))
 #define KVT_GPU_ERR_CODE(w) ((uint32_t)((w) >> 56))
 #define KVT_GPU_ERR_WHERE(w) ((uint32_t)((w) >> 32) & 0xffffffu)

@@ -9,7 +9,7 @@
 #include "common.cuh"
 #include "index.cuh"
 
-#define IB_TOKENS 16   /* tokens per block */
+#define IB_TOKENS 16 /* tokens per block */
 #define IB_THREADS 256
 
 template <int D, int DT>
@@ -18,8 +18,8 @@ static __global__ void __launch_bounds__(IB_THREADS)
 		      uint32_t max_n, const kvt_gpu_index_view *views, unsigned long long *err)
 {
 	constexpr int W = D / 32;
-	constexpr int ROWS = IB_THREADS / D;      /* thread rows over tokens: 4, 2, 1 */
-	constexpr int PER = IB_TOKENS / ROWS;     /* tokens per thread in the matvec */
+	constexpr int ROWS = IB_THREADS / D;             /* thread rows over tokens: 4, 2, 1 */
+	constexpr int PER = IB_TOKENS / ROWS;            /* tokens per thread in the matvec */
 	__shared__ __align__(16) float ks[IB_TOKENS][D]; /* keys, later y = R r */
 	__shared__ __align__(16) float rs[IB_TOKENS][D]; /* residuals r = k - c_k */
 	__shared__ float n2s[IB_TOKENS];
@@ -57,7 +57,8 @@ static __global__ void __launch_bounds__(IB_THREADS)
 	}
 	__syncthreads();
 
-	const size_t at = (size_t)h * v.cap + job.first + t0; /* index entry of token 0 of the block */
+	/* index entry of token 0 of the block */
+	const size_t at = (size_t)h * v.cap + job.first + t0;
 	/* the serial sums, in warps 0 and 1 so that they run beside each other */
 	if (tid < nt) {
 		float s = 0.0f;
@@ -101,7 +102,8 @@ static __global__ void __launch_bounds__(IB_THREADS)
 		for (int i = 0; i < D; i++)
 			l1 = __fadd_rn(l1, fabsf(ks[tid][i]));
 		const bool nz = l1 > 0.0f;
-		const float s = nz ? __fmul_rn(__fdiv_rn(n2s[tid], l1), __fsqrt_rn((float)D)) : 0.0f;
+		const float s =
+			nz ? __fmul_rn(__fdiv_rn(n2s[tid], l1), __fsqrt_rn((float)D)) : 0.0f;
 		v.sigma[at + tid] = kvt_d_f32_to_f16(s);
 		nonzero[tid] = nz;
 	}
@@ -161,11 +163,14 @@ extern "C" int kvt_gpu_index_build(uint32_t d, uint32_t dtype, uint32_t n_kv_hea
 	cudaStream_t s = KVT_STREAM(stream);
 	switch (d) {
 	case 64:
-		return dispatch_dtype<64>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err, s);
+		return dispatch_dtype<64>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
+					  s);
 	case 128:
-		return dispatch_dtype<128>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err, s);
+		return dispatch_dtype<128>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
+					   s);
 	case 256:
-		return dispatch_dtype<256>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err, s);
+		return dispatch_dtype<256>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
+					   s);
 	default:
 		return -EOPNOTSUPP;
 	}

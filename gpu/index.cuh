@@ -23,10 +23,10 @@ extern "C" {
 
 /* Where the index of one (sequence, layer) lives: device pointers, the layout above. */
 typedef struct kvt_gpu_index_view {
-	uint32_t *codes;   /* [n_kv_heads][cap][d/32] */
-	uint16_t *sigma;   /* [n_kv_heads][cap] */
-	uint16_t *beta;    /* [n_kv_heads][cap] */
-	uint32_t cap;      /* tokens of storage per KV head */
+	uint32_t *codes; /* [n_kv_heads][cap][d/32] */
+	uint16_t *sigma; /* [n_kv_heads][cap] */
+	uint16_t *beta;  /* [n_kv_heads][cap] */
+	uint32_t cap;    /* tokens of storage per KV head */
 	uint32_t reserved;
 } kvt_gpu_index_view;
 

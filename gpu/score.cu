@@ -111,7 +111,8 @@ static __global__ void __launch_bounds__(D)
 		if ((int)s < S) {
 			const uint32_t sh = lane_shift<D>(t, (int)s), w = lane_word<D>(t, (int)s);
 			for (uint32_t i = 0; i < 4; i++)
-				v |= ((uint32_t)us[32 * w + sh + 4 * hh + 8 * i] << (4 - sh)) << (8 * i);
+				v |= ((uint32_t)us[32 * w + sh + 4 * hh + 8 * i] << (4 - sh))
+				     << (8 * i);
 		}
 		o->frag[s][t][hh] = v;
 	}
@@ -179,15 +180,16 @@ static __device__ __forceinline__ uint2 b_frag(const kvt_gpu_qcode *q0, uint32_t
 }
 
 /* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta. */
-template <int WPL> struct tile_in {
+template <int WPL>
+struct tile_in {
 	uint32_t wa[WPL], wb[WPL];
 	uint32_t sa, sb, ba, bb;
 };
 
 template <int D, int WPL>
 static __device__ __forceinline__ void load_tile(tile_in<WPL> &x, const uint32_t *codes,
-						 const uint16_t *sig, const uint16_t *bet, uint32_t ra,
-						 uint32_t n, uint32_t off)
+						 const uint16_t *sig, const uint16_t *bet,
+						 uint32_t ra, uint32_t n, uint32_t off)
 {
 	constexpr int W = D / 32;
 	const uint32_t rb = ra + 8;
@@ -213,7 +215,8 @@ static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &k
 		if (row >= n)
 			continue;
 		const float bu = small_u2f((uint32_t)c[2 * r] >> 4);
-		const float E = __fadd_rn(__fadd_rn(__fmul_rn(kq.x, bu), __fmul_rn(kq.y, pbf[r])), kq.z);
+		const float E =
+			__fadd_rn(__fadd_rn(__fmul_rn(kq.x, bu), __fmul_rn(kq.y, pbf[r])), kq.z);
 		outq[row] = __fadd_rn(__fadd_rn(__fmul_rn(sg[r], E), bt[r]), kq.w);
 	}
 }
@@ -240,7 +243,8 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 	if (blockIdx.x * SC_TOKENS >= n)
 		return;
 	const kvt_gpu_qcode *q0 = qc + (size_t)seq * hq + (size_t)h * G;
-	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, t = lane & 3;
+	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2,
+		       t = lane & 3;
 
 	uint2 breg[S];
 	float4 kreg = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -274,7 +278,8 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 	uint32_t base = blockIdx.x * SC_TOKENS;
 #pragma unroll
 	for (int k = 0; k < SC_TILES; k++)
-		load_tile<D, WPL>(cur[k], codes, sig, bet, base + (warp * SC_TILES + k) * 16 + g, n, off);
+		load_tile<D, WPL>(cur[k], codes, sig, bet, base + (warp * SC_TILES + k) * 16 + g, n,
+				  off);
 	for (; base < n; base += stride) {
 #pragma unroll
 		for (int k = 0; k < SC_TILES; k++)
@@ -297,20 +302,25 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 #pragma unroll
 				for (int s = 0; s < S; s++) {
 					const int w = D == 256 ? s >> 2 : 0;
-					const uint2 b = ONE ? breg[s] : bfrag[ONE ? 0 : nt][ONE ? 0 : s][lane];
-					mma_u8(c, x.wa[w] & mask[s], x.wb[w] & mask[s], a4[w] & mask[s],
-					       b4[w] & mask[s], b.x, b.y);
+					const uint2 b =
+						ONE ? breg[s]
+						    : bfrag[ONE ? 0 : nt][ONE ? 0 : s][lane];
+					mma_u8(c, x.wa[w] & mask[s], x.wb[w] & mask[s],
+					       a4[w] & mask[s], b4[w] & mask[s], b.x, b.y);
 				}
-				if (nt == 0) { /* column 7, held by the quad's last lane: popcounts */
-					const int pa = __shfl_sync(0xffffffffu, c[1], (int)(lane | 3u));
-					const int pb = __shfl_sync(0xffffffffu, c[3], (int)(lane | 3u));
+				/* column 7, held by the quad's last lane: the popcounts */
+				if (nt == 0) {
+					const int pa =
+						__shfl_sync(0xffffffffu, c[1], (int)(lane | 3u));
+					const int pb =
+						__shfl_sync(0xffffffffu, c[3], (int)(lane | 3u));
 					pbf[0] = small_u2f((uint32_t)pa >> 4);
 					pbf[1] = small_u2f((uint32_t)pb >> 4);
 				}
 				const uint32_t q = nt * 4 + t;
 				if (q < G)
-					finish(c, ONE ? kreg : qk[ONE ? 0 : q], sg, bt, pbf, out + (size_t)q * ld,
-					       ra, n);
+					finish(c, ONE ? kreg : qk[ONE ? 0 : q], sg, bt, pbf,
+					       out + (size_t)q * ld, ra, n);
 			}
 		}
 #pragma unroll
@@ -374,19 +384,22 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 {
 	/* one wave of resident blocks, each looping over its share of the chunks, so that the
 	 * per-block setup (the B fragments) is paid once per block rather than once per chunk */
-	static int occupancy; /* blocks per SM, computed once (a racing first call computes it twice) */
+	/* blocks per SM, computed once (a racing first call computes it twice) */
+	static int occupancy;
 	int dev = 0, sms = 0, per_sm = __atomic_load_n(&occupancy, __ATOMIC_RELAXED);
 	KVT_CU(cudaGetDevice(&dev));
 	KVT_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
 	if (per_sm == 0) {
-		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE>, SC_WARPS * 32, 0));
+		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE>,
+								     SC_WARPS * 32, 0));
 		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
 	}
 	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
 	const uint32_t wave = (uint32_t)(sms * (per_sm > 0 ? per_sm : 1));
 	const uint32_t fill = (wave + items - 1) / items;
 	const dim3 grid(chunks < fill ? chunks : fill, items);
-	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores, ld, err);
+	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores,
+						       ld, err);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -397,7 +410,8 @@ static int score_d(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 		   float *scores, size_t ld, unsigned long long *err, cudaStream_t s)
 {
 	if (hq / hkv <= 4)
-		return score_g<D, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, err, s);
+		return score_g<D, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld,
+					err, s);
 	return score_g<D, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, err, s);
 }
 
@@ -419,13 +433,13 @@ extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, ui
 	cudaStream_t s = KVT_STREAM(stream);
 	switch (d) {
 	case 64:
-		return score_d<64>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
-				   err, s);
+		return score_d<64>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
+				   scores, ld, err, s);
 	case 128:
-		return score_d<128>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
-				    err, s);
+		return score_d<128>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
+				    scores, ld, err, s);
 	default:
-		return score_d<256>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores, ld,
-				    err, s);
+		return score_d<256>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
+				    scores, ld, err, s);
 	}
 }

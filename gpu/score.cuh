@@ -21,10 +21,10 @@ extern "C" {
 /* A query prepared for the scan (416 bytes, device memory). */
 typedef struct kvt_gpu_qcode {
 	float x_l, delta, sum_u, qc_ck; /* as in kvt_qcode */
-	float A, B, C;                  /* E = A <b, u> + B popcount(b) + C, as kvt_score forms them */
+	float A, B, C; /* E = A <b, u> + B popcount(b) + C, as kvt_score forms them */
 	uint32_t d;
-	uint32_t planes[4][8];          /* bit-plane p of u, packed like the codes (d/32 words used) */
-	uint32_t frag[8][4][2];         /* u in the scan's MMA operand order (gpu/score.cu) */
+	uint32_t planes[4][8];  /* bit-plane p of u, packed like the codes (d/32 words used) */
+	uint32_t frag[8][4][2]; /* u in the scan's MMA operand order (gpu/score.cu) */
 } kvt_gpu_qcode;
 
 /*
@@ -58,8 +58,9 @@ int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs, uint32_t 
  * pointer, shapes, ld), -EOPNOTSUPP (d) or -EIO. Asynchronous, allocation-free.
  */
 int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
-		  const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views, const uint32_t *n_tokens,
-		  uint32_t max_n, float *scores, size_t ld, unsigned long long *err, void *stream);
+		  const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views,
+		  const uint32_t *n_tokens, uint32_t max_n, float *scores, size_t ld,
+		  unsigned long long *err, void *stream);
 
 #ifdef __cplusplus
 }

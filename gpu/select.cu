@@ -22,19 +22,29 @@
 #include "select.cuh"
 
 #define SEL_THREADS 256
-#define SEL_CHUNK 8192u  /* scores per block: 8 float4 per thread */
+#define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_CNT_BINS 4096u
 #define SEL_MASS_BINS 2048u
 #define SEL_MAX_N (1u << 24)
 
 typedef unsigned __int128 u128;
 
+/* The phases of a segment, one launch each (a segment not in a launch's phase skips it). */
 enum {
 	PH_INIT = 0,
-	PH_M0,               /* mass histogram over equal-width score intervals */
-	PH_M1, PH_M2, PH_M3, /* mass radix over the score keys within the chosen interval */
-	PH_C0, PH_C1, PH_C2, /* count radix (budget clamp) over the score keys */
-	PH_P0, PH_P1,        /* count radix over positions among tied scores */
+	/* mass histogram over equal-width score intervals */
+	PH_M0,
+	/* mass radix over the score keys within the chosen interval */
+	PH_M1,
+	PH_M2,
+	PH_M3,
+	/* count radix (budget clamp) over the score keys */
+	PH_C0,
+	PH_C1,
+	PH_C2,
+	/* count radix over positions among tied scores */
+	PH_P0,
+	PH_P1,
 	PH_DONE
 };
 
@@ -48,19 +58,19 @@ struct seg_state {
 	uint32_t count, marked;
 	int32_t clamped;
 	float thresh;
-	uint32_t b0;                /* the interval chosen by PH_M0 */
-	float smin, inv_w;          /* intervals: bin = (s - smin) * inv_w */
+	uint32_t b0;                       /* the interval chosen by PH_M0 */
+	float smin, inv_w;                 /* intervals: bin = (s - smin) * inv_w */
 	unsigned long long acc_lo, acc_hi; /* mass above the candidate range */
 	double target;
 };
 
 struct sel_scratch {
 	seg_state *st;
-	uint32_t *hcnt;            /* [segs][SEL_CNT_BINS] */
-	unsigned long long *hhi;   /* [segs][SEL_MASS_BINS]: sums of the 2^-40 halves */
-	unsigned long long *hlo;   /* [segs][SEL_MASS_BINS]: sums of the 2^-80 halves */
-	uint32_t *mask;            /* [items][mwords]: union bitmaps */
-	uint32_t *ccount;          /* [items][uchunks]: selected per union chunk */
+	uint32_t *hcnt;          /* [segs][SEL_CNT_BINS] */
+	unsigned long long *hhi; /* [segs][SEL_MASS_BINS]: sums of the 2^-40 halves */
+	unsigned long long *hlo; /* [segs][SEL_MASS_BINS]: sums of the 2^-80 halves */
+	uint32_t *mask;          /* [items][mwords]: union bitmaps */
+	uint32_t *ccount;        /* [items][uchunks]: selected per union chunk */
 	size_t bytes;
 };
 
@@ -72,7 +82,8 @@ static size_t align256(size_t x)
 static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv, uint32_t max_n)
 {
 	const size_t segs = (size_t)n_seqs * hq, items = (size_t)n_seqs * hkv;
-	const size_t mwords = ((size_t)max_n + 31) / 32, uchunks = ((size_t)max_n + SEL_CHUNK - 1) / SEL_CHUNK;
+	const size_t mwords = ((size_t)max_n + 31) / 32,
+		     uchunks = ((size_t)max_n + SEL_CHUNK - 1) / SEL_CHUNK;
 	sel_scratch s;
 	char *p = (char *)base;
 	size_t off = 0;
@@ -248,10 +259,12 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 	const float *s = scores + (size_t)seg * ld;
 
 	/* the histograms start at zero; each level's last block leaves them at zero again */
-	for (uint32_t e = blockIdx.x * SEL_THREADS + tid; e < SEL_CNT_BINS; e += gridDim.x * SEL_THREADS) {
+	for (uint32_t e = blockIdx.x * SEL_THREADS + tid; e < SEL_CNT_BINS;
+	     e += gridDim.x * SEL_THREADS) {
 		sc.hcnt[(size_t)seg * SEL_CNT_BINS + e] = 0;
 		if (e < SEL_MASS_BINS)
-			sc.hhi[(size_t)seg * SEL_MASS_BINS + e] = sc.hlo[(size_t)seg * SEL_MASS_BINS + e] = 0;
+			sc.hhi[(size_t)seg * SEL_MASS_BINS + e] =
+				sc.hlo[(size_t)seg * SEL_MASS_BINS + e] = 0;
 	}
 	uint32_t kmax = 0, nmin = 0, bad = 0;
 	const uint32_t c0 = blockIdx.x * SEL_CHUNK;
@@ -326,12 +339,22 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 
 /* ---- the radix levels -------------------------------------------------------------------- */
 
-template <int PH> struct level {
+static constexpr int digit_shift(bool linear, bool pos, int r)
+{
+	if (linear)
+		return 0;
+	if (pos)
+		return r == 0 ? 12 : 0;
+	return r == 0 ? 21 : r == 1 ? 10 : 0;
+}
+
+template <int PH>
+struct level {
 	static constexpr bool mass = PH <= PH_M3, pos = PH >= PH_P0, linear = PH == PH_M0;
 	/* radix level: score keys by bits 21..31, 10..20, 0..9; position keys (24 bits) 12..23, 0..11 */
 	static constexpr int r = mass ? PH - PH_M1 : pos ? PH - PH_P0 : PH - PH_C0;
 	static constexpr int width = linear ? 11 : pos ? 12 : r == 2 ? 10 : 11;
-	static constexpr int shift = linear ? 0 : pos ? (r == 0 ? 12 : 0) : (r == 0 ? 21 : r == 1 ? 10 : 0);
+	static constexpr int shift = digit_shift(linear, pos, r);
 	static constexpr int top = linear ? 32 : shift + width; /* bits above the digit are fixed */
 	static constexpr uint32_t bins = 1u << width;
 	static constexpr bool last = pos ? r == 1 : r == 2;
@@ -347,8 +370,10 @@ static __device__ void scan_excl(uint32_t &c, u128 &m, uint32_t *tc, u128 *tm)
 	u128 im = m;
 	for (int o = 1; o < 32; o <<= 1) {
 		const uint32_t oc = __shfl_up_sync(0xffffffffu, ic, o);
-		const unsigned long long mh = __shfl_up_sync(0xffffffffu, (unsigned long long)(im >> 64), o);
-		const unsigned long long ml = __shfl_up_sync(0xffffffffu, (unsigned long long)im, o);
+		const unsigned long long mh =
+			__shfl_up_sync(0xffffffffu, (unsigned long long)(im >> 64), o);
+		const unsigned long long ml =
+			__shfl_up_sync(0xffffffffu, (unsigned long long)im, o);
 		if (lane >= (uint32_t)o) {
 			ic += oc;
 			im += ((u128)mh << 64) | ml;
@@ -391,7 +416,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 	if (__ldcg(&st->phase) != PH)
 		return;
 	const uint32_t n = n_tok[seq], prefix = __ldcg(&st->prefix), pprefix = __ldcg(&st->pprefix);
-	const float mx = keyf(__ldcg(&st->max_key)), smin = __ldcg(&st->smin), inv_w = __ldcg(&st->inv_w);
+	const float mx = keyf(__ldcg(&st->max_key)), smin = __ldcg(&st->smin),
+		    inv_w = __ldcg(&st->inv_w);
 	const uint32_t b0 = __ldcg(&st->b0);
 	const float *s = scores + (size_t)seg * ld;
 	for (uint32_t b = tid; b < L::bins; b += SEL_THREADS) {
@@ -416,7 +442,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 			uint32_t digit;
 			if (L::pos) {
 				const uint32_t pk = (SEL_MAX_N - 1) - pos;
-				if (k != prefix || (pk >> (L::top & 31)) != (pprefix >> (L::top & 31)))
+				if (k != prefix ||
+				    (pk >> (L::top & 31)) != (pprefix >> (L::top & 31)))
 					continue;
 				digit = (pk >> L::shift) & (L::bins - 1);
 			} else if (L::linear) {
@@ -424,7 +451,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 			} else {
 				if (L::mass && lbin(f[e], smin, inv_w) != b0)
 					continue;
-				if (L::top < 32 && (k >> (L::top & 31)) != (prefix >> (L::top & 31)))
+				if (L::top < 32 &&
+				    (k >> (L::top & 31)) != (prefix >> (L::top & 31)))
 					continue;
 				digit = (k >> L::shift) & (L::bins - 1);
 			}
@@ -459,7 +487,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 	/* The decision. Thread i owns bins top - i * per .. top - (i + 1) * per + 1, descending. */
 	constexpr uint32_t per = L::bins / SEL_THREADS;
 	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_CNT_BINS;
-	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_MASS_BINS, *gl = sc.hlo + (size_t)seg * SEL_MASS_BINS;
+	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_MASS_BINS,
+			   *gl = sc.hlo + (size_t)seg * SEL_MASS_BINS;
 	uint32_t bc[per];
 	u128 bm[per];
 	uint32_t c = 0;
@@ -542,7 +571,9 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 		st->pprefix = pp;
 		st->above = win_above;
 		if (L::last)
-			finalize(st, o, (unsigned long long)prefix << 32 | (0xffffffffu - ((SEL_MAX_N - 1) - pp)));
+			finalize(st, o,
+				 (unsigned long long)prefix << 32 |
+					 (0xffffffffu - ((SEL_MAX_N - 1) - pp)));
 		else
 			st->phase = PH + 1;
 		return;
@@ -575,8 +606,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 #define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
 
 static __global__ void __launch_bounds__(SEL_THREADS)
-	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, uint32_t hkv,
-		     const kvt_gpu_topp *topp, sel_scratch sc, uint32_t mwords)
+	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,
+		     uint32_t hkv, const kvt_gpu_topp *topp, sel_scratch sc, uint32_t mwords)
 {
 	__shared__ unsigned long long cut[KVT_GPU_MAX_GROUP];
 	__shared__ uint32_t cnt[SEL_THREADS / 32];
@@ -604,7 +635,8 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 #pragma unroll
 		for (int k = 0; k < 32; k++) {
 			const uint32_t t = t0 + 32 * k + lane;
-			const unsigned long long ck = (unsigned long long)fkey(x[k]) << 32 | (0xffffffffu - t);
+			const unsigned long long ck =
+				(unsigned long long)fkey(x[k]) << 32 | (0xffffffffu - t);
 			sel |= (t < n && ck >= cut[g] ? 1u : 0u) << k;
 		}
 	}
@@ -719,8 +751,8 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 	KVT_CU_LAUNCHED();
 #define LEVEL(ph)                                                                                  \
 	do {                                                                                       \
-		k_level<ph><<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, n_q_heads, scale, p, \
-							 bmin, bmax, sc, out);                     \
+		k_level<ph><<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, n_q_heads, scale,   \
+							 p, bmin, bmax, sc, out);                  \
 		KVT_CU_LAUNCHED();                                                                 \
 	} while (0)
 	LEVEL(PH_M0);

@@ -18,10 +18,10 @@ extern "C" {
 
 /* The selection of one (sequence, query head) segment (24 bytes, device memory). */
 typedef struct kvt_gpu_topp {
-	float thresh;       /* Top-p threshold, as kvt_topp_threshold's *thresh (0 when n is 0) */
-	uint32_t count;     /* tokens with score >= thresh: kvt_topp_threshold's return */
-	uint32_t marked;    /* tokens marked after the budget clamp: kvt_topp_mark's return */
-	int32_t clamped;    /* as kvt_topp_mark's *clamped: 0, +1 raised to bmin, -1 cut to bmax */
+	float thresh;    /* Top-p threshold, as kvt_topp_threshold's *thresh (0 when n is 0) */
+	uint32_t count;  /* tokens with score >= thresh: kvt_topp_threshold's return */
+	uint32_t marked; /* tokens marked after the budget clamp: kvt_topp_mark's return */
+	int32_t clamped; /* as kvt_topp_mark's *clamped: 0, +1 raised to bmin, -1 cut to bmax */
 	unsigned long long cut; /* when marked > 0, index position t with score s is marked iff
 				   (key(s) << 32 | (0xffffffff - t)) >= cut, key(s) the order-preserving
 				   bits of s (-0 taken as +0): ties at the boundary by lowest position */
