@@ -1238,6 +1238,7 @@ static void test_stale_generation(void **state)
 
 int main(void)
 {
+	t_warm_runtime();
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_auto_spill_lru),

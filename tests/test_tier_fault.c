@@ -595,6 +595,7 @@ static int setup(void **state)
 
 int main(void)
 {
+	t_warm_runtime();
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_fail_eio),      cmocka_unit_test(test_fail_eagain),
 		cmocka_unit_test(test_fail_ecanceled), cmocka_unit_test(test_fail_enospc),
