@@ -258,9 +258,9 @@ static inline kvt_cache *t_create(const kvt_config *cfg)
 
 /* kvt_get_stats or fail. */
 /*
- * Create and destroy one small cache, so that what the process keeps open for good after its first
- * cache (the CUDA runtime's device descriptors, where a GPU is present) is open before a test takes
- * its baseline of open descriptors.
+ * Create one small cache and store a token in it (which maps and, where a GPU is present, pins a
+ * host-tier extent), so that what the process keeps open for good afterwards (the CUDA runtime's
+ * device descriptors and its context) is open before a test takes its baseline of descriptors.
  */
 static inline void t_warm_runtime(void)
 {
@@ -270,9 +270,17 @@ static inline void t_warm_runtime(void)
 	cfg.n_kv_heads = 1;
 	cfg.head_dim = 64;
 	cfg.backend = KVT_BACKEND_CPU;
+	cfg.host_bytes = 1u << 20;
 	kvt_cache *c = NULL;
-	if (kvt_cache_create(&cfg, &c) == 0)
-		kvt_cache_destroy(c);
+	uint16_t kv[64];
+	uint32_t seq;
+	for (int i = 0; i < 64; i++)
+		kv[i] = 0x3c00; /* 1.0 */
+	if (kvt_cache_create(&cfg, &c) < 0)
+		return;
+	if (kvt_seq_open(c, &seq) == 0)
+		kvt_prefill(c, seq, 0, NULL, kv, kv, 1, NULL);
+	kvt_cache_destroy(c);
 }
 
 static inline kvt_stats t_stats(kvt_cache *c)
