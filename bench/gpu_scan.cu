@@ -24,34 +24,9 @@ extern "C" {
 }
 #include "gpu/score.cuh"
 
-#define CK(x)                                                                                      \
-	do {                                                                                       \
-		cudaError_t e_ = (x);                                                              \
-		if (e_ != cudaSuccess) {                                                           \
-			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                  \
-				cudaGetErrorString(e_));                                           \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
-#define RC(x)                                                                                      \
-	do {                                                                                       \
-		int r_ = (x);                                                                      \
-		if (r_ != 0) {                                                                     \
-			fprintf(stderr, "%s:%d %s returned %d\n", __FILE__, __LINE__, #x, r_);     \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "gpu_bench.cuh"
 
 enum { D = 128, HKV = 8, HQ = 32, RUNS = 50 };
-
-static __device__ uint32_t hash32(uint64_t x)
-{
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdull;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ull;
-	return (uint32_t)(x ^ (x >> 33));
-}
 
 /* Random codes, sigma in [0.5, 1.5) and beta in [-1, 1) as fp16: never zeros. */
 static __global__ void fill_index(uint32_t *codes, uint16_t *sigma, uint16_t *beta, size_t tokens,
@@ -73,12 +48,6 @@ static __global__ void fill_f16(uint16_t *x, size_t n, uint64_t salt)
 	     i += (size_t)gridDim.x * blockDim.x)
 		x[i] = __half_as_ushort(
 			__float2half((hash32(salt + i) & 0xffff) / 32768.0f - 1.0f));
-}
-
-static float median(std::vector<float> v)
-{
-	std::sort(v.begin(), v.end());
-	return v[v.size() / 2];
 }
 
 /* Device-to-device copy bandwidth, bytes read plus written per second. */

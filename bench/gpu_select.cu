@@ -21,35 +21,10 @@
 
 #include "gpu/select.cuh"
 
-#define CK(x)                                                                                      \
-	do {                                                                                       \
-		cudaError_t e_ = (x);                                                              \
-		if (e_ != cudaSuccess) {                                                           \
-			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                  \
-				cudaGetErrorString(e_));                                           \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
-#define RC(x)                                                                                      \
-	do {                                                                                       \
-		int r_ = (x);                                                                      \
-		if (r_ != 0) {                                                                     \
-			fprintf(stderr, "%s:%d %s returned %d\n", __FILE__, __LINE__, #x, r_);     \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "gpu_bench.cuh"
 
 enum { N = 131072, HQ = 32, HKV = 8, RUNS = 50 };
 static const float P = 0.9f, SCALE = 0.08838834764831845f;
-
-static __device__ uint32_t hash32(uint64_t x)
-{
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdull;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ull;
-	return (uint32_t)(x ^ (x >> 33));
-}
 
 /* Normal(1, 3) scores (Box-Muller on hashed uniforms): never zeros, realistic spread. */
 static __global__ void fill_scores(float *s, size_t n)
@@ -108,12 +83,6 @@ static __global__ void threshold(const float *sorted, const float *cum, float *t
 	const float target = P * cum[seg * N + N - 1];
 	if (cum[i] >= target && (j == 0 || cum[i - 1] < target))
 		thr[seg] = sorted[i];
-}
-
-static float median(std::vector<float> v)
-{
-	std::sort(v.begin(), v.end());
-	return v[v.size() / 2];
 }
 
 /* Median microseconds per call of f over RUNS timings, each of `burst` calls back to back. */

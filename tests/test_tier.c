@@ -19,68 +19,7 @@
 
 #include "common.h"
 
-/* ---- scratch files on the local disk, descriptor counts, the skip -------------------------- */
-
-#define TT_MAX_FILES 4
-
-typedef struct tt_files {
-	char paths[TT_MAX_FILES][4096];
-	const char *ptrs[TT_MAX_FILES];
-	uint64_t bytes[TT_MAX_FILES];
-	uint32_t n;
-} tt_files;
-
-/* $KVT_TEST_DIR, else the current directory (meson's build directory, on the real disk: /tmp may
- * be tmpfs, which refuses O_DIRECT). */
-static const char *tt_dir(void)
-{
-	const char *d = getenv("KVT_TEST_DIR");
-	return d && d[0] ? d : ".";
-}
-
-static void tt_make_files(tt_files *f, uint32_t n, uint64_t bytes)
-{
-	memset(f, 0, sizeof *f);
-	f->n = n;
-	for (uint32_t i = 0; i < n; i++) {
-		snprintf(f->paths[i], sizeof f->paths[i], "%s/kvt-tier-test-XXXXXX", tt_dir());
-		int fd = mkstemp(f->paths[i]);
-		T_CHECK(fd >= 0, "mkstemp in %s: %s", tt_dir(), strerror(errno));
-		close(fd);
-		f->ptrs[i] = f->paths[i];
-		f->bytes[i] = bytes;
-	}
-}
-
-static void tt_unlink(tt_files *f)
-{
-	for (uint32_t i = 0; i < f->n; i++)
-		if (f->paths[i][0])
-			unlink(f->paths[i]);
-}
-
-/* Open descriptors of this process. */
-static int tt_fd_count(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	int n = 0;
-	if (!d)
-		return -1;
-	for (struct dirent *e; (e = readdir(d));)
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n - 1; /* the listing's own descriptor */
-}
-
-/* Exit 77 (meson's skip) where the build has no liburing or the kernel refuses io_uring. */
-static void tt_skip_unless_available(void)
-{
-	char why[256];
-	if (!kvt_nvme_available(why, sizeof why)) {
-		printf("SKIP: NVMe tier unavailable: %s\n", why);
-		exit(77);
-	}
-}
+#include "tier_util.h"
 
 enum { D = 64, MAXS = 6, MAXL = 3, MAXKV = 4, MAXQ = 8 };
 #define ROW_BYTES ((uint64_t)2 * D * 2)                 /* K then V of one token, 2-byte elements */

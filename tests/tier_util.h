@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: MIT */
+/* Shared by the cache-level NVMe tests (test_tier.c, test_tier_fault.c). */
+#ifndef KVT_TEST_TIER_UTIL_H
+#define KVT_TEST_TIER_UTIL_H
+
+#include "nvme_util.h"
+
+/* Scratch files, descriptor counts and the skip come from the NVMe store tests' helpers. */
+typedef nv_files tt_files;
+
+static void tt_make_files(tt_files *f, uint32_t n, uint64_t bytes)
+{
+	nv_make_files(f, nv_dir(), n, bytes);
+}
+
+#define TT_MAX_FILES NV_MAX_FILES
+#define tt_dir nv_dir
+#define tt_unlink nv_unlink
+#define tt_fd_count nv_fd_count
+#define tt_skip_unless_available nv_skip_unless_available
+
+#endif
