@@ -692,6 +692,38 @@ static void test_auto_spill_lru(void **state)
 	free(w);
 }
 
+/*
+ * A decode batch of every sequence on a full host tier: no sequence is idle, so KVT_SPILL_LRU must
+ * take the batch's own indexed blocks (which an append never writes) instead of failing.
+ */
+static void test_lru_whole_batch(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	struct world *w = (struct world *)t_alloc(sizeof *w);
+	kvt_config cfg = cap_config(KVT_SPILL_LRU);
+	/* 3 sequences x 2 layers x 2 heads x 2 blocks: the tier is full after the prefills */
+	cfg.host_bytes = 24 * BLOCK_BYTES;
+	w_open(w, "LRU with every sequence in the batch", cfg, 1, (uint64_t)32 << 20, 3, 600,
+	       0x71e40012u, 0);
+	for (uint32_t s = 0; s < 3; s++)
+		w_prefill_ok(w, s, 2 * KVT_BLOCK_TOKENS);
+	kvt_stats a = t_stats(w->c);
+	T_CHECK(a.host_bytes_used == cfg.host_bytes && a.auto_spills == 0,
+		"%s: after the prefills host_bytes_used %llu (wanted %llu), auto_spills %llu (wanted 0)",
+		w->name, (unsigned long long)a.host_bytes_used, (unsigned long long)cfg.host_bytes,
+		(unsigned long long)a.auto_spills);
+	w_append_all(w, 1); /* every sequence needs a new block per layer and head */
+	kvt_stats b = t_stats(w->c);
+	T_CHECK(b.auto_spills >= 2 && b.host_bytes_used <= cfg.host_bytes,
+		"%s: auto_spills got %llu (wanted >= 2), host_bytes_used %llu of %llu", w->name,
+		(unsigned long long)b.auto_spills, (unsigned long long)b.host_bytes_used,
+		(unsigned long long)cfg.host_bytes);
+	w_check_all(w, "after the batch append that spilled its own sequences");
+	w_close(w);
+	free(w);
+}
+
 static void test_no_spill_enospc(void **state)
 {
 	(void)state;
@@ -1181,6 +1213,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_auto_spill_lru),
+		cmocka_unit_test(test_lru_whole_batch),
 		cmocka_unit_test(test_no_spill_enospc),
 		cmocka_unit_test(test_nvme_full),
 		cmocka_unit_test(test_no_tier),
