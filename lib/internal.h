@@ -264,8 +264,9 @@ const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void);
 
 int kvt_tier_init(kvt_cache *c);
 void kvt_tier_fini(kvt_cache *c);
-/* Spill LRU sequences not in the current call until `bytes` of host tier are free (KVT_SPILL_LRU). */
-int kvt_tier_make_room(kvt_cache *c, uint64_t bytes);
+/* Spill least recently used sequences (idle ones first, never `keep`) until `bytes` of host tier
+ * are free (KVT_SPILL_LRU). */
+int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep);
 int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 /* Free the NVMe copies of a layer's spilled blocks. */

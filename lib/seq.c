@@ -152,7 +152,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	}
 	uint64_t bytes = need * c->host.block_bytes;
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
-		KVT_TRY(kvt_tier_make_room(c, bytes));
+		KVT_TRY(kvt_tier_make_room(c, bytes, NULL));
 	uint64_t free = kvt_extents_free_bytes(&c->host);
 	KVT_RETURN_IF(bytes > free, c, -ENOSPC,
 		      "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "

@@ -252,13 +252,13 @@ static bool has_spillable(const kvt_cache *c, const struct kvt_seq *s)
  * current call (their spillable blocks are never written by it: rows are stored past the index and
  * flushes read only the window, and attention serves spilled rows from NVMe).
  */
-static uint32_t pick_victim(const kvt_cache *c)
+static uint32_t pick_victim(const kvt_cache *c, const struct kvt_seq *keep)
 {
 	for (int pass = 0; pass < 2; pass++) {
 		uint32_t victim = UINT32_MAX;
 		for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 			const struct kvt_seq *s = &c->seqs[i];
-			if (!s->open || (pass == 0 && s->last_use >= c->call_start))
+			if (!s->open || s == keep || (pass == 0 && s->last_use >= c->call_start))
 				continue;
 			if ((victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use) &&
 			    has_spillable(c, s))
@@ -270,10 +270,10 @@ static uint32_t pick_victim(const kvt_cache *c)
 	return UINT32_MAX;
 }
 
-int kvt_tier_make_room(kvt_cache *c, uint64_t bytes)
+int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep)
 {
 	while (kvt_extents_free_bytes(&c->host) < bytes) {
-		uint32_t victim = pick_victim(c);
+		uint32_t victim = pick_victim(c, keep);
 		KVT_RETURN_IF(victim == UINT32_MAX, c, -ENOSPC,
 			      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
 			      "no sequence has indexed blocks left to spill",
@@ -305,7 +305,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		return 0;
 	uint64_t bytes = (uint64_t)n * c->host.block_bytes;
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
-		KVT_TRY(kvt_tier_make_room(c, bytes));
+		KVT_TRY(kvt_tier_make_room(c, bytes, s)); /* never the sequence being restored */
 	KVT_RETURN_IF(bytes > kvt_extents_free_bytes(&c->host), c, -ENOSPC,
 		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = %llu",
 		      slot, (unsigned long long)bytes,

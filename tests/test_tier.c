@@ -724,6 +724,40 @@ static void test_lru_whole_batch(void **state)
 	free(w);
 }
 
+/*
+ * Restoring a sequence never spills that same sequence to make room: with only its own indexed
+ * blocks left to spill, the restore fails with -ENOSPC and nothing changes.
+ */
+static void test_restore_keeps_itself(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	struct world *w = (struct world *)t_alloc(sizeof *w);
+	kvt_config cfg = cap_config(KVT_SPILL_LRU);
+	cfg.host_bytes = 8 * BLOCK_BYTES; /* 2 layers x 2 heads x 2 blocks */
+	w_open(w, "restore with only its own blocks to spill", cfg, 1, (uint64_t)32 << 20, 1,
+	       3 * KVT_BLOCK_TOKENS, 0x71e40013u, 0);
+	w_prefill_ok(w, 0, 2 * KVT_BLOCK_TOKENS);
+	w_spill_ok(w, 0, "spill of the first block of every layer and head");
+	/* the host tier fills again, and the second blocks become fully indexed (spillable) */
+	w_append_all(w, KVT_BLOCK_TOKENS);
+	kvt_stats a = t_stats(w->c);
+	int64_t got = kvt_seq_restore(w->c, w->seqs[0]);
+	kvt_stats b = t_stats(w->c);
+	T_CHECK(got == -ENOSPC, "%s: restore got %lld (%s), wanted -ENOSPC", w->name, (long long)got,
+		got < 0 ? kvt_last_error(w->c) : "bytes");
+	T_CHECK(a.host_bytes_used == b.host_bytes_used && a.nvme_bytes_used == b.nvme_bytes_used &&
+			a.spills == b.spills,
+		"%s: the failed restore changed host %llu -> %llu, NVMe %llu -> %llu, spills %llu -> "
+		"%llu", w->name, (unsigned long long)a.host_bytes_used,
+		(unsigned long long)b.host_bytes_used, (unsigned long long)a.nvme_bytes_used,
+		(unsigned long long)b.nvme_bytes_used, (unsigned long long)a.spills,
+		(unsigned long long)b.spills);
+	w_check_all(w, "after the refused restore");
+	w_close(w);
+	free(w);
+}
+
 static void test_no_spill_enospc(void **state)
 {
 	(void)state;
@@ -1214,6 +1248,7 @@ int main(void)
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_auto_spill_lru),
 		cmocka_unit_test(test_lru_whole_batch),
+		cmocka_unit_test(test_restore_keeps_itself),
 		cmocka_unit_test(test_no_spill_enospc),
 		cmocka_unit_test(test_nvme_full),
 		cmocka_unit_test(test_no_tier),
