@@ -15,6 +15,7 @@
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -37,6 +38,8 @@
 /* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
 struct call {
 	int write, rc;
+	int hdr_only;        /* read only the headers of rows[map[i]], verify and cache them */
+	const uint32_t *map; /* hdr_only: the request of rows[] behind entry i */
 	uint32_t n, next, done;
 	const struct kvt_nvme_block *blocks;
 	struct kvt_nvme_loc *locs;
@@ -78,6 +81,8 @@ static uint64_t round_down(uint64_t x, uint32_t a)
 
 static void call_rows(const struct call *c, uint32_t i, struct kvt_nvme_rows *q)
 {
+	if (c->map)
+		i = c->map[i];
 	if (c->rows) {
 		*q = c->rows[i];
 		return;
@@ -110,7 +115,7 @@ static void name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
  * them is at most BRIDGE_BYTES.
  */
 static uint64_t read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_rows *q,
-			      struct req *r)
+			      struct req *r, int cached)
 {
 	uint32_t p = kvt_nvme_payload_bytes(&q->expect), hb = kvt_nvme_header_bytes(p);
 	uint64_t row = (uint64_t)q->expect.head_dim * 4u;
@@ -121,14 +126,19 @@ static uint64_t read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_r
 	r->hr = (uint32_t)round_up(hb, st->align);
 	r->ds = round_down(hb + (uint64_t)r->c0 * KVT_NVME_CHUNK, st->align);
 	r->de = round_up(hb + chunk_end, st->align);
-	r->merged = r->ds <= r->hr + BRIDGE_BYTES;
+	/* A cached header is copied to [0, hr) of the stage, not read: only the chunks are. */
+	r->cached = cached;
+	r->merged = !cached && r->ds <= r->hr + BRIDGE_BYTES;
 	return r->merged ? r->de : r->hr + (r->de - r->ds);
 }
 
 /* Where byte `off` of the block sits in the staged copy. */
 static uint64_t stage_pos(const struct req *r, uint64_t off)
 {
-	return r->merged || off < r->hr ? off : r->hr + (off - r->ds);
+	/* Under a cached header the chunks may start inside the header's sectors (ds < hr). */
+	if (r->merged)
+		return off;
+	return !r->cached && off < r->hr ? off : r->hr + (off - r->ds);
 }
 
 /* ---- pools ------------------------------------------------------------------------------- */
@@ -202,12 +212,28 @@ static void admit(struct kvt_nvme *st, struct call *c)
 		struct req tmp;
 		struct kvt_nvme_rows q;
 		uint64_t stage;
+		const unsigned char *hdr = NULL;
 		memset(&tmp, 0, sizeof tmp);
 		if (c->write) {
 			stage = c->locs[i].bytes;
+		} else if (c->hdr_only) {
+			call_rows(c, i, &q);
+			uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect));
+			stage = tmp.hr = (uint32_t)round_up(hb, st->align);
 		} else {
 			call_rows(c, i, &q);
-			stage = read_geometry(st, &q, &tmp);
+			/*
+			 * Row reads (direct serving) use a cached verified header; block reads
+			 * (restore) always read and check the one on disk, and refresh the cache.
+			 */
+			uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect));
+			if (c->rows)
+				hdr = kvt_hc_find(st, &q.loc, &q.expect, hb);
+			stage = read_geometry(st, &q, &tmp, hdr != NULL);
+			if (hdr && stage > (uint64_t)st->n_slots * st->bounce) {
+				hdr = NULL; /* check_read sized the pool for the plain geometry */
+				stage = read_geometry(st, &q, &tmp, 0);
+			}
 		}
 		uint32_t k = (uint32_t)((stage + st->bounce - 1) / st->bounce);
 		if (st->n_op_free < k + 1 || slots_take(st, k, &slot0))
@@ -222,6 +248,13 @@ static void admit(struct kvt_nvme *st, struct call *c)
 			kvt_nvme_encode(&c->blocks[i].id, c->blocks[i].payload,
 					st->arena + (size_t)slot0 * st->bounce, c->locs[i].bytes);
 			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
+		} else if (c->hdr_only) {
+			add_range(st, r, ri, &q.loc, 0, r->hr, 0);
+		} else if (hdr) {
+			memcpy(st->arena + (size_t)slot0 * st->bounce, hdr,
+			       kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect)));
+			add_range(st, r, ri, &q.loc, r->ds, r->de - r->ds, r->hr);
+			st->stats.header_cache_hits++;
 		} else if (r->merged) {
 			add_range(st, r, ri, &q.loc, 0, r->de, 0);
 		} else {
@@ -376,17 +409,25 @@ static void deliver(struct kvt_nvme *st, struct call *c, const struct req *r)
 	uint64_t row = (uint64_t)q.expect.head_dim * 4u;
 	struct kvt_nvme_view v = {.hdr = stage, .c0 = r->c0, .c1 = r->c1};
 	v.data = stage + stage_pos(r, hb + (uint64_t)r->c0 * KVT_NVME_CHUNK);
-	if (r->de == q.loc.bytes) {
+	if (c->hdr_only) {
+		v.data = stage; /* no chunks (c0 == c1 == 0), no padding: the header alone */
+	} else if (r->de == q.loc.bytes) {
 		v.pad = stage + stage_pos(r, (uint64_t)hb + p);
 		v.pad_bytes = q.loc.bytes - hb - p;
 	}
 	char why[192], name[256];
 	if (kvt_nvme_verify(&v, &q.expect, why, sizeof why)) {
 		st->stats.checksum_failures++;
+		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
 		name_block(st, &q.loc, &q.expect, name, sizeof name);
-		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s", r->idx, name, why);
+		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s",
+			  c->map ? c->map[r->idx] : r->idx, name, why);
 		return;
 	}
+	if (!r->cached)
+		kvt_hc_put(st, &q.loc, &q.expect, stage, hb);
+	if (c->hdr_only)
+		return;
 	memcpy(q.out, v.data + (q.row_begin * row - (uint64_t)r->c0 * KVT_NVME_CHUNK),
 	       (q.row_end - q.row_begin) * row);
 	st->stats.blocks_read++;
@@ -557,6 +598,9 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
 		memset(locs, 0, (size_t)n * sizeof *locs);
 		return rc;
 	}
+	/* The space may have held a block whose header is cached: never trust it again. */
+	for (uint32_t i = 0; i < n; i++)
+		kvt_hc_drop(st, locs[i].file, locs[i].offset);
 	struct call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
 	rc = n ? run_call(st, &c) : 0;
 	if (rc) {
@@ -586,7 +630,7 @@ static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_row
 		bad = "the loc is not an aligned range inside one of the files";
 	else if (q->row_begin >= q->row_end || q->row_end > q->expect.n_tokens || !q->out)
 		bad = "the rows are empty or past the block, or out is NULL";
-	else if (read_geometry(st, q, &r) > (uint64_t)st->n_slots * st->bounce)
+	else if (read_geometry(st, q, &r, 0) > (uint64_t)st->n_slots * st->bounce)
 		bad = "it needs more staging than the bounce pool holds";
 	if (!bad)
 		return 0;
@@ -599,6 +643,55 @@ static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_row
 			       st->bounce);
 }
 
+struct at_loc {
+	uint64_t offset;
+	uint32_t file, i;
+};
+
+static int cmp_at_loc(const void *pa, const void *pb)
+{
+	const struct at_loc *a = pa, *b = pb;
+	if (a->file != b->file)
+		return a->file < b->file ? -1 : 1;
+	if (a->offset != b->offset)
+		return a->offset < b->offset ? -1 : 1;
+	return a->i < b->i ? -1 : a->i > b->i;
+}
+
+/*
+ * Direct serving asks for several chunks of one block in one call, and a header read with the
+ * first of them would land in the cache only after the others were planned: each would read the
+ * header again. So the headers of blocks asked for twice or more and not cached are read first,
+ * one I/O each, verified and cached; then every chunk is one I/O. Only an optimization: without
+ * memory for the list it is skipped. A header refused here fails the call as the row read would.
+ */
+static int prefetch_headers(struct kvt_nvme *st, const struct call *c)
+{
+	struct at_loc *a = malloc((size_t)c->n * sizeof *a);
+	uint32_t *pick = malloc((size_t)c->n * sizeof *pick);
+	uint32_t m = 0, k = 0;
+	for (uint32_t i = 0; a && pick && i < c->n; i++) {
+		const struct kvt_nvme_rows *q = &c->rows[i];
+		uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q->expect));
+		if (hb <= KVT_HC_HDR_MAX && !kvt_hc_find(st, &q->loc, &q->expect, hb))
+			a[m++] = (struct at_loc){q->loc.offset, q->loc.file, i};
+	}
+	if (m > 1)
+		qsort(a, m, sizeof *a, cmp_at_loc);
+	for (uint32_t j = 0; j + 1 < m; j++)
+		if (a[j].file == a[j + 1].file && a[j].offset == a[j + 1].offset &&
+		    (j == 0 || a[j - 1].file != a[j].file || a[j - 1].offset != a[j].offset))
+			pick[k++] = a[j].i; /* the first request of a run of two or more */
+	int rc = 0;
+	if (k) {
+		struct call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick};
+		rc = run_call(st, &h);
+	}
+	free(a);
+	free(pick);
+	return rc;
+}
+
 static int run_read(struct kvt_nvme *st, struct call *c)
 {
 	int rc = usable(st);
@@ -608,6 +701,11 @@ static int run_read(struct kvt_nvme *st, struct call *c)
 		struct kvt_nvme_rows q;
 		call_rows(c, i, &q);
 		rc = check_read(st, i, &q);
+		if (rc)
+			return rc;
+	}
+	if (c->rows && c->n > 1) {
+		rc = prefetch_headers(st, c);
 		if (rc)
 			return rc;
 	}
@@ -640,6 +738,7 @@ void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *l
 		const struct kvt_nvme_loc *l = &locs[i];
 		if (!l->bytes)
 			continue;
+		kvt_hc_drop(st, l->file, l->offset); /* the space goes back: its header with it */
 		if (l->file >= st->n_files || (l->offset & (st->align - 1)) ||
 		    kvt_space_free(&st->files[l->file].space, l->offset, l->bytes))
 			st->stats.bad_frees++;

@@ -38,6 +38,34 @@ struct req {
 	uint32_t hr, c0, c1; /* header range [0, hr) staged at 0; payload chunks [c0, c1) */
 	uint64_t ds, de;     /* block range [ds, de) holding those chunks, staged at hr */
 	int merged;          /* the two ranges touch: one range [0, de) staged at 0 */
+	int cached;          /* the header came from the header cache: only [ds, de) is read */
+};
+
+/*
+ * The header cache: verified block headers, so direct serving of a block read before needs only
+ * the sectors of its chunks (one I/O, no header sector). An entry is keyed by where the block is
+ * (file, offset, bytes) and the full identity it was verified against; a chunk read under a cached
+ * header is still checked against that header's CRC table, so a changed or stale payload is still
+ * refused. Entries go on kvt_nvme_free and on a write at the offset (the space is reused), and
+ * when any read of the block fails verification (the block is suspect). Clock eviction.
+ */
+#define KVT_HC_ENTRIES 4096u
+#define KVT_HC_BUCKETS 8192u /* power of two, twice the entries: short chains */
+/*
+ * Headers up to this size (payloads up to 1024 chunks, 4 MiB) are cached, each in its own buffer:
+ * at most 4096 x 4160 bytes, 0.1% of the 16 GiB of such blocks the entries cover.
+ */
+#define KVT_HC_HDR_MAX (KVT_NVME_HDR_FIXED + 4096u)
+#define KVT_HC_NONE UINT32_MAX
+
+struct hc_ent {
+	uint64_t offset;
+	struct kvt_nvme_block_id id;
+	uint32_t file, bytes, hb; /* hb == 0: the entry is free */
+	uint32_t next;            /* next entry of the same bucket, or KVT_HC_NONE */
+	uint32_t cap;             /* bytes at hdr (kept when the entry is reused) */
+	unsigned char *hdr;
+	uint8_t ref;              /* clock bit: used since the hand last passed */
 };
 
 struct cqe_copy {
@@ -69,6 +97,8 @@ struct kvt_nvme {
 	int (*hook)(void *ctx, uint64_t nth, int res);
 	void *hook_ctx;
 	uint64_t hook_nth, shuffle;
+	struct hc_ent *hc;
+	uint32_t *hc_bucket, hc_hand;
 	struct kvt_nvme_stats stats;
 	char status[1024];
 	char err[512];
@@ -77,5 +107,14 @@ struct kvt_nvme {
 /* Record the detail of a failure in st->err and return code. */
 int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+
+/* The verified header of the block at l with identity id (hb bytes), or NULL. */
+const unsigned char *kvt_hc_find(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+				 const struct kvt_nvme_block_id *id, uint32_t hb);
+/* Remember a header just verified for the block at l with identity id. */
+void kvt_hc_put(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+		const struct kvt_nvme_block_id *id, const unsigned char *hdr, uint32_t hb);
+/* Forget whatever is cached for a block starting at (file, offset). */
+void kvt_hc_drop(struct kvt_nvme *st, uint32_t file, uint64_t offset);
 
 #endif

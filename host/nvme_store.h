@@ -17,7 +17,10 @@
  * kernel still owns it.
  *
  * Integrity: a block is checked in full (header CRC, identity, generation, the CRC of each 4 KiB
- * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller.
+ * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller. Row reads
+ * of a block whose header was verified before take the header from a cache of 4096 headers (keyed
+ * by the loc and the full identity, dropped on free, rewrite and any failed check) and read only the
+ * chunks' sectors; the chunks are still checked against that header's CRC table.
  *
  * Built without liburing, every function returns -EOPNOTSUPP ("built without liburing").
  * Thread safety: calls on one store are serialized by the caller; different stores are independent.
@@ -96,6 +99,7 @@ struct kvt_nvme_stats {
 	uint64_t lat_sum_ns, lat_max_ns;    /* per I/O, submission to reaped completion */
 	uint64_t bad_frees;                 /* kvt_nvme_free of a range that was not in use */
 	uint64_t bytes_used, bytes_free;    /* space now in use / free, over all files */
+	uint64_t header_cache_hits; /* row reads that used a cached verified header (no header I/O) */
 };
 
 /*

@@ -4,7 +4,8 @@
  * CRC-32C against the standard check value in both implementations, the block format's checks,
  * byte-identical round trips of many random blocks across several files (whole blocks and row
  * ranges, blocks spanning several bounce slots), all-or-nothing -ENOSPC, free and reuse, refusal
- * of a block under the wrong identity, and the page-cache (buffered) path.
+ * of a block under the wrong identity, the header cache (hits, corrupt or stale chunks under a
+ * cached header, invalidation on free and rewrite), and the page-cache (buffered) path.
  * Scratch files go to $KVT_TEST_DIR or the current directory; exits 77 without io_uring.
  */
 #include <sys/vfs.h>
@@ -406,6 +407,172 @@ static void test_buffered(void **state)
 		printf("no tmpfs at /dev/shm: only the forced buffered mode was exercised\n");
 }
 
+/* Read rows [row, row + 1) of a block into out; the store's error code. */
+static int hc_row(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+		  const struct kvt_nvme_block_id *id, uint32_t row, void *out)
+{
+	struct kvt_nvme_rows q = {*l, *id, row, row + 1, out};
+	return kvt_nvme_read_rows(st, 1, &q);
+}
+
+static uint64_t hc_hits(const struct kvt_nvme *st)
+{
+	struct kvt_nvme_stats s;
+	kvt_nvme_get_stats(st, &s);
+	return s.header_cache_hits;
+}
+
+static void flip_at(int fd, uint64_t at)
+{
+	unsigned char c;
+	T_CHECK(pread(fd, &c, 1, (off_t)at) == 1, "pread: %s", strerror(errno));
+	c ^= 0x10;
+	T_CHECK(pwrite(fd, &c, 1, (off_t)at) == 1, "pwrite: %s", strerror(errno));
+}
+
+/*
+ * The header cache: a repeated row read uses the cached header (counted, no header I/O) yet still
+ * refuses a corrupted chunk and a chunk of an older image; free and rewrite drop the entry, so a
+ * block written where another was is checked against its own header, never the old one's.
+ */
+static void test_header_cache(void **state)
+{
+	(void)state;
+	nv_files f;
+	nv_make_files(&f, nv_dir(), 1, 32 << 20);
+	int fd = open(f.paths[0], O_RDWR | O_CLOEXEC);
+	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
+	struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 1, 8, 0, 0};
+	struct kvt_nvme *st = NULL;
+	char err[256];
+	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	nv_unlink(&f);
+	T_CHECK(rc == 0, "open: %d (%s)", rc, err);
+	t_rng r;
+	t_rng_seed(&r, 77);
+	struct kvt_nvme_block b = {nv_id(&r, 200, 128), NULL}; /* 25 chunks of 8 rows */
+	uint32_t pb = kvt_nvme_payload_bytes(&b.id), hb = kvt_nvme_header_bytes(pb);
+	unsigned char *p = nv_random_payload(&r, pb), *old = nv_random_payload(&r, pb);
+	unsigned char out[512];
+	b.payload = p;
+	struct kvt_nvme_loc l;
+	T_CHECK(kvt_nvme_write_blocks(st, 1, &b, &l) == 0, "write: %s", kvt_nvme_error(st));
+	/* First read fills the cache, the second hits it; both deliver the right row. */
+	uint64_t h0 = hc_hits(st);
+	for (int t = 0; t < 2; t++) {
+		rc = hc_row(st, &l, &b.id, 100, out);
+		T_CHECK(rc == 0 && memcmp(out, p + 100 * 512, 512) == 0, "read %d: %d (%s)", t, rc,
+			kvt_nvme_error(st));
+	}
+	T_CHECK(hc_hits(st) == h0 + 1, "header cache hits %llu -> %llu, wanted one more",
+		(unsigned long long)h0, (unsigned long long)hc_hits(st));
+	/* A flipped bit in a chunk under a cached header: refused, output untouched. */
+	uint64_t at = l.offset + hb + 100 * 512 + 7;
+	flip_at(fd, at);
+	memset(out, 0xa5, sizeof out);
+	uint64_t h1 = hc_hits(st);
+	rc = hc_row(st, &l, &b.id, 100, out);
+	T_CHECK(rc == -EBADMSG && strstr(kvt_nvme_error(st), "chunk 12") && hc_hits(st) == h1 + 1,
+		"corrupt chunk under a cached header: %d (%s), hits %llu -> %llu", rc,
+		kvt_nvme_error(st), (unsigned long long)h1, (unsigned long long)hc_hits(st));
+	for (uint32_t i = 0; i < sizeof out; i++)
+		T_CHECK(out[i] == 0xa5, "byte %u of a refused read was written", i);
+	printf("cached header, corrupt chunk: %s\n", kvt_nvme_error(st));
+	flip_at(fd, at);
+	rc = hc_row(st, &l, &b.id, 100, out);
+	T_CHECK(rc == 0 && memcmp(out, p + 100 * 512, 512) == 0, "repaired: %d (%s)", rc,
+		kvt_nvme_error(st));
+	/* A chunk of another image (a stale write) under the cached header: refused. */
+	T_CHECK(hc_row(st, &l, &b.id, 16, out) == 0, "warm: %s", kvt_nvme_error(st));
+	T_CHECK(pwrite(fd, old + 16 * 512, 4096, (off_t)(l.offset + hb + 16 * 512)) == 4096,
+		"pwrite: %s", strerror(errno));
+	h1 = hc_hits(st);
+	rc = hc_row(st, &l, &b.id, 16, out);
+	T_CHECK(rc == -EBADMSG && hc_hits(st) == h1 + 1, "stale chunk: %d (%s)", rc,
+		kvt_nvme_error(st));
+	T_CHECK(pwrite(fd, p + 16 * 512, 4096, (off_t)(l.offset + hb + 16 * 512)) == 4096,
+		"pwrite: %s", strerror(errno));
+	T_CHECK(hc_row(st, &l, &b.id, 16, out) == 0, "restored: %s", kvt_nvme_error(st));
+	/* Free and rewrite in the same place: the old entry is gone, the new header is read. */
+	kvt_nvme_free(st, 1, &l);
+	struct kvt_nvme_block b2 = {b.id, old};
+	b2.id.generation++;
+	struct kvt_nvme_loc l2;
+	T_CHECK(kvt_nvme_write_blocks(st, 1, &b2, &l2) == 0, "rewrite: %s", kvt_nvme_error(st));
+	T_CHECK(l2.file == l.file && l2.offset == l.offset, "the rewrite reuses the freed range");
+	h1 = hc_hits(st);
+	rc = hc_row(st, &l, &b.id, 100, out); /* the freed block's identity */
+	T_CHECK(rc == -EBADMSG && strstr(kvt_nvme_error(st), "generation") && hc_hits(st) == h1,
+		"old identity after free + rewrite: %d (%s), hits %llu -> %llu", rc,
+		kvt_nvme_error(st), (unsigned long long)h1, (unsigned long long)hc_hits(st));
+	rc = hc_row(st, &l2, &b2.id, 100, out);
+	T_CHECK(rc == 0 && memcmp(out, old + 100 * 512, 512) == 0 && hc_hits(st) == h1,
+		"new block, first read: %d (%s)", rc, kvt_nvme_error(st));
+	/* Cached again, then freed and rewritten once more: the new header is read, not the old. */
+	T_CHECK(hc_row(st, &l2, &b2.id, 100, out) == 0 && hc_hits(st) == h1 + 1, "cached again");
+	kvt_nvme_free(st, 1, &l2);
+	b2.id.generation++;
+	b2.payload = p;
+	T_CHECK(kvt_nvme_write_blocks(st, 1, &b2, &l2) == 0, "rewrite: %s", kvt_nvme_error(st));
+	rc = hc_row(st, &l2, &b2.id, 100, out);
+	T_CHECK(rc == 0 && memcmp(out, p + 100 * 512, 512) == 0 && hc_hits(st) == h1 + 1,
+		"second rewrite, first read: %d (%s)", rc, kvt_nvme_error(st));
+	/* Several chunks of one uncached block in one call: its header is read once, first. */
+	kvt_nvme_free(st, 1, &l2);
+	T_CHECK(kvt_nvme_write_blocks(st, 1, &b2, &l2) == 0, "rewrite: %s", kvt_nvme_error(st));
+	struct kvt_nvme_stats s0, s1;
+	kvt_nvme_get_stats(st, &s0);
+	unsigned char *outs = t_alloc(6 * 4096);
+	struct kvt_nvme_rows q[6];
+	for (uint32_t i = 0; i < 6; i++)
+		q[i] = (struct kvt_nvme_rows){l2, b2.id, 8 + 32 * i, 16 + 32 * i, outs + 4096 * i};
+	rc = kvt_nvme_read_rows(st, 6, q);
+	kvt_nvme_get_stats(st, &s1);
+	for (uint32_t i = 0; i < 6 && rc == 0; i++)
+		T_CHECK(memcmp(outs + 4096 * i, p + (8 + 32 * i) * 512, 4096) == 0, "rows %u", i);
+	T_CHECK(rc == 0 && s1.read_ios - s0.read_ios == 7 &&
+			s1.header_cache_hits - s0.header_cache_hits == 6,
+		"6 chunks of one block: %d (%s), %llu I/Os, %llu hits; wanted 7 and 6", rc,
+		kvt_nvme_error(st), (unsigned long long)(s1.read_ios - s0.read_ios),
+		(unsigned long long)(s1.header_cache_hits - s0.header_cache_hits));
+	/* More blocks than entries: eviction keeps serving right; the newest stay cached. */
+	enum { NB = 5000 };
+	struct kvt_nvme_block *bs = t_alloc(NB * sizeof *bs);
+	struct kvt_nvme_loc *ls = t_alloc(NB * sizeof *ls);
+	struct kvt_nvme_rows *qs = t_alloc(NB * sizeof *qs);
+	unsigned char *got = t_alloc(NB * 512);
+	for (uint32_t i = 0; i < NB; i++) {
+		bs[i] = (struct kvt_nvme_block){nv_id(&r, 1, 128), p + 512 * (i % 200)};
+		bs[i].id.seq = i;
+	}
+	kvt_nvme_free(st, 1, &l2);
+	T_CHECK(kvt_nvme_write_blocks(st, NB, bs, ls) == 0, "write %d: %s", NB, kvt_nvme_error(st));
+	for (int pass = 0; pass < 2; pass++) {
+		for (uint32_t i = 0; i < NB; i++)
+			qs[i] = (struct kvt_nvme_rows){ls[i], bs[i].id, 0, 1, got + 512 * i};
+		rc = kvt_nvme_read_rows(st, NB, qs);
+		for (uint32_t i = 0; i < NB && rc == 0; i++)
+			T_CHECK(memcmp(got + 512 * i, bs[i].payload, 512) == 0, "pass %d block %u",
+				pass, i);
+		T_CHECK(rc == 0, "pass %d: %d (%s)", pass, rc, kvt_nvme_error(st));
+	}
+	kvt_nvme_get_stats(st, &s0);
+	rc = kvt_nvme_read_rows(st, 500, qs + NB - 500);
+	kvt_nvme_get_stats(st, &s1);
+	T_CHECK(rc == 0 && s1.header_cache_hits - s0.header_cache_hits == 500,
+		"the 500 newest blocks: %d, %llu hits", rc,
+		(unsigned long long)(s1.header_cache_hits - s0.header_cache_hits));
+	close(fd);
+	kvt_nvme_close(st);
+	free(bs);
+	free(ls);
+	free(qs);
+	free(got);
+	free(outs);
+	free(p);
+	free(old);
+}
+
 /* Bad configurations are refused with -EINVAL and the value named. */
 static void test_bad_config(void **state)
 {
@@ -446,6 +613,7 @@ int main(void)
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_enospc_free_reuse),
 		cmocka_unit_test(test_identity_refused),
+		cmocka_unit_test(test_header_cache),
 		cmocka_unit_test(test_buffered),
 	};
 	return cmocka_run_group_tests_name("nvme store", store, NULL, NULL);
