@@ -83,12 +83,17 @@ uint32_t kvt_nvme_header_bytes(uint32_t payload_bytes)
 	return KVT_NVME_HDR_FIXED + 4u * chunks;
 }
 
+uint32_t kvt_nvme_data_offset(uint32_t payload_bytes, uint32_t align)
+{
+	return (kvt_nvme_header_bytes(payload_bytes) + align - 1) & ~(align - 1);
+}
+
 uint64_t kvt_nvme_disk_bytes(const struct kvt_nvme_block_id *id, uint32_t align)
 {
 	uint32_t p = kvt_nvme_payload_bytes(id);
 	if (!p || !align || (align & (align - 1)))
 		return 0;
-	uint64_t raw = (uint64_t)kvt_nvme_header_bytes(p) + p;
+	uint64_t raw = (uint64_t)kvt_nvme_data_offset(p, align) + p;
 	return (raw + align - 1) & ~(uint64_t)(align - 1);
 }
 
@@ -115,11 +120,12 @@ static void chunk_crcs(const unsigned char *at, uint32_t p, uint32_t c, uint32_t
 }
 
 void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, void *dst,
-		     size_t disk_bytes)
+		     size_t disk_bytes, uint32_t align)
 {
 	unsigned char *h = dst;
-	uint32_t p = kvt_nvme_payload_bytes(id), hb = kvt_nvme_header_bytes(p);
-	unsigned char *data = h + hb;
+	uint32_t p = kvt_nvme_payload_bytes(id), hb = kvt_nvme_header_bytes(p),
+		 d = kvt_nvme_data_offset(p, align);
+	unsigned char *data = h + d;
 
 	memcpy(h + OFF_MAGIC, KVT_NVME_MAGIC, 4);
 	put16(h + OFF_VERSION, (uint16_t)KVT_NVME_VERSION);
@@ -143,7 +149,8 @@ void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, vo
 			put32(h + OFF_TABLE + 4u * (c + j), crc[j]);
 		c += k;
 	}
-	memset(data + p, 0, disk_bytes - hb - p);
+	memset(h + hb, 0, d - hb);
+	memset(data + p, 0, disk_bytes - d - p);
 	put32(h + OFF_CRC, header_crc(h, hb));
 }
 
@@ -169,6 +176,19 @@ static int check_id(const unsigned char *h, const struct kvt_nvme_block_id *e, c
 		if (f[i].got != f[i].want)
 			return BAD("%s mismatch: got %" PRIu64 ", wanted %" PRIu64, f[i].name,
 				   f[i].got, f[i].want);
+	return 0;
+}
+
+/* Padding must be zero: a flipped bit there is refused like one anywhere else in the block. */
+static int check_zero(const unsigned char *pad, uint32_t bytes, const char *where, char *why,
+		      size_t n)
+{
+	/* All zero: the first byte is, and each byte equals the next (one vectorized memcmp). */
+	if (pad && bytes && (pad[0] || memcmp(pad, pad + 1, bytes - 1) != 0))
+		for (uint32_t i = 0; i < bytes; i++)
+			if (pad[i])
+				return BAD("padding byte %u %s is 0x%02x, wanted 0", i, where,
+					   pad[i]);
 	return 0;
 }
 
@@ -208,12 +228,6 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 					   c, off, off + len, cg, crc[j]);
 		}
 	}
-	/* All zero: the first byte is, and each byte equals the next (one vectorized memcmp). */
-	if (v->pad && v->pad_bytes &&
-	    (v->pad[0] || memcmp(v->pad, v->pad + 1, v->pad_bytes - 1) != 0))
-		for (uint32_t i = 0; i < v->pad_bytes; i++)
-			if (v->pad[i])
-				return BAD("padding byte %u after the payload is 0x%02x, wanted 0",
-					   i, v->pad[i]);
-	return 0;
+	rc = check_zero(v->hpad, v->hpad_bytes, "after the header", why, n);
+	return rc ? rc : check_zero(v->pad, v->pad_bytes, "after the payload", why, n);
 }

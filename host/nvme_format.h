@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define KVT_NVME_MAGIC "KVTB"
-#define KVT_NVME_VERSION 1u
+#define KVT_NVME_VERSION 2u
 /* Bytes of the fixed part of the header; the chunk CRC table follows it. */
 #define KVT_NVME_HDR_FIXED 64u
 /* Payload bytes covered by one chunk CRC: the unit direct serving verifies on its own. */
@@ -43,20 +43,27 @@ struct kvt_nvme_block_id {
 uint32_t kvt_nvme_payload_bytes(const struct kvt_nvme_block_id *id);
 /* Header bytes for a payload: 64 + 4 per started 4 KiB chunk. */
 uint32_t kvt_nvme_header_bytes(uint32_t payload_bytes);
-/* On-disk bytes: header + payload rounded up to `align` (a power of two); 0 if bad. */
+/*
+ * Where the payload starts in a block: the header rounded up to `align` (a power of two), so the
+ * payload, and each 4 KiB chunk of it when align <= 4096, is read by O_DIRECT on its own sectors.
+ */
+uint32_t kvt_nvme_data_offset(uint32_t payload_bytes, uint32_t align);
+/* On-disk bytes: data offset + payload rounded up to `align` (a power of two); 0 if bad. */
 uint64_t kvt_nvme_disk_bytes(const struct kvt_nvme_block_id *id, uint32_t align);
 
 /*
  * Write the whole on-disk image of a block into dst (disk_bytes long, as kvt_nvme_disk_bytes gave):
- * header with chunk CRCs and header CRC, payload copied from `payload`, zero padding.
+ * header with chunk CRCs and header CRC, zero header padding up to kvt_nvme_data_offset(align),
+ * payload copied from `payload`, zero tail padding.
  */
 void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, void *dst,
-		     size_t disk_bytes);
+		     size_t disk_bytes, uint32_t align);
 
 /*
  * What was read of one block: the whole header (kvt_nvme_header_bytes long) at hdr; the payload
  * bytes of chunks [c0, c1) at data (data[0] is payload byte c0 * 4096; the last chunk of the
- * payload may be short); and, when pad is not NULL, the pad_bytes of padding after the payload.
+ * payload may be short); when pad is not NULL, the pad_bytes of padding after the payload; and,
+ * when hpad is not NULL, the hpad_bytes of padding between the header and the payload.
  */
 struct kvt_nvme_view {
 	const unsigned char *hdr;
@@ -64,12 +71,14 @@ struct kvt_nvme_view {
 	uint32_t c0, c1;
 	const unsigned char *pad;
 	uint32_t pad_bytes;
+	const unsigned char *hpad;
+	uint32_t hpad_bytes;
 };
 
 /*
  * Check a block read from disk against what the caller expects, in this order: magic, version,
  * sizes, header CRC, identity (seq, layer, head, tokens, head_dim, flags), generation, the CRC of
- * every chunk in the view, zero padding. Returns 0, or -EBADMSG with the failed check and the got
+ * every chunk in the view, zero padding (header padding, then tail padding). Returns 0, or -EBADMSG with the failed check and the got
  * and wanted values in why (n bytes).
  */
 int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_id *expect,

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The I/O engine of the NVMe store, and the calls built on it (write, read, free).
+ * The I/O engine of the NVMe store, and the write and free calls (the reads are in nvme_read.c).
  *
  * One call (a write or a read of n blocks) runs a small engine: a block is admitted when enough
  * adjacent bounce slots are free, broken into pieces that each stay inside one registered slot, and
@@ -35,22 +35,9 @@
  * costs 12.5 us and 16 KiB of extra transfer 8.6 us.
  */
 #define BRIDGE_BYTES ((uint64_t)16 << 10)
-/* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
-struct call {
-	int write, rc;
-	int hdr_only;        /* read only the headers of rows[map[i]], verify and cache them */
-	const uint32_t *map; /* hdr_only: the request of rows[] behind entry i */
-	uint32_t n, next, done;
-	const struct kvt_nvme_block *blocks;
-	struct kvt_nvme_loc *locs;
-	const struct kvt_nvme_rows *rows;
-	const struct kvt_nvme_loc *rlocs;
-	const struct kvt_nvme_block_id *expect;
-	void *const *outs;
-};
 
 /* The first error of a call wins; what goes wrong while draining is not recorded. */
-__attribute__((format(printf, 4, 5))) static void call_fail(struct kvt_nvme *st, struct call *c,
+__attribute__((format(printf, 4, 5))) static void call_fail(struct kvt_nvme *st, struct kvt_call *c,
 							    int code, const char *fmt, ...)
 {
 	if (c->rc)
@@ -79,7 +66,7 @@ static uint64_t round_down(uint64_t x, uint32_t a)
 	return x & ~(uint64_t)(a - 1);
 }
 
-static void call_rows(const struct call *c, uint32_t i, struct kvt_nvme_rows *q)
+void kvt_nv_call_rows(const struct kvt_call *c, uint32_t i, struct kvt_nvme_rows *q)
 {
 	if (c->map)
 		i = c->map[i];
@@ -95,7 +82,7 @@ static void call_rows(const struct call *c, uint32_t i, struct kvt_nvme_rows *q)
 }
 
 /* How messages name a block: "path @ offset (+bytes), seq S layer L head H tokens a..b gen G". */
-static void name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+void kvt_nv_name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 		       const struct kvt_nvme_block_id *id, char *buf, size_t n)
 {
 	const char *path = l->file < st->n_files ? st->files[l->file].path : "?";
@@ -114,18 +101,18 @@ static void name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
  * stage: the two ranges back to back, or one range from the block's start when the gap between
  * them is at most BRIDGE_BYTES.
  */
-static uint64_t read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_rows *q,
+uint64_t kvt_nv_read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_rows *q,
 			      struct req *r, int cached)
 {
-	uint32_t p = kvt_nvme_payload_bytes(&q->expect), hb = kvt_nvme_header_bytes(p);
+	uint32_t p = kvt_nvme_payload_bytes(&q->expect), d = kvt_nvme_data_offset(p, st->align);
 	uint64_t row = (uint64_t)q->expect.head_dim * 4u;
 	r->c0 = (uint32_t)(q->row_begin * row / KVT_NVME_CHUNK);
 	r->c1 = (uint32_t)((q->row_end * row + KVT_NVME_CHUNK - 1) / KVT_NVME_CHUNK);
 	uint64_t chunk_end =
 		(uint64_t)r->c1 * KVT_NVME_CHUNK < p ? (uint64_t)r->c1 * KVT_NVME_CHUNK : p;
-	r->hr = (uint32_t)round_up(hb, st->align);
-	r->ds = round_down(hb + (uint64_t)r->c0 * KVT_NVME_CHUNK, st->align);
-	r->de = round_up(hb + chunk_end, st->align);
+	r->hr = d;
+	r->ds = round_down(d + (uint64_t)r->c0 * KVT_NVME_CHUNK, st->align);
+	r->de = round_up(d + chunk_end, st->align);
 	/* A cached header is copied to [0, hr) of the stage, not read: only the chunks are. */
 	r->cached = cached;
 	r->merged = !cached && r->ds <= r->hr + BRIDGE_BYTES;
@@ -201,11 +188,46 @@ static void add_range(struct kvt_nvme *st, struct req *r, uint32_t ri,
 }
 
 /*
+ * Whether a whole-block read can put the payload straight into q->out: the file is O_DIRECT (a
+ * buffered file is read through the bounce path as before), out is aligned for direct I/O, the
+ * header fits one slot, and the payload ends the block (no tail padding, which would otherwise
+ * land past the end of out).
+ */
+static int inplace_ok(const struct kvt_nvme *st, const struct kvt_nvme_rows *q, uint32_t d)
+{
+	uint32_t p = kvt_nvme_payload_bytes(&q->expect);
+	return st->files[q->loc.file].direct && !((uintptr_t)q->out & (st->align - 1)) &&
+	       d <= st->bounce && (uint64_t)d + p == q->loc.bytes;
+}
+
+/*
+ * Queue the two reads of an in-place read: the header [0, hr) into the slot, the payload into
+ * q->out. Two reads, not one readv: with the header's iovec in front, a 1 MiB payload spans 257
+ * segments, more than one bio holds, and a direct read needing two bios is refused by the
+ * nonblocking issue (-EAGAIN) and handed to io_uring's worker threads, which halved throughput.
+ */
+static void add_inplace(struct kvt_nvme *st, struct req *r, uint32_t ri,
+			const struct kvt_nvme_rows *q)
+{
+	add_range(st, r, ri, &q->loc, 0, r->hr, 0);
+	uint32_t oi = st->op_free[--st->n_op_free];
+	struct op *o = &st->ops[oi];
+	memset(o, 0, sizeof *o);
+	o->file_off = q->loc.offset + r->hr;
+	o->req = ri;
+	o->len = q->loc.bytes - r->hr;
+	o->user = q->out;
+	o->file = (uint16_t)q->loc.file;
+	r->ops_left++;
+	pend_push(st, oi);
+}
+
+/*
  * Admit blocks in order while bounce slots are free: stage a write's image (encode) or plan a
  * read's ranges. Piece count is bounded: a block of k slots has at most k + 1 pieces, and the
  * active blocks hold at most n_slots slots, so 2 * n_slots + 2 pieces always suffice.
  */
-static void admit(struct kvt_nvme *st, struct call *c)
+static void admit(struct kvt_nvme *st, struct kvt_call *c)
 {
 	while (!c->rc && c->next < c->n && st->n_req_free) {
 		uint32_t i = c->next, slot0;
@@ -217,11 +239,11 @@ static void admit(struct kvt_nvme *st, struct call *c)
 		if (c->write) {
 			stage = c->locs[i].bytes;
 		} else if (c->hdr_only) {
-			call_rows(c, i, &q);
+			kvt_nv_call_rows(c, i, &q);
 			uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect));
 			stage = tmp.hr = (uint32_t)round_up(hb, st->align);
 		} else {
-			call_rows(c, i, &q);
+			kvt_nv_call_rows(c, i, &q);
 			/*
 			 * Row reads (direct serving) use a cached verified header; block reads
 			 * (restore) always read and check the one on disk, and refresh the cache.
@@ -229,10 +251,14 @@ static void admit(struct kvt_nvme *st, struct call *c)
 			uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect));
 			if (c->rows)
 				hdr = kvt_hc_find(st, &q.loc, &q.expect, hb);
-			stage = read_geometry(st, &q, &tmp, hdr != NULL);
+			stage = kvt_nv_read_geometry(st, &q, &tmp, hdr != NULL);
 			if (hdr && stage > (uint64_t)st->n_slots * st->bounce) {
 				hdr = NULL; /* check_read sized the pool for the plain geometry */
-				stage = read_geometry(st, &q, &tmp, 0);
+				stage = kvt_nv_read_geometry(st, &q, &tmp, 0);
+			}
+			if (c->inplace && inplace_ok(st, &q, tmp.hr)) {
+				tmp.inplace = 1;
+				stage = tmp.hr; /* only the header is staged */
 			}
 		}
 		uint32_t k = (uint32_t)((stage + st->bounce - 1) / st->bounce);
@@ -246,10 +272,13 @@ static void admit(struct kvt_nvme *st, struct call *c)
 		r->n_slots = k;
 		if (c->write) {
 			kvt_nvme_encode(&c->blocks[i].id, c->blocks[i].payload,
-					st->arena + (size_t)slot0 * st->bounce, c->locs[i].bytes);
+					st->arena + (size_t)slot0 * st->bounce, c->locs[i].bytes,
+					st->align);
 			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
 		} else if (c->hdr_only) {
 			add_range(st, r, ri, &q.loc, 0, r->hr, 0);
+		} else if (r->inplace) {
+			add_inplace(st, r, ri, &q);
 		} else if (hdr) {
 			memcpy(st->arena + (size_t)slot0 * st->bounce, hdr,
 			       kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect)));
@@ -268,7 +297,7 @@ static void admit(struct kvt_nvme *st, struct call *c)
 /* ---- submission and completion ----------------------------------------------------------- */
 
 /* Put pending pieces into SQEs while fewer than queue_depth are in flight. */
-static void prepare(struct kvt_nvme *st, struct call *c)
+static void prepare(struct kvt_nvme *st, struct kvt_call *c)
 {
 	while (!c->rc && st->pend_n && st->inflight < st->qd) {
 		struct io_uring_sqe *sqe = io_uring_get_sqe(&st->ring);
@@ -278,11 +307,13 @@ static void prepare(struct kvt_nvme *st, struct call *c)
 		st->pend_head = (st->pend_head + 1) % st->n_ops;
 		st->pend_n--;
 		struct op *o = &st->ops[oi];
-		unsigned char *buf = st->arena + o->stage + o->done;
+		unsigned char *buf = o->user ? NULL : st->arena + o->stage + o->done;
 		unsigned len = o->len - o->done;
 		uint64_t off = o->file_off + o->done;
 		int fd = st->fixed_files ? (int)o->file : st->files[o->file].fd;
-		if (c->write && st->fixed_bufs)
+		if (o->user) /* an in-place payload: caller memory, not registered */
+			io_uring_prep_read(sqe, fd, o->user + o->done, len, off);
+		else if (c->write && st->fixed_bufs)
 			io_uring_prep_write_fixed(sqe, fd, buf, len, off, (int)o->slot);
 		else if (c->write)
 			io_uring_prep_write(sqe, fd, buf, len, off);
@@ -300,7 +331,7 @@ static void prepare(struct kvt_nvme *st, struct call *c)
 }
 
 /* Submit what is prepared and wait for `want` completions: 0, or -1 with the store broken. */
-static int enter(struct kvt_nvme *st, struct call *c, unsigned want)
+static int enter(struct kvt_nvme *st, struct kvt_call *c, unsigned want)
 {
 	for (int busy = 0;;) {
 		int r = io_uring_submit_and_wait(&st->ring, want);
@@ -326,13 +357,13 @@ static int enter(struct kvt_nvme *st, struct call *c, unsigned want)
 	}
 }
 
-static const char *dir(const struct call *c)
+static const char *dir(const struct kvt_call *c)
 {
 	return c->write ? "write" : "read";
 }
 
 /* Handle one completion of piece oi with (possibly rewritten) result res. */
-static void complete(struct kvt_nvme *st, struct call *c, uint32_t oi, int res, uint64_t now)
+static void complete(struct kvt_nvme *st, struct kvt_call *c, uint32_t oi, int res, uint64_t now)
 {
 	struct op *o = &st->ops[oi];
 	struct nv_file *f = &st->files[o->file];
@@ -400,26 +431,33 @@ static void complete(struct kvt_nvme *st, struct call *c, uint32_t oi, int res, 
 }
 
 /* A read block has all its pieces: verify it in the bounce buffer, then copy the rows out. */
-static void deliver(struct kvt_nvme *st, struct call *c, const struct req *r)
+static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r)
 {
 	struct kvt_nvme_rows q;
-	call_rows(c, r->idx, &q);
+	kvt_nv_call_rows(c, r->idx, &q);
 	const unsigned char *stage = st->arena + (size_t)r->slot0 * st->bounce;
-	uint32_t p = kvt_nvme_payload_bytes(&q.expect), hb = kvt_nvme_header_bytes(p);
+	uint32_t p = kvt_nvme_payload_bytes(&q.expect), hb = kvt_nvme_header_bytes(p), d = r->hr;
 	uint64_t row = (uint64_t)q.expect.head_dim * 4u;
 	struct kvt_nvme_view v = {.hdr = stage, .c0 = r->c0, .c1 = r->c1};
-	v.data = stage + stage_pos(r, hb + (uint64_t)r->c0 * KVT_NVME_CHUNK);
+	v.data = stage + stage_pos(r, d + (uint64_t)r->c0 * KVT_NVME_CHUNK);
+	if (!r->cached) {
+		/* Read from disk with the header (a cached header was checked when it was put). */
+		v.hpad = stage + hb;
+		v.hpad_bytes = d - hb;
+	}
 	if (c->hdr_only) {
-		v.data = stage; /* no chunks (c0 == c1 == 0), no padding: the header alone */
+		v.data = stage; /* no chunks (c0 == c1 == 0), no tail padding: the header alone */
+	} else if (r->inplace) {
+		v.data = q.out; /* verified where it was read; the block has no tail padding */
 	} else if (r->de == q.loc.bytes) {
-		v.pad = stage + stage_pos(r, (uint64_t)hb + p);
-		v.pad_bytes = q.loc.bytes - hb - p;
+		v.pad = stage + stage_pos(r, (uint64_t)d + p);
+		v.pad_bytes = q.loc.bytes - d - p;
 	}
 	char why[192], name[256];
 	if (kvt_nvme_verify(&v, &q.expect, why, sizeof why)) {
 		st->stats.checksum_failures++;
 		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
-		name_block(st, &q.loc, &q.expect, name, sizeof name);
+		kvt_nv_name_block(st, &q.loc, &q.expect, name, sizeof name);
 		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s",
 			  c->map ? c->map[r->idx] : r->idx, name, why);
 		return;
@@ -428,12 +466,14 @@ static void deliver(struct kvt_nvme *st, struct call *c, const struct req *r)
 		kvt_hc_put(st, &q.loc, &q.expect, stage, hb);
 	if (c->hdr_only)
 		return;
+	st->stats.blocks_read++;
+	if (r->inplace)
+		return;
 	memcpy(q.out, v.data + (q.row_begin * row - (uint64_t)r->c0 * KVT_NVME_CHUNK),
 	       (q.row_end - q.row_begin) * row);
-	st->stats.blocks_read++;
 }
 
-static void finish(struct kvt_nvme *st, struct call *c, struct req *r, uint32_t ri)
+static void finish(struct kvt_nvme *st, struct kvt_call *c, struct req *r, uint32_t ri)
 {
 	if (!c->write && !c->rc) /* after a failure nothing more is delivered */
 		deliver(st, c, r);
@@ -443,7 +483,7 @@ static void finish(struct kvt_nvme *st, struct call *c, struct req *r, uint32_t 
 }
 
 /* Reap what has completed (everything in flight, shuffled, when the test shim asks for it). */
-static void reap(struct kvt_nvme *st, struct call *c)
+static void reap(struct kvt_nvme *st, struct kvt_call *c)
 {
 	if (enter(st, c, st->shuffle ? st->inflight : 1))
 		return;
@@ -485,7 +525,7 @@ static void reap(struct kvt_nvme *st, struct call *c)
 	st->n_ready = 0;
 }
 
-static int run_call(struct kvt_nvme *st, struct call *c)
+int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c)
 {
 	pools_reset(st);
 	for (;;) {
@@ -513,7 +553,7 @@ static int run_call(struct kvt_nvme *st, struct call *c)
 
 /* ---- the calls ---------------------------------------------------------------------------- */
 
-static int usable(struct kvt_nvme *st)
+int kvt_nv_usable(struct kvt_nvme *st)
 {
 	if (!st)
 		return -EINVAL;
@@ -568,7 +608,7 @@ static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs
 int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
 			  struct kvt_nvme_loc *locs)
 {
-	int rc = usable(st);
+	int rc = kvt_nv_usable(st);
 	if (rc)
 		return rc;
 	if (n && (!blocks || !locs))
@@ -601,8 +641,8 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
 	/* The space may have held a block whose header is cached: never trust it again. */
 	for (uint32_t i = 0; i < n; i++)
 		kvt_hc_drop(st, locs[i].file, locs[i].offset);
-	struct call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
-	rc = n ? run_call(st, &c) : 0;
+	struct kvt_call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
+	rc = n ? kvt_nv_run_call(st, &c) : 0;
 	if (rc) {
 		/* Nothing of a failed call is reported written: space back, locs zeroed. */
 		for (uint32_t i = 0; i < n; i++)
@@ -613,121 +653,6 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
 	}
 	st->stats.blocks_written += n;
 	return 0;
-}
-
-/* A request must name a block of the store that matches its identity, and rows inside it. */
-static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q)
-{
-	const struct kvt_nvme_loc *l = &q->loc;
-	uint64_t disk = kvt_nvme_disk_bytes(&q->expect, st->align);
-	const char *bad = NULL;
-	struct req r;
-	if (!disk || disk != l->bytes)
-		bad = "the loc's size does not match the identity's";
-	else if (l->file >= st->n_files || (l->offset & (st->align - 1)) ||
-		 l->offset > st->files[l->file].bytes ||
-		 l->bytes > st->files[l->file].bytes - l->offset)
-		bad = "the loc is not an aligned range inside one of the files";
-	else if (q->row_begin >= q->row_end || q->row_end > q->expect.n_tokens || !q->out)
-		bad = "the rows are empty or past the block, or out is NULL";
-	else if (read_geometry(st, q, &r, 0) > (uint64_t)st->n_slots * st->bounce)
-		bad = "it needs more staging than the bounce pool holds";
-	if (!bad)
-		return 0;
-	char name[256];
-	name_block(st, l, &q->expect, name, sizeof name);
-	return kvt_nvme_seterr(st, -EINVAL,
-			       "read %u (%s, rows [%u, %u), out %p): %s; the identity "
-			       "needs %" PRIu64 " bytes on disk, bounce pool %u x %u",
-			       i, name, q->row_begin, q->row_end, q->out, bad, disk, st->n_slots,
-			       st->bounce);
-}
-
-struct at_loc {
-	uint64_t offset;
-	uint32_t file, i;
-};
-
-static int cmp_at_loc(const void *pa, const void *pb)
-{
-	const struct at_loc *a = pa, *b = pb;
-	if (a->file != b->file)
-		return a->file < b->file ? -1 : 1;
-	if (a->offset != b->offset)
-		return a->offset < b->offset ? -1 : 1;
-	return a->i < b->i ? -1 : a->i > b->i;
-}
-
-/*
- * Direct serving asks for several chunks of one block in one call, and a header read with the
- * first of them would land in the cache only after the others were planned: each would read the
- * header again. So the headers of blocks asked for twice or more and not cached are read first,
- * one I/O each, verified and cached; then every chunk is one I/O. Only an optimization: without
- * memory for the list it is skipped. A header refused here fails the call as the row read would.
- */
-static int prefetch_headers(struct kvt_nvme *st, const struct call *c)
-{
-	struct at_loc *a = malloc((size_t)c->n * sizeof *a);
-	uint32_t *pick = malloc((size_t)c->n * sizeof *pick);
-	uint32_t m = 0, k = 0;
-	for (uint32_t i = 0; a && pick && i < c->n; i++) {
-		const struct kvt_nvme_rows *q = &c->rows[i];
-		uint32_t hb = kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q->expect));
-		if (hb <= KVT_HC_HDR_MAX && !kvt_hc_find(st, &q->loc, &q->expect, hb))
-			a[m++] = (struct at_loc){q->loc.offset, q->loc.file, i};
-	}
-	if (m > 1)
-		qsort(a, m, sizeof *a, cmp_at_loc);
-	for (uint32_t j = 0; j + 1 < m; j++)
-		if (a[j].file == a[j + 1].file && a[j].offset == a[j + 1].offset &&
-		    (j == 0 || a[j - 1].file != a[j].file || a[j - 1].offset != a[j].offset))
-			pick[k++] = a[j].i; /* the first request of a run of two or more */
-	int rc = 0;
-	if (k) {
-		struct call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick};
-		rc = run_call(st, &h);
-	}
-	free(a);
-	free(pick);
-	return rc;
-}
-
-static int run_read(struct kvt_nvme *st, struct call *c)
-{
-	int rc = usable(st);
-	if (rc)
-		return rc;
-	for (uint32_t i = 0; i < c->n; i++) {
-		struct kvt_nvme_rows q;
-		call_rows(c, i, &q);
-		rc = check_read(st, i, &q);
-		if (rc)
-			return rc;
-	}
-	if (c->rows && c->n > 1) {
-		rc = prefetch_headers(st, c);
-		if (rc)
-			return rc;
-	}
-	return c->n ? run_call(st, c) : 0;
-}
-
-int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-			 const struct kvt_nvme_block_id *expect, void *const *payload_out)
-{
-	if (st && n && (!locs || !expect || !payload_out))
-		return kvt_nvme_seterr(st, -EINVAL,
-				       "locs, expect and payload_out must not be NULL");
-	struct call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out};
-	return run_read(st, &c);
-}
-
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)
-{
-	if (st && n && !reqs)
-		return kvt_nvme_seterr(st, -EINVAL, "reqs must not be NULL");
-	struct call c = {.n = n, .rows = reqs};
-	return run_read(st, &c);
 }
 
 void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Internals of the NVMe store shared by nvme_store.c (open, close, queries) and nvme_io.c (the I/O
- * engine, reads, writes, frees). Never included outside host/nvme_*.c. Only built with liburing.
+ * Internals of the NVMe store shared by nvme_store.c (open, close, queries), nvme_io.c (the I/O
+ * engine, writes, frees) and nvme_read.c (the read calls). Never included outside host/nvme_*.c. Only built with liburing.
  */
 #ifndef KVT_NVME_PRIV_H
 #define KVT_NVME_PRIV_H
@@ -15,12 +15,16 @@
 struct nv_file {
 	int fd;
 	uint64_t bytes; /* usable: the configured size rounded down to the alignment */
+	int direct;     /* opened O_DIRECT: reads may go straight to aligned caller memory */
 	struct kvt_space space;
 	char *path;
 	size_t path_bytes;
 };
 
-/* One piece of I/O: a range of one block inside one bounce slot. */
+/*
+ * One piece of I/O: a range of one block inside one bounce slot; or, for an in-place read (user
+ * set), the block's payload, read straight into the caller's memory at user.
+ */
 struct op {
 	uint64_t file_off; /* where the piece starts in the file */
 	uint64_t t_submit, seqno;
@@ -30,6 +34,7 @@ struct op {
 	uint32_t slot;
 	uint16_t file;
 	uint8_t tries;
+	unsigned char *user;
 };
 
 /* One block being moved. For reads, which parts of it were staged where. */
@@ -39,6 +44,7 @@ struct req {
 	uint64_t ds, de;     /* block range [ds, de) holding those chunks, staged at hr */
 	int merged;          /* the two ranges touch: one range [0, de) staged at 0 */
 	int cached;          /* the header came from the header cache: only [ds, de) is read */
+	int inplace;         /* header staged at 0, the payload read straight into the output */
 };
 
 /*
@@ -103,6 +109,33 @@ struct kvt_nvme {
 	char status[1024];
 	char err[512];
 };
+
+/* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
+struct kvt_call {
+	int write, rc;
+	int hdr_only;        /* read only the headers of rows[map[i]], verify and cache them */
+	int inplace;         /* whole-block reads: payload straight into outs[i] where it can */
+	const uint32_t *map; /* hdr_only: the request of rows[] behind entry i */
+	uint32_t n, next, done;
+	const struct kvt_nvme_block *blocks;
+	struct kvt_nvme_loc *locs;
+	const struct kvt_nvme_rows *rows;
+	const struct kvt_nvme_loc *rlocs;
+	const struct kvt_nvme_block_id *expect;
+	void *const *outs;
+};
+
+/* The engine (nvme_io.c), used by the read calls (nvme_read.c). */
+void kvt_nv_call_rows(const struct kvt_call *c, uint32_t i, struct kvt_nvme_rows *q);
+void kvt_nv_name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
+		       const struct kvt_nvme_block_id *id, char *buf, size_t n);
+/* Plan a read of q's rows into r (cached: the header comes from the cache); bytes to stage. */
+uint64_t kvt_nv_read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_rows *q,
+			      struct req *r, int cached);
+/* Run a call to its end (every I/O completed): 0 or the first error. */
+int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c);
+/* 0, or an error when st is NULL or out of service. */
+int kvt_nv_usable(struct kvt_nvme *st);
 
 /* Record the detail of a failure in st->err and return code. */
 int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)

@@ -72,6 +72,8 @@ void *kvt_mem_alloc(enum kvt_mem_kind kind, size_t bytes)
 		p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 		if (p == MAP_FAILED)
 			p = NULL;
+		else
+			madvise(p, bytes, MADV_HUGEPAGE); /* advice only: fewer pages per I/O and pin */
 		break;
 	case KVT_MEM_DEVICE:
 		p = hooks.device_alloc ? hooks.device_alloc(bytes) : NULL;

@@ -989,7 +989,7 @@ static void flip_bit(struct world *w, uint32_t fi, uint64_t off, int bit)
 struct flip {
 	const char *where;
 	uint32_t layer, head, block;
-	int region;     /* 0: header at `at`, 1: payload at `at`, 2: padding at `at` from its start */
+	int region; /* 0: header at `at`, 1: payload at `at`, 2: padding (tail, else header's) at `at` */
 	uint32_t at;
 	int bit;
 };
@@ -1036,21 +1036,29 @@ static void test_corruption(void **state)
 		struct kvt_layer *L = w_layer(w, 0, fl->layer);
 		size_t at = (size_t)fl->head * L->blk_cap + fl->block;
 		struct kvt_nvme_loc loc = L->spill[at].loc;
-		uint32_t hb = kvt_nvme_header_bytes((uint32_t)BLOCK_BYTES);
+		/* Where the payload starts: after the header and its padding. */
+		uint32_t hb = kvt_nvme_data_offset((uint32_t)BLOCK_BYTES,
+						   kvt_nvme_alignment(w->c->nvme));
 		uint64_t off = loc.offset;
 		if (fl->region == 0)
 			off += fl->at;
 		else if (fl->region == 1)
 			off += hb + fl->at;
 		else {
-			uint64_t pad = loc.bytes - hb - BLOCK_BYTES;
+			/* The tail padding; where the block has none, the header's padding. */
+			uint64_t pad = loc.bytes - hb - BLOCK_BYTES,
+				 start = hb + (uint64_t)BLOCK_BYTES;
+			if (pad == 0) {
+				start = kvt_nvme_header_bytes((uint32_t)BLOCK_BYTES);
+				pad = hb - start;
+			}
 			if (pad == 0) {
 				print_message("%s: no padding at this alignment, skipped\n", w->name);
 				w_close(w);
 				free(w);
 				continue;
 			}
-			off += hb + BLOCK_BYTES + (fl->at == UINT32_MAX ? pad - 1 : fl->at);
+			off += start + (fl->at == UINT32_MAX ? pad - 1 : fl->at);
 		}
 		T_CHECK(loc.bytes && off < loc.offset + loc.bytes,
 			"%s: offset %llu outside the block at %llu (+%u)", w->name,
