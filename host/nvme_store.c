@@ -606,12 +606,7 @@ int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_
 int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
 				 const struct kvt_nvme_block_id *expect, void *const *payload_out)
 {
-	(void)st;
-	(void)n;
-	(void)locs;
-	(void)expect;
-	(void)payload_out;
-	return -EOPNOTSUPP;
+	return kvt_nvme_read_blocks(st, n, locs, expect, payload_out);
 }
 
 int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)

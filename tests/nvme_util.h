@@ -54,12 +54,21 @@ static inline void nv_unlink(nv_files *f)
 			unlink(f->paths[i]);
 }
 
-/* Open a store over fresh scratch files (unlinked right away) or fail the test with the detail. */
-static inline struct kvt_nvme *nv_open(nv_files *f, const char *dir, uint32_t n_files,
-				       uint64_t bytes, uint32_t qd, uint32_t bounce)
+/*
+ * Open a store over fresh scratch files (unlinked right away) or fail the test with the detail.
+ * With keep_fd, the first file is also opened read-write there (before the unlink), for tests that
+ * alter the file behind the store's back.
+ */
+static inline struct kvt_nvme *nv_open_ex(nv_files *f, const char *dir, uint32_t n_files,
+					  uint64_t bytes, uint32_t qd, uint32_t bounce,
+					  uint32_t flags, int *keep_fd)
 {
 	nv_make_files(f, dir, n_files, bytes);
-	struct kvt_nvme_config cfg = {f->ptrs, f->bytes, n_files, qd, bounce, 0};
+	if (keep_fd) {
+		*keep_fd = open(f->paths[0], O_RDWR | O_CLOEXEC);
+		T_CHECK(*keep_fd >= 0, "open %s: %s", f->paths[0], strerror(errno));
+	}
+	struct kvt_nvme_config cfg = {f->ptrs, f->bytes, n_files, qd, bounce, flags};
 	struct kvt_nvme *st = NULL;
 	char err[512];
 	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
@@ -69,6 +78,12 @@ static inline struct kvt_nvme *nv_open(nv_files *f, const char *dir, uint32_t n_
 		"(%s), wanted 0",
 		n_files, (unsigned long long)bytes, qd, bounce, dir, rc, err);
 	return st;
+}
+
+static inline struct kvt_nvme *nv_open(nv_files *f, const char *dir, uint32_t n_files,
+				       uint64_t bytes, uint32_t qd, uint32_t bounce)
+{
+	return nv_open_ex(f, dir, n_files, bytes, qd, bounce, 0, NULL);
 }
 
 /* Open descriptors of this process (for leak checks). */

@@ -460,15 +460,9 @@ static void test_inplace(void **state)
 	const uint32_t rows[NI] = {1, 8, 37, 256, 2048};
 	for (int pass = 0; pass < 2; pass++) {
 		nv_files f;
-		nv_make_files(&f, nv_dir(), 1, 32 << 20);
-		int fd = open(f.paths[0], O_RDWR | O_CLOEXEC);
-		T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
-		struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 1, 4, 0, pass ? KVT_NVME_BUFFERED : 0};
-		struct kvt_nvme *st = NULL;
-		char err[256];
-		int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
-		nv_unlink(&f);
-		T_CHECK(rc == 0, "open: %d (%s)", rc, err);
+		int fd;
+		struct kvt_nvme *st = nv_open_ex(&f, nv_dir(), 1, 32 << 20, 4, 0, pass ? KVT_NVME_BUFFERED : 0, &fd);
+		int rc;
 		int direct = strstr(kvt_nvme_status(st), "O_DIRECT") != NULL;
 		uint32_t a = kvt_nvme_alignment(st);
 		t_rng r;
@@ -550,15 +544,9 @@ static void test_header_cache(void **state)
 {
 	(void)state;
 	nv_files f;
-	nv_make_files(&f, nv_dir(), 1, 32 << 20);
-	int fd = open(f.paths[0], O_RDWR | O_CLOEXEC);
-	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
-	struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 1, 8, 0, 0};
-	struct kvt_nvme *st = NULL;
-	char err[256];
-	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
-	nv_unlink(&f);
-	T_CHECK(rc == 0, "open: %d (%s)", rc, err);
+	int fd;
+	struct kvt_nvme *st = nv_open_ex(&f, nv_dir(), 1, 32 << 20, 8, 0, 0, &fd);
+	int rc;
 	t_rng r;
 	t_rng_seed(&r, 77);
 	struct kvt_nvme_block b = {nv_id(&r, 200, 128), NULL}; /* 25 chunks of 8 rows */

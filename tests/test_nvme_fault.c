@@ -336,15 +336,9 @@ static void test_bit_flips(void **state)
 {
 	(void)state;
 	nv_files f;
-	nv_make_files(&f, nv_dir(), 1, 4 << 20);
-	int fd = open(f.paths[0], O_RDWR | O_CLOEXEC);
-	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
-	struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 1, 8, 0, 0};
-	struct kvt_nvme *st = NULL;
-	char err[256];
-	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
-	nv_unlink(&f);
-	T_CHECK(rc == 0, "open: %d (%s)", rc, err);
+	int fd;
+	struct kvt_nvme *st = nv_open_ex(&f, nv_dir(), 1, 4 << 20, 8, 0, 0, &fd);
+	int rc;
 	t_rng r;
 	t_rng_seed(&r, 31337);
 	enum { NBLK = 4, TRIALS = 3000 };
