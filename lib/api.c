@@ -111,10 +111,12 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	if (c->ops->init)
 		rc = c->ops->init(c);
 	if (rc < 0) {
+		char why[512];
+		snprintf(why, sizeof why, "%s", c->err);
 		const char *name = c->st.backend;
 		cache_free(c);
 		return kvt_seterr(NULL, rc, "%s backend initialization failed: %s", name,
-				  kvt_strerror(rc));
+				  why[0] ? why : kvt_strerror(rc));
 	}
 	*out = c;
 	return 0;
@@ -338,6 +340,8 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 	KVT_RETURN_IF(st->size != sizeof(kvt_stats), c, -EINVAL,
 		      "stats->size = %zu, expected sizeof(kvt_stats) = %zu", st->size,
 		      sizeof(kvt_stats));
+	if (c->ops->stats)
+		KVT_TRY(c->ops->stats(c, -1, NULL));
 	c->st.host_bytes_used = c->host.used;
 	c->st.host_placement = c->host.placement;
 	c->st.host_numa_node = c->host.node;
@@ -357,5 +361,20 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 		c->st.nvme_lat_ns_max = ns.lat_max_ns;
 	}
 	*st = c->st;
+	return 0;
+}
+
+KVT_API int kvt_get_layer_stats(kvt_cache *c, uint32_t layer, kvt_layer_stats *st)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
+	KVT_RETURN_IF(st->size != sizeof(kvt_layer_stats), c, -EINVAL,
+		      "stats->size = %zu, expected sizeof(kvt_layer_stats) = %zu", st->size,
+		      sizeof(kvt_layer_stats));
+	KVT_TRY(check_layer(c, layer));
+	kvt_layer_stats out = {.size = sizeof out};
+	if (c->ops->stats)
+		KVT_TRY(c->ops->stats(c, (int)layer, &out));
+	*st = out;
 	return 0;
 }

@@ -60,6 +60,8 @@ int kvt_config_check(const kvt_config *cfg)
 	CHECK(cfg->window <= 65536, "window = %u, must be <= 65536", cfg->window);
 	CHECK(cfg->flush_batch >= 1 && cfg->flush_batch <= 65536,
 	      "flush_batch = %u, must be in [1, 65536]", cfg->flush_batch);
+	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40), "gpu_cache_bytes = %llu, must be <= 1 TiB",
+	      (unsigned long long)cfg->gpu_cache_bytes);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
 	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too)",
 	      cfg->budget_min, cfg->budget_max);

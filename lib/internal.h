@@ -134,6 +134,7 @@ struct kvt_layer {
 	uint32_t blk_cap;   /* host-tier blocks per KV head the table can hold */
 	uint32_t n_blocks;  /* blocks per KV head in use */
 	void **blocks;      /* [n_kv_heads, blk_cap] */
+	uint64_t blocks_gen; /* bumped when an existing entry of `blocks` changes (spill, restore) */
 	/* selection of the last kvt_select / kvt_attend, with the lengths it was made at */
 	uint64_t sel_epoch; /* 0: none */
 	uint32_t sel_tokens, sel_indexed;
@@ -228,6 +229,9 @@ struct kvt_backend_ops {
 	int (*gather)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
 		      void *stream);
+	/* Bring c->st up to date (layer < 0) or fill the counters of one layer; NULL: nothing kept
+	 * outside c->st. */
+	int (*stats)(kvt_cache *c, int layer, kvt_layer_stats *out);
 };
 
 extern const struct kvt_backend_ops kvt_cpu_backend;

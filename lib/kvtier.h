@@ -100,7 +100,10 @@ typedef struct kvt_config {
 				 others, and a small floor of top estimates recovers it cheaply */
 	uint32_t budget_max;  /* max per query head per step; 0 (default) means no cap */
 	uint64_t seed;        /* seeds the per-layer rotations; default 0x6b767469 */
-	uint64_t reserved[8]; /* must be zero */
+	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
+				     over the layers; 0 disables it (every selected row is read from
+				     the host tier each step); default 256 MiB */
+	uint64_t reserved[7]; /* must be zero */
 } kvt_config;
 
 #define KVT_CONFIG_INIT                                                                            \
@@ -108,6 +111,7 @@ typedef struct kvt_config {
 		sizeof(kvt_config), 0, 0, 0, 0, KVT_DTYPE_F16, KVT_DTYPE_DEFAULT, KVT_BACKEND_AUTO, \
 			0, (uint64_t)1 << 30, NULL, NULL, (uint64_t)64 << 20, 256, 0, 0,            \
 			KVT_SPILL_NONE, 0.9f, 0.0f, 4, 64, 64, 64, 0, 0x6b767469u,                  \
+			(uint64_t)256 << 20,                                                       \
 		{                                                                                  \
 			0                                                                          \
 		}                                                                                  \
@@ -136,8 +140,9 @@ typedef struct kvt_stats {
 	uint64_t flushes;             /* lazy window flushes */
 	uint64_t rows_fetched;        /* K/V rows read from the host tier for attention or gather */
 	uint64_t bytes_fetched;
-	uint64_t hot_hits;            /* rows served from the device hot cache (CUDA backend) */
-	uint64_t hot_misses;
+	uint64_t hot_hits;            /* sink and selected rows served from the device hot cache (CUDA) */
+	uint64_t hot_misses;          /* sink and selected rows read from the host tier (CUDA) */
+	uint64_t pcie_bytes;          /* bytes of rows read from the host tier over PCIe (CUDA) */
 	uint64_t errors;              /* calls that returned an error */
 	/* NVMe tier */
 	uint64_t spills, restores;    /* kvt_seq_spill / kvt_seq_restore that moved data */
@@ -272,8 +277,30 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
 		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
 		       void *stream);
 
-/* Fill *stats (stats->size must be sizeof(kvt_stats)). Errors: -EINVAL. */
+/*
+ * Fill *stats (stats->size must be sizeof(kvt_stats)). With the CUDA backend this waits for the
+ * device to finish the work already queued (the fetch counters live on the device).
+ * Errors: -EINVAL, -EIO (the device failed).
+ */
 KVT_API int kvt_get_stats(kvt_cache *cache, kvt_stats *stats);
+
+/* Fetch counters of one layer since kvt_cache_create (CUDA backend; zeros for the CPU backend). */
+typedef struct kvt_layer_stats {
+	size_t size;             /* sizeof(kvt_layer_stats), set by the caller */
+	uint64_t steps;          /* sequences attended or selected on this layer */
+	uint64_t hot_hits;       /* sink and selected rows served from the hot cache */
+	uint64_t hot_misses;     /* sink and selected rows read from the host tier */
+	uint64_t pcie_bytes;     /* bytes read from the host tier */
+	uint64_t selected_tokens; /* indexed tokens selected, summed over steps and KV heads */
+	uint64_t rows_attended;  /* sinks + selected + window, summed over steps and KV heads */
+	uint64_t hot_rows;       /* rows the layer's hot cache can hold */
+} kvt_layer_stats;
+
+/*
+ * Fill *stats with the counters of `layer` (stats->size must be sizeof(kvt_layer_stats)). Waits for
+ * the device like kvt_get_stats. Errors: -EINVAL (NULL, size, layer out of range), -EIO.
+ */
+KVT_API int kvt_get_layer_stats(kvt_cache *cache, uint32_t layer, kvt_layer_stats *stats);
 
 /* Static text for a return code (negative errno values and 0). Never NULL. */
 KVT_API const char *kvt_strerror(int code);

@@ -226,6 +226,7 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 			l->spill[at] = (struct kvt_spill){ .loc = locs[i], .gen = blocks[i].id.generation };
 			kvt_extents_give(&c->host, 1, &l->blocks[at]);
 			l->blocks[at] = NULL;
+			l->blocks_gen++;
 			moved += (int64_t)blocks[i++].id.n_tokens * (int64_t)c->row_bytes;
 		}
 	}
@@ -340,6 +341,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 			size_t at = (size_t)h * l->blk_cap + b;
 			if (!l->blocks[at]) {
 				l->blocks[at] = host[i++];
+				l->blocks_gen++;
 				memset(&l->spill[at], 0, sizeof l->spill[at]);
 			}
 		}

@@ -5,7 +5,7 @@
 int main(void)
 {
 	kvt_config cfg = KVT_CONFIG_INIT;
-	if (cfg.size != sizeof(kvt_config) || cfg.dtype != KVT_DTYPE_F16 || cfg.reserved[7] != 0)
+	if (cfg.size != sizeof(kvt_config) || cfg.dtype != KVT_DTYPE_F16 || cfg.reserved[6] != 0)
 		return 1;
 	/* linked against the installed library: the exported names resolve */
 	return kvt_version_number() == KVT_VERSION_NUMBER && kvt_strerror(0) != 0 ? 0 : 1;

@@ -1,0 +1,380 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Row movement on the GPU (gpu/fetch.cuh): host-tier and window-ring writes, first-chunk centroids,
+ * the hot-token cache and the zero-copy gather. Rows move 16 bytes per lane; one warp per row, so a
+ * 512-byte fp16 row of D 128 is one fully used request per warp and many rows are in flight at once.
+ */
+#include "common.cuh"
+#include "fetch.cuh"
+
+#define FT_THREADS 256u
+
+static __device__ __forceinline__ char *host_row(void *const *blocks, uint32_t blk_cap, uint32_t h,
+						 uint32_t pos, uint32_t row_bytes)
+{
+	char *b = (char *)blocks[(size_t)h * blk_cap + pos / KVT_BLOCK_TOKENS];
+	return b ? b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes : NULL;
+}
+
+static __device__ __forceinline__ uint32_t set_of(unsigned long long uid, uint32_t h, uint32_t pos,
+						  uint32_t sets)
+{
+	unsigned long long x = uid * 0x9e3779b97f4a7c15ull ^ ((unsigned long long)h << 17);
+	x ^= x >> 29;
+	x *= 0xbf58476d1ce4e5b9ull;
+	x ^= x >> 32;
+	return (uint32_t)((x + pos) % sets);
+}
+
+/* Copy one row with a warp, 16 bytes per lane per iteration. */
+static __device__ __forceinline__ void warp_copy(char *dst, const char *src, uint32_t bytes,
+						 uint32_t lane)
+{
+	for (uint32_t o = lane * 16; o < bytes; o += 32 * 16)
+		*(uint4 *)(dst + o) = *(const uint4 *)(src + o);
+}
+
+/* Warp-aggregated add to a 64-bit counter. */
+static __device__ __forceinline__ void count(unsigned long long *ctr, unsigned long long v)
+{
+	for (int o = 16; o; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	if ((threadIdx.x & 31) == 0 && v)
+		atomicAdd(ctr, v);
+}
+
+/* ---- lookup: positions, hits, window rows ------------------------------------------------- */
+
+static __global__ void __launch_bounds__(FT_THREADS)
+	k_lookup(uint32_t row_bytes, uint32_t hkv, const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot,
+		 uint32_t epoch, const void **rows, kvt_gpu_rows *items, uint32_t max_rows,
+		 int32_t *pos_out, unsigned long long *err)
+{
+	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv;
+	const kvt_gpu_fetch_seq q = seqs[s];
+	const uint32_t m = q.sel_n[h], S = q.n_sink, win = q.n_tokens - S - q.n_indexed;
+	uint32_t n = S + m + win;
+	if (n > max_rows) {
+		if (blockIdx.x == 0 && threadIdx.x == 0)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+		n = 0;
+	}
+	if (blockIdx.x == 0 && threadIdx.x == 0) {
+		items[item] = kvt_gpu_rows{rows + (size_t)item * max_rows, NULL, NULL, 0, n, 0};
+		if (hot.counters && !(hot.flags & KVT_GPU_HOT_NO_STEP)) {
+			atomicAdd(&hot.counters[KVT_GPU_CNT_SELECTED], (unsigned long long)m);
+			atomicAdd(&hot.counters[KVT_GPU_CNT_ROWS], (unsigned long long)n);
+		}
+	}
+	const uint32_t k = blockIdx.x * FT_THREADS + threadIdx.x;
+	bool hit = false;
+	if (k < n) {
+		const void *p;
+		uint32_t at;
+		if (k < S + m) {
+			at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
+			p = NULL; /* a miss until found: the fill kernel reads the host row */
+			if (hot.sets) {
+				const uint32_t set = set_of(q.uid, h, at, hot.sets);
+				const unsigned long long lo = (unsigned long long)h << 32 | at;
+				for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+					const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
+					if (hot.tag_hi[slot] == q.uid && hot.tag_lo[slot] == lo) {
+						hot.last_use[slot] = epoch;
+						p = (const char *)hot.rows + slot * row_bytes;
+						hit = true;
+						break;
+					}
+				}
+			}
+			if (!p && !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
+				kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
+		} else {
+			const uint32_t i = q.n_indexed + (k - S - m); /* index position */
+			at = S + i;
+			p = (const char *)q.ring + ((size_t)h * q.wcap + i % q.wcap) * row_bytes;
+		}
+		rows[(size_t)item * max_rows + k] = p;
+		if (pos_out)
+			pos_out[(size_t)item * max_rows + k] = (int32_t)at;
+	}
+	if (hot.counters)
+		count(&hot.counters[KVT_GPU_CNT_HITS], hit);
+}
+
+/* ---- fill: misses claim a way, or are read in place --------------------------------------- */
+
+static __global__ void __launch_bounds__(FT_THREADS)
+	k_fill(uint32_t row_bytes, uint32_t hkv, const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot,
+	       uint32_t epoch, const void **rows, const kvt_gpu_rows *items, uint32_t max_rows)
+{
+	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv, lane = threadIdx.x & 31;
+	const uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32;
+	const kvt_gpu_fetch_seq q = seqs[s];
+	const uint32_t m = q.sel_n[h], S = q.n_sink;
+	const uint32_t n = items[item].n;
+	if (k >= n || k >= S + m)
+		return; /* warp-uniform */
+	const void **slotp = &rows[(size_t)item * max_rows + k];
+	if (*slotp)
+		return; /* a hit or a window row */
+	const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
+	const char *src = host_row(q.blocks, q.blk_cap, h, at, row_bytes);
+	if (!src) {
+		if (lane == 0)
+			*slotp = q.ring; /* a missing block was reported by the lookup */
+		return;
+	}
+	long long claimed = -1;
+	if (lane == 0 && hot.sets) {
+		const uint32_t set = set_of(q.uid, h, at, hot.sets);
+		for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
+			uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
+			for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+				const uint32_t u =
+					((volatile uint32_t *)hot.last_use)[(size_t)set * KVT_GPU_HOT_WAYS + w];
+				if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
+					best = w;
+					old = u;
+				}
+			}
+			if (best == KVT_GPU_HOT_WAYS)
+				break; /* every way is in use this step */
+			const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + best;
+			if (atomicCAS(&hot.last_use[slot], old, epoch) == old)
+				claimed = (long long)slot;
+		}
+	}
+	claimed = __shfl_sync(0xffffffffu, claimed, 0);
+	if (claimed >= 0) {
+		char *dst = (char *)hot.rows + (size_t)claimed * row_bytes;
+		warp_copy(dst, src, row_bytes, lane);
+		if (lane == 0) {
+			hot.tag_hi[claimed] = q.uid;
+			hot.tag_lo[claimed] = (unsigned long long)h << 32 | at;
+			*slotp = dst;
+		}
+	} else if (lane == 0) {
+		*slotp = src; /* read in place by the attention */
+	}
+	if (lane == 0 && hot.counters) {
+		atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
+		atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE], (unsigned long long)row_bytes);
+	}
+}
+
+extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+			     const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+			     const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
+			     unsigned long long *err, void *stream)
+{
+	if (!seqs || !rows || !items || n_kv_heads == 0 || row_bytes == 0 || row_bytes % 16)
+		return -EINVAL;
+	if (hot.sets && (!hot.tag_hi || !hot.tag_lo || !hot.last_use || !hot.rows))
+		return -EINVAL;
+	if ((uint64_t)n_seqs * n_kv_heads > 65535)
+		return -EINVAL;
+	if (n_seqs == 0)
+		return 0;
+	cudaStream_t s = KVT_STREAM(stream);
+	const uint32_t span = max_rows ? max_rows : 1;
+	const dim3 g1((span + FT_THREADS - 1) / FT_THREADS, n_seqs * n_kv_heads);
+	k_lookup<<<g1, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
+					   max_rows, pos, err);
+	KVT_CU_LAUNCHED();
+	const dim3 g2((span + FT_THREADS / 32 - 1) / (FT_THREADS / 32), n_seqs * n_kv_heads);
+	k_fill<<<g2, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
+					 max_rows);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+/* ---- dense copy of gathered rows ------------------------------------------------------------ */
+
+static __global__ void __launch_bounds__(FT_THREADS)
+	k_rows_copy(uint32_t d, const kvt_gpu_rows *items, uint32_t max_rows, const int32_t *pos,
+		    char *k_out, char *v_out, int32_t *pos_out, uint32_t ld)
+{
+	const uint32_t item = blockIdx.y, lane = threadIdx.x & 31;
+	const uint32_t t = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32;
+	const kvt_gpu_rows it = items[item];
+	if (t >= it.n || t >= max_rows || t >= ld)
+		return;
+	const char *src = (const char *)it.rows[t];
+	const uint32_t half = 2 * d;
+	const size_t at = ((size_t)item * ld + t) * half;
+	if (k_out) {
+		warp_copy(k_out + at, src, half, lane);
+		warp_copy(v_out + at, src + half, half, lane);
+	}
+	if (lane == 0 && pos_out && pos)
+		pos_out[(size_t)item * ld + t] = pos[(size_t)item * max_rows + t];
+}
+
+extern "C" int kvt_gpu_rows_copy(uint32_t d, uint32_t n_items, const kvt_gpu_rows *items,
+				 uint32_t max_rows, const int32_t *pos, void *k_out, void *v_out,
+				 int32_t *pos_out, uint32_t ld, void *stream)
+{
+	if (!items || !k_out != !v_out || (!k_out && !pos_out) || !kvt_is_pow2_dim(d) ||
+	    n_items > 65535)
+		return -EINVAL;
+	if (n_items == 0 || max_rows == 0)
+		return 0;
+	const dim3 g((max_rows + FT_THREADS / 32 - 1) / (FT_THREADS / 32), n_items);
+	k_rows_copy<<<g, FT_THREADS, 0, KVT_STREAM(stream)>>>(d, items, max_rows, pos, (char *)k_out,
+							       (char *)v_out, pos_out, ld);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+/* ---- new rows: host tier and window ring --------------------------------------------------- */
+
+#define ST_JOBS 24u
+
+struct store_batch {
+	uint32_t n;
+	kvt_gpu_store_job job[ST_JOBS];
+};
+
+static __global__ void __launch_bounds__(FT_THREADS)
+	k_store(uint32_t d, uint32_t hkv, const store_batch b, unsigned long long *err)
+{
+	const kvt_gpu_store_job &j = b.job[blockIdx.z];
+	const uint32_t lane = threadIdx.x & 31, h = blockIdx.y;
+	const uint32_t t = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32;
+	if (t >= j.n)
+		return;
+	const uint32_t pos = j.first + t, half = 2 * d, row_bytes = 2 * half;
+	const char *k = (const char *)j.k + ((size_t)t * j.stride + (size_t)h * d) * 2;
+	const char *v = (const char *)j.v + ((size_t)t * j.stride + (size_t)h * d) * 2;
+	char *dst = host_row(j.blocks, j.blk_cap, h, pos, row_bytes);
+	char *ring = j.ring && pos >= j.ring_from
+			     ? (char *)j.ring +
+				       ((size_t)h * j.wcap + (pos - j.n_sink) % j.wcap) * row_bytes
+			     : NULL;
+	if (!dst) {
+		if (lane == 0)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, blockIdx.z, pos);
+		return;
+	}
+	for (uint32_t o = lane * 16; o < row_bytes; o += 32 * 16) {
+		const uint4 x = *(const uint4 *)(o < half ? k + o : v + (o - half));
+		*(uint4 *)(dst + o) = x;
+		if (ring)
+			*(uint4 *)(ring + o) = x;
+	}
+}
+
+extern "C" int kvt_gpu_store_rows(uint32_t d, uint32_t n_kv_heads, uint32_t n_jobs,
+				  const kvt_gpu_store_job *jobs, uint32_t max_n,
+				  unsigned long long *err, void *stream)
+{
+	if (!jobs || !kvt_is_pow2_dim(d) || n_kv_heads == 0 || n_kv_heads > 65535)
+		return -EINVAL;
+	for (uint32_t i = 0; i < n_jobs; i++)
+		if (!jobs[i].k || !jobs[i].v || !jobs[i].blocks || jobs[i].n > max_n ||
+		    (jobs[i].ring && jobs[i].wcap == 0))
+			return -EINVAL;
+	if (max_n == 0)
+		return 0;
+	for (uint32_t i0 = 0; i0 < n_jobs; i0 += ST_JOBS) {
+		store_batch b;
+		b.n = n_jobs - i0 < ST_JOBS ? n_jobs - i0 : ST_JOBS;
+		for (uint32_t i = 0; i < b.n; i++)
+			b.job[i] = jobs[i0 + i];
+		const dim3 g((max_n + FT_THREADS / 32 - 1) / (FT_THREADS / 32), n_kv_heads, b.n);
+		k_store<<<g, FT_THREADS, 0, KVT_STREAM(stream)>>>(d, n_kv_heads, b, err);
+		KVT_CU_LAUNCHED();
+	}
+	return 0;
+}
+
+/* ---- centroids ----------------------------------------------------------------------------- */
+
+template <int DT>
+static __global__ void k_centroids(uint32_t d, uint32_t hkv, uint32_t G, const void *keys,
+				   uint64_t ts, uint64_t hs, const void *q, uint32_t n, float *c_k,
+				   float *c_q)
+{
+	const uint32_t x = blockIdx.x * blockDim.x + threadIdx.x;
+	if (x >= hkv * d)
+		return;
+	const uint32_t h = x / d, j = x % d;
+	double acc = 0.0;
+	for (uint32_t t = 0; t < n; t++)
+		acc = __dadd_rn(acc, (double)kvt_d_load<DT>(keys, t * ts + h * hs + j));
+	c_k[x] = (float)__ddiv_rn(acc, (double)n);
+	acc = 0.0;
+	if (q) {
+		const size_t hq = (size_t)hkv * G;
+		for (uint32_t t = 0; t < n; t++)
+			for (uint32_t g = 0; g < G; g++)
+				acc = __dadd_rn(acc, (double)kvt_d_load<DT>(
+							     q, ((size_t)t * hq + h * G + g) * d + j));
+		c_q[x] = (float)__ddiv_rn(acc, __dmul_rn((double)n, (double)G));
+	} else {
+		c_q[x] = 0.0f;
+	}
+}
+
+extern "C" int kvt_gpu_centroids(uint32_t d, uint32_t dtype, uint32_t n_kv_heads, uint32_t group,
+				 const void *keys, uint64_t tok_stride, uint64_t head_stride,
+				 const void *q, uint32_t n, float *c_k, float *c_q, void *stream)
+{
+	if (!keys || !c_k || !c_q || n == 0 || !kvt_is_pow2_dim(d) || n_kv_heads == 0 || group == 0)
+		return -EINVAL;
+	const uint32_t threads = 128, blocks = (n_kv_heads * d + threads - 1) / threads;
+	cudaStream_t s = KVT_STREAM(stream);
+	if (dtype == KVT_DTYPE_F16)
+		k_centroids<KVT_DTYPE_F16><<<blocks, threads, 0, s>>>(
+			d, n_kv_heads, group, keys, tok_stride, head_stride, q, n, c_k, c_q);
+	else if (dtype == KVT_DTYPE_BF16)
+		k_centroids<KVT_DTYPE_BF16><<<blocks, threads, 0, s>>>(
+			d, n_kv_heads, group, keys, tok_stride, head_stride, q, n, c_k, c_q);
+	else
+		return -EINVAL;
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+/* ---- uploads through kernel parameters ------------------------------------------------------ */
+
+struct upload_blob {
+	uint32_t n;
+	uint32_t bytes[KVT_GPU_UPLOAD_CHUNK / 4];
+};
+
+static __global__ void k_upload(uint32_t *dst, const upload_blob b)
+{
+	for (uint32_t i = threadIdx.x; i < b.n; i += blockDim.x)
+		dst[i] = b.bytes[i];
+}
+
+static __global__ void k_upload_bytes(unsigned char *dst, const upload_blob b)
+{
+	const unsigned char *src = (const unsigned char *)b.bytes;
+	for (uint32_t i = threadIdx.x; i < b.n; i += blockDim.x)
+		dst[i] = src[i];
+}
+
+extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream)
+{
+	if (!dst || (!src && bytes))
+		return -EINVAL;
+	cudaStream_t s = KVT_STREAM(stream);
+	const bool words = ((uintptr_t)dst & 3) == 0 && bytes % 4 == 0;
+	for (size_t o = 0; o < bytes; o += KVT_GPU_UPLOAD_CHUNK) {
+		upload_blob b;
+		const size_t nb = bytes - o < KVT_GPU_UPLOAD_CHUNK ? bytes - o : KVT_GPU_UPLOAD_CHUNK;
+		memcpy(b.bytes, (const char *)src + o, nb);
+		if (words) {
+			b.n = (uint32_t)(nb / 4);
+			k_upload<<<1, 256, 0, s>>>((uint32_t *)((char *)dst + o), b);
+		} else {
+			b.n = (uint32_t)nb;
+			k_upload_bytes<<<1, 256, 0, s>>>((unsigned char *)dst + o, b);
+		}
+		KVT_CU_LAUNCHED();
+	}
+	return 0;
+}

@@ -1,0 +1,382 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend through the public interface, against the CPU backend on kvbench's workload
+ * (tools/workload.c: sinks, recency, heavy hitters, needles; fp16):
+ * - pipeline: two sequences prefilled in two chunks each (the second chunk indexes the first one's
+ *   window from the ring), then many decode steps with lazy flushes; at every step the selected
+ *   token positions of every (sequence, KV head) equal the CPU's (the scores are bit-equal, so only
+ *   an exact tie at the Top-p boundary could differ: none is allowed to pass silently, each
+ *   difference is printed), and the attention outputs are within 1e-3 relative error (L2 per query
+ *   head) of the CPU's;
+ * - hot cache: with a cache far smaller than a step's selection, hundreds of steps of kvt_gather
+ *   return K and V rows byte-equal to the rows that were written, while the layer's counters show
+ *   hits, misses and evictions;
+ * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
+ *   for bit.
+ * Exits 77 (skipped) when no CUDA device is present.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+
+#include "common.h"
+#include "tools/workload.h"
+
+#define CU(x)                                                                                      \
+	do {                                                                                       \
+		cudaError_t e_ = (x);                                                              \
+		T_CHECK(e_ == cudaSuccess, "%s: %s", #x, cudaGetErrorString(e_));                  \
+	} while (0)
+#define OK(c, x)                                                                                   \
+	do {                                                                                       \
+		int r_ = (x);                                                                      \
+		T_CHECK(r_ >= 0, "%s = %d: %s", #x, r_, kvt_last_error(c));                        \
+	} while (0)
+
+enum { NSEQ = 2, HQ = 8, HKV = 2, D = 128, LAYERS = 2 };
+
+/* Two caches fed the same tokens: fp16 rows on the host for the CPU, copies on the device. */
+struct pair {
+	kvt_cache *cpu, *gpu;
+	uint32_t sc[NSEQ], sg[NSEQ];
+	wl *w;
+	uint32_t ctx;
+	uint16_t *hk, *hv, *hq; /* host staging, [n][heads][D] */
+	void *dk, *dv, *dq, *dout;
+	float *out_c, *out_g;
+	uint16_t *rows_k, *rows_v; /* [LAYERS][NSEQ][HKV][max tokens][D]: everything written */
+	uint32_t max_tokens;
+};
+
+static size_t row_at(const struct pair *p, uint32_t layer, uint32_t s, uint32_t h, uint32_t pos)
+{
+	return ((((size_t)layer * NSEQ + s) * HKV + h) * p->max_tokens + pos) * D;
+}
+
+/* Tokens [pos, pos + n) of sequence s on layer into hk/hv ([n][HKV][D]) and hq ([n][HQ][D]). */
+static void make(struct pair *p, uint32_t s, uint32_t layer, uint32_t pos, uint32_t n, int32_t step)
+{
+	float k[D], v[D], q[(HQ / HKV) * D];
+	for (uint32_t t = 0; t < n; t++)
+		for (uint32_t h = 0; h < HKV; h++) {
+			wl_token(p->w, s, layer, h, pos + t, step, k, v, q, NULL);
+			for (uint32_t j = 0; j < D; j++) {
+				size_t at = ((size_t)t * HKV + h) * D + j;
+				p->hk[at] = t_f2h(k[j]);
+				p->hv[at] = t_f2h(v[j]);
+				p->rows_k[row_at(p, layer, s, h, pos + t) + j] = p->hk[at];
+				p->rows_v[row_at(p, layer, s, h, pos + t) + j] = p->hv[at];
+			}
+			for (uint32_t g = 0; g < HQ / HKV; g++)
+				for (uint32_t j = 0; j < D; j++)
+					p->hq[((size_t)t * HQ + h * (HQ / HKV) + g) * D + j] =
+						t_f2h(q[g * D + j]);
+		}
+}
+
+static void upload(struct pair *p, uint32_t n)
+{
+	CU(cudaMemcpy(p->dk, p->hk, (size_t)n * HKV * D * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(p->dv, p->hv, (size_t)n * HKV * D * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(p->dq, p->hq, (size_t)n * HQ * D * 2, cudaMemcpyHostToDevice));
+}
+
+static kvt_config config(uint64_t gpu_cache_bytes)
+{
+	kvt_config cfg = KVT_CONFIG_INIT;
+	cfg.n_layers = LAYERS;
+	cfg.n_q_heads = HQ;
+	cfg.n_kv_heads = HKV;
+	cfg.head_dim = D;
+	cfg.out_dtype = KVT_DTYPE_F32;
+	cfg.host_bytes = 256u << 20;
+	cfg.max_seqs = 4;
+	cfg.window = 32;
+	cfg.flush_batch = 16;
+	cfg.budget_min = 16;
+	cfg.gpu_cache_bytes = gpu_cache_bytes;
+	return cfg;
+}
+
+static void pair_init(struct pair *p, uint32_t ctx, uint32_t steps, uint64_t gpu_cache_bytes)
+{
+	memset(p, 0, sizeof *p);
+	wl_params wp;
+	wl_params_default(&wp);
+	wp.n_layers = LAYERS;
+	wp.n_q_heads = HQ;
+	wp.n_kv_heads = HKV;
+	wp.head_dim = D;
+	wp.context = ctx;
+	wp.steps = steps;
+	wp.seed = 7;
+	T_CHECK(wl_create(&wp, &p->w) == 0, "wl_create");
+	p->ctx = ctx;
+	p->max_tokens = ctx + steps;
+	kvt_config cfg = config(gpu_cache_bytes);
+	cfg.backend = KVT_BACKEND_CPU;
+	OK(NULL, kvt_cache_create(&cfg, &p->cpu));
+	cfg.backend = KVT_BACKEND_CUDA;
+	OK(NULL, kvt_cache_create(&cfg, &p->gpu));
+	for (int s = 0; s < NSEQ; s++) {
+		OK(p->cpu, kvt_seq_open(p->cpu, &p->sc[s]));
+		OK(p->gpu, kvt_seq_open(p->gpu, &p->sg[s]));
+	}
+	const size_t big = (size_t)ctx * HQ * D;
+	p->hk = malloc(big * 2);
+	p->hv = malloc(big * 2);
+	p->hq = malloc(big * 2);
+	p->out_c = malloc(sizeof(float) * NSEQ * HQ * D);
+	p->out_g = malloc(sizeof(float) * NSEQ * HQ * D);
+	const size_t rows = (size_t)LAYERS * NSEQ * HKV * p->max_tokens * D;
+	p->rows_k = calloc(rows, 2);
+	p->rows_v = calloc(rows, 2);
+	T_CHECK(p->hk && p->hv && p->hq && p->out_c && p->out_g && p->rows_k && p->rows_v, "malloc");
+	CU(cudaMalloc(&p->dk, big * 2));
+	CU(cudaMalloc(&p->dv, big * 2));
+	CU(cudaMalloc(&p->dq, big * 2));
+	CU(cudaMalloc(&p->dout, sizeof(float) * NSEQ * HQ * D));
+	/* two prefill chunks per sequence and layer */
+	const uint32_t cut[3] = {0, ctx / 3, ctx};
+	for (uint32_t layer = 0; layer < LAYERS; layer++)
+		for (uint32_t s = 0; s < NSEQ; s++)
+			for (int part = 0; part < 2; part++) {
+				uint32_t n = cut[part + 1] - cut[part];
+				make(p, s, layer, cut[part], n, -1);
+				upload(p, n);
+				OK(p->cpu, kvt_prefill(p->cpu, p->sc[s], layer, p->hq, p->hk, p->hv, n,
+						       NULL));
+				OK(p->gpu, kvt_prefill(p->gpu, p->sg[s], layer, p->dq, p->dk, p->dv, n,
+						       NULL));
+			}
+}
+
+static void pair_fini(struct pair *p)
+{
+	kvt_cache_destroy(p->cpu);
+	kvt_cache_destroy(p->gpu);
+	wl_destroy(p->w);
+	free(p->hk);
+	free(p->hv);
+	free(p->hq);
+	free(p->out_c);
+	free(p->out_g);
+	free(p->rows_k);
+	free(p->rows_v);
+	cudaFree(p->dk);
+	cudaFree(p->dv);
+	cudaFree(p->dq);
+	cudaFree(p->dout);
+}
+
+/* One decode token for both sequences on `layer`, then the queries of `step` in hq/dq. */
+static void decode_inputs(struct pair *p, uint32_t layer, uint32_t step)
+{
+	uint16_t *k = malloc((size_t)NSEQ * HKV * D * 2), *v = malloc((size_t)NSEQ * HKV * D * 2);
+	uint16_t *q = malloc((size_t)NSEQ * HQ * D * 2);
+	for (uint32_t s = 0; s < NSEQ; s++) {
+		make(p, s, layer, p->ctx + step, 1, (int32_t)step);
+		memcpy(k + (size_t)s * HKV * D, p->hk, (size_t)HKV * D * 2);
+		memcpy(v + (size_t)s * HKV * D, p->hv, (size_t)HKV * D * 2);
+		memcpy(q + (size_t)s * HQ * D, p->hq, (size_t)HQ * D * 2);
+	}
+	memcpy(p->hk, k, (size_t)NSEQ * HKV * D * 2);
+	memcpy(p->hv, v, (size_t)NSEQ * HKV * D * 2);
+	memcpy(p->hq, q, (size_t)NSEQ * HQ * D * 2);
+	upload(p, NSEQ);
+	free(k);
+	free(v);
+	free(q);
+}
+
+static void test_pipeline(void **state)
+{
+	(void)state;
+	struct pair p;
+	const uint32_t steps = 120, T = 4096 + steps + 8;
+	pair_init(&p, 4096, steps, 64u << 20);
+	int32_t *cnt_c = malloc(sizeof(int32_t) * NSEQ * HKV), *cnt_g = malloc(sizeof(int32_t) * NSEQ * HKV);
+	int32_t *pos_c = malloc(sizeof(int32_t) * NSEQ * HKV * T);
+	int32_t *pos_g = malloc(sizeof(int32_t) * NSEQ * HKV * T);
+	int32_t *dpos;
+	CU(cudaMalloc((void **)&dpos, sizeof(int32_t) * NSEQ * HKV * T));
+	uint32_t diff_sets = 0, compared = 0;
+	double worst = 0.0;
+	for (uint32_t step = 0; step < steps; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			decode_inputs(&p, layer, step);
+			OK(p.cpu, kvt_append(p.cpu, layer, NSEQ, p.sc, p.hk, p.hv, NULL));
+			OK(p.gpu, kvt_append(p.gpu, layer, NSEQ, p.sg, p.dk, p.dv, NULL));
+			int mc = kvt_select(p.cpu, layer, NSEQ, p.sc, p.hq, NULL);
+			int mg = kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL);
+			T_CHECK(mc > 0 && mg > 0, "select: cpu %d gpu %d: %s / %s", mc, mg,
+				kvt_last_error(p.cpu), kvt_last_error(p.gpu));
+			OK(p.cpu, kvt_gather(p.cpu, layer, NSEQ, p.sc, T, cnt_c, pos_c, NULL, NULL, NULL));
+			OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt_g, dpos, NULL, NULL, NULL));
+			CU(cudaMemcpy(pos_g, dpos, sizeof(int32_t) * NSEQ * HKV * T,
+				      cudaMemcpyDeviceToHost));
+			for (uint32_t it = 0; it < NSEQ * HKV; it++) {
+				compared++;
+				bool same = cnt_c[it] == cnt_g[it] &&
+					    !memcmp(pos_c + (size_t)it * T, pos_g + (size_t)it * T,
+						    sizeof(int32_t) * cnt_c[it]);
+				if (!same) {
+					diff_sets++;
+					print_error("step %u layer %u item %u: cpu %d tokens, gpu %d\n",
+						    step, layer, it, cnt_c[it], cnt_g[it]);
+				}
+			}
+			OK(p.cpu, kvt_attend(p.cpu, layer, NSEQ, p.sc, p.hq, p.out_c, NULL));
+			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
+			CU(cudaMemcpy(p.out_g, p.dout, sizeof(float) * NSEQ * HQ * D,
+				      cudaMemcpyDeviceToHost));
+			for (uint32_t hd = 0; hd < NSEQ * HQ; hd++) {
+				double num = 0, den = 0;
+				for (uint32_t j = 0; j < D; j++) {
+					double a = p.out_c[hd * D + j], b = p.out_g[hd * D + j];
+					num += (a - b) * (a - b);
+					den += a * a;
+				}
+				double rel = sqrt(num / (den > 0 ? den : 1));
+				worst = rel > worst ? rel : worst;
+				T_CHECK(rel <= 1e-3, "step %u layer %u head %u: relative error %g", step,
+					layer, hd, rel);
+			}
+		}
+	kvt_stats sc = {.size = sizeof sc}, sg = {.size = sizeof sg};
+	OK(p.cpu, kvt_get_stats(p.cpu, &sc));
+	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
+	printf("pipeline: %u of %u selected sets differ; worst output error %.3g; flushes cpu %llu "
+	       "gpu %llu; selected cpu %llu gpu %llu; hot hits %llu misses %llu\n",
+	       diff_sets, compared, worst, (unsigned long long)sc.flushes,
+	       (unsigned long long)sg.flushes, (unsigned long long)sc.selected_tokens,
+	       (unsigned long long)sg.selected_tokens, (unsigned long long)sg.hot_hits,
+	       (unsigned long long)sg.hot_misses);
+	T_CHECK(diff_sets == 0, "%u of %u selected sets differ from the CPU's", diff_sets, compared);
+	T_CHECK(sc.flushes == sg.flushes && sc.flushes > 0, "flushes cpu %llu gpu %llu",
+		(unsigned long long)sc.flushes, (unsigned long long)sg.flushes);
+	T_CHECK(sc.tokens == sg.tokens && sc.tokens_indexed == sg.tokens_indexed, "token counts");
+	T_CHECK(sg.hot_hits > 0, "no hot-cache hit in %u steps", steps);
+	free(cnt_c);
+	free(cnt_g);
+	free(pos_c);
+	free(pos_g);
+	cudaFree(dpos);
+	pair_fini(&p);
+}
+
+static void test_hot_cache(void **state)
+{
+	(void)state;
+	struct pair p;
+	const uint32_t steps = 300, T = 2048 + steps + 8;
+	/* 64 KiB per layer: 128 rows of 512 bytes, far below a step's selection */
+	pair_init(&p, 2048, steps, (uint64_t)LAYERS * 128 * (512 + 20));
+	const size_t slab = (size_t)NSEQ * HKV * T * D;
+	uint16_t *ko = malloc(slab * 2), *vo = malloc(slab * 2);
+	int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV), *pos = malloc(sizeof(int32_t) * NSEQ * HKV * T);
+	void *dko, *dvo, *dpos;
+	CU(cudaMalloc(&dko, slab * 2));
+	CU(cudaMalloc(&dvo, slab * 2));
+	CU(cudaMalloc(&dpos, sizeof(int32_t) * NSEQ * HKV * T));
+	uint64_t rows = 0;
+	for (uint32_t step = 0; step < steps; step++) {
+		const uint32_t layer = step % LAYERS;
+		decode_inputs(&p, layer, step / LAYERS);
+		OK(p.gpu, kvt_append(p.gpu, layer, NSEQ, p.sg, p.dk, p.dv, NULL));
+		OK(p.gpu, kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL));
+		OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt, dpos, dko, dvo, NULL));
+		CU(cudaMemcpy(ko, dko, slab * 2, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(vo, dvo, slab * 2, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(pos, dpos, sizeof(int32_t) * NSEQ * HKV * T, cudaMemcpyDeviceToHost));
+		for (uint32_t it = 0; it < NSEQ * HKV; it++) {
+			const uint32_t s = it / HKV, h = it % HKV;
+			for (int32_t t = 0; t < cnt[it]; t++) {
+				const int32_t at = pos[(size_t)it * T + t];
+				T_CHECK(at >= 0 && (uint32_t)at < p.ctx + step / LAYERS + 1,
+					"step %u item %u row %d: position %d", step, it, t, at);
+				const size_t o = ((size_t)it * T + t) * D;
+				const size_t r = row_at(&p, layer, s, h, (uint32_t)at);
+				T_CHECK(!memcmp(ko + o, p.rows_k + r, D * 2) &&
+						!memcmp(vo + o, p.rows_v + r, D * 2),
+					"step %u layer %u seq %u head %u: row of position %d differs "
+					"from the one written",
+					step, layer, s, h, at);
+			}
+			rows += (uint64_t)cnt[it];
+		}
+	}
+	kvt_layer_stats ls = {.size = sizeof ls};
+	OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &ls));
+	printf("hot cache: %llu rows checked; layer 0: %llu hits, %llu misses, %llu PCIe bytes, "
+	       "cache of %llu rows\n",
+	       (unsigned long long)rows, (unsigned long long)ls.hot_hits,
+	       (unsigned long long)ls.hot_misses, (unsigned long long)ls.pcie_bytes,
+	       (unsigned long long)ls.hot_rows);
+	T_CHECK(ls.hot_rows == 128, "hot rows %llu", (unsigned long long)ls.hot_rows);
+	T_CHECK(ls.hot_hits > 0 && ls.hot_misses > 10 * ls.hot_rows,
+		"hits %llu misses %llu: the test needs both, and evictions",
+		(unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
+	T_CHECK(ls.pcie_bytes == ls.hot_misses * 512, "PCIe bytes %llu for %llu misses",
+		(unsigned long long)ls.pcie_bytes, (unsigned long long)ls.hot_misses);
+	free(ko);
+	free(vo);
+	free(cnt);
+	free(pos);
+	cudaFree(dko);
+	cudaFree(dvo);
+	cudaFree(dpos);
+	pair_fini(&p);
+}
+
+static void test_graph(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 3000, 8, 64u << 20);
+	cudaStream_t st;
+	CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+	const size_t ob = sizeof(float) * NSEQ * HQ * D;
+	float *eager = malloc(ob);
+	decode_inputs(&p, 0, 0);
+	OK(p.gpu, kvt_append(p.gpu, 0, NSEQ, p.sg, p.dk, p.dv, st));
+	/* warm-up at this shape, then the eager reference */
+	OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
+	OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
+	CU(cudaStreamSynchronize(st));
+	CU(cudaMemcpy(eager, p.dout, ob, cudaMemcpyDeviceToHost));
+	CU(cudaMemset(p.dout, 0xff, ob));
+	cudaGraph_t graph;
+	cudaGraphExec_t exec;
+	CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+	int rc = kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st);
+	CU(cudaStreamEndCapture(st, &graph));
+	T_CHECK(rc == 0, "kvt_attend while capturing: %d: %s", rc, kvt_last_error(p.gpu));
+	CU(cudaGraphInstantiate(&exec, graph, 0));
+	for (int rep = 0; rep < 3; rep++) {
+		CU(cudaMemset(p.dout, 0xff, ob));
+		CU(cudaGraphLaunch(exec, st));
+		CU(cudaStreamSynchronize(st));
+		CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(p.out_g, eager, ob), "replay %d differs from the eager step", rep);
+	}
+	cudaGraphExecDestroy(exec);
+	cudaGraphDestroy(graph);
+	cudaStreamDestroy(st);
+	free(eager);
+	pair_fini(&p);
+}
+
+int main(void)
+{
+	int count = 0;
+	if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+		printf("no CUDA device: skipped\n");
+		return 77;
+	}
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_pipeline),
+		cmocka_unit_test(test_hot_cache),
+		cmocka_unit_test(test_graph),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
