@@ -80,7 +80,15 @@ struct glay {
 	uint64_t steps, selected;
 };
 
-/* One batch entry's descriptors, as uploaded at each step (device layout of `desc`). */
+/* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
+ * the ns_* counters of kvt_stats) once complete, at the latest by kvt_get_stats. */
+#define TIMING_SETS 64
+enum { T_NONE, T_STEP, T_INDEX };
+struct tset {
+	cudaEvent_t ev[4]; /* step: start, scored, selected, attended; index: start, end */
+	int kind;
+};
+
 struct gbe {
 	cudaStream_t idx;
 	float *rot;                   /* [L][d][d] */
@@ -100,7 +108,8 @@ struct gbe {
 	uint64_t stamp;
 	void *host;                   /* host scratch for descriptors, max_seqs entries */
 	size_t jobs_bytes;
-	uint64_t steps_total;
+	struct tset t[TIMING_SETS];
+	uint32_t t_next;
 };
 
 /* The per-step scratch of a batch, carved from the arena. */
@@ -170,6 +179,51 @@ static struct step carve(const kvt_cache *c, char *base, uint32_t n, uint32_t ld
 static inline struct gbe *BE(const kvt_cache *c)
 {
 	return (struct gbe *)c->be;
+}
+
+static uint64_t ns_between(cudaEvent_t a, cudaEvent_t b)
+{
+	float ms = 0.0f;
+	return cudaEventElapsedTime(&ms, a, b) == cudaSuccess && ms > 0 ? (uint64_t)(ms * 1e6) : 0;
+}
+
+/* Add a completed set's stage times to the counters. */
+static void harvest(kvt_cache *c, struct tset *t)
+{
+	if (t->kind == T_STEP) {
+		c->st.ns_score += ns_between(t->ev[0], t->ev[1]);
+		c->st.ns_select += ns_between(t->ev[1], t->ev[2]);
+		c->st.ns_attend += ns_between(t->ev[2], t->ev[3]);
+	} else if (t->kind == T_INDEX) {
+		c->st.ns_index += ns_between(t->ev[0], t->ev[1]);
+	}
+	t->kind = T_NONE;
+}
+
+/* A free set of events for a new step or build, or NULL: none free (the step goes untimed), or
+ * the stream is being captured (events recorded into a graph cannot be timed). */
+static struct tset *timing(kvt_cache *c, void *stream, int kind)
+{
+	struct gbe *b = (struct gbe *)c->be;
+	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess ||
+	    st != cudaStreamCaptureStatusNone || !b->t[0].ev[0])
+		return NULL;
+	struct tset *t = &b->t[b->t_next];
+	if (t->kind != T_NONE) {
+		if (cudaEventQuery(t->ev[t->kind == T_STEP ? 3 : 1]) != cudaSuccess)
+			return NULL;
+		harvest(c, t);
+	}
+	b->t_next = (b->t_next + 1) % TIMING_SETS;
+	t->kind = kind;
+	return t;
+}
+
+static void mark(struct tset *t, int i, void *stream)
+{
+	if (t)
+		cudaEventRecord(t->ev[i], (cudaStream_t)stream);
 }
 
 static inline uint32_t sinks_of(const kvt_cache *c, uint32_t n_tokens)
@@ -441,9 +495,12 @@ static int index_jobs(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const kvt_g
 		CU(c, cudaStreamWaitEvent(b->idx, b->ready, 0));
 		on = b->idx;
 	}
+	struct tset *t = timing(c, on, T_INDEX);
+	mark(t, 0, on);
 	LAUNCH(c, kvt_gpu_index_build(c->d, c->cfg.dtype, c->cfg.n_kv_heads,
 				      b->rot + (size_t)layer * c->d * c->d, n_jobs, dj, max_n, dv,
 				      b->err, on));
+	mark(t, 1, on);
 	if (low_priority) {
 		CU(c, cudaEventRecord(y->indexed, b->idx));
 		y->pending = true;
@@ -675,20 +732,25 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows));
 	KVT_TRY(wait_index(c, layer, stream));
 	const size_t ld = y->sel_ld;
+	struct tset *t = timing(c, stream, T_STEP);
+	mark(t, 0, stream);
 	if (max_ni) {
 		LAUNCH(c, kvt_gpu_query_prepare(d, c->cfg.dtype, n_seqs, Hq, H,
 						b->rot + (size_t)layer * d * d, q, s.cq, s.ck, s.qc,
 						stream));
 		LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s.qc, s.views, s.ntok, max_ni, s.scores,
 					ld, b->err, stream));
+		mark(t, 1, stream);
 		LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s.scores, ld, s.ntok, max_ni, c->scale,
 						 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
 						 s.topp, s.sscratch, s.sbytes, b->err, stream));
 		LAUNCH(c, kvt_gpu_topp_union(n_seqs, Hq, H, s.scores, ld, s.ntok, max_ni, s.topp,
 					     y->sel, ld, y->sel_n, s.sscratch, s.sbytes, stream));
 	} else {
+		mark(t, 1, stream);
 		CU(c, cudaMemsetAsync(y->sel_n, 0, sizeof(uint32_t) * n_seqs * H, cs));
 	}
+	mark(t, 2, stream);
 	if (out) {
 		kvt_gpu_hot hot = y->hot;
 		hot.counters = b->counters + (size_t)layer * KVT_GPU_CNT_N;
@@ -698,6 +760,7 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 					 q, s.items, max_rows, out, s.ascratch, s.abytes, b->err,
 					 stream));
 	}
+	mark(t, 3, stream);
 	KVT_TRY(err_copy(c, stream));
 	y->stamp = ++b->stamp;
 	for (uint32_t i = 0; i < n_seqs; i++) {
@@ -799,6 +862,8 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 	CU(c, cudaDeviceSynchronize());
 	CU(c, cudaMemcpy(b->cnt_host, b->counters, sizeof(unsigned long long) * L * KVT_GPU_CNT_N,
 			 cudaMemcpyDeviceToHost));
+	for (uint32_t i = 0; i < TIMING_SETS; i++)
+		harvest(c, &b->t[i]);
 	if (layer >= 0) {
 		const unsigned long long *k = b->cnt_host + (size_t)layer * KVT_GPU_CNT_N;
 		const struct glay *y = &b->lay[layer];
@@ -842,6 +907,10 @@ static void cu_fini(kvt_cache *c)
 		dfree(y->jobs);
 	}
 	kvt_mem_free(KVT_MEM_HOST, b->lay, 0);
+	for (uint32_t i = 0; i < TIMING_SETS; i++)
+		for (int e = 0; e < 4; e++)
+			if (b->t[i].ev[e])
+				cudaEventDestroy(b->t[i].ev[e]);
 	if (b->idx)
 		cudaStreamDestroy(b->idx);
 	if (b->staging_ev)
@@ -884,6 +953,9 @@ static int cu_init_inner(kvt_cache *c, struct gbe *b)
 	CU(c, cudaStreamCreateWithPriority(&b->idx, cudaStreamNonBlocking, lo));
 	CU(c, cudaEventCreateWithFlags(&b->staging_ev, cudaEventDisableTiming));
 	CU(c, cudaEventCreateWithFlags(&b->ready, cudaEventDisableTiming));
+	for (uint32_t i = 0; i < TIMING_SETS; i++)
+		for (int e = 0; e < 4; e++)
+			CU(c, cudaEventCreate(&b->t[i].ev[e]));
 	CU(c, cudaHostAlloc((void **)&b->err_host, sizeof *b->err_host, cudaHostAllocDefault));
 	*b->err_host = 0;
 	const size_t rot = sizeof(float) * L * c->d * c->d;

@@ -90,6 +90,13 @@ void progress(bench *b, const char *what, uint64_t done, uint64_t total)
 
 /* ---- buffers ------------------------------------------------------------------------------ */
 
+/* Wait for the device (CUDA backend): wall-clock times then cover the work, not its launch. */
+static void dev_sync(bench *b)
+{
+	if (b->cu.sync_ && b->cu.sync_())
+		fail("cudaDeviceSynchronize failed", "the device reported an error");
+}
+
 static void cuda_open(bench *b)
 {
 	static const char *const names[] = {"libcudart.so", "libcudart.so.12", "libcudart.so.13"};
@@ -101,8 +108,9 @@ static void cuda_open(bench *b)
 	*(void **)&b->cu.malloc_ = dlsym(b->cu.lib, "cudaMalloc");
 	*(void **)&b->cu.free_ = dlsym(b->cu.lib, "cudaFree");
 	*(void **)&b->cu.memcpy_ = dlsym(b->cu.lib, "cudaMemcpy");
-	if (!b->cu.malloc_ || !b->cu.free_ || !b->cu.memcpy_)
-		fail("libcudart", "cudaMalloc, cudaFree or cudaMemcpy missing");
+	*(void **)&b->cu.sync_ = dlsym(b->cu.lib, "cudaDeviceSynchronize");
+	if (!b->cu.malloc_ || !b->cu.free_ || !b->cu.memcpy_ || !b->cu.sync_)
+		fail("libcudart", "cudaMalloc, cudaFree, cudaMemcpy or cudaDeviceSynchronize missing");
 	b->on_dev = true;
 }
 
@@ -352,6 +360,7 @@ static void prefill_chunk(bench *b, uint32_t s, uint32_t l, uint32_t t0, uint32_
 	buf_sync(b, &b->v, (size_t)n * o->kv_heads * b->d * 2, H2D);
 	uint64_t t = now_ns();
 	int rc = kvt_prefill(b->cache, b->ids[s], l, b->q.dev, b->k.dev, b->v.dev, n, NULL);
+	dev_sync(b);
 	t = now_ns() - t;
 	b->ns_prefill += t;
 	b->ns_lib += t;
@@ -425,6 +434,7 @@ static void decode_layer(bench *b, uint32_t step, uint32_t l)
 		lib_fail(b->cache, rc, "kvt_append");
 	if ((rc = kvt_attend(b->cache, l, o->seqs, b->ids, b->q.dev, b->out.dev, NULL)) < 0)
 		lib_fail(b->cache, rc, "kvt_attend");
+	dev_sync(b);
 	uint64_t t1 = now_ns();
 	/* max_tokens = the sequence length is always enough, whatever was selected */
 	rc = kvt_gather(b->cache, l, o->seqs, b->ids, len, b->counts, b->pos.dev, NULL, NULL, NULL);

@@ -60,6 +60,7 @@ typedef struct cudart {
 	int (*malloc_)(void **, size_t);
 	int (*free_)(void *);
 	int (*memcpy_)(void *, const void *, size_t, int);
+	int (*sync_)(void); /* cudaDeviceSynchronize: the calls are asynchronous on the device */
 } cudart;
 
 typedef struct buf {

@@ -280,10 +280,18 @@ static void json_phases(const bench *b)
 	printf("], ");
 }
 
+/* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
+static double hit_rate(const kvt_stats *e, const kvt_stats *s)
+{
+	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
+	return h + m > 0 ? h / (h + m) : NAN;
+}
+
 void print_json(const bench *b, double wall)
 {
 	const opts *o = &b->o;
-	const kvt_stats *e = &b->st_end;
+	const kvt_stats *e = &b->st_end, *s0 = &b->st_prefill;
+	const double steps = b->steps_total ? (double)b->steps_total : 1.0;
 	const acc *a = &b->all;
 	double sl = (double)b->steps_total * o->layers, ho[3], he[3];
 	spread(b, b->head_oracle, ho);
@@ -316,7 +324,10 @@ void print_json(const bench *b, double wall)
 	     {"selected_tokens", (double)e->selected_tokens, NULL},
 	     {"candidate_tokens", (double)e->candidate_tokens, NULL},
 	     {"rows_fetched", (double)e->rows_fetched, NULL},
-	     {"bytes_fetched", (double)e->bytes_fetched, NULL}, {"wall_s", wall, NULL}};
+	     {"bytes_fetched", (double)e->bytes_fetched, NULL},
+	     {"hot_hit_rate", hit_rate(e, s0), NULL},
+	     {"pcie_bytes_per_step", (double)(e->pcie_bytes - s0->pcie_bytes) / steps, NULL},
+	     {"wall_s", wall, NULL}};
 	printf("{");
 	jmembers(top, sizeof(top) / sizeof(top[0]));
 	printf(", ");
@@ -445,6 +456,12 @@ void print_summary(const bench *b, double wall)
 	       (double)(e->ns_score - s->ns_score) / 1e6 / sl,
 	       (double)(e->ns_select - s->ns_select) / 1e6 / sl,
 	       (double)(e->ns_attend - s->ns_attend) / 1e6 / sl);
+	if (e->hot_hits + e->hot_misses)
+		printf("fetch    hot-cache hit rate %.4f; %.3f MiB over PCIe per decode step (all "
+		       "layers and sequences)\n",
+		       hit_rate(e, s),
+		       mib(e->pcie_bytes - s->pcie_bytes) /
+			       (b->steps_total ? (double)b->steps_total : 1.0));
 	if (b->o.n_nvme)
 		summary_tiers(b);
 	printf("cache    %" PRIu64 " tokens, %" PRIu64 " indexed, host %.1f of %.1f MiB, budget_max "
