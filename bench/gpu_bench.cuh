@@ -46,4 +46,51 @@ static float median(std::vector<float> v)
 	return v[v.size() / 2];
 }
 
+/* Device-to-device copy bandwidth of cudaMemcpyAsync over 1 GiB, bytes read plus written per second
+ * (as bench/gpu_scan.cu counts it), median of 20 copies after 5 of warm-up. */
+static inline double d2d_copy_bandwidth(void)
+{
+	const size_t bytes = (size_t)1 << 30;
+	void *a, *b;
+	CK(cudaMalloc(&a, bytes));
+	CK(cudaMalloc(&b, bytes));
+	CK(cudaMemset(a, 0x5a, bytes));
+	cudaEvent_t e0, e1;
+	CK(cudaEventCreate(&e0));
+	CK(cudaEventCreate(&e1));
+	std::vector<float> t;
+	for (int i = 0; i < 25; i++) {
+		CK(cudaEventRecord(e0));
+		CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+		CK(cudaEventRecord(e1));
+		CK(cudaEventSynchronize(e1));
+		float ms;
+		CK(cudaEventElapsedTime(&ms, e0, e1));
+		if (i >= 5)
+			t.push_back(ms);
+	}
+	CK(cudaEventDestroy(e0));
+	CK(cudaEventDestroy(e1));
+	CK(cudaFree(a));
+	CK(cudaFree(b));
+	return 2.0 * bytes / (median(t) * 1e-3);
+}
+
+/* "1,8,32768" into numbers; exits on anything else, naming the flag. */
+static inline std::vector<uint32_t> parse_u32_list(const char *flag, const char *s)
+{
+	std::vector<uint32_t> v;
+	while (*s) {
+		char *end;
+		const unsigned long x = strtoul(s, &end, 0);
+		if (end == s || x == 0 || x > 0xffffffffu || (*end && *end != ',')) {
+			fprintf(stderr, "%s: bad list \"%s\"\n", flag, s);
+			exit(2);
+		}
+		v.push_back((uint32_t)x);
+		s = *end ? end + 1 : end;
+	}
+	return v;
+}
+
 #endif

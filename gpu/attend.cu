@@ -40,9 +40,8 @@ static __global__ void __launch_bounds__(AT_THREADS)
 			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
 		n = 0;
 	}
-	const uint32_t r0 = blockIdx.x * AT_CHUNK, r1 = min(r0 + AT_CHUNK, n);
-	if (r0 >= n)
-		return; /* the merge reads only the chunks that hold rows */
+	if (blockIdx.x * AT_CHUNK >= n)
+		return; /* the merge reads only the blocks that hold rows */
 
 	float qv[GB][8], m[GB], l[GB], acc[GB][8];
 #pragma unroll
@@ -61,6 +60,9 @@ static __global__ void __launch_bounds__(AT_THREADS)
 			acc[g][e] = 0.0f;
 	}
 
+	/* chunks blockIdx.x, + gridDim.x, ...: a block's running maximum spans all of them */
+	for (uint32_t r0 = blockIdx.x * AT_CHUNK; r0 < n; r0 += gridDim.x * AT_CHUNK) {
+	const uint32_t r1 = min(r0 + AT_CHUNK, n);
 	/* the bound is uniform over the warp: the shuffles below need every lane */
 	for (uint32_t r = r0 + grp, base = r0; base < r1;
 	     r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
@@ -122,6 +124,7 @@ static __global__ void __launch_bounds__(AT_THREADS)
 			}
 		}
 	}
+	}
 
 	/* merge the row groups of the block, one query head at a time (bounded shared memory) */
 	for (uint32_t g = 0; g < ng; g++) {
@@ -175,7 +178,7 @@ static __global__ void __launch_bounds__(D)
 	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
 	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
 	const uint32_t n = items[item].n > max_rows ? 0 : items[item].n;
-	const uint32_t used = (n + AT_CHUNK - 1) / AT_CHUNK;
+	const uint32_t used = min((n + AT_CHUNK - 1) / AT_CHUNK, chunks);
 	float M = -INFINITY;
 	for (uint32_t c = 0; c < used; c++)
 		M = fmaxf(M, part[(((size_t)item * chunks + c) * G + g) * (D + 2)]);
@@ -210,9 +213,17 @@ struct at_args {
 	cudaStream_t s;
 };
 
-static uint32_t chunks_of(uint32_t max_rows)
+/* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
+ * 2048 blocks, so a launch sized for a large bound costs little when few rows come; a block then
+ * takes every gridDim.x-th chunk. */
+static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 {
-	return max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
+	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
+	const uint32_t z = group <= 8 ? 1 : (group + 7) / 8;
+	const uint64_t per = (uint64_t)n_items * z;
+	uint32_t cap = per ? (uint32_t)(2048 / per) : 1;
+	cap = cap < 16 ? 16 : cap;
+	return need < cap ? need : cap;
 }
 
 template <int D, int DT, int GB>
@@ -265,8 +276,11 @@ static int dispatch_dtype(uint32_t dtype, uint32_t out_dtype, const at_args &a, 
 extern "C" size_t kvt_gpu_attend_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads,
 					       uint32_t n_kv_heads, uint32_t d, uint32_t max_rows)
 {
-	(void)n_kv_heads;
-	return (size_t)n_seqs * n_q_heads * chunks_of(max_rows) * (d + 2) * sizeof(float);
+	if (n_kv_heads == 0)
+		return 0;
+	return (size_t)n_seqs * n_q_heads *
+	       chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows) * (d + 2) *
+	       sizeof(float);
 }
 
 extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_seqs,
@@ -290,7 +304,8 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 	if (n_seqs == 0 || n_q_heads == 0)
 		return 0;
 	const at_args a = {
-		n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows, chunks_of(max_rows), scale,
+		n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows,
+		chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows), scale,
 		q,         items,      (float *)scratch,    err,      KVT_STREAM(stream)};
 	switch (d) {
 	case 64:

@@ -69,8 +69,8 @@ struct glay {
 	kvt_gpu_hot hot;
 	uint32_t epoch;
 	cudaEvent_t indexed;    /* end of the last index build of this layer */
-	bool pending;           /* recorded, and not yet waited for by `waited` */
-	void *waited;
+	bool pending;           /* recorded since the last wait on `waited` */
+	void *waited;           /* the stream that waited (NULL is a stream too: the default one) */
 	uint64_t stamp;         /* of the last selection made */
 	uint32_t *sel;          /* [seqs][H][sel_ld] */
 	uint32_t *sel_n;        /* [seqs][H] */
@@ -282,7 +282,12 @@ static int grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream,
 static int wait_index(kvt_cache *c, uint32_t layer, void *stream)
 {
 	struct glay *y = &BE(c)->lay[layer];
-	if (y->pending && y->waited != stream) {
+	if (y->pending) {
+		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, 0));
+		y->waited = stream;
+		y->pending = false;
+	} else if (y->waited != stream) {
+		/* another stream than the one that waited: it must wait too */
 		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, 0));
 		y->waited = stream;
 	}
@@ -504,7 +509,6 @@ static int index_jobs(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const kvt_g
 	if (low_priority) {
 		CU(c, cudaEventRecord(y->indexed, b->idx));
 		y->pending = true;
-		y->waited = NULL;
 	}
 	return 0;
 }

@@ -26,14 +26,6 @@ static __device__ __forceinline__ uint32_t set_of(unsigned long long uid, uint32
 	return (uint32_t)((x + pos) % sets);
 }
 
-/* Copy one row with a warp, 16 bytes per lane per iteration. */
-static __device__ __forceinline__ void warp_copy(char *dst, const char *src, uint32_t bytes,
-						 uint32_t lane)
-{
-	for (uint32_t o = lane * 16; o < bytes; o += 32 * 16)
-		*(uint4 *)(dst + o) = *(const uint4 *)(src + o);
-}
-
 /* Warp-aggregated add to a 64-bit counter. */
 static __device__ __forceinline__ void count(unsigned long long *ctr, unsigned long long v)
 {
@@ -66,40 +58,44 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			atomicAdd(&hot.counters[KVT_GPU_CNT_ROWS], (unsigned long long)n);
 		}
 	}
-	const uint32_t k = blockIdx.x * FT_THREADS + threadIdx.x;
-	bool hit = false;
-	if (k < n) {
-		const void *p;
-		uint32_t at;
-		if (k < S + m) {
-			at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
-			p = NULL; /* a miss until found: the fill kernel reads the host row */
-			if (hot.sets) {
-				const uint32_t set = set_of(q.uid, h, at, hot.sets);
-				const unsigned long long lo = (unsigned long long)h << 32 | at;
-				for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-					const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
-					if (hot.tag_hi[slot] == q.uid && hot.tag_lo[slot] == lo) {
-						hot.last_use[slot] = epoch;
-						p = (const char *)hot.rows + slot * row_bytes;
-						hit = true;
-						break;
+	/* rows blockIdx.x * FT_THREADS + tid, then a grid's width further: the bound is uniform
+	 * over the block, so the warp-wide count below sees every lane */
+	for (uint32_t base = blockIdx.x * FT_THREADS; base < n; base += gridDim.x * FT_THREADS) {
+		const uint32_t k = base + threadIdx.x;
+		bool hit = false;
+		if (k < n) {
+			const void *p;
+			uint32_t at;
+			if (k < S + m) {
+				at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
+				p = NULL; /* a miss until found: the fill kernel reads the host row */
+				if (hot.sets) {
+					const uint32_t set = set_of(q.uid, h, at, hot.sets);
+					const unsigned long long lo = (unsigned long long)h << 32 | at;
+					for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+						const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
+						if (hot.tag_hi[slot] == q.uid && hot.tag_lo[slot] == lo) {
+							hot.last_use[slot] = epoch;
+							p = (const char *)hot.rows + slot * row_bytes;
+							hit = true;
+							break;
+						}
 					}
 				}
+				if (!p && !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
+					kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
+			} else {
+				const uint32_t i = q.n_indexed + (k - S - m); /* index position */
+				at = S + i;
+				p = (const char *)q.ring + ((size_t)h * q.wcap + i % q.wcap) * row_bytes;
 			}
-			if (!p && !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
-				kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
-		} else {
-			const uint32_t i = q.n_indexed + (k - S - m); /* index position */
-			at = S + i;
-			p = (const char *)q.ring + ((size_t)h * q.wcap + i % q.wcap) * row_bytes;
+			rows[(size_t)item * max_rows + k] = p;
+			if (pos_out)
+				pos_out[(size_t)item * max_rows + k] = (int32_t)at;
 		}
-		rows[(size_t)item * max_rows + k] = p;
-		if (pos_out)
-			pos_out[(size_t)item * max_rows + k] = (int32_t)at;
+		if (hot.counters)
+			count(&hot.counters[KVT_GPU_CNT_HITS], hit);
 	}
-	if (hot.counters)
-		count(&hot.counters[KVT_GPU_CNT_HITS], hit);
 }
 
 /* ---- fill: misses claim a way, or are read in place --------------------------------------- */
@@ -109,58 +105,89 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	       uint32_t epoch, const void **rows, const kvt_gpu_rows *items, uint32_t max_rows)
 {
 	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv, lane = threadIdx.x & 31;
-	const uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32;
 	const kvt_gpu_fetch_seq q = seqs[s];
 	const uint32_t m = q.sel_n[h], S = q.n_sink;
-	const uint32_t n = items[item].n;
-	if (k >= n || k >= S + m)
-		return; /* warp-uniform */
-	const void **slotp = &rows[(size_t)item * max_rows + k];
-	if (*slotp)
-		return; /* a hit or a window row */
-	const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
-	const char *src = host_row(q.blocks, q.blk_cap, h, at, row_bytes);
-	if (!src) {
-		if (lane == 0)
-			*slotp = q.ring; /* a missing block was reported by the lookup */
-		return;
-	}
-	long long claimed = -1;
-	if (lane == 0 && hot.sets) {
-		const uint32_t set = set_of(q.uid, h, at, hot.sets);
-		for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
-			uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
-			for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-				const uint32_t u =
-					((volatile uint32_t *)hot.last_use)[(size_t)set * KVT_GPU_HOT_WAYS + w];
-				if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
-					best = w;
-					old = u;
+	const uint32_t n = min(items[item].n, S + m);
+	/* one warp per row; rows (warp id) + k * (warps of the grid) */
+	for (uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; k < n;
+	     k += gridDim.x * (FT_THREADS / 32)) {
+		const void **slotp = &rows[(size_t)item * max_rows + k];
+		if (*slotp)
+			continue; /* a hit */
+		const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
+		const char *src = host_row(q.blocks, q.blk_cap, h, at, row_bytes);
+		if (!src) {
+			if (lane == 0)
+				*slotp = q.ring; /* a missing block was reported by the lookup */
+			continue;
+		}
+		if (!hot.sets) {
+			/* no cache: the attention reads the row in place */
+			if (lane == 0) {
+				*slotp = src;
+				if (hot.counters) {
+					atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
+					atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE],
+						  (unsigned long long)row_bytes);
 				}
 			}
-			if (best == KVT_GPU_HOT_WAYS)
-				break; /* every way is in use this step */
-			const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + best;
-			if (atomicCAS(&hot.last_use[slot], old, epoch) == old)
-				claimed = (long long)slot;
+			continue;
+		}
+		/* the PCIe read first, so the claim below overlaps its latency */
+		uint4 x[KVT_MAX_HEAD_DIM * 4 / 512];
+#pragma unroll
+		for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
+			if ((i * 32 + lane) * 16 < row_bytes)
+				x[i] = *(const uint4 *)(src + (i * 32 + lane) * 16);
+		long long claimed = -1;
+		if (lane == 0 && hot.sets) {
+			const uint32_t set = set_of(q.uid, h, at, hot.sets);
+			for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
+				uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
+				for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+					const uint32_t u = ((volatile uint32_t *)
+								    hot.last_use)[(size_t)set * KVT_GPU_HOT_WAYS + w];
+					if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
+						best = w;
+						old = u;
+					}
+				}
+				if (best == KVT_GPU_HOT_WAYS)
+					break; /* every way is in use this step */
+				const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + best;
+				if (atomicCAS(&hot.last_use[slot], old, epoch) == old)
+					claimed = (long long)slot;
+			}
+		}
+		claimed = __shfl_sync(0xffffffffu, claimed, 0);
+		if (claimed >= 0) {
+			char *dst = (char *)hot.rows + (size_t)claimed * row_bytes;
+#pragma unroll
+			for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
+				if ((i * 32 + lane) * 16 < row_bytes)
+					*(uint4 *)(dst + (i * 32 + lane) * 16) = x[i];
+			if (lane == 0) {
+				hot.tag_hi[claimed] = q.uid;
+				hot.tag_lo[claimed] = (unsigned long long)h << 32 | at;
+				*slotp = dst;
+			}
+		} else if (lane == 0) {
+			*slotp = src; /* read in place by the attention */
+		}
+		if (lane == 0 && hot.counters) {
+			atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
+			atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE], (unsigned long long)row_bytes);
 		}
 	}
-	claimed = __shfl_sync(0xffffffffu, claimed, 0);
-	if (claimed >= 0) {
-		char *dst = (char *)hot.rows + (size_t)claimed * row_bytes;
-		warp_copy(dst, src, row_bytes, lane);
-		if (lane == 0) {
-			hot.tag_hi[claimed] = q.uid;
-			hot.tag_lo[claimed] = (unsigned long long)h << 32 | at;
-			*slotp = dst;
-		}
-	} else if (lane == 0) {
-		*slotp = src; /* read in place by the attention */
-	}
-	if (lane == 0 && hot.counters) {
-		atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
-		atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE], (unsigned long long)row_bytes);
-	}
+}
+
+/* Blocks per item along x: enough for the rows, at most what keeps the grid near `total`. */
+static uint32_t grid_x(uint32_t units, uint32_t per_block, uint32_t items, uint32_t total)
+{
+	const uint32_t need = units ? (units + per_block - 1) / per_block : 1;
+	uint32_t cap = items ? total / items : 1;
+	cap = cap < 4 ? 4 : cap;
+	return need < cap ? need : cap;
 }
 
 extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
@@ -177,12 +204,12 @@ extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_
 	if (n_seqs == 0)
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
-	const uint32_t span = max_rows ? max_rows : 1;
-	const dim3 g1((span + FT_THREADS - 1) / FT_THREADS, n_seqs * n_kv_heads);
+	const uint32_t n_items = n_seqs * n_kv_heads;
+	const dim3 g1(grid_x(max_rows, FT_THREADS, n_items, 1024), n_items);
 	k_lookup<<<g1, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
 					   max_rows, pos, err);
 	KVT_CU_LAUNCHED();
-	const dim3 g2((span + FT_THREADS / 32 - 1) / (FT_THREADS / 32), n_seqs * n_kv_heads);
+	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items, 4096), n_items);
 	k_fill<<<g2, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
 					 max_rows);
 	KVT_CU_LAUNCHED();
@@ -196,19 +223,20 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		    char *k_out, char *v_out, int32_t *pos_out, uint32_t ld)
 {
 	const uint32_t item = blockIdx.y, lane = threadIdx.x & 31;
-	const uint32_t t = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32;
 	const kvt_gpu_rows it = items[item];
-	if (t >= it.n || t >= max_rows || t >= ld)
-		return;
-	const char *src = (const char *)it.rows[t];
-	const uint32_t half = 2 * d;
-	const size_t at = ((size_t)item * ld + t) * half;
-	if (k_out) {
-		warp_copy(k_out + at, src, half, lane);
-		warp_copy(v_out + at, src + half, half, lane);
+	const uint32_t n = min(min(it.n, max_rows), ld), half = 2 * d;
+	for (uint32_t t = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; t < n;
+	     t += gridDim.x * (FT_THREADS / 32)) {
+		const char *src = (const char *)it.rows[t];
+		const size_t at = ((size_t)item * ld + t) * half;
+		/* all of the row in one pass: K lanes and V lanes load together */
+		for (uint32_t o = lane * 16; k_out && o < 2 * half; o += 32 * 16) {
+			const uint4 x = *(const uint4 *)(src + o);
+			*(uint4 *)(o < half ? k_out + at + o : v_out + at + (o - half)) = x;
+		}
+		if (lane == 0 && pos_out && pos)
+			pos_out[(size_t)item * ld + t] = pos[(size_t)item * max_rows + t];
 	}
-	if (lane == 0 && pos_out && pos)
-		pos_out[(size_t)item * ld + t] = pos[(size_t)item * max_rows + t];
 }
 
 extern "C" int kvt_gpu_rows_copy(uint32_t d, uint32_t n_items, const kvt_gpu_rows *items,
@@ -220,7 +248,7 @@ extern "C" int kvt_gpu_rows_copy(uint32_t d, uint32_t n_items, const kvt_gpu_row
 		return -EINVAL;
 	if (n_items == 0 || max_rows == 0)
 		return 0;
-	const dim3 g((max_rows + FT_THREADS / 32 - 1) / (FT_THREADS / 32), n_items);
+	const dim3 g(grid_x(max_rows < ld ? max_rows : ld, FT_THREADS / 32, n_items, 4096), n_items);
 	k_rows_copy<<<g, FT_THREADS, 0, KVT_STREAM(stream)>>>(d, items, max_rows, pos, (char *)k_out,
 							       (char *)v_out, pos_out, ld);
 	KVT_CU_LAUNCHED();
