@@ -50,33 +50,6 @@ static __global__ void fill_f16(uint16_t *x, size_t n, uint64_t salt)
 			__float2half((hash32(salt + i) & 0xffff) / 32768.0f - 1.0f));
 }
 
-/* Device-to-device copy bandwidth, bytes read plus written per second. */
-static double copy_bandwidth(void)
-{
-	const size_t bytes = (size_t)1 << 30;
-	void *a, *b;
-	CK(cudaMalloc(&a, bytes));
-	CK(cudaMalloc(&b, bytes));
-	CK(cudaMemset(a, 0x5a, bytes));
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < 25; i++) {
-		CK(cudaEventRecord(e0));
-		CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-		CK(cudaEventRecord(e1));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 5)
-			t.push_back(ms);
-	}
-	CK(cudaFree(a));
-	CK(cudaFree(b));
-	return 2.0 * bytes / (median(t) * 1e-3);
-}
-
 struct setup {
 	uint32_t n, copies;
 	std::vector<kvt_gpu_index_view *> views; /* device, one per copy */
@@ -188,7 +161,7 @@ int main(void)
 	}
 	printf("gpu_scan on %s (%d SMs, L2 %d MiB): D %d, %d KV heads, %d query heads, batch 1\n",
 	       prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, D, HKV, HQ);
-	const double copy_bw = copy_bandwidth();
+	const double copy_bw = d2d_copy_bandwidth();
 	printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_bw / 1e9);
 
 	/* the layer's rotation and centroids, and one random query */
