@@ -306,6 +306,19 @@ CALL(c_st_size, {
 	st.size = sizeof st - 8;
 	return kvt_get_stats(f->c, &st);
 })
+CALL(c_ls_null, {
+	kvt_layer_stats st = {.size = sizeof st};
+	return kvt_get_layer_stats(NULL, 0, &st);
+})
+CALL(c_ls_stats, { return kvt_get_layer_stats(f->c, 0, NULL); })
+CALL(c_ls_size, {
+	kvt_layer_stats st = {.size = sizeof st + 8};
+	return kvt_get_layer_stats(f->c, 0, &st);
+})
+CALL(c_ls_layer, {
+	kvt_layer_stats st = {.size = sizeof st};
+	return kvt_get_layer_stats(f->c, LAYERS, &st);
+})
 
 static const struct call_case call_cases[] = {
 	{"seq_open cache NULL", -EINVAL, {NULL}, c_open_null, 0, 1},
@@ -371,6 +384,10 @@ static const struct call_case call_cases[] = {
 	{"get_stats cache NULL", -EINVAL, {NULL}, c_st_null, 0, 1},
 	{"get_stats stats NULL", -EINVAL, {"stats"}, c_st_stats, 0, 0},
 	{"get_stats size wrong", -EINVAL, {"size"}, c_st_size, 0, 0},
+	{"get_layer_stats cache NULL", -EINVAL, {NULL}, c_ls_null, 0, 1},
+	{"get_layer_stats stats NULL", -EINVAL, {"stats"}, c_ls_stats, 0, 0},
+	{"get_layer_stats size wrong", -EINVAL, {"size"}, c_ls_size, 0, 0},
+	{"get_layer_stats layer 2 of 2", -EINVAL, {"layer", "2"}, c_ls_layer, 0, 0},
 };
 
 /* What a caller can observe of a cache: stats and the lengths of its open sequences. */
