@@ -19,6 +19,8 @@
  * The decode step (kvt_attend) enqueues kernels, kernel-parameter uploads and one small
  * device-to-pinned copy of the error word: no allocation once the scratch fits, no host
  * synchronization, so it can be captured in a CUDA graph after one warm-up step at the same shape.
+ * A sequence spilled to NVMe is restored by the step that attends it (the kernels read the host
+ * tier only), and the device is drained before the NVMe tier moves blocks of the host tier.
  * Errors the kernels find (a non-finite score) are recorded in an error word on the device and
  * reported by the next call on the cache, or by kvt_select / kvt_gather / kvt_get_stats, which
  * synchronize.
@@ -641,6 +643,23 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	return 0;
 }
 
+/* Restore the sequence that owns layer state l from the NVMe tier. */
+static int restore_of(kvt_cache *c, const struct kvt_layer *l)
+{
+	for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
+		if (c->seqs[s].open && c->seqs[s].uid == l->seq_uid) {
+			int64_t rc = kvt_tier_restore(c, &c->seqs[s], s);
+			return rc < 0 ? (int)rc : 0;
+		}
+	return kvt_seterr(c, -ENOENT, "no open sequence owns a layer of the batch");
+}
+
+static int cu_quiesce(kvt_cache *c)
+{
+	CU(c, cudaDeviceSynchronize());
+	return 0;
+}
+
 /* ---- a decode step ----------------------------------------------------------------------- */
 
 /* Rows of the longest (sequence, KV head) item the batch may attend, and the largest index. */
@@ -726,10 +745,20 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 		struct gl *g;
 		KVT_TRY(gl_get(c, ls[i], &g));
 		KVT_TRY(blk_sync(c, ls[i], g, stream));
-		KVT_RETURN_IF(g->spilled, c, -EOPNOTSUPP,
-			      "seqs[%u] has rows on NVMe: the CUDA backend serves host-resident rows "
-			      "only; kvt_seq_restore it first",
-			      i);
+		if (g->spilled) {
+			/* the kernels read the host tier only: bring the sequence back first (a spill
+			 * of another sequence of the batch to make room is refused below) */
+			KVT_TRY(no_capture(c, stream, "restoring a spilled sequence"));
+			KVT_TRY(restore_of(c, ls[i]));
+			KVT_TRY(blk_sync(c, ls[i], g, stream));
+		}
+	}
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		KVT_TRY(blk_sync(c, ls[i], ls[i]->dev, stream));
+		KVT_RETURN_IF(((struct gl *)ls[i]->dev)->spilled, c, -ENOSPC,
+			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
+			      "at once (host_bytes = %llu): a smaller batch or more host memory",
+			      i, (unsigned long long)c->cfg.host_bytes);
 	}
 	struct step s;
 	uint32_t max_ni, max_rows;
@@ -1034,6 +1063,7 @@ static const struct kvt_backend_ops ops = {
 	.attend = cu_attend,
 	.gather = cu_gather,
 	.stats = cu_stats,
+	.quiesce = cu_quiesce,
 };
 
 const struct kvt_backend_ops *const kvt_cuda_backend_ops = &ops;

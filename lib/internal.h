@@ -232,6 +232,9 @@ struct kvt_backend_ops {
 	/* Bring c->st up to date (layer < 0) or fill the counters of one layer; NULL: nothing kept
 	 * outside c->st. */
 	int (*stats)(kvt_cache *c, int layer, kvt_layer_stats *out);
+	/* Wait until no queued device work reads or writes the host tier (before the NVMe tier moves
+	 * blocks under it); NULL: nothing queued, ever. */
+	int (*quiesce)(kvt_cache *c);
 };
 
 extern const struct kvt_backend_ops kvt_cpu_backend;

@@ -249,6 +249,11 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * -ENOENT, -ENOMEM; for a spilled sequence also the NVMe read's errors (-EIO, -EBADMSG naming the
  * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On any error the batch's
  * selections are dropped and `out` may be partly written.
+ * CUDA backend: asynchronous on `stream` (no host synchronization, no allocation once a step of
+ * the same batch and context size has run, so the call can be captured in a CUDA graph). Errors
+ * the kernels find (a non-finite query or score) are returned by the next call on the cache. A
+ * spilled sequence is restored first (kvt_seq_restore's errors apply; -ENOSPC when the batch
+ * cannot be in the host tier at once).
  */
 KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream);

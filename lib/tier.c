@@ -181,6 +181,8 @@ static int ensure_spill_table(kvt_cache *c, struct kvt_layer *l)
 int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 {
 	KVT_TRY(need_tier(c));
+	if (c->ops->quiesce)
+		KVT_TRY(c->ops->quiesce(c));
 	uint32_t n = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
@@ -304,6 +306,8 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	}
 	if (n == 0)
 		return 0;
+	if (c->ops->quiesce)
+		KVT_TRY(c->ops->quiesce(c));
 	uint64_t bytes = (uint64_t)n * c->host.block_bytes;
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, s)); /* never the sequence being restored */

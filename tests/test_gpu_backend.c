@@ -12,7 +12,9 @@
  *   return K and V rows byte-equal to the rows that were written, while the layer's counters show
  *   hits, misses and evictions;
  * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
- *   for bit.
+ *   for bit;
+ * - spilled: a sequence spilled to NVMe is restored by the step that attends it, with the same
+ *   output as before the spill (skipped in a build without liburing).
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
@@ -368,6 +370,57 @@ static void test_graph(void **state)
 	pair_fini(&p);
 }
 
+/* A spilled sequence is restored by the step that attends it, and attends as before. */
+static void test_spilled(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 2048, 4, 64u << 20);
+	kvt_cache_destroy(p.gpu);
+	const char *paths[] = {"test_gpu_backend_spill.img"};
+	const uint64_t sizes[] = {64u << 20};
+	kvt_config cfg = config(64u << 20);
+	cfg.backend = KVT_BACKEND_CUDA;
+	cfg.nvme_paths = paths;
+	cfg.nvme_bytes = sizes;
+	cfg.n_nvme = 1;
+	int rc = kvt_cache_create(&cfg, &p.gpu);
+	if (rc == -EOPNOTSUPP) {
+		printf("no NVMe tier in this build (%s): skipped\n", kvt_last_error(NULL));
+		p.gpu = NULL;
+		pair_fini(&p);
+		skip();
+	}
+	OK(NULL, rc);
+	uint32_t s;
+	OK(p.gpu, kvt_seq_open(p.gpu, &s));
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		make(&p, 0, layer, 0, 2048, -1);
+		upload(&p, 2048);
+		OK(p.gpu, kvt_prefill(p.gpu, s, layer, p.dq, p.dk, p.dv, 2048, NULL));
+	}
+	const size_t ob = sizeof(float) * HQ * D;
+	float *before = malloc(ob);
+	make(&p, 0, 1, 2048, 1, 0); /* a query of layer 1 in dq */
+	upload(&p, 1);
+	OK(p.gpu, kvt_attend(p.gpu, 1, 1, &s, p.dq, p.dout, NULL));
+	CU(cudaMemcpy(before, p.dout, ob, cudaMemcpyDeviceToHost));
+	int64_t moved = kvt_seq_spill(p.gpu, s);
+	T_CHECK(moved > 0, "kvt_seq_spill = %lld: %s", (long long)moved, kvt_last_error(p.gpu));
+	CU(cudaMemset(p.dout, 0xff, ob));
+	OK(p.gpu, kvt_attend(p.gpu, 1, 1, &s, p.dq, p.dout, NULL));
+	CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
+	kvt_stats st = {.size = sizeof st};
+	OK(p.gpu, kvt_get_stats(p.gpu, &st));
+	printf("spilled: %lld bytes moved, %llu restores\n", (long long)moved,
+	       (unsigned long long)st.restores);
+	T_CHECK(st.restores == 1, "restores = %llu", (unsigned long long)st.restores);
+	T_CHECK(!memcmp(before, p.out_g, ob), "output after spill and restore differs");
+	free(before);
+	pair_fini(&p);
+	remove(paths[0]);
+}
+
 int main(void)
 {
 	int count = 0;
@@ -380,6 +433,7 @@ int main(void)
 		cmocka_unit_test(test_pipeline),
 		cmocka_unit_test(test_hot_cache),
 		cmocka_unit_test(test_graph),
+		cmocka_unit_test(test_spilled),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
