@@ -25,6 +25,11 @@
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_CNT_BINS 4096u
 #define SEL_MASS_BINS 2048u
+/* Equal-width intervals of the first mass level. Only a pruning step (the key radix after it is
+ * exact whatever interval it keeps), so few: every block adds each nonzero bin of its chunk to the
+ * segment's histogram with three global atomics, and with 2048 intervals, nearly all of them
+ * nonzero, those atomics were most of the pass. */
+#define SEL_M0_BINS 256u
 #define SEL_MAX_N (1u << 24)
 
 typedef unsigned __int128 u128;
@@ -127,7 +132,7 @@ static __device__ __forceinline__ uint32_t lbin(float s, float smin, float inv_w
 {
 	if (!(inv_w > 0.0f))
 		return 0;
-	return (uint32_t)fminf(__fmul_rn(__fsub_rn(s, smin), inv_w), (float)(SEL_MASS_BINS - 1));
+	return (uint32_t)fminf(__fmul_rn(__fsub_rn(s, smin), inv_w), (float)(SEL_M0_BINS - 1));
 }
 
 static __device__ __forceinline__ double mass_d(u128 x)
@@ -327,7 +332,7 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 		finish_topp(st, o, keyf(~__ldcg(&st->nmin_key)), n, n, bmin, bmax);
 	} else {
 		const float lo = keyf(~__ldcg(&st->nmin_key)), hi = keyf(__ldcg(&st->max_key));
-		const float inv = __fdiv_rn((float)SEL_MASS_BINS, __fsub_rn(hi, lo));
+		const float inv = __fdiv_rn((float)SEL_M0_BINS, __fsub_rn(hi, lo));
 		st->smin = lo;
 		st->inv_w = hi > lo && isfinite(inv) ? inv : 0.0f; /* 0: one bin */
 		st->prefix = 0;
@@ -353,11 +358,13 @@ struct level {
 	static constexpr bool mass = PH <= PH_M3, pos = PH >= PH_P0, linear = PH == PH_M0;
 	/* radix level: score keys by bits 21..31, 10..20, 0..9; position keys (24 bits) 12..23, 0..11 */
 	static constexpr int r = mass ? PH - PH_M1 : pos ? PH - PH_P0 : PH - PH_C0;
-	static constexpr int width = linear ? 11 : pos ? 12 : r == 2 ? 10 : 11;
+	static constexpr int width = linear ? 8 : pos ? 12 : r == 2 ? 10 : 11;
 	static constexpr int shift = digit_shift(linear, pos, r);
 	static constexpr int top = linear ? 32 : shift + width; /* bits above the digit are fixed */
 	static constexpr uint32_t bins = 1u << width;
 	static constexpr bool last = pos ? r == 1 : r == 2;
+	static_assert(!linear || bins == SEL_M0_BINS, "the first level's bins are the intervals");
+	static_assert(bins >= SEL_THREADS, "the decision gives each thread at least one bin");
 };
 
 /* Block-wide exclusive prefix over threads in index order of a count and a 128-bit mass. */
