@@ -108,6 +108,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	const kvt_gpu_fetch_seq q = seqs[s];
 	const uint32_t m = q.sel_n[h], S = q.n_sink;
 	const uint32_t n = min(items[item].n, S + m);
+	uint32_t misses = 0; /* lane 0's count */
 	/* one warp per row; rows (warp id) + k * (warps of the grid) */
 	for (uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; k < n;
 	     k += gridDim.x * (FT_THREADS / 32)) {
@@ -125,11 +126,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			/* no cache: the attention reads the row in place */
 			if (lane == 0) {
 				*slotp = src;
-				if (hot.counters) {
-					atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
-					atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE],
-						  (unsigned long long)row_bytes);
-				}
+				misses++;
 			}
 			continue;
 		}
@@ -174,10 +171,21 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		} else if (lane == 0) {
 			*slotp = src; /* read in place by the attention */
 		}
-		if (lane == 0 && hot.counters) {
-			atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], 1ull);
-			atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE], (unsigned long long)row_bytes);
-		}
+		if (lane == 0)
+			misses++;
+	}
+	/* one pair of global atomics per block: the counters are one address for the whole grid */
+	__shared__ uint32_t block_misses;
+	if (threadIdx.x == 0)
+		block_misses = 0;
+	__syncthreads();
+	if (lane == 0 && misses)
+		atomicAdd(&block_misses, misses);
+	__syncthreads();
+	if (threadIdx.x == 0 && block_misses && hot.counters) {
+		atomicAdd(&hot.counters[KVT_GPU_CNT_MISSES], (unsigned long long)block_misses);
+		atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE],
+			  (unsigned long long)block_misses * row_bytes);
 	}
 }
 
