@@ -85,9 +85,9 @@ struct glay {
 /* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
  * the ns_* counters of kvt_stats) once complete, at the latest by kvt_get_stats. */
 #define TIMING_SETS 64
-enum { T_NONE, T_STEP, T_INDEX };
+enum { T_NONE, T_STEP, T_INDEX, T_STORE };
 struct tset {
-	cudaEvent_t ev[4]; /* step: start, scored, selected, attended; index: start, end */
+	cudaEvent_t ev[4]; /* step: start, scored, selected, attended; index and store: start, end */
 	int kind;
 };
 
@@ -198,6 +198,8 @@ static void harvest(kvt_cache *c, struct tset *t)
 		c->st.ns_attend += ns_between(t->ev[2], t->ev[3]);
 	} else if (t->kind == T_INDEX) {
 		c->st.ns_index += ns_between(t->ev[0], t->ev[1]);
+	} else if (t->kind == T_STORE) {
+		c->st.ns_store += ns_between(t->ev[0], t->ev[1]);
 	}
 	t->kind = T_NONE;
 }
@@ -560,7 +562,10 @@ static int cu_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const v
 	}
 	kvt_gpu_store_job sj = {k, v, (void *const *)g->blk, g->ring, (uint64_t)H * d, g->blk_cap,
 				g->wcap, first, n, S + target, S};
+	struct tset *ts = timing(c, stream, T_STORE);
+	mark(ts, 0, stream);
 	LAUNCH(c, kvt_gpu_store_rows(d, H, 1, &sj, n, b->err, stream));
+	mark(ts, 1, stream);
 	if (from_chunk) {
 		/* the chunk's keys from staging, on the low-priority stream; the layer's next call
 		 * waits for it on the device */
@@ -608,7 +613,10 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 					    (void *const *)g->blk, g->ring, (uint64_t)H * d, g->blk_cap,
 					    g->wcap, ls[i]->n_tokens, 1, S, S};
 	}
+	struct tset *ts = timing(c, stream, T_STORE);
+	mark(ts, 0, stream);
 	LAUNCH(c, kvt_gpu_store_rows(d, H, n_seqs, sj, 1, b->err, stream));
+	mark(ts, 1, stream);
 	/* lazy flushes: the oldest B window tokens of each full window join the index */
 	kvt_gpu_index_job *jobs = b->host;
 	kvt_gpu_index_view *views = (kvt_gpu_index_view *)(jobs + 2 * n_seqs);
