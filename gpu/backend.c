@@ -321,6 +321,16 @@ static int check_err(kvt_cache *c)
 			  code, where, idx);
 }
 
+/* Every entry point: the cache's device current on this thread (runtimes switch devices), then
+ * any error the kernels recorded since the last call. */
+static int enter(kvt_cache *c)
+{
+	int cur = -1;
+	if (cudaGetDevice(&cur) != cudaSuccess || cur != c->cfg.device)
+		CU(c, cudaSetDevice(c->cfg.device));
+	return check_err(c);
+}
+
 /* Queue the copy of the error word to its pinned mirror, read by the next check_err. */
 static int err_copy(kvt_cache *c, void *stream)
 {
@@ -533,7 +543,7 @@ static int cu_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const v
 	const uint32_t r1 = first > S ? (first - S < target ? first - S : target) : 0;
 	const uint32_t c0 = (first > S ? first : S) - S;
 	const uint32_t from_chunk = target > c0 ? target - c0 : 0;
-	KVT_TRY(check_err(c));
+	KVT_TRY(enter(c));
 	KVT_TRY(gl_get(c, l, &g));
 	KVT_TRY(gl_reserve(c, l, g, layer, target, stream));
 	if (from_chunk) {
@@ -592,7 +602,7 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	const uint32_t W = c->cfg.window, B = c->cfg.flush_batch, H = c->cfg.n_kv_heads, d = c->d;
 	const uint32_t S = c->cfg.n_sink;
 	uint32_t *total = c->batch_tokens;
-	KVT_TRY(check_err(c));
+	KVT_TRY(enter(c));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
 		struct gl *g;
@@ -748,7 +758,7 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	struct glay *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
 	cudaStream_t cs = (cudaStream_t)stream;
-	KVT_TRY(check_err(c));
+	KVT_TRY(enter(c));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct gl *g;
 		KVT_TRY(gl_get(c, ls[i], &g));
@@ -849,7 +859,7 @@ static int cu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	struct glay *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
 	cudaStream_t cs = (cudaStream_t)stream;
-	KVT_TRY(check_err(c));
+	KVT_TRY(enter(c));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct gl *g = ls[i]->dev;
 		KVT_RETURN_IF(!g || g->sel_stamp != y->stamp, c, -EINVAL,
@@ -864,7 +874,7 @@ static int cu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 				      y->sel_n + (size_t)((struct gl *)ls[i]->dev)->sel_slot * H,
 				      sizeof(uint32_t) * H, cudaMemcpyDeviceToHost, cs));
 	CU(c, cudaStreamSynchronize(cs));
-	KVT_TRY(check_err(c));
+	KVT_TRY(enter(c));
 	uint64_t total = 0;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
@@ -900,6 +910,7 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 {
 	struct gbe *b = BE(c);
 	const uint32_t L = c->cfg.n_layers;
+	KVT_TRY(enter(c));
 	CU(c, cudaDeviceSynchronize());
 	CU(c, cudaMemcpy(b->cnt_host, b->counters, sizeof(unsigned long long) * L * KVT_GPU_CNT_N,
 			 cudaMemcpyDeviceToHost));
