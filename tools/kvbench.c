@@ -10,16 +10,17 @@
  * the source files.
  */
 #include "kvbench.h"
+#include "trace.h"
 
-#include <dlfcn.h>
 #include <errno.h>
+#include <math.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-enum { H2D = 1, D2H = 2 }; /* cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost */
+enum { H2D = CUDART_H2D, D2H = CUDART_D2H };
 
 /* ---- errors, time, progress -------------------------------------------------------------- */
 
@@ -71,7 +72,7 @@ uint64_t now_ns(void)
 /* \r updates on a terminal; otherwise one line per 10% so logs stay short. */
 void progress(bench *b, const char *what, uint64_t done, uint64_t total)
 {
-	if (b->o.quiet)
+	if (sweep_progress(what, done, total) || b->o.quiet)
 		return;
 	int pct = (int)(done * 100 / total);
 	if (b->tty) {
@@ -91,7 +92,7 @@ void progress(bench *b, const char *what, uint64_t done, uint64_t total)
 /* ---- buffers ------------------------------------------------------------------------------ */
 
 /* Wait for the device (CUDA backend): wall-clock times then cover the work, not its launch. */
-static void dev_sync(bench *b)
+void dev_sync(bench *b)
 {
 	if (b->cu.sync_ && b->cu.sync_())
 		fail("cudaDeviceSynchronize failed", "the device reported an error");
@@ -99,22 +100,13 @@ static void dev_sync(bench *b)
 
 static void cuda_open(bench *b)
 {
-	static const char *const names[] = {"libcudart.so", "libcudart.so.12", "libcudart.so.13"};
-	for (size_t i = 0; i < 3 && !b->cu.lib; i++)
-		b->cu.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-	const char *why = b->cu.lib ? NULL : dlerror();
-	if (!b->cu.lib)
-		fail("the cache runs on CUDA but libcudart could not be loaded", why ? why : "?");
-	*(void **)&b->cu.malloc_ = dlsym(b->cu.lib, "cudaMalloc");
-	*(void **)&b->cu.free_ = dlsym(b->cu.lib, "cudaFree");
-	*(void **)&b->cu.memcpy_ = dlsym(b->cu.lib, "cudaMemcpy");
-	*(void **)&b->cu.sync_ = dlsym(b->cu.lib, "cudaDeviceSynchronize");
-	if (!b->cu.malloc_ || !b->cu.free_ || !b->cu.memcpy_ || !b->cu.sync_)
-		fail("libcudart", "cudaMalloc, cudaFree, cudaMemcpy or cudaDeviceSynchronize missing");
+	const char *why = NULL;
+	if (cudart_open(&b->cu, &why))
+		fail("the cache runs on CUDA but libcudart could not be used", why);
 	b->on_dev = true;
 }
 
-static void buf_alloc(bench *b, buf *x, size_t bytes)
+void buf_alloc(bench *b, buf *x, size_t bytes)
 {
 	x->host = xcalloc(1, bytes);
 	x->dev = x->host;
@@ -122,14 +114,14 @@ static void buf_alloc(bench *b, buf *x, size_t bytes)
 		fail("cudaMalloc failed", "staging buffer");
 }
 
-static void buf_free(bench *b, buf *x)
+void buf_free(bench *b, buf *x)
 {
 	if (b->on_dev)
 		b->cu.free_(x->dev);
 	free(x->host);
 }
 
-static void buf_sync(bench *b, buf *x, size_t bytes, int dir)
+void buf_sync(bench *b, buf *x, size_t bytes, int dir)
 {
 	if (!b->on_dev)
 		return;
@@ -141,12 +133,12 @@ static void buf_sync(bench *b, buf *x, size_t bytes, int dir)
 
 /* ---- setup ------------------------------------------------------------------------------- */
 
-static uint16_t to_bits(const bench *b, float x)
+uint16_t to_bits(const bench *b, float x)
 {
 	return b->o.dtype == KVT_DTYPE_BF16 ? wl_f32_to_bf16(x) : wl_f32_to_f16(x);
 }
 
-static float from_bits(const bench *b, uint16_t h)
+float from_bits(const bench *b, uint16_t h)
 {
 	return b->o.dtype == KVT_DTYPE_BF16 ? wl_bf16_to_f32(h) : wl_f16_to_f32(h);
 }
@@ -176,6 +168,7 @@ static void create_cache(bench *b)
 	cfg.budget_min = o->budget_min;
 	cfg.budget_max = o->budget_max;
 	cfg.seed = o->seed;
+	cfg.gpu_cache_bytes = o->gpu_cache;
 	tier_config(b, &cfg);
 	int rc = kvt_cache_create(&cfg, &b->cache);
 	tier_created(b);
@@ -209,7 +202,7 @@ static void setup_workload(bench *b)
 		fail("cannot build the workload", "out of memory or bad shape");
 }
 
-static void setup(bench *b)
+void setup(bench *b)
 {
 	const opts *o = &b->o;
 	b->d = o->head_dim;
@@ -217,7 +210,7 @@ static void setup(bench *b)
 	b->steps_total = o->capacity ? 2 * o->steps : o->steps;
 	b->cap = o->context + b->steps_total;
 	b->tty = isatty(STDERR_FILENO);
-	b->table = !o->json && !o->quiet;
+	b->table = !o->json && !o->quiet && !o->point;
 	setup_workload(b);
 	size_t truth_n = (size_t)o->seqs * o->layers * o->kv_heads * b->cap * b->d;
 	size_t sl = (size_t)o->seqs * o->layers, rows = o->chunk > o->seqs ? o->chunk : o->seqs;
@@ -242,6 +235,8 @@ static void setup(bench *b)
 	for (uint32_t i = 0; i < b->steps_total; i++)
 		acc_init(&b->step[i]);
 	acc_init(&b->all);
+	if (o->baselines)
+		base_alloc(b);
 	create_cache(b);
 	buf_alloc(b, &b->q, rows * o->q_heads * b->d * 2);
 	buf_alloc(b, &b->k, rows * o->kv_heads * b->d * 2);
@@ -250,7 +245,7 @@ static void setup(bench *b)
 	buf_alloc(b, &b->pos, (size_t)o->seqs * o->kv_heads * b->cap * sizeof(int32_t));
 }
 
-static void teardown(bench *b)
+void teardown(bench *b)
 {
 	for (uint32_t s = 0; s < b->o.seqs; s++)
 		kvt_seq_close(b->cache, b->ids[s]);
@@ -260,15 +255,15 @@ static void teardown(bench *b)
 	buf_free(b, &b->v);
 	buf_free(b, &b->out);
 	buf_free(b, &b->pos);
-	if (b->cu.lib)
-		dlclose(b->cu.lib);
+	cudart_close(&b->cu);
 	wl_destroy(b->w);
 	void *p[] = {b->ids, b->lru, b->K, b->V, b->len, b->n_idx, b->qf, b->needle, b->counts,
 		     b->score, b->ent, b->qtmp, b->prob, b->sorted, b->mark, b->head_oracle,
 		     b->head_eff, b->step};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);
-	opts_free(&b->o);
+	if (b->o.baselines)
+		base_free(b);
 }
 
 /* ---- the documented window rule, checked against the library ----------------------------- */
@@ -286,7 +281,7 @@ static void rule_prefill(bench *b, size_t sl, uint32_t n)
 }
 
 /* An append adds a window token; at W + B window tokens the oldest B are indexed. */
-static void rule_append(bench *b, size_t sl)
+void rule_append(bench *b, size_t sl)
 {
 	uint32_t len = ++b->len[sl];
 	if (len - sinks_of(b, len) - b->n_idx[sl] >= b->o.window + b->o.flush)
@@ -389,7 +384,7 @@ void prefill_seq(bench *b, uint32_t s)
 
 /* Every sequence at once: chunk-major, layer-minor, as a runtime runs its layers over one chunk at
  * a time. */
-static void prefill_all(bench *b)
+void prefill_all(bench *b)
 {
 	const opts *o = &b->o;
 	uint32_t chunks = (o->context + o->chunk - 1) / o->chunk;
@@ -455,6 +450,7 @@ static void decode_layer(bench *b, uint32_t step, uint32_t l)
 void decode_steps(bench *b, uint32_t first, uint32_t n)
 {
 	const opts *o = &b->o;
+	uint64_t t0 = now_ns();
 	for (uint32_t st = first; st < first + n; st++) {
 		for (uint32_t l = 0; l < o->layers; l++) {
 			decode_layer(b, st, l);
@@ -470,6 +466,7 @@ void decode_steps(bench *b, uint32_t first, uint32_t n)
 			fflush(stdout);
 		}
 	}
+	b->ns_decode += now_ns() - t0;
 	/* the library stamps a batch's sequences in the order given: ids[0] is used first */
 	for (uint32_t s = 0; s < o->seqs; s++)
 		lru_touch(b, s);
@@ -489,10 +486,80 @@ static void standard_run(bench *b)
 		print_row(b, -1, &b->all);
 }
 
+static double ratio(double x, double y)
+{
+	return y > 0 ? x / y : NAN;
+}
+
+/* What the sweep, the plan and the baseline table keep of a run. */
+static void result_of(const bench *b, kb_result *r)
+{
+	const opts *o = &b->o;
+	const kvt_stats *e = &b->st_end, *s = &b->st_prefill;
+	const acc *a = &b->all;
+	double sl = (double)b->steps_total * o->layers;
+	*r = (kb_result){.context = o->context, .seqs = o->seqs, .layers = o->layers,
+			 .topk = o->topk, .p = o->p};
+	r->recall = ratio(a->recall_sum, (double)a->recall_n);
+	r->recall_min = a->recall_min;
+	r->budget = ratio(a->budget_sum, (double)a->kv_n);
+	r->oracle_budget = ratio(a->oracle_sum, (double)a->kv_n);
+	r->err = sqrt(ratio(a->err2, a->full2));
+	r->step_ms = (double)a->ns / 1e6 / sl;
+	/* decode tokens (one per sequence and step) per second of append + attend over the layers run */
+	r->tok_s = ratio((double)o->seqs * b->steps_total, (double)a->ns / 1e9);
+	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
+	r->hit_rate = ratio(h, h + m);
+	r->pcie_step = (double)(e->pcie_bytes - s->pcie_bytes) / b->steps_total;
+	const uint64_t e5[5] = {e->ns_index, e->ns_store, e->ns_score, e->ns_select, e->ns_attend};
+	const uint64_t s5[5] = {s->ns_index, s->ns_store, s->ns_score, s->ns_select, s->ns_attend};
+	for (int i = 0; i < 5; i++)
+		r->stage_ms[i] = (double)(e5[i] - s5[i]) / 1e6 / sl;
+	for (int i = 0; i < KB_N_BASE; i++) {
+		const bacc *x = &b->base[i];
+		r->base_recall[i] = o->baselines ? ratio(x->recall_sum, (double)x->recall_n) : NAN;
+		r->base_budget[i] = o->baselines ? ratio(x->budget_sum, (double)x->kv_n) : NAN;
+		r->base_err[i] = o->baselines ? sqrt(ratio(x->err2, x->full2)) : NAN;
+	}
+	r->host_used = e->host_bytes_used;
+	r->index_bytes = e->index_bytes;
+}
+
+void run_point(const opts *o, const kb_plan *plan, kb_result *r)
+{
+	bench *b = xcalloc(1, sizeof(*b));
+	b->o = *o;
+	b->plan = plan;
+	uint64_t t0 = now_ns();
+	setup(b);
+	standard_run(b);
+	double wall = (double)(now_ns() - t0) / 1e9;
+	if (!o->point) {
+		if (o->json)
+			print_json(b, wall);
+		else
+			print_summary(b, wall);
+	}
+	result_of(b, r);
+	if (plan)
+		r->plan = *plan;
+	teardown(b);
+	free(b);
+}
+
 int main(int argc, char **argv)
 {
 	static bench b;
+	for (int i = 1; i < argc; i++)
+		if (!strcmp(argv[i], "--trace") || !strncmp(argv[i], "--trace=", 8))
+			return kvbench_trace_main(argc, argv);
 	parse_args(argc, argv, &b.o);
+	if (b.o.stress_s)
+		return stress_main(&b.o);
+	if (b.o.n_sweep || (b.o.baselines && !b.o.capacity && !b.o.plan))
+		return sweep_main(&b.o);
+	if (b.o.plan)
+		return plan_main(&b.o);
 	uint64_t t0 = now_ns();
 	setup(&b);
 	if (b.o.capacity)
@@ -505,5 +572,6 @@ int main(int argc, char **argv)
 	else
 		print_summary(&b, wall);
 	teardown(&b);
+	opts_free(&b.o);
 	return 0;
 }

@@ -6,12 +6,21 @@
  *   kvbench_eval.c    the exact reference and the comparison with what the library attended
  *   kvbench_tier.c    the tier configuration, room-making spills and the --capacity phases
  *   kvbench_report.c  the per-step table, the summary and the JSON object
+ *   kvbench_plan.c    the capacity arithmetic of --plan (kvbench_plan.h)
+ *   kvbench_base.c    the baselines: oracle Top-p, oracle and Quest-style pages at kvtier's budget
+ *   kvbench_sweep.c   --plan runs, --sweep points, the baseline table, CSV/JSON and the progress bar
+ *   kvbench_svg.c     the SVG plots written next to the CSV
+ *   kvbench_stress.c  --stress: the fetch path under load, every fetched row verified
+ *   kvbench_verify.c  the row verifier (kvbench_verify.h), also linked by a test
  * doc/kvbench.md describes the experiments and every output field.
  */
 #ifndef KVBENCH_H
 #define KVBENCH_H
 
 #include "kvtier.h"
+#include "cudart.h"
+#include "kvbench_plan.h"
+#include "kvbench_verify.h"
 #include "workload.h"
 
 #include <stdbool.h>
@@ -44,6 +53,24 @@ typedef struct opts {
 	uint32_t nvme_qd;       /* kvt_config.nvme_queue_depth (0: the library's default) */
 	uint32_t spill;         /* kvt_spill_policy */
 	const char *nvme_only;  /* an option given that needs an NVMe tier, for the check there is one */
+	uint64_t gpu_cache;     /* kvt_config.gpu_cache_bytes */
+	/* --plan: the capacity arithmetic for a whole model, then a scaled run */
+	bool plan;
+	uint32_t model_layers;  /* the model's layers (the run uses --layers) */
+	uint64_t gpu_bytes, weights_bytes;
+	uint64_t plan_host, plan_nvme; /* --plan-host-bytes, --plan-nvme-bytes: the deployment's */
+	double run_fraction;    /* share of the planned sequences to run; 0: at most 4 sequences */
+	/* baselines and sweeps */
+	bool baselines;         /* evaluate the oracle and Quest selections at kvtier's budget */
+	uint32_t topk;          /* kvtier with p = 1, budget_min = budget_max = topk (0: off) */
+	uint32_t n_sweep;
+	char *sweep[4];         /* "name=v1,v2,..." */
+	const char *csv;        /* --csv FILE */
+	bool point;             /* a run inside --plan/--sweep: no table, no summary */
+	/* --stress */
+	uint32_t stress_s;
+	const char *stress_modes; /* comma-separated: many, adversarial, qd, spill (or all) */
+	uint32_t stress_budget;   /* budget_max (and min) of adversarial selections */
 } opts;
 
 /* Per-step (and, summed, per-phase and whole-run) quality figures. */
@@ -53,19 +80,21 @@ typedef struct acc {
 	uint64_t ns; /* wall time of kvt_append + kvt_attend */
 } acc;
 
-/* Device memory for the CUDA backend through libcudart, found at run time so that kvbench needs no
- * CUDA header; with the CPU backend, "device" pointers are the host buffers themselves. */
-typedef struct cudart {
-	void *lib;
-	int (*malloc_)(void **, size_t);
-	int (*free_)(void *);
-	int (*memcpy_)(void *, const void *, size_t, int);
-	int (*sync_)(void); /* cudaDeviceSynchronize: the calls are asynchronous on the device */
-} cudart;
+/* Device memory for the CUDA backend through libcudart (tools/cudart.h); with the CPU backend,
+ * "device" pointers are the host buffers themselves. */
 
 typedef struct buf {
 	void *host, *dev;
 } buf;
+
+/* Recall, budget and output error of one baseline selection (kvbench_base.c). */
+typedef struct bacc {
+	double recall_sum, recall_min, budget_sum, err2, full2;
+	uint64_t recall_n, kv_n;
+} bacc;
+
+enum { KB_BASE_ORACLE_TOPP, KB_BASE_ORACLE_AT, KB_BASE_QUEST, KB_N_BASE };
+extern const char *const kb_base_names[KB_N_BASE];
 
 /* One phase of the capacity experiment. */
 typedef struct phase {
@@ -113,13 +142,36 @@ typedef struct bench {
 	uint32_t n_phases;
 	bool tty, table;        /* progress on a terminal; the per-step table is printed */
 	int last_decile;
+	bacc base[KB_N_BASE];   /* with --baselines */
+	uint8_t *bmask;         /* [cap] a baseline's set */
+	float *pmax;            /* [cap] max over the group of the exact probability */
+	float *kmin, *kmax;     /* [cap / 16 + 1, d] Quest page bounds */
+	float *pscore;          /* [cap / 16 + 1] Quest page scores */
+	uint32_t *porder;       /* [cap / 16 + 1] */
+	const kb_plan *plan;    /* --plan: printed with the run */
+	uint64_t ns_decode;     /* wall time of the decode steps, kvbench's work included */
 } bench;
+
+/* What kvbench_sweep.c keeps of one run. */
+typedef struct kb_result {
+	uint32_t context, seqs, layers, topk;
+	float p;
+	double recall, recall_min, budget, oracle_budget, err, step_ms, tok_s, hit_rate, pcie_step;
+	double stage_ms[5];     /* index, store, score, select, attend per (step, layer) */
+	double base_recall[KB_N_BASE], base_budget[KB_N_BASE], base_err[KB_N_BASE];
+	uint64_t host_used, index_bytes;
+	kb_plan plan;           /* at this point's context */
+} kb_result;
 
 /* ---- kvbench_opts.c ---------------------------------------------------------------------- */
 
 /* Parse argv into *o (defaults from KVT_CONFIG_INIT); --help exits 0, a bad option exits 2. */
 void parse_args(int argc, char **argv, opts *o);
 void opts_free(opts *o);
+/* Apply one option as if given on the command line (a sweep point's override). */
+void opts_set(opts *o, const char *flag, const char *val);
+/* The plan's inputs from the options. */
+void opts_plan_in(const opts *o, uint32_t context, kb_plan_in *in);
 /* "1.5 GiB"-style text of a byte count, into out (n bytes); returns out. */
 const char *fmt_bytes(uint64_t bytes, char *out, size_t n);
 
@@ -142,6 +194,20 @@ void prefill_seq(bench *b, uint32_t s);
 void decode_steps(bench *b, uint32_t first, uint32_t n);
 /* Mark sequence index s (0-based in ids) as the most recently used. */
 void lru_touch(bench *b, uint32_t s);
+/* One standard run (prefill, decode) of opts o, into *r; with o->point no table or summary. */
+void run_point(const opts *o, const kb_plan *plan, kb_result *r);
+void setup(bench *b);
+void teardown(bench *b);
+void buf_alloc(bench *b, buf *x, size_t bytes);
+void buf_free(bench *b, buf *x);
+void buf_sync(bench *b, buf *x, size_t bytes, int dir);
+void dev_sync(bench *b);
+void prefill_all(bench *b);
+uint16_t to_bits(const bench *b, float x);
+float from_bits(const bench *b, uint16_t h);
+/* The documented window rule for one append of (sequence, layer) sl. */
+void rule_append(bench *b, size_t sl);
+enum { KB_H2D = CUDART_H2D, KB_D2H = CUDART_D2H };
 
 /* ---- kvbench_eval.c ---------------------------------------------------------------------- */
 
@@ -149,6 +215,31 @@ void lru_touch(bench *b, uint32_t s);
 void evaluate(bench *b, uint32_t s, uint32_t l, const float *out, acc *a);
 void acc_init(acc *a);
 void acc_add(acc *to, const acc *a);
+
+/* ---- kvbench_base.c ---------------------------------------------------------------------- */
+
+/* The baselines of one KV head: b->prob holds the group's exact softmax over len tokens, b->mark
+ * the exact Top-p union over [lo, hi); sel indexed tokens is kvtier's budget. */
+void base_eval(bench *b, const float *K, const float *V, const float *q, uint32_t len,
+	       uint32_t lo, uint32_t hi, uint32_t sel);
+void base_alloc(bench *b);
+void base_free(bench *b);
+
+/* ---- kvbench_sweep.c --------------------------------------------------------------------- */
+
+int plan_main(opts *o);
+int sweep_main(opts *o);
+/* The sweep bar, when one is running: progress() reports into it. */
+bool sweep_progress(const char *what, uint64_t done, uint64_t total);
+
+/* ---- kvbench_svg.c ----------------------------------------------------------------------- */
+
+/* The three plots of a sweep, next to csv ("x.csv" -> "x-recall.svg" ...). Returns 0 or -1. */
+int svg_write_all(const char *csv, const kb_result *r, uint32_t n, char names[3][512]);
+
+/* ---- kvbench_stress.c -------------------------------------------------------------------- */
+
+int stress_main(opts *o);
 
 /* ---- kvbench_tier.c ---------------------------------------------------------------------- */
 

@@ -165,6 +165,9 @@ void evaluate(bench *b, uint32_t s, uint32_t l, const float *out, acc *a)
 			uni += b->mark[i];
 		for (int32_t i = 0; i < cnt; i++)
 			sel += (uint32_t)p[i] >= lo && (uint32_t)p[i] < hi;
+		if (b->o.baselines)
+			base_eval(b, truth(b, b->K, s, l, h), truth(b, b->V, s, l, h),
+				  b->qf + ((size_t)s * o->q_heads + jq) * b->d, len, lo, hi, sel);
 		if (n) {
 			a->budget_sum += (double)sel / n;
 			a->oracle_sum += (double)uni / n;

@@ -29,7 +29,9 @@ static void opts_default(opts *o)
 		    .backend = KVT_BACKEND_CPU, .seed = 1, .p = cfg.p, .sinks = cfg.n_sink,
 		    .window = cfg.window, .flush = cfg.flush_batch, .budget_min = cfg.budget_min,
 		    .budget_max = cfg.budget_max, .nvme_cache = cfg.nvme_cache_bytes,
-		    .nvme_qd = cfg.nvme_queue_depth, .spill = cfg.spill_policy};
+		    .nvme_qd = cfg.nvme_queue_depth, .spill = cfg.spill_policy,
+		    .gpu_cache = cfg.gpu_cache_bytes, .model_layers = 32, .gpu_bytes = 80ull << 30,
+		    .weights_bytes = 15ull << 30, .stress_modes = "all", .stress_budget = 1024};
 }
 
 static void capacity_preset(opts *o)
@@ -99,6 +101,28 @@ static void usage(FILE *f, const opts *d)
 		KB_NVME_DEFAULT, d->nvme_qd, d->nvme_qd ? "" : ": the library's default",
 		fmt_bytes(d->nvme_cache, nc, sizeof nc), spill_names[d->spill], CAP_SEQS,
 		CAP_CONTEXT, CAP_STEPS);
+	fprintf(f,
+		"Capacity plan (--plan): the arithmetic for the whole model, then a scaled run:\n"
+		"  --plan           print kvtier's capacity against full K/V in HBM, then run the\n"
+		"                   planned sequences at --context on --layers layers (scaled)\n"
+		"  --model-layers N the model's layers for the arithmetic (%u)\n"
+		"  --gpu-bytes N    HBM of the GPU (80G)   --weights-bytes N  model weights (15G)\n"
+		"  --gpu-cache N    kvt_config.gpu_cache_bytes, the hot cache (%s)\n"
+		"  --plan-host-bytes N, --plan-nvme-bytes N  host memory and NVMe of the deployment\n"
+		"                   (256G and the --nvme files, or 0)\n"
+		"  --run-fraction X share of the planned sequences to run (default: at most 4)\n"
+		"Baselines and sweeps:\n"
+		"  --baselines      also evaluate the exact Top-p oracle, the oracle and Quest pages at\n"
+		"                   kvtier's budget\n"
+		"  --topk K         Top-k by kvtier's estimate: p = 1, budget min = max = K\n"
+		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max\n"
+		"                   (repeatable, crossed; topk points take the first p)\n"
+		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it\n"
+		"Fetch-path stress:\n"
+		"  --stress S       S seconds per mode, every fetched row verified\n"
+		"  --stress-mode M  many, adversarial, qd, spill or all, comma-separated (all)\n"
+		"  --stress-budget N  tokens per query head of adversarial selections (%u)\n",
+		d->model_layers, fmt_bytes(d->gpu_cache, nc, sizeof nc), d->stress_budget);
 	fprintf(f,
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
@@ -195,7 +219,9 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 		{"--sinks", &o->sinks, 0, big}, {"--window", &o->window, 0, big},
 		{"--flush", &o->flush, 1, big}, {"--budget-min", &o->budget_min, 0, big},
 		{"--budget-max", &o->budget_max, 0, big}, {"--chunk", &o->chunk, 1, 1u << 20},
-		{"--nvme-qd", &o->nvme_qd, 1, 1024},
+		{"--nvme-qd", &o->nvme_qd, 1, 1024}, {"--model-layers", &o->model_layers, 1, 4096},
+		{"--topk", &o->topk, 1, big}, {"--stress", &o->stress_s, 1, 86400},
+		{"--stress-budget", &o->stress_budget, 1, big},
 	};
 	for (size_t i = 0; i < sizeof(u32) / sizeof(u32[0]); i++)
 		if (!strcmp(flag, u32[i].name)) {
@@ -203,6 +229,24 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 			return true;
 		}
 	return false;
+}
+
+/* --sweep NAME=V1,V2,...: the name is checked here, each value when its point is set up. */
+static void add_sweep(opts *o, const char *flag, const char *val)
+{
+	static const char *const axes[] = {"context", "seqs", "p", "topk", "layers", "budget-max"};
+	const char *eq = strchr(val, '=');
+	size_t n = eq ? (size_t)(eq - val) : 0;
+	bool known = false;
+	for (size_t i = 0; i < sizeof(axes) / sizeof(axes[0]); i++)
+		known |= eq && strlen(axes[i]) == n && !strncmp(val, axes[i], n);
+	if (!known || !eq[1])
+		bad_value(flag, val, "expected NAME=V1,V2,... with NAME context, seqs, p, topk, "
+			  "layers or budget-max");
+	if (o->n_sweep == 4)
+		bad_value(flag, val, "at most 4 --sweep axes");
+	if (!(o->sweep[o->n_sweep++] = strdup(val)))
+		fail("out of memory", "copying --sweep");
 }
 
 static void set_option(opts *o, const char *flag, const char *val)
@@ -244,6 +288,29 @@ static void set_option(opts *o, const char *flag, const char *val)
 		o->nvme_cache = parse_size(flag, val, 1ull << 20, 1ull << 40);
 	} else if (!strcmp(flag, "--nvme")) {
 		set_nvme(o, flag, val);
+	} else if (!strcmp(flag, "--gpu-bytes")) {
+		o->gpu_bytes = parse_size(flag, val, 1, UINT64_MAX);
+	} else if (!strcmp(flag, "--weights-bytes")) {
+		o->weights_bytes = parse_size(flag, val, 0, UINT64_MAX);
+	} else if (!strcmp(flag, "--gpu-cache")) {
+		o->gpu_cache = parse_size(flag, val, 0, UINT64_MAX);
+	} else if (!strcmp(flag, "--plan-host-bytes")) {
+		o->plan_host = parse_size(flag, val, 1, UINT64_MAX);
+	} else if (!strcmp(flag, "--plan-nvme-bytes")) {
+		o->plan_nvme = parse_size(flag, val, 0, UINT64_MAX);
+	} else if (!strcmp(flag, "--run-fraction")) {
+		char *end;
+		errno = 0;
+		double x = strtod(val, &end);
+		if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
+			bad_value(flag, val, "expected a number in (0, 1]");
+		o->run_fraction = x;
+	} else if (!strcmp(flag, "--sweep")) {
+		add_sweep(o, flag, val);
+	} else if (!strcmp(flag, "--csv")) {
+		o->csv = val;
+	} else if (!strcmp(flag, "--stress-mode")) {
+		o->stress_modes = val;
 	} else {
 		fprintf(stderr, "kvbench: unknown option '%s' (see --help)\n", flag);
 		exit(2);
@@ -253,7 +320,8 @@ static void set_option(opts *o, const char *flag, const char *val)
 static bool is_switch(const char *a)
 {
 	return !strcmp(a, "--json") || !strcmp(a, "--quiet") || !strcmp(a, "--capacity") ||
-	       !strcmp(a, "--help") || !strcmp(a, "-h");
+	       !strcmp(a, "--plan") || !strcmp(a, "--baselines") || !strcmp(a, "--help") ||
+	       !strcmp(a, "-h");
 }
 
 /*
@@ -277,6 +345,8 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 			}
 			o->json |= apply && !strcmp(a, "--json");
 			o->quiet |= apply && !strcmp(a, "--quiet");
+			o->plan |= apply && !strcmp(a, "--plan");
+			o->baselines |= apply && !strcmp(a, "--baselines");
 			continue;
 		}
 		size_t n = eq ? (size_t)(eq - a) : strlen(a);
@@ -303,6 +373,21 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 static void finish(opts *o)
 {
 	char v[32];
+	if (o->topk) {
+		o->p = 1.0f;
+		o->budget_min = o->budget_max = o->topk;
+	}
+	int modes = o->capacity + o->plan + (o->stress_s > 0);
+	if (modes > 1) {
+		fprintf(stderr, "kvbench: --capacity, --plan and --stress are separate experiments: "
+			"give one\n");
+		exit(2);
+	}
+	if (o->n_sweep && (o->capacity || o->stress_s)) {
+		fprintf(stderr, "kvbench: --sweep runs standard points (or --plan ones), not "
+			"--capacity or --stress\n");
+		exit(2);
+	}
 	snprintf(v, sizeof(v), "%u", o->kv_heads);
 	if (o->q_heads % o->kv_heads)
 		bad_value("--kv-heads", v, "must divide --q-heads");
@@ -338,8 +423,30 @@ void parse_args(int argc, char **argv, opts *o)
 	finish(o);
 }
 
+void opts_set(opts *o, const char *flag, const char *val)
+{
+	set_option(o, flag, val);
+	finish(o);
+}
+
+void opts_plan_in(const opts *o, uint32_t context, kb_plan_in *in)
+{
+	uint64_t nvme = o->plan_nvme;
+	if (!nvme && o->n_nvme && o->nvme_bytes)
+		nvme = o->nvme_bytes * o->n_nvme;
+	*in = (kb_plan_in){.layers = o->model_layers, .kv_heads = o->kv_heads,
+			   .head_dim = o->head_dim, .context = context, .sinks = o->sinks,
+			   .window = o->window, .flush = o->flush, .gpu_bytes = o->gpu_bytes,
+			   .weights_bytes = o->weights_bytes, .hot_bytes = o->gpu_cache,
+			   .host_bytes = o->plan_host ? o->plan_host : 256ull << 30,
+			   .nvme_bytes = nvme};
+}
+
 void opts_free(opts *o)
 {
+	for (uint32_t i = 0; i < o->n_sweep; i++)
+		free(o->sweep[i]);
+	o->n_sweep = 0;
 	free(o->nvme_arg);
 	o->nvme_arg = NULL;
 	o->n_nvme = 0;
