@@ -292,6 +292,12 @@ int sweep_main(opts *o)
 			    .t0 = now_ns(), .last_pct = -10};
 	for (uint32_t i = 0; i < n; i++)
 		bar.total_w += (double)po[i].context * po[i].seqs * po[i].layers;
+	if (o->csv) { /* find out now, not after the run, that the file cannot be written */
+		FILE *f = fopen(o->csv, "a");
+		if (!f)
+			fail("cannot write the CSV file", o->csv);
+		fclose(f);
+	}
 	bool table = !o->json;
 	if (table && na)
 		print_point_columns();
