@@ -86,12 +86,7 @@ static void upload(struct pair *p, uint32_t n)
 
 static kvt_config config(uint64_t gpu_cache_bytes)
 {
-	kvt_config cfg = KVT_CONFIG_INIT;
-	cfg.n_layers = LAYERS;
-	cfg.n_q_heads = HQ;
-	cfg.n_kv_heads = HKV;
-	cfg.head_dim = D;
-	cfg.out_dtype = KVT_DTYPE_F32;
+	kvt_config cfg = t_config(LAYERS, HQ, HKV, D, KVT_DTYPE_F16); /* each test sets backend */
 	cfg.host_bytes = 256u << 20;
 	cfg.max_seqs = 4;
 	cfg.window = 32;
