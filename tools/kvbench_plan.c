@@ -3,7 +3,8 @@
  * Capacity arithmetic (kvbench_plan.h). What it counts, per layer and KV head:
  *   full K/V in HBM   4 D bytes per token (K and V, 2 bytes per element)
  *   kvtier in HBM     D/8 + 4 bytes per indexed token (the index: code, sigma, beta), the window
- *                     buffer of window + flush full rows per sequence, and the hot-token cache once
+ *                     ring of window + 2 flush full rows per sequence (the CUDA backend's: a flush
+ *                     reads its oldest B rows while B more arrive), and the hot-token cache once
  *   host tier         every token's row, in whole 256-token blocks
  *   NVMe              the same blocks, each with its header, 4 KiB aligned
  * It leaves out what does not scale with the sequences (rotations, centroids, staging), and counts
@@ -33,7 +34,7 @@ int kb_plan_compute(const kb_plan_in *in, kb_plan *out)
 	uint64_t front = (uint64_t)in->sinks + in->window;
 	p.index_token_bytes = ((uint64_t)in->head_dim / 8 + 4) * kl;
 	p.index_tokens = in->context > front ? in->context - front : 0;
-	p.window_seq_bytes = ((uint64_t)in->window + in->flush) * row * kl;
+	p.window_seq_bytes = ((uint64_t)in->window + 2ull * in->flush) * row * kl;
 	p.hbm_seq_bytes = p.index_tokens * p.index_token_bytes + p.window_seq_bytes;
 	uint64_t hbm = p.kv_free > in->hot_bytes ? p.kv_free - in->hot_bytes : 0;
 	p.hbm_seqs = p.hbm_seq_bytes ? hbm / p.hbm_seq_bytes : UINT64_MAX;
