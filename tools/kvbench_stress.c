@@ -8,7 +8,8 @@
  *   many         every sequence at once (--seqs, 16 when 1 is given), the workload's queries
  *   adversarial  random queries, so nothing is reused from one step to the next, and selections at
  *                their largest: p = 1 with budget_min = budget_max = --stress-budget
- *   qd           every sequence spilled to NVMe, served directly, at queue depths 1, 4, 16, 64, 256
+ *   qd           every sequence spilled to NVMe, served directly, at queue depths 1, 4, 16, 64, 256,
+ *                through a 4 MiB block cache (unless --nvme-cache is given) so the files are read
  *   spill        decode (append, select, gather) mixed with kvt_seq_spill and kvt_seq_restore
  * The report gives, per mode, sustained figures (rows and bytes per second inside the library,
  * over the whole time) and the step latency's median and p99.
@@ -180,8 +181,14 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 		b->o.n_nvme = 1;
 		b->o.nvme_own = true;
 	}
-	if (nv)
+	if (nv) {
 		b->o.nvme_qd = qd;
+		/* a block cache smaller than the spilled rows, so each step reads from the files
+		 * (with the default 64 MiB every depth soon read the same bytes from the cache) */
+		kvt_config def = KVT_CONFIG_INIT;
+		if (o->nvme_cache == def.nvme_cache_bytes)
+			b->o.nvme_cache = 4ull << 20;
+	}
 	setup(b);
 	prefill_all(b);
 	const uint32_t S = b->o.seqs, KV = b->o.kv_heads, d = b->d;
