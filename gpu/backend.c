@@ -778,15 +778,15 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 			      "at once (host_bytes = %llu): a smaller batch or more host memory",
 			      i, (unsigned long long)c->cfg.host_bytes);
 	}
+	/* the layer's selection buffer is regrown or rewritten from here: no earlier selection in it
+	 * stays readable, and a failure below leaves none half made */
+	y->stamp = ++b->stamp;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		ls[i]->sel_epoch = 0;
 	struct step s;
 	uint32_t max_ni, max_rows;
 	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows));
 	KVT_TRY(wait_index(c, layer, stream));
-	/* the layer's selection buffer is rewritten from here: no earlier selection in it stays
-	 * readable, and a failure below leaves none half made */
-	y->stamp = ++b->stamp;
-	for (uint32_t i = 0; i < n_seqs; i++)
-		ls[i]->sel_epoch = 0;
 	const size_t ld = y->sel_ld;
 	struct tset *t = timing(c, stream, T_STEP);
 	mark(t, 0, stream);
