@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Reader and writer of trace directories (doc/trace-format.md): the .npy parser, the JSON parser
- * for meta.json, the checks of a trace against its metadata, and the writer used by the tests.
+ * Reader and writer of trace directories (doc/trace-format.md): the .npy parser, meta.json's
+ * fields (its JSON parser is tools/trace_json.c), the checks of a trace against its metadata, and the writer used by the tests.
  * Inputs are untrusted: every length is checked before it is used, and nothing is allocated from a
  * size that was not first checked against the file it came from.
  */
@@ -20,11 +20,7 @@ static const char *const array_names[TRACE_ARRAYS] = {
 	"prefill.q", "prefill.k", "prefill.v", "decode.q", "decode.k", "decode.v",
 };
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
-#endif
-static int
-errf(char *err, size_t n, int code, const char *fmt, ...)
+int trace_errf(char *err, size_t n, int code, const char *fmt, ...)
 {
 	if (err && n) {
 		va_list ap;
@@ -189,25 +185,25 @@ static void shape_text(const uint64_t *shape, uint32_t ndim, char *out, size_t n
 static int h_shape(hcur *c, trace_npy *o, const char *name, char *err, size_t en)
 {
 	if (!h_eat(c, '('))
-		return errf(err, en, -EINVAL, "%s: header: 'shape' is not a tuple", name);
+		return trace_errf(err, en, -EINVAL, "%s: header: 'shape' is not a tuple", name);
 	o->ndim = 0;
 	bool comma = false;
 	while (!h_eat(c, ')')) {
 		if (o->ndim && !comma)
-			return errf(err, en, -EINVAL, "%s: header: 'shape': expected ',' or ')'",
+			return trace_errf(err, en, -EINVAL, "%s: header: 'shape': expected ',' or ')'",
 				    name);
 		if (o->ndim == TRACE_MAX_DIMS)
-			return errf(err, en, -EINVAL, "%s: header: 'shape' has more than %d dims",
+			return trace_errf(err, en, -EINVAL, "%s: header: 'shape' has more than %d dims",
 				    name, TRACE_MAX_DIMS);
 		if (!h_int(c, &o->shape[o->ndim]))
-			return errf(err, en, -EINVAL,
+			return trace_errf(err, en, -EINVAL,
 				    "%s: header: 'shape': dim %u is not an integer in [0, 2^40]",
 				    name, o->ndim);
 		o->ndim++;
 		comma = h_eat(c, ',');
 	}
 	if (o->ndim == 1 && !comma)
-		return errf(err, en, -EINVAL,
+		return trace_errf(err, en, -EINVAL,
 			    "%s: header: 'shape' (%llu) is not a tuple (want (%llu,))", name,
 			    (unsigned long long)o->shape[0], (unsigned long long)o->shape[0]);
 	return 0;
@@ -219,58 +215,58 @@ static int h_dict(hcur *c, trace_npy *o, const char *name, char *err, size_t en)
 	char key[32], descr[32];
 	int rc;
 	if (!h_eat(c, '{'))
-		return errf(err, en, -EINVAL, "%s: header: not a dict (no '{')", name);
+		return trace_errf(err, en, -EINVAL, "%s: header: not a dict (no '{')", name);
 	while (!h_eat(c, '}')) {
 		int k;
 		if (!h_str(c, key, sizeof(key)))
-			return errf(err, en, -EINVAL, "%s: header: expected a quoted key or '}'",
+			return trace_errf(err, en, -EINVAL, "%s: header: expected a quoted key or '}'",
 				    name);
 		k = !strcmp(key, "descr")	    ? 0
 		    : !strcmp(key, "fortran_order") ? 1
 		    : !strcmp(key, "shape")	    ? 2
 						    : -1;
 		if (k < 0)
-			return errf(err, en, -EINVAL, "%s: header: unknown key '%s'", name, key);
+			return trace_errf(err, en, -EINVAL, "%s: header: unknown key '%s'", name, key);
 		if (seen[k])
-			return errf(err, en, -EINVAL, "%s: header: key '%s' given twice", name,
+			return trace_errf(err, en, -EINVAL, "%s: header: key '%s' given twice", name,
 				    key);
 		seen[k] = true;
 		if (!h_eat(c, ':'))
-			return errf(err, en, -EINVAL, "%s: header: '%s': expected ':'", name, key);
+			return trace_errf(err, en, -EINVAL, "%s: header: '%s': expected ':'", name, key);
 		if (k == 0 && !h_str(c, descr, sizeof(descr)))
-			return errf(err, en, -EINVAL, "%s: header: 'descr' is not a short string",
+			return trace_errf(err, en, -EINVAL, "%s: header: 'descr' is not a short string",
 				    name);
 		if (k == 1 && !(fortran = h_word(c, "True")) && !h_word(c, "False"))
-			return errf(err, en, -EINVAL,
+			return trace_errf(err, en, -EINVAL,
 				    "%s: header: 'fortran_order' is not True or False", name);
 		if (k == 2 && (rc = h_shape(c, o, name, err, en)) < 0)
 			return rc;
 		if (!h_eat(c, ',')) {
 			if (h_eat(c, '}'))
 				break;
-			return errf(err, en, -EINVAL, "%s: header: after '%s': expected ',' or '}'",
+			return trace_errf(err, en, -EINVAL, "%s: header: after '%s': expected ',' or '}'",
 				    name, key);
 		}
 	}
 	h_ws(c);
 	if (c->i != c->n)
-		return errf(err, en, -EINVAL, "%s: header: text after the dict at byte %zu", name,
+		return trace_errf(err, en, -EINVAL, "%s: header: text after the dict at byte %zu", name,
 			    c->i);
 	for (int k = 0; k < 3; k++)
 		if (!seen[k])
-			return errf(err, en, -EINVAL, "%s: header: no '%s' key", name,
+			return trace_errf(err, en, -EINVAL, "%s: header: no '%s' key", name,
 				    k == 0   ? "descr"
 				    : k == 1 ? "fortran_order"
 					     : "shape");
 	if (fortran)
-		return errf(err, en, -EINVAL, "%s: header: 'fortran_order' is True: want C order",
+		return trace_errf(err, en, -EINVAL, "%s: header: 'fortran_order' is True: want C order",
 			    name);
 	if (!strcmp(descr, "<f2"))
 		o->dtype = TRACE_F16;
 	else if (!strcmp(descr, "<f4"))
 		o->dtype = TRACE_F32;
 	else
-		return errf(
+		return trace_errf(
 			err, en, -EINVAL,
 			"%s: header: 'descr' is '%s': want '<f2' or '<f4' (little-endian float16 "
 			"or float32)",
@@ -288,28 +284,28 @@ static int npy_header(const unsigned char *b, size_t avail, uint64_t size, const
 {
 	memset(o, 0, sizeof(*o));
 	if (avail < 8 || memcmp(b, "\x93NUMPY", 6))
-		return errf(err, en, -EINVAL, "%s: magic: not a .npy file (want \\x93NUMPY)", name);
+		return trace_errf(err, en, -EINVAL, "%s: magic: not a .npy file (want \\x93NUMPY)", name);
 	unsigned major = b[6], minor = b[7];
 	if ((major != 1 && major != 2) || minor)
-		return errf(err, en, -EINVAL, "%s: version: %u.%u, want 1.0 or 2.0", name, major,
+		return trace_errf(err, en, -EINVAL, "%s: version: %u.%u, want 1.0 or 2.0", name, major,
 			    minor);
 	size_t pre = major == 1 ? 10 : 12;
 	if (avail < pre)
-		return errf(err, en, -EINVAL, "%s: header length: truncated file (%llu bytes)",
+		return trace_errf(err, en, -EINVAL, "%s: header length: truncated file (%llu bytes)",
 			    name, (unsigned long long)size);
 	uint32_t hlen = major == 1 ? (uint32_t)b[8] | (uint32_t)b[9] << 8
 				   : (uint32_t)b[8] | (uint32_t)b[9] << 8 | (uint32_t)b[10] << 16 |
 					     (uint32_t)b[11] << 24;
 	if (hlen > TRACE_MAX_NPY_HEADER)
-		return errf(err, en, -EINVAL, "%s: header length: %u bytes, more than the limit %u",
+		return trace_errf(err, en, -EINVAL, "%s: header length: %u bytes, more than the limit %u",
 			    name, hlen, TRACE_MAX_NPY_HEADER);
 	if (hlen > avail - pre)
-		return errf(err, en, -EINVAL,
+		return trace_errf(err, en, -EINVAL,
 			    "%s: header length: %u bytes, but only %zu follow the length field",
 			    name, hlen, avail - pre);
 	for (size_t i = pre; i < pre + hlen; i++)
 		if (b[i] >= 0x7f || (b[i] < 0x20 && b[i] != '\n' && b[i] != '\t' && b[i] != '\r'))
-			return errf(err, en, -EINVAL,
+			return trace_errf(err, en, -EINVAL,
 				    "%s: header: byte 0x%02x at offset %zu is not printable ASCII",
 				    name, b[i], i);
 	hcur c = {(const char *)b + pre, 0, hlen};
@@ -319,7 +315,7 @@ static int npy_header(const unsigned char *b, size_t avail, uint64_t size, const
 	uint64_t count = 1, item = o->dtype == TRACE_F16 ? 2 : 4;
 	for (uint32_t i = 0; i < o->ndim; i++) {
 		if (o->shape[i] && count > UINT64_MAX / 16 / o->shape[i])
-			return errf(err, en, -EINVAL, "%s: shape: too many elements", name);
+			return trace_errf(err, en, -EINVAL, "%s: shape: too many elements", name);
 		count *= o->shape[i];
 	}
 	o->count = count;
@@ -328,13 +324,13 @@ static int npy_header(const unsigned char *b, size_t avail, uint64_t size, const
 	shape_text(o->shape, o->ndim, sh, sizeof(sh));
 	uint64_t have = size - o->header_len, need = count * item;
 	if (have < need)
-		return errf(
+		return trace_errf(
 			err, en, -EINVAL,
 			"%s: data: truncated: shape %s of %s needs %llu bytes, the file has %llu",
 			name, sh, o->dtype == TRACE_F16 ? "'<f2'" : "'<f4'",
 			(unsigned long long)need, (unsigned long long)have);
 	if (have > need)
-		return errf(
+		return trace_errf(
 			err, en, -EINVAL,
 			"%s: data: %llu bytes after the %llu of shape %s (want exactly the array)",
 			name, (unsigned long long)(have - need), (unsigned long long)need, sh);
@@ -345,7 +341,7 @@ int trace_npy_parse(const void *buf, size_t len, const char *name, trace_npy *ou
 		    size_t errlen)
 {
 	if (!buf && len)
-		return errf(err, errlen, -EINVAL, "%s: no data", name);
+		return trace_errf(err, errlen, -EINVAL, "%s: no data", name);
 	int rc = npy_header(buf, len, len, name, out, err, errlen);
 	if (rc < 0)
 		return rc;
@@ -359,7 +355,7 @@ int trace_npy_write(const char *path, trace_dtype dtype, uint32_t ndim, const ui
 	char head[512], sh[400];
 	uint64_t count = 1, item = dtype == TRACE_F16 ? 2 : 4;
 	if (ndim > TRACE_MAX_DIMS || (dtype != TRACE_F16 && dtype != TRACE_F32))
-		return errf(err, errlen, -EINVAL, "%s: bad dtype or dims", path);
+		return trace_errf(err, errlen, -EINVAL, "%s: bad dtype or dims", path);
 	for (uint32_t i = 0; i < ndim; i++)
 		count *= shape[i];
 	shape_text(shape, ndim, sh, sizeof(sh));
@@ -375,7 +371,7 @@ int trace_npy_write(const char *path, trace_dtype dtype, uint32_t ndim, const ui
 	head[9] = (char)(hlen >> 8);
 	FILE *f = fopen(path, "wb");
 	if (!f)
-		return errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
+		return trace_errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
 	bool ok = fwrite(head, 1, total, f) == total;
 	const unsigned char *p = data;
 	/* little-endian on disk whatever the host */
@@ -394,331 +390,8 @@ int trace_npy_write(const char *path, trace_dtype dtype, uint32_t ndim, const ui
 		ok = fwrite(le, 1, item, f) == item;
 	}
 	if (fclose(f) || !ok)
-		return errf(err, errlen, -EIO, "%s: write failed", path);
+		return trace_errf(err, errlen, -EIO, "%s: write failed", path);
 	return 0;
-}
-
-/* ---- JSON ----------------------------------------------------------------------------------- */
-
-typedef struct jp {
-	const char *s;
-	size_t n, i;
-	trace_json *j;
-	uint32_t cap;
-	size_t pool_used;
-	const char *name;
-	char *err;
-	size_t en;
-} jp;
-
-static int j_fail(jp *p, const char *what)
-{
-	uint32_t line = 1, col = 1;
-	for (size_t k = 0; k < p->i && k < p->n; k++) {
-		col = p->s[k] == '\n' ? 1 : col + 1;
-		line += p->s[k] == '\n';
-	}
-	return errf(p->err, p->en, -EINVAL, "%s: line %u, column %u: %s", p->name, line, col, what);
-}
-
-static uint32_t j_err(jp *p, const char *what)
-{
-	j_fail(p, what);
-	return 0;
-}
-
-static void j_ws(jp *p)
-{
-	while (p->i < p->n && (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' ||
-			       p->s[p->i] == '\r'))
-		p->i++;
-}
-
-static uint32_t j_node(jp *p, trace_json_type t)
-{
-	if (p->j->n == p->cap) {
-		if (p->cap >= TRACE_MAX_JSON_NODES)
-			return 0;
-		uint32_t cap = p->cap ? p->cap * 2 : 64;
-		trace_json_node *nn = realloc(p->j->nodes, cap * sizeof(*nn));
-		if (!nn)
-			return 0;
-		p->j->nodes = nn;
-		p->cap = cap;
-	}
-	uint32_t k = p->j->n++;
-	p->j->nodes[k] = (trace_json_node){.type = t};
-	return k;
-}
-
-static int hexval(char c)
-{
-	return c >= '0' && c <= '9'   ? c - '0'
-	       : c >= 'a' && c <= 'f' ? c - 'a' + 10
-	       : c >= 'A' && c <= 'F' ? c - 'A' + 10
-				      : -1;
-}
-
-static int j_hex4(jp *p, uint32_t *u)
-{
-	if (p->n - p->i < 4)
-		return -1;
-	*u = 0;
-	for (int k = 0; k < 4; k++) {
-		int h = hexval(p->s[p->i + (size_t)k]);
-		if (h < 0)
-			return -1;
-		*u = *u << 4 | (uint32_t)h;
-	}
-	p->i += 4;
-	return 0;
-}
-
-/* A string at p->i (on its '"') decoded into the pool; returns it or NULL (error set). */
-static char *j_string(jp *p)
-{
-	char *out = p->j->pool + p->pool_used;
-	size_t k = 0;
-	p->i++;
-	for (;;) {
-		if (p->i >= p->n)
-			return j_fail(p, "unterminated string"), NULL;
-		unsigned char c = (unsigned char)p->s[p->i];
-		if (c == '"')
-			break;
-		if (c < 0x20)
-			return j_fail(p, "control character in a string"), NULL;
-		if (c != '\\') {
-			out[k++] = (char)c;
-			p->i++;
-			continue;
-		}
-		if (++p->i >= p->n)
-			return j_fail(p, "unterminated escape"), NULL;
-		char e = p->s[p->i++];
-		const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t", *at = strchr(from, e);
-		if (e && at) {
-			out[k++] = to[at - from];
-			continue;
-		}
-		uint32_t u, lo;
-		if (e != 'u' || j_hex4(p, &u) < 0)
-			return j_fail(p, "bad escape in a string"), NULL;
-		if (u >= 0xdc00 && u < 0xe000)
-			return j_fail(p, "unpaired low surrogate in a string"), NULL;
-		if (u >= 0xd800 && u < 0xdc00) {
-			if (p->n - p->i < 2 || p->s[p->i] != '\\' || p->s[p->i + 1] != 'u')
-				return j_fail(p, "unpaired high surrogate in a string"), NULL;
-			p->i += 2;
-			if (j_hex4(p, &lo) < 0 || lo < 0xdc00 || lo >= 0xe000)
-				return j_fail(p, "bad low surrogate in a string"), NULL;
-			u = 0x10000 + ((u - 0xd800) << 10) + (lo - 0xdc00);
-		}
-		if (!u)
-			return j_fail(p, "\\u0000 in a string"), NULL;
-		if (u < 0x80) {
-			out[k++] = (char)u;
-		} else if (u < 0x800) {
-			out[k++] = (char)(0xc0 | u >> 6);
-			out[k++] = (char)(0x80 | (u & 0x3f));
-		} else if (u < 0x10000) {
-			out[k++] = (char)(0xe0 | u >> 12);
-			out[k++] = (char)(0x80 | ((u >> 6) & 0x3f));
-			out[k++] = (char)(0x80 | (u & 0x3f));
-		} else {
-			out[k++] = (char)(0xf0 | u >> 18);
-			out[k++] = (char)(0x80 | ((u >> 12) & 0x3f));
-			out[k++] = (char)(0x80 | ((u >> 6) & 0x3f));
-			out[k++] = (char)(0x80 | (u & 0x3f));
-		}
-	}
-	p->i++;
-	out[k++] = 0;
-	p->pool_used += k;
-	return out;
-}
-
-static uint32_t j_value(jp *p, int depth);
-
-static bool j_digits(jp *p)
-{
-	size_t i0 = p->i;
-	while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9')
-		p->i++;
-	return p->i > i0;
-}
-
-static uint32_t j_number(jp *p)
-{
-	size_t i0 = p->i;
-	char buf[64];
-	if (p->s[p->i] == '-')
-		p->i++;
-	if (p->i < p->n && p->s[p->i] == '0')
-		p->i++;
-	else if (!j_digits(p))
-		return j_err(p, "bad number");
-	if (p->i < p->n && p->s[p->i] == '.' && (p->i++, !j_digits(p)))
-		return j_err(p, "bad number: no digit after '.'");
-	if (p->i < p->n && (p->s[p->i] == 'e' || p->s[p->i] == 'E')) {
-		p->i++;
-		if (p->i < p->n && (p->s[p->i] == '+' || p->s[p->i] == '-'))
-			p->i++;
-		if (!j_digits(p))
-			return j_err(p, "bad number: no digit in the exponent");
-	}
-	if (p->i - i0 >= sizeof(buf))
-		return j_err(p, "number longer than 63 characters");
-	memcpy(buf, p->s + i0, p->i - i0);
-	buf[p->i - i0] = 0;
-	uint32_t k = j_node(p, TJ_NUMBER);
-	if (!k)
-		return j_err(p, "too many values");
-	p->j->nodes[k].num = strtod(buf, NULL);
-	if (!isfinite(p->j->nodes[k].num))
-		return j_err(p, "number out of range");
-	return k;
-}
-
-/* The elements of an array or members of an object, after its opening bracket. */
-static uint32_t j_container(jp *p, int depth, bool obj)
-{
-	uint32_t k = j_node(p, obj ? TJ_OBJECT : TJ_ARRAY), last = 0;
-	if (!k)
-		return j_err(p, "too many values");
-	char close = obj ? '}' : ']';
-	j_ws(p);
-	if (p->i < p->n && p->s[p->i] == close) {
-		p->i++;
-		return k;
-	}
-	for (;;) {
-		const char *key = NULL;
-		j_ws(p);
-		if (obj) {
-			if (p->i >= p->n || p->s[p->i] != '"')
-				return j_err(p, "expected a member name");
-			if (!(key = j_string(p)))
-				return 0;
-			if (p->j->nodes[k].count >= 4096)
-				return j_err(p, "more than 4096 members in an object");
-			for (uint32_t c = p->j->nodes[k].child; c; c = p->j->nodes[c].next)
-				if (!strcmp(p->j->nodes[c].key, key))
-					return j_err(p, "member name given twice");
-			j_ws(p);
-			if (p->i >= p->n || p->s[p->i] != ':')
-				return j_err(p, "expected ':'");
-			p->i++;
-		}
-		uint32_t v = j_value(p, depth + 1);
-		if (!v)
-			return 0;
-		p->j->nodes[v].key = key;
-		if (last)
-			p->j->nodes[last].next = v;
-		else
-			p->j->nodes[k].child = v;
-		last = v;
-		p->j->nodes[k].count++;
-		j_ws(p);
-		if (p->i < p->n && p->s[p->i] == ',') {
-			p->i++;
-			continue;
-		}
-		if (p->i < p->n && p->s[p->i] == close) {
-			p->i++;
-			return k;
-		}
-		return j_err(p, obj ? "expected ',' or '}'" : "expected ',' or ']'");
-	}
-}
-
-static uint32_t j_value(jp *p, int depth)
-{
-	static const struct {
-		const char *w;
-		trace_json_type t;
-	} words[] = {{"null", TJ_NULL}, {"true", TJ_TRUE}, {"false", TJ_FALSE}};
-	if (depth > TRACE_MAX_JSON_DEPTH)
-		return j_err(p, "nested too deep");
-	j_ws(p);
-	if (p->i >= p->n)
-		return j_err(p, "expected a value, found the end");
-	char c = p->s[p->i];
-	if (c == '{' || c == '[') {
-		p->i++;
-		return j_container(p, depth, c == '{');
-	}
-	if (c == '"') {
-		uint32_t k = j_node(p, TJ_STRING);
-		if (!k)
-			return j_err(p, "too many values");
-		const char *s = j_string(p);
-		p->j->nodes[k].str = s;
-		return s ? k : 0;
-	}
-	if (c == '-' || (c >= '0' && c <= '9'))
-		return j_number(p);
-	for (size_t w = 0; w < 3; w++) {
-		size_t n = strlen(words[w].w);
-		if (p->n - p->i >= n && !memcmp(p->s + p->i, words[w].w, n)) {
-			uint32_t k = j_node(p, words[w].t);
-			p->i += n;
-			if (!k)
-				return j_err(p, "too many values");
-			return k;
-		}
-	}
-	return j_err(p, "expected a value");
-}
-
-int trace_json_parse(const char *text, size_t len, const char *name, trace_json *out, char *err,
-		     size_t errlen)
-{
-	memset(out, 0, sizeof(*out));
-	if (len > TRACE_MAX_JSON_BYTES)
-		return errf(err, errlen, -EINVAL, "%s: %zu bytes, more than the limit %u", name,
-			    len, TRACE_MAX_JSON_BYTES);
-	jp p = {.s = text, .n = len, .j = out, .name = name, .err = err, .en = errlen};
-	/* decoded strings are never longer than their text, plus one NUL each */
-	out->pool = malloc(2 * len + 1);
-	if (out->pool)
-		j_node(&p, TJ_NULL); /* node 0, unused: index 0 ends lists */
-	if (!out->pool || out->n != 1) {
-		trace_json_free(out);
-		return errf(err, errlen, -ENOMEM, "%s: out of memory", name);
-	}
-	uint32_t root = j_value(&p, 1);
-	if (root) {
-		j_ws(&p);
-		if (p.i != p.n) {
-			j_fail(&p, "text after the value");
-			root = 0;
-		}
-	}
-	if (!root) {
-		trace_json_free(out);
-		return -EINVAL;
-	}
-	return 0;
-}
-
-void trace_json_free(trace_json *j)
-{
-	free(j->nodes);
-	free(j->pool);
-	memset(j, 0, sizeof(*j));
-}
-
-const trace_json_node *trace_json_get(const trace_json *j, const trace_json_node *obj,
-				      const char *key)
-{
-	if (!obj || obj->type != TJ_OBJECT)
-		return NULL;
-	for (uint32_t c = obj->child; c; c = j->nodes[c].next)
-		if (!strcmp(j->nodes[c].key, key))
-			return &j->nodes[c];
-	return NULL;
 }
 
 /* ---- meta.json ------------------------------------------------------------------------------ */
@@ -733,9 +406,9 @@ static int m_uint(const trace_json *j, const trace_json_node *root, const char *
 {
 	const trace_json_node *x = trace_json_get(j, root, key);
 	if (!x)
-		return errf(err, en, -EINVAL, "%s: %s: missing", name, key);
+		return trace_errf(err, en, -EINVAL, "%s: %s: missing", name, key);
 	if (x->type != TJ_NUMBER || x->num != floor(x->num) || x->num < lo || x->num > hi)
-		return errf(err, en, -EINVAL, "%s: %s: want an integer in [%u, %u]%s", name, key,
+		return trace_errf(err, en, -EINVAL, "%s: %s: want an integer in [%u, %u]%s", name, key,
 			    lo, hi,
 			    x->type == TJ_NUMBER ? ", got another number" : ", got no number");
 	*v = (uint32_t)x->num;
@@ -747,11 +420,11 @@ static int m_str(const trace_json *j, const trace_json_node *root, const char *k
 {
 	const trace_json_node *x = trace_json_get(j, root, key);
 	if (!x)
-		return errf(err, en, -EINVAL, "%s: %s: missing", name, key);
+		return trace_errf(err, en, -EINVAL, "%s: %s: missing", name, key);
 	if (x->type != TJ_STRING)
-		return errf(err, en, -EINVAL, "%s: %s: want a string", name, key);
+		return trace_errf(err, en, -EINVAL, "%s: %s: want a string", name, key);
 	if (strlen(x->str) >= n)
-		return errf(err, en, -EINVAL, "%s: %s: longer than %zu bytes", name, key, n - 1);
+		return trace_errf(err, en, -EINVAL, "%s: %s: longer than %zu bytes", name, key, n - 1);
 	strcpy(v, x->str);
 	return 0;
 }
@@ -763,11 +436,11 @@ static int m_files(const trace_json *j, const trace_json_node *root, const trace
 	const trace_json_node *f = trace_json_get(j, root, "files");
 	uint32_t want = m->n_layers * TRACE_ARRAYS;
 	if (!f || f->type != TJ_ARRAY)
-		return errf(err, en, -EINVAL, "%s: files: %s", name,
+		return trace_errf(err, en, -EINVAL, "%s: files: %s", name,
 			    f ? "want an array of file names" : "missing");
 	uint8_t *seen = calloc(want, 1);
 	if (!seen)
-		return errf(err, en, -ENOMEM, "%s: out of memory", name);
+		return trace_errf(err, en, -ENOMEM, "%s: out of memory", name);
 	int rc = 0;
 	uint32_t i = 0;
 	for (uint32_t c = f->child; c && !rc; c = j->nodes[c].next, i++) {
@@ -788,20 +461,20 @@ static int m_files(const trace_json *j, const trace_json_node *root, const trace
 		char canon[64];
 		trace_file_name(layer, a, canon, sizeof(canon));
 		if (!s || a == TRACE_ARRAYS || !tail[0] || layer >= m->n_layers || strcmp(s, canon))
-			rc = errf(err, en, -EINVAL,
+			rc = trace_errf(err, en, -EINVAL,
 				  "%s: files[%u]: %s%s%s is not "
 				  "layer{L}.{prefill,decode}.{q,k,v}.npy "
 				  "with L < n_layers = %u",
 				  name, i, s ? "'" : "", s ? s : "not a string", s ? "'" : "",
 				  m->n_layers);
 		else if (seen[layer * TRACE_ARRAYS + a]++)
-			rc = errf(err, en, -EINVAL, "%s: files[%u]: '%s' listed twice", name, i, s);
+			rc = trace_errf(err, en, -EINVAL, "%s: files[%u]: '%s' listed twice", name, i, s);
 	}
 	for (uint32_t k = 0; k < want && !rc; k++)
 		if (!seen[k]) {
 			char nm[64];
 			trace_file_name(k / TRACE_ARRAYS, k % TRACE_ARRAYS, nm, sizeof(nm));
-			rc = errf(err, en, -EINVAL, "%s: files: '%s' is missing", name, nm);
+			rc = trace_errf(err, en, -EINVAL, "%s: files: '%s' is missing", name, nm);
 		}
 	free(seen);
 	return rc;
@@ -814,16 +487,16 @@ static int meta_fields(const trace_json *j, const trace_json_node *r, trace_meta
 	uint32_t ver;
 	int rc;
 	if (r->type != TJ_OBJECT)
-		return errf(err, en, -EINVAL, "%s: want an object at the top", name);
+		return trace_errf(err, en, -EINVAL, "%s: want an object at the top", name);
 	if ((rc = m_str(j, r, "format", fmt, sizeof(fmt), name, err, en)) < 0)
 		return rc;
 	if (strcmp(fmt, TRACE_FORMAT))
-		return errf(err, en, -EINVAL, "%s: format: '%s', want '" TRACE_FORMAT "'", name,
+		return trace_errf(err, en, -EINVAL, "%s: format: '%s', want '" TRACE_FORMAT "'", name,
 			    fmt);
 	if ((rc = m_uint(j, r, "version", 1, 1000000, &ver, name, err, en)) < 0)
 		return rc;
 	if (ver != TRACE_VERSION)
-		return errf(err, en, -EINVAL, "%s: version: %u, this reader knows version %d", name,
+		return trace_errf(err, en, -EINVAL, "%s: version: %u, this reader knows version %d", name,
 			    ver, TRACE_VERSION);
 	if ((rc = m_str(j, r, "model", m->model, sizeof(m->model), name, err, en)) < 0 ||
 	    (rc = m_str(j, r, "rope", m->rope, sizeof(m->rope), name, err, en)) < 0 ||
@@ -840,10 +513,10 @@ static int meta_fields(const trace_json *j, const trace_json_node *r, trace_meta
 	    (rc = m_str(j, r, "dtype", dt, sizeof(dt), name, err, en)) < 0)
 		return rc;
 	if (m->n_q_heads % m->n_kv_heads)
-		return errf(err, en, -EINVAL, "%s: n_kv_heads: %u does not divide n_q_heads = %u",
+		return trace_errf(err, en, -EINVAL, "%s: n_kv_heads: %u does not divide n_q_heads = %u",
 			    name, m->n_kv_heads, m->n_q_heads);
 	if ((uint64_t)m->prefill_tokens + m->decode_steps > TRACE_MAX_TOKENS)
-		return errf(err, en, -EINVAL,
+		return trace_errf(err, en, -EINVAL,
 			    "%s: decode_steps: prefill_tokens + decode_steps is "
 			    "more than %u",
 			    name, TRACE_MAX_TOKENS);
@@ -852,11 +525,11 @@ static int meta_fields(const trace_json *j, const trace_json_node *r, trace_meta
 	else if (!strcmp(dt, "float32"))
 		m->dtype = TRACE_F32;
 	else
-		return errf(err, en, -EINVAL, "%s: dtype: '%s', want 'float16' or 'float32'", name,
+		return trace_errf(err, en, -EINVAL, "%s: dtype: '%s', want 'float16' or 'float32'", name,
 			    dt);
 	const trace_json_node *sc = trace_json_get(j, r, "scale");
 	if (sc && sc->type != TJ_NULL && (sc->type != TJ_NUMBER || !(sc->num >= 0)))
-		return errf(err, en, -EINVAL, "%s: scale: want a number >= 0 or null", name);
+		return trace_errf(err, en, -EINVAL, "%s: scale: want a number >= 0 or null", name);
 	m->scale = sc && sc->type == TJ_NUMBER ? sc->num : 0;
 	return m_files(j, r, m, name, err, en);
 }
@@ -884,28 +557,28 @@ static int read_file(const char *path, size_t limit, unsigned char **buf, size_t
 	struct stat st;
 	*buf = NULL;
 	if (!f)
-		return errf(err, en, -errno, "%s: cannot open: %s", path, strerror(errno));
+		return trace_errf(err, en, -errno, "%s: cannot open: %s", path, strerror(errno));
 	if (fstat(fileno(f), &st) || !S_ISREG(st.st_mode)) {
 		fclose(f);
-		return errf(err, en, -EINVAL, "%s: not a regular file", path);
+		return trace_errf(err, en, -EINVAL, "%s: not a regular file", path);
 	}
 	if (limit && (uint64_t)st.st_size > limit) {
 		fclose(f);
-		return errf(err, en, -EINVAL, "%s: %lld bytes, more than the limit %zu", path,
+		return trace_errf(err, en, -EINVAL, "%s: %lld bytes, more than the limit %zu", path,
 			    (long long)st.st_size, limit);
 	}
 	*len = (size_t)st.st_size;
 	*buf = malloc(*len + 1);
 	if (!*buf) {
 		fclose(f);
-		return errf(err, en, -ENOMEM, "%s: out of memory for %zu bytes", path, *len);
+		return trace_errf(err, en, -ENOMEM, "%s: out of memory for %zu bytes", path, *len);
 	}
 	size_t got = fread(*buf, 1, *len, f);
 	fclose(f);
 	if (got != *len) {
 		free(*buf);
 		*buf = NULL;
-		return errf(err, en, -EIO, "%s: read %zu of %zu bytes", path, got, *len);
+		return trace_errf(err, en, -EIO, "%s: read %zu of %zu bytes", path, got, *len);
 	}
 	return 0;
 }
@@ -928,16 +601,16 @@ static int check_shape(const trace_meta *m, unsigned a, const trace_npy *x, cons
 	char sh[160];
 	shape_text(x->shape, x->ndim, sh, sizeof(sh));
 	if (x->dtype != m->dtype)
-		return errf(err, en, -EINVAL, "%s: descr: '%s' but meta.json says dtype = %s", path,
+		return trace_errf(err, en, -EINVAL, "%s: descr: '%s' but meta.json says dtype = %s", path,
 			    x->dtype == TRACE_F16 ? "<f2" : "<f4",
 			    m->dtype == TRACE_F16 ? "float16" : "float32");
 	if (x->ndim != 3)
-		return errf(err, en, -EINVAL,
+		return trace_errf(err, en, -EINVAL,
 			    "%s: shape: %s has %u dims, want 3 ([tokens, heads, head_dim])", path,
 			    sh, x->ndim);
 	for (int i = 0; i < 3; i++)
 		if (x->shape[i] != want[i])
-			return errf(err, en, -EINVAL, "%s: shape: %s but meta.json says %s = %llu",
+			return trace_errf(err, en, -EINVAL, "%s: shape: %s but meta.json says %s = %llu",
 				    path, sh, field[i], (unsigned long long)want[i]);
 	return 0;
 }
@@ -970,11 +643,11 @@ int trace_open(const char *dir, trace_meta *m, char *err, size_t errlen)
 			join(dir, nm, path, sizeof(path));
 			FILE *f = fopen(path, "rb");
 			if (!f)
-				return errf(err, errlen, -errno, "%s: cannot open: %s", path,
+				return trace_errf(err, errlen, -errno, "%s: cannot open: %s", path,
 					    strerror(errno));
 			size_t got = fread(head, 1, sizeof(head), f);
 			if (fstat(fileno(f), &st) || !S_ISREG(st.st_mode))
-				rc = errf(err, errlen, -EINVAL, "%s: not a regular file", path);
+				rc = trace_errf(err, errlen, -EINVAL, "%s: not a regular file", path);
 			fclose(f);
 			if (!rc)
 				rc = npy_header(head, got, (uint64_t)st.st_size, path, &x, err,
@@ -1001,7 +674,7 @@ static int to_floats(const trace_meta *m, unsigned a, const trace_npy *x, float 
 			memcpy(&f, &u, sizeof(f));
 		}
 		if (!isfinite(f))
-			return errf(err, en, -EINVAL,
+			return trace_errf(err, en, -EINVAL,
 				    "%s: data: element %llu (%s %llu, head %llu, dim %llu) is %s",
 				    path, (unsigned long long)i, a >= 3 ? "step" : "token",
 				    (unsigned long long)(i / m->head_dim / heads),
@@ -1021,7 +694,7 @@ int trace_load_layer(const char *dir, const trace_meta *m, uint32_t layer, trace
 	int rc = 0;
 	memset(out, 0, sizeof(*out));
 	if (layer >= m->n_layers)
-		return errf(err, errlen, -EINVAL, "layer %u: the trace has %u layers", layer,
+		return trace_errf(err, errlen, -EINVAL, "layer %u: the trace has %u layers", layer,
 			    m->n_layers);
 	for (unsigned a = 0; a < TRACE_ARRAYS && !rc; a++) {
 		char nm[64], path[4096];
@@ -1036,7 +709,7 @@ int trace_load_layer(const char *dir, const trace_meta *m, uint32_t layer, trace
 		if (!rc)
 			rc = check_shape(m, a, &x, path, err, errlen);
 		if (!rc && !(*arr[a] = malloc(x.count * sizeof(float) + 1)))
-			rc = errf(err, errlen, -ENOMEM, "%s: out of memory", path);
+			rc = trace_errf(err, errlen, -ENOMEM, "%s: out of memory", path);
 		if (!rc)
 			rc = to_floats(m, a, &x, *arr[a], path, err, errlen);
 		free(buf);
@@ -1080,7 +753,7 @@ int trace_write_meta(const char *dir, const trace_meta *m, char *err, size_t err
 	join(dir, "meta.json", path, sizeof(path));
 	FILE *f = fopen(path, "w");
 	if (!f)
-		return errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
+		return trace_errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
 	fprintf(f, "{\n  \"format\": \"%s\",\n  \"version\": %d,\n  \"model\": ", TRACE_FORMAT,
 		TRACE_VERSION);
 	json_string(f, m->model);
@@ -1102,7 +775,7 @@ int trace_write_meta(const char *dir, const trace_meta *m, char *err, size_t err
 		}
 	fprintf(f, "\n  ]\n}\n");
 	if (fclose(f))
-		return errf(err, errlen, -EIO, "%s: write failed", path);
+		return trace_errf(err, errlen, -EIO, "%s: write failed", path);
 	return 0;
 }
 
@@ -1125,7 +798,7 @@ int trace_write_layer(const char *dir, const trace_meta *m, uint32_t layer, cons
 		}
 		uint16_t *h = malloc(n * sizeof(uint16_t) + 1);
 		if (!h)
-			return errf(err, errlen, -ENOMEM, "%s: out of memory", path);
+			return trace_errf(err, errlen, -ENOMEM, "%s: out of memory", path);
 		for (size_t i = 0; i < n; i++)
 			h[i] = trace_f32_to_f16(arr[a][i]);
 		rc = trace_npy_write(path, TRACE_F16, 3, shape, h, err, errlen);

@@ -172,4 +172,11 @@ uint16_t trace_f32_to_bf16(float f);
  */
 int kvbench_trace_main(int argc, char **argv);
 
+/* Write the printf-style text to err (n bytes, may be NULL) and return `code`: the error form of
+ * every function above, shared by tools/trace.c and tools/trace_json.c. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+int trace_errf(char *err, size_t n, int code, const char *fmt, ...);
+
 #endif /* KVBENCH_TRACE_H */
