@@ -262,6 +262,7 @@ KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * Split form, step 1: the selection of kvt_attend without the attention. On success returns the
  * largest number of tokens (sinks + selected + window) of any (sequence, KV head) pair, which is the
  * `max_tokens` kvt_gather needs. Errors: as kvt_attend.
+ * CUDA backend: waits for `stream` to finish the selection (the count is needed on the host).
  */
 KVT_API int kvt_select(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *stream);
@@ -277,6 +278,8 @@ KVT_API int kvt_select(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * a count: the text names both, no selection for this layer and sequence list, k_out without v_out),
  * -ENOENT, and for spilled sequences the errors of kvt_attend's direct serving, after which the
  * output buffers may be partly written (never with unverified bytes).
+ * CUDA backend: counts are known when the call returns; the copies into pos, k_out and v_out are
+ * queued on `stream`. The rows come from the hot cache, the window ring or the host tier.
  */
 KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
