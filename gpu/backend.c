@@ -672,6 +672,31 @@ static int restore_of(kvt_cache *c, const struct kvt_layer *l)
 	return kvt_seterr(c, -ENOENT, "no open sequence owns a layer of the batch");
 }
 
+/* Make every sequence of the batch host-resident, with current block tables on the device: the
+ * kernels read the host tier only, so a spilled sequence is restored first (a spill of another
+ * sequence of the batch to make room for it is caught by the second loop). */
+static int resident(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls, void *stream)
+{
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct gl *g;
+		KVT_TRY(gl_get(c, ls[i], &g));
+		KVT_TRY(blk_sync(c, ls[i], g, stream));
+		if (g->spilled) {
+			KVT_TRY(no_capture(c, stream, "restoring a spilled sequence"));
+			KVT_TRY(restore_of(c, ls[i]));
+			KVT_TRY(blk_sync(c, ls[i], g, stream));
+		}
+	}
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		KVT_TRY(blk_sync(c, ls[i], ls[i]->dev, stream));
+		KVT_RETURN_IF(((struct gl *)ls[i]->dev)->spilled, c, -ENOSPC,
+			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
+			      "at once (host_bytes = %llu): a smaller batch or more host memory",
+			      i, (unsigned long long)c->cfg.host_bytes);
+	}
+	return 0;
+}
+
 static int cu_quiesce(kvt_cache *c)
 {
 	CU(c, cudaDeviceSynchronize());
@@ -759,25 +784,7 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
 	cudaStream_t cs = (cudaStream_t)stream;
 	KVT_TRY(enter(c));
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct gl *g;
-		KVT_TRY(gl_get(c, ls[i], &g));
-		KVT_TRY(blk_sync(c, ls[i], g, stream));
-		if (g->spilled) {
-			/* the kernels read the host tier only: bring the sequence back first (a spill
-			 * of another sequence of the batch to make room is refused below) */
-			KVT_TRY(no_capture(c, stream, "restoring a spilled sequence"));
-			KVT_TRY(restore_of(c, ls[i]));
-			KVT_TRY(blk_sync(c, ls[i], g, stream));
-		}
-	}
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		KVT_TRY(blk_sync(c, ls[i], ls[i]->dev, stream));
-		KVT_RETURN_IF(((struct gl *)ls[i]->dev)->spilled, c, -ENOSPC,
-			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
-			      "at once (host_bytes = %llu): a smaller batch or more host memory",
-			      i, (unsigned long long)c->cfg.host_bytes);
-	}
+	KVT_TRY(resident(c, n_seqs, ls, stream));
 	/* the layer's selection buffer is regrown or rewritten from here: no earlier selection in it
 	 * stays readable, and a failure below leaves none half made */
 	y->stamp = ++b->stamp;
@@ -871,6 +878,9 @@ static int cu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 			      "kvt_select or kvt_attend of another batch on that layer",
 			      i, layer);
 	}
+	/* a sequence spilled since its selection is brought back (its rows, not its selection,
+	 * moved), and the block tables are current */
+	KVT_TRY(resident(c, n_seqs, ls, stream));
 	/* counts first: nothing is written when one exceeds max_tokens */
 	uint32_t *sel_n = b->host;
 	for (uint32_t i = 0; i < n_seqs; i++)
