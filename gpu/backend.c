@@ -889,19 +889,22 @@ static int cu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 				      sizeof(uint32_t) * H, cudaMemcpyDeviceToHost, cs));
 	CU(c, cudaStreamSynchronize(cs));
 	KVT_TRY(enter(c));
+	/* sel_n becomes each item's count (sinks + selected + window); counts is written only once
+	 * every one fits */
 	uint64_t total = 0;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];
-			uint32_t S = sinks_of(c, l->sel_tokens);
-			uint32_t n = S + sel_n[(size_t)i * H + h] + l->sel_tokens - S - l->sel_indexed;
-			KVT_RETURN_IF(n > max_tokens, c, -EINVAL,
+			uint32_t *n = &sel_n[(size_t)i * H + h];
+			*n += l->sel_tokens - l->sel_indexed; /* sinks and window */
+			KVT_RETURN_IF(*n > max_tokens, c, -EINVAL,
 				      "max_tokens = %u is smaller than the %u tokens selected for "
 				      "seqs[%u], KV head %u",
-				      max_tokens, n, i, h);
-			counts[(size_t)i * H + h] = (int32_t)n;
-			total += n;
+				      max_tokens, *n, i, h);
+			total += *n;
 		}
+	for (size_t i = 0; i < (size_t)n_seqs * H; i++)
+		counts[i] = (int32_t)sel_n[i];
 	if (!pos && !k_out)
 		return (int)total;
 	struct step s;
