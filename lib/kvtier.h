@@ -223,6 +223,9 @@ KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
  * non-finite key), -ENOENT, -ENOSPC (host tier full: the text names the bytes needed and free),
  * -ENOMEM; with KVT_SPILL_LRU also the I/O errors of the automatic spill (-EIO, -ECANCELED, ...),
  * after which the victim keeps its host copy.
+ * CUDA backend: asynchronous on `stream`; the chunk is indexed on a low-priority stream of the cache
+ * that the layer's next call waits for on the device. Keys are not inspected on the host: a
+ * non-finite key is reported by the first step whose scores it makes non-finite.
  */
 KVT_API int kvt_prefill(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,
 			const void *k, const void *v, uint32_t n_tokens, void *stream);
