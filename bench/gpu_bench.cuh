@@ -46,6 +46,18 @@ static float median(std::vector<float> v)
 	return v[v.size() / 2];
 }
 
+/* The current device's properties; false (after saying so, naming the benchmark) when there is
+ * none: a benchmark then has nothing to measure and exits 0. */
+static inline bool bench_device(const char *name, cudaDeviceProp *prop)
+{
+	int dev = 0;
+	if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(prop, dev) != cudaSuccess) {
+		printf("%s: no CUDA device\n", name);
+		return false;
+	}
+	return true;
+}
+
 /* Device-to-device copy bandwidth of cudaMemcpyAsync over 1 GiB, bytes read plus written per second
  * (as bench/gpu_scan.cu counts it), median of 20 copies after 5 of warm-up. */
 static inline double d2d_copy_bandwidth(void)

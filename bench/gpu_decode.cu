@@ -830,13 +830,9 @@ static const char *goal(bool met)
 int main(int argc, char **argv)
 {
 	const options o = parse(argc, argv);
-	int dev = 0;
 	cudaDeviceProp prop;
-	if (cudaGetDevice(&dev) != cudaSuccess ||
-	    cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-		printf("gpu_decode: no CUDA device\n");
+	if (!bench_device("gpu_decode", &prop))
 		return 0;
-	}
 	const int sms = prop.multiProcessorCount;
 	printf("gpu_decode on %s (%d SMs): one layer, %d query heads, %d KV heads, head dim %d, fp16; "
 	       "kvtier %s\n",

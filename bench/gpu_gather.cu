@@ -303,13 +303,9 @@ static size_t check(const plan &p, const fetch_bufs &b, cudaStream_t st, bool ce
 
 int main(void)
 {
-	int dev = 0;
 	cudaDeviceProp prop;
-	if (cudaGetDevice(&dev) != cudaSuccess ||
-	    cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-		printf("gpu_gather: no CUDA device\n");
+	if (!bench_device("gpu_gather", &prop))
 		return 0;
-	}
 	const int sms = prop.multiProcessorCount;
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

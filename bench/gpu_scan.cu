@@ -152,13 +152,9 @@ static float time_burst(setup &s, int burst)
 
 int main(void)
 {
-	int dev = 0;
 	cudaDeviceProp prop;
-	if (cudaGetDevice(&dev) != cudaSuccess ||
-	    cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-		printf("gpu_scan: no CUDA device\n");
+	if (!bench_device("gpu_scan", &prop))
 		return 0;
-	}
 	printf("gpu_scan on %s (%d SMs, L2 %d MiB): D %d, %d KV heads, %d query heads, batch 1\n",
 	       prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, D, HKV, HQ);
 	const double copy_bw = d2d_copy_bandwidth();

@@ -112,10 +112,8 @@ static float time_us(F f, int burst = 1)
 int main(void)
 {
 	cudaDeviceProp prop;
-	if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-		printf("gpu_select: no CUDA device\n");
+	if (!bench_device("gpu_select", &prop))
 		return 0;
-	}
 	const size_t total = (size_t)N * HQ;
 	float *scores, *sorted, *tm, *cum, *thr_sort;
 	unsigned long long *keys, *keys_out;
