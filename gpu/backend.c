@@ -673,10 +673,10 @@ static int restore_of(kvt_cache *c, const struct kvt_layer *l)
 }
 
 /* Make every sequence of the batch host-resident, with current block tables on the device: the
- * kernels read the host tier only, so a spilled sequence is restored first (a spill of another
- * sequence of the batch to make room for it is caught by the second loop). */
+ * kernels read the host tier only, so a spilled sequence is restored first. */
 static int resident(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls, void *stream)
 {
+	bool restored = false;
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct gl *g;
 		KVT_TRY(gl_get(c, ls[i], &g));
@@ -685,9 +685,11 @@ static int resident(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls, 
 			KVT_TRY(no_capture(c, stream, "restoring a spilled sequence"));
 			KVT_TRY(restore_of(c, ls[i]));
 			KVT_TRY(blk_sync(c, ls[i], g, stream));
+			restored = true;
 		}
 	}
-	for (uint32_t i = 0; i < n_seqs; i++) {
+	/* a restore may have spilled another sequence of the batch to make room */
+	for (uint32_t i = 0; restored && i < n_seqs; i++) {
 		KVT_TRY(blk_sync(c, ls[i], ls[i]->dev, stream));
 		KVT_RETURN_IF(((struct gl *)ls[i]->dev)->spilled, c, -ENOSPC,
 			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
