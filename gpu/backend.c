@@ -230,11 +230,6 @@ static void mark(struct tset *t, int i, void *stream)
 		cudaEventRecord(t->ev[i], (cudaStream_t)stream);
 }
 
-static inline uint32_t sinks_of(const kvt_cache *c, uint32_t n_tokens)
-{
-	return n_tokens < c->cfg.n_sink ? n_tokens : c->cfg.n_sink;
-}
-
 /* Whether `stream` is being captured into a graph (allocations must not happen then). */
 static int no_capture(kvt_cache *c, void *stream, const char *what)
 {
@@ -607,7 +602,7 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 		struct kvt_layer *l = ls[i];
 		struct gl *g;
 		total[i] = l->n_tokens + 1;
-		uint32_t win = total[i] - sinks_of(c, total[i]) - l->n_indexed;
+		uint32_t win = total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed;
 		KVT_TRY(gl_get(c, l, &g));
 		KVT_TRY(gl_reserve(c, l, g, layer, l->n_indexed + (win >= W + B ? B : 0), stream));
 	}
@@ -634,7 +629,7 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
 		struct gl *g = l->dev;
-		if (total[i] - sinks_of(c, total[i]) - l->n_indexed < W + B)
+		if (total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed < W + B)
 			continue;
 		if (!l->centroids)
 			LAUNCH(c, kvt_gpu_centroids(d, c->cfg.dtype, H, c->group, g->ring,
@@ -651,7 +646,7 @@ static int cu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 		l->n_tokens = total[i];
 		c->st.tokens++;
 		l->sel_epoch = 0;
-		if (total[i] - sinks_of(c, total[i]) - l->n_indexed < W + B)
+		if (total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed < W + B)
 			continue;
 		l->centroids = true;
 		l->n_indexed += B;
@@ -769,7 +764,7 @@ static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 					   y->sel_ld,
 					   g->blk_cap,
 					   g->wcap,
-					   sinks_of(c, nt),
+					   kvt_sinks_of(c, nt),
 					   ni,
 					   nt,
 					   0};
@@ -857,7 +852,7 @@ static int cu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];
 			uint32_t m = sel_n[(size_t)i * H + h];
-			uint32_t n = sinks_of(c, l->n_tokens) + m + kvt_window_count(c, l);
+			uint32_t n = kvt_sinks_of(c, l->n_tokens) + m + kvt_window_count(c, l);
 			most = n > most ? n : most;
 			y->selected += m;
 		}

@@ -6,11 +6,6 @@
 #include "half.h"
 #include "internal.h"
 
-static inline uint32_t sinks_of(const kvt_cache *c, uint32_t n_tokens)
-{
-	return n_tokens < c->cfg.n_sink ? n_tokens : c->cfg.n_sink;
-}
-
 /* Reject a non-finite element of a [rows, d] tensor, naming it. */
 static int check_finite(kvt_cache *c, const char *name, const void *x, uint32_t rows,
 			uint32_t heads)
@@ -129,7 +124,7 @@ static int cpu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
 		total[i] = l->n_tokens + 1;
-		uint32_t win = total[i] - sinks_of(c, total[i]) - l->n_indexed;
+		uint32_t win = total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed;
 		KVT_TRY(kvt_layer_reserve_index(c, l, l->n_indexed + (win >= W + B ? B : 0)));
 	}
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
@@ -144,7 +139,7 @@ static int cpu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		l->n_tokens = total[i];
 		c->st.tokens++;
 		l->sel_epoch = 0;
-		if (total[i] - sinks_of(c, total[i]) - l->n_indexed < W + B)
+		if (total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed < W + B)
 			continue;
 		/* lazy flush: the oldest B window tokens join the index in one batch */
 		if (!l->centroids)
@@ -158,7 +153,7 @@ static int cpu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 /* The token positions attended for KV head h of l's current selection, ascending. */
 static uint32_t positions(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t *pos)
 {
-	const uint32_t S = sinks_of(c, l->sel_tokens), m = l->sel_n[h];
+	const uint32_t S = kvt_sinks_of(c, l->sel_tokens), m = l->sel_n[h];
 	const uint32_t *sel = l->sel + (size_t)h * l->idx_cap;
 	uint32_t n = 0;
 	for (uint32_t i = 0; i < S; i++)
@@ -273,7 +268,7 @@ static int cpu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		l->sel_indexed = l->n_indexed;
 		c->st.steps++;
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
-			uint32_t n = sinks_of(c, l->n_tokens) + l->sel_n[h] + kvt_window_count(c, l);
+			uint32_t n = kvt_sinks_of(c, l->n_tokens) + l->sel_n[h] + kvt_window_count(c, l);
 			most = n > most ? n : most;
 			int rc = out ? attend_head(c, l, h, q, out, i) : 0;
 			if (rc < 0)
@@ -296,8 +291,8 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];
-			uint32_t n = sinks_of(c, l->sel_tokens) + l->sel_n[h] + l->sel_tokens -
-				     sinks_of(c, l->sel_tokens) - l->sel_indexed;
+			uint32_t n = kvt_sinks_of(c, l->sel_tokens) + l->sel_n[h] + l->sel_tokens -
+				     kvt_sinks_of(c, l->sel_tokens) - l->sel_indexed;
 			KVT_RETURN_IF(n > max_tokens, c, -EINVAL,
 				      "max_tokens = %u is smaller than the %u tokens selected for "
 				      "seqs[%u], KV head %u",

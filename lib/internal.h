@@ -201,11 +201,16 @@ static inline void *kvt_row(const kvt_cache *c, const struct kvt_layer *l, uint3
 	       (size_t)(pos % KVT_BLOCK_TOKENS) * c->row_bytes;
 }
 
+/* Sinks among the first n_tokens positions. */
+static inline uint32_t kvt_sinks_of(const kvt_cache *c, uint32_t n_tokens)
+{
+	return n_tokens < c->cfg.n_sink ? n_tokens : c->cfg.n_sink;
+}
+
 /* Window tokens currently held (positions past sinks and index). */
 static inline uint32_t kvt_window_count(const kvt_cache *c, const struct kvt_layer *l)
 {
-	uint32_t front = l->n_tokens < c->cfg.n_sink ? l->n_tokens : c->cfg.n_sink;
-	return l->n_tokens - front - l->n_indexed;
+	return l->n_tokens - kvt_sinks_of(c, l->n_tokens) - l->n_indexed;
 }
 
 /* ---- the backend table (lib/backend.h) -------------------------------------------------- */
