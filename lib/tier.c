@@ -157,8 +157,7 @@ static struct kvt_nvme_block_id block_id(const kvt_cache *c, const struct kvt_la
 /* Blocks of l that may be spilled: full, host resident, all tokens sinks or indexed. */
 static uint32_t spillable_blocks(const kvt_cache *c, const struct kvt_layer *l)
 {
-	uint32_t front = l->n_tokens < c->cfg.n_sink ? l->n_tokens : c->cfg.n_sink;
-	return (front + l->n_indexed) / KVT_BLOCK_TOKENS;
+	return (kvt_sinks_of(c, l->n_tokens) + l->n_indexed) / KVT_BLOCK_TOKENS;
 }
 
 static int ensure_spill_table(kvt_cache *c, struct kvt_layer *l)
