@@ -1,0 +1,42 @@
+#!/bin/bash
+# The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
+# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the four
+# GPU benchmarks. Logs go to $OUT (or ./h200-out), at most five files. Usage, on the GPU machine, from the repo root:
+#   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
+set -u
+out=${OUT:-h200-out}; mkdir -p "$out"
+b=${BUILD:-/tmp/b}
+bench=0; sanitize=1
+for a in "$@"; do
+	case $a in --bench) bench=1 ;; --no-sanitize) sanitize=0 ;; *) echo "unknown $a"; exit 2 ;; esac
+done
+rc=0
+step() { # log, name, command...: run, append to $out/log.log, remember a failure
+	local l=$1 n=$2; shift 2
+	local t0=$(date +%s)
+	echo "=== $n" >>"$out/$l.log"
+	"$@" >>"$out/$l.log" 2>&1; local r=$?
+	echo "$n: rc=$r ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"
+	[ $r -eq 0 ] || rc=1
+	return $r
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/summary.txt" 2>&1
+git log --oneline -1 >>"$out/summary.txt" 2>&1
+[ -d "$b" ] || meson setup "$b" -Dcuda=enabled >"$out/setup.log" 2>&1 || { echo setup failed; tail -30 "$out/setup.log"; exit 1; }
+step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
+step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
+if [ $sanitize = 1 ]; then
+	for tool in memcheck racecheck; do
+		for t in test_gpu_kernels test_gpu_backend; do
+			KVT_TEST_QUICK=1 step sanitizer "$tool $t" compute-sanitizer --tool $tool --error-exitcode 9 "$b/tests/$t"
+			tail -2 "$out/sanitizer.log" >>"$out/summary.txt"
+		done
+	done
+fi
+if [ $bench = 1 ]; then
+	for x in gpu_scan gpu_select gpu_gather gpu_decode; do
+		step bench "$x" "$b/bench/$x"
+	done
+fi
+cat "$out/summary.txt"
+exit $rc
