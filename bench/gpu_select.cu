@@ -212,10 +212,10 @@ int main(void)
 	printf("gpu_select on %s: %d query heads x %d tokens, p = %.2f (%.0f tokens selected per head "
 	       "on average)\n",
 	       prop.name, HQ, N, (double)P, (double)count / HQ);
-	printf("threshold (radix, no sort): %.2f us per call timed alone (goal <= 25 us); %.2f us each "
+	printf("threshold (log-mass histogram + exact candidates, no sort): %.2f us per call timed alone (goal <= 25 us); %.2f us each "
 	       "in a burst of 10\n",
 	       a, a10);
-	printf("  with budget_max 2048 (clamp radix too): %.2f us; threshold + union/compaction into %d "
+	printf("  with budget_max 2048 (the clamp too): %.2f us; threshold + union/compaction into %d "
 	       "KV-head lists: %.2f us\n",
 	       ab, HKV, au);
 	printf("sort-based Top-p: CUB segmented radix sort + scan %.2f us, CUB global radix sort over "

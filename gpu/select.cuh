@@ -33,13 +33,14 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
 
 /*
  * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
- * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time: a max/min
- * pass, then a radix select over the order-preserving bits of the scores (11 + 11 + 10 bits) whose
- * histograms accumulate, per bin, the count and the probability mass exp((s - max) * scale) (in
- * double, as the CPU, summed exactly in 128-bit fixed point of 2^-80). With clamping, a second radix
- * select finds the want-th largest score and, when ties straddle the boundary, the lowest positions.
- * The result equals the CPU's on the same scores, except where the cumulative mass at the boundary
- * is within double rounding of p times the total.
+ * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time and three
+ * launches (select.cu): a max/min pass; a histogram of count and probability mass (in double, as the
+ * CPU, summed exactly in 128-bit fixed point of 2^-80) over 2048 log-mass bins, which picks the bin
+ * holding the boundary and those holding the bmin-th and bmax-th largest; then those bins' scores
+ * are gathered and the last block resolves the exact threshold and clamp among them (sorted in
+ * shared memory, or by a radix select when there are many), ties at a clamped boundary going to the
+ * lowest positions. The result equals the CPU's on the same scores, except where the cumulative
+ * mass at the boundary is within double rounding of p times the total.
  *   scores:   device [n_seqs][n_q_heads][ld] floats (16-byte aligned), ld a multiple of 4
  *   n_tokens: device [n_seqs]: scored tokens per head, each <= max_n (host bound, <= ld, <= 2^24)
  *   scale > 0 and finite; p > 0 (p >= 1 selects all)
@@ -50,7 +51,8 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  *             s * n_q_heads + j, index = position) when a score is NaN or infinite; that segment
  *             then marks nothing. KVT_GPU_ERR_RANGE when n_tokens[s] > max_n (likewise).
  * Returns 0, -EINVAL (NULL pointer, shapes, scratch too small, p, scale) or -EIO. Asynchronous,
- * allocation-free; uses a cudaMemsetAsync on scratch.
+ * allocation-free; uses a cudaMemsetAsync on scratch. Capturable in a CUDA graph; the grid is
+ * sized from the current device's multiprocessor count.
  */
 int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores, size_t ld,
 			   const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
