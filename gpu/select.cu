@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Top-p selection without sorting, in three launches over all (sequence, query head) segments,
- * each segment split into chunks of SEL_CHUNK scores, one block per chunk:
+ * each segment split into chunks of SEL_CHUNK scores, one block per chunk (or several chunks per
+ * block, so that all segments together take about four blocks per multiprocessor):
  *
  *   1. k_stats: max, min, finiteness.
  *   2. k_hist: a histogram of count and probability mass over SEL_BINS bins of equal width in
