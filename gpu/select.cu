@@ -40,8 +40,8 @@
 /* Bins span at most this many nats below the max: a term exp(-56.2) is already below the fixed
  * point's unit, so the bins past it carry counts only. */
 #define SEL_SPAN_NATS 64.0f
-/* Candidate list per segment. A bin of 1/32 nat holds a few hundred scores at 128K tokens on
- * realistic attention; more (flat scores) take the whole-segment path. */
+/* Candidate list per segment, at most (see carve). A boundary bin holds a few hundred scores at
+ * 128K tokens on realistic attention; more (flat scores) take the whole-segment path. */
 #define SEL_CAND 16384u
 /* Candidates resolved by sorting them in shared memory; more take the radix select. */
 #define SEL_SORT 4096u
@@ -95,7 +95,11 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	sel_scratch s;
 	char *p = (char *)base;
 	size_t off = 0;
-	s.cand_cap = max_n < SEL_CAND ? max_n : SEL_CAND;
+	/* the list: max_n / 8 candidates, within [2 SEL_SORT, SEL_CAND] and at most max_n, so that it
+	 * stays at most half the scores' bytes past 16K tokens */
+	uint32_t cap = max_n / 8;
+	cap = cap < 2 * SEL_SORT ? 2 * SEL_SORT : cap > SEL_CAND ? SEL_CAND : cap;
+	s.cand_cap = cap < max_n ? cap : max_n;
 	s.st = (seg_state *)(p + off);
 	off += align256(segs * sizeof(seg_state));
 	s.hcnt = (uint32_t *)(p + off);
