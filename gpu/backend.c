@@ -729,6 +729,10 @@ static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	struct glay *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
 	bounds(c, n_seqs, ls, at_sel, max_ni, max_rows);
+	KVT_RETURN_IF(*max_ni > KVT_GPU_SELECT_MAX_N, c, -E2BIG,
+		      "a sequence has %u indexed tokens on layer %u; the CUDA backend selects among at "
+		      "most %u",
+		      *max_ni, layer, KVT_GPU_SELECT_MAX_N);
 	const uint32_t ld = (*max_ni + 3) & ~3u;
 	*s = carve(c, NULL, n_seqs, ld ? ld : 4, *max_rows ? *max_rows : 1);
 	KVT_TRY(grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));

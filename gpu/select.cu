@@ -45,7 +45,7 @@
 #define SEL_CAND 16384u
 /* Candidates resolved by sorting them in shared memory; more take the radix select. */
 #define SEL_SORT 4096u
-#define SEL_MAX_N (1u << 24)
+#define SEL_MAX_N (KVT_GPU_SELECT_MAX_N + 1) /* positions take 24 bits of a ckey */
 #define SEL_NONE 0xffffffffu
 
 typedef unsigned __int128 u128;
@@ -1079,7 +1079,7 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 {
 	if (!scores || !n_tokens || !out || !scratch || n_q_heads == 0)
 		return -EINVAL;
-	if (ld % 4 || max_n > ld || max_n > SEL_MAX_N || !aligned16(scores) || !aligned16(scratch))
+	if (ld % 4 || max_n > ld || max_n > KVT_GPU_SELECT_MAX_N || !aligned16(scores) || !aligned16(scratch))
 		return -EINVAL;
 	if (!(scale > 0.0f) || !isfinite(scale) || !(p > 0.0f))
 		return -EINVAL;
@@ -1115,7 +1115,7 @@ extern "C" int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t 
 	if (!scores || !n_tokens || !topp || !sel || !sel_n || !scratch || n_kv_heads == 0 ||
 	    n_q_heads % n_kv_heads || n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
 		return -EINVAL;
-	if (ld % 4 || max_n > ld || max_n > SEL_MAX_N || sel_ld < max_n || !aligned16(scratch))
+	if (ld % 4 || max_n > ld || max_n > KVT_GPU_SELECT_MAX_N || sel_ld < max_n || !aligned16(scratch))
 		return -EINVAL;
 	if ((uint64_t)n_seqs * n_q_heads > 65535)
 		return -EINVAL;

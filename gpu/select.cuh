@@ -16,6 +16,9 @@
 extern "C" {
 #endif
 
+/* Indexed tokens per sequence the selection handles (positions and counts fit 24 bits). */
+#define KVT_GPU_SELECT_MAX_N ((1u << 24) - 1)
+
 /* The selection of one (sequence, query head) segment (24 bytes, device memory). */
 typedef struct kvt_gpu_topp {
 	float thresh;    /* Top-p threshold, as kvt_topp_threshold's *thresh (0 when n is 0) */
@@ -42,7 +45,8 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  * lowest positions. The result equals the CPU's on the same scores, except where the cumulative
  * mass at the boundary is within double rounding of p times the total.
  *   scores:   device [n_seqs][n_q_heads][ld] floats (16-byte aligned), ld a multiple of 4
- *   n_tokens: device [n_seqs]: scored tokens per head, each <= max_n (host bound, <= ld, <= 2^24)
+ *   n_tokens: device [n_seqs]: scored tokens per head, each <= max_n (host bound, <= ld,
+ *             <= KVT_GPU_SELECT_MAX_N)
  *   scale > 0 and finite; p > 0 (p >= 1 selects all)
  *   out:      device [n_seqs][n_q_heads]
  *   scratch:  device, scratch_bytes >= kvt_gpu_select_scratch_bytes(...), 16-byte aligned;

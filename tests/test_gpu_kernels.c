@@ -795,6 +795,9 @@ static void test_arguments(void **state)
 		"unaligned scores");
 	T_CHECK(kvt_gpu_topp_union(1, 4, 2, p, 8, p, 8, p, p, 4, p, p, 1 << 20, NULL) == -EINVAL,
 		"sel_ld below max_n");
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, p, p,
+				       1 << 20, NULL, NULL) == -EINVAL,
+		"max_n 2^24");
 	T_CHECK(kvt_gpu_attend(128, KVT_DTYPE_F32, KVT_DTYPE_F32, 1, 4, 2, 1.0f, p, p, 8, p, p,
 			       1 << 20, NULL, NULL) == -EOPNOTSUPP,
 		"attend f32 rows");
