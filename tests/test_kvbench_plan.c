@@ -29,11 +29,12 @@ static kb_plan_in llama8b(void)
  * Full K/V: 4 * 128 * 8 * 32 = 131072 B per token; 68719476736 / 131072 = 524288 tokens;
  *   524288 / 32768 = 16 sequences.
  * kvtier HBM: index (128/8 + 4) * 8 * 32 = 5120 B per token; indexed tokens 32768 - 4 - 64 = 32700;
- *   window ring (64 + 2 * 64) * 512 * 256 = 25165824; per sequence 32700 * 5120 + 25165824 =
- *   192589824; HBM left after the hot cache 68719476736 - 268435456 = 68451041280;
- *   68451041280 / 192589824 = 355.4 -> 355 sequences.
+ *   window ring (64 + 2 * 64) * 512 * 256 = 25165824; selections 4 * (32700 + 1) * 256 = 33485824
+ *   (32700 is a multiple of 4); per sequence 32700 * 5120 + 25165824 + 33485824 = 226075648; HBM
+ *   left after the hot cache 68719476736 - 268435456 = 68451041280;
+ *   68451041280 / 226075648 = 302.8 -> 302 sequences.
  * Host: block 256 * 512 = 131072 B; 512 GiB / 131072 = 4194304 blocks; a sequence is
- *   32768 / 256 * 8 * 32 = 32768 blocks -> 128 sequences. No NVMe: kvtier holds min(355, 128) =
+ *   32768 / 256 * 8 * 32 = 32768 blocks -> 128 sequences. No NVMe: kvtier holds min(302, 128) =
  *   128 sequences, 128 * 32768 = 4194304 tokens, limited by the host tier.
  */
 static void test_host_bound(void **state)
@@ -50,8 +51,9 @@ static void test_host_bound(void **state)
 	EQ(index_token_bytes, 5120);
 	EQ(index_tokens, 32700);
 	EQ(window_seq_bytes, 25165824);
-	EQ(hbm_seq_bytes, 192589824);
-	EQ(hbm_seqs, 355);
+	EQ(sel_seq_bytes, 33485824);
+	EQ(hbm_seq_bytes, 226075648);
+	EQ(hbm_seqs, 302);
 	EQ(block_bytes, 131072);
 	EQ(seq_blocks, 32768);
 	EQ(host_seqs, 128);
@@ -64,8 +66,8 @@ static void test_host_bound(void **state)
 /*
  * The same with 2 TiB of NVMe. An NVMe block: header 64 + 4 * (131072 / 4096) = 192 B, rounded
  * to 4096, plus the 131072 B payload = 135168 B; 2^41 / 135168 = 16268815 blocks.
- * Host + NVMe: (4194304 + 16268815) / 32768 = 624.5 -> 624 sequences; HBM allows 355, so kvtier
- * holds 355 sequences (355 * 32768 = 11632640 tokens), limited by HBM: 22 x the 16 of full K/V.
+ * Host + NVMe: (4194304 + 16268815) / 32768 = 624.5 -> 624 sequences; HBM allows 302, so kvtier
+ * holds 302 sequences (302 * 32768 = 9895936 tokens), limited by HBM: 18.9 x the 16 of full K/V.
  */
 static void test_hbm_bound(void **state)
 {
@@ -77,9 +79,9 @@ static void test_hbm_bound(void **state)
 	T_CHECK(kb_plan_compute(&in, &p) == 0, "%s: rejected", name);
 	EQ(nvme_block_bytes, 135168);
 	EQ(tier_seqs, 624);
-	EQ(hbm_seqs, 355);
-	EQ(kvt_seqs, 355);
-	EQ(kvt_tokens, 11632640);
+	EQ(hbm_seqs, 302);
+	EQ(kvt_seqs, 302);
+	EQ(kvt_tokens, 9895936);
 	EQ(full_seqs, 16);
 	T_CHECK(!strcmp(p.limit, "HBM"), "%s: limit got %s, wanted HBM", name, p.limit);
 }
@@ -106,8 +108,8 @@ static void test_no_room(void **state)
  * A context inside sinks + window (50 < 4 + 64), one layer, one KV head, D = 64, 1 MiB of HBM, no
  * weights or hot cache, 1 MiB of host tier.
  * Full K/V: 256 B per token; 1048576 / 256 = 4096 tokens; 4096 / 50 = 81 sequences.
- * kvtier: nothing indexed; window ring (64 + 2 * 64) * 256 = 49152 B; 1048576 / 49152 = 21.3 ->
- * 21 by HBM. Host: block 256 * 256 = 65536 B, 16 blocks, one per sequence -> 16. kvtier:
+ * kvtier: nothing indexed; window ring (64 + 2 * 64) * 256 = 49152 B, the (empty) selection
+ * 4 * (4 + 1) = 20 B; 1048576 / 49172 = 21.3 -> 21 by HBM. Host: block 256 * 256 = 65536 B, 16 blocks, one per sequence -> 16. kvtier:
  * min(21, 16) = 16 sequences, 800 tokens, by the host tier: fewer than full K/V, since a short
  * context gains nothing from an index and pays for a whole block.
  */
@@ -124,6 +126,8 @@ static void test_short_context(void **state)
 	EQ(full_seqs, 81);
 	EQ(index_tokens, 0);
 	EQ(window_seq_bytes, 49152);
+	EQ(sel_seq_bytes, 20);
+	EQ(hbm_seq_bytes, 49172);
 	EQ(hbm_seqs, 21);
 	EQ(block_bytes, 65536);
 	EQ(seq_blocks, 1);

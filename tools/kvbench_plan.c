@@ -4,10 +4,15 @@
  *   full K/V in HBM   4 D bytes per token (K and V, 2 bytes per element)
  *   kvtier in HBM     D/8 + 4 bytes per indexed token (the index: code, sigma, beta), the window
  *                     ring of window + 2 flush full rows per sequence (the CUDA backend's: a flush
- *                     reads its oldest B rows while B more arrive), and the hot-token cache once
+ *                     reads its oldest B rows while B more arrive), each layer's last selection
+ *                     (4 bytes per indexed token, the count rounded up to 4 and at least 4, plus
+ *                     one for its length; sized by the batch, so counted as if every sequence held
+ *                     decodes in one batch), and the hot-token cache once
  *   host tier         every token's row, in whole 256-token blocks
  *   NVMe              the same blocks, each with its header, 4 KiB aligned
- * It leaves out what does not scale with the sequences (rotations, centroids, staging), and counts
+ * It leaves out what does not scale with the sequences (rotations, centroids, staging) and the
+ * scratch of one step (once, not per layer: scores, row lists and the threshold's histograms,
+ * doc/cuda-backend.md), and counts
  * a spilled sequence's NVMe blocks without the window blocks it keeps in host memory: kvt_seqs is
  * an upper bound that a run (kvbench --plan) then checks.
  */
@@ -35,7 +40,9 @@ int kb_plan_compute(const kb_plan_in *in, kb_plan *out)
 	p.index_token_bytes = ((uint64_t)in->head_dim / 8 + 4) * kl;
 	p.index_tokens = in->context > front ? in->context - front : 0;
 	p.window_seq_bytes = ((uint64_t)in->window + 2ull * in->flush) * row * kl;
-	p.hbm_seq_bytes = p.index_tokens * p.index_token_bytes + p.window_seq_bytes;
+	const uint64_t sel_ld = p.index_tokens ? round_up(p.index_tokens, 4) : 4;
+	p.sel_seq_bytes = 4 * (sel_ld + 1) * kl;
+	p.hbm_seq_bytes = p.index_tokens * p.index_token_bytes + p.window_seq_bytes + p.sel_seq_bytes;
 	uint64_t hbm = p.kv_free > in->hot_bytes ? p.kv_free - in->hot_bytes : 0;
 	p.hbm_seqs = p.hbm_seq_bytes ? hbm / p.hbm_seq_bytes : UINT64_MAX;
 

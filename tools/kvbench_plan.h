@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The capacity arithmetic of kvbench --plan: how many sequences of a given context a GPU can serve
- * with kvtier (compact index + window buffer + hot cache in HBM, full K/V rows in the host tier and
- * on NVMe) against keeping the full K/V in HBM. Pure integer arithmetic, no library call, so tests
- * check it against hand-computed cases (tests/test_kvbench_plan.c).
+ * with kvtier (compact index, window buffer, last selection and hot cache in HBM; full K/V rows in
+ * the host tier and on NVMe) against keeping the full K/V in HBM. Pure integer arithmetic, no
+ * library call, so tests check it against hand-computed cases (tests/test_kvbench_plan.c).
  */
 #ifndef KVBENCH_PLAN_H
 #define KVBENCH_PLAN_H
@@ -37,7 +37,9 @@ typedef struct kb_plan {
 	uint64_t index_token_bytes; /* (D/8 + 4) KV L */
 	uint64_t index_tokens;      /* indexed tokens of a sequence: context - sinks - window (>= 0) */
 	uint64_t window_seq_bytes;  /* the window ring: (window + 2 flush) rows of 4 D bytes, KV L */
-	uint64_t hbm_seq_bytes;     /* index_tokens * index_token_bytes + window_seq_bytes */
+	uint64_t sel_seq_bytes;     /* the last selection: 4 (round4(index_tokens) + 1) KV L, the
+				       count at least 4 */
+	uint64_t hbm_seq_bytes;     /* index_tokens * index_token_bytes + window + selection */
 	uint64_t hbm_seqs;          /* (kv_free - hot_bytes) / hbm_seq_bytes */
 	uint64_t block_bytes;       /* 256 rows of 4 D bytes */
 	uint64_t nvme_block_bytes;  /* the same block on disk: header and payload, 4 KiB aligned */

@@ -361,9 +361,10 @@ static void plan_table(const opts *o, const kb_plan_in *in, const kb_plan *p)
 	       fmt_bytes(p->full_token_bytes, a, sizeof a),
 	       fmt_bytes(p->full_token_bytes * in->context, b, sizeof b), p->full_seqs,
 	       p->full_seqs * in->context);
+	/* per token of context: index, window ring and selection together */
 	printf("kvtier, by HBM          %11s  %13s  %10" PRIu64 "\n",
-	       fmt_bytes(p->index_token_bytes, a, sizeof a), fmt_bytes(p->hbm_seq_bytes, b, sizeof b),
-	       p->hbm_seqs);
+	       fmt_bytes(p->hbm_seq_bytes / in->context, a, sizeof a),
+	       fmt_bytes(p->hbm_seq_bytes, b, sizeof b), p->hbm_seqs);
 	printf("kvtier, by host+NVMe    %11s  %13s  %10" PRIu64 "  (host alone %" PRIu64 ")\n", "-",
 	       fmt_bytes(p->seq_blocks * p->block_bytes, b, sizeof b), p->tier_seqs, p->host_seqs);
 	printf("kvtier                  %11s  %13s  %10" PRIu64 "  %12" PRIu64 "  %s", "", "",
