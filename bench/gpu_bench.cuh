@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* What the GPU micro-benchmarks share: checked calls, a device hash for fills, the median. */
+/* What the GPU micro-benchmarks share: checked calls, a device hash for fills, event timing. */
 #ifndef KVT_BENCH_GPU_BENCH_CUH
 #define KVT_BENCH_GPU_BENCH_CUH
 
@@ -58,6 +58,40 @@ static inline bool bench_device(const char *name, cudaDeviceProp *prop)
 	return true;
 }
 
+/*
+ * The median milliseconds of f(i), enqueued on `st` between two CUDA events, over `runs` timings
+ * after `warmup` untimed ones (i counts all of them from 0); pre(i) runs before each, outside the
+ * events.
+ */
+template <class F, class P>
+static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre)
+{
+	cudaEvent_t e0, e1;
+	CK(cudaEventCreate(&e0));
+	CK(cudaEventCreate(&e1));
+	std::vector<float> t;
+	for (int i = 0; i < warmup + runs; i++) {
+		pre(i);
+		CK(cudaEventRecord(e0, st));
+		f(i);
+		CK(cudaEventRecord(e1, st));
+		CK(cudaEventSynchronize(e1));
+		float ms;
+		CK(cudaEventElapsedTime(&ms, e0, e1));
+		if (i >= warmup)
+			t.push_back(ms);
+	}
+	CK(cudaEventDestroy(e0));
+	CK(cudaEventDestroy(e1));
+	return median(t);
+}
+
+template <class F>
+static float median_ms(cudaStream_t st, int warmup, int runs, F f)
+{
+	return median_ms(st, warmup, runs, f, [](int) {});
+}
+
 /* Device-to-device copy bandwidth of cudaMemcpyAsync over 1 GiB, bytes read plus written per second
  * (as bench/gpu_scan.cu counts it), median of 20 copies after 5 of warm-up. */
 static inline double d2d_copy_bandwidth(void)
@@ -67,25 +101,12 @@ static inline double d2d_copy_bandwidth(void)
 	CK(cudaMalloc(&a, bytes));
 	CK(cudaMalloc(&b, bytes));
 	CK(cudaMemset(a, 0x5a, bytes));
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < 25; i++) {
-		CK(cudaEventRecord(e0));
+	const float ms = median_ms(0, 5, 20, [&](int) {
 		CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-		CK(cudaEventRecord(e1));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 5)
-			t.push_back(ms);
-	}
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
+	});
 	CK(cudaFree(a));
 	CK(cudaFree(b));
-	return 2.0 * bytes / (median(t) * 1e-3);
+	return 2.0 * bytes / (ms * 1e-3);
 }
 
 /* "1,8,32768" into numbers; exits on anything else, naming the flag. */

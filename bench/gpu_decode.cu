@@ -471,20 +471,10 @@ static void resident_launch(const res_plan &p, res_scratch &sc, const uint16_t *
 /* Median milliseconds of `reps` resident launches, each alone between two events. */
 static float resident_time(const res_plan &p, res_scratch &sc, const uint16_t *K,
 			   const uint16_t *V, const uint16_t *q, uint32_t n_seqs, uint32_t n,
-			   float *out, cudaStream_t st, int reps, cudaEvent_t e0, cudaEvent_t e1)
+			   float *out, cudaStream_t st, int reps)
 {
-	std::vector<float> t;
-	for (int i = 0; i < reps + 3; i++) {
-		CK(cudaEventRecord(e0, st));
-		resident_launch(p, sc, K, V, q, n_seqs, n, out, st);
-		CK(cudaEventRecord(e1, st));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 3)
-			t.push_back(ms);
-	}
-	return median(t);
+	return median_ms(st, 3, reps,
+			 [&](int) { resident_launch(p, sc, K, V, q, n_seqs, n, out, st); });
 }
 
 static float h2f(uint16_t x)
@@ -914,15 +904,14 @@ int main(int argc, char **argv)
 		for (const variant &v : vs)
 			for (int waves : {1, 2, 4}) {
 				const res_plan p = plan_for(v, waves, sms, B * HKV, n);
-				const float t = resident_time(p, sc, dk, dv, dq, B, n, dout, st, 5, e0,
-							      e1);
+				const float t = resident_time(p, sc, dk, dv, dq, B, n, dout, st, 5);
 				if (t < best_ms) {
 					best_ms = t;
 					best = p;
 				}
 			}
 		const float res_ms =
-			resident_time(best, sc, dk, dv, dq, B, n, dout, st, o.reps, e0, e1);
+			resident_time(best, sc, dk, dv, dq, B, n, dout, st, o.reps);
 		const double res_bw = 2.0 * half / (res_ms * 1e-3);
 
 		/* (b) naive: the whole K/V over PCIe, then the resident kernel */

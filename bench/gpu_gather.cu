@@ -251,24 +251,7 @@ static void fetch_once(const plan &p, const kvt_gpu_hot &hot, uint32_t epoch, fe
 template <class F, class P>
 static float time_it(cudaStream_t st, F fn, P pre)
 {
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < REPS + 3; i++) {
-		pre(i);
-		CK(cudaEventRecord(e0, st));
-		fn(i);
-		CK(cudaEventRecord(e1, st));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 3)
-			t.push_back(ms);
-	}
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
-	return median(t);
+	return median_ms(st, 3, REPS, fn, pre);
 }
 
 /* Rows of the fetch path's dense outputs (and the ceiling's) that differ from the host rows. */

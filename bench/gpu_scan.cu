@@ -102,52 +102,25 @@ static void drop(setup &s)
 static float time_scan(setup &s, bool prep, const float *drot, const float *const *dcq,
 		       const float *const *dck, const void *dq)
 {
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < RUNS + 10; i++) {
-		const kvt_gpu_index_view *v = s.views[i % s.copies];
-		CK(cudaEventRecord(e0));
-		if (prep)
-			RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq, dck,
-						 s.qc, NULL));
-		RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, v, s.n_tok, s.n, s.scores, s.n, NULL, NULL));
-		CK(cudaEventRecord(e1));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 10)
-			t.push_back(ms * 1000.0f);
-	}
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
-	return median(t);
+	return 1000.0f * median_ms(0, 10, RUNS, [&](int i) {
+		       if (prep)
+			       RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq,
+							dck, s.qc, NULL));
+		       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n,
+					s.scores, s.n, NULL, NULL));
+	       });
 }
 
 /* Microseconds per scan when `burst` scans are queued back to back (launch latency hidden, as in a
  * captured decode step), median over RUNS bursts. */
 static float time_burst(setup &s, int burst)
 {
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < RUNS + 5; i++) {
-		CK(cudaEventRecord(e0));
-		for (int b = 0; b < burst; b++)
-			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[(i * burst + b) % s.copies],
-					 s.n_tok, s.n, s.scores, s.n, NULL, NULL));
-		CK(cudaEventRecord(e1));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 5)
-			t.push_back(ms * 1000.0f / burst);
-	}
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
-	return median(t);
+	return 1000.0f / burst * median_ms(0, 5, RUNS, [&](int i) {
+		       for (int b = 0; b < burst; b++)
+			       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc,
+						s.views[(i * burst + b) % s.copies], s.n_tok, s.n,
+						s.scores, s.n, NULL, NULL));
+	       });
 }
 
 int main(void)

@@ -89,24 +89,10 @@ static __global__ void threshold(const float *sorted, const float *cum, float *t
 template <class F>
 static float time_us(F f, int burst = 1)
 {
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	std::vector<float> t;
-	for (int i = 0; i < RUNS + 10; i++) {
-		CK(cudaEventRecord(e0));
-		for (int b = 0; b < burst; b++)
-			f();
-		CK(cudaEventRecord(e1));
-		CK(cudaEventSynchronize(e1));
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= 10)
-			t.push_back(ms * 1000.0f / burst);
-	}
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
-	return median(t);
+	return 1000.0f / burst * median_ms(0, 10, RUNS, [&](int) {
+		       for (int b = 0; b < burst; b++)
+			       f();
+	       });
 }
 
 int main(void)
