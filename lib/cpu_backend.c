@@ -229,12 +229,17 @@ static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, cons
 	uint64_t t0 = kvt_now_ns();
 	uint32_t n = positions(c, l, h, pos);
 	KVT_TRY(kvt_rows_get(c, l, h, n, pos, c->rows));
-	for (uint32_t g = 0; g < G; g++) {
-		float qf[KVT_MAX_HEAD_DIM], o[KVT_MAX_HEAD_DIM];
-		size_t at = ((size_t)i * c->cfg.n_q_heads + h * G + g) * d;
-		load_vec(c, q, at, qf);
-		kvt_attention(d, c->cfg.dtype, c->scale, qf, n, c->rows, o);
-		store_out(c, out, at, o);
+	/* the group's queries together, so that each row is converted once per pass */
+	for (uint32_t g0 = 0; g0 < G; g0 += KVT_ATTENTION_GROUP) {
+		const uint32_t gn = G - g0 < KVT_ATTENTION_GROUP ? G - g0 : KVT_ATTENTION_GROUP;
+		float qf[KVT_ATTENTION_GROUP][KVT_MAX_HEAD_DIM], o[KVT_ATTENTION_GROUP][KVT_MAX_HEAD_DIM];
+		float *qd = qf[0], *od = o[0]; /* packed: query g at g * d */
+		const size_t at = ((size_t)i * c->cfg.n_q_heads + h * G + g0) * d;
+		for (uint32_t g = 0; g < gn; g++)
+			load_vec(c, q, at + (size_t)g * d, qd + (size_t)g * d);
+		kvt_attention_group(d, c->cfg.dtype, c->scale, gn, qd, n, c->rows, od);
+		for (uint32_t g = 0; g < gn; g++)
+			store_out(c, out, at + (size_t)g * d, od + (size_t)g * d);
 	}
 	c->st.rows_fetched += n;
 	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;

@@ -117,6 +117,17 @@ int kvt_topp_mark(const float *scores, uint32_t n, float scale, float p, uint32_
 void kvt_attention(uint32_t d, uint32_t dtype, float scale, const float *q, uint32_t n,
 		   const void *const *rows, float *out);
 
+/* Queries kvt_attention_group takes per pass over the rows (more take several passes). */
+#define KVT_ATTENTION_GROUP 8u
+
+/*
+ * The same for g queries over the same rows (q and out: g x d floats), each row's elements
+ * converted once for the group: every query's result is bit for bit what kvt_attention gives it
+ * alone (the same operations in the same order).
+ */
+void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
+			 uint32_t n, const void *const *rows, float *out);
+
 /* ---- state ------------------------------------------------------------------------------ */
 
 /* Per (sequence, layer). Token positions: [0, n_sink) sinks, then the index covers

@@ -110,6 +110,45 @@ static void test_attention_kernel(void **state)
 				}
 }
 
+/* kvt_attention_group: every query of the group (11, so two passes) gets, bit for bit, what
+ * kvt_attention gives it alone. */
+static void test_attention_group(void **state)
+{
+	(void)state;
+	enum { G = 11, N = 300 };
+	for (int di = 0; di < 3; di++)
+		for (int ti = 0; ti < 2; ti++) {
+			const uint32_t d = dims[di], dt = dtypes[ti];
+			const float scale = 1.0f / sqrtf((float)d);
+			t_rng rng;
+			t_rng_seed(&rng, 0x67700000u + di * 10 + ti);
+			uint16_t *rows = (uint16_t *)t_alloc(2 * 2 * (size_t)d * N);
+			float *scratch = (float *)t_alloc(4 * 2 * (size_t)d * N);
+			const void **rp = (const void **)t_alloc(sizeof(void *) * N);
+			float *q = (float *)t_alloc(4 * (size_t)G * d),
+			      *got = (float *)t_alloc(4 * (size_t)G * d), want[KVT_MAX_HEAD_DIM];
+			for (uint32_t i = 0; i < N; i++) {
+				uint16_t *row = rows + (size_t)i * 2 * d;
+				t_fill(&rng, dt, 2 * d, 0.0, 1.0, row, scratch + (size_t)i * 2 * d);
+				rp[i] = row;
+			}
+			for (uint32_t j = 0; j < G * d; j++)
+				q[j] = (float)(2.0 * t_normal(&rng));
+			kvt_attention_group(d, dt, scale, G, q, N, rp, got);
+			for (uint32_t g = 0; g < G; g++) {
+				kvt_attention(d, dt, scale, q + (size_t)g * d, N, rp, want);
+				T_CHECK(!memcmp(got + (size_t)g * d, want, 4 * d),
+					"d=%u %s: query %u of the group differs from kvt_attention alone",
+					d, t_dtype_name(dt), g);
+			}
+			free(rows);
+			free(scratch);
+			free(rp);
+			free(q);
+			free(got);
+		}
+}
+
 /* ---- kvt_attend with p = 1 against full attention --------------------------------------- */
 
 /* The keys, values and the decoded floats given to one (sequence, layer). */
@@ -258,6 +297,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_half_conversions),
 		cmocka_unit_test(test_attention_kernel),
+		cmocka_unit_test(test_attention_group),
 		cmocka_unit_test(test_attend_full_mha),
 		cmocka_unit_test(test_attend_full_gqa),
 	};
