@@ -1,7 +1,9 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
-# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the four
-# GPU benchmarks. Logs go to $OUT (or ./h200-out), at most five files. Usage, on the GPU machine, from the repo root:
+# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the four GPU
+# benchmarks. Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
+# most. The build directory is $BUILD (default /tmp/b), configured once. Usage, on the GPU
+# machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
 set -u
 out=${OUT:-h200-out}; mkdir -p "$out"
@@ -13,7 +15,8 @@ done
 rc=0
 step() { # log, name, command...: run, append to $out/log.log, remember a failure
 	local l=$1 n=$2; shift 2
-	local t0=$(date +%s)
+	local t0
+	t0=$(date +%s)
 	echo "=== $n" >>"$out/$l.log"
 	"$@" >>"$out/$l.log" 2>&1; local r=$?
 	echo "$n: rc=$r ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"
@@ -21,7 +24,7 @@ step() { # log, name, command...: run, append to $out/log.log, remember a failur
 	return $r
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/summary.txt" 2>&1
-git log --oneline -1 >>"$out/summary.txt" 2>&1
+{ git log --oneline -1 && git status --short | head -20; } >>"$out/summary.txt" 2>&1
 [ -d "$b" ] || meson setup "$b" -Dcuda=enabled >"$out/setup.log" 2>&1 || { echo setup failed; tail -30 "$out/setup.log"; exit 1; }
 step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
 step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
