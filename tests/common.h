@@ -110,6 +110,34 @@ static inline double t_normal(t_rng *r)
 	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
+/* Score distributions the Top-p tests (CPU and GPU) draw from. */
+enum t_dist { D_NORMAL, D_TIED, D_ONEHOT, D_UNIFORM, D_WIDE, D_NDIST };
+static const char *const t_dist_name[D_NDIST] = {"normal", "tied", "one-hot", "uniform", "wide"};
+
+static inline void t_scores(t_rng *r, enum t_dist kind, uint32_t n, float *s)
+{
+	uint32_t hot = t_below(r, n);
+	for (uint32_t i = 0; i < n; i++) {
+		switch (kind) {
+		case D_NORMAL:
+			s[i] = (float)(3 * t_normal(r) + 1);
+			break;
+		case D_TIED: /* few distinct values */
+			s[i] = (float)t_below(r, 4) * 1.5f - 2;
+			break;
+		case D_ONEHOT:
+			s[i] = i == hot ? 12.5f : -0.75f;
+			break;
+		case D_UNIFORM:
+			s[i] = 0.625f;
+			break;
+		default: /* far from 0 and spread wide: softmax must subtract the max */
+			s[i] = (float)(-5000 + 40 * t_normal(r));
+			break;
+		}
+	}
+}
+
 /* ---- fp16 / bf16 (round to nearest even), written independently of lib/half.h ------------ */
 
 static inline uint32_t t_fbits(float f)

@@ -386,32 +386,6 @@ static void test_prepare_and_score(void **state)
 
 /* ---- Top-p selection --------------------------------------------------------------------- */
 
-enum dist { D_NORMAL, D_TIED, D_ONEHOT, D_UNIFORM, D_WIDE, D_NDIST };
-static const char *const dist_name[D_NDIST] = {"normal", "tied", "one-hot", "uniform", "wide"};
-
-static void gen(t_rng *r, enum dist kind, uint32_t n, float *s)
-{
-	const uint32_t hot = n ? t_below(r, n) : 0;
-	for (uint32_t i = 0; i < n; i++)
-		switch (kind) {
-		case D_NORMAL:
-			s[i] = (float)(3 * t_normal(r) + 1);
-			break;
-		case D_TIED:
-			s[i] = (float)t_below(r, 4) * 1.5f - 2;
-			break;
-		case D_ONEHOT:
-			s[i] = i == hot ? 12.5f : -0.75f;
-			break;
-		case D_UNIFORM:
-			s[i] = 0.625f;
-			break;
-		default:
-			s[i] = (float)(-5000 + 40 * t_normal(r));
-			break;
-		}
-}
-
 /* One configuration of the threshold and union against the CPU on the same scores. */
 static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
 			 uint32_t max_n, const float *hs, size_t ld, float scale, float p,
@@ -512,14 +486,14 @@ static void test_select(void **state)
 		memset(hs, 0xff, 4 * (size_t)S * Hq * ld); /* past n: NaN, which must be ignored */
 		for (uint32_t s = 0; s < S; s++)
 			for (uint32_t j = 0; j < Hq; j++)
-				gen(&rng, (enum dist)(j % 3 == 2 ? D_TIED : kind), n[s],
+				t_scores(&rng, (enum t_dist)(j % 3 == 2 ? D_TIED : kind), n[s],
 				    hs + ((size_t)s * Hq + j) * ld);
 		for (int pi = g_quick ? 2 : 0; pi < 5; pi += g_quick ? 2 : 1)
 			for (int bi = 0; bi < 4; bi += g_quick ? 3 : 1) {
 				char what[96];
 				const float scale = kind == D_WIDE ? 1.0f : 0.0883883476f;
 				snprintf(what, sizeof what, "%s p=%g budget [%u, %u]",
-					 dist_name[kind], (double)ps[pi], budgets[bi][0],
+					 t_dist_name[kind], (double)ps[pi], budgets[bi][0],
 					 budgets[bi][1]);
 				check_select(what, S, Hq, Hkv, n, max_n, hs, ld, scale, ps[pi],
 					     budgets[bi][0], budgets[bi][1], &bad);
@@ -538,7 +512,7 @@ static void test_select(void **state)
 		for (uint32_t s = 0; s < S2; s++) {
 			n2[s] = N2 - 1000 * s;
 			for (uint32_t j = 0; j < H2; j++)
-				gen(&rng, j % 3 == 2 ? D_TIED : D_NORMAL, n2[s],
+				t_scores(&rng, j % 3 == 2 ? D_TIED : D_NORMAL, n2[s],
 				    h2 + ((size_t)s * H2 + j) * N2);
 		}
 		check_select("strided p=0.9", S2, H2, 2, n2, N2, h2, N2, 0.0883883476f, 0.9f, 0,
@@ -564,7 +538,7 @@ static void test_select_nonfinite(void **state)
 	seeded(&rng, 400);
 	for (int b = 0; b < 3; b++) {
 		for (uint32_t j = 0; j < Hq; j++)
-			gen(&rng, D_NORMAL, n[0], hs + (size_t)j * ld);
+			t_scores(&rng, D_NORMAL, n[0], hs + (size_t)j * ld);
 		const uint32_t at = 17 + 1000 * (uint32_t)b;
 		hs[2 * ld + at] = bads[b];
 		float *ds = (float *)dcopy(hs, 4 * (size_t)Hq * ld);

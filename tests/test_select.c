@@ -47,33 +47,6 @@ static uint32_t ref_topp(const float *s, uint32_t n, float scale, float p, float
 	return count;
 }
 
-enum dist { D_NORMAL, D_TIED, D_ONEHOT, D_UNIFORM, D_WIDE, D_NDIST };
-static const char *const dist_name[D_NDIST] = {"normal", "tied", "one-hot", "uniform", "wide"};
-
-static void gen(t_rng *r, enum dist kind, uint32_t n, float *s)
-{
-	uint32_t hot = t_below(r, n);
-	for (uint32_t i = 0; i < n; i++) {
-		switch (kind) {
-		case D_NORMAL:
-			s[i] = (float)(3 * t_normal(r) + 1);
-			break;
-		case D_TIED: /* few distinct values */
-			s[i] = (float)t_below(r, 4) * 1.5f - 2;
-			break;
-		case D_ONEHOT:
-			s[i] = i == hot ? 12.5f : -0.75f;
-			break;
-		case D_UNIFORM:
-			s[i] = 0.625f;
-			break;
-		default: /* far from 0 and spread wide: softmax must subtract the max */
-			s[i] = (float)(-5000 + 40 * t_normal(r));
-			break;
-		}
-	}
-}
-
 static void test_threshold_vs_sort(void **state)
 {
 	(void)state;
@@ -89,7 +62,7 @@ static void test_threshold_vs_sort(void **state)
 				t_rng rng;
 				t_rng_seed(&rng, seed);
 				uint32_t n = ns[ni];
-				gen(&rng, (enum dist)kind, n, s);
+				t_scores(&rng, (enum t_dist)kind, n, s);
 				for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
 					float p = ps[pi], scale = scales[si], thr = NAN, wthr;
 					uint32_t bad = 12345;
@@ -100,12 +73,12 @@ static void test_threshold_vs_sort(void **state)
 						"%s n=%u p=%g scale=%g seed 0x%llx: count got %d, wanted %u; "
 						"threshold got %.9g, wanted %.9g (mass before/at the "
 						"boundary %.12f / %.12f)",
-						dist_name[kind], n, (double)p, (double)scale,
+						t_dist_name[kind], n, (double)p, (double)scale,
 						(unsigned long long)seed, got, want, (double)thr,
 						(double)wthr, mb, ma);
 					if (p >= 1.0f || kind == D_UNIFORM)
 						T_CHECK(got == (int)n, "%s n=%u p=%g: got %d, wanted all",
-							dist_name[kind], n, (double)p, got);
+							t_dist_name[kind], n, (double)p, got);
 					cases++;
 				}
 			}
@@ -161,7 +134,7 @@ static void test_kth_largest(void **state)
 			uint32_t n = ns[ni];
 			t_rng rng;
 			t_rng_seed(&rng, 0x4747u + ni * 10 + (uint64_t)kind);
-			gen(&rng, (enum dist)kind, n, s);
+			t_scores(&rng, (enum t_dist)kind, n, s);
 			memcpy(sorted, s, sizeof(float) * n);
 			memcpy(keep, s, sizeof(float) * n);
 			qsort(sorted, n, sizeof(float), cmp_desc);
@@ -170,11 +143,11 @@ static void test_kth_largest(void **state)
 				float got = kvt_kth_largest(s, n, ms[mi], scr);
 				T_CHECK(got == sorted[ms[mi] - 1],
 					"%s n=%u m=%u (seed 0x%llx): got %.9g, wanted %.9g",
-					dist_name[kind], n, ms[mi], (unsigned long long)rng.seed,
+					t_dist_name[kind], n, ms[mi], (unsigned long long)rng.seed,
 					(double)got, (double)sorted[ms[mi] - 1]);
 			}
 			T_CHECK(memcmp(s, keep, sizeof(float) * n) == 0,
-				"%s n=%u: kvt_kth_largest modified its input", dist_name[kind], n);
+				"%s n=%u: kvt_kth_largest modified its input", t_dist_name[kind], n);
 		}
 	free(s);
 	free(sorted);
@@ -272,11 +245,11 @@ static void test_mark_budget(void **state)
 		for (size_t bi = 0; bi < sizeof bounds / sizeof *bounds; bi++) {
 			t_rng rng;
 			t_rng_seed(&rng, 0x3a2c0000u + (uint64_t)kind * 100 + bi);
-			gen(&rng, (enum dist)kind, n, s);
+			t_scores(&rng, (enum t_dist)kind, n, s);
 			for (uint32_t i = 0; i < n; i++)
 				pre[i] = t_below(&rng, 10) == 0;
 			char what[96];
-			snprintf(what, sizeof what, "%s (seed 0x%llx)", dist_name[kind],
+			snprintf(what, sizeof what, "%s (seed 0x%llx)", t_dist_name[kind],
 				 (unsigned long long)rng.seed);
 			check_mark(what, s, n, 0.5f, 0.8f, bounds[bi][0], bounds[bi][1], pre);
 			check_mark(what, s, n, 1.0f, 0.3f, bounds[bi][0], bounds[bi][1], pre);
