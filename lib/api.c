@@ -52,6 +52,9 @@ static void cache_free(kvt_cache *c)
 	kvt_mem_free(KVT_MEM_HOST, c->seqs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch_tokens, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->sel_counts, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->store_jobs, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->index_jobs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->rot, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->scores, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->work, 0);
@@ -91,9 +94,14 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	c->seqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->seqs * cfg->max_seqs);
 	c->batch = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch * cfg->max_seqs);
 	c->batch_tokens = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch_tokens * cfg->max_seqs);
+	c->sel_counts = kvt_mem_alloc(KVT_MEM_HOST,
+				      sizeof *c->sel_counts * cfg->max_seqs * cfg->n_kv_heads);
+	c->store_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->store_jobs * cfg->max_seqs);
+	c->index_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->index_jobs * cfg->max_seqs);
 	rc = kvt_extents_init(&c->host, cfg->host_bytes, KVT_BLOCK_TOKENS * c->row_bytes,
 			      busid[0] ? busid : NULL);
-	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || rc < 0) {
+	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || !c->sel_counts ||
+	    !c->store_jobs || !c->index_jobs || rc < 0) {
 		cache_free(c);
 		return kvt_seterr(NULL, -ENOMEM, "out of memory allocating rotations (%zu bytes) or "
 				  "the sequence table (%u sequences)", rot_bytes, cfg->max_seqs);
@@ -225,7 +233,7 @@ KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *
 		      INT32_MAX);
 	c->call_start = c->clock + 1;
 	s->last_use = ++c->clock;
-	return c->ops->prefill(c, l, layer, q, k, v, n_tokens, stream);
+	return kvt_pipe_prefill(c, l, layer, q, k, v, n_tokens, stream);
 }
 
 /* Resolve a batch of distinct open sequences to their layer state. */
@@ -274,7 +282,7 @@ KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 			rc = kvt_seterr(c, -EINVAL, "seq %u layer %u holds %d tokens, the limit",
 					seqs[i], layer, INT32_MAX);
 	if (rc == 0)
-		rc = c->ops->append(c, layer, n_seqs, ls, k, v, stream);
+		rc = kvt_pipe_append(c, layer, n_seqs, ls, k, v, stream);
 	return rc;
 }
 
@@ -289,7 +297,7 @@ static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const ui
 			rc = kvt_seterr(c, -EINVAL, "seq %u holds no tokens on layer %u", seqs[i],
 					layer);
 	if (rc == 0)
-		rc = c->ops->attend(c, layer, n_seqs, ls, q, out, stream);
+		rc = kvt_pipe_step(c, layer, n_seqs, seqs, ls, q, out, stream);
 	return rc;
 }
 
@@ -320,17 +328,8 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
-	int rc = 0;
-	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
-		if (!ls[i]->sel_epoch)
-			rc = kvt_seterr(c, -EINVAL,
-					"seq %u layer %u has no selection: call kvt_select or "
-					"kvt_attend first",
-					seqs[i], layer);
-	if (rc == 0)
-		rc = c->ops->gather(c, layer, n_seqs, ls, max_tokens, counts, pos, k_out, v_out,
-				    stream);
-	return rc;
+	return kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos, k_out, v_out,
+			       stream);
 }
 
 KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)

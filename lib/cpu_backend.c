@@ -38,21 +38,29 @@ static void store_rows(kvt_cache *c, struct kvt_layer *l, const void *k, const v
 	}
 }
 
-/* Freeze the centroids: mean of n keys (rows from `first` in the host tier) and, when q is given,
- * of the [n, n_q_heads, d] queries of each KV head's group. */
-static void set_centroids(kvt_cache *c, struct kvt_layer *l, uint32_t first, uint32_t n,
-			  const void *q)
+/* Element j of key t of KV head h for the centroids: a chunk's keys [n, H, d], or (k == NULL) the
+ * stored row of index position t, which is token n_sink + t. */
+static float centroid_key(const kvt_cache *c, const struct kvt_layer *l, const void *k, uint32_t h,
+			  uint32_t t, uint32_t j)
+{
+	if (k)
+		return kvt_load(k, ((size_t)t * c->cfg.n_kv_heads + h) * c->d + j, c->cfg.dtype);
+	return kvt_load(kvt_row(c, l, h, c->cfg.n_sink + t), j, c->cfg.dtype);
+}
+
+/* Freeze the centroids: mean of n keys and, when q is given, of the [n, n_q_heads, d] queries of
+ * each KV head's group. */
+static int cpu_centroids(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+			 const void *k, uint32_t n, void *stream)
 {
 	const uint32_t d = c->d, G = c->group;
 	double acc[KVT_MAX_HEAD_DIM];
 	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
 		for (uint32_t j = 0; j < d; j++)
 			acc[j] = 0.0;
-		for (uint32_t t = 0; t < n; t++) {
-			const void *row = kvt_row(c, l, h, first + t);
+		for (uint32_t t = 0; t < n; t++)
 			for (uint32_t j = 0; j < d; j++)
-				acc[j] += kvt_load(row, j, c->cfg.dtype);
-		}
+				acc[j] += centroid_key(c, l, k, h, t, j);
 		for (uint32_t j = 0; j < d; j++)
 			l->c_k[(size_t)h * d + j] = (float)(acc[j] / n);
 		for (uint32_t j = 0; j < d; j++)
@@ -66,87 +74,47 @@ static void set_centroids(kvt_cache *c, struct kvt_layer *l, uint32_t first, uin
 		for (uint32_t j = 0; j < d; j++)
 			l->c_q[(size_t)h * d + j] = q ? (float)(acc[j] / ((double)n * G)) : 0.0f;
 	}
-	l->centroids = true;
-}
-
-/* Index the tokens [n_indexed, to) of the index (positions n_sink + i) from their host rows. */
-static void index_to(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t to)
-{
-	const uint32_t d = c->d, cap = l->idx_cap;
-	const float *rot = c->rot + (size_t)layer * d * d;
-	float key[KVT_MAX_HEAD_DIM];
-	uint64_t t0 = kvt_now_ns();
-	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
-		for (uint32_t i = l->n_indexed; i < to; i++) {
-			load_vec(c, kvt_row(c, l, h, c->cfg.n_sink + i), 0, key);
-			size_t at = (size_t)h * cap + i;
-			kvt_index_build(d, rot, l->c_k + (size_t)h * d, l->c_q + (size_t)h * d, 1, key,
-					d, l->codes + at * c->words, l->sigma + at, l->beta + at);
-		}
-	}
-	c->st.tokens_indexed += to - l->n_indexed;
-	l->n_indexed = to;
-	c->st.ns_index += kvt_now_ns() - t0;
-}
-
-static int cpu_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
-		       const void *k, const void *v, uint32_t n, void *stream)
-{
-	(void)stream;
-	KVT_TRY(check_finite(c, "k", k, n, c->cfg.n_kv_heads));
-	if (q)
-		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
-	uint32_t first = l->n_tokens, total = first + n, target = kvt_prefill_target(c, total);
-	target = target > l->n_indexed ? target : l->n_indexed;
-	KVT_TRY(kvt_layer_reserve_index(c, l, target));
-	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &total));
-	/* nothing below can fail */
-	uint64_t t0 = kvt_now_ns();
-	for (uint32_t t = 0; t < n; t++)
-		store_rows(c, l, k, v, t, first + t);
-	c->st.ns_store += kvt_now_ns() - t0;
-	if (!l->centroids)
-		set_centroids(c, l, first, n, q);
-	l->n_tokens = total;
-	c->st.tokens += n;
-	index_to(c, l, layer, target);
-	l->sel_epoch = 0;
 	return 0;
 }
 
-static int cpu_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const void *k, const void *v, void *stream)
+/* Index positions [from, to) of each job from their host rows (stored before the chunk's index
+ * job runs: the pipeline stores first). */
+static int cpu_index(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_index_job *jobs,
+		     bool before_store, void *stream)
 {
-	(void)stream;
-	const uint32_t W = c->cfg.window, B = c->cfg.flush_batch;
-	uint32_t *total = c->batch_tokens;
-	KVT_TRY(check_finite(c, "k", k, n_seqs, c->cfg.n_kv_heads));
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct kvt_layer *l = ls[i];
-		total[i] = l->n_tokens + 1;
-		uint32_t win = total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed;
-		KVT_TRY(kvt_layer_reserve_index(c, l, l->n_indexed + (win >= W + B ? B : 0)));
+	const uint32_t d = c->d;
+	const float *rot = c->rot + (size_t)layer * d * d;
+	float key[KVT_MAX_HEAD_DIM];
+	uint64_t t0 = kvt_now_ns();
+	for (uint32_t j = 0; j < n_jobs; j++) {
+		const struct kvt_layer *l = jobs[j].l;
+		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
+			for (uint32_t i = jobs[j].from; i < jobs[j].to; i++) {
+				load_vec(c, kvt_row(c, l, h, c->cfg.n_sink + i), 0, key);
+				size_t at = (size_t)h * l->idx_cap + i;
+				kvt_index_build(d, rot, l->c_k + (size_t)h * d, l->c_q + (size_t)h * d,
+						1, key, d, l->codes + at * c->words, l->sigma + at,
+						l->beta + at);
+			}
 	}
-	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
-	/* nothing below can fail */
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct kvt_layer *l = ls[i];
-		uint64_t t0 = kvt_now_ns();
-		store_rows(c, l, (const char *)k + (size_t)i * c->cfg.n_kv_heads * c->d * c->elem,
-			   (const char *)v + (size_t)i * c->cfg.n_kv_heads * c->d * c->elem, 0,
-			   l->n_tokens);
-		c->st.ns_store += kvt_now_ns() - t0;
-		l->n_tokens = total[i];
-		c->st.tokens++;
-		l->sel_epoch = 0;
-		if (total[i] - kvt_sinks_of(c, total[i]) - l->n_indexed < W + B)
-			continue;
-		/* lazy flush: the oldest B window tokens join the index in one batch */
-		if (!l->centroids)
-			set_centroids(c, l, c->cfg.n_sink + l->n_indexed, B, NULL);
-		index_to(c, l, layer, l->n_indexed + B);
-		c->st.flushes++;
-	}
+	c->st.ns_index += kvt_now_ns() - t0;
+	return 0;
+}
+
+static int cpu_reserve(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t index_tokens,
+		       uint32_t staged, void *stream)
+{
+	return kvt_layer_reserve_index(c, l, index_tokens);
+}
+
+static int cpu_store(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_store_job *jobs,
+		     void *stream)
+{
+	uint64_t t0 = kvt_now_ns();
+	for (uint32_t j = 0; j < n_jobs; j++)
+		for (uint32_t t = 0; t < jobs[j].n; t++)
+			store_rows(c, jobs[j].l, jobs[j].k, jobs[j].v, t, jobs[j].first + t);
+	c->st.ns_store += kvt_now_ns() - t0;
 	return 0;
 }
 
@@ -204,7 +172,6 @@ static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, 
 			sel[m++] = t;
 	l->sel_n[h] = m;
 	c->st.selected_tokens += m;
-	c->st.candidate_tokens += ni;
 	return 0;
 }
 
@@ -247,69 +214,44 @@ static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, cons
 	return 0;
 }
 
-/* The batch's selections are dropped, not left half made. */
-static int drop_selections(struct kvt_layer *const *ls, uint32_t upto, int rc)
+static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const void *q, void *out, uint32_t *sel_n, void *stream)
 {
-	for (uint32_t j = 0; j <= upto; j++)
-		ls[j]->sel_epoch = 0;
-	return rc;
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct kvt_layer *l = ls[i];
+		for (uint32_t h = 0; h < H; h++)
+			KVT_TRY(select_head(c, layer, l, h, q, i));
+		for (uint32_t h = 0; out && h < H; h++)
+			KVT_TRY(attend_head(c, l, h, q, out, i));
+		for (uint32_t h = 0; sel_n && h < H; h++)
+			sel_n[(size_t)i * H + h] = l->sel_n[h];
+	}
+	return 0;
 }
 
-static int cpu_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const void *q, void *out, void *stream)
+static int cpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      uint32_t *sel_n, void *stream)
 {
-	(void)stream;
-	uint32_t most = 0;
-	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads));
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct kvt_layer *l = ls[i];
-		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
-			int rc = select_head(c, layer, l, h, q, i);
-			if (rc < 0)
-				return drop_selections(ls, i, rc);
-		}
-		l->sel_epoch = ++c->clock;
-		l->sel_tokens = l->n_tokens;
-		l->sel_indexed = l->n_indexed;
-		c->st.steps++;
-		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
-			uint32_t n = kvt_sinks_of(c, l->n_tokens) + l->sel_n[h] + kvt_window_count(c, l);
-			most = n > most ? n : most;
-			int rc = out ? attend_head(c, l, h, q, out, i) : 0;
-			if (rc < 0)
-				return drop_selections(ls, i, rc);
-		}
-	}
-	return (int)most;
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		memcpy(sel_n + (size_t)i * H, ls[i]->sel_n, sizeof *sel_n * H);
+	return 0;
 }
 
 static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
-		      void *stream)
+		      uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream)
 {
-	(void)stream;
-	(void)layer;
 	const uint32_t H = c->cfg.n_kv_heads;
 	const size_t half = c->d * c->elem;
 	int32_t *tmp = (int32_t *)c->work;
 	const void **rows = c->rows;
-	for (uint32_t i = 0; i < n_seqs; i++)
-		for (uint32_t h = 0; h < H; h++) {
-			const struct kvt_layer *l = ls[i];
-			uint32_t n = kvt_sinks_of(c, l->sel_tokens) + l->sel_n[h] + l->sel_tokens -
-				     kvt_sinks_of(c, l->sel_tokens) - l->sel_indexed;
-			KVT_RETURN_IF(n > max_tokens, c, -EINVAL,
-				      "max_tokens = %u is smaller than the %u tokens selected for "
-				      "seqs[%u], KV head %u",
-				      max_tokens, n, i, h);
-		}
 	uint64_t t0 = kvt_now_ns(), total = 0;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];
 			size_t slot = (size_t)i * H + h;
 			uint32_t n = positions(c, l, h, tmp);
-			counts[slot] = (int32_t)n;
 			if (pos)
 				memcpy(pos + slot * max_tokens, tmp, sizeof *tmp * n);
 			if (k_out)
@@ -327,20 +269,18 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		c->st.bytes_fetched += total * c->row_bytes;
 	}
 	c->st.ns_attend += kvt_now_ns() - t0;
-	return (int)total;
-}
-
-static int cpu_probe(kvt_cache *c)
-{
-	(void)c;
 	return 0;
 }
 
 const struct kvt_backend_ops kvt_cpu_backend = {
 	.name = "cpu",
-	.probe = cpu_probe,
-	.prefill = cpu_prefill,
-	.append = cpu_append,
-	.attend = cpu_attend,
+	.serves_spilled = true,
+	.check_finite = check_finite,
+	.reserve = cpu_reserve,
+	.centroids = cpu_centroids,
+	.store = cpu_store,
+	.index = cpu_index,
+	.step = cpu_step,
+	.counts = cpu_counts,
 	.gather = cpu_gather,
 };

@@ -146,6 +146,8 @@ struct kvt_layer {
 	uint32_t n_blocks;  /* blocks per KV head in use */
 	void **blocks;      /* [n_kv_heads, blk_cap] */
 	uint64_t blocks_gen; /* bumped when an existing entry of `blocks` changes (spill, restore) */
+	uint64_t spill_gen;  /* blocks_gen + 1 when `spilled` was computed, 0: not computed */
+	bool spilled;        /* a block of [0, n_blocks) is on NVMe */
 	/* selection of the last kvt_select / kvt_attend, with the lengths it was made at */
 	uint64_t sel_epoch; /* 0: none */
 	uint32_t sel_tokens, sel_indexed;
@@ -185,6 +187,9 @@ struct kvt_cache {
 	struct kvt_seq *seqs;     /* [max_seqs] */
 	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */
 	uint32_t *batch_tokens;   /* [max_seqs], their token counts after an append */
+	uint32_t *sel_counts;     /* [max_seqs, n_kv_heads], selected counts of a step or gather */
+	struct kvt_store_job *store_jobs; /* [max_seqs] */
+	struct kvt_index_job *index_jobs; /* [max_seqs] */
 	struct kvt_extents host;
 	kvt_stats st;
 	uint64_t clock;           /* use counter for LRU and selection epochs */
@@ -224,27 +229,77 @@ static inline uint32_t kvt_window_count(const kvt_cache *c, const struct kvt_lay
 	return l->n_tokens - kvt_sinks_of(c, l->n_tokens) - l->n_indexed;
 }
 
-/* ---- the backend table (lib/backend.h) -------------------------------------------------- */
+/* ---- the backend table ------------------------------------------------------------------- */
+
+/*
+ * The pipeline (lib/pipeline.c) decides everything both backends share: the window and flush rule,
+ * prefill targets, which index positions come from stored tokens and which from a chunk, token and
+ * index counters, selection epochs, and where a sequence's rows must be before a step (residency).
+ * A backend only executes device verbs on the state it owns, in the order the pipeline calls them,
+ * and never calls back into tier policy (lib/nvme_tier.c).
+ */
+
+/* Rows [first, first + n) of one layer, from k and v ([n, n_kv_heads, head_dim], backend memory). */
+struct kvt_store_job {
+	struct kvt_layer *l;
+	const void *k, *v;
+	uint32_t first, n;
+	uint32_t window_from; /* positions >= window_from are window tokens after the call */
+};
+
+/* Index positions [from, to) of one layer (token positions n_sink + from ...). keys: the keys of
+ * position `from` onwards, [to - from, n_kv_heads, head_dim] (a prefill chunk), or NULL: tokens
+ * stored before this call (the host tier, or the CUDA backend's window ring). */
+struct kvt_index_job {
+	struct kvt_layer *l;
+	uint32_t from, to;
+	const void *keys;
+};
 
 struct kvt_backend_ops {
 	const char *name;
-	/* Whether this backend can run here; the text says why not. */
-	int (*probe)(kvt_cache *c);
+	/* Rows of spilled blocks are read from NVMe by the backend itself (direct serving, through
+	 * kvt_rows_get); false: the pipeline restores a spilled sequence before a step reads it. */
+	bool serves_spilled;
 	int (*init)(kvt_cache *c);
 	void (*fini)(kvt_cache *c);
 	/* Release backend state of one layer of a closing sequence. */
 	void (*layer_fini)(kvt_cache *c, struct kvt_layer *l);
-	/* Arguments validated and host blocks reserved by the caller (lib/api.c). */
-	int (*prefill)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
-		       const void *k, const void *v, uint32_t n, void *stream);
-	int (*append)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const void *k, const void *v, void *stream);
-	/* out == NULL: select only. Returns the largest per-KV-head token count. */
-	int (*attend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const void *q, void *out, void *stream);
+	/* First verb of every call: the cache's device current, and errors it recorded since. */
+	int (*enter)(kvt_cache *c);
+	/* Whether the call may block the host and allocate now (a stream being captured may not). */
+	int (*may_block)(kvt_cache *c, void *stream, const char *what);
+	/* -EINVAL naming a non-finite element of x [rows, heads, head_dim]; NULL: not checked. */
+	int (*check_finite)(kvt_cache *c, const char *name, const void *x, uint32_t rows,
+			    uint32_t heads);
+	/* Room for `index_tokens` indexed tokens per KV head on l and for `staged` keys of a chunk
+	 * to be indexed by this call. All or nothing. */
+	int (*reserve)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t index_tokens,
+		       uint32_t staged, void *stream);
+	/* Freeze l's centroids: from k and q ([n, heads, head_dim], q may be NULL) of a prefill chunk,
+	 * or, with k == NULL, from the n oldest window tokens of a layer that indexed nothing yet. */
+	int (*centroids)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+			 const void *k, uint32_t n, void *stream);
+	/* Store rows (host blocks reserved by the pipeline). */
+	int (*store)(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_store_job *jobs,
+		     void *stream);
+	/* Build index entries. before_store: the next store of this call overwrites what the jobs
+	 * read, so the build is ordered before it; else it may run behind the call. */
+	int (*index)(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_index_job *jobs,
+		     bool before_store, void *stream);
+	/* Last verb of a prefill or append that enqueued device work (reports its errors to the next
+	 * call); NULL: nothing to do. */
+	int (*end)(kvt_cache *c, void *stream);
+	/* Score, select (into the layer's selection) and, when out != NULL, attend. With sel_n
+	 * (host [n_seqs, n_kv_heads]) the selected counts are returned on the host. */
+	int (*step)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const void *q, void *out, uint32_t *sel_n, void *stream);
+	/* Selected counts of the current selections, host [n_seqs, n_kv_heads]. */
+	int (*counts)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      uint32_t *sel_n, void *stream);
+	/* Copy the selected rows (counts already checked against max_tokens). */
 	int (*gather)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
-		      void *stream);
+		      uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream);
 	/* Bring c->st up to date (layer < 0) or fill the counters of one layer; NULL: nothing kept
 	 * outside c->st. */
 	int (*stats)(kvt_cache *c, int layer, kvt_layer_stats *out);
@@ -257,7 +312,22 @@ extern const struct kvt_backend_ops kvt_cpu_backend;
 /* Defined in gpu/ when the CUDA backend is built, NULL otherwise (lib/backend.c). */
 extern const struct kvt_backend_ops *const kvt_cuda_backend_ops;
 
-/* ---- shared pieces of the pipeline (lib/seq.c) ------------------------------------------ */
+/* ---- the pipeline (lib/pipeline.c): arguments checked by lib/api.c ------------------------ */
+
+/* Whether appending up to n_tokens makes layer l flush: its window then holds W + B tokens. */
+bool kvt_flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_tokens);
+int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+		     const void *k, const void *v, uint32_t n, void *stream);
+int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const void *k, const void *v, void *stream);
+/* out == NULL: select only; returns the largest per-KV-head token count. */
+int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		  struct kvt_layer *const *ls, const void *q, void *out, void *stream);
+int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
+		    void *k_out, void *v_out, void *stream);
+
+/* ---- one (sequence, layer) (lib/seq.c) ---------------------------------------------------- */
 
 /* Grow l's index, centroid and selection storage (and the cache scratch) to hold `tokens`
  * indexed tokens per KV head. All or nothing; -ENOMEM. */
@@ -268,8 +338,8 @@ int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens);
  */
 int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			 const uint32_t *new_tokens);
-/* Indexed tokens a layer holding n_tokens should have after a prefill (all but sinks and window). */
-uint32_t kvt_prefill_target(const kvt_cache *c, uint32_t n_tokens);
+/* Whether a block of l's rows is on NVMe (cached per blocks_gen). */
+bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l);
 /* Free everything a layer holds. */
 void kvt_layer_free(kvt_cache *c, struct kvt_layer *l);
 

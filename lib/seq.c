@@ -192,10 +192,16 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			  c->host.extent_bytes);
 }
 
-uint32_t kvt_prefill_target(const kvt_cache *c, uint32_t n_tokens)
+bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)
 {
-	uint64_t keep = (uint64_t)c->cfg.n_sink + c->cfg.window;
-	return n_tokens > keep ? (uint32_t)(n_tokens - keep) : 0;
+	if (l->spill_gen == l->blocks_gen + 1)
+		return l->spilled;
+	l->spilled = false;
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads && !l->spilled; h++)
+		for (uint32_t b = 0; b < l->n_blocks; b++)
+			l->spilled |= !l->blocks[(size_t)h * l->blk_cap + b];
+	l->spill_gen = l->blocks_gen + 1;
+	return l->spilled;
 }
 
 void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)

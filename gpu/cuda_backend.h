@@ -1,0 +1,172 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend's state and the functions its files share (C, never included by .cu files).
+ *
+ * Where things live. Full K/V rows stay in the host tier (pinned, mapped host memory: the kernels
+ * read and write it directly). Per (sequence, layer) the device holds a mirror (struct
+ * gpu_seq_layer): the index in the CPU layout, the centroids, a block table mirroring the host one,
+ * and the window ring (the last W..W+B tokens, W + 2B slots). Per layer number (struct gpu_layer):
+ * a hot-token cache, the selection of the last step, the index jobs of the last flush and an event
+ * marking the end of the last index build. Per cache (struct gpu_cache): the rotations, per-step
+ * scratch (grown at a new batch or context size, never in a steady state), and a staging buffer for
+ * prefill keys.
+ *
+ * Streams. Everything runs on the caller's stream except index builds of prefill chunks and window
+ * flushes, which run on a low-priority stream of the cache, so a runtime's own prefill attention
+ * overlaps them. The next call on that layer makes the caller's stream wait for the build on the
+ * device (cudaStreamWaitEvent), never on the host. Prefill keys are copied to the staging buffer
+ * first, so the caller may reuse its buffers in stream order as with any stream-ordered call.
+ *
+ * The files: backend.c (set-up, tear-down, entry, errors, stats, the verb table), timing.c (CUDA
+ * event sets timing the stages), devmem.c (device buffers), mirror.c (the per (sequence, layer)
+ * mirror), store.c (reserve, centroids, store, index: the verbs of prefill and append), step.c (the
+ * verbs of a decode step and a gather). The pipeline that calls them is lib/pipeline.c.
+ */
+#ifndef KVT_GPU_CUDA_BACKEND_H
+#define KVT_GPU_CUDA_BACKEND_H
+
+#include <cuda_runtime.h>
+
+#include "../lib/internal.h"
+#include "attend.cuh"
+#include "fetch.cuh"
+#include "index.cuh"
+#include "score.cuh"
+#include "select.cuh"
+
+/* A CUDA runtime call that must succeed, else -EIO naming it. */
+#define CU(c, expr)                                                                                \
+	do {                                                                                       \
+		cudaError_t e_ = (expr);                                                           \
+		if (e_ != cudaSuccess)                                                             \
+			return kvt_seterr((c), -EIO, "%s: %s", #expr, cudaGetErrorString(e_));     \
+	} while (0)
+/* A launcher of gpu/ that must return 0. */
+#define LAUNCH(c, expr)                                                                            \
+	do {                                                                                       \
+		int r_ = (expr);                                                                   \
+		if (r_ < 0)                                                                        \
+			return kvt_seterr((c), r_, "%s: %s", #expr, kvt_strerror(r_));             \
+	} while (0)
+
+/* The device mirror of one (sequence, layer): kvt_layer.dev. */
+struct gpu_seq_layer {
+	uint32_t cap;           /* index tokens per KV head */
+	uint32_t *codes;        /* [H][cap][d/32] */
+	uint16_t *sigma, *beta; /* [H][cap] */
+	float *cent;            /* [2][H][d]: c_k, then c_q */
+	void *ring;             /* [H][wcap][row] */
+	uint32_t wcap;
+	void **blk;             /* [H][blk_cap] */
+	uint32_t blk_cap, blk_n; /* table capacity and blocks per head uploaded */
+	uint64_t blk_gen;
+	uint64_t sel_stamp;     /* which selection of the layer holds this sequence's */
+	uint32_t sel_slot;
+};
+
+/* Per layer number. */
+struct gpu_layer {
+	kvt_gpu_hot hot;
+	uint32_t epoch;
+	cudaEvent_t indexed;    /* end of the last index build of this layer */
+	bool pending;           /* recorded since the last wait on `waited` */
+	void *waited;           /* the stream that waited (NULL is a stream too: the default one) */
+	uint64_t stamp;         /* of the last selection made */
+	uint32_t *sel;          /* [seqs][H][sel_ld] */
+	uint32_t *sel_n;        /* [seqs][H] */
+	size_t sel_bytes;
+	size_t sel_ld;
+	void *jobs;             /* index jobs and views of one build, device */
+	uint64_t steps, selected;
+};
+
+/* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
+ * the ns_* counters of kvt_stats) once complete, at the latest by kvt_get_stats. */
+#define GPU_TIMING_SETS 64
+enum gpu_timing_kind { T_NONE, T_STEP, T_INDEX, T_STORE };
+struct gpu_timing {
+	cudaEvent_t ev[4]; /* step: start, scored, selected, attended; index and store: start, end */
+	int kind;
+};
+
+/* The backend state of a cache: kvt_cache.be. */
+struct gpu_cache {
+	cudaStream_t idx;
+	float *rot;                   /* [L][d][d] */
+	unsigned long long *err;      /* device error word */
+	unsigned long long *err_host; /* pinned mirror, written by each step */
+	struct gpu_layer *lay;        /* [L] */
+	unsigned long long *counters; /* [L][KVT_GPU_CNT_N] device */
+	unsigned long long *cnt_host; /* [L][KVT_GPU_CNT_N] */
+	void *arena;                  /* per-step scratch */
+	size_t arena_bytes;
+	void *staging;                /* prefill keys */
+	size_t staging_bytes;
+	cudaEvent_t staging_ev, ready;
+	bool staging_pending;
+	void *hot_mem;
+	size_t hot_bytes;
+	uint64_t stamp;
+	void *host;                   /* host scratch for descriptors, max_seqs entries */
+	size_t jobs_bytes;
+	struct gpu_timing t[GPU_TIMING_SETS];
+	uint32_t t_next;
+};
+
+static inline struct gpu_cache *gpu_of(const kvt_cache *c)
+{
+	return (struct gpu_cache *)c->be;
+}
+
+/* Rounded up to 256 bytes: pieces of one allocation stay aligned. */
+static inline size_t gpu_up(size_t x)
+{
+	return (x + 255) & ~(size_t)255;
+}
+
+/* timing.c */
+void gpu_harvest(kvt_cache *c, struct gpu_timing *t);
+struct gpu_timing *gpu_timing(kvt_cache *c, void *stream, int kind);
+void gpu_mark(struct gpu_timing *t, int i, void *stream);
+
+/* devmem.c */
+int gpu_no_capture(kvt_cache *c, void *stream, const char *what);
+void gpu_dfree(void *p);
+int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what);
+int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, const char *what);
+/* Make `stream` wait for the last index build of `layer`. */
+int gpu_wait_index(kvt_cache *c, uint32_t layer, void *stream);
+
+/* mirror.c */
+void gpu_mirror_free(struct gpu_seq_layer *g);
+int gpu_mirror_get(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer **out);
+int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g, uint32_t layer,
+		       uint32_t tokens, void *stream);
+int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g,
+			   void *stream);
+kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
+
+/* backend.c */
+int gpu_check_err(kvt_cache *c);
+int gpu_err_copy(kvt_cache *c, void *stream);
+
+/* store.c: verbs of prefill and append */
+int gpu_reserve(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t index_tokens,
+		uint32_t staged, void *stream);
+int gpu_centroids(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q, const void *k,
+		  uint32_t n, void *stream);
+int gpu_store(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_store_job *jobs,
+	      void *stream);
+int gpu_index(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_index_job *jobs,
+	      bool before_store, void *stream);
+
+/* step.c: verbs of a decode step and a gather; the host scratch a step's descriptors need */
+size_t gpu_step_host_bytes(const kvt_cache *c, uint32_t n_seqs);
+int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	     const void *q, void *out, uint32_t *sel_n, void *stream);
+int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       uint32_t *sel_n, void *stream);
+int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream);
+
+#endif /* KVT_GPU_CUDA_BACKEND_H */

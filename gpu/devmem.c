@@ -1,0 +1,67 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Device buffers of the CUDA backend, all through the library's allocator table (so the fault loops
+ * reach them): zeroed allocation, growth that never happens while a stream is being captured into a
+ * graph, and the wait of a stream for a layer's last index build.
+ */
+#include "cuda_backend.h"
+
+int gpu_no_capture(kvt_cache *c, void *stream, const char *what)
+{
+	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+	CU(c, cudaStreamIsCapturing((cudaStream_t)stream, &st));
+	KVT_RETURN_IF(st != cudaStreamCaptureStatusNone, c, -EINVAL,
+		      "%s needs device memory while the stream is being captured: run one step of "
+		      "the same batch and context size before capturing",
+		      what);
+	return 0;
+}
+
+void gpu_dfree(void *p)
+{
+	kvt_mem_free(KVT_MEM_DEVICE, p, 0);
+}
+
+int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
+{
+	*p = kvt_mem_alloc(KVT_MEM_DEVICE, bytes ? bytes : 1);
+	KVT_RETURN_IF(!*p, c, -ENOMEM, "out of device memory allocating %zu bytes for %s", bytes,
+		      what);
+	if (cudaMemset(*p, 0, bytes) != cudaSuccess) {
+		gpu_dfree(*p);
+		*p = NULL;
+		return kvt_seterr(c, -EIO, "cudaMemset of %s failed", what);
+	}
+	return 0;
+}
+
+/* Grow a device buffer to `need` bytes (contents not kept). */
+int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, const char *what)
+{
+	if (need <= *have && *p)
+		return 0;
+	KVT_TRY(gpu_no_capture(c, stream, what));
+	size_t want = need + need / 4;
+	void *q = NULL;
+	KVT_TRY(gpu_dalloc(c, &q, want, what));
+	CU(c, cudaDeviceSynchronize()); /* the old buffer may still be read */
+	gpu_dfree(*p);
+	*p = q;
+	*have = want;
+	return 0;
+}
+
+int gpu_wait_index(kvt_cache *c, uint32_t layer, void *stream)
+{
+	struct gpu_layer *y = &gpu_of(c)->lay[layer];
+	if (y->pending) {
+		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, 0));
+		y->waited = stream;
+		y->pending = false;
+	} else if (y->waited != stream) {
+		/* another stream than the one that waited: it must wait too */
+		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, 0));
+		y->waited = stream;
+	}
+	return 0;
+}

@@ -1,0 +1,298 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend's verbs of a decode step and of a gather: the step's scratch carved from one
+ * arena, its descriptors uploaded in one piece, then query preparation, scoring, the Top-p
+ * threshold and union into the layer's selection, and (kvt_attend) the fetch of the selected rows
+ * through the hot cache and exact attention. The step enqueues kernels, parameter uploads and one
+ * small copy of the error word: no allocation once the scratch fits and no host synchronization,
+ * so it can be captured in a CUDA graph after one warm-up step at the same shape.
+ */
+#include "cuda_backend.h"
+
+/* The per-step scratch of a batch, carved from the arena. */
+struct step_scratch {
+	kvt_gpu_index_view *views;
+	uint32_t *ntok;
+	const float **cq, **ck;
+	kvt_gpu_fetch_seq *fetch;
+	size_t desc_bytes;
+	kvt_gpu_qcode *qc;
+	float *scores;
+	kvt_gpu_topp *topp;
+	void *sscratch;
+	size_t sbytes;
+	const void **rows;
+	kvt_gpu_rows *items;
+	int32_t *pos;
+	void *ascratch;
+	size_t abytes;
+	size_t bytes;
+};
+
+/* Scratch of n sequences with ld scores each and at most max_rows rows per item, carved from base
+ * (NULL: only the sizes). */
+static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uint32_t ld,
+				 uint32_t max_rows)
+{
+	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads;
+	struct step_scratch s;
+	size_t o = 0;
+#define PIECE(field, type, count)                                                                  \
+	do {                                                                                       \
+		s.field = (type)(base ? base + o : NULL);                                          \
+		o += gpu_up((size_t)(count));                                                      \
+	} while (0)
+	/* the descriptors first, in one piece, so that one upload per step carries them; pointer
+	 * arrays stay 8-byte aligned (views are 24 bytes, ntok is padded) */
+	size_t at = sizeof(kvt_gpu_index_view) * n;
+	s.views = (kvt_gpu_index_view *)base;
+	s.ntok = (uint32_t *)(base ? base + at : NULL);
+	at += (sizeof(uint32_t) * n + 7) & ~(size_t)7;
+	s.cq = (const float **)(base ? base + at : NULL);
+	at += sizeof(void *) * n;
+	s.ck = (const float **)(base ? base + at : NULL);
+	at += sizeof(void *) * n;
+	s.fetch = (kvt_gpu_fetch_seq *)(base ? base + at : NULL);
+	at += sizeof(kvt_gpu_fetch_seq) * n;
+	s.desc_bytes = at;
+	o = gpu_up(at);
+	PIECE(qc, kvt_gpu_qcode *, sizeof(kvt_gpu_qcode) * n * Hq);
+	PIECE(scores, float *, sizeof(float) * n * Hq * ld);
+	PIECE(topp, kvt_gpu_topp *, sizeof(kvt_gpu_topp) * n * Hq);
+	s.sbytes = kvt_gpu_select_scratch_bytes(n, Hq, H, ld);
+	PIECE(sscratch, void *, s.sbytes);
+	PIECE(rows, const void **, sizeof(void *) * n * H * max_rows);
+	PIECE(items, kvt_gpu_rows *, sizeof(kvt_gpu_rows) * n * H);
+	PIECE(pos, int32_t *, sizeof(int32_t) * n * H * max_rows);
+	s.abytes = kvt_gpu_attend_scratch_bytes(n, Hq, H, c->d, max_rows);
+	PIECE(ascratch, void *, s.abytes);
+#undef PIECE
+	s.bytes = o;
+	return s;
+}
+
+size_t gpu_step_host_bytes(const kvt_cache *c, uint32_t n_seqs)
+{
+	return carve(c, NULL, n_seqs, 4, 1).desc_bytes;
+}
+
+/* Rows of the longest (sequence, KV head) item the batch may attend, and the largest index, at the
+ * lengths of the selection being made (or read back). */
+static void bounds(const kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls,
+		   uint32_t *max_ni, uint32_t *max_rows)
+{
+	const uint64_t bmax = c->cfg.budget_max;
+	*max_ni = *max_rows = 0;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct kvt_layer *l = ls[i];
+		uint32_t nt = l->sel_tokens, ni = l->sel_indexed;
+		uint64_t sel = ni;
+		if (bmax && (uint64_t)c->group * bmax < sel)
+			sel = (uint64_t)c->group * bmax;
+		uint32_t rows = nt - ni + (uint32_t)sel; /* sinks + window + selected */
+		*max_ni = ni > *max_ni ? ni : *max_ni;
+		*max_rows = rows > *max_rows ? rows : *max_rows;
+	}
+}
+
+/* Descriptors of the batch, in host scratch laid out as on the device, uploaded in one piece. */
+static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
+			      struct kvt_layer *const *ls, bool reread, const struct step_scratch *s,
+			      void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	char *h = b->host;
+	kvt_gpu_index_view *views = (kvt_gpu_index_view *)h;
+	uint32_t *ntok = (uint32_t *)(h + ((char *)s->ntok - (char *)s->views));
+	const float **cq = (const float **)(h + ((char *)s->cq - (char *)s->views));
+	const float **ck = (const float **)(h + ((char *)s->ck - (char *)s->views));
+	kvt_gpu_fetch_seq *f = (kvt_gpu_fetch_seq *)(h + ((char *)s->fetch - (char *)s->views));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct kvt_layer *l = ls[i];
+		const struct gpu_seq_layer *g = l->dev;
+		uint32_t slot = reread ? g->sel_slot : i;
+		views[i] = gpu_mirror_view(g);
+		ntok[i] = l->sel_indexed;
+		ck[i] = g->cent;
+		cq[i] = g->cent + (size_t)H * c->d;
+		f[i] = (kvt_gpu_fetch_seq){.blocks = (void *const *)g->blk,
+					   .sel = y->sel + (size_t)slot * H * y->sel_ld,
+					   .sel_n = y->sel_n + (size_t)slot * H,
+					   .ring = g->ring,
+					   .uid = l->seq_uid,
+					   .sel_ld = y->sel_ld,
+					   .blk_cap = g->blk_cap,
+					   .wcap = g->wcap,
+					   .n_sink = kvt_sinks_of(c, l->sel_tokens),
+					   .n_indexed = l->sel_indexed,
+					   .n_tokens = l->sel_tokens};
+	}
+	LAUNCH(c, kvt_gpu_upload(s->views, h, s->desc_bytes, stream));
+	return 0;
+}
+
+/* Make room for a step's scratch and (unless reread: a gather of the last selection) its
+ * selection, and upload its descriptors. */
+static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
+		      uint32_t *max_rows)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	bounds(c, n_seqs, ls, max_ni, max_rows);
+	KVT_RETURN_IF(*max_ni > KVT_GPU_SELECT_MAX_N, c, -E2BIG,
+		      "a sequence has %u indexed tokens on layer %u; the CUDA backend selects among at "
+		      "most %u",
+		      *max_ni, layer, KVT_GPU_SELECT_MAX_N);
+	const uint32_t ld = *max_ni ? (*max_ni + 3) & ~3u : 4;
+	const uint32_t rows = *max_rows ? *max_rows : 1;
+	*s = carve(c, NULL, n_seqs, ld, rows);
+	KVT_TRY(gpu_grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));
+	*s = carve(c, b->arena, n_seqs, ld, rows);
+	if (!reread) {
+		size_t need = sizeof(uint32_t) * n_seqs * H * ((size_t)ld + 1);
+		KVT_TRY(gpu_grow(c, (void **)&y->sel, &y->sel_bytes, need, stream, "the selection"));
+		y->sel_ld = ld;
+		y->sel_n = y->sel + (size_t)n_seqs * H * y->sel_ld;
+	}
+	return upload_descriptors(c, layer, n_seqs, ls, reread, s, stream);
+}
+
+/* Score and select into the layer's selection. */
+static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void *q,
+		       const struct step_scratch *s, uint32_t max_ni, struct gpu_timing *t,
+		       void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
+	const size_t ld = y->sel_ld;
+	if (!max_ni) {
+		gpu_mark(t, 1, stream);
+		CU(c, cudaMemsetAsync(y->sel_n, 0, sizeof(uint32_t) * n_seqs * H,
+				      (cudaStream_t)stream));
+		return 0;
+	}
+	LAUNCH(c, kvt_gpu_query_prepare(d, c->cfg.dtype, n_seqs, Hq, H,
+					b->rot + (size_t)layer * d * d, q, s->cq, s->ck, s->qc,
+					stream));
+	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores, ld,
+				b->err, stream));
+	gpu_mark(t, 1, stream);
+	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, ld, s->ntok, max_ni, c->scale,
+					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max, s->topp,
+					 s->sscratch, s->sbytes, b->err, stream));
+	LAUNCH(c, kvt_gpu_topp_union(n_seqs, Hq, H, s->scores, ld, s->ntok, max_ni, s->topp, y->sel,
+				     ld, y->sel_n, s->sscratch, s->sbytes, stream));
+	return 0;
+}
+
+/* The hot cache of a layer with its counters. */
+static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
+{
+	struct gpu_cache *b = gpu_of(c);
+	kvt_gpu_hot hot = b->lay[layer].hot;
+	hot.counters = b->counters + (size_t)layer * KVT_GPU_CNT_N;
+	hot.flags = flags;
+	return hot;
+}
+
+/* The selected counts of the batch's selections, copied to the host (synchronizes). */
+static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		       uint32_t *sel_n, void *stream)
+{
+	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct gpu_seq_layer *g = ls[i]->dev;
+		CU(c, cudaMemcpyAsync(sel_n + (size_t)i * H, y->sel_n + (size_t)g->sel_slot * H,
+				      sizeof(uint32_t) * H, cudaMemcpyDeviceToHost,
+				      (cudaStream_t)stream));
+	}
+	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
+	return gpu_check_err(c);
+}
+
+int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	     const void *q, void *out, uint32_t *sel_n, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct gpu_seq_layer *g;
+		KVT_TRY(gpu_mirror_get(c, ls[i], &g));
+		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], g, stream));
+	}
+	/* the layer's selection buffer is regrown or rewritten from here: no earlier selection in it
+	 * stays readable */
+	y->stamp = ++b->stamp;
+	struct step_scratch s;
+	uint32_t max_ni, max_rows;
+	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows));
+	KVT_TRY(gpu_wait_index(c, layer, stream));
+	struct gpu_timing *t = gpu_timing(c, stream, T_STEP);
+	gpu_mark(t, 0, stream);
+	KVT_TRY(select_rows(c, layer, n_seqs, q, &s, max_ni, t, stream));
+	gpu_mark(t, 2, stream);
+	if (out) {
+		LAUNCH(c, kvt_gpu_fetch((uint32_t)c->row_bytes, n_seqs, H, s.fetch,
+					hot_of(c, layer, 0), ++y->epoch, s.rows, s.items, max_rows,
+					NULL, b->err, stream));
+		LAUNCH(c, kvt_gpu_attend(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs,
+					 c->cfg.n_q_heads, H, c->scale, q, s.items, max_rows, out,
+					 s.ascratch, s.abytes, b->err, stream));
+	}
+	gpu_mark(t, 3, stream);
+	KVT_TRY(gpu_err_copy(c, stream));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct gpu_seq_layer *g = ls[i]->dev;
+		g->sel_stamp = y->stamp;
+		g->sel_slot = i;
+	}
+	y->steps += n_seqs;
+	if (!sel_n)
+		return 0;
+	/* kvt_select: the caller needs the counts now; the fetch did not count this selection */
+	KVT_TRY(read_counts(c, layer, n_seqs, ls, sel_n, stream));
+	for (size_t i = 0; i < (size_t)n_seqs * H; i++)
+		y->selected += sel_n[i];
+	return 0;
+}
+
+int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       uint32_t *sel_n, void *stream)
+{
+	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct gpu_seq_layer *g = ls[i]->dev;
+		KVT_RETURN_IF(!g || g->sel_stamp != y->stamp, c, -EINVAL,
+			      "seqs[%u]: its selection on layer %u was replaced by a later "
+			      "kvt_select or kvt_attend of another batch on that layer",
+			      i, layer);
+	}
+	return read_counts(c, layer, n_seqs, ls, sel_n, stream);
+}
+
+int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], ls[i]->dev, stream));
+	struct step_scratch s;
+	uint32_t max_ni, max_rows;
+	KVT_TRY(step_setup(c, layer, n_seqs, ls, true, stream, &s, &max_ni, &max_rows));
+	/* the selection was counted when it was made */
+	LAUNCH(c, kvt_gpu_fetch((uint32_t)c->row_bytes, n_seqs, H, s.fetch,
+				hot_of(c, layer, KVT_GPU_HOT_NO_STEP), ++y->epoch, s.rows, s.items,
+				max_rows, s.pos, b->err, stream));
+	LAUNCH(c, kvt_gpu_rows_copy(c->d, n_seqs * H, s.items, max_rows, s.pos, k_out, v_out, pos,
+				    max_tokens, stream));
+	return gpu_err_copy(c, stream);
+}

@@ -1,0 +1,239 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The pipeline of a cache, written once for both backends: what a prefill chunk, an append, a
+ * decode step and a gather do to a (sequence, layer), in which order the backend's verbs run, and
+ * what the counters say afterwards. Decided here: the window and flush rule, prefill targets,
+ * which index positions come from tokens stored earlier and which from the chunk, selection epochs,
+ * the counters of kvt_stats that do not depend on the device, and residency (a backend that cannot
+ * read spilled rows gets its sequences restored before the step). The backend (struct
+ * kvt_backend_ops in internal.h) executes; it never calls tier policy.
+ *
+ * Failure: every verb that can fail for lack of memory (reserve, the host-tier blocks) runs before
+ * the first verb that changes state, so a call that fails changes nothing the caller can observe.
+ */
+#include "internal.h"
+
+bool kvt_flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_tokens)
+{
+	return n_tokens - kvt_sinks_of(c, n_tokens) - l->n_indexed >=
+	       c->cfg.window + c->cfg.flush_batch;
+}
+
+/* Indexed tokens a layer holding n_tokens should have after a prefill (all but sinks and window). */
+static uint32_t prefill_target(const kvt_cache *c, uint32_t n_tokens)
+{
+	uint64_t keep = (uint64_t)c->cfg.n_sink + c->cfg.window;
+	return n_tokens > keep ? (uint32_t)(n_tokens - keep) : 0;
+}
+
+static int enter(kvt_cache *c)
+{
+	return c->ops->enter ? c->ops->enter(c) : 0;
+}
+
+static int check_finite(kvt_cache *c, const char *name, const void *x, uint32_t rows,
+			uint32_t heads)
+{
+	return c->ops->check_finite ? c->ops->check_finite(c, name, x, rows, heads) : 0;
+}
+
+static uint32_t max_u32(uint32_t a, uint32_t b)
+{
+	return a > b ? a : b;
+}
+
+int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+		     const void *k, const void *v, uint32_t n, void *stream)
+{
+	const struct kvt_backend_ops *ops = c->ops;
+	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
+	const uint32_t first = l->n_tokens, total = first + n, ni0 = l->n_indexed;
+	const uint32_t target = max_u32(prefill_target(c, total), ni0);
+	/* index positions [ni0, stored_to) are tokens stored before this chunk (the old window),
+	 * [chunk_from, target) tokens of the chunk */
+	const uint32_t stored_to = first > S ? (first - S < target ? first - S : target) : 0;
+	const uint32_t chunk_from = (first > S ? first : S) - S;
+	const uint32_t from_chunk = target > chunk_from ? target - chunk_from : 0;
+	KVT_TRY(enter(c));
+	KVT_TRY(check_finite(c, "k", k, n, H));
+	if (q)
+		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
+	KVT_TRY(ops->reserve(c, l, layer, target, from_chunk, stream));
+	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &total));
+	if (!l->centroids)
+		KVT_TRY(ops->centroids(c, l, layer, q, k, n, stream));
+	struct kvt_index_job old = {.l = l, .from = ni0, .to = stored_to};
+	if (stored_to > ni0)
+		KVT_TRY(ops->index(c, layer, 1, &old, true, stream));
+	const struct kvt_store_job store = {
+		.l = l, .k = k, .v = v, .first = first, .n = n, .window_from = S + target};
+	KVT_TRY(ops->store(c, layer, 1, &store, stream));
+	if (from_chunk) {
+		const size_t at = (size_t)(chunk_from + S - first) * H * c->d * c->elem;
+		struct kvt_index_job chunk = {
+			.l = l, .from = chunk_from, .to = target, .keys = (const char *)k + at};
+		KVT_TRY(ops->index(c, layer, 1, &chunk, false, stream));
+	}
+	if (ops->end)
+		KVT_TRY(ops->end(c, stream));
+	l->centroids = true;
+	l->n_tokens = total;
+	c->st.tokens += n;
+	c->st.tokens_indexed += target - ni0;
+	l->n_indexed = target;
+	l->sel_epoch = 0;
+	return 0;
+}
+
+int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const void *k, const void *v, void *stream)
+{
+	const struct kvt_backend_ops *ops = c->ops;
+	const uint32_t B = c->cfg.flush_batch, H = c->cfg.n_kv_heads;
+	const size_t tok_bytes = (size_t)H * c->d * c->elem;
+	uint32_t *total = c->batch_tokens;
+	KVT_TRY(enter(c));
+	KVT_TRY(check_finite(c, "k", k, n_seqs, H));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_layer *l = ls[i];
+		total[i] = l->n_tokens + 1;
+		uint32_t grow = kvt_flush_due(c, l, total[i]) ? B : 0;
+		KVT_TRY(ops->reserve(c, l, layer, l->n_indexed + grow, 0, stream));
+	}
+	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
+	struct kvt_store_job *sj = c->store_jobs;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		sj[i] = (struct kvt_store_job){.l = ls[i],
+					       .k = (const char *)k + i * tok_bytes,
+					       .v = (const char *)v + i * tok_bytes,
+					       .first = ls[i]->n_tokens,
+					       .n = 1,
+					       .window_from = c->cfg.n_sink + ls[i]->n_indexed};
+	KVT_TRY(ops->store(c, layer, n_seqs, sj, stream));
+	/* lazy flushes: the oldest B window tokens of each full window join the index */
+	struct kvt_index_job *jobs = c->index_jobs;
+	uint32_t nj = 0;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_layer *l = ls[i];
+		if (!kvt_flush_due(c, l, total[i]))
+			continue;
+		if (!l->centroids)
+			KVT_TRY(ops->centroids(c, l, layer, NULL, NULL, B, stream));
+		jobs[nj++] = (struct kvt_index_job){.l = l, .from = l->n_indexed, .to = l->n_indexed + B};
+	}
+	if (nj)
+		KVT_TRY(ops->index(c, layer, nj, jobs, false, stream));
+	if (ops->end)
+		KVT_TRY(ops->end(c, stream));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_layer *l = ls[i];
+		bool flush = kvt_flush_due(c, l, total[i]);
+		l->n_tokens = total[i];
+		c->st.tokens++;
+		l->sel_epoch = 0;
+		if (!flush)
+			continue;
+		l->centroids = true;
+		l->n_indexed += B;
+		c->st.tokens_indexed += B;
+		c->st.flushes++;
+	}
+	return 0;
+}
+
+/*
+ * Residency: where the rows a call reads must be before the backend runs. A backend that serves
+ * spilled rows reads them in place; for any other, each spilled sequence of the batch is restored
+ * into the host tier (which may spill another one of the batch to make room: then the batch cannot
+ * be resident at once).
+ */
+static int resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs,
+		    struct kvt_layer *const *ls, void *stream)
+{
+	bool restored = false;
+	if (c->ops->serves_spilled)
+		return 0;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		if (!kvt_layer_spilled(c, ls[i]))
+			continue;
+		if (c->ops->may_block)
+			KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
+		int64_t rc = kvt_tier_restore(c, &c->seqs[seqs[i]], seqs[i]);
+		if (rc < 0)
+			return (int)rc;
+		restored = true;
+	}
+	for (uint32_t i = 0; restored && i < n_seqs; i++)
+		KVT_RETURN_IF(kvt_layer_spilled(c, ls[i]), c, -ENOSPC,
+			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
+			      "at once (host_bytes = %llu): a smaller batch or more host memory",
+			      i, (unsigned long long)c->cfg.host_bytes);
+	return 0;
+}
+
+/* Tokens attended by KV head h of l's current selection: sinks + m selected + window. */
+static uint32_t attended(const kvt_cache *c, const struct kvt_layer *l, uint32_t m)
+{
+	return m + l->sel_tokens - l->sel_indexed;
+}
+
+int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		  struct kvt_layer *const *ls, const void *q, void *out, void *stream)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	uint32_t *sel_n = out ? NULL : c->sel_counts;
+	KVT_TRY(enter(c));
+	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads));
+	KVT_TRY(resident(c, n_seqs, seqs, ls, stream));
+	/* the selections are rewritten from here: a failure leaves none half made */
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		ls[i]->sel_epoch = 0;
+		ls[i]->sel_tokens = ls[i]->n_tokens;
+		ls[i]->sel_indexed = ls[i]->n_indexed;
+	}
+	KVT_TRY(c->ops->step(c, layer, n_seqs, ls, q, out, sel_n, stream));
+	uint32_t most = 0;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_layer *l = ls[i];
+		l->sel_epoch = ++c->clock;
+		c->st.steps++;
+		c->st.candidate_tokens += (uint64_t)l->n_indexed * H;
+		for (uint32_t h = 0; sel_n && h < H; h++)
+			most = max_u32(most, attended(c, l, sel_n[(size_t)i * H + h]));
+	}
+	return (int)most;
+}
+
+int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
+		    void *k_out, void *v_out, void *stream)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	uint32_t *n = c->sel_counts;
+	KVT_TRY(enter(c));
+	for (uint32_t i = 0; i < n_seqs; i++)
+		KVT_RETURN_IF(!ls[i]->sel_epoch, c, -EINVAL,
+			      "seq %u layer %u has no selection: call kvt_select or kvt_attend first",
+			      seqs[i], layer);
+	/* a sequence spilled since its selection is brought back: its rows moved, not its
+	 * selection */
+	KVT_TRY(resident(c, n_seqs, seqs, ls, stream));
+	KVT_TRY(c->ops->counts(c, layer, n_seqs, ls, n, stream));
+	/* counts is written only once every one fits */
+	uint64_t total = 0;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		for (uint32_t h = 0; h < H; h++) {
+			uint32_t *m = &n[(size_t)i * H + h];
+			*m = attended(c, ls[i], *m);
+			KVT_RETURN_IF(*m > max_tokens, c, -EINVAL,
+				      "max_tokens = %u is smaller than the %u tokens selected for "
+				      "seqs[%u], KV head %u",
+				      max_tokens, *m, i, h);
+			total += *m;
+		}
+	for (size_t i = 0; i < (size_t)n_seqs * H; i++)
+		counts[i] = (int32_t)n[i];
+	if (pos || k_out)
+		KVT_TRY(c->ops->gather(c, layer, n_seqs, ls, max_tokens, pos, k_out, v_out, stream));
+	return (int)total;
+}
