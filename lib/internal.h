@@ -195,7 +195,7 @@ struct kvt_cache {
 	uint64_t clock;           /* use counter for LRU and selection epochs */
 	uint64_t call_start;      /* clock value of the current call's first sequence */
 	uint64_t next_uid;
-	/* NVMe tier (lib/tier.c) */
+	/* NVMe tier (lib/nvme_tier.c) */
 	struct kvt_nvme *nvme;    /* NULL: no NVMe tier */
 	struct kvt_bcache *bc;    /* block cache of direct serving */
 	uint64_t next_gen;        /* generation of the next NVMe block written */
@@ -327,7 +327,7 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
 		    void *k_out, void *v_out, void *stream);
 
-/* ---- one (sequence, layer) (lib/seq.c) ---------------------------------------------------- */
+/* ---- one (sequence, layer) (lib/layer.c) ---------------------------------------------------- */
 
 /* Grow l's index, centroid and selection storage (and the cache scratch) to hold `tokens`
  * indexed tokens per KV head. All or nothing; -ENOMEM. */
@@ -353,7 +353,7 @@ int kvt_gpu_probe(int device, char *busid, size_t n, char *why, size_t whyn);
 const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void);
 #endif
 
-/* ---- the NVMe tier (lib/tier.c) ------------------------------------------------------- */
+/* ---- the NVMe tier (lib/nvme_tier.c) ------------------------------------------------------- */
 
 int kvt_tier_init(kvt_cache *c);
 void kvt_tier_fini(kvt_cache *c);
