@@ -200,16 +200,20 @@ static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
 	return hot;
 }
 
-/* The selected counts of the batch's selections, copied to the host (synchronizes). */
+/* The selected counts of the batch's selections, copied to the host (synchronizes): one copy per
+ * run of consecutive slots, so a step's own batch takes one. */
 static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		       uint32_t *sel_n, void *stream)
 {
 	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		const struct gpu_seq_layer *g = ls[i]->dev;
-		CU(c, cudaMemcpyAsync(sel_n + (size_t)i * H, y->sel_n + (size_t)g->sel_slot * H,
-				      sizeof(uint32_t) * H, cudaMemcpyDeviceToHost,
+	for (uint32_t i = 0, run; i < n_seqs; i += run) {
+		const uint32_t slot = ((const struct gpu_seq_layer *)ls[i]->dev)->sel_slot;
+		for (run = 1; i + run < n_seqs; run++)
+			if (((const struct gpu_seq_layer *)ls[i + run]->dev)->sel_slot != slot + run)
+				break;
+		CU(c, cudaMemcpyAsync(sel_n + (size_t)i * H, y->sel_n + (size_t)slot * H,
+				      sizeof(uint32_t) * H * run, cudaMemcpyDeviceToHost,
 				      (cudaStream_t)stream));
 	}
 	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
