@@ -3,17 +3,20 @@
  * What every kernel file of gpu/ shares: checked CUDA calls that map failures to -EIO, the error
  * word kernels raise instead of trapping, and fp16/bf16 conversions that reproduce lib/half.h bit for
  * bit (integer ports, so NaN payloads and subnormals come out as the CPU twin writes them).
- * C++ only: included by the .cu files, never by C code.
+ * C++ only: included by the .cu files, never by C code. Of the library it takes the public header
+ * (kvt_dtype) and lib/constants.h, not lib/internal.h.
  */
 #ifndef KVT_GPU_COMMON_CUH
 #define KVT_GPU_COMMON_CUH
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "constants.h"
 #include "errword.h"
+#include "kvtier.h"
 
 /* Return -EIO from the enclosing launcher when a CUDA call fails. */
 #define KVT_CU(expr)                                                                               \

@@ -4,6 +4,8 @@
  * the hot-token cache and the zero-copy gather. Rows move 16 bytes per lane; one warp per row, so a
  * 512-byte fp16 row of D 128 is one fully used request per warp and many rows are in flight at once.
  */
+#include <string.h>
+
 #include "common.cuh"
 #include "fetch.cuh"
 
