@@ -295,9 +295,18 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 	if (n_seqs == 0 || n_q_heads == 0)
 		return 0;
 	const at_args a = {
-		n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows,
-		chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows), scale,
-		q,         items,      (float *)scratch,    err,      KVT_STREAM(stream)};
+		.hq = n_q_heads,
+		.hkv = n_kv_heads,
+		.n_items = n_seqs * n_kv_heads,
+		.max_rows = max_rows,
+		.chunks = chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows),
+		.scale = scale,
+		.q = q,
+		.items = items,
+		.part = (float *)scratch,
+		.err = err,
+		.s = KVT_STREAM(stream),
+	};
 	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
 		return attend<D, DT>(a, out_dtype, out);
 	}));

@@ -54,7 +54,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		n = 0;
 	}
 	if (blockIdx.x == 0 && threadIdx.x == 0) {
-		items[item] = kvt_gpu_rows{rows + (size_t)item * max_rows, NULL, NULL, 0, n, 0};
+		items[item] = kvt_gpu_rows{.rows = rows + (size_t)item * max_rows, .n = n};
 		if (hot.counters && !(hot.flags & KVT_GPU_HOT_NO_STEP)) {
 			atomicAdd(&hot.counters[KVT_GPU_CNT_SELECTED], (unsigned long long)m);
 			atomicAdd(&hot.counters[KVT_GPU_CNT_ROWS], (unsigned long long)n);
