@@ -251,20 +251,11 @@ static int dispatch_group(const at_args &a)
 	return launch<D, DT, 8>(a);
 }
 
-template <int D>
-static int dispatch_dtype(uint32_t dtype, uint32_t out_dtype, const at_args &a, void *out)
+/* The attention of every (item, query head), then the merge of its chunks. */
+template <int D, int DT>
+static int attend(const at_args &a, uint32_t out_dtype, void *out)
 {
-	int rc;
-	switch (dtype) {
-	case KVT_DTYPE_F16:
-		rc = dispatch_group<D, KVT_DTYPE_F16>(a);
-		break;
-	case KVT_DTYPE_BF16:
-		rc = dispatch_group<D, KVT_DTYPE_BF16>(a);
-		break;
-	default:
-		return -EOPNOTSUPP;
-	}
+	const int rc = dispatch_group<D, DT>(a);
 	if (rc < 0)
 		return rc;
 	k_merge<D><<<a.n_items *(a.hq / a.hkv), D, 0, a.s>>>(a.items, a.hq, a.hkv, a.max_rows,
@@ -304,17 +295,19 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 	if (n_seqs == 0 || n_q_heads == 0)
 		return 0;
 	const at_args a = {
-		n_q_heads, n_kv_heads, n_seqs * n_kv_heads, max_rows,
-		chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows), scale,
-		q,         items,      (float *)scratch,    err,      KVT_STREAM(stream)};
-	switch (d) {
-	case 64:
-		return dispatch_dtype<64>(dtype, out_dtype, a, out);
-	case 128:
-		return dispatch_dtype<128>(dtype, out_dtype, a, out);
-	case 256:
-		return dispatch_dtype<256>(dtype, out_dtype, a, out);
-	default:
-		return -EOPNOTSUPP;
-	}
+		.hq = n_q_heads,
+		.hkv = n_kv_heads,
+		.n_items = n_seqs * n_kv_heads,
+		.max_rows = max_rows,
+		.chunks = chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows),
+		.scale = scale,
+		.q = q,
+		.items = items,
+		.part = (float *)scratch,
+		.err = err,
+		.s = KVT_STREAM(stream),
+	};
+	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
+		return attend<D, DT>(a, out_dtype, out);
+	}));
 }

@@ -1,19 +1,23 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * What every kernel file of gpu/ shares: checked CUDA calls that map failures to -EIO, the error
- * word kernels raise instead of trapping, and fp16/bf16 conversions that reproduce lib/half.h bit for
- * bit (integer ports, so NaN payloads and subnormals come out as the CPU twin writes them).
- * C++ only: included by the .cu files, never by C code.
+ * What every kernel file of gpu/ shares: checked CUDA calls that map failures to -EIO, the dispatch
+ * of runtime sizes to template arguments, the error word kernels raise instead of trapping, and
+ * fp16/bf16 conversions that reproduce lib/half.h bit for bit (integer ports, so NaN payloads and
+ * subnormals come out as the CPU twin writes them). C++ only: included by the .cu files, never by
+ * C code. Of the library it takes the public header (kvt_dtype) and lib/constants.h, not
+ * lib/internal.h.
  */
 #ifndef KVT_GPU_COMMON_CUH
 #define KVT_GPU_COMMON_CUH
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "constants.h"
 #include "errword.h"
+#include "kvtier.h"
 
 /* Return -EIO from the enclosing launcher when a CUDA call fails. */
 #define KVT_CU(expr)                                                                               \
@@ -26,6 +30,44 @@
 #define KVT_CU_LAUNCHED() KVT_CU(cudaGetLastError())
 
 #define KVT_STREAM(s) ((cudaStream_t)(s))
+
+/*
+ * Runtime sizes to template arguments (as FlashInfer's DISPATCH_HEAD_DIM): the statements after
+ * NAME run with NAME a constexpr int equal to the value, one copy per supported value; any other
+ * value returns -EOPNOTSUPP from the enclosing launcher. The statements usually return; when they
+ * do not, control goes on after the dispatch. Dispatches nest:
+ *     KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, return launch<D, DT>(a)));
+ */
+#define KVT_DISPATCH_CASE(value, NAME, ...)                                                        \
+	case value: {                                                                              \
+		constexpr int NAME = value;                                                        \
+		__VA_ARGS__;                                                                       \
+	} break;
+
+/* A switch over the KVT_DISPATCH_CASEs given whose default returns -EOPNOTSUPP. */
+#define KVT_DISPATCH(value, ...)                                                                   \
+	switch (value) {                                                                           \
+		__VA_ARGS__                                                                        \
+	default:                                                                                   \
+		return -EOPNOTSUPP;                                                                \
+	}
+
+/* Head dim d: 64, 128 or 256. */
+#define KVT_DISPATCH_HEAD_DIM(d, D, ...)                                                           \
+	KVT_DISPATCH(d, KVT_DISPATCH_CASE(64, D, __VA_ARGS__)                                      \
+				KVT_DISPATCH_CASE(128, D, __VA_ARGS__)                             \
+				KVT_DISPATCH_CASE(256, D, __VA_ARGS__))
+
+/* The dtype of K, V and queries: KVT_DTYPE_F16 or KVT_DTYPE_BF16. */
+#define KVT_DISPATCH_DTYPE(dtype, DT, ...)                                                         \
+	KVT_DISPATCH(dtype, KVT_DISPATCH_CASE(KVT_DTYPE_F16, DT, __VA_ARGS__)                      \
+				    KVT_DISPATCH_CASE(KVT_DTYPE_BF16, DT, __VA_ARGS__))
+
+/* The same or KVT_DTYPE_F32 (keys given as floats to the index build). */
+#define KVT_DISPATCH_DTYPE_OR_F32(dtype, DT, ...)                                                  \
+	KVT_DISPATCH(dtype, KVT_DISPATCH_CASE(KVT_DTYPE_F16, DT, __VA_ARGS__)                      \
+				    KVT_DISPATCH_CASE(KVT_DTYPE_BF16, DT, __VA_ARGS__)             \
+				    KVT_DISPATCH_CASE(KVT_DTYPE_F32, DT, __VA_ARGS__))
 
 /* Record the first error of a launch in the caller's error word; later ones keep the first. */
 static __device__ __forceinline__ void kvt_d_raise(unsigned long long *err, uint32_t code,

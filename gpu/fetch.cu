@@ -4,6 +4,8 @@
  * the hot-token cache and the zero-copy gather. Rows move 16 bytes per lane; one warp per row, so a
  * 512-byte fp16 row of D 128 is one fully used request per warp and many rows are in flight at once.
  */
+#include <string.h>
+
 #include "common.cuh"
 #include "fetch.cuh"
 
@@ -52,7 +54,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		n = 0;
 	}
 	if (blockIdx.x == 0 && threadIdx.x == 0) {
-		items[item] = kvt_gpu_rows{rows + (size_t)item * max_rows, NULL, NULL, 0, n, 0};
+		items[item] = kvt_gpu_rows{.rows = rows + (size_t)item * max_rows, .n = n};
 		if (hot.counters && !(hot.flags & KVT_GPU_HOT_NO_STEP)) {
 			atomicAdd(&hot.counters[KVT_GPU_CNT_SELECTED], (unsigned long long)m);
 			atomicAdd(&hot.counters[KVT_GPU_CNT_ROWS], (unsigned long long)n);
@@ -359,16 +361,14 @@ extern "C" int kvt_gpu_centroids(uint32_t d, uint32_t dtype, uint32_t n_kv_heads
 {
 	if (!keys || !c_k || !c_q || n == 0 || !kvt_is_pow2_dim(d) || n_kv_heads == 0 || group == 0)
 		return -EINVAL;
+	if (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16)
+		return -EINVAL; /* before the dispatch, whose default is -EOPNOTSUPP */
 	const uint32_t threads = 128, blocks = (n_kv_heads * d + threads - 1) / threads;
 	cudaStream_t s = KVT_STREAM(stream);
-	if (dtype == KVT_DTYPE_F16)
-		k_centroids<KVT_DTYPE_F16><<<blocks, threads, 0, s>>>(
-			d, n_kv_heads, group, keys, tok_stride, head_stride, q, n, c_k, c_q);
-	else if (dtype == KVT_DTYPE_BF16)
-		k_centroids<KVT_DTYPE_BF16><<<blocks, threads, 0, s>>>(
-			d, n_kv_heads, group, keys, tok_stride, head_stride, q, n, c_k, c_q);
-	else
-		return -EINVAL;
+	KVT_DISPATCH_DTYPE(dtype, DT, {
+		k_centroids<DT><<<blocks, threads, 0, s>>>(d, n_kv_heads, group, keys, tok_stride,
+							   head_stride, q, n, c_k, c_q);
+	});
 	KVT_CU_LAUNCHED();
 	return 0;
 }

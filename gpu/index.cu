@@ -129,23 +129,6 @@ static int launch(uint32_t n_kv, const float *rot, uint32_t n_jobs, const kvt_gp
 	return 0;
 }
 
-template <int D>
-static int dispatch_dtype(uint32_t dtype, uint32_t n_kv, const float *rot, uint32_t n_jobs,
-			  const kvt_gpu_index_job *jobs, uint32_t max_n,
-			  const kvt_gpu_index_view *views, unsigned long long *err, cudaStream_t s)
-{
-	switch (dtype) {
-	case KVT_DTYPE_F16:
-		return launch<D, KVT_DTYPE_F16>(n_kv, rot, n_jobs, jobs, max_n, views, err, s);
-	case KVT_DTYPE_BF16:
-		return launch<D, KVT_DTYPE_BF16>(n_kv, rot, n_jobs, jobs, max_n, views, err, s);
-	case KVT_DTYPE_F32:
-		return launch<D, KVT_DTYPE_F32>(n_kv, rot, n_jobs, jobs, max_n, views, err, s);
-	default:
-		return -EOPNOTSUPP;
-	}
-}
-
 extern "C" int kvt_gpu_index_build(uint32_t d, uint32_t dtype, uint32_t n_kv_heads,
 				   const float *rot, uint32_t n_jobs, const kvt_gpu_index_job *jobs,
 				   uint32_t max_n, const kvt_gpu_index_view *views,
@@ -161,17 +144,7 @@ extern "C" int kvt_gpu_index_build(uint32_t d, uint32_t dtype, uint32_t n_kv_hea
 	if (n_jobs == 0 || max_n == 0)
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
-	switch (d) {
-	case 64:
-		return dispatch_dtype<64>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
-					  s);
-	case 128:
-		return dispatch_dtype<128>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
-					   s);
-	case 256:
-		return dispatch_dtype<256>(dtype, n_kv_heads, rot, n_jobs, jobs, max_n, views, err,
-					   s);
-	default:
-		return -EOPNOTSUPP;
-	}
+	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE_OR_F32(dtype, DT, {
+		return launch<D, DT>(n_kv_heads, rot, n_jobs, jobs, max_n, views, err, s);
+	}));
 }

@@ -331,21 +331,12 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 
 /* ---- launchers --------------------------------------------------------------------------- */
 
-template <int D>
-static int prepare_d(uint32_t dtype, uint32_t blocks, uint32_t hq, uint32_t group, const float *rot,
-		     const void *q, const float *const *c_q, const float *const *c_k,
-		     kvt_gpu_qcode *out, cudaStream_t s)
+template <int D, int DT>
+static int prepare(uint32_t blocks, uint32_t hq, uint32_t group, const float *rot, const void *q,
+		   const float *const *c_q, const float *const *c_k, kvt_gpu_qcode *out,
+		   cudaStream_t s)
 {
-	switch (dtype) {
-	case KVT_DTYPE_F16:
-		k_prepare<D, KVT_DTYPE_F16><<<blocks, D, 0, s>>>(rot, q, c_q, c_k, hq, group, out);
-		break;
-	case KVT_DTYPE_BF16:
-		k_prepare<D, KVT_DTYPE_BF16><<<blocks, D, 0, s>>>(rot, q, c_q, c_k, hq, group, out);
-		break;
-	default:
-		return -EOPNOTSUPP;
-	}
+	k_prepare<D, DT><<<blocks, D, 0, s>>>(rot, q, c_q, c_k, hq, group, out);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -365,16 +356,9 @@ extern "C" int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs
 	if (blocks == 0)
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
-	switch (d) {
-	case 64:
-		return prepare_d<64>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
-	case 128:
-		return prepare_d<128>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
-	case 256:
-		return prepare_d<256>(dtype, blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
-	default:
-		return -EOPNOTSUPP;
-	}
+	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
+		return prepare<D, DT>(blocks, n_q_heads, group, rot, q, c_q, c_k, out, s);
+	}));
 }
 
 template <int D, bool ONE>
@@ -431,15 +415,8 @@ extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, ui
 	if (n_seqs == 0 || max_n == 0)
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
-	switch (d) {
-	case 64:
-		return score_d<64>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
-				   scores, ld, err, s);
-	case 128:
-		return score_d<128>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
-				    scores, ld, err, s);
-	default:
-		return score_d<256>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n,
-				    scores, ld, err, s);
-	}
+	KVT_DISPATCH_HEAD_DIM(d, D, {
+		return score_d<D>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores,
+				  ld, err, s);
+	});
 }

@@ -405,7 +405,7 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 		else
 			hit = bc && above < want && want <= above + bc;
 		if (hit)
-			win = pick{j, above, bc, am, tm};
+			win = pick{.j = j, .above = above, .cnt = bc, .acc = am, .total = tm};
 		if (bc)
 			atomicMax(&last, j);
 		above += bc;
@@ -420,7 +420,8 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 			const uint32_t j = threadIdx.x * per + k;
 			get(j, &bc, &bm);
 			if (j == last)
-				win = pick{j, above, bc, am, tm};
+				win = pick{.j = j, .above = above, .cnt = bc, .acc = am,
+					   .total = tm};
 			above += bc;
 			am += bm;
 		}
@@ -847,7 +848,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
 	const bool listed = __ldcg(&st->listed);
 	const uint32_t m = __ldcg(&st->ncand);
-	const source src = {cand, m, listed, s, n};
+	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
 	float thresh = keyf(~__ldcg(&st->nmin_key));
 	uint32_t count = n;
 	u64 *a = smem64;

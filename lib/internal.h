@@ -13,11 +13,7 @@
 #include "alloc.h"
 #include "../host/extent.h"
 #include "../host/nvme_store.h"
-
-#define KVT_MAX_HEAD_DIM 256u
-#define KVT_MAX_WORDS (KVT_MAX_HEAD_DIM / 32u)
-/* Tokens of one KV head per host-tier block: neighbouring tokens of a head stay contiguous. */
-#define KVT_BLOCK_TOKENS 256u
+#include "constants.h"
 
 /* ---- errors (lib/error.c) ---------------------------------------------------------------- */
 
