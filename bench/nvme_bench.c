@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 #include "host/nvme_store.h"
-#include "lib/alloc.h"
+#include "host/alloc.h"
 
 #define MIB ((uint64_t)1 << 20)
 #define ROW_BYTES 512u

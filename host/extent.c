@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "kvt_config.h"
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "extent.h"
 
 #if KVT_HAVE_HWLOC

@@ -22,7 +22,7 @@
 #include "kvt_config.h"
 
 #if KVT_HAVE_LIBURING
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "nvme_priv.h"
 
 /* Per I/O: -EAGAIN retries, and short transfers that made no aligned progress. */

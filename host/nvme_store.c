@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "kvt_config.h"
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "crc32c.h"
 #include "nvme_store.h"
 

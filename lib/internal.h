@@ -10,7 +10,7 @@
 
 #include "kvtier.h"
 #include "kvt_config.h"
-#include "alloc.h"
+#include "../host/alloc.h"
 #include "../host/extent.h"
 #include "../host/nvme_store.h"
 
