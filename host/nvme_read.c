@@ -13,6 +13,7 @@
 #include "kvt_config.h"
 
 #if KVT_HAVE_LIBURING
+#include "alloc.h"
 #include "nvme_priv.h"
 
 /* A request must name a block of the store that matches its identity, and rows inside it. */
@@ -67,8 +68,8 @@ static int cmp_at_loc(const void *pa, const void *pb)
  */
 static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 {
-	struct at_loc *a = malloc((size_t)c->n * sizeof *a);
-	uint32_t *pick = malloc((size_t)c->n * sizeof *pick);
+	struct at_loc *a = kvt_mem_alloc(KVT_MEM_HOST, (size_t)c->n * sizeof *a);
+	uint32_t *pick = kvt_mem_alloc(KVT_MEM_HOST, (size_t)c->n * sizeof *pick);
 	uint32_t m = 0, k = 0;
 	for (uint32_t i = 0; a && pick && i < c->n; i++) {
 		const struct kvt_nvme_rows *q = &c->rows[i];
@@ -87,8 +88,8 @@ static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 		struct kvt_call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick};
 		rc = kvt_nv_run_call(st, &h);
 	}
-	free(a);
-	free(pick);
+	kvt_mem_free(KVT_MEM_HOST, a, (size_t)c->n * sizeof *a);
+	kvt_mem_free(KVT_MEM_HOST, pick, (size_t)c->n * sizeof *pick);
 	return rc;
 }
 

@@ -378,7 +378,7 @@ void kvt_nvme_close(struct kvt_nvme *st)
 	kvt_mem_free(KVT_MEM_HOST, st->cqp, st->qd * sizeof *st->cqp);
 	kvt_mem_free(KVT_MEM_HOST, st->cqes, st->qd * sizeof *st->cqes);
 	for (uint32_t i = 0; st->hc && i < KVT_HC_ENTRIES; i++)
-		free(st->hc[i].hdr);
+		kvt_mem_free(KVT_MEM_HOST, st->hc[i].hdr, st->hc[i].cap);
 	kvt_mem_free(KVT_MEM_HOST, st->hc, KVT_HC_ENTRIES * sizeof *st->hc);
 	kvt_mem_free(KVT_MEM_HOST, st->hc_bucket, KVT_HC_BUCKETS * sizeof *st->hc_bucket);
 	kvt_mem_free(KVT_MEM_HOST, st, sizeof *st);
@@ -468,7 +468,7 @@ void kvt_hc_put(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 	e->file = l->file; /* the key first: hc_unlink finds the entry by it */
 	e->offset = l->offset;
 	if (e->cap < hb) {
-		unsigned char *p = realloc(e->hdr, hb);
+		unsigned char *p = kvt_mem_realloc(e->hdr, e->cap, hb);
 		if (!p) {
 			hc_unlink(st, i); /* only an optimization: without memory, not cached */
 			return;
