@@ -188,41 +188,6 @@ static void add_range(struct kvt_nvme *st, struct req *r, uint32_t ri,
 }
 
 /*
- * Whether a whole-block read can put the payload straight into q->out: the file is O_DIRECT (a
- * buffered file is read through the bounce path as before), out is aligned for direct I/O, the
- * header fits one slot, and the payload ends the block (no tail padding, which would otherwise
- * land past the end of out).
- */
-static int inplace_ok(const struct kvt_nvme *st, const struct kvt_nvme_rows *q, uint32_t d)
-{
-	uint32_t p = kvt_nvme_payload_bytes(&q->expect);
-	return st->files[q->loc.file].direct && !((uintptr_t)q->out & (st->align - 1)) &&
-	       d <= st->bounce && (uint64_t)d + p == q->loc.bytes;
-}
-
-/*
- * Queue the two reads of an in-place read: the header [0, hr) into the slot, the payload into
- * q->out. Two reads, not one readv: with the header's iovec in front, a 1 MiB payload spans 257
- * segments, more than one bio holds, and a direct read needing two bios is refused by the
- * nonblocking issue (-EAGAIN) and handed to io_uring's worker threads, which halved throughput.
- */
-static void add_inplace(struct kvt_nvme *st, struct req *r, uint32_t ri,
-			const struct kvt_nvme_rows *q)
-{
-	add_range(st, r, ri, &q->loc, 0, r->hr, 0);
-	uint32_t oi = st->op_free[--st->n_op_free];
-	struct op *o = &st->ops[oi];
-	memset(o, 0, sizeof *o);
-	o->file_off = q->loc.offset + r->hr;
-	o->req = ri;
-	o->len = q->loc.bytes - r->hr;
-	o->user = q->out;
-	o->file = (uint16_t)q->loc.file;
-	r->ops_left++;
-	pend_push(st, oi);
-}
-
-/*
  * Admit blocks in order while bounce slots are free: stage a write's image (encode) or plan a
  * read's ranges. Piece count is bounded: a block of k slots has at most k + 1 pieces, and the
  * active blocks hold at most n_slots slots, so 2 * n_slots + 2 pieces always suffice.
@@ -256,10 +221,6 @@ static void admit(struct kvt_nvme *st, struct kvt_call *c)
 				hdr = NULL; /* check_read sized the pool for the plain geometry */
 				stage = kvt_nv_read_geometry(st, &q, &tmp, 0);
 			}
-			if (c->inplace && inplace_ok(st, &q, tmp.hr)) {
-				tmp.inplace = 1;
-				stage = tmp.hr; /* only the header is staged */
-			}
 		}
 		uint32_t k = (uint32_t)((stage + st->bounce - 1) / st->bounce);
 		if (st->n_op_free < k + 1 || slots_take(st, k, &slot0))
@@ -277,8 +238,6 @@ static void admit(struct kvt_nvme *st, struct kvt_call *c)
 			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
 		} else if (c->hdr_only) {
 			add_range(st, r, ri, &q.loc, 0, r->hr, 0);
-		} else if (r->inplace) {
-			add_inplace(st, r, ri, &q);
 		} else if (hdr) {
 			memcpy(st->arena + (size_t)slot0 * st->bounce, hdr,
 			       kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect)));
@@ -307,13 +266,11 @@ static void prepare(struct kvt_nvme *st, struct kvt_call *c)
 		st->pend_head = (st->pend_head + 1) % st->n_ops;
 		st->pend_n--;
 		struct op *o = &st->ops[oi];
-		unsigned char *buf = o->user ? NULL : st->arena + o->stage + o->done;
+		unsigned char *buf = st->arena + o->stage + o->done;
 		unsigned len = o->len - o->done;
 		uint64_t off = o->file_off + o->done;
 		int fd = st->fixed_files ? (int)o->file : st->files[o->file].fd;
-		if (o->user) /* an in-place payload: caller memory, not registered */
-			io_uring_prep_read(sqe, fd, o->user + o->done, len, off);
-		else if (c->write && st->fixed_bufs)
+		if (c->write && st->fixed_bufs)
 			io_uring_prep_write_fixed(sqe, fd, buf, len, off, (int)o->slot);
 		else if (c->write)
 			io_uring_prep_write(sqe, fd, buf, len, off);
@@ -447,8 +404,6 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 	}
 	if (c->hdr_only) {
 		v.data = stage; /* no chunks (c0 == c1 == 0), no tail padding: the header alone */
-	} else if (r->inplace) {
-		v.data = q.out; /* verified where it was read; the block has no tail padding */
 	} else if (r->de == q.loc.bytes) {
 		v.pad = stage + stage_pos(r, (uint64_t)d + p);
 		v.pad_bytes = q.loc.bytes - d - p;
@@ -467,8 +422,6 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 	if (c->hdr_only)
 		return;
 	st->stats.blocks_read++;
-	if (r->inplace)
-		return;
 	memcpy(q.out, v.data + (q.row_begin * row - (uint64_t)r->c0 * KVT_NVME_CHUNK),
 	       (q.row_end - q.row_begin) * row);
 }

@@ -15,16 +15,12 @@
 struct nv_file {
 	int fd;
 	uint64_t bytes; /* usable: the configured size rounded down to the alignment */
-	int direct;     /* opened O_DIRECT: reads may go straight to aligned caller memory */
 	struct kvt_space space;
 	char *path;
 	size_t path_bytes;
 };
 
-/*
- * One piece of I/O: a range of one block inside one bounce slot; or, for an in-place read (user
- * set), the block's payload, read straight into the caller's memory at user.
- */
+/* One piece of I/O: a range of one block inside one bounce slot. */
 struct op {
 	uint64_t file_off; /* where the piece starts in the file */
 	uint64_t t_submit, seqno;
@@ -34,7 +30,6 @@ struct op {
 	uint32_t slot;
 	uint16_t file;
 	uint8_t tries;
-	unsigned char *user;
 };
 
 /* One block being moved. For reads, which parts of it were staged where. */
@@ -44,7 +39,6 @@ struct req {
 	uint64_t ds, de;     /* block range [ds, de) holding those chunks, staged at hr */
 	int merged;          /* the two ranges touch: one range [0, de) staged at 0 */
 	int cached;          /* the header came from the header cache: only [ds, de) is read */
-	int inplace;         /* header staged at 0, the payload read straight into the output */
 };
 
 /*
@@ -114,7 +108,6 @@ struct kvt_nvme {
 struct kvt_call {
 	int write, rc;
 	int hdr_only;        /* read only the headers of rows[map[i]], verify and cache them */
-	int inplace;         /* whole-block reads: payload straight into outs[i] where it can */
 	const uint32_t *map; /* hdr_only: the request of rows[] behind entry i */
 	uint32_t n, next, done;
 	const struct kvt_nvme_block *blocks;

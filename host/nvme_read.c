@@ -1,7 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The read calls of the NVMe store (whole blocks, in place or through the bounce buffer, and row
- * ranges): argument checks and the header prefetch of direct serving, then the engine of
+ * The read calls of the NVMe store (whole blocks and row ranges, through the bounce buffer): argument checks and the header prefetch of direct serving, then the engine of
  * nvme_io.c, which this file was split from to keep each file readable.
  */
 #define _GNU_SOURCE
@@ -128,17 +127,6 @@ int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_ro
 	if (st && n && !reqs)
 		return kvt_nvme_seterr(st, -EINVAL, "reqs must not be NULL");
 	struct kvt_call c = {.n = n, .rows = reqs};
-	return run_read(st, &c);
-}
-
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out)
-{
-	if (st && n && (!locs || !expect || !payload_out))
-		return kvt_nvme_seterr(st, -EINVAL,
-				       "locs, expect and payload_out must not be NULL");
-	struct kvt_call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out,
-			     .inplace = 1};
 	return run_read(st, &c);
 }
 

@@ -124,7 +124,6 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	}
 	if (f->fd < 0)
 		return seterr(st, -EIO, "open %s: %s", path, strerror(errno));
-	f->direct = mode[0] == 'O';
 	struct stat sb;
 	if (fstat(f->fd, &sb) != 0)
 		return seterr(st, -EIO, "fstat %s: %s", path, strerror(errno));
@@ -601,12 +600,6 @@ int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_
 	(void)expect;
 	(void)payload_out;
 	return -EOPNOTSUPP;
-}
-
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out)
-{
-	return kvt_nvme_read_blocks(st, n, locs, expect, payload_out);
 }
 
 int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)

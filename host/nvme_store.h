@@ -17,8 +17,7 @@
  * kernel still owns it.
  *
  * Integrity: a block is checked in full (header CRC, identity, generation, the CRC of each 4 KiB
- * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller; only
- * kvt_nvme_read_blocks_inplace reads the payload into the caller's memory and checks it there. Row reads
+ * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller. Row reads
  * of a block whose header was verified before take the header from a cache of 4096 headers (keyed
  * by the loc and the full identity, dropped on free, rewrite and any failed check) and read only the
  * chunks' sectors; the chunks are still checked against that header's CRC table.
@@ -146,20 +145,6 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
  */
 int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
 			 const struct kvt_nvme_block_id *expect, void *const *payload_out);
-
-/*
- * Read n whole blocks as kvt_nvme_read_blocks does, but without the copy: each block's header goes
- * to a bounce slot and its payload is read by O_DIRECT straight into payload_out[i] (one readv per
- * block), then verified there (header CRC, identity, generation, every chunk CRC, padding) before
- * the call returns 0. A block whose output is not aligned to kvt_nvme_alignment, whose file runs
- * buffered, or whose payload does not end on an alignment boundary goes through the bounce buffer
- * instead. Same errors as kvt_nvme_read_blocks, with a weaker contract on failure: ANY payload_out
- * buffer of the call (the failing block's, later ones', and those of blocks in flight) may hold
- * unverified bytes from the disk. Use it only for memory that the caller discards on error, as a
- * restore into host blocks that are given back on failure does.
- */
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out);
 
 /* Read row ranges of blocks, as kvt_nvme_read_blocks does whole blocks (same errors). */
 int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs);

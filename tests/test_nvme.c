@@ -437,104 +437,6 @@ static void flip_at(int fd, uint64_t at)
 	T_CHECK(pwrite(fd, &c, 1, (off_t)at) == 1, "pwrite: %s", strerror(errno));
 }
 
-/* read_ios and bytes_read since open. */
-static void io_counts(const struct kvt_nvme *st, uint64_t *ios, uint64_t *bytes)
-{
-	struct kvt_nvme_stats s;
-	kvt_nvme_get_stats(st, &s);
-	*ios = s.read_ios;
-	*bytes = s.bytes_read;
-}
-
-/*
- * In-place whole-block reads: with O_DIRECT and page-aligned outputs each block is two reads of
- * exactly its disk bytes (header to the bounce slot, payload straight to the output) and arrives
- * byte for byte; a flipped bit in the payload or in the header's padding is refused by name. A
- * misaligned output, and a buffered store, take the bounce path and deliver the same bytes.
- */
-static void test_inplace(void **state)
-{
-	(void)state;
-	enum { NI = 5 };
-	/* 512 B .. 1 MiB of payload: the last takes two bounce slots, so two I/Os when bounced. */
-	const uint32_t rows[NI] = {1, 8, 37, 256, 2048};
-	for (int pass = 0; pass < 2; pass++) {
-		nv_files f;
-		int fd;
-		struct kvt_nvme *st = nv_open_ex(&f, nv_dir(), 1, 32 << 20, 4, 0, pass ? KVT_NVME_BUFFERED : 0, &fd);
-		int rc;
-		int direct = strstr(kvt_nvme_status(st), "O_DIRECT") != NULL;
-		uint32_t a = kvt_nvme_alignment(st);
-		t_rng r;
-		t_rng_seed(&r, 99 + (uint64_t)pass);
-		struct kvt_nvme_block b[NI];
-		struct kvt_nvme_loc l[NI];
-		unsigned char *p[NI];
-		void *outs[NI];
-		for (int i = 0; i < NI; i++) {
-			b[i].id = nv_id(&r, rows[i], 128);
-			uint32_t pb = kvt_nvme_payload_bytes(&b[i].id);
-			p[i] = nv_random_payload(&r, pb);
-			b[i].payload = p[i];
-			outs[i] = NULL;
-			T_CHECK(posix_memalign(&outs[i], 4096, pb + 4096) == 0, "no memory");
-			memset(outs[i], 0xa5, pb);
-		}
-		T_CHECK(kvt_nvme_write_blocks(st, NI, b, l) == 0, "write: %s", kvt_nvme_error(st));
-		uint64_t ios0, bytes0, ios1, bytes1, disk = 0, whole = 0;
-		io_counts(st, &ios0, &bytes0);
-		rc = kvt_nvme_read_blocks_inplace(st, NI, l, (struct kvt_nvme_block_id[NI]){
-			b[0].id, b[1].id, b[2].id, b[3].id, b[4].id}, outs);
-		io_counts(st, &ios1, &bytes1);
-		T_CHECK(rc == 0, "in-place read: %d (%s)", rc, kvt_nvme_error(st));
-		for (int i = 0; i < NI; i++) {
-			uint32_t pb = kvt_nvme_payload_bytes(&b[i].id);
-			T_CHECK(memcmp(outs[i], p[i], pb) == 0, "block %d: wrong payload", i);
-			disk += l[i].bytes;
-			whole += kvt_nvme_data_offset(pb, a) + pb == l[i].bytes;
-		}
-		/* Every block whose payload ends on a sector is two reads when direct. */
-		T_CHECK(!direct || (whole == NI && ios1 - ios0 == 2 * NI && bytes1 - bytes0 == disk),
-			"direct in-place read of %d blocks: %llu I/Os, %llu bytes; wanted %d, %llu",
-			NI, (unsigned long long)(ios1 - ios0), (unsigned long long)(bytes1 - bytes0),
-			2 * NI, (unsigned long long)disk);
-		/* A misaligned output goes through the bounce buffer. */
-		unsigned char *mis = (unsigned char *)outs[3] + 8;
-		void *mouts[1] = {mis};
-		rc = kvt_nvme_read_blocks_inplace(st, 1, &l[2], &b[2].id, mouts);
-		T_CHECK(rc == 0 && memcmp(mis, p[2], kvt_nvme_payload_bytes(&b[2].id)) == 0,
-			"misaligned output: %d (%s)", rc, kvt_nvme_error(st));
-		if (direct) {
-			/* Bit flips: in the payload of chunk 3, then in the header's padding. */
-			uint32_t pb = kvt_nvme_payload_bytes(&b[3].id),
-				 d = kvt_nvme_data_offset(pb, a), hb = kvt_nvme_header_bytes(pb);
-			const uint64_t at[2] = {l[3].offset + d + 3 * 4096 + 77, l[3].offset + d - 1};
-			const char *want[2] = {"chunk 3", "after the header"};
-			for (int k = 0; k < 2 && d > hb; k++) {
-				flip_at(fd, at[k]);
-				rc = kvt_nvme_read_blocks_inplace(st, 1, &l[3], &b[3].id, &outs[3]);
-				T_CHECK(rc == -EBADMSG && strstr(kvt_nvme_error(st), want[k]),
-					"flip %d: got %d (%s), wanted -EBADMSG naming %s", k, rc,
-					kvt_nvme_error(st), want[k]);
-				flip_at(fd, at[k]);
-				memset(outs[3], 0, pb);
-				rc = kvt_nvme_read_blocks_inplace(st, 1, &l[3], &b[3].id, &outs[3]);
-				T_CHECK(rc == 0 && memcmp(outs[3], p[3], pb) == 0,
-					"after undoing flip %d: %d (%s)", k, rc, kvt_nvme_error(st));
-			}
-		}
-		printf("in-place (%s, alignment %u): %llu I/Os, %llu bytes for %d blocks\n",
-		       direct ? "direct" : "buffered", a, (unsigned long long)(ios1 - ios0),
-		       (unsigned long long)(bytes1 - bytes0), NI);
-		close(fd);
-		kvt_nvme_close(st);
-		for (int i = 0; i < NI; i++) {
-			free(p[i]);
-			free(outs[i]);
-		}
-	}
-}
-
 /*
  * The header cache: a repeated row read uses the cached header (counted, no header I/O) yet still
  * refuses a corrupted chunk and a chunk of an older image; free and rewrite drop the entry, so a
@@ -714,7 +616,6 @@ int main(void)
 		cmocka_unit_test(test_enospc_free_reuse),
 		cmocka_unit_test(test_identity_refused),
 		cmocka_unit_test(test_header_cache),
-		cmocka_unit_test(test_inplace),
 		cmocka_unit_test(test_buffered),
 	};
 	return cmocka_run_group_tests_name("nvme store", store, NULL, NULL);

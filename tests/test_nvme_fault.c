@@ -150,32 +150,25 @@ static int write_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle)
 	return fired_runs;
 }
 
-/*
- * Each output is the poison or the block's payload, in full; with rc == 0, the payload. An in-place
- * read (weak) promises only the latter: on failure its outputs may hold unverified bytes.
- */
+/* Each output is the poison or the block's payload, in full; with rc == 0, the payload. */
 static void check_outputs(struct fixture *x, void **outs, const uint32_t *off, const uint32_t *len,
-			  int rc, const char *what, uint64_t n, int weak)
+			  int rc, const char *what, uint64_t n)
 {
 	for (int i = 0; i < NB; i++) {
 		const unsigned char *o = outs[i];
 		int intact = 1, correct = memcmp(o, x->payload[i] + off[i], len[i]) == 0;
 		for (uint32_t j = 0; j < len[i] && intact; j++)
 			intact = o[j] == 0xa5;
-		T_CHECK(correct || (rc && (intact || weak)), "%s, N %llu, rc %d: output of block %d is %s",
+		T_CHECK(correct || (rc && intact), "%s, N %llu, rc %d: output of block %d is %s",
 			what, (unsigned long long)n, rc, i,
 			intact ? "untouched" : "neither poison nor the block");
 		memset(outs[i], 0xa5, len[i]);
 	}
 }
 
-/*
- * The fault loop over reads of the blocks written in x->locs: whole (mode 0), row ranges (1), or
- * whole in place (2, into page-aligned outputs, as a restore reads host blocks).
- */
-static int read_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle, int mode)
+/* The fault loop over reads of the blocks written in x->locs: whole, or row ranges (rows). */
+static int read_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle, int rows)
 {
-	int rows = mode == 1, inplace = mode == 2;
 	void *outs[NB];
 	uint32_t off[NB], len[NB];
 	struct kvt_nvme_rows q[NB];
@@ -192,21 +185,20 @@ static int read_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle, int
 		q[i] = (struct kvt_nvme_rows){x->locs[i], x->ids[i], a, e, outs[i]};
 	}
 	int fired_runs = 0;
-	const char *what = rows ? "row read" : inplace ? "in-place read" : "read";
+	const char *what = rows ? "row read" : "read";
 	for (uint64_t n = 1;; n++) {
 		struct fault f = {k, n, 0};
 		kvt_nvme_set_cqe_shuffle(x->st, shuffle);
 		kvt_nvme_set_cqe_hook(x->st, fault_hook, &f);
-		int rc = rows	   ? kvt_nvme_read_rows(x->st, NB, q)
-			 : inplace ? kvt_nvme_read_blocks_inplace(x->st, NB, x->locs, x->ids, outs)
-				   : kvt_nvme_read_blocks(x->st, NB, x->locs, x->ids, outs);
+		int rc = rows ? kvt_nvme_read_rows(x->st, NB, q)
+			      : kvt_nvme_read_blocks(x->st, NB, x->locs, x->ids, outs);
 		kvt_nvme_set_cqe_hook(x->st, NULL, NULL);
 		kvt_nvme_set_cqe_shuffle(x->st, 0);
 		int want = f.fired ? kinds[k].want : 0;
 		T_CHECK(rc == want, "%s, %s at completion %llu%s: got %d (%s), wanted %d", what,
 			kinds[k].name, (unsigned long long)n, shuffle ? " (shuffled)" : "", rc,
 			rc ? kvt_nvme_error(x->st) : "", want);
-		check_outputs(x, outs, off, len, rc, what, n, inplace);
+		check_outputs(x, outs, off, len, rc, what, n);
 		if (!f.fired)
 			break;
 		fired_runs++;
@@ -215,7 +207,7 @@ static int read_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle, int
 	int rc = kvt_nvme_read_rows(x->st, NB, q);
 	T_CHECK(rc == 0, "clean %s after the %s loop: got %d (%s)", what, kinds[k].name, rc,
 		kvt_nvme_error(x->st));
-	check_outputs(x, outs, off, len, 0, what, 0, 0);
+	check_outputs(x, outs, off, len, 0, what, 0);
 	for (int i = 0; i < NB; i++)
 		free(outs[i]);
 	return fired_runs;
@@ -236,12 +228,10 @@ static void test_completion_faults(void **state)
 			T_CHECK(rc == 0, "setup write: %d (%s)", rc, kvt_nvme_error(x.st));
 			int rd = read_loop(&x, (enum fault_kind)k, seed, 0);
 			int rr = read_loop(&x, (enum fault_kind)k, seed, 1);
-			int ri = read_loop(&x, (enum fault_kind)k, seed, 2);
 			kvt_nvme_free(x.st, NB, x.locs);
-			printf("%-24s %s: fault fired in %d write, %d read, %d row-read, %d "
-			       "in-place runs\n",
-			       kinds[k].name, shuffled ? "shuffled" : "in order", w, rd, rr, ri);
-			T_CHECK(w >= NB && rd >= NB && rr > 0 && ri >= NB,
+			printf("%-24s %s: fault fired in %d write, %d read, %d row-read runs\n",
+			       kinds[k].name, shuffled ? "shuffled" : "in order", w, rd, rr);
+			T_CHECK(w >= NB && rd >= NB && rr > 0,
 				"%s: the loops covered too few completions", kinds[k].name);
 		}
 	struct kvt_nvme_stats s;
