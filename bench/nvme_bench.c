@@ -31,6 +31,9 @@
 #include "host/alloc.h"
 
 #define MIB ((uint64_t)1 << 20)
+
+/* The detail of a failed store call (every call passes &bench_err). */
+static struct kvt_err bench_err;
 #define ROW_BYTES 512u
 #define ROUNDS 4 /* head_dim 128, 2 bytes per element, K and V */
 
@@ -95,9 +98,9 @@ static void fill(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_block_id shape
 			b[j].id = ids[i + j];
 			b[j].payload = payload;
 		}
-		int rc = kvt_nvme_write_blocks(st, k, b, locs + i);
+		int rc = kvt_nvme_write_blocks(st, k, b, locs + i, &bench_err);
 		if (rc)
-			die("write", rc, kvt_nvme_error(st));
+			die("write", rc, bench_err.msg);
 		i += k;
 	}
 	free(payload);
@@ -215,10 +218,10 @@ static uint64_t store_loop(struct kvt_nvme *st, const struct kvt_nvme_loc *locs,
 							      outs[j]};
 			}
 		}
-		int rc = rows ? kvt_nvme_read_rows(st, batch, q)
-			      : kvt_nvme_read_blocks(st, batch, l, e, outs);
+		int rc = rows ? kvt_nvme_read_rows(st, batch, q, &bench_err)
+			      : kvt_nvme_read_blocks(st, batch, l, e, outs, &bench_err);
 		if (rc)
-			die("store read", rc, kvt_nvme_error(st));
+			die("store read", rc, bench_err.msg);
 		done += batch;
 	}
 	*elapsed = now_s() - t0;
@@ -253,9 +256,9 @@ int main(int argc, char **argv)
 			argv[0]);
 		return 2;
 	}
-	char why[256];
-	if (!kvt_nvme_available(why, sizeof why)) {
-		printf("nvme_bench: skipped: %s\n", why);
+	struct kvt_err why;
+	if (!kvt_nvme_available(&why)) {
+		printf("nvme_bench: skipped: %s\n", why.msg);
 		return 77;
 	}
 	/* A file this run creates is removed at the end; one given is left in place. */
@@ -263,10 +266,10 @@ int main(int argc, char **argv)
 	const char *paths[1] = {path};
 	struct kvt_nvme_config cfg = {paths, &size, 1, qd, (uint32_t)MIB, 0};
 	struct kvt_nvme *st;
-	char err[512];
-	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	struct kvt_err err;
+	int rc = kvt_nvme_open(&cfg, &st, &err);
 	if (rc)
-		die("open", rc, err);
+		die("open", rc, err.msg);
 	printf("nvme_bench: %s, %llu MiB, queue depth %u, %.1f s per side of each figure\n", path,
 	       (unsigned long long)(size / MIB), qd, seconds);
 	printf("store: %s\n", kvt_nvme_status(st));

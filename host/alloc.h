@@ -1,7 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The one allocator table every allocation of the library goes through, so that tests can fail the
- * Nth allocation and count what is still live.
+ * Nth allocation and count what is still live. It sits below lib/ and host/ and includes neither.
+ *
+ * Heap and page memory need nothing but the C library and the kernel: kvt_mem_alloc. Device memory
+ * and pinning belong to a backend, so they go through an allocation context (struct kvt_mem) that
+ * each cache owns with the hooks of its backend: two caches of different backends in one process
+ * share no hook state. The fault-injection counter and the live count are process-global (tests).
  */
 #ifndef KVT_ALLOC_H
 #define KVT_ALLOC_H
@@ -12,7 +17,11 @@
 enum kvt_mem_kind {
 	KVT_MEM_HOST = 0,  /* ordinary heap memory (malloc) */
 	KVT_MEM_PAGES = 1, /* page-aligned anonymous mapping, not touched (host-tier extents) */
-	KVT_MEM_DEVICE = 2, /* device memory, through the hooks the GPU backend installs */
+	/*
+	 * Device memory through the process-wide device hooks: transitional, for gpu/backend.c until
+	 * its allocations name its cache's context (kvt_mem_device_alloc); see kvt_mem_set_device.
+	 */
+	KVT_MEM_DEVICE = 2,
 	KVT_MEM_KINDS = 3
 };
 
@@ -23,23 +32,42 @@ void kvt_mem_free(enum kvt_mem_kind kind, void *p, size_t bytes);
 /* Grow or shrink a KVT_MEM_HOST block (old contents kept); NULL on failure, p left intact. */
 void *kvt_mem_realloc(void *p, size_t old_bytes, size_t new_bytes);
 
-/*
- * Pinning of host pages for device access (cudaHostRegister in the CUDA backend). Counted as an
- * allocation, so it can be made to fail. Without hooks, pin succeeds and does nothing.
- */
-int kvt_mem_pin(void *p, size_t bytes);
-void kvt_mem_unpin(void *p, size_t bytes);
-
+/* What a backend brings: device memory and pinning of host pages (the CUDA runtime's). */
 struct kvt_mem_hooks {
 	void *(*device_alloc)(size_t bytes);
 	void (*device_free)(void *p);
 	int (*pin)(void *p, size_t bytes);
 	void (*unpin)(void *p);
 };
-/* Installed by a GPU backend; NULL restores the defaults. */
-void kvt_mem_set_hooks(const struct kvt_mem_hooks *hooks);
-/* Whether pinning hooks are installed (so host-tier extents will be pinned). */
-int kvt_mem_can_pin(void);
+
+/*
+ * An allocation context: the hooks of one cache's backend (kvt_cache.mem), handed to whatever
+ * allocates device memory or pins host pages for that cache (host/extent.c, the GPU backend).
+ * Zeroed, or a NULL context: no device memory, and pinning succeeds without doing anything.
+ */
+struct kvt_mem {
+	const struct kvt_mem_hooks *hooks;
+};
+
+/* Device memory of `bytes` (> 0, not zeroed) through m's hooks, or NULL (none, failed, injected). */
+void *kvt_mem_device_alloc(const struct kvt_mem *m, size_t bytes);
+/* Release what kvt_mem_device_alloc(m, bytes) returned. NULL is accepted. */
+void kvt_mem_device_free(const struct kvt_mem *m, void *p, size_t bytes);
+/*
+ * Pin host pages for device access (cudaHostRegister in the CUDA backend). Counted as an
+ * allocation, so it can be made to fail (-ENOMEM). Without pin hooks it succeeds and does nothing.
+ */
+int kvt_mem_pin(const struct kvt_mem *m, void *p, size_t bytes);
+void kvt_mem_unpin(const struct kvt_mem *m, void *p, size_t bytes);
+/* Whether m pins (so host-tier extents allocated under it are registered for device access). */
+int kvt_mem_can_pin(const struct kvt_mem *m);
+
+/*
+ * Transitional: the device hooks behind KVT_MEM_DEVICE, set by lib/api.c when a CUDA device is
+ * found, for gpu/backend.c's kvt_mem_alloc(KVT_MEM_DEVICE, ...) calls. Goes away once those call
+ * kvt_mem_device_alloc(&c->mem, ...). Pinning never goes through it.
+ */
+void kvt_mem_set_device(const struct kvt_mem_hooks *hooks);
 
 /* Fault injection for tests: fail the n-th allocation or pin from now on (1-based); 0 disables. */
 void kvt_mem_fail_at(uint64_t n);

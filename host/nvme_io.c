@@ -45,7 +45,7 @@ __attribute__((format(printf, 4, 5))) static void call_fail(struct kvt_nvme *st,
 	c->rc = code;
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(st->err, sizeof st->err, fmt, ap);
+	kvt_err_setv(c->err, code, fmt, ap);
 	va_end(ap);
 }
 
@@ -408,13 +408,14 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 		v.pad = stage + stage_pos(r, (uint64_t)d + p);
 		v.pad_bytes = q.loc.bytes - d - p;
 	}
-	char why[192], name[256];
-	if (kvt_nvme_verify(&v, &q.expect, why, sizeof why)) {
+	struct kvt_err why;
+	char name[256];
+	if (kvt_nvme_verify(&v, &q.expect, &why)) {
 		st->stats.checksum_failures++;
 		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
 		kvt_nv_name_block(st, &q.loc, &q.expect, name, sizeof name);
 		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s",
-			  c->map ? c->map[r->idx] : r->idx, name, why);
+			  c->map ? c->map[r->idx] : r->idx, name, why.msg);
 		return;
 	}
 	if (!r->cached)
@@ -506,18 +507,19 @@ int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c)
 
 /* ---- the calls ---------------------------------------------------------------------------- */
 
-int kvt_nv_usable(struct kvt_nvme *st)
+int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err)
 {
 	if (!st)
-		return -EINVAL;
+		return kvt_err_set(err, -EINVAL, "the store is NULL");
 	if (st->broken)
-		return kvt_nvme_seterr(st, -EIO,
+		return kvt_err_set(err, -EIO,
 				       "the store is out of service after a failed submission");
 	return 0;
 }
 
 /* Space for all n blocks, files taken in turn; all or nothing. */
-static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs)
+static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs,
+		      struct kvt_err *err)
 {
 	uint64_t need = 0, avail = 0, largest = 0;
 	for (uint32_t i = 0; i < n; i++)
@@ -545,10 +547,10 @@ static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs
 				largest = l > largest ? l : largest;
 			}
 			if (rc == -ENOMEM)
-				return kvt_nvme_seterr(st, rc,
+				return kvt_err_set(err, rc,
 						       "no memory for the free list (block %u)", i);
-			return kvt_nvme_seterr(
-				st, -ENOSPC,
+			return kvt_err_set(
+				err, -ENOSPC,
 				"%u blocks need %" PRIu64 " bytes; %" PRIu64
 				" bytes free over %u files, largest free extent %" PRIu64
 				" (block %u of %u bytes did not fit)",
@@ -559,34 +561,34 @@ static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs
 }
 
 int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
-			  struct kvt_nvme_loc *locs)
+			  struct kvt_nvme_loc *locs, struct kvt_err *err)
 {
-	int rc = kvt_nv_usable(st);
+	int rc = kvt_nv_usable(st, err);
 	if (rc)
 		return rc;
 	if (n && (!blocks || !locs))
-		return kvt_nvme_seterr(st, -EINVAL, "blocks and locs_out must not be NULL");
+		return kvt_err_set(err, -EINVAL, "blocks and locs_out must not be NULL");
 	if (n)
 		memset(locs, 0, (size_t)n * sizeof *locs);
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvt_nvme_block_id *id = &blocks[i].id;
 		uint64_t disk = kvt_nvme_disk_bytes(id, st->align);
 		if (!disk || !blocks[i].payload)
-			return kvt_nvme_seterr(
-				st, -EINVAL,
+			return kvt_err_set(
+				err, -EINVAL,
 				"block %u: %u tokens x head_dim %u (payload %p): need 1.. "
 				"rows of 1.. elements, at most %u payload bytes",
 				i, id->n_tokens, id->head_dim, blocks[i].payload,
 				KVT_NVME_MAX_PAYLOAD);
 		if (disk > (uint64_t)st->n_slots * st->bounce)
-			return kvt_nvme_seterr(st, -EINVAL,
+			return kvt_err_set(err, -EINVAL,
 					       "block %u takes %" PRIu64
 					       " bytes, more than the bounce "
 					       "pool of %u x %u bytes",
 					       i, disk, st->n_slots, st->bounce);
 		locs[i].bytes = (uint32_t)disk;
 	}
-	rc = take_space(st, n, locs);
+	rc = take_space(st, n, locs, err);
 	if (rc) {
 		memset(locs, 0, (size_t)n * sizeof *locs);
 		return rc;
@@ -594,7 +596,7 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
 	/* The space may have held a block whose header is cached: never trust it again. */
 	for (uint32_t i = 0; i < n; i++)
 		kvt_hc_drop(st, locs[i].file, locs[i].offset);
-	struct kvt_call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
+	struct kvt_call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs, .err = err};
 	rc = n ? kvt_nv_run_call(st, &c) : 0;
 	if (rc) {
 		/* Nothing of a failed call is reported written: space back, locs zeroed. */

@@ -101,7 +101,6 @@ struct kvt_nvme {
 	uint32_t *hc_bucket, hc_hand;
 	struct kvt_nvme_stats stats;
 	char status[1024];
-	char err[512];
 };
 
 /* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
@@ -116,6 +115,7 @@ struct kvt_call {
 	const struct kvt_nvme_loc *rlocs;
 	const struct kvt_nvme_block_id *expect;
 	void *const *outs;
+	struct kvt_err *err; /* the caller's: the call's first error is recorded there */
 };
 
 /* The engine (nvme_io.c), used by the read calls (nvme_read.c). */
@@ -127,12 +127,8 @@ uint64_t kvt_nv_read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_r
 			      struct req *r, int cached);
 /* Run a call to its end (every I/O completed): 0 or the first error. */
 int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c);
-/* 0, or an error when st is NULL or out of service. */
-int kvt_nv_usable(struct kvt_nvme *st);
-
-/* Record the detail of a failure in st->err and return code. */
-int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
+/* 0, or an error (detail in err) when st is NULL or out of service. */
+int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err);
 
 /* The verified header of the block at l with identity id (hb bytes), or NULL. */
 const unsigned char *kvt_hc_find(struct kvt_nvme *st, const struct kvt_nvme_loc *l,

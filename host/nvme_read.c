@@ -16,7 +16,8 @@
 #include "nvme_priv.h"
 
 /* A request must name a block of the store that matches its identity, and rows inside it. */
-static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q)
+static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q,
+		      struct kvt_err *err)
 {
 	const struct kvt_nvme_loc *l = &q->loc;
 	uint64_t disk = kvt_nvme_disk_bytes(&q->expect, st->align);
@@ -36,7 +37,7 @@ static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_row
 		return 0;
 	char name[256];
 	kvt_nv_name_block(st, l, &q->expect, name, sizeof name);
-	return kvt_nvme_seterr(st, -EINVAL,
+	return kvt_err_set(err, -EINVAL,
 			       "read %u (%s, rows [%u, %u), out %p): %s; the identity "
 			       "needs %" PRIu64 " bytes on disk, bounce pool %u x %u",
 			       i, name, q->row_begin, q->row_end, q->out, bad, disk, st->n_slots,
@@ -84,7 +85,8 @@ static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 			pick[k++] = a[j].i; /* the first request of a run of two or more */
 	int rc = 0;
 	if (k) {
-		struct kvt_call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick};
+		struct kvt_call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick,
+				     .err = c->err};
 		rc = kvt_nv_run_call(st, &h);
 	}
 	kvt_mem_free(KVT_MEM_HOST, a, (size_t)c->n * sizeof *a);
@@ -94,13 +96,13 @@ static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 
 static int run_read(struct kvt_nvme *st, struct kvt_call *c)
 {
-	int rc = kvt_nv_usable(st);
+	int rc = kvt_nv_usable(st, c->err);
 	if (rc)
 		return rc;
 	for (uint32_t i = 0; i < c->n; i++) {
 		struct kvt_nvme_rows q;
 		kvt_nv_call_rows(c, i, &q);
-		rc = check_read(st, i, &q);
+		rc = check_read(st, i, &q, c->err);
 		if (rc)
 			return rc;
 	}
@@ -113,20 +115,23 @@ static int run_read(struct kvt_nvme *st, struct kvt_call *c)
 }
 
 int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-			 const struct kvt_nvme_block_id *expect, void *const *payload_out)
+			 const struct kvt_nvme_block_id *expect, void *const *payload_out,
+			 struct kvt_err *err)
 {
 	if (st && n && (!locs || !expect || !payload_out))
-		return kvt_nvme_seterr(st, -EINVAL,
+		return kvt_err_set(err, -EINVAL,
 				       "locs, expect and payload_out must not be NULL");
-	struct kvt_call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out};
+	struct kvt_call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out,
+			     .err = err};
 	return run_read(st, &c);
 }
 
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+		       struct kvt_err *err)
 {
 	if (st && n && !reqs)
-		return kvt_nvme_seterr(st, -EINVAL, "reqs must not be NULL");
-	struct kvt_call c = {.n = n, .rows = reqs};
+		return kvt_err_set(err, -EINVAL, "reqs must not be NULL");
+	struct kvt_call c = {.n = n, .rows = reqs, .err = err};
 	return run_read(st, &c);
 }
 

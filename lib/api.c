@@ -12,7 +12,7 @@ static const char *backend_name(uint32_t b)
 	return b == KVT_BACKEND_CPU ? "CPU" : b == KVT_BACKEND_CUDA ? "CUDA" : "AUTO";
 }
 
-/* Pick the backend; for CUDA, also install the runtime's pinning hooks. */
+/* Pick the backend; where a CUDA device is usable, the cache takes the runtime's memory hooks. */
 static int choose_backend(kvt_cache *c, char *busid, size_t n)
 {
 	uint32_t want = c->cfg.backend;
@@ -20,8 +20,11 @@ static int choose_backend(kvt_cache *c, char *busid, size_t n)
 	int gpu = -ENODEV;
 #if KVT_HAVE_CUDA
 	gpu = kvt_gpu_probe(c->cfg.device, busid, n, why, sizeof why);
-	if (gpu == 0)
-		kvt_mem_set_hooks(kvt_gpu_mem_hooks());
+	if (gpu == 0) {
+		/* as when the hooks were process-wide: any cache on a usable GPU pins its host tier */
+		c->mem.hooks = kvt_gpu_mem_hooks();
+		kvt_mem_set_device(c->mem.hooks); /* transitional: gpu/backend.c's KVT_MEM_DEVICE */
+	}
 #else
 	(void)busid;
 	(void)n;
@@ -92,7 +95,7 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	c->batch = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch * cfg->max_seqs);
 	c->batch_tokens = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch_tokens * cfg->max_seqs);
 	rc = kvt_extents_init(&c->host, cfg->host_bytes, KVT_BLOCK_TOKENS * c->row_bytes,
-			      busid[0] ? busid : NULL);
+			      busid[0] ? busid : NULL, &c->mem, NULL);
 	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || rc < 0) {
 		cache_free(c);
 		return kvt_seterr(NULL, -ENOMEM, "out of memory allocating rotations (%zu bytes) or "

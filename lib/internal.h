@@ -11,6 +11,7 @@
 #include "kvtier.h"
 #include "kvt_config.h"
 #include "../host/alloc.h"
+#include "../host/err.h"
 #include "../host/extent.h"
 #include "../host/nvme_store.h"
 
@@ -181,6 +182,7 @@ struct kvt_cache {
 	size_t out_elem;
 	const struct kvt_backend_ops *ops;
 	void *be;                 /* backend-owned cache state */
+	struct kvt_mem mem;       /* allocation context: the device and pin hooks of this cache */
 	float *rot;               /* [n_layers, d, d] */
 	struct kvt_seq *seqs;     /* [max_seqs] */
 	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */

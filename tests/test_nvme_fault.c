@@ -122,13 +122,13 @@ static int write_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle)
 		uint64_t used0 = used_bytes(x->st);
 		kvt_nvme_set_cqe_shuffle(x->st, shuffle);
 		kvt_nvme_set_cqe_hook(x->st, fault_hook, &f);
-		int rc = kvt_nvme_write_blocks(x->st, NB, x->blocks, x->locs);
+		int rc = kvt_nvme_write_blocks(x->st, NB, x->blocks, x->locs, &nv_err);
 		kvt_nvme_set_cqe_hook(x->st, NULL, NULL);
 		kvt_nvme_set_cqe_shuffle(x->st, 0);
 		int want = f.fired ? kinds[k].want : 0;
 		T_CHECK(rc == want, "write, %s at completion %llu%s: got %d (%s), wanted %d",
 			kinds[k].name, (unsigned long long)n, shuffle ? " (shuffled)" : "", rc,
-			rc ? kvt_nvme_error(x->st) : "", want);
+			rc ? nv_err.msg : "", want);
 		if (rc) {
 			for (int i = 0; i < NB; i++)
 				T_CHECK(x->locs[i].bytes == 0,
@@ -190,23 +190,23 @@ static int read_loop(struct fixture *x, enum fault_kind k, uint64_t shuffle, int
 		struct fault f = {k, n, 0};
 		kvt_nvme_set_cqe_shuffle(x->st, shuffle);
 		kvt_nvme_set_cqe_hook(x->st, fault_hook, &f);
-		int rc = rows ? kvt_nvme_read_rows(x->st, NB, q)
-			      : kvt_nvme_read_blocks(x->st, NB, x->locs, x->ids, outs);
+		int rc = rows ? kvt_nvme_read_rows(x->st, NB, q, &nv_err)
+			      : kvt_nvme_read_blocks(x->st, NB, x->locs, x->ids, outs, &nv_err);
 		kvt_nvme_set_cqe_hook(x->st, NULL, NULL);
 		kvt_nvme_set_cqe_shuffle(x->st, 0);
 		int want = f.fired ? kinds[k].want : 0;
 		T_CHECK(rc == want, "%s, %s at completion %llu%s: got %d (%s), wanted %d", what,
 			kinds[k].name, (unsigned long long)n, shuffle ? " (shuffled)" : "", rc,
-			rc ? kvt_nvme_error(x->st) : "", want);
+			rc ? nv_err.msg : "", want);
 		check_outputs(x, outs, off, len, rc, what, n);
 		if (!f.fired)
 			break;
 		fired_runs++;
 	}
 	/* Whatever failed, the blocks are still there and whole. */
-	int rc = kvt_nvme_read_rows(x->st, NB, q);
+	int rc = kvt_nvme_read_rows(x->st, NB, q, &nv_err);
 	T_CHECK(rc == 0, "clean %s after the %s loop: got %d (%s)", what, kinds[k].name, rc,
-		kvt_nvme_error(x->st));
+		nv_err.msg);
 	check_outputs(x, outs, off, len, 0, what, 0);
 	for (int i = 0; i < NB; i++)
 		free(outs[i]);
@@ -224,8 +224,8 @@ static void test_completion_faults(void **state)
 		for (int k = 0; k < F_KINDS; k++) {
 			uint64_t seed = shuffled ? 0x9e3779b97f4a7c15ull + (uint64_t)k : 0;
 			int w = write_loop(&x, (enum fault_kind)k, seed);
-			int rc = kvt_nvme_write_blocks(x.st, NB, x.blocks, x.locs);
-			T_CHECK(rc == 0, "setup write: %d (%s)", rc, kvt_nvme_error(x.st));
+			int rc = kvt_nvme_write_blocks(x.st, NB, x.blocks, x.locs, &nv_err);
+			T_CHECK(rc == 0, "setup write: %d (%s)", rc, nv_err.msg);
 			int rd = read_loop(&x, (enum fault_kind)k, seed, 0);
 			int rr = read_loop(&x, (enum fault_kind)k, seed, 1);
 			kvt_nvme_free(x.st, NB, x.locs);
@@ -265,9 +265,9 @@ static void test_alloc_faults(void **state)
 		nv_make_files(&f, nv_dir(), 2, 1 << 20);
 		struct kvt_nvme_config cfg = {f.ptrs, f.bytes, 2, 4, 0, 0};
 		struct kvt_nvme *st = NULL;
-		char err[256];
+		struct kvt_err err;
 		kvt_mem_fail_at(n);
-		int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+		int rc = kvt_nvme_open(&cfg, &st, &err);
 		nv_unlink(&f);
 		if (rc == 0) {
 			/* Enough blocks that a free list must grow (allocate) in the write. */
@@ -278,20 +278,20 @@ static void test_alloc_faults(void **state)
 			unsigned char *p = nv_random_payload(&r, 2048);
 			for (int i = 0; i < 8; i++)
 				b[i] = (struct kvt_nvme_block){nv_id(&r, 4, 128), p};
-			rc = kvt_nvme_write_blocks(st, 8, b, l);
+			rc = kvt_nvme_write_blocks(st, 8, b, l, &nv_err);
 			if (rc == 0) {
 				unsigned char out[2048];
 				void *outs[1] = {out};
-				rc = kvt_nvme_read_blocks(st, 1, l, &b[0].id, outs);
+				rc = kvt_nvme_read_blocks(st, 1, l, &b[0].id, outs, &nv_err);
 				T_CHECK(rc == 0 && memcmp(out, p, 2048) == 0,
 					"read after allocation "
 					"fault %llu: %d (%s)",
-					(unsigned long long)n, rc, kvt_nvme_error(st));
+					(unsigned long long)n, rc, nv_err.msg);
 			} else {
 				T_CHECK(rc == -ENOMEM && l[0].bytes == 0,
 					"write under allocation fault "
 					"%llu: got %d (%s), wanted -ENOMEM",
-					(unsigned long long)n, rc, kvt_nvme_error(st));
+					(unsigned long long)n, rc, nv_err.msg);
 			}
 			kvt_nvme_close(st);
 			free(p);
@@ -299,7 +299,7 @@ static void test_alloc_faults(void **state)
 			T_CHECK(rc == -ENOMEM && st == NULL,
 				"open under allocation fault %llu: got %d (%s),"
 				" wanted -ENOMEM",
-				(unsigned long long)n, rc, err);
+				(unsigned long long)n, rc, err.msg);
 		}
 		int fired = kvt_mem_fired();
 		kvt_mem_fail_at(0);
@@ -341,8 +341,8 @@ static void test_bit_flips(void **state)
 		p[i] = nv_random_payload(&r, kvt_nvme_payload_bytes(&b[i].id));
 		b[i].payload = p[i];
 	}
-	rc = kvt_nvme_write_blocks(st, NBLK, b, l);
-	T_CHECK(rc == 0, "write: %d (%s)", rc, kvt_nvme_error(st));
+	rc = kvt_nvme_write_blocks(st, NBLK, b, l, &nv_err);
+	T_CHECK(rc == 0, "write: %d (%s)", rc, nv_err.msg);
 	unsigned char *out = t_alloc(200 * 512);
 	uint32_t detected = 0, in_header = 0, in_payload = 0, in_pad = 0;
 	for (int t = 0; t < TRIALS; t++) {
@@ -363,7 +363,7 @@ static void test_bit_flips(void **state)
 		T_CHECK(pwrite(fd, &c, 1, at) == 1, "pwrite: %s", strerror(errno));
 		memset(out, 0xa5, pb);
 		void *outs[1] = {out};
-		rc = kvt_nvme_read_blocks(st, 1, &l[i], &b[i].id, outs);
+		rc = kvt_nvme_read_blocks(st, 1, &l[i], &b[i].id, outs, &nv_err);
 		int untouched = 1;
 		for (uint32_t j = 0; j < pb && untouched; j++)
 			untouched = out[j] == 0xa5;
@@ -372,7 +372,7 @@ static void test_bit_flips(void **state)
 			       : byte < hb + pb ? (byte - hb) / 512
 						: rows[i] - 1;
 		struct kvt_nvme_rows q = {l[i], b[i].id, row, row + 1, out};
-		int rc_rows = kvt_nvme_read_rows(st, 1, &q);
+		int rc_rows = kvt_nvme_read_rows(st, 1, &q, &nv_err);
 		for (uint32_t j = 0; j < 512 && untouched; j++)
 			untouched = out[j] == 0xa5;
 		detected += rc == -EBADMSG && rc_rows == -EBADMSG && untouched;
@@ -384,13 +384,13 @@ static void test_bit_flips(void **state)
 			untouched ? "untouched" : "written");
 		c ^= (unsigned char)(1u << bit);
 		T_CHECK(pwrite(fd, &c, 1, at) == 1, "pwrite: %s", strerror(errno));
-		rc = kvt_nvme_read_blocks(st, 1, &l[i], &b[i].id, outs);
+		rc = kvt_nvme_read_blocks(st, 1, &l[i], &b[i].id, outs, &nv_err);
 		T_CHECK(rc == 0 && memcmp(out, p[i], pb) == 0,
-			"block %d after undoing the flip: %d (%s)", i, rc, kvt_nvme_error(st));
+			"block %d after undoing the flip: %d (%s)", i, rc, nv_err.msg);
 	}
 	printf("bit flips detected: %u of %u (%u in headers, %u in payloads, %u in padding); last: "
 	       "%s\n",
-	       detected, TRIALS, in_header, in_payload, in_pad, kvt_nvme_error(st));
+	       detected, TRIALS, in_header, in_payload, in_pad, nv_err.msg);
 	T_CHECK(detected == TRIALS, "detected %u of %u single-bit flips", detected, TRIALS);
 	close(fd);
 	kvt_nvme_close(st);
