@@ -253,7 +253,10 @@ static void test_completion_faults(void **state)
 		(long long)kvt_mem_live(), (long long)live0, nv_fd_count(), fds0);
 }
 
-/* Fail the Nth allocation through open, a write and a read: -ENOMEM or success, and no leak. */
+/*
+ * Fail the Nth allocation through open, a write, a read and row reads (header prefetch, header
+ * cache): -ENOMEM or success, the payload on success, and no leak.
+ */
 static void test_alloc_faults(void **state)
 {
 	(void)state;
@@ -287,6 +290,18 @@ static void test_alloc_faults(void **state)
 					"read after allocation "
 					"fault %llu: %d (%s)",
 					(unsigned long long)n, rc, nv_err.msg);
+				/*
+				 * Two row ranges of a block not read before: the header prefetch and
+				 * the header cache allocate, and a failure there is absorbed.
+				 */
+				unsigned char rows[2][1024];
+				struct kvt_nvme_rows q[2] = {{l[1], b[1].id, 0, 2, rows[0]},
+							     {l[1], b[1].id, 2, 4, rows[1]}};
+				memset(rows, 0xa5, sizeof rows);
+				rc = kvt_nvme_read_rows(st, 2, q, &nv_err);
+				T_CHECK(rc == 0 && memcmp(rows, p, 2048) == 0,
+					"row reads after allocation fault %llu: got %d (%s), wanted 0 "
+					"and the payload", (unsigned long long)n, rc, nv_err.msg);
 			} else {
 				T_CHECK(rc == -ENOMEM && l[0].bytes == 0,
 					"write under allocation fault "
