@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Internals of the NVMe store shared by nvme_store.c (open, close, queries), nvme_io.c (the I/O
- * engine, writes, frees) and nvme_read.c (the read calls). Never included outside host/nvme_*.c. Only built with liburing.
+ * Internals of the NVMe store shared by nvme_store.c (open, close, queries), nvme_engine.c (the
+ * I/O engine), nvme_write.c (writes, frees), nvme_read.c (reads) and nvme_hcache.c (the header
+ * cache). Never included outside host/nvme_*.c. Only built with liburing.
  */
 #ifndef KVT_NVME_PRIV_H
 #define KVT_NVME_PRIV_H
@@ -118,7 +119,7 @@ struct kvt_call {
 	struct kvt_err *err; /* the caller's: the call's first error is recorded there */
 };
 
-/* The engine (nvme_io.c), used by the read calls (nvme_read.c). */
+/* The engine (nvme_engine.c), used by the write and read calls (nvme_write.c, nvme_read.c). */
 void kvt_nv_call_rows(const struct kvt_call *c, uint32_t i, struct kvt_nvme_rows *q);
 void kvt_nv_name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 		       const struct kvt_nvme_block_id *id, char *buf, size_t n);
@@ -130,7 +131,8 @@ int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c);
 /* 0, or an error (detail in err) when st is NULL or out of service. */
 int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err);
 
-/* The verified header of the block at l with identity id (hb bytes), or NULL. */
+/* The header cache (nvme_hcache.c). The verified header of the block at l with identity id (hb
+ * bytes), or NULL. */
 const unsigned char *kvt_hc_find(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 				 const struct kvt_nvme_block_id *id, uint32_t hb);
 /* Remember a header just verified for the block at l with identity id. */

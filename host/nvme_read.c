@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The read calls of the NVMe store (whole blocks and row ranges, through the bounce buffer): argument checks and the header prefetch of direct serving, then the engine of
- * nvme_io.c, which this file was split from to keep each file readable.
+ * The read calls of the NVMe store (whole blocks and row ranges, through the bounce buffer):
+ * argument checks and the header prefetch of direct serving, then the engine of nvme_engine.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The NVMe block store (host/nvme_store.c, nvme_io.c, nvme_format.c, nvme_space.c, crc32c.c):
+ * The NVMe block store (host/nvme_*.c, crc32c.c):
  * CRC-32C against the standard check value in both implementations, the block format's checks,
  * byte-identical round trips of many random blocks across several files (whole blocks and row
  * ranges, blocks spanning several bounce slots), all-or-nothing -ENOSPC, free and reuse, refusal
