@@ -688,6 +688,67 @@ static void test_alloc_faults(void **state)
 		"cache and prefetch)", (unsigned long long)runs, (unsigned long long)absorbed);
 }
 
+/*
+ * Allocation failures inside an automatic spill: as test_auto_spill_faults, B's second layer needs
+ * A's blocks spilled first, but now the N-th allocation of that prefill fails (spill tables, block
+ * lists, the store's free lists, B's own index and blocks). The prefill returns -ENOMEM with B's
+ * layer unchanged, or succeeds; A reads back byte for byte from wherever its valid copy is; the
+ * retry succeeds; nothing leaks.
+ */
+static void test_auto_spill_alloc_faults(void **state)
+{
+	(void)state;
+	uint64_t n = 1, failed = 0;
+	for (; n < 1000; n++) {
+		struct run run, *r = &run;
+		char name[160];
+		snprintf(name, sizeof name, "auto spill in a prefill: allocation %llu failed",
+			 (unsigned long long)n);
+		int64_t live = kvt_mem_live();
+		int fds = tt_fd_count();
+		run_open_cfg(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
+		uint32_t b = 0;
+		T_CHECK(kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
+		int rc = prefill_layer(r, b, 0, &g_k2, &g_v2);
+		T_CHECK(rc == 0, "%s: prefill of B's layer 0 got %d (%s)", name, rc, kvt_last_error(r->c));
+		kvt_stats a = t_stats(r->c);
+		kvt_mem_fail_at(n);
+		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		int fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		T_CHECK(rc == 0 || rc == -ENOMEM, "%s: prefill got %d (%s), wanted 0 or -ENOMEM", name,
+			rc, kvt_last_error(r->c));
+		if (rc) {
+			failed++;
+			kvt_stats f = t_stats(r->c);
+			int64_t len = kvt_seq_length(r->c, b, 1);
+			T_CHECK(len == 0 && f.tokens == a.tokens, "%s: the failed prefill changed B: layer 1 "
+				"length %lld (wanted 0), tokens %llu -> %llu", name, (long long)len,
+				(unsigned long long)a.tokens, (unsigned long long)f.tokens);
+			check_all_layers(r, "A after the failed prefill");
+			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+			T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc, kvt_last_error(r->c));
+		}
+		T_CHECK(on_nvme(r) == SPILL_BLOCKS, "%s: A's blocks on NVMe %u, wanted %d", name,
+			on_nvme(r), SPILL_BLOCKS);
+		check_all_layers(r, "A spilled by LRU (direct serving)");
+		r->seq = b;
+		r->sk = &g_k2;
+		r->sv = &g_v2;
+		check_all_layers(r, "B");
+		kvt_cache_destroy(r->c);
+		T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
+			"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",
+			name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+		if (!fired)
+			break;
+	}
+	print_message("auto spill: allocations 1..%llu of the prefill failed in turn, %llu prefills "
+		      "returned -ENOMEM\n", (unsigned long long)(n - 1), (unsigned long long)failed);
+	T_CHECK(n - 1 >= 8 && failed > 0, "auto spill: %llu allocations failed (wanted >= 8), %llu "
+		"prefills failed (wanted > 0)", (unsigned long long)(n - 1), (unsigned long long)failed);
+}
+
 static int setup(void **state)
 {
 	(void)state;
@@ -704,7 +765,7 @@ int main(void)
 		cmocka_unit_test(test_fail_ecanceled), cmocka_unit_test(test_fail_enospc),
 		cmocka_unit_test(test_fail_short),    cmocka_unit_test(test_fail_zero),
 		cmocka_unit_test(test_shuffled),     cmocka_unit_test(test_auto_spill_faults),
-		cmocka_unit_test(test_alloc_faults),
+		cmocka_unit_test(test_alloc_faults),   cmocka_unit_test(test_auto_spill_alloc_faults),
 	};
 	return cmocka_run_group_tests(tests, setup, NULL);
 }
