@@ -25,7 +25,10 @@ enum kvt_mem_kind {
 	KVT_MEM_KINDS = 3
 };
 
-/* Zeroed memory of `bytes` (> 0) of `kind`, or NULL (allocation failed or injected failure). */
+/*
+ * Memory of `bytes` (> 0) of `kind`, zeroed (except KVT_MEM_DEVICE), or NULL (allocation failed or
+ * injected failure).
+ */
 void *kvt_mem_alloc(enum kvt_mem_kind kind, size_t bytes);
 /* Release what kvt_mem_alloc returned; `bytes` as passed to it. NULL is accepted. */
 void kvt_mem_free(enum kvt_mem_kind kind, void *p, size_t bytes);

@@ -240,6 +240,12 @@ static void count_unpin(void *p)
 	pins_live--;
 }
 
+/* "Device" memory from the heap: the context's device hooks, seen from a test. */
+static void *heap_device_alloc(size_t bytes)
+{
+	return malloc(bytes);
+}
+
 /*
  * Two tiers of one process under different allocation contexts (a cache with pin hooks, a cache
  * without): only the first pins, each extent once, and releasing one leaves the other's pins.
@@ -247,7 +253,9 @@ static void count_unpin(void *p)
 static void test_contexts(void **state)
 {
 	(void)state;
-	static const struct kvt_mem_hooks pinning = {.pin = count_pin, .unpin = count_unpin};
+	static const struct kvt_mem_hooks pinning = {.pin = count_pin, .unpin = count_unpin,
+						     .device_alloc = heap_device_alloc,
+						     .device_free = free};
 	const struct kvt_mem gpu = {&pinning}, cpu = {NULL};
 	int64_t live0 = kvt_mem_live();
 	struct kvt_extents a, b;
@@ -266,6 +274,14 @@ static void test_contexts(void **state)
 	kvt_extents_fini(&a);
 	T_CHECK(pins_live == 0 && kvt_mem_live() == live0,
 		"after both fini: pins %d, live %lld; wanted 0 and %lld", pins_live,
+		(long long)kvt_mem_live(), (long long)live0);
+	/* device memory only where the context has device hooks, counted as live like the rest */
+	void *d = kvt_mem_device_alloc(&gpu, 256), *none = kvt_mem_device_alloc(&cpu, 256);
+	T_CHECK(d && !none && kvt_mem_live() == live0 + 1,
+		"device alloc: got %p and %p, live %lld; wanted memory, NULL and %lld", d, none,
+		(long long)kvt_mem_live(), (long long)live0 + 1);
+	kvt_mem_device_free(&gpu, d, 256);
+	T_CHECK(kvt_mem_live() == live0, "after device free: live %lld, wanted %lld",
 		(long long)kvt_mem_live(), (long long)live0);
 }
 
