@@ -22,7 +22,6 @@ enum kvt_mem_kind {
 	 * its allocations name its cache's context (kvt_mem_device_alloc); see kvt_mem_set_device.
 	 */
 	KVT_MEM_DEVICE = 2,
-	KVT_MEM_KINDS = 3
 };
 
 /*
