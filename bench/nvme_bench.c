@@ -1,12 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * NVMe store throughput against the disk's own ceiling, measured in the same run on the same file:
- *   restore: whole 1 MiB blocks read in order through kvt_nvme_read_blocks_inplace into
- *            host-tier memory (payload read straight there, verified in place), against a raw
- *            io_uring loop of 1 MiB O_DIRECT reads over the same offsets into the same kind of
- *            memory; also the same through kvt_nvme_read_blocks (verified in the bounce buffer,
- *            copied out), which is what kvt_tier_restore uses: it is as fast and never leaves
- *            unverified bytes in the caller's memory;
+ *   restore: whole 1 MiB blocks read in order through kvt_nvme_read_blocks (verified in the
+ *            bounce buffer, copied out, as kvt_tier_restore reads them) into host-tier memory,
+ *            against a raw io_uring loop of 1 MiB O_DIRECT reads over the same offsets into the
+ *            same kind of memory;
  *   random:  4 KiB blocks read in random order through kvt_nvme_read_blocks, against raw 4 KiB
  *            random reads of the same offsets;
  *   rows:    direct serving of one 4 KiB chunk of rows out of the 1 MiB blocks through
@@ -30,9 +28,12 @@
 #include <unistd.h>
 
 #include "host/nvme_store.h"
-#include "lib/alloc.h"
+#include "host/alloc.h"
 
 #define MIB ((uint64_t)1 << 20)
+
+/* The detail of a failed store call (every call passes &bench_err). */
+static struct kvt_err bench_err;
 #define ROW_BYTES 512u
 #define ROUNDS 4 /* head_dim 128, 2 bytes per element, K and V */
 
@@ -97,9 +98,9 @@ static void fill(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_block_id shape
 			b[j].id = ids[i + j];
 			b[j].payload = payload;
 		}
-		int rc = kvt_nvme_write_blocks(st, k, b, locs + i);
+		int rc = kvt_nvme_write_blocks(st, k, b, locs + i, &bench_err);
 		if (rc)
-			die("write", rc, kvt_nvme_error(st));
+			die("write", rc, bench_err.msg);
 		i += k;
 	}
 	free(payload);
@@ -192,7 +193,7 @@ static unsigned char *out_ring;
 /* The store side of a figure: batches of `batch` reads (whole blocks, or one chunk of rows). */
 static uint64_t store_loop(struct kvt_nvme *st, const struct kvt_nvme_loc *locs,
 			   const struct kvt_nvme_block_id *ids, uint32_t n, int random, int rows,
-			   uint32_t batch, int inplace, double seconds, double *elapsed)
+			   uint32_t batch, double seconds, double *elapsed)
 {
 	size_t pb = rows ? 8 * ROW_BYTES : kvt_nvme_payload_bytes(&ids[0]), n_out = N_OUT;
 	pb = (pb + 4095) & ~(size_t)4095; /* each output page-aligned, as host-tier blocks are */
@@ -217,11 +218,10 @@ static uint64_t store_loop(struct kvt_nvme *st, const struct kvt_nvme_loc *locs,
 							      outs[j]};
 			}
 		}
-		int rc = rows	   ? kvt_nvme_read_rows(st, batch, q)
-			 : inplace ? kvt_nvme_read_blocks_inplace(st, batch, l, e, outs)
-				   : kvt_nvme_read_blocks(st, batch, l, e, outs);
+		int rc = rows ? kvt_nvme_read_rows(st, batch, q, &bench_err)
+			      : kvt_nvme_read_blocks(st, batch, l, e, outs, &bench_err);
 		if (rc)
-			die("store read", rc, kvt_nvme_error(st));
+			die("store read", rc, bench_err.msg);
 		done += batch;
 	}
 	*elapsed = now_s() - t0;
@@ -256,9 +256,9 @@ int main(int argc, char **argv)
 			argv[0]);
 		return 2;
 	}
-	char why[256];
-	if (!kvt_nvme_available(why, sizeof why)) {
-		printf("nvme_bench: skipped: %s\n", why);
+	struct kvt_err why;
+	if (!kvt_nvme_available(&why)) {
+		printf("nvme_bench: skipped: %s\n", why.msg);
 		return 77;
 	}
 	/* A file this run creates is removed at the end; one given is left in place. */
@@ -266,10 +266,10 @@ int main(int argc, char **argv)
 	const char *paths[1] = {path};
 	struct kvt_nvme_config cfg = {paths, &size, 1, qd, (uint32_t)MIB, 0};
 	struct kvt_nvme *st;
-	char err[512];
-	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	struct kvt_err err;
+	int rc = kvt_nvme_open(&cfg, &st, &err);
 	if (rc)
-		die("open", rc, err);
+		die("open", rc, err.msg);
 	printf("nvme_bench: %s, %llu MiB, queue depth %u, %.1f s per side of each figure\n", path,
 	       (unsigned long long)(size / MIB), qd, seconds);
 	printf("store: %s\n", kvt_nvme_status(st));
@@ -293,13 +293,12 @@ int main(int argc, char **argv)
 	       n_big, big.n_tokens, kvt_nvme_payload_bytes(&big), n_small, small.n_tokens,
 	       kvt_nvme_payload_bytes(&small));
 
-	/* The memory host-tier blocks come from (page-aligned, huge pages where the kernel gives them):
-	 * the in-place path needs O_DIRECT alignment. */
+	/* The memory host-tier blocks come from (page-aligned, huge pages where the kernel gives them). */
 	out_ring = kvt_mem_alloc(KVT_MEM_PAGES, N_OUT * MIB);
 	if (!out_ring)
 		die("out_ring", -ENOMEM, "out of memory");
 	memset(out_ring, 0, N_OUT * MIB);
-	struct figure f[4];
+	struct figure f[3];
 	memset(f, 0, sizeof f);
 	/* Rounds alternate raw and store, so drift of the device (or of neighbours) hits both. */
 	for (int round = 0; round < ROUNDS; round++) {
@@ -309,35 +308,27 @@ int main(int argc, char **argv)
 		f[0].raw_s += t;
 		f[0].raw_cpu += cpu_s() - c;
 		c = cpu_s();
-		f[0].store_ops += (double)store_loop(st, lb, ib, n_big, 0, 0, n_big, 1, w, &t);
+		f[0].store_ops += (double)store_loop(st, lb, ib, n_big, 0, 0, n_big, w, &t);
 		f[0].store_s += t;
 		f[0].store_cpu += cpu_s() - c;
-		c = cpu_s();
-		f[3].store_ops += (double)store_loop(st, lb, ib, n_big, 0, 0, n_big, 0, w, &t);
-		f[3].store_s += t;
-		f[3].store_cpu += cpu_s() - c;
 		c = cpu_s();
 		f[1].raw_ops += (double)raw_loop(path, qd, 4096, os, n_small, 1, w, &t);
 		f[1].raw_s += t;
 		f[1].raw_cpu += cpu_s() - c;
 		c = cpu_s();
-		f[1].store_ops += (double)store_loop(st, ls, is, n_small, 1, 0, 64 * qd, 0, w, &t);
+		f[1].store_ops += (double)store_loop(st, ls, is, n_small, 1, 0, 64 * qd, w, &t);
 		f[1].store_s += t;
 		f[1].store_cpu += cpu_s() - c;
 		c = cpu_s();
-		f[2].store_ops += (double)store_loop(st, lb, ib, n_big, 1, 1, 64 * qd, 0, w, &t);
+		f[2].store_ops += (double)store_loop(st, lb, ib, n_big, 1, 1, 64 * qd, w, &t);
 		f[2].store_s += t;
 		f[2].store_cpu += cpu_s() - c;
 	}
 	double sb = f[0].store_ops / f[0].store_s, rb = f[0].raw_ops / f[0].raw_s;
-	double sc = f[3].store_ops / f[3].store_s;
 	printf("restore, 1 MiB blocks, %u per call: store %.3f GB/s (%.3f GB/s of payload), raw "
 	       "io_uring %.3f GB/s, ratio %.3f\n",
 	       n_big, sb * (double)MIB / 1e9, sb * kvt_nvme_payload_bytes(&big) / 1e9,
 	       rb * (double)MIB / 1e9, sb / rb);
-	printf("restore through the bounce buffer (kvt_nvme_read_blocks): store %.3f GB/s, ratio "
-	       "%.3f, CPU per MiB %.0f us\n",
-	       sc * (double)MIB / 1e9, sc / rb, f[3].store_cpu / f[3].store_ops * 1e6);
 	double si = f[1].store_ops / f[1].store_s, ri = f[1].raw_ops / f[1].raw_s;
 	printf("random read, 4 KiB blocks, %u per call: store %.1f K IOPS, raw io_uring %.1f K "
 	       "IOPS, "

@@ -14,6 +14,8 @@
 
 #include "cuda_backend.h"
 
+#define ERR_HOST_BYTES 4096u
+
 /* An error the kernels recorded since the last check. */
 int gpu_check_err(kvt_cache *c)
 {
@@ -77,7 +79,7 @@ static void cu_layer_fini(kvt_cache *c, struct kvt_layer *l)
 	if (!l->dev)
 		return;
 	cudaDeviceSynchronize(); /* kernels may still read it */
-	gpu_mirror_free(l->dev);
+	gpu_mirror_free(c, l->dev);
 	l->dev = NULL;
 }
 
@@ -132,8 +134,8 @@ static void cu_fini(kvt_cache *c)
 		struct gpu_layer *y = &b->lay[i];
 		if (y->indexed)
 			cudaEventDestroy(y->indexed);
-		gpu_dfree(y->sel);
-		gpu_dfree(y->jobs);
+		gpu_dfree(c, y->sel);
+		gpu_dfree(c, y->jobs);
 	}
 	kvt_mem_free(KVT_MEM_HOST, b->lay, 0);
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
@@ -146,18 +148,33 @@ static void cu_fini(kvt_cache *c)
 		cudaEventDestroy(b->staging_ev);
 	if (b->ready)
 		cudaEventDestroy(b->ready);
-	if (b->err_host)
-		cudaFreeHost(b->err_host);
-	gpu_dfree(b->rot);
-	gpu_dfree(b->err);
-	gpu_dfree(b->counters);
-	gpu_dfree(b->arena);
-	gpu_dfree(b->staging);
-	gpu_dfree(b->hot_mem);
+	if (b->err_host) {
+		kvt_mem_unpin(&c->mem, b->err_host, ERR_HOST_BYTES);
+		kvt_mem_free(KVT_MEM_PAGES, b->err_host, ERR_HOST_BYTES);
+	}
+	gpu_dfree(c, b->rot);
+	gpu_dfree(c, b->err);
+	gpu_dfree(c, b->counters);
+	gpu_dfree(c, b->arena);
+	gpu_dfree(c, b->staging);
+	gpu_dfree(c, b->hot_mem);
 	kvt_mem_free(KVT_MEM_HOST, b->cnt_host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b->host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b, 0);
 	c->be = NULL;
+}
+
+/* The pinned mirror of the error word: one page, through the cache's allocation context. */
+static int err_host_alloc(kvt_cache *c, struct gpu_cache *b)
+{
+	void *p = kvt_mem_alloc(KVT_MEM_PAGES, ERR_HOST_BYTES);
+	KVT_RETURN_IF(!p, c, -ENOMEM, "out of memory for the error word's host mirror");
+	if (kvt_mem_pin(&c->mem, p, ERR_HOST_BYTES) < 0) {
+		kvt_mem_free(KVT_MEM_PAGES, p, ERR_HOST_BYTES);
+		return kvt_seterr(c, -ENOMEM, "pinning the error word's host mirror failed");
+	}
+	b->err_host = p;
+	return 0;
 }
 
 static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
@@ -185,8 +202,7 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
 		for (int e = 0; e < 4; e++)
 			CU(c, cudaEventCreate(&b->t[i].ev[e]));
-	CU(c, cudaHostAlloc((void **)&b->err_host, sizeof *b->err_host, cudaHostAllocDefault));
-	*b->err_host = 0;
+	KVT_TRY(err_host_alloc(c, b));
 	const size_t rot = sizeof(float) * L * c->d * c->d;
 	KVT_TRY(gpu_dalloc(c, (void **)&b->rot, rot, "the rotations"));
 	CU(c, cudaMemcpy(b->rot, c->rot, rot, cudaMemcpyHostToDevice));
@@ -244,6 +260,8 @@ static int cu_init(kvt_cache *c)
 static const struct kvt_backend_ops ops = {
 	.name = "cuda",
 	.serves_spilled = false,
+	.probe = gpu_probe,
+	.mem_hooks = &gpu_mem_hooks,
 	.init = cu_init,
 	.fini = cu_fini,
 	.layer_fini = cu_layer_fini,

@@ -131,20 +131,24 @@ void gpu_mark(struct gpu_timing *t, int i, void *stream);
 
 /* devmem.c */
 int gpu_no_capture(kvt_cache *c, void *stream, const char *what);
-void gpu_dfree(void *p);
+void gpu_dfree(kvt_cache *c, void *p);
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what);
 int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, const char *what);
 /* Make `stream` wait for the last index build of `layer`. */
 int gpu_wait_index(kvt_cache *c, uint32_t layer, void *stream);
 
 /* mirror.c */
-void gpu_mirror_free(struct gpu_seq_layer *g);
+void gpu_mirror_free(kvt_cache *c, struct gpu_seq_layer *g);
 int gpu_mirror_get(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer **out);
 int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g, uint32_t layer,
 		       uint32_t tokens, void *stream);
 int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g,
 			   void *stream);
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
+
+/* runtime.c: the probe and memory hooks of the backend table */
+int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why);
+extern const struct kvt_mem_hooks gpu_mem_hooks;
 
 /* backend.c */
 int gpu_check_err(kvt_cache *c);

@@ -17,18 +17,18 @@ int gpu_no_capture(kvt_cache *c, void *stream, const char *what)
 	return 0;
 }
 
-void gpu_dfree(void *p)
+void gpu_dfree(kvt_cache *c, void *p)
 {
-	kvt_mem_free(KVT_MEM_DEVICE, p, 0);
+	kvt_mem_device_free(&c->mem, p, 0);
 }
 
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 {
-	*p = kvt_mem_alloc(KVT_MEM_DEVICE, bytes ? bytes : 1);
+	*p = kvt_mem_device_alloc(&c->mem, bytes ? bytes : 1);
 	KVT_RETURN_IF(!*p, c, -ENOMEM, "out of device memory allocating %zu bytes for %s", bytes,
 		      what);
 	if (cudaMemset(*p, 0, bytes) != cudaSuccess) {
-		gpu_dfree(*p);
+		gpu_dfree(c, *p);
 		*p = NULL;
 		return kvt_seterr(c, -EIO, "cudaMemset of %s failed", what);
 	}
@@ -45,7 +45,7 @@ int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, co
 	void *q = NULL;
 	KVT_TRY(gpu_dalloc(c, &q, want, what));
 	CU(c, cudaDeviceSynchronize()); /* the old buffer may still be read */
-	gpu_dfree(*p);
+	gpu_dfree(c, *p);
 	*p = q;
 	*have = want;
 	return 0;

@@ -7,16 +7,16 @@
  */
 #include "cuda_backend.h"
 
-void gpu_mirror_free(struct gpu_seq_layer *g)
+void gpu_mirror_free(kvt_cache *c, struct gpu_seq_layer *g)
 {
 	if (!g)
 		return;
-	gpu_dfree(g->codes);
-	gpu_dfree(g->sigma);
-	gpu_dfree(g->beta);
-	gpu_dfree(g->cent);
-	gpu_dfree(g->ring);
-	gpu_dfree(g->blk);
+	gpu_dfree(c, g->codes);
+	gpu_dfree(c, g->sigma);
+	gpu_dfree(c, g->beta);
+	gpu_dfree(c, g->cent);
+	gpu_dfree(c, g->ring);
+	gpu_dfree(c, g->blk);
 	kvt_mem_free(KVT_MEM_HOST, g, 0);
 }
 
@@ -32,7 +32,7 @@ int gpu_mirror_get(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer **out
 			rc = gpu_dalloc(c, &g->ring, (size_t)H * g->wcap * c->row_bytes,
 					"the window ring");
 		if (rc < 0) {
-			gpu_mirror_free(g);
+			gpu_mirror_free(c, g);
 			return rc;
 		}
 		l->dev = g;
@@ -76,14 +76,14 @@ int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *
 	if (rc == 0 && g->codes && l->n_indexed)
 		rc = copy_index(c, g, l->n_indexed, cap, codes, sigma, beta);
 	if (rc < 0) {
-		gpu_dfree(codes);
-		gpu_dfree(sigma);
-		gpu_dfree(beta);
+		gpu_dfree(c, codes);
+		gpu_dfree(c, sigma);
+		gpu_dfree(c, beta);
 		return rc;
 	}
-	gpu_dfree(g->codes);
-	gpu_dfree(g->sigma);
-	gpu_dfree(g->beta);
+	gpu_dfree(c, g->codes);
+	gpu_dfree(c, g->sigma);
+	gpu_dfree(c, g->beta);
 	g->codes = codes;
 	g->sigma = sigma;
 	g->beta = beta;
@@ -113,7 +113,7 @@ int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_lay
 		void *t = NULL;
 		KVT_TRY(gpu_dalloc(c, &t, sizeof(void *) * H * l->blk_cap, "a block table"));
 		CU(c, cudaDeviceSynchronize());
-		gpu_dfree(g->blk);
+		gpu_dfree(c, g->blk);
 		g->blk = t;
 		g->blk_cap = l->blk_cap;
 	}

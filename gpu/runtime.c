@@ -1,30 +1,23 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The CUDA runtime as the library needs it outside the kernels: finding the device and its PCI bus
- * id (for NUMA placement), and the pinning and device-memory hooks of the allocator table.
+ * id (for NUMA placement), and the pinning and device-memory hooks a cache's allocation context
+ * takes (the probe and mem_hooks slots of the backend table).
  */
-#include <cuda_runtime.h>
-#include <stdio.h>
+#include "cuda_backend.h"
 
-#include "../lib/internal.h"
-
-int kvt_gpu_probe(int device, char *busid, size_t n, char *why, size_t whyn)
+int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why)
 {
 	int count = 0;
 	cudaError_t e = cudaGetDeviceCount(&count);
-	if (e != cudaSuccess) {
-		snprintf(why, whyn, "cudaGetDeviceCount: %s", cudaGetErrorString(e));
-		return -ENODEV;
-	}
-	if (device >= count) {
-		snprintf(why, whyn, "device = %d but %d CUDA device(s) present", device, count);
-		return -ENODEV;
-	}
+	if (e != cudaSuccess)
+		return kvt_err_set(why, -ENODEV, "cudaGetDeviceCount: %s", cudaGetErrorString(e));
+	if (device >= count)
+		return kvt_err_set(why, -ENODEV, "device = %d but %d CUDA device(s) present", device,
+				   count);
 	e = cudaDeviceGetPCIBusId(busid, (int)n, device);
-	if (e != cudaSuccess) {
-		snprintf(why, whyn, "cudaDeviceGetPCIBusId: %s", cudaGetErrorString(e));
-		return -ENODEV;
-	}
+	if (e != cudaSuccess)
+		return kvt_err_set(why, -ENODEV, "cudaDeviceGetPCIBusId: %s", cudaGetErrorString(e));
 	return 0;
 }
 
@@ -53,14 +46,9 @@ static void unpin(void *p)
 	cudaHostUnregister(p);
 }
 
-static const struct kvt_mem_hooks hooks = {
+const struct kvt_mem_hooks gpu_mem_hooks = {
 	.device_alloc = device_alloc,
 	.device_free = device_free,
 	.pin = pin,
 	.unpin = unpin,
 };
-
-const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void)
-{
-	return &hooks;
-}

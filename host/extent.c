@@ -11,7 +11,6 @@
 #include <string.h>
 
 #include "kvt_config.h"
-#include "../lib/alloc.h"
 #include "extent.h"
 
 #if KVT_HAVE_HWLOC
@@ -68,10 +67,13 @@ static int pick_node(const char *busid, char *why, size_t n)
 }
 
 int kvt_extents_init(struct kvt_extents *x, uint64_t capacity, size_t block_bytes,
-		     const char *pci_busid)
+		     const char *pci_busid, const struct kvt_mem *mem, struct kvt_err *err)
 {
 	if (!x || !capacity || !block_bytes)
-		return -EINVAL;
+		return kvt_err_set(err, -EINVAL,
+				   "host tier of capacity %llu in blocks of %zu bytes: need a tier, "
+				   "capacity >= 1 and block_bytes >= 1",
+				   (unsigned long long)capacity, block_bytes);
 	memset(x, 0, sizeof *x);
 	x->capacity = capacity;
 	x->block_bytes = block_bytes;
@@ -80,7 +82,8 @@ int kvt_extents_init(struct kvt_extents *x, uint64_t capacity, size_t block_byte
 	per = blocks && blocks < per ? blocks : per;
 	x->extent_bytes = per * block_bytes;
 	x->node = pick_node(pci_busid, x->placement, sizeof x->placement);
-	x->pinned = kvt_mem_can_pin();
+	x->mem = mem;
+	x->pinned = kvt_mem_can_pin(mem);
 	return 0;
 }
 
@@ -89,7 +92,7 @@ void kvt_extents_fini(struct kvt_extents *x)
 	while (x->extents) {
 		struct kvt_extent *e = x->extents;
 		x->extents = e->next;
-		kvt_mem_unpin(e->base, e->bytes);
+		kvt_mem_unpin(x->mem, e->base, e->bytes);
 		kvt_mem_free(KVT_MEM_PAGES, e->base, e->bytes);
 		kvt_mem_free(KVT_MEM_HOST, e, sizeof *e);
 	}
@@ -100,36 +103,37 @@ void kvt_extents_fini(struct kvt_extents *x)
 }
 
 /* Map, bind and pin one more extent and push its blocks on the free stack. */
-static int grow(struct kvt_extents *x)
+static int grow(struct kvt_extents *x, struct kvt_err *err)
 {
 	/* the last extent only spans what the capacity still allows, so nothing is pinned in vain */
 	uint64_t left_blocks = (x->capacity - x->mapped) / x->block_bytes;
 	size_t nblocks = x->extent_bytes / x->block_bytes;
 	if (left_blocks == 0)
-		return -ENOSPC;
+		return kvt_err_set(err, -ENOSPC, "all %llu bytes of capacity are mapped",
+				   (unsigned long long)x->capacity);
 	nblocks = left_blocks < nblocks ? (size_t)left_blocks : nblocks;
 	size_t bytes = nblocks * x->block_bytes;
 	size_t cap = x->free_cap + nblocks;
 	void **stack = kvt_mem_realloc(x->free_blocks, sizeof(void *) * x->free_cap,
 				       sizeof(void *) * cap);
 	if (!stack)
-		return -ENOMEM;
+		return kvt_err_set(err, -ENOMEM, "no memory for a free list of %zu blocks", cap);
 	x->free_blocks = stack;
 	x->free_cap = cap;
 	struct kvt_extent *e = kvt_mem_alloc(KVT_MEM_HOST, sizeof *e);
 	void *base = e ? kvt_mem_alloc(KVT_MEM_PAGES, bytes) : NULL;
 	if (!base) {
 		kvt_mem_free(KVT_MEM_HOST, e, sizeof *e);
-		return -ENOMEM;
+		return kvt_err_set(err, -ENOMEM, "mapping an extent of %zu bytes failed", bytes);
 	}
 #if KVT_HAVE_NUMA
 	if (x->node >= 0)
 		numa_tonode_memory(base, bytes, x->node);
 #endif
-	if (kvt_mem_pin(base, bytes) < 0) {
+	if (kvt_mem_pin(x->mem, base, bytes) < 0) {
 		kvt_mem_free(KVT_MEM_PAGES, base, bytes);
 		kvt_mem_free(KVT_MEM_HOST, e, sizeof *e);
-		return -ENOMEM;
+		return kvt_err_set(err, -ENOMEM, "pinning an extent of %zu bytes failed", bytes);
 	}
 	*e = (struct kvt_extent){ .next = x->extents, .base = base, .bytes = bytes };
 	x->mapped += bytes;
@@ -140,12 +144,16 @@ static int grow(struct kvt_extents *x)
 	return 0;
 }
 
-int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out)
+int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out, struct kvt_err *err)
 {
 	if ((uint64_t)n * x->block_bytes > x->capacity - x->used)
-		return -ENOSPC;
+		return kvt_err_set(err, -ENOSPC,
+				   "%u blocks of %zu bytes need %llu bytes, %llu free of capacity %llu",
+				   n, x->block_bytes, (unsigned long long)n * x->block_bytes,
+				   (unsigned long long)(x->capacity - x->used),
+				   (unsigned long long)x->capacity);
 	while (x->n_free < n) {
-		int rc = grow(x);
+		int rc = grow(x, err);
 		if (rc < 0)
 			return rc; /* extents mapped so far stay as free blocks: nothing is taken */
 	}

@@ -10,6 +10,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "alloc.h"
+#include "err.h"
+
 struct kvt_extent;
 
 struct kvt_extents {
@@ -19,7 +22,8 @@ struct kvt_extents {
 	size_t block_bytes;       /* one block */
 	size_t extent_bytes;      /* one extent (a multiple of block_bytes) */
 	int node;                 /* NUMA node the extents are bound to, -1 for none */
-	int pinned;               /* extents registered for device access */
+	int pinned;               /* extents registered for device access (mem pins) */
+	const struct kvt_mem *mem; /* the owning cache's allocation context: its pin hooks */
 	char placement[128];      /* how the node was chosen, for logs and kvbench */
 	struct kvt_extent *extents;
 	void **free_blocks;       /* stack of free blocks */
@@ -29,17 +33,19 @@ struct kvt_extents {
 /*
  * Prepare a tier of `capacity` bytes in blocks of `block_bytes`. `pci_busid` names the GPU the tier
  * serves ("0000:3b:00.0") or is NULL; the NUMA node closest to it is chosen with hwloc when built,
- * otherwise the node of the calling CPU (libnuma), otherwise none. Allocates nothing yet.
+ * otherwise the node of the calling CPU (libnuma), otherwise none. Extents are pinned through
+ * `mem` (kept, not copied: it must outlive x; NULL pins nothing). Allocates nothing yet.
+ * Errors: -EINVAL (x NULL, capacity or block_bytes 0).
  */
 int kvt_extents_init(struct kvt_extents *x, uint64_t capacity, size_t block_bytes,
-		     const char *pci_busid);
+		     const char *pci_busid, const struct kvt_mem *mem, struct kvt_err *err);
 /* Free every extent. Blocks still handed out become invalid. */
 void kvt_extents_fini(struct kvt_extents *x);
 /*
  * Take n blocks into out[0..n). All or nothing: -ENOSPC when used + n * block_bytes > capacity
  * (nothing taken), -ENOMEM when an extent cannot be allocated, bound or pinned (nothing taken).
  */
-int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out);
+int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out, struct kvt_err *err);
 /* Return n blocks. */
 void kvt_extents_give(struct kvt_extents *x, uint32_t n, void *const *blocks);
 /* Bytes still available under the capacity. */

@@ -154,10 +154,11 @@ void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, vo
 	put32(h + OFF_CRC, header_crc(h, hb));
 }
 
-#define BAD(...) (snprintf(why, n, __VA_ARGS__), -EBADMSG)
+#define BAD(...) kvt_err_set(why, -EBADMSG, __VA_ARGS__)
 
 /* The identity fields, each compared; the first mismatch is named. */
-static int check_id(const unsigned char *h, const struct kvt_nvme_block_id *e, char *why, size_t n)
+static int check_id(const unsigned char *h, const struct kvt_nvme_block_id *e,
+		    struct kvt_err *why)
 {
 	const struct {
 		const char *name;
@@ -180,8 +181,8 @@ static int check_id(const unsigned char *h, const struct kvt_nvme_block_id *e, c
 }
 
 /* Padding must be zero: a flipped bit there is refused like one anywhere else in the block. */
-static int check_zero(const unsigned char *pad, uint32_t bytes, const char *where, char *why,
-		      size_t n)
+static int check_zero(const unsigned char *pad, uint32_t bytes, const char *where,
+		      struct kvt_err *why)
 {
 	/* All zero: the first byte is, and each byte equals the next (one vectorized memcmp). */
 	if (pad && bytes && (pad[0] || memcmp(pad, pad + 1, bytes - 1) != 0))
@@ -193,7 +194,7 @@ static int check_zero(const unsigned char *pad, uint32_t bytes, const char *wher
 }
 
 int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_id *expect,
-		    char *why, size_t n)
+		    struct kvt_err *why)
 {
 	const unsigned char *h = v->hdr;
 	uint32_t p = kvt_nvme_payload_bytes(expect), hb = kvt_nvme_header_bytes(p);
@@ -212,7 +213,7 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 	uint32_t got = get32(h + OFF_CRC), want = header_crc(h, hb);
 	if (got != want)
 		return BAD("header crc32c 0x%08x, computed 0x%08x", got, want);
-	int rc = check_id(h, expect, why, n);
+	int rc = check_id(h, expect, why);
 	if (rc)
 		return rc;
 	for (uint32_t c = v->c0; c < v->c1;) {
@@ -228,6 +229,6 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 					   c, off, off + len, cg, crc[j]);
 		}
 	}
-	rc = check_zero(v->hpad, v->hpad_bytes, "after the header", why, n);
-	return rc ? rc : check_zero(v->pad, v->pad_bytes, "after the payload", why, n);
+	rc = check_zero(v->hpad, v->hpad_bytes, "after the header", why);
+	return rc ? rc : check_zero(v->pad, v->pad_bytes, "after the payload", why);
 }

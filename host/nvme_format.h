@@ -13,6 +13,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "err.h"
+
 #define KVT_NVME_MAGIC "KVTB"
 #define KVT_NVME_VERSION 2u
 /* Bytes of the fixed part of the header; the chunk CRC table follows it. */
@@ -79,9 +81,9 @@ struct kvt_nvme_view {
  * Check a block read from disk against what the caller expects, in this order: magic, version,
  * sizes, header CRC, identity (seq, layer, head, tokens, head_dim, flags), generation, the CRC of
  * every chunk in the view, zero padding (header padding, then tail padding). Returns 0, or -EBADMSG with the failed check and the got
- * and wanted values in why (n bytes).
+ * and wanted values in why.
  */
 int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_id *expect,
-		    char *why, size_t n);
+		    struct kvt_err *why);
 
 #endif

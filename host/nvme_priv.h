@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Internals of the NVMe store shared by nvme_store.c (open, close, queries), nvme_io.c (the I/O
- * engine, writes, frees) and nvme_read.c (the read calls). Never included outside host/nvme_*.c. Only built with liburing.
+ * Internals of the NVMe store shared by nvme_store.c (open, close, queries), nvme_engine.c (the
+ * I/O engine), nvme_write.c (writes, frees), nvme_read.c (reads) and nvme_hcache.c (the header
+ * cache). Never included outside host/nvme_*.c. Only built with liburing.
  */
 #ifndef KVT_NVME_PRIV_H
 #define KVT_NVME_PRIV_H
@@ -15,16 +16,12 @@
 struct nv_file {
 	int fd;
 	uint64_t bytes; /* usable: the configured size rounded down to the alignment */
-	int direct;     /* opened O_DIRECT: reads may go straight to aligned caller memory */
 	struct kvt_space space;
 	char *path;
 	size_t path_bytes;
 };
 
-/*
- * One piece of I/O: a range of one block inside one bounce slot; or, for an in-place read (user
- * set), the block's payload, read straight into the caller's memory at user.
- */
+/* One piece of I/O: a range of one block inside one bounce slot. */
 struct op {
 	uint64_t file_off; /* where the piece starts in the file */
 	uint64_t t_submit, seqno;
@@ -34,7 +31,6 @@ struct op {
 	uint32_t slot;
 	uint16_t file;
 	uint8_t tries;
-	unsigned char *user;
 };
 
 /* One block being moved. For reads, which parts of it were staged where. */
@@ -44,7 +40,6 @@ struct req {
 	uint64_t ds, de;     /* block range [ds, de) holding those chunks, staged at hr */
 	int merged;          /* the two ranges touch: one range [0, de) staged at 0 */
 	int cached;          /* the header came from the header cache: only [ds, de) is read */
-	int inplace;         /* header staged at 0, the payload read straight into the output */
 };
 
 /*
@@ -107,14 +102,12 @@ struct kvt_nvme {
 	uint32_t *hc_bucket, hc_hand;
 	struct kvt_nvme_stats stats;
 	char status[1024];
-	char err[512];
 };
 
 /* One call: a write of blocks, or a read of row ranges given as rows[] or as the three arrays. */
 struct kvt_call {
 	int write, rc;
 	int hdr_only;        /* read only the headers of rows[map[i]], verify and cache them */
-	int inplace;         /* whole-block reads: payload straight into outs[i] where it can */
 	const uint32_t *map; /* hdr_only: the request of rows[] behind entry i */
 	uint32_t n, next, done;
 	const struct kvt_nvme_block *blocks;
@@ -123,9 +116,10 @@ struct kvt_call {
 	const struct kvt_nvme_loc *rlocs;
 	const struct kvt_nvme_block_id *expect;
 	void *const *outs;
+	struct kvt_err *err; /* the caller's: the call's first error is recorded there */
 };
 
-/* The engine (nvme_io.c), used by the read calls (nvme_read.c). */
+/* The engine (nvme_engine.c), used by the write and read calls (nvme_write.c, nvme_read.c). */
 void kvt_nv_call_rows(const struct kvt_call *c, uint32_t i, struct kvt_nvme_rows *q);
 void kvt_nv_name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 		       const struct kvt_nvme_block_id *id, char *buf, size_t n);
@@ -134,14 +128,11 @@ uint64_t kvt_nv_read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_r
 			      struct req *r, int cached);
 /* Run a call to its end (every I/O completed): 0 or the first error. */
 int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c);
-/* 0, or an error when st is NULL or out of service. */
-int kvt_nv_usable(struct kvt_nvme *st);
+/* 0, or an error (detail in err) when st is NULL or out of service. */
+int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err);
 
-/* Record the detail of a failure in st->err and return code. */
-int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-
-/* The verified header of the block at l with identity id (hb bytes), or NULL. */
+/* The header cache (nvme_hcache.c). The verified header of the block at l with identity id (hb
+ * bytes), or NULL. */
 const unsigned char *kvt_hc_find(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 				 const struct kvt_nvme_block_id *id, uint32_t hb);
 /* Remember a header just verified for the block at l with identity id. */

@@ -1,8 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The read calls of the NVMe store (whole blocks, in place or through the bounce buffer, and row
- * ranges): argument checks and the header prefetch of direct serving, then the engine of
- * nvme_io.c, which this file was split from to keep each file readable.
+ * The read calls of the NVMe store (whole blocks and row ranges, through the bounce buffer):
+ * argument checks and the header prefetch of direct serving, then the engine of nvme_engine.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -13,10 +12,12 @@
 #include "kvt_config.h"
 
 #if KVT_HAVE_LIBURING
+#include "alloc.h"
 #include "nvme_priv.h"
 
 /* A request must name a block of the store that matches its identity, and rows inside it. */
-static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q)
+static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_rows *q,
+		      struct kvt_err *err)
 {
 	const struct kvt_nvme_loc *l = &q->loc;
 	uint64_t disk = kvt_nvme_disk_bytes(&q->expect, st->align);
@@ -36,7 +37,7 @@ static int check_read(struct kvt_nvme *st, uint32_t i, const struct kvt_nvme_row
 		return 0;
 	char name[256];
 	kvt_nv_name_block(st, l, &q->expect, name, sizeof name);
-	return kvt_nvme_seterr(st, -EINVAL,
+	return kvt_err_set(err, -EINVAL,
 			       "read %u (%s, rows [%u, %u), out %p): %s; the identity "
 			       "needs %" PRIu64 " bytes on disk, bounce pool %u x %u",
 			       i, name, q->row_begin, q->row_end, q->out, bad, disk, st->n_slots,
@@ -67,8 +68,8 @@ static int cmp_at_loc(const void *pa, const void *pb)
  */
 static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 {
-	struct at_loc *a = malloc((size_t)c->n * sizeof *a);
-	uint32_t *pick = malloc((size_t)c->n * sizeof *pick);
+	struct at_loc *a = kvt_mem_alloc(KVT_MEM_HOST, (size_t)c->n * sizeof *a);
+	uint32_t *pick = kvt_mem_alloc(KVT_MEM_HOST, (size_t)c->n * sizeof *pick);
 	uint32_t m = 0, k = 0;
 	for (uint32_t i = 0; a && pick && i < c->n; i++) {
 		const struct kvt_nvme_rows *q = &c->rows[i];
@@ -84,23 +85,24 @@ static int prefetch_headers(struct kvt_nvme *st, const struct kvt_call *c)
 			pick[k++] = a[j].i; /* the first request of a run of two or more */
 	int rc = 0;
 	if (k) {
-		struct kvt_call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick};
+		struct kvt_call h = {.hdr_only = 1, .n = k, .rows = c->rows, .map = pick,
+				     .err = c->err};
 		rc = kvt_nv_run_call(st, &h);
 	}
-	free(a);
-	free(pick);
+	kvt_mem_free(KVT_MEM_HOST, a, (size_t)c->n * sizeof *a);
+	kvt_mem_free(KVT_MEM_HOST, pick, (size_t)c->n * sizeof *pick);
 	return rc;
 }
 
 static int run_read(struct kvt_nvme *st, struct kvt_call *c)
 {
-	int rc = kvt_nv_usable(st);
+	int rc = kvt_nv_usable(st, c->err);
 	if (rc)
 		return rc;
 	for (uint32_t i = 0; i < c->n; i++) {
 		struct kvt_nvme_rows q;
 		kvt_nv_call_rows(c, i, &q);
-		rc = check_read(st, i, &q);
+		rc = check_read(st, i, &q, c->err);
 		if (rc)
 			return rc;
 	}
@@ -113,31 +115,23 @@ static int run_read(struct kvt_nvme *st, struct kvt_call *c)
 }
 
 int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-			 const struct kvt_nvme_block_id *expect, void *const *payload_out)
+			 const struct kvt_nvme_block_id *expect, void *const *payload_out,
+			 struct kvt_err *err)
 {
 	if (st && n && (!locs || !expect || !payload_out))
-		return kvt_nvme_seterr(st, -EINVAL,
-				       "locs, expect and payload_out must not be NULL");
-	struct kvt_call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out};
-	return run_read(st, &c);
-}
-
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)
-{
-	if (st && n && !reqs)
-		return kvt_nvme_seterr(st, -EINVAL, "reqs must not be NULL");
-	struct kvt_call c = {.n = n, .rows = reqs};
-	return run_read(st, &c);
-}
-
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out)
-{
-	if (st && n && (!locs || !expect || !payload_out))
-		return kvt_nvme_seterr(st, -EINVAL,
+		return kvt_err_set(err, -EINVAL,
 				       "locs, expect and payload_out must not be NULL");
 	struct kvt_call c = {.n = n, .rlocs = locs, .expect = expect, .outs = payload_out,
-			     .inplace = 1};
+			     .err = err};
+	return run_read(st, &c);
+}
+
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+		       struct kvt_err *err)
+{
+	if (st && n && !reqs)
+		return kvt_err_set(err, -EINVAL, "reqs must not be NULL");
+	struct kvt_call c = {.n = n, .rows = reqs, .err = err};
 	return run_read(st, &c);
 }
 

@@ -2,7 +2,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "nvme_space.h"
 
 int kvt_space_init(struct kvt_space *s, uint64_t capacity)

@@ -2,13 +2,13 @@
 /*
  * The NVMe block store: opening the files (size, preallocation, DIO alignment, O_DIRECT or the
  * buffered fallback), the ring and the registered bounce pool, and the queries. The I/O engine is
- * in nvme_io.c; nvme_store.h states the contract, doc/nvme-format.md the bytes on disk.
+ * in nvme_engine.c, the calls in nvme_write.c and nvme_read.c, the header cache in nvme_hcache.c;
+ * nvme_store.h states the contract, doc/nvme-format.md the bytes on disk.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "kvt_config.h"
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "crc32c.h"
 #include "nvme_store.h"
 
@@ -30,17 +30,6 @@
 /* Each registered buffer must stay under the kernel's 1 GiB limit per iovec. */
 #define MAX_BOUNCE ((uint32_t)1 << 30)
 #define MAX_POOL ((uint64_t)16 << 30)
-
-int kvt_nvme_seterr(struct kvt_nvme *st, int code, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(st->err, sizeof st->err, fmt, ap);
-	va_end(ap);
-	return code;
-}
-
-#define seterr kvt_nvme_seterr
 
 static uint64_t round_up(uint64_t x, uint32_t a)
 {
@@ -107,13 +96,13 @@ static uint32_t file_alignment(int fd, const struct stat *sb, char *why, size_t 
 }
 
 static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t bytes,
-		     int buffered, uint32_t *align, char *note, size_t note_n)
+		     int buffered, uint32_t *align, char *note, size_t note_n, struct kvt_err *err)
 {
 	struct nv_file *f = &st->files[i];
 	f->path_bytes = strlen(path) + 1;
 	f->path = kvt_mem_alloc(KVT_MEM_HOST, f->path_bytes);
 	if (!f->path)
-		return seterr(st, -ENOMEM, "no memory for the path of file %u", i);
+		return kvt_err_set(err, -ENOMEM, "no memory for the path of file %u", i);
 	memcpy(f->path, path, f->path_bytes);
 	const char *mode = buffered ? "buffered (KVT_NVME_BUFFERED)" : "O_DIRECT";
 	f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | (buffered ? 0 : O_DIRECT), 0600);
@@ -123,42 +112,41 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 		f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 	}
 	if (f->fd < 0)
-		return seterr(st, -EIO, "open %s: %s", path, strerror(errno));
-	f->direct = mode[0] == 'O';
+		return kvt_err_set(err, -EIO, "open %s: %s", path, strerror(errno));
 	struct stat sb;
 	if (fstat(f->fd, &sb) != 0)
-		return seterr(st, -EIO, "fstat %s: %s", path, strerror(errno));
+		return kvt_err_set(err, -EIO, "fstat %s: %s", path, strerror(errno));
 	const char *prealloc = "preallocated";
 	if (S_ISBLK(sb.st_mode)) {
 		uint64_t dev_bytes = 0;
 		if (ioctl(f->fd, BLKGETSIZE64, &dev_bytes) != 0)
-			return seterr(st, -EIO, "BLKGETSIZE64 %s: %s", path, strerror(errno));
+			return kvt_err_set(err, -EIO, "BLKGETSIZE64 %s: %s", path, strerror(errno));
 		if (bytes > dev_bytes)
-			return seterr(st, -EINVAL,
+			return kvt_err_set(err, -EINVAL,
 				      "bytes[%u] = %" PRIu64 " but block device %s holds %" PRIu64,
 				      i, bytes, path, dev_bytes);
 		prealloc = "block device";
 	} else if (!S_ISREG(sb.st_mode)) {
-		return seterr(st, -EINVAL, "%s is neither a regular file nor a block device", path);
+		return kvt_err_set(err, -EINVAL, "%s is neither a regular file nor a block device", path);
 	} else {
 		if (ftruncate(f->fd, (off_t)bytes) != 0)
-			return seterr(st, errno == ENOSPC || errno == EFBIG ? -ENOSPC : -EIO,
+			return kvt_err_set(err, errno == ENOSPC || errno == EFBIG ? -ENOSPC : -EIO,
 				      "ftruncate %s to %" PRIu64 " bytes: %s", path, bytes,
 				      strerror(errno));
 		/* Reserve the space now, so no write can fail later for want of it. */
 		if (fallocate(f->fd, 0, 0, (off_t)bytes) != 0) {
 			if (errno == ENOSPC)
-				return seterr(st, -ENOSPC, "fallocate %s of %" PRIu64 " bytes: %s",
+				return kvt_err_set(err, -ENOSPC, "fallocate %s of %" PRIu64 " bytes: %s",
 					      path, bytes, strerror(errno));
 			if (errno != EOPNOTSUPP)
-				return seterr(st, -EIO, "fallocate %s: %s", path, strerror(errno));
+				return kvt_err_set(err, -EIO, "fallocate %s: %s", path, strerror(errno));
 			prealloc = "not preallocated (fallocate unsupported)";
 		}
 	}
 	char why[96];
 	uint32_t a = file_alignment(f->fd, &sb, why, sizeof why);
 	if (a < 512 || (a & (a - 1)) || a > (1u << 20))
-		return seterr(st, -EINVAL,
+		return kvt_err_set(err, -EINVAL,
 			      "%s: DIO alignment %u (%s) is not a power of two in 512..1M", path, a,
 			      why);
 	if (a > *align)
@@ -169,34 +157,34 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	return 0;
 }
 
-static int check_config(struct kvt_nvme *st, const struct kvt_nvme_config *cfg)
+static int check_config(const struct kvt_nvme_config *cfg, struct kvt_err *err)
 {
 	if (!cfg || !cfg->paths || !cfg->bytes)
-		return seterr(st, -EINVAL, "config, paths and bytes must not be NULL");
+		return kvt_err_set(err, -EINVAL, "config, paths and bytes must not be NULL");
 	if (cfg->n_files < 1 || cfg->n_files > KVT_NVME_MAX_FILES)
-		return seterr(st, -EINVAL, "n_files = %u, must be 1..%u", cfg->n_files,
+		return kvt_err_set(err, -EINVAL, "n_files = %u, must be 1..%u", cfg->n_files,
 			      KVT_NVME_MAX_FILES);
 	if (cfg->queue_depth > KVT_NVME_MAX_QD)
-		return seterr(st, -EINVAL, "queue_depth = %u, must be 0 (default %u) .. %u",
+		return kvt_err_set(err, -EINVAL, "queue_depth = %u, must be 0 (default %u) .. %u",
 			      cfg->queue_depth, KVT_NVME_DEFAULT_QD, KVT_NVME_MAX_QD);
 	if (cfg->flags & ~(uint32_t)KVT_NVME_BUFFERED)
-		return seterr(st, -EINVAL, "flags = 0x%x: unknown bits 0x%x", cfg->flags,
+		return kvt_err_set(err, -EINVAL, "flags = 0x%x: unknown bits 0x%x", cfg->flags,
 			      cfg->flags & ~(uint32_t)KVT_NVME_BUFFERED);
 	if (cfg->bounce_bytes > MAX_BOUNCE)
-		return seterr(st, -EINVAL, "bounce_bytes = %u, must be at most %u",
+		return kvt_err_set(err, -EINVAL, "bounce_bytes = %u, must be at most %u",
 			      cfg->bounce_bytes, MAX_BOUNCE);
 	for (uint32_t i = 0; i < cfg->n_files; i++) {
 		if (!cfg->paths[i] || !cfg->paths[i][0])
-			return seterr(st, -EINVAL, "paths[%u] is empty", i);
+			return kvt_err_set(err, -EINVAL, "paths[%u] is empty", i);
 		if (cfg->bytes[i] < 4096 || cfg->bytes[i] > (uint64_t)INT64_MAX)
-			return seterr(st, -EINVAL,
+			return kvt_err_set(err, -EINVAL,
 				      "bytes[%u] = %" PRIu64 " (%s): must be 4096 .. 2^63", i,
 				      cfg->bytes[i], cfg->paths[i]);
 	}
 	return 0;
 }
 
-static int setup_ring(struct kvt_nvme *st)
+static int setup_ring(struct kvt_nvme *st, struct kvt_err *err)
 {
 	struct io_uring_params p;
 	memset(&p, 0, sizeof p);
@@ -208,9 +196,9 @@ static int setup_ring(struct kvt_nvme *st)
 		rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
 	}
 	if (rc == -ENOMEM)
-		return seterr(st, -ENOMEM, "io_uring_queue_init(%u): %s", st->qd, strerror(-rc));
+		return kvt_err_set(err, -ENOMEM, "io_uring_queue_init(%u): %s", st->qd, strerror(-rc));
 	if (rc < 0)
-		return seterr(st, -EOPNOTSUPP,
+		return kvt_err_set(err, -EOPNOTSUPP,
 			      "the kernel refuses io_uring (io_uring_setup: %s; see "
 			      "/proc/sys/kernel/io_uring_disabled and seccomp filters)",
 			      strerror(-rc));
@@ -218,7 +206,7 @@ static int setup_ring(struct kvt_nvme *st)
 	return 0;
 }
 
-static int alloc_pools(struct kvt_nvme *st)
+static int alloc_pools(struct kvt_nvme *st, struct kvt_err *err)
 {
 	/*
 	 * Twice as many bounce slots as I/Os in flight: a block's slots stay taken from its read's
@@ -243,7 +231,7 @@ static int alloc_pools(struct kvt_nvme *st)
 	st->hc_bucket = kvt_mem_alloc(KVT_MEM_HOST, KVT_HC_BUCKETS * sizeof *st->hc_bucket);
 	if (!st->arena || !st->slot_used || !st->ops || !st->op_free || !st->pending || !st->reqs ||
 	    !st->req_free || !st->ready || !st->cqp || !st->cqes || !st->hc || !st->hc_bucket)
-		return seterr(st, -ENOMEM,
+		return kvt_err_set(err, -ENOMEM,
 			      "no memory for the bounce pool (%u x %u bytes) or its tables",
 			      st->n_slots, st->bounce);
 	memset(st->hc, 0, KVT_HC_ENTRIES * sizeof *st->hc);
@@ -281,41 +269,17 @@ static void register_all(struct kvt_nvme *st, char *note, size_t n)
 		 rc == 0 ? "" : strerror(-rc), rc == 0 ? "" : ")");
 }
 
-int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char *err,
-		  size_t errlen)
+/* Open every file, then size its free list to the alignment all of them agree on. */
+static int open_files(struct kvt_nvme *st, const struct kvt_nvme_config *cfg, char *notes,
+		      size_t n, struct kvt_err *err)
 {
-	if (err && errlen)
-		err[0] = 0;
-	if (!out) {
-		if (err && errlen)
-			snprintf(err, errlen, "out must not be NULL");
-		return -EINVAL;
-	}
-	*out = NULL;
-	struct kvt_nvme *st = kvt_mem_alloc(KVT_MEM_HOST, sizeof *st);
-	if (!st) {
-		if (err && errlen)
-			snprintf(err, errlen, "no memory for the store");
-		return -ENOMEM;
-	}
-	int rc = check_config(st, cfg);
-	if (!rc) {
-		st->qd = cfg->queue_depth ? cfg->queue_depth : KVT_NVME_DEFAULT_QD;
-		st->n_files = cfg->n_files;
-		st->files = kvt_mem_alloc(KVT_MEM_HOST, cfg->n_files * sizeof *st->files);
-		rc = st->files ? 0 : seterr(st, -ENOMEM, "no memory for %u files", cfg->n_files);
-	}
-	for (uint32_t i = 0; !rc && i < st->n_files; i++)
-		st->files[i].fd = -1;
-	if (!rc)
-		rc = setup_ring(st);
-	char notes[768] = "";
+	int rc = 0;
 	size_t nl = 0;
 	st->align = 512;
 	for (uint32_t i = 0; !rc && i < st->n_files; i++) {
 		rc = open_file(st, i, cfg->paths[i], cfg->bytes[i],
-			       !!(cfg->flags & KVT_NVME_BUFFERED), &st->align, notes + nl,
-			       sizeof notes - nl);
+			       !!(cfg->flags & KVT_NVME_BUFFERED), &st->align, notes + nl, n - nl,
+			       err);
 		nl = strlen(notes);
 	}
 	for (uint32_t i = 0; !rc && i < st->n_files; i++) {
@@ -323,22 +287,57 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char
 		f->bytes &= ~(uint64_t)(st->align - 1);
 		rc = kvt_space_init(&f->space, f->bytes);
 		if (rc)
-			seterr(st, rc, "no memory for the free list of %s", f->path);
+			kvt_err_set(err, rc, "no memory for the free list of %s", f->path);
 	}
-	if (!rc) {
-		uint64_t b = round_up(
-			cfg->bounce_bytes ? cfg->bounce_bytes : KVT_NVME_DEFAULT_BOUNCE, st->align);
-		if (b > MAX_BOUNCE || b * 2 * st->qd > MAX_POOL)
-			rc = seterr(st, -EINVAL,
-				    "bounce pool of %u x %" PRIu64 " bytes exceeds %" PRIu64,
-				    2 * st->qd, b, MAX_POOL);
-		st->bounce = (uint32_t)b;
-	}
+	return rc;
+}
+
+/* One bounce slot: the configured size rounded up to the alignment, under the pool's limits. */
+static int size_bounce(struct kvt_nvme *st, const struct kvt_nvme_config *cfg, struct kvt_err *err)
+{
+	uint64_t b = round_up(cfg->bounce_bytes ? cfg->bounce_bytes : KVT_NVME_DEFAULT_BOUNCE,
+			      st->align);
+	if (b > MAX_BOUNCE || b * 2 * st->qd > MAX_POOL)
+		return kvt_err_set(err, -EINVAL,
+				   "bounce pool of %u x %" PRIu64 " bytes exceeds %" PRIu64,
+				   2 * st->qd, b, MAX_POOL);
+	st->bounce = (uint32_t)b;
+	return 0;
+}
+
+/* Everything open needs that can fail; st is closed by the caller on error. */
+static int open_all(struct kvt_nvme *st, const struct kvt_nvme_config *cfg, char *notes,
+		    size_t n, struct kvt_err *err)
+{
+	st->qd = cfg->queue_depth ? cfg->queue_depth : KVT_NVME_DEFAULT_QD;
+	st->files = kvt_mem_alloc(KVT_MEM_HOST, cfg->n_files * sizeof *st->files);
+	if (!st->files)
+		return kvt_err_set(err, -ENOMEM, "no memory for %u files", cfg->n_files);
+	st->n_files = cfg->n_files;
+	for (uint32_t i = 0; i < st->n_files; i++)
+		st->files[i].fd = -1;
+	int rc = setup_ring(st, err);
 	if (!rc)
-		rc = alloc_pools(st);
+		rc = open_files(st, cfg, notes, n, err);
+	if (!rc)
+		rc = size_bounce(st, cfg, err);
+	return rc ? rc : alloc_pools(st, err);
+}
+
+int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, struct kvt_err *err)
+{
+	if (!out)
+		return kvt_err_set(err, -EINVAL, "out must not be NULL");
+	*out = NULL;
+	int rc = check_config(cfg, err);
+	if (rc)
+		return rc;
+	struct kvt_nvme *st = kvt_mem_alloc(KVT_MEM_HOST, sizeof *st);
+	if (!st)
+		return kvt_err_set(err, -ENOMEM, "no memory for the store (%zu bytes)", sizeof *st);
+	char notes[768] = "";
+	rc = open_all(st, cfg, notes, sizeof notes, err);
 	if (rc) {
-		if (err && errlen)
-			snprintf(err, errlen, "%s", st->err);
 		kvt_nvme_close(st);
 		return rc;
 	}
@@ -378,132 +377,21 @@ void kvt_nvme_close(struct kvt_nvme *st)
 	kvt_mem_free(KVT_MEM_HOST, st->cqp, st->qd * sizeof *st->cqp);
 	kvt_mem_free(KVT_MEM_HOST, st->cqes, st->qd * sizeof *st->cqes);
 	for (uint32_t i = 0; st->hc && i < KVT_HC_ENTRIES; i++)
-		free(st->hc[i].hdr);
+		kvt_mem_free(KVT_MEM_HOST, st->hc[i].hdr, st->hc[i].cap);
 	kvt_mem_free(KVT_MEM_HOST, st->hc, KVT_HC_ENTRIES * sizeof *st->hc);
 	kvt_mem_free(KVT_MEM_HOST, st->hc_bucket, KVT_HC_BUCKETS * sizeof *st->hc_bucket);
 	kvt_mem_free(KVT_MEM_HOST, st, sizeof *st);
 }
 
-/* ---- the header cache (nvme_priv.h says what it is for) ----------------------------------- */
-
-static uint32_t hc_bucket_of(uint32_t file, uint64_t offset)
-{
-	uint64_t x = (offset ^ ((uint64_t)file << 56)) * 0x9e3779b97f4a7c15ull;
-	return (uint32_t)(x >> 32) & (KVT_HC_BUCKETS - 1);
-}
-
-/* Field by field: the struct has padding, which memcmp would compare too. */
-static int same_id(const struct kvt_nvme_block_id *a, const struct kvt_nvme_block_id *b)
-{
-	return a->seq == b->seq && a->generation == b->generation &&
-	       a->first_token == b->first_token && a->n_tokens == b->n_tokens &&
-	       a->layer == b->layer && a->kv_head == b->kv_head && a->head_dim == b->head_dim &&
-	       a->flags == b->flags;
-}
-
-/* The entry of the block starting at (file, offset), or KVT_HC_NONE; *link is what points at it. */
-static uint32_t hc_index(struct kvt_nvme *st, uint32_t file, uint64_t offset, uint32_t **link)
-{
-	uint32_t *at = &st->hc_bucket[hc_bucket_of(file, offset)];
-	while (*at != KVT_HC_NONE) {
-		struct hc_ent *e = &st->hc[*at];
-		if (e->file == file && e->offset == offset)
-			break;
-		at = &e->next;
-	}
-	if (link)
-		*link = at;
-	return *at;
-}
-
-static void hc_unlink(struct kvt_nvme *st, uint32_t i)
-{
-	uint32_t *link;
-	struct hc_ent *e = &st->hc[i];
-	if (hc_index(st, e->file, e->offset, &link) == i)
-		*link = e->next;
-	e->hb = 0;
-	e->next = KVT_HC_NONE;
-}
-
-const unsigned char *kvt_hc_find(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
-				 const struct kvt_nvme_block_id *id, uint32_t hb)
-{
-	if (!st->hc)
-		return NULL;
-	uint32_t i = hc_index(st, l->file, l->offset, NULL);
-	if (i == KVT_HC_NONE)
-		return NULL;
-	struct hc_ent *e = &st->hc[i];
-	/* Another identity or size at this place: not the block the header was verified for. */
-	if (e->bytes != l->bytes || e->hb != hb || !same_id(&e->id, id))
-		return NULL;
-	e->ref = 1;
-	return e->hdr;
-}
-
-void kvt_hc_put(struct kvt_nvme *st, const struct kvt_nvme_loc *l,
-		const struct kvt_nvme_block_id *id, const unsigned char *hdr, uint32_t hb)
-{
-	if (!st->hc || !hb || hb > KVT_HC_HDR_MAX)
-		return;
-	uint32_t i = hc_index(st, l->file, l->offset, NULL);
-	if (i == KVT_HC_NONE) {
-		/* Clock: pass over entries used since the last turn, clearing their bit. */
-		for (;;) {
-			struct hc_ent *e = &st->hc[st->hc_hand];
-			i = st->hc_hand;
-			st->hc_hand = (st->hc_hand + 1) % KVT_HC_ENTRIES;
-			if (!e->hb || !e->ref)
-				break;
-			e->ref = 0;
-		}
-		if (st->hc[i].hb)
-			hc_unlink(st, i);
-		uint32_t b = hc_bucket_of(l->file, l->offset);
-		st->hc[i].next = st->hc_bucket[b];
-		st->hc_bucket[b] = i;
-	}
-	struct hc_ent *e = &st->hc[i];
-	e->file = l->file; /* the key first: hc_unlink finds the entry by it */
-	e->offset = l->offset;
-	if (e->cap < hb) {
-		unsigned char *p = realloc(e->hdr, hb);
-		if (!p) {
-			hc_unlink(st, i); /* only an optimization: without memory, not cached */
-			return;
-		}
-		e->hdr = p;
-		e->cap = hb;
-	}
-	e->bytes = l->bytes;
-	e->id = *id;
-	e->hb = hb;
-	e->ref = 0;
-	memcpy(e->hdr, hdr, hb);
-}
-
-void kvt_hc_drop(struct kvt_nvme *st, uint32_t file, uint64_t offset)
-{
-	uint32_t i = st->hc ? hc_index(st, file, offset, NULL) : KVT_HC_NONE;
-	if (i != KVT_HC_NONE)
-		hc_unlink(st, i);
-}
-
-int kvt_nvme_available(char *why, size_t n)
+int kvt_nvme_available(struct kvt_err *why)
 {
 	struct io_uring r;
 	int rc = io_uring_queue_init(2, &r, 0);
-	if (rc < 0) {
-		if (why && n)
-			snprintf(why, n, "the kernel refuses io_uring (io_uring_setup: %s)",
-				 strerror(-rc));
-		return 0;
-	}
+	if (rc < 0)
+		return kvt_err_set(why, 0, "the kernel refuses io_uring (io_uring_setup: %s)",
+				   strerror(-rc));
 	io_uring_queue_exit(&r);
-	if (why && n)
-		snprintf(why, n, "io_uring available");
-	return 1;
+	return kvt_err_set(why, 1, "io_uring available");
 }
 
 uint64_t kvt_nvme_block_bytes(const struct kvt_nvme *st, const struct kvt_nvme_block_id *id)
@@ -519,11 +407,6 @@ uint32_t kvt_nvme_alignment(const struct kvt_nvme *st)
 const char *kvt_nvme_status(const struct kvt_nvme *st)
 {
 	return st ? st->status : "no store";
-}
-
-const char *kvt_nvme_error(const struct kvt_nvme *st)
-{
-	return st ? st->err : "no store";
 }
 
 void kvt_nvme_get_stats(const struct kvt_nvme *st, struct kvt_nvme_stats *out)
@@ -559,22 +442,17 @@ void kvt_nvme_set_cqe_shuffle(struct kvt_nvme *st, uint64_t seed)
 
 #define NO_URING "built without liburing"
 
-int kvt_nvme_available(char *why, size_t n)
+int kvt_nvme_available(struct kvt_err *why)
 {
-	if (why && n)
-		snprintf(why, n, NO_URING);
-	return 0;
+	return kvt_err_set(why, 0, NO_URING);
 }
 
-int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char *err,
-		  size_t errlen)
+int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, struct kvt_err *err)
 {
 	(void)cfg;
 	if (out)
 		*out = NULL;
-	if (err && errlen)
-		snprintf(err, errlen, NO_URING);
-	return -EOPNOTSUPP;
+	return kvt_err_set(err, -EOPNOTSUPP, NO_URING);
 }
 
 void kvt_nvme_close(struct kvt_nvme *st)
@@ -583,38 +461,34 @@ void kvt_nvme_close(struct kvt_nvme *st)
 }
 
 int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
-			  struct kvt_nvme_loc *locs_out)
+			  struct kvt_nvme_loc *locs_out, struct kvt_err *err)
 {
 	(void)st;
 	(void)blocks;
 	if (locs_out)
 		memset(locs_out, 0, (size_t)n * sizeof *locs_out);
-	return -EOPNOTSUPP;
+	return kvt_err_set(err, -EOPNOTSUPP, NO_URING);
 }
 
 int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-			 const struct kvt_nvme_block_id *expect, void *const *payload_out)
+			 const struct kvt_nvme_block_id *expect, void *const *payload_out,
+			 struct kvt_err *err)
 {
 	(void)st;
 	(void)n;
 	(void)locs;
 	(void)expect;
 	(void)payload_out;
-	return -EOPNOTSUPP;
+	return kvt_err_set(err, -EOPNOTSUPP, NO_URING);
 }
 
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out)
-{
-	return kvt_nvme_read_blocks(st, n, locs, expect, payload_out);
-}
-
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs)
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+		       struct kvt_err *err)
 {
 	(void)st;
 	(void)n;
 	(void)reqs;
-	return -EOPNOTSUPP;
+	return kvt_err_set(err, -EOPNOTSUPP, NO_URING);
 }
 
 void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)
@@ -638,12 +512,6 @@ uint32_t kvt_nvme_alignment(const struct kvt_nvme *st)
 }
 
 const char *kvt_nvme_status(const struct kvt_nvme *st)
-{
-	(void)st;
-	return NO_URING;
-}
-
-const char *kvt_nvme_error(const struct kvt_nvme *st)
 {
 	(void)st;
 	return NO_URING;

@@ -17,16 +17,15 @@
  * kernel still owns it.
  *
  * Integrity: a block is checked in full (header CRC, identity, generation, the CRC of each 4 KiB
- * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller; only
- * kvt_nvme_read_blocks_inplace reads the payload into the caller's memory and checks it there. Row reads
+ * chunk read, zero padding) in the bounce buffer before one byte of it reaches the caller. Row reads
  * of a block whose header was verified before take the header from a cache of 4096 headers (keyed
  * by the loc and the full identity, dropped on free, rewrite and any failed check) and read only the
  * chunks' sectors; the chunks are still checked against that header's CRC table.
  *
  * Built without liburing, every function returns -EOPNOTSUPP ("built without liburing").
  * Thread safety: calls on one store are serialized by the caller; different stores are independent.
- * Errors: 0 or a negative errno; the detail (which file, offset, block, value) is in
- * kvt_nvme_error(st), or for kvt_nvme_open in its err buffer.
+ * Errors: 0 or a negative errno; every call that can fail takes a struct kvt_err * (host/err.h,
+ * NULL allowed) that receives the detail (which file, offset, block, value) of its failure.
  */
 #ifndef KVT_NVME_STORE_H
 #define KVT_NVME_STORE_H
@@ -34,6 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "err.h"
 #include "nvme_format.h"
 
 struct kvt_nvme;
@@ -105,21 +105,20 @@ struct kvt_nvme_stats {
 
 /*
  * Whether the NVMe tier can work here: built with liburing and the kernel accepts
- * io_uring_queue_init. Returns 1, or 0 with the reason in why (n bytes).
+ * io_uring_queue_init. Returns 1, or 0 with the reason in why.
  */
-int kvt_nvme_available(char *why, size_t n);
+int kvt_nvme_available(struct kvt_err *why);
 
 /*
  * Open (create, resize, preallocate) the files and set up the ring, the bounce pool and the
  * registrations. Where O_DIRECT is refused (EINVAL: tmpfs), the file is used buffered; where the
  * kernel refuses to register buffers or files, plain reads/writes or plain descriptors are used;
- * kvt_nvme_status says which. err (errlen bytes, may be NULL) receives the detail of a failure.
+ * kvt_nvme_status says which. err receives the detail of a failure.
  * Errors: -EINVAL (a bad config value, named), -EOPNOTSUPP (no liburing, or io_uring refused by the
  * kernel), -EIO (a file could not be opened or sized: path and errno text), -ENOSPC (the file
  * system cannot reserve the bytes), -ENOMEM.
  */
-int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, char *err,
-		  size_t errlen);
+int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, struct kvt_err *err);
 
 /* Close the files and release everything. NULL is accepted. The files are left in place. */
 void kvt_nvme_close(struct kvt_nvme *st);
@@ -133,7 +132,7 @@ void kvt_nvme_close(struct kvt_nvme *st);
  * completion (-EIO, -ECANCELED, -ENOSPC, ...) or -EIO (a zero-length transfer, retries exhausted).
  */
 int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
-			  struct kvt_nvme_loc *locs_out);
+			  struct kvt_nvme_loc *locs_out, struct kvt_err *err);
 
 /*
  * Read n whole blocks into payload_out[i] (kvt_nvme_payload_bytes(&expect[i]) bytes each), each
@@ -145,24 +144,12 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
  * written (each in full, verified); the failing block's and later blocks' are untouched.
  */
 int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-			 const struct kvt_nvme_block_id *expect, void *const *payload_out);
-
-/*
- * Read n whole blocks as kvt_nvme_read_blocks does, but without the copy: each block's header goes
- * to a bounce slot and its payload is read by O_DIRECT straight into payload_out[i] (one readv per
- * block), then verified there (header CRC, identity, generation, every chunk CRC, padding) before
- * the call returns 0. A block whose output is not aligned to kvt_nvme_alignment, whose file runs
- * buffered, or whose payload does not end on an alignment boundary goes through the bounce buffer
- * instead. Same errors as kvt_nvme_read_blocks, with a weaker contract on failure: ANY payload_out
- * buffer of the call (the failing block's, later ones', and those of blocks in flight) may hold
- * unverified bytes from the disk. Use it only for memory that the caller discards on error, as a
- * restore into host blocks that are given back on failure does.
- */
-int kvt_nvme_read_blocks_inplace(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs,
-				 const struct kvt_nvme_block_id *expect, void *const *payload_out);
+			 const struct kvt_nvme_block_id *expect, void *const *payload_out,
+			 struct kvt_err *err);
 
 /* Read row ranges of blocks, as kvt_nvme_read_blocks does whole blocks (same errors). */
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs);
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+		       struct kvt_err *err);
 
 /*
  * Give back the space of n blocks. Entries with bytes == 0 are skipped; a range that is not in use
@@ -176,8 +163,6 @@ uint64_t kvt_nvme_block_bytes(const struct kvt_nvme *st, const struct kvt_nvme_b
 uint32_t kvt_nvme_alignment(const struct kvt_nvme *st);
 /* How the store runs: alignment and where it came from, direct or buffered, registrations. */
 const char *kvt_nvme_status(const struct kvt_nvme *st);
-/* The detail of the last failed call on st. */
-const char *kvt_nvme_error(const struct kvt_nvme *st);
 void kvt_nvme_get_stats(const struct kvt_nvme *st, struct kvt_nvme_stats *out);
 
 /*

@@ -12,28 +12,24 @@ static const char *backend_name(uint32_t b)
 	return b == KVT_BACKEND_CPU ? "CPU" : b == KVT_BACKEND_CUDA ? "CUDA" : "AUTO";
 }
 
-/* Pick the backend; for CUDA, also install the runtime's pinning hooks. */
+/* Pick the backend. Where the CUDA backend finds the device usable, the cache takes its memory
+ * hooks whatever backend it runs: its host tier is pinned, as kvt_stats.host_pinned reports. */
 static int choose_backend(kvt_cache *c, char *busid, size_t n)
 {
+	const struct kvt_backend_ops *cuda = kvt_cuda_backend_ops;
 	uint32_t want = c->cfg.backend;
-	char why[256] = "this build has no CUDA runtime";
-	int gpu = -ENODEV;
-#if KVT_HAVE_CUDA
-	gpu = kvt_gpu_probe(c->cfg.device, busid, n, why, sizeof why);
+	struct kvt_err why = {"this build has no CUDA backend"};
+	int gpu = cuda ? cuda->probe(c->cfg.device, busid, n, &why) : -ENODEV;
 	if (gpu == 0)
-		kvt_mem_set_hooks(kvt_gpu_mem_hooks());
-#else
-	(void)busid;
-	(void)n;
-#endif
-	if (want == KVT_BACKEND_CPU || (want == KVT_BACKEND_AUTO && (gpu != 0 || !kvt_cuda_backend_ops))) {
+		c->mem.hooks = cuda->mem_hooks;
+	if (want == KVT_BACKEND_CPU || (want == KVT_BACKEND_AUTO && gpu != 0)) {
 		c->ops = &kvt_cpu_backend;
 		return 0;
 	}
-	KVT_RETURN_IF(!kvt_cuda_backend_ops, NULL, -EOPNOTSUPP,
+	KVT_RETURN_IF(!cuda, NULL, -EOPNOTSUPP,
 		      "backend = CUDA (%u) but this build has no CUDA backend", want);
 	KVT_RETURN_IF(gpu != 0, NULL, -ENODEV, "backend = %s, device = %d: %s", backend_name(want),
-		      c->cfg.device, why);
+		      c->cfg.device, why.msg);
 	c->ops = kvt_cuda_backend_ops;
 	return 0;
 }
@@ -99,7 +95,7 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	c->store_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->store_jobs * cfg->max_seqs);
 	c->index_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->index_jobs * cfg->max_seqs);
 	rc = kvt_extents_init(&c->host, cfg->host_bytes, KVT_BLOCK_TOKENS * c->row_bytes,
-			      busid[0] ? busid : NULL);
+			      busid[0] ? busid : NULL, &c->mem, NULL);
 	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || !c->sel_counts ||
 	    !c->store_jobs || !c->index_jobs || rc < 0) {
 		cache_free(c);

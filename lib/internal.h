@@ -10,7 +10,8 @@
 
 #include "kvtier.h"
 #include "kvt_config.h"
-#include "alloc.h"
+#include "../host/alloc.h"
+#include "../host/err.h"
 #include "../host/extent.h"
 #include "../host/nvme_store.h"
 #include "constants.h"
@@ -179,6 +180,7 @@ struct kvt_cache {
 	size_t out_elem;
 	const struct kvt_backend_ops *ops;
 	void *be;                 /* backend-owned cache state */
+	struct kvt_mem mem;       /* allocation context: the device and pin hooks of this cache */
 	float *rot;               /* [n_layers, d, d] */
 	struct kvt_seq *seqs;     /* [max_seqs] */
 	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */
@@ -257,6 +259,11 @@ struct kvt_backend_ops {
 	/* Rows of spilled blocks are read from NVMe by the backend itself (direct serving, through
 	 * kvt_rows_get); false: the pipeline restores a spilled sequence before a step reads it. */
 	bool serves_spilled;
+	/* Whether `device` is usable here (no cache needed): 0 and its PCI bus id (n bytes, for NUMA
+	 * placement), or -ENODEV with the reason in *why; NULL: no device to probe (CPU). */
+	int (*probe)(int device, char *busid, size_t n, struct kvt_err *why);
+	/* Device memory and pinning of host pages for the caches of a usable device; NULL: none. */
+	const struct kvt_mem_hooks *mem_hooks;
 	int (*init)(kvt_cache *c);
 	void (*fini)(kvt_cache *c);
 	/* Release backend state of one layer of a closing sequence. */
@@ -341,13 +348,6 @@ void kvt_layer_free(kvt_cache *c, struct kvt_layer *l);
 
 /* Validate a configuration; the text names the field, its value and the limit. */
 int kvt_config_check(const kvt_config *cfg);
-
-#if KVT_HAVE_CUDA
-/* Provided by gpu/runtime.c: whether `device` is usable (fills its PCI bus id), and the pinning and
- * device-memory hooks of the CUDA runtime. */
-int kvt_gpu_probe(int device, char *busid, size_t n, char *why, size_t whyn);
-const struct kvt_mem_hooks *kvt_gpu_mem_hooks(void);
-#endif
 
 /* ---- the NVMe tier (lib/nvme_tier.c) ------------------------------------------------------- */
 

@@ -161,6 +161,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		      (unsigned long long)free, (unsigned long long)c->host.capacity);
 	uint32_t done = 0;
 	int rc = 0;
+	struct kvt_err e = {"no memory for a block table"}; /* reserve_table says no more */
 	for (; done < n && rc == 0; done++) {
 		struct kvt_layer *l = ls[done];
 		uint32_t want = blocks_for(new_tokens[done]), have = l->n_blocks;
@@ -169,7 +170,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		rc = reserve_table(c, l, want);
 		for (uint32_t h = 0; h < H && rc == 0; h++) {
 			rc = kvt_extents_take(&c->host, want - have,
-					      l->blocks + (size_t)h * l->blk_cap + have);
+					      l->blocks + (size_t)h * l->blk_cap + have, &e);
 			if (rc == 0)
 				continue;
 			/* give back the heads already served */
@@ -186,10 +187,10 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	for (uint32_t i = 0; i + 1 < done; i++)
 		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
 	if (rc == -ENOSPC)
-		return kvt_seterr(c, rc, "host tier full: capacity host_bytes = %llu",
-				  (unsigned long long)c->host.capacity);
-	return kvt_seterr(c, rc, "out of memory allocating a host-tier extent of %zu bytes",
-			  c->host.extent_bytes);
+		return kvt_seterr(c, rc, "host tier full: capacity host_bytes = %llu (%s)",
+				  (unsigned long long)c->host.capacity, e.msg);
+	return kvt_seterr(c, rc, "out of memory growing the host tier (extents of %zu bytes): %s",
+			  c->host.extent_bytes, e.msg);
 }
 
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)

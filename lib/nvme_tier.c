@@ -80,15 +80,15 @@ int kvt_tier_init(kvt_cache *c)
 {
 	if (c->cfg.n_nvme == 0)
 		return 0;
-	char err[256] = "";
+	struct kvt_err err;
 	const struct kvt_nvme_config nc = {
 		.paths = c->cfg.nvme_paths,
 		.bytes = c->cfg.nvme_bytes,
 		.n_files = c->cfg.n_nvme,
 		.queue_depth = c->cfg.nvme_queue_depth,
 	};
-	int rc = kvt_nvme_open(&nc, &c->nvme, err, sizeof err);
-	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err);
+	int rc = kvt_nvme_open(&nc, &c->nvme, &err);
+	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err.msg);
 	struct kvt_bcache *bc = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc);
 	KVT_RETURN_IF(!bc, NULL, -ENOMEM, "out of memory for the block cache");
 	c->bc = bc;
@@ -210,12 +210,13 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
-	int rc = kvt_nvme_write_blocks(c->nvme, n, blocks, locs);
+	struct kvt_err err;
+	int rc = kvt_nvme_write_blocks(c->nvme, n, blocks, locs, &err);
 	c->st.ns_nvme += kvt_now_ns() - t0;
 	if (rc < 0) {
 		kvt_mem_free(KVT_MEM_HOST, blocks, 0);
 		kvt_mem_free(KVT_MEM_HOST, locs, 0);
-		return kvt_seterr(c, rc, "spilling seq %u: %s", slot, kvt_nvme_error(c->nvme));
+		return kvt_seterr(c, rc, "spilling seq %u: %s", slot, err.msg);
 	}
 	c->next_gen = gen0 + n;
 	i = 0;
@@ -318,12 +319,13 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	void **host = kvt_mem_alloc(KVT_MEM_HOST, sizeof *host * n);
 	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
 	struct kvt_nvme_block_id *ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *ids * n);
-	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host) : -ENOMEM;
+	struct kvt_err err = {"no memory for the block lists"};
+	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host, &err) : -ENOMEM;
 	if (rc < 0) {
 		kvt_mem_free(KVT_MEM_HOST, host, 0);
 		kvt_mem_free(KVT_MEM_HOST, locs, 0);
 		kvt_mem_free(KVT_MEM_HOST, ids, 0);
-		return kvt_seterr(c, rc, "restoring seq %u: out of memory", slot);
+		return kvt_seterr(c, rc, "restoring seq %u: %s", slot, err.msg);
 	}
 	uint32_t i = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
@@ -335,7 +337,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
-	rc = kvt_nvme_read_blocks(c->nvme, n, locs, ids, host);
+	rc = kvt_nvme_read_blocks(c->nvme, n, locs, ids, host, &err);
 	c->st.ns_nvme += kvt_now_ns() - t0;
 	if (rc == 0) {
 		i = 0;
@@ -352,7 +354,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		c->st.restores++;
 	} else {
 		kvt_extents_give(&c->host, n, host);
-		rc = kvt_seterr(c, rc, "restoring seq %u: %s", slot, kvt_nvme_error(c->nvme));
+		rc = kvt_seterr(c, rc, "restoring seq %u: %s", slot, err.msg);
 	}
 	kvt_mem_free(KVT_MEM_HOST, host, 0);
 	kvt_mem_free(KVT_MEM_HOST, locs, 0);
@@ -433,12 +435,13 @@ int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n
 	if (nreq == 0)
 		return 0;
 	uint64_t t0 = kvt_now_ns();
-	int rc = kvt_nvme_read_rows(c->nvme, nreq, c->reqs);
+	struct kvt_err err;
+	int rc = kvt_nvme_read_rows(c->nvme, nreq, c->reqs, &err);
 	c->st.ns_nvme += kvt_now_ns() - t0;
 	if (rc < 0) {
 		drop_pending(bc, c->reqs, nreq);
 		return kvt_seterr(c, rc, "direct serving of layer %u KV head %u: %s", l->index, h,
-				  kvt_nvme_error(c->nvme));
+				  err.msg);
 	}
 	c->st.nvme_cache_misses += nreq;
 	return 0;

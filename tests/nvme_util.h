@@ -15,6 +15,9 @@
 
 #define NV_MAX_FILES 4
 
+/* The detail of the last failed store call of a test (every call passes &nv_err). */
+static struct kvt_err nv_err __attribute__((unused));
+
 /* Scratch files for one store: created by mkstemp, unlinked as soon as the store holds them. */
 typedef struct nv_files {
 	char paths[NV_MAX_FILES][4096];
@@ -70,13 +73,13 @@ static inline struct kvt_nvme *nv_open_ex(nv_files *f, const char *dir, uint32_t
 	}
 	struct kvt_nvme_config cfg = {f->ptrs, f->bytes, n_files, qd, bounce, flags};
 	struct kvt_nvme *st = NULL;
-	char err[512];
-	int rc = kvt_nvme_open(&cfg, &st, err, sizeof err);
+	struct kvt_err err;
+	int rc = kvt_nvme_open(&cfg, &st, &err);
 	nv_unlink(f);
 	T_CHECK(rc == 0 && st,
 		"kvt_nvme_open(%u files of %llu bytes, qd %u, bounce %u) in %s: got %d "
 		"(%s), wanted 0",
-		n_files, (unsigned long long)bytes, qd, bounce, dir, rc, err);
+		n_files, (unsigned long long)bytes, qd, bounce, dir, rc, err.msg);
 	return st;
 }
 
@@ -102,9 +105,9 @@ static inline int nv_fd_count(void)
 /* Exit 77 (meson's skip) when this kernel or build has no io_uring. */
 static inline void nv_skip_unless_available(void)
 {
-	char why[256];
-	if (!kvt_nvme_available(why, sizeof why)) {
-		printf("SKIP: NVMe tier unavailable: %s\n", why);
+	struct kvt_err why;
+	if (!kvt_nvme_available(&why)) {
+		printf("SKIP: NVMe tier unavailable: %s\n", why.msg);
 		exit(77);
 	}
 }

@@ -8,6 +8,9 @@
 
 #define BB ((size_t)64 << 10)
 
+/* The detail of the last failed extents call. */
+static struct kvt_err ext_err;
+
 static int cmp_ptr(const void *a, const void *b)
 {
 	uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
@@ -52,7 +55,7 @@ static void test_capacity_and_reuse(void **state)
 	int64_t live0 = kvt_mem_live();
 	struct kvt_extents x;
 	const uint64_t cap = 10 * BB + 100;
-	int rc = kvt_extents_init(&x, cap, BB, NULL);
+	int rc = kvt_extents_init(&x, cap, BB, NULL, NULL, &ext_err);
 	T_CHECK(rc == 0, "init got %d", rc);
 	T_CHECK(x.capacity == cap && x.used == 0 && x.block_bytes == BB,
 		"after init: capacity %llu used %llu block %zu, wanted %llu 0 %zu",
@@ -64,7 +67,7 @@ static void test_capacity_and_reuse(void **state)
 		(unsigned long long)kvt_extents_free_bytes(&x), (unsigned long long)cap);
 
 	void *b[12], *sentinel = (void *)&x;
-	rc = kvt_extents_take(&x, 4, b);
+	rc = kvt_extents_take(&x, 4, b, &ext_err);
 	T_CHECK(rc == 0 && x.used == 4 * BB, "take 4: got %d used %llu, wanted 0 and %zu", rc,
 		(unsigned long long)x.used, 4 * BB);
 	for (int i = 0; i < 4; i++)
@@ -72,13 +75,15 @@ static void test_capacity_and_reuse(void **state)
 	/* 4 + 7 > 10: refused, nothing taken, out untouched */
 	for (int i = 4; i < 12; i++)
 		b[i] = sentinel;
-	rc = kvt_extents_take(&x, 7, b + 4);
-	T_CHECK(rc == -ENOSPC, "take 7 over capacity: got %d, wanted %d", rc, -ENOSPC);
+	rc = kvt_extents_take(&x, 7, b + 4, &ext_err);
+	T_CHECK(rc == -ENOSPC && strstr(ext_err.msg, "free of capacity"),
+		"take 7 over capacity: got %d (%s), wanted %d naming the bytes free and the capacity",
+		rc, ext_err.msg, -ENOSPC);
 	T_CHECK(x.used == 4 * BB, "after a refused take: used %llu, wanted %zu",
 		(unsigned long long)x.used, 4 * BB);
 	for (int i = 4; i < 11; i++)
 		T_CHECK(b[i] == sentinel, "refused take wrote out[%d]", i - 4);
-	rc = kvt_extents_take(&x, 6, b + 4);
+	rc = kvt_extents_take(&x, 6, b + 4, &ext_err);
 	T_CHECK(rc == 0 && x.used == 10 * BB, "take 6 up to capacity: got %d used %llu, wanted 0 %zu",
 		rc, (unsigned long long)x.used, 10 * BB);
 	T_CHECK(kvt_extents_free_bytes(&x) == 100, "free bytes got %llu, wanted 100",
@@ -86,7 +91,7 @@ static void test_capacity_and_reuse(void **state)
 	for (int i = 4; i < 10; i++)
 		stamp(b[i], BB, 0x1000u + (uint64_t)i);
 	check_disjoint("10 blocks", b, 10, BB);
-	rc = kvt_extents_take(&x, 1, b + 10);
+	rc = kvt_extents_take(&x, 1, b + 10, &ext_err);
 	T_CHECK(rc == -ENOSPC && b[10] == sentinel, "take 1 when full: got %d, wanted %d", rc, -ENOSPC);
 	for (int i = 0; i < 10; i++)
 		check_stamp("after filling", b[i], BB, 0x1000u + (uint64_t)i);
@@ -97,7 +102,7 @@ static void test_capacity_and_reuse(void **state)
 	T_CHECK(x.used == 7 * BB, "after give 3: used %llu, wanted %zu", (unsigned long long)x.used,
 		7 * BB);
 	void *again[3];
-	rc = kvt_extents_take(&x, 3, again);
+	rc = kvt_extents_take(&x, 3, again, &ext_err);
 	T_CHECK(rc == 0 && x.used == 10 * BB, "take 3 after give: got %d used %llu", rc,
 		(unsigned long long)x.used);
 	qsort(given, 3, sizeof *given, cmp_ptr);
@@ -121,7 +126,7 @@ static void test_many_extents(void **state)
 	(void)state;
 	int64_t live0 = kvt_mem_live();
 	struct kvt_extents x;
-	T_CHECK(kvt_extents_init(&x, (uint64_t)1 << 40, BB, NULL) == 0, "init");
+	T_CHECK(kvt_extents_init(&x, (uint64_t)1 << 40, BB, NULL, NULL, &ext_err) == 0, "init");
 	size_t per = x.extent_bytes / BB;
 	size_t n = 2 * per + 3;
 	if (n > 20000) {
@@ -136,7 +141,7 @@ static void test_many_extents(void **state)
 		uint32_t k = 1 + t_below(&rng, 700);
 		if (k > n - got)
 			k = (uint32_t)(n - got);
-		int rc = kvt_extents_take(&x, k, b + got);
+		int rc = kvt_extents_take(&x, k, b + got, &ext_err);
 		T_CHECK(rc == 0, "take %u after %zu (seed 0x%llx): got %d", k, got,
 			(unsigned long long)rng.seed, rc);
 		got += k;
@@ -152,7 +157,7 @@ static void test_many_extents(void **state)
 	T_CHECK(x.used == 0, "after give: used %llu", (unsigned long long)x.used);
 	/* everything comes back from the free blocks: no new extent */
 	int64_t live = kvt_mem_live();
-	T_CHECK(kvt_extents_take(&x, (uint32_t)n, b) == 0, "take all again");
+	T_CHECK(kvt_extents_take(&x, (uint32_t)n, b, &ext_err) == 0, "take all again");
 	T_CHECK(kvt_mem_live() == live, "retaking given blocks allocated (%lld -> %lld)",
 		(long long)live, (long long)kvt_mem_live());
 	check_disjoint("retaken", b, n, BB);
@@ -171,17 +176,17 @@ static void test_take_enomem(void **state)
 	int failures = 0;
 	for (n = 1; n < 1000; n++) {
 		struct kvt_extents x;
-		T_CHECK(kvt_extents_init(&x, (uint64_t)1 << 40, BB, NULL) == 0, "init");
+		T_CHECK(kvt_extents_init(&x, (uint64_t)1 << 40, BB, NULL, NULL, &ext_err) == 0, "init");
 		size_t per = x.extent_bytes / BB;
 		uint32_t want = (uint32_t)(per > 3000 ? 3000 : 2 * per + 1);
 		void *first[2];
-		T_CHECK(kvt_extents_take(&x, 2, first) == 0, "N=%llu: warm-up take",
+		T_CHECK(kvt_extents_take(&x, 2, first, &ext_err) == 0, "N=%llu: warm-up take",
 			(unsigned long long)n);
 		void **b = (void **)t_alloc(sizeof(void *) * want);
 		for (uint32_t i = 0; i < want; i++)
 			b[i] = first;
 		kvt_mem_fail_at(n);
-		int rc = kvt_extents_take(&x, want, b);
+		int rc = kvt_extents_take(&x, want, b, &ext_err);
 		int fired = kvt_mem_fired();
 		kvt_mem_fail_at(0);
 		if (rc == -ENOMEM) {
@@ -191,7 +196,7 @@ static void test_take_enomem(void **state)
 			for (uint32_t i = 0; i < want; i++)
 				T_CHECK(b[i] == first, "N=%llu: failed take wrote out[%u]",
 					(unsigned long long)n, i);
-			rc = kvt_extents_take(&x, want, b);
+			rc = kvt_extents_take(&x, want, b, &ext_err);
 			T_CHECK(rc == 0, "N=%llu: retry got %d", (unsigned long long)n, rc);
 		} else {
 			T_CHECK(rc == 0, "N=%llu: take got %d, wanted 0 or -ENOMEM", (unsigned long long)n,
@@ -219,12 +224,74 @@ static void test_take_enomem(void **state)
 		failures, (unsigned long long)n);
 }
 
+/* Pin hooks that count what they pinned, so a test sees which context pinned what. */
+static int pins_live;
+static int count_pin(void *p, size_t bytes)
+{
+	(void)p;
+	(void)bytes;
+	pins_live++;
+	return 0;
+}
+
+static void count_unpin(void *p)
+{
+	(void)p;
+	pins_live--;
+}
+
+/* "Device" memory from the heap: the context's device hooks, seen from a test. */
+static void *heap_device_alloc(size_t bytes)
+{
+	return malloc(bytes);
+}
+
+/*
+ * Two tiers of one process under different allocation contexts (a cache with pin hooks, a cache
+ * without): only the first pins, each extent once, and releasing one leaves the other's pins.
+ */
+static void test_contexts(void **state)
+{
+	(void)state;
+	static const struct kvt_mem_hooks pinning = {.pin = count_pin, .unpin = count_unpin,
+						     .device_alloc = heap_device_alloc,
+						     .device_free = free};
+	const struct kvt_mem gpu = {&pinning}, cpu = {NULL};
+	int64_t live0 = kvt_mem_live();
+	struct kvt_extents a, b;
+	void *ba[3], *bb[3];
+	T_CHECK(kvt_extents_init(&a, 4 * BB, BB, NULL, &gpu, &ext_err) == 0 &&
+			kvt_extents_init(&b, 4 * BB, BB, NULL, &cpu, &ext_err) == 0,
+		"init: %s", ext_err.msg);
+	T_CHECK(a.pinned == 1 && b.pinned == 0, "pinned got %d and %d, wanted 1 and 0", a.pinned,
+		b.pinned);
+	T_CHECK(kvt_extents_take(&a, 3, ba, &ext_err) == 0 && kvt_extents_take(&b, 3, bb, &ext_err) == 0,
+		"take: %s", ext_err.msg);
+	T_CHECK(pins_live == 1, "pins after both tiers grew got %d, wanted 1 (the pinning tier's "
+		"one extent)", pins_live);
+	kvt_extents_fini(&b);
+	T_CHECK(pins_live == 1, "pins after the unpinned tier's fini got %d, wanted 1", pins_live);
+	kvt_extents_fini(&a);
+	T_CHECK(pins_live == 0 && kvt_mem_live() == live0,
+		"after both fini: pins %d, live %lld; wanted 0 and %lld", pins_live,
+		(long long)kvt_mem_live(), (long long)live0);
+	/* device memory only where the context has device hooks, counted as live like the rest */
+	void *d = kvt_mem_device_alloc(&gpu, 256), *none = kvt_mem_device_alloc(&cpu, 256);
+	T_CHECK(d && !none && kvt_mem_live() == live0 + 1,
+		"device alloc: got %p and %p, live %lld; wanted memory, NULL and %lld", d, none,
+		(long long)kvt_mem_live(), (long long)live0 + 1);
+	kvt_mem_device_free(&gpu, d, 256);
+	T_CHECK(kvt_mem_live() == live0, "after device free: live %lld, wanted %lld",
+		(long long)kvt_mem_live(), (long long)live0);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_capacity_and_reuse),
 		cmocka_unit_test(test_many_extents),
 		cmocka_unit_test(test_take_enomem),
+		cmocka_unit_test(test_contexts),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -13,8 +13,8 @@
 static void test_tier_optional(void **state)
 {
 	(void)state;
-	char why[256] = "";
-	int available = kvt_nvme_available(why, sizeof why);
+	struct kvt_err why;
+	int available = kvt_nvme_available(&why);
 	char path[] = "kvt-optional-XXXXXX";
 	int fd = mkstemp(path);
 	T_CHECK(fd >= 0, "mkstemp in the working directory failed");
@@ -28,13 +28,13 @@ static void test_tier_optional(void **state)
 	kvt_cache *c = NULL;
 	int rc = kvt_cache_create(&cfg, &c);
 	if (available) {
-		T_CHECK(rc == 0, "NVMe tier available (%s) but create returned %d: %s", why, rc,
+		T_CHECK(rc == 0, "NVMe tier available (%s) but create returned %d: %s", why.msg, rc,
 			kvt_last_error(NULL));
 	} else {
 		T_CHECK(rc == -EOPNOTSUPP, "NVMe tier unavailable (%s): create returned %d, wanted %d",
-			why, rc, -EOPNOTSUPP);
-		T_CHECK(strstr(kvt_last_error(NULL), why) != NULL,
-			"message \"%s\" does not give the reason \"%s\"", kvt_last_error(NULL), why);
+			why.msg, rc, -EOPNOTSUPP);
+		T_CHECK(strstr(kvt_last_error(NULL), why.msg) != NULL,
+			"message \"%s\" does not give the reason \"%s\"", kvt_last_error(NULL), why.msg);
 		/* everything else works: the same cache without the tier */
 		cfg.n_nvme = 0;
 		c = t_create(&cfg);

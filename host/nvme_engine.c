@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The I/O engine of the NVMe store, and the write and free calls (the reads are in nvme_read.c).
+ * The I/O engine of the NVMe store, which the write calls (nvme_write.c) and the read calls
+ * (nvme_read.c) run.
  *
  * One call (a write or a read of n blocks) runs a small engine: a block is admitted when enough
  * adjacent bounce slots are free, broken into pieces that each stay inside one registered slot, and
@@ -22,7 +23,7 @@
 #include "kvt_config.h"
 
 #if KVT_HAVE_LIBURING
-#include "../lib/alloc.h"
+#include "alloc.h"
 #include "nvme_priv.h"
 
 /* Per I/O: -EAGAIN retries, and short transfers that made no aligned progress. */
@@ -45,7 +46,7 @@ __attribute__((format(printf, 4, 5))) static void call_fail(struct kvt_nvme *st,
 	c->rc = code;
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(st->err, sizeof st->err, fmt, ap);
+	kvt_err_setv(c->err, code, fmt, ap);
 	va_end(ap);
 }
 
@@ -188,41 +189,6 @@ static void add_range(struct kvt_nvme *st, struct req *r, uint32_t ri,
 }
 
 /*
- * Whether a whole-block read can put the payload straight into q->out: the file is O_DIRECT (a
- * buffered file is read through the bounce path as before), out is aligned for direct I/O, the
- * header fits one slot, and the payload ends the block (no tail padding, which would otherwise
- * land past the end of out).
- */
-static int inplace_ok(const struct kvt_nvme *st, const struct kvt_nvme_rows *q, uint32_t d)
-{
-	uint32_t p = kvt_nvme_payload_bytes(&q->expect);
-	return st->files[q->loc.file].direct && !((uintptr_t)q->out & (st->align - 1)) &&
-	       d <= st->bounce && (uint64_t)d + p == q->loc.bytes;
-}
-
-/*
- * Queue the two reads of an in-place read: the header [0, hr) into the slot, the payload into
- * q->out. Two reads, not one readv: with the header's iovec in front, a 1 MiB payload spans 257
- * segments, more than one bio holds, and a direct read needing two bios is refused by the
- * nonblocking issue (-EAGAIN) and handed to io_uring's worker threads, which halved throughput.
- */
-static void add_inplace(struct kvt_nvme *st, struct req *r, uint32_t ri,
-			const struct kvt_nvme_rows *q)
-{
-	add_range(st, r, ri, &q->loc, 0, r->hr, 0);
-	uint32_t oi = st->op_free[--st->n_op_free];
-	struct op *o = &st->ops[oi];
-	memset(o, 0, sizeof *o);
-	o->file_off = q->loc.offset + r->hr;
-	o->req = ri;
-	o->len = q->loc.bytes - r->hr;
-	o->user = q->out;
-	o->file = (uint16_t)q->loc.file;
-	r->ops_left++;
-	pend_push(st, oi);
-}
-
-/*
  * Admit blocks in order while bounce slots are free: stage a write's image (encode) or plan a
  * read's ranges. Piece count is bounded: a block of k slots has at most k + 1 pieces, and the
  * active blocks hold at most n_slots slots, so 2 * n_slots + 2 pieces always suffice.
@@ -256,10 +222,6 @@ static void admit(struct kvt_nvme *st, struct kvt_call *c)
 				hdr = NULL; /* check_read sized the pool for the plain geometry */
 				stage = kvt_nv_read_geometry(st, &q, &tmp, 0);
 			}
-			if (c->inplace && inplace_ok(st, &q, tmp.hr)) {
-				tmp.inplace = 1;
-				stage = tmp.hr; /* only the header is staged */
-			}
 		}
 		uint32_t k = (uint32_t)((stage + st->bounce - 1) / st->bounce);
 		if (st->n_op_free < k + 1 || slots_take(st, k, &slot0))
@@ -277,8 +239,6 @@ static void admit(struct kvt_nvme *st, struct kvt_call *c)
 			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
 		} else if (c->hdr_only) {
 			add_range(st, r, ri, &q.loc, 0, r->hr, 0);
-		} else if (r->inplace) {
-			add_inplace(st, r, ri, &q);
 		} else if (hdr) {
 			memcpy(st->arena + (size_t)slot0 * st->bounce, hdr,
 			       kvt_nvme_header_bytes(kvt_nvme_payload_bytes(&q.expect)));
@@ -307,13 +267,11 @@ static void prepare(struct kvt_nvme *st, struct kvt_call *c)
 		st->pend_head = (st->pend_head + 1) % st->n_ops;
 		st->pend_n--;
 		struct op *o = &st->ops[oi];
-		unsigned char *buf = o->user ? NULL : st->arena + o->stage + o->done;
+		unsigned char *buf = st->arena + o->stage + o->done;
 		unsigned len = o->len - o->done;
 		uint64_t off = o->file_off + o->done;
 		int fd = st->fixed_files ? (int)o->file : st->files[o->file].fd;
-		if (o->user) /* an in-place payload: caller memory, not registered */
-			io_uring_prep_read(sqe, fd, o->user + o->done, len, off);
-		else if (c->write && st->fixed_bufs)
+		if (c->write && st->fixed_bufs)
 			io_uring_prep_write_fixed(sqe, fd, buf, len, off, (int)o->slot);
 		else if (c->write)
 			io_uring_prep_write(sqe, fd, buf, len, off);
@@ -447,19 +405,18 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 	}
 	if (c->hdr_only) {
 		v.data = stage; /* no chunks (c0 == c1 == 0), no tail padding: the header alone */
-	} else if (r->inplace) {
-		v.data = q.out; /* verified where it was read; the block has no tail padding */
 	} else if (r->de == q.loc.bytes) {
 		v.pad = stage + stage_pos(r, (uint64_t)d + p);
 		v.pad_bytes = q.loc.bytes - d - p;
 	}
-	char why[192], name[256];
-	if (kvt_nvme_verify(&v, &q.expect, why, sizeof why)) {
+	struct kvt_err why;
+	char name[256];
+	if (kvt_nvme_verify(&v, &q.expect, &why)) {
 		st->stats.checksum_failures++;
 		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
 		kvt_nv_name_block(st, &q.loc, &q.expect, name, sizeof name);
 		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s",
-			  c->map ? c->map[r->idx] : r->idx, name, why);
+			  c->map ? c->map[r->idx] : r->idx, name, why.msg);
 		return;
 	}
 	if (!r->cached)
@@ -467,8 +424,6 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 	if (c->hdr_only)
 		return;
 	st->stats.blocks_read++;
-	if (r->inplace)
-		return;
 	memcpy(q.out, v.data + (q.row_begin * row - (uint64_t)r->c0 * KVT_NVME_CHUNK),
 	       (q.row_end - q.row_begin) * row);
 }
@@ -551,123 +506,16 @@ int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c)
 	return c->rc;
 }
 
-/* ---- the calls ---------------------------------------------------------------------------- */
+/* ---- shared by the calls ------------------------------------------------------------------ */
 
-int kvt_nv_usable(struct kvt_nvme *st)
+int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err)
 {
 	if (!st)
-		return -EINVAL;
+		return kvt_err_set(err, -EINVAL, "the store is NULL");
 	if (st->broken)
-		return kvt_nvme_seterr(st, -EIO,
+		return kvt_err_set(err, -EIO,
 				       "the store is out of service after a failed submission");
 	return 0;
-}
-
-/* Space for all n blocks, files taken in turn; all or nothing. */
-static int take_space(struct kvt_nvme *st, uint32_t n, struct kvt_nvme_loc *locs)
-{
-	uint64_t need = 0, avail = 0, largest = 0;
-	for (uint32_t i = 0; i < n; i++)
-		need += locs[i].bytes;
-	for (uint32_t i = 0; i < n; i++) {
-		int rc = -ENOSPC;
-		for (uint32_t t = 0; t < st->n_files && rc == -ENOSPC; t++) {
-			uint32_t fi = (st->rotor + t) % st->n_files;
-			rc = kvt_space_reserve(&st->files[fi].space);
-			if (!rc)
-				rc = kvt_space_alloc(&st->files[fi].space, locs[i].bytes,
-						     &locs[i].offset);
-			if (!rc) {
-				locs[i].file = fi;
-				st->rotor = fi + 1;
-			}
-		}
-		if (rc) {
-			for (uint32_t j = 0; j < i; j++)
-				kvt_space_free(&st->files[locs[j].file].space, locs[j].offset,
-					       locs[j].bytes);
-			for (uint32_t f = 0; f < st->n_files; f++) {
-				avail += st->files[f].space.free;
-				uint64_t l = kvt_space_largest(&st->files[f].space);
-				largest = l > largest ? l : largest;
-			}
-			if (rc == -ENOMEM)
-				return kvt_nvme_seterr(st, rc,
-						       "no memory for the free list (block %u)", i);
-			return kvt_nvme_seterr(
-				st, -ENOSPC,
-				"%u blocks need %" PRIu64 " bytes; %" PRIu64
-				" bytes free over %u files, largest free extent %" PRIu64
-				" (block %u of %u bytes did not fit)",
-				n, need, avail, st->n_files, largest, i, locs[i].bytes);
-		}
-	}
-	return 0;
-}
-
-int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_block *blocks,
-			  struct kvt_nvme_loc *locs)
-{
-	int rc = kvt_nv_usable(st);
-	if (rc)
-		return rc;
-	if (n && (!blocks || !locs))
-		return kvt_nvme_seterr(st, -EINVAL, "blocks and locs_out must not be NULL");
-	if (n)
-		memset(locs, 0, (size_t)n * sizeof *locs);
-	for (uint32_t i = 0; i < n; i++) {
-		const struct kvt_nvme_block_id *id = &blocks[i].id;
-		uint64_t disk = kvt_nvme_disk_bytes(id, st->align);
-		if (!disk || !blocks[i].payload)
-			return kvt_nvme_seterr(
-				st, -EINVAL,
-				"block %u: %u tokens x head_dim %u (payload %p): need 1.. "
-				"rows of 1.. elements, at most %u payload bytes",
-				i, id->n_tokens, id->head_dim, blocks[i].payload,
-				KVT_NVME_MAX_PAYLOAD);
-		if (disk > (uint64_t)st->n_slots * st->bounce)
-			return kvt_nvme_seterr(st, -EINVAL,
-					       "block %u takes %" PRIu64
-					       " bytes, more than the bounce "
-					       "pool of %u x %u bytes",
-					       i, disk, st->n_slots, st->bounce);
-		locs[i].bytes = (uint32_t)disk;
-	}
-	rc = take_space(st, n, locs);
-	if (rc) {
-		memset(locs, 0, (size_t)n * sizeof *locs);
-		return rc;
-	}
-	/* The space may have held a block whose header is cached: never trust it again. */
-	for (uint32_t i = 0; i < n; i++)
-		kvt_hc_drop(st, locs[i].file, locs[i].offset);
-	struct kvt_call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs};
-	rc = n ? kvt_nv_run_call(st, &c) : 0;
-	if (rc) {
-		/* Nothing of a failed call is reported written: space back, locs zeroed. */
-		for (uint32_t i = 0; i < n; i++)
-			kvt_space_free(&st->files[locs[i].file].space, locs[i].offset,
-				       locs[i].bytes);
-		memset(locs, 0, (size_t)n * sizeof *locs);
-		return rc;
-	}
-	st->stats.blocks_written += n;
-	return 0;
-}
-
-void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)
-{
-	if (!st || !locs)
-		return;
-	for (uint32_t i = 0; i < n; i++) {
-		const struct kvt_nvme_loc *l = &locs[i];
-		if (!l->bytes)
-			continue;
-		kvt_hc_drop(st, l->file, l->offset); /* the space goes back: its header with it */
-		if (l->file >= st->n_files || (l->offset & (st->align - 1)) ||
-		    kvt_space_free(&st->files[l->file].space, l->offset, l->bytes))
-			st->stats.bad_frees++;
-	}
 }
 
 #endif

@@ -7,7 +7,6 @@
 
 #include "alloc.h"
 
-static struct kvt_mem_hooks hooks;
 static atomic_uint_fast64_t fail_at, attempts;
 static atomic_int fired;
 static atomic_int_fast64_t live;
@@ -46,17 +45,37 @@ int64_t kvt_mem_live(void)
 	return atomic_load(&live);
 }
 
-void kvt_mem_set_hooks(const struct kvt_mem_hooks *h)
+static const struct kvt_mem_hooks *hooks_of(const struct kvt_mem *m)
 {
-	if (h)
-		hooks = *h;
-	else
-		memset(&hooks, 0, sizeof hooks);
+	static const struct kvt_mem_hooks none;
+	return m && m->hooks ? m->hooks : &none;
 }
 
-int kvt_mem_can_pin(void)
+int kvt_mem_can_pin(const struct kvt_mem *m)
 {
-	return hooks.pin != NULL;
+	return hooks_of(m)->pin != NULL;
+}
+
+void *kvt_mem_device_alloc(const struct kvt_mem *m, size_t bytes)
+{
+	const struct kvt_mem_hooks *h = hooks_of(m);
+	if (bytes == 0 || !h->device_alloc || inject())
+		return NULL;
+	void *p = h->device_alloc(bytes);
+	if (p)
+		atomic_fetch_add(&live, 1);
+	return p;
+}
+
+void kvt_mem_device_free(const struct kvt_mem *m, void *p, size_t bytes)
+{
+	(void)bytes;
+	const struct kvt_mem_hooks *h = hooks_of(m);
+	if (!p)
+		return;
+	atomic_fetch_sub(&live, 1);
+	if (h->device_free)
+		h->device_free(p);
 }
 
 void *kvt_mem_alloc(enum kvt_mem_kind kind, size_t bytes)
@@ -74,9 +93,6 @@ void *kvt_mem_alloc(enum kvt_mem_kind kind, size_t bytes)
 			p = NULL;
 		else
 			madvise(p, bytes, MADV_HUGEPAGE); /* advice only: fewer pages per I/O and pin */
-		break;
-	case KVT_MEM_DEVICE:
-		p = hooks.device_alloc ? hooks.device_alloc(bytes) : NULL;
 		break;
 	default:
 		break;
@@ -98,10 +114,6 @@ void kvt_mem_free(enum kvt_mem_kind kind, void *p, size_t bytes)
 	case KVT_MEM_PAGES:
 		munmap(p, bytes);
 		break;
-	case KVT_MEM_DEVICE:
-		if (hooks.device_free)
-			hooks.device_free(p);
-		break;
 	default:
 		break;
 	}
@@ -119,12 +131,13 @@ void *kvt_mem_realloc(void *p, size_t old_bytes, size_t new_bytes)
 	return q;
 }
 
-int kvt_mem_pin(void *p, size_t bytes)
+int kvt_mem_pin(const struct kvt_mem *m, void *p, size_t bytes)
 {
+	const struct kvt_mem_hooks *h = hooks_of(m);
 	if (inject())
 		return -ENOMEM;
-	if (hooks.pin) {
-		int rc = hooks.pin(p, bytes);
+	if (h->pin) {
+		int rc = h->pin(p, bytes);
 		if (rc < 0)
 			return rc;
 	}
@@ -132,12 +145,13 @@ int kvt_mem_pin(void *p, size_t bytes)
 	return 0;
 }
 
-void kvt_mem_unpin(void *p, size_t bytes)
+void kvt_mem_unpin(const struct kvt_mem *m, void *p, size_t bytes)
 {
 	(void)bytes;
+	const struct kvt_mem_hooks *h = hooks_of(m);
 	if (!p)
 		return;
 	atomic_fetch_sub(&live, 1);
-	if (hooks.unpin)
-		hooks.unpin(p);
+	if (h->unpin)
+		h->unpin(p);
 }
