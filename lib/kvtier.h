@@ -8,10 +8,15 @@
  * probability mass p (Top-p) is selected, and exact attention runs over sinks + selected + window.
  *
  * Conventions, for every function below:
- * - Return value: 0 (or a non-negative count) on success, a negative errno value on failure:
+ * - Return value: 0 (or a non-negative count) on success, a negative errno value on failure. The
+ *   codes, each with a kvt_strerror() text (tests/abi_strerror.py checks that every code the sources
+ *   return is listed here and has one):
  *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
  *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
- *   -ENOENT unknown sequence. kvt_strerror() gives the text; kvt_last_error() the detail.
+ *   -ENOENT unknown sequence, -EBADMSG an NVMe block failed verification, -E2BIG more tokens than
+ *   the CUDA selection handles; and codes an NVMe I/O completion itself reports, passed on:
+ *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
+ *   -EBADE, -ETIME, -EFBIG, -EROFS, -EBADF, -EFAULT, -EOVERFLOW, -ENXIO. kvt_last_error() gives the detail.
  * - A call that fails changes nothing that the caller can observe (except the last-error text and the
  *   error counter in kvt_stats), unless its comment says otherwise.
  * - Pointers to tensors are host pointers for the CPU backend and device pointers for the CUDA
@@ -314,7 +319,10 @@ typedef struct kvt_layer_stats {
  */
 KVT_API int kvt_get_layer_stats(kvt_cache *cache, uint32_t layer, kvt_layer_stats *stats);
 
-/* Static text for a return code (negative errno values and 0). Never NULL. */
+/*
+ * Static text for a return code: 0, and each negative code of the convention block at the top of
+ * this header; "unknown error code" for any other value. Never NULL. Thread safety: any thread.
+ */
 KVT_API const char *kvt_strerror(int code);
 
 /*
