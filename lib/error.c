@@ -71,6 +71,24 @@ KVT_API const char *kvt_strerror(int code)
 	return "unknown error code";
 }
 
+int kvt_out_size_check(kvt_cache *c, const char *what, size_t size, size_t min)
+{
+	KVT_RETURN_IF(size < min, c, -EINVAL,
+		      "%s->size = %zu, must be >= %zu (the first release's size; set it to sizeof of "
+		      "the struct)", what, size, min);
+	return 0;
+}
+
+void kvt_out_fill(void *dst, const void *src, size_t src_size)
+{
+	size_t size;
+	memcpy(&size, dst, sizeof size);
+	const size_t n = size < src_size ? size : src_size;
+	memcpy((char *)dst + sizeof size, (const char *)src + sizeof size, n - sizeof size);
+	if (size > src_size)
+		memset((char *)dst + src_size, 0, size - src_size);
+}
+
 KVT_API unsigned kvt_version_number(void)
 {
 	return KVT_VERSION_NUMBER;
