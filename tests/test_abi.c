@@ -3,8 +3,12 @@
  * The size rules of the ABI (doc/abi.md): a kvt_config of an older, smaller size is accepted with
  * the rest defaulted; one larger than sizeof only with zero bytes past it; every 0 resolves to the
  * documented default and KVT_NONE / KVT_NONE64 to zero; output structs (kvt_stats,
- * kvt_layer_stats) are filled up to the caller's size and nothing past it.
+ * kvt_layer_stats, kvt_probe_info, kvt_footprint) are filled up to the caller's size and nothing
+ * past it. kvt_probe against what the build and getrlimit say, kvt_footprint_of against
+ * hand-computed figures and a live cache's host tier.
  */
+#include <sys/resource.h>
+
 #include "common.h"
 
 #define D 64
@@ -166,6 +170,8 @@ struct outbuf {
 	union {
 		kvt_stats st;
 		kvt_layer_stats ls;
+		kvt_probe_info pi;
+		kvt_footprint fp;
 	} u;
 	unsigned char past[64];
 };
@@ -228,6 +234,137 @@ static void test_stats_size(void **state)
 	kvt_cache_destroy(c);
 }
 
+static void test_probe(void **state)
+{
+	(void)state;
+	const char *name = "kvt_probe";
+	struct outbuf b;
+	out_prepare(&b, sizeof(kvt_probe_info) + 8);
+	int rc = kvt_probe(&b.u.pi);
+	T_CHECK(rc == 0, "%s: got %d (%s), wanted 0", name, rc, kvt_last_error(NULL));
+	out_check(name, &b, sizeof(kvt_probe_info), sizeof(kvt_probe_info) + 8);
+	const kvt_probe_info *p = &b.u.pi;
+	EQ("cuda_built", p->cuda_built, KVT_HAVE_CUDA_BACKEND);
+	EQ("io_uring_built", p->io_uring_built, KVT_HAVE_LIBURING);
+	EQ("io_uring_usable", p->io_uring_usable, kvt_nvme_available(NULL, 0) > 0);
+	EQ("hwloc_built", p->hwloc_built, KVT_HAVE_HWLOC);
+	EQ("numa_built", p->numa_built, KVT_HAVE_NUMA);
+	T_CHECK(p->numa_nodes >= 1, "%s: numa_nodes got %u, wanted >= 1", name, p->numa_nodes);
+	T_CHECK(p->cuda_devices <= KVT_PROBE_MAX_DEVICES && (p->cuda_built || !p->cuda_devices),
+		"%s: cuda_devices got %u (cuda_built %u)", name, p->cuda_devices, p->cuda_built);
+	for (uint32_t i = 0; i < p->cuda_devices; i++)
+		T_CHECK(strlen(p->cuda_busid[i]) >= 7 && strchr(p->cuda_busid[i], ':'),
+			"%s: cuda_busid[%u] got \"%s\", wanted a PCI bus id", name, i,
+			p->cuda_busid[i]);
+	struct rlimit r;
+	T_CHECK(getrlimit(RLIMIT_MEMLOCK, &r) == 0, "getrlimit");
+	EQ("memlock_soft", p->memlock_soft,
+	   r.rlim_cur == RLIM_INFINITY ? UINT64_MAX : (uint64_t)r.rlim_cur);
+	EQ("memlock_hard", p->memlock_hard,
+	   r.rlim_max == RLIM_INFINITY ? UINT64_MAX : (uint64_t)r.rlim_max);
+	T_CHECK(p->host_memory_bytes > 0 && p->host_available_bytes <= p->host_memory_bytes,
+		"%s: host memory got %llu, available %llu", name,
+		(unsigned long long)p->host_memory_bytes,
+		(unsigned long long)p->host_available_bytes);
+	out_prepare(&b, KVT_PROBE_INFO_SIZE_VER0 - 8);
+	rc = kvt_probe(&b.u.pi);
+	T_CHECK(rc == -EINVAL, "%s, size VER0 - 8: got %d, wanted %d", name, rc, -EINVAL);
+	out_check("kvt_probe refused", &b, KVT_PROBE_INFO_SIZE_VER0 - 8,
+		  KVT_PROBE_INFO_SIZE_VER0 - 8);
+	T_CHECK(kvt_probe(NULL) == -EINVAL, "%s(NULL): wanted %d", name, -EINVAL);
+}
+
+/*
+ * Llama-3.1-8B attention (32 layers, 8 KV heads, D = 128), one sequence of 32768 tokens, library
+ * defaults (4 sinks, window 64, flush 64, hot cache 256 MiB). Rows of 4 * 128 = 512 B.
+ *   index: (128/8 + 4) * 8 * 32 = 5120 B per token; 32768 - 4 - 64 = 32700 indexed tokens
+ *   centroids 2 * 4 * 128 * 256 = 262144; window ring (64 + 2 * 64) * 512 * 256 = 25165824;
+ *   selection 4 * (32700 + 1) * 256 = 33485824; block table 8 * 128 blocks * 256 = 262144
+ *   host: 128 blocks of 131072 B per layer and head, 32768 blocks = 4 GiB; NVMe: 64 + 4 * 32
+ *   header bytes rounded to 4096, plus 131072 = 135168 B a block
+ *   rotations 4 * 128 * 128 * 32 = 2097152; hot cache: a way is 512 + 8 + 8 + 4 = 532 B, sets per
+ *   layer 268435456 / 32 / (532 * 8) = 1971, rows 1971 * 8 * 32 = 504576, bytes 504576 * 532
+ *   = 268434432
+ */
+static void test_footprint_llama(void **state)
+{
+	(void)state;
+	const char *name = "llama8b-32K";
+	kvt_config cfg = KVT_CONFIG_INIT;
+	cfg.n_layers = 32;
+	cfg.n_q_heads = 32;
+	cfg.n_kv_heads = 8;
+	cfg.head_dim = 128;
+	kvt_footprint f = {.size = sizeof f};
+	int rc = kvt_footprint_of(&cfg, 32768, &f);
+	T_CHECK(rc == 0, "%s: got %d (%s)", name, rc, kvt_last_error(NULL));
+	EQ("row_bytes", f.row_bytes, 512);
+	EQ("block_bytes", f.block_bytes, 131072);
+	EQ("nvme_block_bytes", f.nvme_block_bytes, 135168);
+	EQ("index_token_bytes", f.index_token_bytes, 5120);
+	EQ("index_tokens", f.index_tokens, 32700);
+	EQ("seq_blocks", f.seq_blocks, 32768);
+	EQ("host_bytes", f.host_bytes, 4 * GiB);
+	EQ("nvme_bytes", f.nvme_bytes, 32768ull * 135168);
+	EQ("hbm_index_bytes", f.hbm_index_bytes, 32700ull * 5120);
+	EQ("hbm_centroid_bytes", f.hbm_centroid_bytes, 262144);
+	EQ("hbm_window_bytes", f.hbm_window_bytes, 25165824);
+	EQ("hbm_selection_bytes", f.hbm_selection_bytes, 33485824);
+	EQ("hbm_block_table_bytes", f.hbm_block_table_bytes, 262144);
+	EQ("hbm_seq_bytes", f.hbm_seq_bytes,
+	   32700ull * 5120 + 262144 + 25165824 + 33485824 + 262144);
+	EQ("hbm_rotation_bytes", f.hbm_rotation_bytes, 2097152);
+	EQ("hbm_hot_rows", f.hbm_hot_rows, 504576);
+	EQ("hbm_hot_bytes", f.hbm_hot_bytes, 268434432);
+	EQ("hbm_cache_bytes", f.hbm_cache_bytes, 2097152 + 268434432);
+	/* short: nothing indexed, the selection at its smallest (4 + 1 words), the table at 4 */
+	rc = kvt_footprint_of(&cfg, 10, &f);
+	T_CHECK(rc == 0, "%s, 10 tokens: got %d", name, rc);
+	EQ("index_tokens (10)", f.index_tokens, 0);
+	EQ("hbm_selection_bytes (10)", f.hbm_selection_bytes, 4 * 5 * 256);
+	EQ("hbm_block_table_bytes (10)", f.hbm_block_table_bytes, 8 * 4 * 256);
+	EQ("seq_blocks (10)", f.seq_blocks, 256);
+	cfg.gpu_cache_bytes = KVT_NONE64;
+	T_CHECK(kvt_footprint_of(&cfg, 10, &f) == 0, "%s, no hot cache", name);
+	EQ("hbm_hot_bytes (none)", f.hbm_hot_bytes, 0);
+	rc = kvt_footprint_of(&cfg, (uint64_t)INT32_MAX + 1, &f);
+	T_CHECK(rc == -EINVAL && strstr(kvt_last_error(NULL), "n_tokens"),
+		"%s, 2^31 tokens: got %d \"%s\", wanted %d", name, rc, kvt_last_error(NULL), -EINVAL);
+	cfg.head_dim = 96;
+	rc = kvt_footprint_of(&cfg, 10, &f);
+	T_CHECK(rc == -EINVAL && strstr(kvt_last_error(NULL), "head_dim"),
+		"%s, head_dim 96: got %d \"%s\", wanted %d", name, rc, kvt_last_error(NULL), -EINVAL);
+}
+
+/* The host tier of a live cache after a prefill of n tokens holds what the footprint says. */
+static void test_footprint_live(void **state)
+{
+	(void)state;
+	const uint32_t n = 700;
+	kvt_config cfg = shape_only();
+	cfg.host_bytes = 64 * MiB;
+	kvt_cache *c = t_create(&cfg);
+	uint32_t seq;
+	T_CHECK(kvt_seq_open(c, &seq) == 0, "kvt_seq_open: %s", kvt_last_error(c));
+	uint16_t *kv = t_alloc((size_t)n * cfg.n_kv_heads * D * 2);
+	t_rng r;
+	t_rng_seed(&r, 0xab1);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)n * cfg.n_kv_heads * D, 0.0, 1.0, kv, NULL);
+	for (uint32_t l = 0; l < cfg.n_layers; l++)
+		T_CHECK(kvt_prefill(c, seq, l, NULL, kv, kv, n, NULL) == 0, "kvt_prefill: %s",
+			kvt_last_error(c));
+	kvt_stats st = t_stats(c);
+	kvt_footprint f = {.size = sizeof f};
+	T_CHECK(kvt_footprint_of(&cfg, n, &f) == 0, "kvt_footprint_of: %s", kvt_last_error(NULL));
+	const char *name = "live, 700 tokens";
+	EQ("host_bytes = stats.host_bytes_used", f.host_bytes, st.host_bytes_used);
+	EQ("hbm_index_bytes = stats.index_bytes", f.hbm_index_bytes, st.index_bytes);
+	EQ("index_tokens * layers = stats.tokens_indexed", f.index_tokens * cfg.n_layers,
+	   st.tokens_indexed);
+	kvt_cache_destroy(c);
+	free(kv);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -236,6 +373,9 @@ int main(void)
 		cmocka_unit_test(test_config_old_size),
 		cmocka_unit_test(test_config_newer_size),
 		cmocka_unit_test(test_stats_size),
+		cmocka_unit_test(test_probe),
+		cmocka_unit_test(test_footprint_llama),
+		cmocka_unit_test(test_footprint_live),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
