@@ -194,7 +194,7 @@ static kvt_result run_kvtier(const options &o, const gen_tables &g, uint32_t n_s
 	}
 	cfg.budget_max = o.budget_max;
 	if (o.gpu_cache_mib >= 0)
-		cfg.gpu_cache_bytes = (uint64_t)o.gpu_cache_mib << 20;
+		cfg.gpu_cache_bytes = KVT_EXACT64((uint64_t)o.gpu_cache_mib << 20); /* 0: none */
 	{
 		const int rc = kvt_cache_create(&cfg, &cache);
 		if (rc < 0) {
@@ -288,7 +288,7 @@ static kvt_result run_kvtier(const options &o, const gen_tables &g, uint32_t n_s
 		r.hit_rate = hits + miss ? (double)hits / (hits + miss) : 0;
 		r.pcie_per_step = (double)(l1.pcie_bytes - l0.pcie_bytes) / steps;
 		r.hbm_bytes = (double)s1.index_bytes + (double)l1.hot_rows * ROW +
-			      (double)n_seqs * HKV * (cfg.window + cfg.flush_batch) * ROW;
+			      (double)n_seqs * HKV * (KVT_DEFAULT_WINDOW + KVT_DEFAULT_FLUSH_BATCH) * ROW;
 		r.ns[0] = (double)(s1.ns_index - s0.ns_index) / steps;
 		r.ns[1] = (double)(s1.ns_store - s0.ns_store) / steps;
 		r.ns[2] = (double)(s1.ns_score - s0.ns_score) / steps;

@@ -62,16 +62,16 @@ static void cache_free(kvt_cache *c)
 KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 {
 	KVT_RETURN_IF(!out, NULL, -EINVAL, "out is NULL");
-	KVT_TRY(kvt_config_check(cfg));
+	kvt_config resolved;
+	KVT_TRY(kvt_config_load(cfg, &resolved));
+	cfg = &resolved;
 	kvt_cache *c = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c);
 	KVT_RETURN_IF(!c, NULL, -ENOMEM, "out of memory allocating the cache (%zu bytes)", sizeof *c);
-	c->cfg = *cfg;
-	if (!c->cfg.out_dtype)
-		c->cfg.out_dtype = c->cfg.dtype;
+	c->cfg = resolved;
 	c->d = cfg->head_dim;
 	c->words = c->d / 32;
 	c->group = cfg->n_q_heads / cfg->n_kv_heads;
-	c->scale = cfg->scale > 0.0f ? cfg->scale : 1.0f / sqrtf((float)c->d);
+	c->scale = cfg->scale;
 	c->elem = 2;
 	c->row_bytes = 2 * c->d * c->elem;
 	c->out_elem = c->cfg.out_dtype == KVT_DTYPE_F32 ? 4 : 2;
@@ -332,9 +332,7 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 {
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
-	KVT_RETURN_IF(st->size != sizeof(kvt_stats), c, -EINVAL,
-		      "stats->size = %zu, expected sizeof(kvt_stats) = %zu", st->size,
-		      sizeof(kvt_stats));
+	KVT_TRY(kvt_out_size_check(c, "stats", st->size, KVT_STATS_SIZE_VER0));
 	if (c->ops->stats)
 		KVT_TRY(c->ops->stats(c, -1, NULL));
 	c->st.host_bytes_used = c->host.used;
@@ -355,7 +353,7 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 		c->st.nvme_lat_ns_sum = ns.lat_sum_ns;
 		c->st.nvme_lat_ns_max = ns.lat_max_ns;
 	}
-	*st = c->st;
+	kvt_out_fill(st, &c->st, sizeof c->st);
 	return 0;
 }
 
@@ -363,13 +361,11 @@ KVT_API int kvt_get_layer_stats(kvt_cache *c, uint32_t layer, kvt_layer_stats *s
 {
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
-	KVT_RETURN_IF(st->size != sizeof(kvt_layer_stats), c, -EINVAL,
-		      "stats->size = %zu, expected sizeof(kvt_layer_stats) = %zu", st->size,
-		      sizeof(kvt_layer_stats));
+	KVT_TRY(kvt_out_size_check(c, "stats", st->size, KVT_LAYER_STATS_SIZE_VER0));
 	KVT_TRY(check_layer(c, layer));
 	kvt_layer_stats out = {.size = sizeof out};
 	if (c->ops->stats)
 		KVT_TRY(c->ops->stats(c, (int)layer, &out));
-	*st = out;
+	kvt_out_fill(st, &out, sizeof out);
 	return 0;
 }

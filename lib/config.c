@@ -1,19 +1,73 @@
 /* SPDX-License-Identifier: MIT */
+/*
+ * kvt_config: the size rule (doc/abi.md), the one place where a 0 becomes its default and KVT_NONE
+ * becomes zero, and the validation of the resolved values. The cache keeps the resolved config, so
+ * nothing else in the library interprets 0 or KVT_NONE.
+ */
 #include <math.h>
+#include <string.h>
 
 #include "internal.h"
 
 #define CHECK(cond, ...) KVT_RETURN_IF(!(cond), NULL, -EINVAL, __VA_ARGS__)
 
-int kvt_config_check(const kvt_config *cfg)
+/* Copy the caller's struct of cfg->size bytes into *out (sizeof(kvt_config), zero-filled). */
+static int load_sized(const kvt_config *cfg, kvt_config *out)
 {
 	CHECK(cfg, "cfg is NULL");
-	CHECK(cfg->size == sizeof(kvt_config),
-	      "cfg->size = %zu, expected sizeof(kvt_config) = %zu (initialize with KVT_CONFIG_INIT)",
-	      cfg->size, sizeof(kvt_config));
-	for (unsigned i = 0; i < sizeof cfg->reserved / sizeof cfg->reserved[0]; i++)
-		CHECK(cfg->reserved[i] == 0, "cfg->reserved[%u] = %llu, must be 0", i,
-		      (unsigned long long)cfg->reserved[i]);
+	const size_t size = cfg->size, min = KVT_CONFIG_SIZE_VER0;
+	CHECK(size >= min, "cfg->size = %zu, must be >= KVT_CONFIG_SIZE_VER0 = %zu (sizeof(kvt_config) "
+	      "= %zu here; initialize with KVT_CONFIG_INIT)", size, min, sizeof(kvt_config));
+	const unsigned char *tail = (const unsigned char *)cfg;
+	for (size_t i = sizeof(kvt_config); i < size; i++)
+		CHECK(tail[i] == 0,
+		      "cfg->size = %zu is past sizeof(kvt_config) = %zu of this library (%s), and byte "
+		      "%zu is %u: a field this version does not know is set",
+		      size, sizeof(kvt_config), kvt_version_string(), i, tail[i]);
+	memset(out, 0, sizeof *out);
+	memcpy(out, cfg, size < sizeof *out ? size : sizeof *out);
+	out->size = sizeof *out;
+	CHECK(out->pad0 == 0, "cfg->pad0 = %u, must be 0", out->pad0);
+	for (unsigned i = 0; i < sizeof out->reserved / sizeof out->reserved[0]; i++)
+		CHECK(out->reserved[i] == 0, "cfg->reserved[%u] = %llu, must be 0", i,
+		      (unsigned long long)out->reserved[i]);
+	return 0;
+}
+
+static uint32_t or32(uint32_t v, uint32_t def)
+{
+	return v == 0 ? def : v == KVT_NONE ? 0 : v;
+}
+
+static uint64_t or64(uint64_t v, uint64_t def)
+{
+	return v == 0 ? def : v == KVT_NONE64 ? 0 : v;
+}
+
+/* Every default of kvtier.h, applied once. Fields without an explicit zero keep KVT_NONE as a
+ * value, which the checks below then refuse with its number. */
+static void resolve(kvt_config *c)
+{
+	c->dtype = c->dtype ? c->dtype : KVT_DTYPE_F16;
+	c->out_dtype = c->out_dtype ? c->out_dtype : c->dtype;
+	c->host_bytes = c->host_bytes ? c->host_bytes : KVT_DEFAULT_HOST_BYTES;
+	c->nvme_cache_bytes = c->nvme_cache_bytes ? c->nvme_cache_bytes : KVT_DEFAULT_NVME_CACHE_BYTES;
+	c->max_seqs = c->max_seqs ? c->max_seqs : KVT_DEFAULT_MAX_SEQS;
+	c->nvme_queue_depth = c->nvme_queue_depth ? c->nvme_queue_depth : KVT_DEFAULT_NVME_QUEUE_DEPTH;
+	c->p = c->p != 0.0f ? c->p : KVT_DEFAULT_P;
+	if (c->scale == 0.0f && (c->head_dim == 64 || c->head_dim == 128 || c->head_dim == 256))
+		c->scale = 1.0f / sqrtf((float)c->head_dim);
+	c->n_sink = or32(c->n_sink, KVT_DEFAULT_N_SINK);
+	c->window = or32(c->window, KVT_DEFAULT_WINDOW);
+	c->flush_batch = c->flush_batch ? c->flush_batch : KVT_DEFAULT_FLUSH_BATCH;
+	c->budget_min = or32(c->budget_min, KVT_DEFAULT_BUDGET_MIN);
+	c->budget_max = c->budget_max == KVT_NONE ? 0 : c->budget_max;
+	c->seed = or64(c->seed, KVT_DEFAULT_SEED);
+	c->gpu_cache_bytes = or64(c->gpu_cache_bytes, KVT_DEFAULT_GPU_CACHE_BYTES);
+}
+
+static int check_shape(const kvt_config *cfg)
+{
 	CHECK(cfg->n_layers >= 1 && cfg->n_layers <= 4096, "n_layers = %u, must be in [1, 4096]",
 	      cfg->n_layers);
 	CHECK(cfg->n_kv_heads >= 1 && cfg->n_kv_heads <= 1024, "n_kv_heads = %u, must be in [1, 1024]",
@@ -25,15 +79,19 @@ int kvt_config_check(const kvt_config *cfg)
 	CHECK(cfg->head_dim == 64 || cfg->head_dim == 128 || cfg->head_dim == 256,
 	      "head_dim = %u, must be 64, 128 or 256", cfg->head_dim);
 	CHECK(cfg->dtype == KVT_DTYPE_F16 || cfg->dtype == KVT_DTYPE_BF16,
-	      "dtype = %u, must be KVT_DTYPE_F16 (1) or KVT_DTYPE_BF16 (2)", cfg->dtype);
+	      "dtype = %u, must be 0 (default: F16), KVT_DTYPE_F16 (1) or KVT_DTYPE_BF16 (2)",
+	      cfg->dtype);
 	CHECK(cfg->out_dtype <= KVT_DTYPE_F32,
 	      "out_dtype = %u, must be DEFAULT (0), F16 (1), BF16 (2) or F32 (3)", cfg->out_dtype);
 	CHECK(cfg->backend <= KVT_BACKEND_CUDA, "backend = %u, must be AUTO (0), CPU (1) or CUDA (2)",
 	      cfg->backend);
 	CHECK(cfg->device >= 0, "device = %d, must be >= 0", cfg->device);
-	CHECK(cfg->host_bytes > 0, "host_bytes = 0, must be > 0");
-	CHECK(cfg->max_seqs >= 1 && cfg->max_seqs <= 65536, "max_seqs = %u, must be in [1, 65536]",
-	      cfg->max_seqs);
+	return 0;
+}
+
+static int check_tiers(const kvt_config *cfg)
+{
+	CHECK(cfg->max_seqs <= 65536, "max_seqs = %u, must be in [1, 65536] (0: 256)", cfg->max_seqs);
 	CHECK(cfg->n_nvme <= 64, "n_nvme = %u, must be <= 64", cfg->n_nvme);
 	CHECK(cfg->n_nvme == 0 || (cfg->nvme_paths && cfg->nvme_bytes),
 	      "n_nvme = %u but nvme_%s is NULL", cfg->n_nvme, cfg->nvme_paths ? "bytes" : "paths");
@@ -53,17 +111,37 @@ int kvt_config_check(const kvt_config *cfg)
 	      cfg->spill_policy);
 	CHECK(cfg->spill_policy == KVT_SPILL_NONE || cfg->n_nvme > 0,
 	      "spill_policy = LRU (1) needs an NVMe tier, but n_nvme = 0");
-	CHECK(cfg->p > 0.0f && cfg->p <= 1.0f, "p = %g, must be in (0, 1]", (double)cfg->p);
+	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40),
+	      "gpu_cache_bytes = %llu, must be <= 1 TiB (KVT_NONE64: no hot cache)",
+	      (unsigned long long)cfg->gpu_cache_bytes);
+	return 0;
+}
+
+static int check_selection(const kvt_config *cfg)
+{
+	CHECK(cfg->p > 0.0f && cfg->p <= 1.0f, "p = %g, must be in (0, 1] (0: 0.9)", (double)cfg->p);
 	CHECK(cfg->scale >= 0.0f && isfinite(cfg->scale),
 	      "scale = %g, must be finite and >= 0 (0 means 1/sqrt(head_dim))", (double)cfg->scale);
-	CHECK(cfg->n_sink <= 65536, "n_sink = %u, must be <= 65536", cfg->n_sink);
-	CHECK(cfg->window <= 65536, "window = %u, must be <= 65536", cfg->window);
-	CHECK(cfg->flush_batch >= 1 && cfg->flush_batch <= 65536,
-	      "flush_batch = %u, must be in [1, 65536]", cfg->flush_batch);
-	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40), "gpu_cache_bytes = %llu, must be <= 1 TiB",
-	      (unsigned long long)cfg->gpu_cache_bytes);
+	CHECK(cfg->n_sink <= 65536, "n_sink = %u, must be <= 65536 (KVT_NONE: no sinks)", cfg->n_sink);
+	CHECK(cfg->window <= 65536, "window = %u, must be <= 65536 (KVT_NONE: no window)",
+	      cfg->window);
+	CHECK(cfg->flush_batch <= 65536, "flush_batch = %u, must be in [1, 65536] (0: 64)",
+	      cfg->flush_batch);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
-	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too)",
+	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too, "
+	      "KVT_NONE for no floor)",
 	      cfg->budget_min, cfg->budget_max);
+	return 0;
+}
+
+int kvt_config_load(const kvt_config *cfg, kvt_config *out)
+{
+	kvt_config c;
+	KVT_TRY(load_sized(cfg, &c));
+	resolve(&c);
+	KVT_TRY(check_shape(&c));
+	KVT_TRY(check_tiers(&c));
+	KVT_TRY(check_selection(&c));
+	*out = c;
 	return 0;
 }

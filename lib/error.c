@@ -27,20 +27,66 @@ KVT_API const char *kvt_last_error(const kvt_cache *cache)
 	return cache ? cache->err : create_err;
 }
 
+/* Every code of the header's convention block. tests/abi_strerror.py checks that the sources
+ * return no code missing here and that this table and the header list the same codes. */
+static const struct {
+	int code;
+	const char *text;
+} texts[] = {
+	{0, "success"},
+	{-EINVAL, "invalid argument"},
+	{-ENOMEM, "out of memory"},
+	{-ENOSPC, "capacity exceeded"},
+	{-EOPNOTSUPP, "feature not built or not available"},
+	{-ENODEV, "no GPU device"},
+	{-EIO, "device or I/O failure"},
+	{-EBADMSG, "checksum or header mismatch"},
+	{-ENOENT, "no such sequence"},
+	{-E2BIG, "more tokens than the selection handles"},
+	/* what an NVMe I/O completion may report, passed on with the file and offset as detail */
+	{-ECANCELED, "I/O canceled"},
+	{-EAGAIN, "I/O resources temporarily unavailable"},
+	{-EINTR, "I/O interrupted"},
+	{-EBUSY, "I/O device busy"},
+	{-ETIMEDOUT, "I/O timed out"},
+	{-ETIME, "I/O exceeded its time limit"},
+	{-ENODATA, "medium error on the NVMe device"},
+	{-ENOLINK, "transport error reaching the NVMe device"},
+	{-EREMOTEIO, "NVMe target error"},
+	{-EILSEQ, "NVMe data protection error"},
+	{-EBADE, "NVMe reservation conflict"},
+	{-EFBIG, "NVMe file too large"},
+	{-EROFS, "NVMe file system read-only"},
+	{-EBADF, "bad NVMe file descriptor"},
+	{-EFAULT, "bad I/O buffer address"},
+	{-EOVERFLOW, "I/O offset overflow"},
+	{-ENXIO, "NVMe device gone"},
+};
+
 KVT_API const char *kvt_strerror(int code)
 {
-	switch (code) {
-	case 0: return "success";
-	case -EINVAL: return "invalid argument";
-	case -ENOMEM: return "out of memory";
-	case -ENOSPC: return "capacity exceeded";
-	case -EOPNOTSUPP: return "feature not built or not available";
-	case -ENODEV: return "no GPU device";
-	case -EIO: return "device or I/O failure";
-	case -EBADMSG: return "checksum or header mismatch";
-	case -ENOENT: return "no such sequence";
-	default: return "unknown error code";
-	}
+	for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++)
+		if (texts[i].code == code)
+			return texts[i].text;
+	return "unknown error code";
+}
+
+int kvt_out_size_check(kvt_cache *c, const char *what, size_t size, size_t min)
+{
+	KVT_RETURN_IF(size < min, c, -EINVAL,
+		      "%s->size = %zu, must be >= %zu (the first release's size; set it to sizeof of "
+		      "the struct)", what, size, min);
+	return 0;
+}
+
+void kvt_out_fill(void *dst, const void *src, size_t src_size)
+{
+	size_t size;
+	memcpy(&size, dst, sizeof size);
+	const size_t n = size < src_size ? size : src_size;
+	memcpy((char *)dst + sizeof size, (const char *)src + sizeof size, n - sizeof size);
+	if (size > src_size)
+		memset((char *)dst + src_size, 0, size - src_size);
 }
 
 KVT_API unsigned kvt_version_number(void)

@@ -346,8 +346,21 @@ bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l);
 /* Free everything a layer holds. */
 void kvt_layer_free(kvt_cache *c, struct kvt_layer *l);
 
-/* Validate a configuration; the text names the field, its value and the limit. */
-int kvt_config_check(const kvt_config *cfg);
+/*
+ * Read a caller's configuration (any size the ABI accepts, doc/abi.md), resolve every default and
+ * explicit zero (KVT_NONE), and validate the result into *out (size = sizeof(kvt_config)). The text
+ * (on the thread, kvt_last_error(NULL)) names the field, its value and the limit. 0 or -EINVAL.
+ */
+int kvt_config_load(const kvt_config *cfg, kvt_config *out);
+
+/*
+ * Output structs that grow (lib/error.c). kvt_out_size_check: -EINVAL (recorded on c, or on the
+ * thread when c is NULL) naming `what`, the size and `min` when size < min. kvt_out_fill: copy
+ * `src` (src_size bytes, beginning with its own size field) into the caller's struct `dst` up to
+ * dst's size, zeroing what lies past src_size, keeping dst->size, touching nothing past it.
+ */
+int kvt_out_size_check(kvt_cache *c, const char *what, size_t size, size_t min);
+void kvt_out_fill(void *dst, const void *src, size_t src_size);
 
 /* ---- the NVMe tier (lib/nvme_tier.c) ------------------------------------------------------- */
 

@@ -8,10 +8,15 @@
  * probability mass p (Top-p) is selected, and exact attention runs over sinks + selected + window.
  *
  * Conventions, for every function below:
- * - Return value: 0 (or a non-negative count) on success, a negative errno value on failure:
+ * - Return value: 0 (or a non-negative count) on success, a negative errno value on failure. The
+ *   codes, each with a kvt_strerror() text (tests/abi_strerror.py checks that every code the sources
+ *   return is listed here and has one):
  *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
  *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
- *   -ENOENT unknown sequence. kvt_strerror() gives the text; kvt_last_error() the detail.
+ *   -ENOENT unknown sequence, -EBADMSG an NVMe block failed verification, -E2BIG more tokens than
+ *   the CUDA selection handles; and codes an NVMe I/O completion itself reports, passed on:
+ *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
+ *   -EBADE, -ETIME, -EFBIG, -EROFS, -EBADF, -EFAULT, -EOVERFLOW, -ENXIO. kvt_last_error() gives the detail.
  * - A call that fails changes nothing that the caller can observe (except the last-error text and the
  *   error counter in kvt_stats), unless its comment says otherwise.
  * - Pointers to tensors are host pointers for the CPU backend and device pointers for the CUDA
@@ -63,63 +68,120 @@ typedef enum kvt_backend_kind {
 } kvt_backend_kind;
 
 /*
- * Cache configuration. Initialize with KVT_CONFIG_INIT, then set the model shape; every other field
- * has a documented default. `size` must be sizeof(kvt_config) of the header the caller was built
- * with; `reserved` must be all zero.
+ * Explicit zero. In every kvt_config field 0 means "the default", so a field added by a later
+ * version defaults itself in an older caller's struct. Where the value zero is also meaningful
+ * (no sinks, no window, no budget floor, no hot cache, seed 0), ask for it with KVT_NONE (32-bit
+ * fields) or KVT_NONE64 (64-bit fields). KVT_EXACT(x) and KVT_EXACT64(x) pass a value through,
+ * turning 0 into the explicit zero: `cfg.n_sink = KVT_EXACT(user_sinks)`.
+ */
+#define KVT_NONE ((uint32_t)0xffffffffu)
+#define KVT_NONE64 ((uint64_t)0xffffffffffffffffull)
+#define KVT_EXACT(x) ((uint32_t)(x) != 0 ? (uint32_t)(x) : KVT_NONE)
+#define KVT_EXACT64(x) ((uint64_t)(x) != 0 ? (uint64_t)(x) : KVT_NONE64)
+
+/* The defaults that a 0 in kvt_config stands for (for tools that show them). */
+#define KVT_DEFAULT_HOST_BYTES ((uint64_t)1 << 30)
+#define KVT_DEFAULT_NVME_CACHE_BYTES ((uint64_t)64 << 20)
+#define KVT_DEFAULT_MAX_SEQS 256u
+#define KVT_DEFAULT_NVME_QUEUE_DEPTH 32u
+#define KVT_DEFAULT_P 0.9f
+#define KVT_DEFAULT_N_SINK 4u
+#define KVT_DEFAULT_WINDOW 64u
+#define KVT_DEFAULT_FLUSH_BATCH 64u
+#define KVT_DEFAULT_BUDGET_MIN 64u
+#define KVT_DEFAULT_SEED ((uint64_t)0x6b767469u)
+#define KVT_DEFAULT_GPU_CACHE_BYTES ((uint64_t)256 << 20)
+
+/*
+ * Cache configuration. Initialize with KVT_CONFIG_INIT (size set, every other field 0 = its
+ * default), then set the model shape and what differs from the defaults.
+ *
+ * Sizes (doc/abi.md). `size` is sizeof(kvt_config) of the header the caller was built with. Any
+ * size from KVT_CONFIG_SIZE_VER0 to sizeof(kvt_config) is accepted: fields past `size` are not read
+ * and take their defaults. A size larger than this library's sizeof(kvt_config) (a caller built
+ * against a later version) is accepted when every byte past sizeof(kvt_config) is zero, i.e. the
+ * caller left the fields this library does not know at their defaults. `pad0` and `reserved` must be
+ * zero. Anything else is -EINVAL naming the size and the limits.
  */
 typedef struct kvt_config {
 	size_t size;          /* sizeof(kvt_config) */
 	/* model shape */
-	uint32_t n_layers;    /* >= 1 */
-	uint32_t n_q_heads;   /* query heads, a multiple of n_kv_heads (GQA; equal for MHA) */
-	uint32_t n_kv_heads;  /* >= 1 */
-	uint32_t head_dim;    /* 64, 128 or 256 */
-	uint32_t dtype;       /* kvt_dtype of K, V and queries: F16 (default) or BF16 */
-	uint32_t out_dtype;   /* kvt_dtype of attention outputs: DEFAULT (= dtype), F16, BF16, F32 */
+	uint32_t n_layers;    /* required, in [1, 4096] */
+	uint32_t n_q_heads;   /* required: query heads, a multiple of n_kv_heads (GQA; equal for MHA) */
+	uint32_t n_kv_heads;  /* required, in [1, 1024] */
+	uint32_t head_dim;    /* required: 64, 128 or 256 */
+	uint32_t dtype;       /* kvt_dtype of K, V and queries: F16 or BF16; 0 (default): F16 */
+	uint32_t out_dtype;   /* kvt_dtype of attention outputs: F16, BF16, F32; 0 (default): dtype */
 	/* backend */
-	uint32_t backend;     /* kvt_backend_kind, default AUTO */
-	int32_t device;       /* CUDA device ordinal, default 0 */
+	uint32_t backend;     /* kvt_backend_kind; 0 (default): AUTO */
+	int32_t device;       /* CUDA device ordinal, >= 0; default 0 */
 	/* tiers */
-	uint64_t host_bytes;  /* capacity of the host tier for K/V rows, > 0; default 1 GiB */
+	uint64_t host_bytes;  /* capacity of the host tier for K/V rows; 0 (default): 1 GiB */
 	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier */
 	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use */
 	uint64_t nvme_cache_bytes;     /* host memory caching blocks read for direct serving, >= 1 MiB
-					  when n_nvme > 0; default 64 MiB */
-	uint32_t max_seqs;    /* sequences open at once, >= 1; default 256 */
-	uint32_t n_nvme;      /* files of the NVMe tier, 0 (default) for none, at most 64 */
-	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, 1 .. 1024; 0 (default) means 32 */
-	uint32_t spill_policy;     /* kvt_spill_policy, default KVT_SPILL_NONE */
+					  when n_nvme > 0; 0 (default): 64 MiB */
+	uint32_t max_seqs;    /* sequences open at once, <= 65536; 0 (default): 256 */
+	uint32_t n_nvme;      /* files of the NVMe tier, at most 64; 0 (default): no NVMe tier */
+	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, <= 1024; 0 (default): 32 */
+	uint32_t spill_policy;     /* kvt_spill_policy; 0 (default): KVT_SPILL_NONE */
 	/* selection */
-	float p;              /* Top-p mass in (0, 1]; default 0.9 */
-	float scale;          /* attention scale; 0 (default) means 1/sqrt(head_dim) */
-	uint32_t n_sink;      /* first tokens always attended, never indexed; default 4 */
-	uint32_t window;      /* last tokens always attended (W); default 64 */
-	uint32_t flush_batch; /* decode tokens indexed per flush (B), >= 1; default 64 */
-	uint32_t budget_min;  /* min indexed tokens selected per query head per step; default 64: the
-				 1-bit estimate can rank a peaked head's one dominant token below
-				 others, and a small floor of top estimates recovers it cheaply */
-	uint32_t budget_max;  /* max per query head per step; 0 (default) means no cap */
-	uint64_t seed;        /* seeds the per-layer rotations; default 0x6b767469 */
+	float p;              /* Top-p mass in (0, 1]; 0 (default): 0.9 */
+	float scale;          /* attention scale, finite, >= 0; 0 (default): 1/sqrt(head_dim) */
+	uint32_t n_sink;      /* first tokens always attended, never indexed, <= 65536;
+				 0 (default): 4; KVT_NONE: no sinks */
+	uint32_t window;      /* last tokens always attended (W), <= 65536; 0 (default): 64;
+				 KVT_NONE: no window */
+	uint32_t flush_batch; /* decode tokens indexed per flush (B), <= 65536; 0 (default): 64 */
+	uint32_t budget_min;  /* min indexed tokens selected per query head per step; 0 (default): 64:
+				 the 1-bit estimate can rank a peaked head's one dominant token below
+				 others, and a small floor of top estimates recovers it cheaply;
+				 KVT_NONE: no floor */
+	uint32_t budget_max;  /* max per query head per step, >= budget_min; 0 (default) or KVT_NONE:
+				 no cap */
+	uint32_t pad0;        /* must be zero (explicit padding) */
+	uint64_t seed;        /* seeds the per-layer rotations; 0 (default): 0x6b767469; KVT_NONE64:
+				 seed 0 (so seed 2^64 - 1 cannot be asked for) */
 	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
-				     over the layers; 0 disables it (every selected row is read from
-				     the host tier each step); default 256 MiB */
-	uint64_t reserved[7]; /* must be zero */
+				     over the layers, <= 1 TiB; 0 (default): 256 MiB; KVT_NONE64: no hot
+				     cache (every selected row is read from the host tier each step) */
+	uint64_t reserved[7]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
-#define KVT_CONFIG_INIT                                                                            \
-	{                                                                                          \
-		sizeof(kvt_config), 0, 0, 0, 0, KVT_DTYPE_F16, KVT_DTYPE_DEFAULT, KVT_BACKEND_AUTO, \
-			0, (uint64_t)1 << 30, NULL, NULL, (uint64_t)64 << 20, 256, 0, 0,            \
-			KVT_SPILL_NONE, 0.9f, 0.0f, 4, 64, 64, 64, 0, 0x6b767469u,                  \
-			(uint64_t)256 << 20,                                                       \
-		{                                                                                  \
-			0                                                                          \
-		}                                                                                  \
-	}
+/*
+ * The smallest kvt_config size accepted: the fields of the first release (0.1), `size` through
+ * `gpu_cache_bytes` (136 bytes on LP64). A caller may stop there; the reserved tail reads as zero.
+ */
+#define KVT_CONFIG_SIZE_VER0 (offsetof(kvt_config, gpu_cache_bytes) + sizeof(uint64_t))
 
-/* Counters since kvt_cache_create. `size` must be set to sizeof(kvt_stats) by the caller. */
+/*
+ * `kvt_config cfg = KVT_CONFIG_INIT;`: size set, everything else 0. Written with a designator in C
+ * (and as a value-initialized copy in C++, which has designators only from C++20) because a
+ * positional `{ sizeof(kvt_config) }` draws -Wmissing-field-initializers under -Wextra.
+ */
+#ifdef __cplusplus
+#define KVT_CONFIG_INIT                                                                            \
+	([]() -> kvt_config {                                                                      \
+		kvt_config kvt_c_ = kvt_config();                                                  \
+		kvt_c_.size = sizeof(kvt_config);                                                  \
+		return kvt_c_;                                                                     \
+	}())
+#else
+#define KVT_CONFIG_INIT { .size = sizeof(kvt_config) }
+#endif
+
+/*
+ * Output structs (kvt_stats, kvt_layer_stats, kvt_probe_info, kvt_footprint) start with `size`, set
+ * by the caller to the sizeof of the header it was built with. The library fills the fields that
+ * fit in `size` and leaves every byte past `size` untouched; a size larger than the library's own
+ * struct (a caller built against a later version) gets the fields this library knows and zeros up to
+ * `size`. A size below the struct's KVT_*_SIZE_VER0 (its first release's size) is -EINVAL. `size`
+ * itself is left as the caller set it.
+ */
+
+/* Counters since kvt_cache_create. */
 typedef struct kvt_stats {
-	size_t size;
+	size_t size;                  /* set by the caller: sizeof(kvt_stats) */
 	const char *backend;          /* "cpu" or "cuda"; static storage */
 	uint64_t seqs_open;
 	uint64_t tokens;              /* tokens held, summed over open sequences and layers */
@@ -164,12 +226,17 @@ typedef struct kvt_stats {
 	uint64_t ns_attend;           /* gather and exact attention */
 } kvt_stats;
 
+/* The size of the first release's kvt_stats: the smallest kvt_get_stats accepts. */
+#define KVT_STATS_SIZE_VER0 (offsetof(kvt_stats, ns_attend) + sizeof(uint64_t))
+
 typedef struct kvt_cache kvt_cache;
 
 /*
- * Create a cache. `cfg` must start from KVT_CONFIG_INIT. On success *out receives the cache and 0 is
- * returned; on failure *out is untouched and kvt_last_error(NULL) gives the detail on this thread.
- * Errors: -EINVAL (NULL pointer, bad size, reserved field, any field out of range: the text names it),
+ * Create a cache. `cfg` must start from KVT_CONFIG_INIT; it is read up to cfg->size (the size rule of
+ * kvt_config) and the cache keeps a copy with every default resolved. On success *out receives the
+ * cache and 0 is returned; on failure *out is untouched and kvt_last_error(NULL) gives the detail on
+ * this thread. Errors: -EINVAL (NULL pointer, a size outside the rule or a nonzero byte past this
+ * library's struct, pad0 or a reserved field set, any field out of range: the text names it),
  * -ENOMEM, -EOPNOTSUPP (CUDA backend requested but not built), -ENODEV (CUDA requested, no GPU).
  * Thread safety: may be called from any thread.
  */
@@ -290,15 +357,16 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
 		       void *stream);
 
 /*
- * Fill *stats (stats->size must be sizeof(kvt_stats)). With the CUDA backend this waits for the
- * device to finish the work already queued (the fetch counters live on the device).
- * Errors: -EINVAL, -EIO (the device failed).
+ * Fill *stats up to stats->size (the output-struct rule above). With the CUDA backend this waits for
+ * the device to finish the work already queued (the fetch counters live on the device).
+ * Errors: -EINVAL (NULL, stats->size below KVT_STATS_SIZE_VER0: the text names both), -EIO (the
+ * device failed). Thread safety: a call on the cache (serialized by the caller).
  */
 KVT_API int kvt_get_stats(kvt_cache *cache, kvt_stats *stats);
 
 /* Fetch counters of one layer since kvt_cache_create (CUDA backend; zeros for the CPU backend). */
 typedef struct kvt_layer_stats {
-	size_t size;             /* sizeof(kvt_layer_stats), set by the caller */
+	size_t size;             /* set by the caller: sizeof(kvt_layer_stats) */
 	uint64_t steps;          /* sequences attended or selected on this layer */
 	uint64_t hot_hits;       /* sink and selected rows served from the hot cache */
 	uint64_t hot_misses;     /* sink and selected rows read from the host tier */
@@ -308,13 +376,118 @@ typedef struct kvt_layer_stats {
 	uint64_t hot_rows;       /* rows the layer's hot cache can hold */
 } kvt_layer_stats;
 
+/* The size of the first release's kvt_layer_stats: the smallest kvt_get_layer_stats accepts. */
+#define KVT_LAYER_STATS_SIZE_VER0 (offsetof(kvt_layer_stats, hot_rows) + sizeof(uint64_t))
+
 /*
- * Fill *stats with the counters of `layer` (stats->size must be sizeof(kvt_layer_stats)). Waits for
- * the device like kvt_get_stats. Errors: -EINVAL (NULL, size, layer out of range), -EIO.
+ * Fill *stats with the counters of `layer`, up to stats->size (the output-struct rule above). Waits
+ * for the device like kvt_get_stats. Errors: -EINVAL (NULL, stats->size below
+ * KVT_LAYER_STATS_SIZE_VER0, layer out of range), -EIO. Thread safety: as kvt_get_stats.
  */
 KVT_API int kvt_get_layer_stats(kvt_cache *cache, uint32_t layer, kvt_layer_stats *stats);
 
-/* Static text for a return code (negative errno values and 0). Never NULL. */
+/* ---- what this build and machine offer, and what a configuration needs ------------------ */
+
+/* CUDA devices kvt_probe lists at most. */
+#define KVT_PROBE_MAX_DEVICES 16
+
+/* Filled by kvt_probe (output-struct rule above). Counts are 0 and texts "" where unknown. */
+typedef struct kvt_probe_info {
+	size_t size;                /* set by the caller: sizeof(kvt_probe_info) */
+	uint32_t cuda_built;        /* 1: this build has the CUDA backend */
+	uint32_t cuda_devices;      /* CUDA devices the runtime reports (0 without CUDA or a GPU) */
+	char cuda_busid[KVT_PROBE_MAX_DEVICES][16]; /* PCI bus id of device i ("0000:3b:00.0"), the
+						   first min(cuda_devices, 16) devices */
+	uint32_t io_uring_built;    /* 1: this build has the NVMe tier (liburing) */
+	uint32_t io_uring_usable;   /* 1: the kernel lets this process set up an io_uring */
+	uint32_t hwloc_built;       /* 1: host-tier placement near the GPU through hwloc */
+	uint32_t numa_built;        /* 1: host-tier binding through libnuma */
+	uint32_t numa_nodes;        /* NUMA nodes with memory (/sys/devices/system/node), >= 1 */
+	uint32_t pad0;
+	char thp_mode[16];          /* transparent huge pages: "always", "madvise", "never" or "" */
+	uint64_t hugepage_bytes;    /* default hugetlb page size (/proc/meminfo Hugepagesize) */
+	uint64_t hugepages_total;   /* hugetlb pages of that size reserved (HugePages_Total) */
+	uint64_t hugepages_free;    /* of which free (HugePages_Free) */
+	uint64_t memlock_soft;      /* RLIMIT_MEMLOCK, bytes; UINT64_MAX: unlimited */
+	uint64_t memlock_hard;
+	uint64_t host_memory_bytes; /* physical memory (MemTotal) */
+	uint64_t host_available_bytes; /* memory available without swapping (MemAvailable) */
+} kvt_probe_info;
+
+/* The size of the first release's kvt_probe_info: the smallest kvt_probe accepts. */
+#define KVT_PROBE_INFO_SIZE_VER0 (offsetof(kvt_probe_info, host_available_bytes) + sizeof(uint64_t))
+
+/*
+ * Say what this build and machine offer, without creating a cache: backends built, CUDA devices and
+ * their PCI bus ids (initializes the CUDA runtime when the backend is built), io_uring, placement
+ * libraries, huge pages, the memlock limit. Reads /proc and /sys; a file it cannot read leaves its
+ * fields 0. Returns 0. Errors: -EINVAL (NULL, info->size below KVT_PROBE_INFO_SIZE_VER0; detail in
+ * kvt_last_error(NULL)). Thread safety: any thread.
+ */
+KVT_API int kvt_probe(kvt_probe_info *info);
+
+/*
+ * What a configuration needs for one sequence of n_tokens tokens (every layer holding n_tokens), by
+ * tier, as the library allocates it. Filled by kvt_footprint_of (output-struct rule above).
+ * Per-sequence figures grow with the number of sequences; per-cache figures are paid once.
+ * HBM is what the CUDA backend takes in device memory; the CPU backend keeps the same index,
+ * centroids and rotations in ordinary host memory (not in the host tier), and has no window ring,
+ * selection arrays or hot cache on a device.
+ */
+typedef struct kvt_footprint {
+	size_t size;                /* set by the caller: sizeof(kvt_footprint) */
+	/* units */
+	uint64_t row_bytes;         /* K and V of one token of one KV head: 4 head_dim */
+	uint64_t block_bytes;       /* a host-tier block: 256 rows of one layer and KV head */
+	uint64_t nvme_block_bytes;  /* the same block in an NVMe file: header, checksums and payload,
+				       each 4 KiB aligned (doc/nvme-format.md) */
+	uint64_t index_token_bytes; /* index of one token over every layer and KV head:
+				       (head_dim / 8 + 4) n_kv_heads n_layers */
+	/* one sequence */
+	uint64_t index_tokens;      /* tokens indexed per layer after a prefill of n_tokens:
+				       n_tokens - n_sink - window (0 when shorter) */
+	uint64_t seq_blocks;        /* host-tier blocks: ceil(n_tokens / 256) n_kv_heads n_layers */
+	uint64_t host_bytes;        /* seq_blocks block_bytes: host-tier bytes of its rows */
+	uint64_t nvme_bytes;        /* seq_blocks nvme_block_bytes: NVMe bytes with every block spilled
+				       (a spill keeps the window's blocks in host memory: an upper
+				       bound) */
+	uint64_t hbm_index_bytes;   /* index_tokens index_token_bytes: codes, sigma and beta */
+	uint64_t hbm_centroid_bytes; /* key and query centroids: 8 head_dim n_kv_heads n_layers */
+	uint64_t hbm_window_bytes;  /* the window ring: (window + 2 flush_batch) rows per layer and KV
+				       head (a flush reads its oldest B rows while B more arrive) */
+	uint64_t hbm_selection_bytes; /* its part of each layer's last selection, counted as if the
+					 sequence decoded in a batch: 4 (round_up(index_tokens, 4)
+					 + 1) n_kv_heads n_layers, the rounded count at least 4 */
+	uint64_t hbm_block_table_bytes; /* device copy of its host-tier block table: 8 bytes per block */
+	uint64_t hbm_seq_bytes;     /* the five hbm_* figures above together */
+	/* once per cache */
+	uint64_t hbm_rotation_bytes; /* the per-layer rotations: 4 head_dim^2 n_layers */
+	uint64_t hbm_hot_bytes;     /* the hot-token cache as allocated: gpu_cache_bytes rounded down
+				       to whole 8-way sets of a row and its tags per layer */
+	uint64_t hbm_hot_rows;      /* rows the hot cache holds, all layers together */
+	uint64_t hbm_cache_bytes;   /* rotations and hot cache */
+} kvt_footprint;
+
+/* The size of the first release's kvt_footprint: the smallest kvt_footprint_of accepts. */
+#define KVT_FOOTPRINT_SIZE_VER0 (offsetof(kvt_footprint, hbm_cache_bytes) + sizeof(uint64_t))
+
+/*
+ * Fill *out with what `cfg` needs for one sequence of n_tokens tokens, without creating a cache or
+ * touching a device. `cfg` is validated and its defaults resolved exactly as kvt_cache_create does
+ * (the backend and device are not probed). Not counted: per-step scratch sized by the batch (scores,
+ * row lists, threshold histograms), the staging of a prefill chunk, small fixed device state
+ * (counters, error word, index-job descriptors), and index storage a CUDA layer keeps beyond its
+ * tokens: the device index grows by doubling from 1024 tokens per KV head, so decoding past a
+ * prefill can hold up to twice hbm_index_bytes.
+ * Returns 0. Errors: -EINVAL (NULL, a bad configuration or size: the text, in kvt_last_error(NULL),
+ * names it; n_tokens above 2^31 - 1, the most a sequence holds). Thread safety: any thread.
+ */
+KVT_API int kvt_footprint_of(const kvt_config *cfg, uint64_t n_tokens, kvt_footprint *out);
+
+/*
+ * Static text for a return code: 0, and each negative code of the convention block at the top of
+ * this header; "unknown error code" for any other value. Never NULL. Thread safety: any thread.
+ */
 KVT_API const char *kvt_strerror(int code);
 
 /*

@@ -253,7 +253,8 @@ static inline void *t_alloc(size_t bytes)
 
 /*
  * A small cache configuration on the CPU backend with fp32 outputs: n_sink 4, window 16,
- * flush_batch 8, 64 MiB host tier, 8 sequences.
+ * flush_batch 8, 64 MiB host tier, 8 sequences; p, budget_min and seed set to the library's
+ * defaults explicitly, since reference computations read them from this struct.
  */
 static inline kvt_config t_config(uint32_t n_layers, uint32_t n_q_heads, uint32_t n_kv_heads,
 				  uint32_t head_dim, uint32_t dtype)
@@ -271,6 +272,9 @@ static inline kvt_config t_config(uint32_t n_layers, uint32_t n_q_heads, uint32_
 	cfg.n_sink = 4;
 	cfg.window = 16;
 	cfg.flush_batch = 8;
+	cfg.p = KVT_DEFAULT_P;
+	cfg.budget_min = KVT_DEFAULT_BUDGET_MIN;
+	cfg.seed = KVT_DEFAULT_SEED;
 	return cfg;
 }
 

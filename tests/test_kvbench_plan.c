@@ -136,7 +136,7 @@ static void test_short_context(void **state)
 	EQ(kvt_tokens, 800);
 }
 
-/* A zero count or a head dim that is not a multiple of 8 is refused. */
+/* A zero count or a head dim the library does not serve is refused. */
 static void test_bad_shape(void **state)
 {
 	(void)state;

@@ -916,7 +916,7 @@ static void test_config_errors(void **state)
 		{"nvme_bytes[0] = 0", "nvme_bytes[0]", 1, 1, 2, 0, 64u << 20, 0},
 		{"spill_policy LRU without NVMe", "spill_policy", 0, 0, 0, KVT_SPILL_LRU, 64u << 20, 0},
 		{"nvme_cache_bytes = 1 MiB - 1", "nvme_cache_bytes", 1, 1, 1, 0, (1u << 20) - 1, 0},
-		{"nvme_cache_bytes = 0", "nvme_cache_bytes", 1, 1, 1, 0, 0, 0},
+		{"nvme_cache_bytes = 2 TiB", "nvme_cache_bytes", 1, 1, 1, 0, (uint64_t)2 << 40, 0},
 		{"nvme_queue_depth = 1025", "nvme_queue_depth", 1, 1, 1, 0, 64u << 20, 1025},
 		{"n_nvme = 65", "n_nvme", 65, 1, 1, 0, 64u << 20, 0},
 		{"spill_policy = 2", "spill_policy", 1, 1, 1, 2, 64u << 20, 0},

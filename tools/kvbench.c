@@ -162,13 +162,13 @@ static void create_cache(bench *b)
 	cfg.backend = o->backend;
 	cfg.max_seqs = o->seqs;
 	cfg.p = o->p;
-	cfg.n_sink = o->sinks;
-	cfg.window = o->window;
+	cfg.n_sink = KVT_EXACT(o->sinks); /* 0 given on the command line means 0 */
+	cfg.window = KVT_EXACT(o->window);
 	cfg.flush_batch = o->flush;
-	cfg.budget_min = o->budget_min;
+	cfg.budget_min = KVT_EXACT(o->budget_min);
 	cfg.budget_max = o->budget_max;
-	cfg.seed = o->seed;
-	cfg.gpu_cache_bytes = o->gpu_cache;
+	cfg.seed = KVT_EXACT64(o->seed);
+	cfg.gpu_cache_bytes = KVT_EXACT64(o->gpu_cache);
 	tier_config(b, &cfg);
 	int rc = kvt_cache_create(&cfg, &b->cache);
 	tier_created(b);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * kvbench's options. The selection and tier defaults come from a KVT_CONFIG_INIT initializer rather
+ * kvbench's options. The selection and tier defaults come from kvtier.h's KVT_DEFAULT_* rather
  * than copies, so that kvbench measures what a caller of the library gets by default and --help
  * states it.
  */
@@ -23,14 +23,15 @@ static const uint32_t spill_codes[] = {KVT_SPILL_NONE, KVT_SPILL_LRU};
 
 static void opts_default(opts *o)
 {
-	const kvt_config cfg = KVT_CONFIG_INIT;
+	/* nvme_qd and budget_max 0: the library's own defaults (32; no cap) */
 	*o = (opts){.context = 24576, .steps = 16, .layers = 2, .seqs = 1, .q_heads = 32,
-		    .kv_heads = 8, .head_dim = 128, .chunk = 4096, .dtype = cfg.dtype,
-		    .backend = KVT_BACKEND_CPU, .seed = 1, .p = cfg.p, .sinks = cfg.n_sink,
-		    .window = cfg.window, .flush = cfg.flush_batch, .budget_min = cfg.budget_min,
-		    .budget_max = cfg.budget_max, .nvme_cache = cfg.nvme_cache_bytes,
-		    .nvme_qd = cfg.nvme_queue_depth, .spill = cfg.spill_policy,
-		    .gpu_cache = cfg.gpu_cache_bytes, .model_layers = 32, .gpu_bytes = 80ull << 30,
+		    .kv_heads = 8, .head_dim = 128, .chunk = 4096, .dtype = KVT_DTYPE_F16,
+		    .backend = KVT_BACKEND_CPU, .seed = 1, .p = KVT_DEFAULT_P,
+		    .sinks = KVT_DEFAULT_N_SINK, .window = KVT_DEFAULT_WINDOW,
+		    .flush = KVT_DEFAULT_FLUSH_BATCH, .budget_min = KVT_DEFAULT_BUDGET_MIN,
+		    .budget_max = 0, .nvme_cache = KVT_DEFAULT_NVME_CACHE_BYTES, .nvme_qd = 0,
+		    .spill = KVT_SPILL_NONE, .gpu_cache = KVT_DEFAULT_GPU_CACHE_BYTES,
+		    .model_layers = 32, .gpu_bytes = 80ull << 30,
 		    .weights_bytes = 15ull << 30, .stress_modes = "all", .stress_budget = 1024};
 }
 
@@ -64,7 +65,7 @@ static void usage(FILE *f, const opts *d)
 		"Prefill a synthetic long context into a kvtier cache, decode, and compare with exact\n"
 		"attention. Defaults: a Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128,\n"
 		"fp16), 2 layers, 16 steps, one sequence of 24576 tokens, CPU backend; selection and\n"
-		"tier settings are the library's defaults (KVT_CONFIG_INIT), shown in parentheses.\n"
+		"tier settings are the library's defaults (KVT_DEFAULT_*), shown in parentheses.\n"
 		"  --context N      prefill tokens per sequence (%u)\n"
 		"  --steps N        decode steps (%u; per decode phase with --capacity)\n"
 		"  --layers N       layers (%u)\n"

@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Capacity arithmetic (kvbench_plan.h). What it counts, per layer and KV head:
+ * Capacity arithmetic (kvbench_plan.h) on the library's sizing call, kvt_footprint_of: the row,
+ * block, index, window and selection bytes are the library's; this file only divides the GPU, host
+ * and NVMe budgets by them. What it counts, per layer and KV head:
  *   full K/V in HBM   4 D bytes per token (K and V, 2 bytes per element)
  *   kvtier in HBM     D/8 + 4 bytes per indexed token (the index: code, sigma, beta), the window
  *                     ring of window + 2 flush full rows per sequence (the CUDA backend's: a flush
@@ -10,7 +12,8 @@
  *                     decodes in one batch), and the hot-token cache once
  *   host tier         every token's row, in whole 256-token blocks
  *   NVMe              the same blocks, each with its header, 4 KiB aligned
- * It leaves out what does not scale with the sequences (rotations, centroids, staging) and the
+ * It leaves out the rotations (once per cache), the centroids and the device block table (per
+ * sequence, small: kvt_footprint's hbm_centroid_bytes and hbm_block_table_bytes), staging, and the
  * scratch of one step (once, not per layer: scores, row lists and the threshold's histograms,
  * doc/cuda-backend.md), and counts
  * a spilled sequence's NVMe blocks without the window blocks it keeps in host memory: kvt_seqs is
@@ -20,37 +23,46 @@
 
 #include <stddef.h>
 
-static uint64_t round_up(uint64_t x, uint64_t a)
+#include "kvtier.h"
+
+/* The library's figures for one sequence of in->context tokens (kvt_footprint_of). */
+static int footprint(const kb_plan_in *in, kvt_footprint *f)
 {
-	return (x + a - 1) / a * a;
+	kvt_config cfg = KVT_CONFIG_INIT;
+	cfg.n_layers = in->layers;
+	cfg.n_q_heads = in->kv_heads; /* query heads change no byte of the footprint */
+	cfg.n_kv_heads = in->kv_heads;
+	cfg.head_dim = in->head_dim;
+	cfg.n_sink = KVT_EXACT(in->sinks);
+	cfg.window = KVT_EXACT(in->window);
+	cfg.flush_batch = in->flush;
+	f->size = sizeof *f;
+	return kvt_footprint_of(&cfg, in->context, f) < 0 ? -1 : 0;
 }
 
 int kb_plan_compute(const kb_plan_in *in, kb_plan *out)
 {
-	if (!in->layers || !in->kv_heads || !in->head_dim || in->head_dim % 8 || !in->context)
+	kvt_footprint f;
+	if (!in->layers || !in->kv_heads || !in->head_dim || !in->context || !in->flush ||
+	    footprint(in, &f) < 0)
 		return -1;
-	const uint64_t kl = (uint64_t)in->kv_heads * in->layers, row = 4ull * in->head_dim;
 	kb_plan p = {0};
 	p.kv_free = in->gpu_bytes > in->weights_bytes ? in->gpu_bytes - in->weights_bytes : 0;
-	p.full_token_bytes = row * kl;
+	p.full_token_bytes = f.row_bytes * in->kv_heads * in->layers;
 	p.full_tokens = p.kv_free / p.full_token_bytes;
 	p.full_seqs = p.full_tokens / in->context;
 
-	uint64_t front = (uint64_t)in->sinks + in->window;
-	p.index_token_bytes = ((uint64_t)in->head_dim / 8 + 4) * kl;
-	p.index_tokens = in->context > front ? in->context - front : 0;
-	p.window_seq_bytes = ((uint64_t)in->window + 2ull * in->flush) * row * kl;
-	const uint64_t sel_ld = p.index_tokens ? round_up(p.index_tokens, 4) : 4;
-	p.sel_seq_bytes = 4 * (sel_ld + 1) * kl;
-	p.hbm_seq_bytes = p.index_tokens * p.index_token_bytes + p.window_seq_bytes + p.sel_seq_bytes;
+	p.index_token_bytes = f.index_token_bytes;
+	p.index_tokens = f.index_tokens;
+	p.window_seq_bytes = f.hbm_window_bytes;
+	p.sel_seq_bytes = f.hbm_selection_bytes;
+	p.hbm_seq_bytes = f.hbm_index_bytes + p.window_seq_bytes + p.sel_seq_bytes;
 	uint64_t hbm = p.kv_free > in->hot_bytes ? p.kv_free - in->hot_bytes : 0;
 	p.hbm_seqs = p.hbm_seq_bytes ? hbm / p.hbm_seq_bytes : UINT64_MAX;
 
-	p.block_bytes = KB_PLAN_BLOCK_TOKENS * row;
-	uint64_t chunks = (p.block_bytes + 4095) / 4096;
-	p.nvme_block_bytes = round_up(KB_PLAN_NVME_HDR + 4 * chunks, KB_PLAN_NVME_ALIGN) +
-			     round_up(p.block_bytes, KB_PLAN_NVME_ALIGN);
-	p.seq_blocks = (in->context + KB_PLAN_BLOCK_TOKENS - 1) / KB_PLAN_BLOCK_TOKENS * kl;
+	p.block_bytes = f.block_bytes;
+	p.nvme_block_bytes = f.nvme_block_bytes;
+	p.seq_blocks = f.seq_blocks;
 	uint64_t host_blocks = in->host_bytes / p.block_bytes;
 	uint64_t nvme_blocks = in->nvme_bytes / p.nvme_block_bytes;
 	p.host_seqs = host_blocks / p.seq_blocks;

@@ -2,19 +2,14 @@
 /*
  * The capacity arithmetic of kvbench --plan: how many sequences of a given context a GPU can serve
  * with kvtier (compact index, window buffer, last selection and hot cache in HBM; full K/V rows in
- * the host tier and on NVMe) against keeping the full K/V in HBM. Pure integer arithmetic, no
- * library call, so tests check it against hand-computed cases (tests/test_kvbench_plan.c).
+ * the host tier and on NVMe) against keeping the full K/V in HBM. The bytes per row, block, index
+ * token, window and selection come from the library (kvt_footprint_of); tests check the result
+ * against hand-computed cases (tests/test_kvbench_plan.c).
  */
 #ifndef KVBENCH_PLAN_H
 #define KVBENCH_PLAN_H
 
 #include <stdint.h>
-
-/* Tokens of one host-tier block of one layer and KV head (the unit of allocation and spilling). */
-#define KB_PLAN_BLOCK_TOKENS 256u
-/* The NVMe tier's I/O alignment and the fixed part of its block header (doc/nvme-format.md). */
-#define KB_PLAN_NVME_ALIGN 4096u
-#define KB_PLAN_NVME_HDR 64u
 
 typedef struct kb_plan_in {
 	uint32_t layers, kv_heads, head_dim; /* the whole model's attention shape */
@@ -51,7 +46,9 @@ typedef struct kb_plan {
 	const char *limit;          /* what bounds kvt_seqs: "HBM" or "host+NVMe" ("host" without NVMe) */
 } kb_plan;
 
-/* Fill *out from *in. Returns 0, or -1 when a count is zero or head_dim is not a multiple of 8. */
+/* Fill *out from *in. Returns 0, or -1 when a count is zero or the library refuses the shape
+ * (kvt_footprint_of: head_dim 64, 128 or 256, at most 1024 KV heads and 4096 layers, sinks and
+ * window at most 65536; kvt_last_error(NULL) says which). */
 int kb_plan_compute(const kb_plan_in *in, kb_plan *out);
 
 #endif /* KVBENCH_PLAN_H */

@@ -185,8 +185,7 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 		b->o.nvme_qd = qd;
 		/* a block cache smaller than the spilled rows, so each step reads from the files
 		 * (with the default 64 MiB every depth soon read the same bytes from the cache) */
-		kvt_config def = KVT_CONFIG_INIT;
-		if (o->nvme_cache == def.nvme_cache_bytes)
+		if (o->nvme_cache == KVT_DEFAULT_NVME_CACHE_BYTES)
 			b->o.nvme_cache = 4ull << 20;
 	}
 	setup(b);

@@ -193,17 +193,16 @@ bad:
 /* Returns 0 to run, 1 after --help, -1 on a bad option. */
 static int parse_opts(int argc, char **argv, topts *o)
 {
-	kvt_config def = KVT_CONFIG_INIT;
-	*o = (topts){.p = def.p,
+	*o = (topts){.p = KVT_DEFAULT_P,
 		     .backend = KVT_BACKEND_AUTO,
 		     .dtype = KVT_DTYPE_F16,
-		     .sinks = def.n_sink,
-		     .window = def.window,
-		     .flush = def.flush_batch,
-		     .budget_min = def.budget_min,
-		     .budget_max = def.budget_max,
+		     .sinks = KVT_DEFAULT_N_SINK,
+		     .window = KVT_DEFAULT_WINDOW,
+		     .flush = KVT_DEFAULT_FLUSH_BATCH,
+		     .budget_min = KVT_DEFAULT_BUDGET_MIN,
+		     .budget_max = 0,
 		     .chunk = 4096,
-		     .seed = def.seed};
+		     .seed = KVT_DEFAULT_SEED};
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *val = NULL, *eq = strchr(a, '=');
 		char flag[32];
@@ -637,12 +636,12 @@ static int create_cache(rp *r)
 	cfg.max_seqs = 1;
 	cfg.p = r->o.p;
 	cfg.scale = (float)m->scale;
-	cfg.n_sink = r->o.sinks;
-	cfg.window = r->o.window;
+	cfg.n_sink = KVT_EXACT(r->o.sinks); /* 0 given on the command line means 0 */
+	cfg.window = KVT_EXACT(r->o.window);
 	cfg.flush_batch = r->o.flush;
-	cfg.budget_min = r->o.budget_min;
+	cfg.budget_min = KVT_EXACT(r->o.budget_min);
 	cfg.budget_max = r->o.budget_max;
-	cfg.seed = r->o.seed;
+	cfg.seed = KVT_EXACT64(r->o.seed);
 	/* one layer of one sequence at a time, in whole 256-token blocks, twice, plus slack */
 	uint64_t rows = ((uint64_t)r->cap + 255) / 256 * 256;
 	cfg.host_bytes = 2 * rows * m->n_kv_heads * 2 * m->head_dim * 2 + (64ull << 20);
