@@ -224,7 +224,7 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	b->jobs_bytes = gpu_up(sizeof(kvt_gpu_index_job) * (2 * M + 2)) +
 			sizeof(kvt_gpu_index_view) * (M + 1);
 	/* the hot caches: one allocation, split evenly over the layers */
-	const size_t way = c->row_bytes + 2 * sizeof(unsigned long long) + sizeof(uint32_t);
+	const size_t way = c->row_bytes + KVT_GPU_HOT_TAG_BYTES;
 	const uint64_t sets = c->cfg.gpu_cache_bytes / L / (way * KVT_GPU_HOT_WAYS);
 	const uint64_t slots = sets * KVT_GPU_HOT_WAYS;
 	if (sets) {

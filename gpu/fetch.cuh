@@ -42,7 +42,6 @@
 extern "C" {
 #endif
 
-#define KVT_GPU_HOT_WAYS 8u
 /* Bytes a kernel-parameter upload carries per launch (kvt_gpu_upload). */
 #define KVT_GPU_UPLOAD_CHUNK 3072u
 

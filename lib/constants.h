@@ -11,5 +11,11 @@
 #define KVT_MAX_WORDS (KVT_MAX_HEAD_DIM / 32u)
 /* Tokens of one KV head per host-tier block: neighbouring tokens of a head stay contiguous. */
 #define KVT_BLOCK_TOKENS 256u
+/* Ways of a set of the CUDA backend's hot cache, and the bytes each way keeps beside its row: two
+ * 64-bit tag words and a 32-bit last-use epoch (gpu/fetch.cuh; lib/probe.c sizes it from these). */
+#define KVT_GPU_HOT_WAYS 8u
+#define KVT_GPU_HOT_TAG_BYTES (2 * 8u + 4u)
+/* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
+#define KVT_TABLE_MIN_BLOCKS 4u
 
 #endif

@@ -110,7 +110,7 @@ static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
 {
 	if (blocks <= l->blk_cap)
 		return 0;
-	uint32_t cap = l->blk_cap ? l->blk_cap * 2 : 4;
+	uint32_t cap = l->blk_cap ? l->blk_cap * 2 : KVT_TABLE_MIN_BLOCKS;
 	cap = cap < blocks ? blocks : cap;
 	void **t = regrow(c, l->blocks, sizeof(void *), l->blk_cap, cap, c->cfg.n_kv_heads);
 	struct kvt_spill *sp = NULL;

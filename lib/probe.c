@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * kvt_probe (what this build and machine offer) and kvt_footprint_of (what a configuration needs
- * per tier). Neither creates a cache. The footprint restates how lib/seq.c, lib/api.c, host/ and
+ * per tier). Neither creates a cache. The footprint restates how lib/layer.c, lib/api.c, host/ and
  * gpu/backend.c size their allocations; tests/test_abi.c checks it against a live cache's host tier.
  */
 #include <stdio.h>
@@ -13,28 +13,20 @@
 
 /* ---- kvt_probe ------------------------------------------------------------------------- */
 
-/* Ways of a set of the CUDA hot cache (KVT_GPU_HOT_WAYS, gpu/fetch.cuh) and the tags each way keeps
- * beside its row: two 64-bit tag words and a 32-bit last-use epoch (gpu/backend.c). */
-#define HOT_WAYS 8u
-#define HOT_WAY_TAG_BYTES (2 * sizeof(unsigned long long) + sizeof(uint32_t))
 /* The NVMe tier's I/O alignment assumed for sizes: 4 KiB, the logical block of NVMe drives. */
 #define NVME_ALIGN 4096u
-/* Blocks per KV head a host-tier block table starts with (lib/seq.c reserve_table). */
-#define TABLE_MIN_BLOCKS 4u
 
 static void probe_cuda(kvt_probe_info *p)
 {
-	p->cuda_built = kvt_cuda_backend_ops != NULL;
-#if KVT_HAVE_CUDA
-	char why[256];
-	for (int i = 0; i < KVT_PROBE_MAX_DEVICES; i++) {
+	const struct kvt_backend_ops *cuda = kvt_cuda_backend_ops;
+	p->cuda_built = cuda != NULL;
+	for (int i = 0; cuda && i < KVT_PROBE_MAX_DEVICES; i++) {
 		char busid[sizeof p->cuda_busid[0]] = "";
-		if (kvt_gpu_probe(i, busid, sizeof busid, why, sizeof why) < 0)
+		if (cuda->probe(i, busid, sizeof busid, NULL) < 0)
 			break;
 		memcpy(p->cuda_busid[i], busid, sizeof busid);
 		p->cuda_devices++;
 	}
-#endif
 }
 
 /* The value of `key` (a "Key:   123 kB" line) in /proc/meminfo, in bytes when it has a unit. */
@@ -101,7 +93,7 @@ KVT_API int kvt_probe(kvt_probe_info *info)
 	kvt_probe_info p = {.size = sizeof p};
 	probe_cuda(&p);
 	p.io_uring_built = KVT_HAVE_LIBURING;
-	p.io_uring_usable = kvt_nvme_available(NULL, 0) > 0;
+	p.io_uring_usable = kvt_nvme_available(NULL) > 0;
 	p.hwloc_built = KVT_HAVE_HWLOC;
 	p.numa_built = KVT_HAVE_NUMA;
 	p.numa_nodes = numa_nodes();
@@ -153,14 +145,14 @@ static void footprint_hbm(const kvt_config *c, uint64_t n_tokens, kvt_footprint 
 	const uint64_t ld = f->index_tokens ? round_up(f->index_tokens, 4) : 4;
 	f->hbm_selection_bytes = sizeof(uint32_t) * (ld + 1) * kl;
 	uint64_t blocks = (n_tokens + KVT_BLOCK_TOKENS - 1) / KVT_BLOCK_TOKENS;
-	blocks = blocks > TABLE_MIN_BLOCKS ? blocks : TABLE_MIN_BLOCKS;
+	blocks = blocks > KVT_TABLE_MIN_BLOCKS ? blocks : KVT_TABLE_MIN_BLOCKS;
 	f->hbm_block_table_bytes = sizeof(void *) * blocks * kl;
 	f->hbm_seq_bytes = f->hbm_index_bytes + f->hbm_centroid_bytes + f->hbm_window_bytes +
 			   f->hbm_selection_bytes + f->hbm_block_table_bytes;
 	f->hbm_rotation_bytes = sizeof(float) * d * d * c->n_layers;
-	const uint64_t way = f->row_bytes + HOT_WAY_TAG_BYTES;
-	const uint64_t sets = c->gpu_cache_bytes / c->n_layers / (way * HOT_WAYS);
-	f->hbm_hot_rows = sets * HOT_WAYS * c->n_layers;
+	const uint64_t way = f->row_bytes + KVT_GPU_HOT_TAG_BYTES;
+	const uint64_t sets = c->gpu_cache_bytes / c->n_layers / (way * KVT_GPU_HOT_WAYS);
+	f->hbm_hot_rows = sets * KVT_GPU_HOT_WAYS * c->n_layers;
 	f->hbm_hot_bytes = f->hbm_hot_rows * way;
 	f->hbm_cache_bytes = f->hbm_rotation_bytes + f->hbm_hot_bytes;
 }

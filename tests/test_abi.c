@@ -246,7 +246,7 @@ static void test_probe(void **state)
 	const kvt_probe_info *p = &b.u.pi;
 	EQ("cuda_built", p->cuda_built, KVT_HAVE_CUDA_BACKEND);
 	EQ("io_uring_built", p->io_uring_built, KVT_HAVE_LIBURING);
-	EQ("io_uring_usable", p->io_uring_usable, kvt_nvme_available(NULL, 0) > 0);
+	EQ("io_uring_usable", p->io_uring_usable, kvt_nvme_available(NULL) > 0);
 	EQ("hwloc_built", p->hwloc_built, KVT_HAVE_HWLOC);
 	EQ("numa_built", p->numa_built, KVT_HAVE_NUMA);
 	T_CHECK(p->numa_nodes >= 1, "%s: numa_nodes got %u, wanted >= 1", name, p->numa_nodes);
