@@ -21,7 +21,10 @@ if [ -n "$missing" ]; then
 fi
 
 if [ ! -f build/build.ninja ]; then
-	meson setup build --buildtype=debugoptimized
+	# CI builds treat warnings as errors (Meson's built-in werror option)
+	werror=false
+	[ "${CI:-}" = true ] && werror=true
+	meson setup build --buildtype=debugoptimized -Dwerror=$werror
 fi
 meson compile -C build
 

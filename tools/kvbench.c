@@ -547,7 +547,7 @@ void run_point(const opts *o, const kb_plan *plan, kb_result *r)
 	free(b);
 }
 
-int main(int argc, char **argv)
+int kvbench_main(int argc, char **argv)
 {
 	static bench b;
 	for (int i = 1; i < argc; i++)

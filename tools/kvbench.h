@@ -163,6 +163,10 @@ typedef struct kb_result {
 	kb_plan plan;           /* at this point's context */
 } kb_result;
 
+/* kvbench's whole run: options, then the mode they select. Returns the exit status (0, 1 or 2);
+ * some errors exit the process with that status directly. */
+int kvbench_main(int argc, char **argv);
+
 /* ---- kvbench_opts.c ---------------------------------------------------------------------- */
 
 /* Parse argv into *o (defaults from KVT_CONFIG_INIT); --help exits 0, a bad option exits 2. */
