@@ -149,7 +149,8 @@ static const kb_run *sort_b;
 
 static int cmp_page(const void *x, const void *y)
 {
-	float a = sort_b->base->pscore[*(const uint32_t *)x], c = sort_b->base->pscore[*(const uint32_t *)y];
+	const float *ps = sort_b->base->pscore;
+	float a = ps[*(const uint32_t *)x], c = ps[*(const uint32_t *)y];
 	return (a < c) - (a > c);
 }
 

@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One synthetic run of kvbench, the spine of every mode but the trace replay. It prefills a synthetic long context (workload.h) into a
- * cache, runs decode steps through kvt_append + kvt_attend, reads back which tokens each KV head
- * attended (kvt_gather), and compares everything with exact fp32 attention over the whole context
- * computed here from the same rounded K/V/q: the softmax mass covered (recall), the share of indexed
- * tokens fetched against the exact Top-p oracle (budget), and the error of the attention output.
- * With --capacity the sequences' K/V exceeds the host tier and moves through the NVMe tier
- * (kvbench_tier.c). doc/kvbench.md describes the workload and every output field; kvbench.h lists
- * the source files.
+ * One synthetic run of kvbench, the spine of every mode but the trace replay. It prefills a
+ * synthetic long context (workload.h) into a cache, runs decode steps through kvt_append +
+ * kvt_attend, reads back which tokens each KV head attended (kvt_gather), and compares everything
+ * with exact fp32 attention over the whole context computed from the same rounded K/V/q
+ * (kvbench_eval.c): the softmax mass covered (recall), the share of indexed tokens fetched against
+ * the exact Top-p oracle (budget), and the error of the attention output. With --capacity the
+ * sequences' K/V exceeds the host tier and moves through the NVMe tier (kvbench_tier.c).
+ * doc/kvbench.md describes the workload and every output field; kvbench.h lists the source files.
  */
 #include "kvbench.h"
 
@@ -128,7 +128,7 @@ void teardown(kb_run *b)
 	base_free(b->base);
 }
 
-/* ---- the documented window rule (kvbench_common.c), checked against the library ----------------------------- */
+/* ---- the documented window rule (kvbench_common.c), checked against the library -------- */
 
 void run_rule_append(kb_run *b, size_t sl)
 {
