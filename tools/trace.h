@@ -163,6 +163,11 @@ uint16_t trace_f32_to_f16(float f);
 float trace_bf16_to_f32(uint16_t h);
 uint16_t trace_f32_to_bf16(float f);
 
+/* Internal to tools/trace*.c: the Python text of a shape tuple ("(3,)", "(3, 4)") into out, and
+ * dir/file into out. */
+void trace_shape_text(const uint64_t *shape, uint32_t ndim, char *out, size_t n);
+void trace_join(const char *dir, const char *file, char *out, size_t n);
+
 /* Write the printf-style text to err (n bytes, may be NULL) and return `code`: the error form of
  * every function above, shared by tools/trace.c and tools/trace_json.c. */
 #if defined(__GNUC__)
