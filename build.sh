@@ -6,7 +6,7 @@
 set -eu
 cd "$(dirname "$0")"
 
-pkgs="meson ninja-build pkg-config gcc g++ libc6-dev libcmocka-dev liburing-dev libhwloc-dev libnuma-dev"
+pkgs="meson ninja-build pkg-config gcc g++ libc6-dev libcmocka-dev liburing-dev libhwloc-dev libnuma-dev python3"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -21,7 +21,10 @@ if [ -n "$missing" ]; then
 fi
 
 if [ ! -f build/build.ninja ]; then
-	meson setup build --buildtype=debugoptimized
+	# CI builds treat warnings as errors (Meson's built-in werror option)
+	werror=false
+	[ "${CI:-}" = true ] && werror=true
+	meson setup build --buildtype=debugoptimized -Dwerror=$werror
 fi
 meson compile -C build
 

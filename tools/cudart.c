@@ -1,4 +1,5 @@
 /* SPDX-License-Identifier: MIT */
+/* libcudart at run time (cudart.h). */
 #include <dlfcn.h>
 #include <string.h>
 
@@ -18,6 +19,14 @@ int cudart_open(cudart *cu, const char **why)
 	*(void **)&cu->free_ = dlsym(cu->lib, "cudaFree");
 	*(void **)&cu->memcpy_ = dlsym(cu->lib, "cudaMemcpy");
 	*(void **)&cu->sync_ = dlsym(cu->lib, "cudaDeviceSynchronize");
+	*(void **)&cu->event_create_ = dlsym(cu->lib, "cudaEventCreate");
+	*(void **)&cu->event_record_ = dlsym(cu->lib, "cudaEventRecord");
+	*(void **)&cu->event_sync_ = dlsym(cu->lib, "cudaEventSynchronize");
+	*(void **)&cu->event_elapsed_ = dlsym(cu->lib, "cudaEventElapsedTime");
+	*(void **)&cu->event_destroy_ = dlsym(cu->lib, "cudaEventDestroy");
+	if (!cu->event_create_ || !cu->event_record_ || !cu->event_sync_ || !cu->event_elapsed_ ||
+	    !cu->event_destroy_)
+		cu->event_create_ = NULL; /* device time is then not measured */
 	if (!cu->malloc_ || !cu->free_ || !cu->memcpy_ || !cu->sync_) {
 		*why = "cudaMalloc, cudaFree, cudaMemcpy or cudaDeviceSynchronize missing";
 		cudart_close(cu);

@@ -16,6 +16,14 @@ typedef struct cudart {
 	int (*free_)(void *);
 	int (*memcpy_)(void *, const void *, size_t, int);
 	int (*sync_)(void); /* cudaDeviceSynchronize: the library's calls are asynchronous */
+	/* Events, for device time (NULL when this libcudart lacks one: then there is none).
+	 * cudaEvent_t is a pointer; a NULL stream is the legacy default stream, which the library's
+	 * calls given a NULL stream run on. */
+	int (*event_create_)(void **);
+	int (*event_record_)(void *, void *);
+	int (*event_sync_)(void *);
+	int (*event_elapsed_)(float *, void *, void *);
+	int (*event_destroy_)(void *);
 } cudart;
 
 /* Load libcudart (.so, .so.12, .so.13) and its four functions. Returns 0, or -1 with *why naming

@@ -24,41 +24,61 @@
 
 const char *const kb_base_names[KB_N_BASE] = {"oracle_topp", "oracle_at_budget", "quest"};
 
-void base_alloc(bench *b)
+struct kb_base {
+	bacc acc[KB_N_BASE];
+	uint8_t *bmask;         /* [cap] a baseline's set */
+	float *pmax;            /* [cap] max over the group of the exact probability */
+	float *kmin, *kmax;     /* [cap / 16 + 1, d] Quest page bounds */
+	float *pscore;          /* [cap / 16 + 1] Quest page scores */
+	uint32_t *porder;       /* [cap / 16 + 1] */
+};
+
+kb_base *base_alloc(const kb_run *b)
 {
 	size_t pages = b->cap / PAGE + 1;
-	b->bmask = xcalloc(b->cap, 1);
-	b->pmax = xcalloc(b->cap, sizeof(float));
-	b->kmin = xcalloc(pages * b->d, sizeof(float));
-	b->kmax = xcalloc(pages * b->d, sizeof(float));
-	b->pscore = xcalloc(pages, sizeof(float));
-	b->porder = xcalloc(pages, sizeof(uint32_t));
+	kb_base *x = xcalloc(1, sizeof(*x));
+	x->bmask = xcalloc(b->cap, 1);
+	x->pmax = xcalloc(b->cap, sizeof(float));
+	x->kmin = xcalloc(pages * b->d, sizeof(float));
+	x->kmax = xcalloc(pages * b->d, sizeof(float));
+	x->pscore = xcalloc(pages, sizeof(float));
+	x->porder = xcalloc(pages, sizeof(uint32_t));
 	for (int i = 0; i < KB_N_BASE; i++)
-		b->base[i] = (bacc){.recall_min = 1.0};
+		x->acc[i] = (bacc){.recall_min = 1.0};
+	return x;
 }
 
-void base_free(bench *b)
+void base_free(kb_base *x)
 {
-	void *p[] = {b->bmask, b->pmax, b->kmin, b->kmax, b->pscore, b->porder};
+	if (!x)
+		return;
+	void *p[] = {x->bmask, x->pmax, x->kmin, x->kmax, x->pscore, x->porder};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);
+	free(x);
 }
 
-/* Recall and output error of the set b->bmask (sinks and window included) for the group. */
-static void score_set(bench *b, const float *V, uint32_t len, uint32_t lo, uint32_t hi, bacc *a)
+const bacc *base_acc(const kb_base *x, int i)
 {
+	return &x->acc[i];
+}
+
+/* Recall and output error of the set x->bmask (sinks and window included) for the group. */
+static void score_set(kb_run *b, const float *V, uint32_t len, uint32_t lo, uint32_t hi, bacc *a)
+{
+	kb_base *x = b->base;
 	double full[256], part[256];
 	uint32_t cnt = 0;
 	for (uint32_t t = lo; t < hi; t++)
-		cnt += b->bmask[t];
+		cnt += x->bmask[t];
 	for (uint32_t g = 0; g < b->group; g++) {
-		const float *pr = b->prob + (size_t)g * b->cap;
+		const float *pr = b->ref.prob + (size_t)g * b->cap;
 		double r = 0;
 		memset(full, 0, sizeof(full));
 		memset(part, 0, sizeof(part));
 		for (uint32_t t = 0; t < len; t++) {
 			const float *v = V + (size_t)t * b->d;
-			bool in = t < lo || t >= hi || b->bmask[t];
+			bool in = t < lo || t >= hi || x->bmask[t];
 			for (uint32_t i = 0; i < b->d; i++)
 				full[i] += (double)pr[t] * v[i];
 			if (!in)
@@ -98,49 +118,52 @@ static float kth_largest(const float *x, uint32_t n, uint32_t k, float *tmp)
 
 /* Exactly sel indexed tokens by the largest exact probability of any head of the group (ties by
  * position). */
-static void oracle_at(bench *b, uint32_t lo, uint32_t hi, uint32_t sel)
+static void oracle_at(kb_run *b, uint32_t lo, uint32_t hi, uint32_t sel)
 {
+	kb_base *x = b->base;
 	uint32_t n = hi - lo;
-	memset(b->bmask + lo, 0, n);
+	memset(x->bmask + lo, 0, n);
 	if (!sel)
 		return;
 	for (uint32_t t = lo; t < hi; t++) {
 		float m = 0;
 		for (uint32_t g = 0; g < b->group; g++)
-			m = fmaxf(m, b->prob[(size_t)g * b->cap + t]);
-		b->pmax[t - lo] = m;
+			m = fmaxf(m, b->ref.prob[(size_t)g * b->cap + t]);
+		x->pmax[t - lo] = m;
 	}
-	float thr = kth_largest(b->pmax, n, sel < n ? sel : n, b->score);
+	float thr = kth_largest(x->pmax, n, sel < n ? sel : n, b->ref.score);
 	uint32_t taken = 0;
 	for (uint32_t t = lo; t < hi; t++)
-		if (b->pmax[t - lo] > thr) {
-			b->bmask[t] = 1;
+		if (x->pmax[t - lo] > thr) {
+			x->bmask[t] = 1;
 			taken++;
 		}
 	for (uint32_t t = lo; t < hi && taken < sel; t++)
-		if (b->pmax[t - lo] == thr && !b->bmask[t]) {
-			b->bmask[t] = 1;
+		if (x->pmax[t - lo] == thr && !x->bmask[t]) {
+			x->bmask[t] = 1;
 			taken++;
 		}
 }
 
-static const bench *sort_b;
+static const kb_run *sort_b;
 
 static int cmp_page(const void *x, const void *y)
 {
-	float a = sort_b->pscore[*(const uint32_t *)x], c = sort_b->pscore[*(const uint32_t *)y];
+	const float *ps = sort_b->base->pscore;
+	float a = ps[*(const uint32_t *)x], c = ps[*(const uint32_t *)y];
 	return (a < c) - (a > c);
 }
 
 /* Quest: pages of the indexed range ranked by their upper bound, whole pages up to sel tokens. */
-static void quest(bench *b, const float *K, const float *q, uint32_t lo, uint32_t hi, uint32_t sel)
+static void quest(kb_run *b, const float *K, const float *q, uint32_t lo, uint32_t hi, uint32_t sel)
 {
+	kb_base *x = b->base;
 	const uint32_t d = b->d, pages = (hi - lo + PAGE - 1) / PAGE;
-	memset(b->bmask + lo, 0, hi - lo);
+	memset(x->bmask + lo, 0, hi - lo);
 	if (!sel || !pages)
 		return;
 	for (uint32_t pg = 0; pg < pages; pg++) {
-		float *mn = b->kmin + (size_t)pg * d, *mx = b->kmax + (size_t)pg * d;
+		float *mn = x->kmin + (size_t)pg * d, *mx = x->kmax + (size_t)pg * d;
 		uint32_t t0 = lo + pg * PAGE, t1 = t0 + PAGE < hi ? t0 + PAGE : hi;
 		memcpy(mn, K + (size_t)t0 * d, d * sizeof(float));
 		memcpy(mx, K + (size_t)t0 * d, d * sizeof(float));
@@ -150,15 +173,15 @@ static void quest(bench *b, const float *K, const float *q, uint32_t lo, uint32_
 				mn[j] = fminf(mn[j], k);
 				mx[j] = fmaxf(mx[j], k);
 			}
-		b->pscore[pg] = -INFINITY;
+		x->pscore[pg] = -INFINITY;
 	}
 	/* per head: bounds relative to the head's best page, so heads compare on one scale */
-	float *ub = b->pmax; /* pages <= cap */
+	float *ub = x->pmax; /* pages <= cap */
 	for (uint32_t g = 0; g < b->group; g++) {
 		const float *qg = q + (size_t)g * d;
 		float best = -INFINITY;
 		for (uint32_t pg = 0; pg < pages; pg++) {
-			const float *mn = b->kmin + (size_t)pg * d, *mx = b->kmax + (size_t)pg * d;
+			const float *mn = x->kmin + (size_t)pg * d, *mx = x->kmax + (size_t)pg * d;
 			float s = 0;
 			for (uint32_t j = 0; j < d; j++)
 				s += fmaxf(qg[j] * mn[j], qg[j] * mx[j]);
@@ -166,27 +189,28 @@ static void quest(bench *b, const float *K, const float *q, uint32_t lo, uint32_
 			best = fmaxf(best, s);
 		}
 		for (uint32_t pg = 0; pg < pages; pg++)
-			b->pscore[pg] = fmaxf(b->pscore[pg], ub[pg] - best);
+			x->pscore[pg] = fmaxf(x->pscore[pg], ub[pg] - best);
 	}
 	for (uint32_t pg = 0; pg < pages; pg++)
-		b->porder[pg] = pg;
+		x->porder[pg] = pg;
 	sort_b = b;
-	qsort(b->porder, pages, sizeof(uint32_t), cmp_page);
+	qsort(x->porder, pages, sizeof(uint32_t), cmp_page);
 	uint32_t taken = 0;
 	for (uint32_t i = 0; i < pages && taken < sel; i++) {
-		uint32_t t0 = lo + b->porder[i] * PAGE, t1 = t0 + PAGE < hi ? t0 + PAGE : hi;
-		memset(b->bmask + t0, 1, t1 - t0);
+		uint32_t t0 = lo + x->porder[i] * PAGE, t1 = t0 + PAGE < hi ? t0 + PAGE : hi;
+		memset(x->bmask + t0, 1, t1 - t0);
 		taken += t1 - t0;
 	}
 }
 
-void base_eval(bench *b, const float *K, const float *V, const float *q, uint32_t len,
+void base_eval(kb_run *b, const float *K, const float *V, const float *q, uint32_t len,
 	       uint32_t lo, uint32_t hi, uint32_t sel)
 {
-	memcpy(b->bmask + lo, b->mark + lo, hi - lo);
-	score_set(b, V, len, lo, hi, &b->base[KB_BASE_ORACLE_TOPP]);
+	kb_base *x = b->base;
+	memcpy(x->bmask + lo, b->ref.mark + lo, hi - lo);
+	score_set(b, V, len, lo, hi, &x->acc[KB_BASE_ORACLE_TOPP]);
 	oracle_at(b, lo, hi, sel);
-	score_set(b, V, len, lo, hi, &b->base[KB_BASE_ORACLE_AT]);
+	score_set(b, V, len, lo, hi, &x->acc[KB_BASE_ORACLE_AT]);
 	quest(b, K, q, lo, hi, sel);
-	score_set(b, V, len, lo, hi, &b->base[KB_BASE_QUEST]);
+	score_set(b, V, len, lo, hi, &x->acc[KB_BASE_QUEST]);
 }

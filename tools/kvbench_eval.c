@@ -42,40 +42,40 @@ static void sort_probs(uint32_t *x, uint32_t *tmp, uint32_t n)
 }
 
 /* Exact Top-p of one head over the indexed range [lo, lo + n), renormalized there: the smallest
- * set by descending probability with mass >= p, extended over ties. Marks it into b->mark and
+ * set by descending probability with mass >= p, extended over ties. Marks it into b->ref.mark and
  * returns its size. */
-static uint32_t oracle_mark(bench *b, const float *pr, uint32_t lo, uint32_t n)
+static uint32_t oracle_mark(kb_run *b, const float *pr, uint32_t lo, uint32_t n)
 {
 	double total = 0, cum = 0;
 	uint32_t k = 0, cnt = 0;
 	float v = 0;
 	for (uint32_t i = lo; i < lo + n; i++)
 		total += pr[i];
-	memcpy(b->sorted, pr + lo, n * sizeof(float));
-	sort_probs(b->sorted, b->sorted + b->cap, n);
+	memcpy(b->ref.sorted, pr + lo, n * sizeof(float));
+	sort_probs(b->ref.sorted, b->ref.sorted + b->cap, n);
 	for (k = 0; k < n && (b->o.p >= 1.0f || cum < (double)b->o.p * total); k++) {
-		memcpy(&v, &b->sorted[n - 1 - k], sizeof(v));
+		memcpy(&v, &b->ref.sorted[n - 1 - k], sizeof(v));
 		cum += v;
 	}
 	for (uint32_t i = lo; k && i < lo + n; i++)
 		if (pr[i] >= v) {
-			b->mark[i] = 1;
+			b->ref.mark[i] = 1;
 			cnt++;
 		}
 	return cnt;
 }
 
-/* Softmax over all `len` tokens for each query head of a group: probabilities into b->prob,
- * entropies into b->ent. */
-static void group_softmax(bench *b, const float *K, const float *q, uint32_t len)
+/* Softmax over all `len` tokens for each query head of a group: probabilities into b->ref.prob,
+ * entropies into b->ref.ent. */
+static void group_softmax(kb_run *b, const float *K, const float *q, uint32_t len)
 {
 	float scale = 1.0f / sqrtf((float)b->d);
 	for (uint32_t t = 0; t < len; t++)
 		for (uint32_t g = 0; g < b->group; g++)
-			b->score[(size_t)g * b->cap + t] =
+			b->ref.score[(size_t)g * b->cap + t] =
 				dotf(q + (size_t)g * b->d, K + (size_t)t * b->d, b->d) * scale;
 	for (uint32_t g = 0; g < b->group; g++) {
-		float *sc = b->score + (size_t)g * b->cap, *pr = b->prob + (size_t)g * b->cap;
+		float *sc = b->ref.score + (size_t)g * b->cap, *pr = b->ref.prob + (size_t)g * b->cap;
 		float m = sc[0];
 		double z = 0, h = 0;
 		for (uint32_t t = 1; t < len; t++)
@@ -87,12 +87,12 @@ static void group_softmax(bench *b, const float *K, const float *q, uint32_t len
 			if (pr[t] > 0)
 				h -= pr[t] * log(pr[t]);
 		}
-		b->ent[g] = h;
+		b->ref.ent[g] = h;
 	}
 }
 
 /* Exact outputs of the group and their squared distance to the library's outputs. */
-static void group_error(bench *b, const float *V, const float *out, uint32_t len, acc *a)
+static void group_error(kb_run *b, const float *V, const float *out, uint32_t len, acc *a)
 {
 	enum { PASS = 8 }; /* query heads per pass over V: each row of V is read once per pass */
 	double full[PASS][256];
@@ -102,7 +102,7 @@ static void group_error(bench *b, const float *V, const float *out, uint32_t len
 		for (uint32_t t = 0; t < len; t++) {
 			const float *v = V + (size_t)t * b->d;
 			for (uint32_t g = 0; g < gn; g++) {
-				const double pt = b->prob[(size_t)(g0 + g) * b->cap + t];
+				const double pt = b->ref.prob[(size_t)(g0 + g) * b->cap + t];
 				for (uint32_t i = 0; i < b->d; i++)
 					full[g][i] += pt * v[i];
 			}
@@ -116,43 +116,26 @@ static void group_error(bench *b, const float *V, const float *out, uint32_t len
 	}
 }
 
-/* Positions must ascend, stay below len, and include every sink and window token. */
-static void check_positions(const int32_t *p, int32_t cnt, uint32_t len, uint32_t lo, uint32_t hi)
-{
-	uint32_t must = 0;
-	for (int32_t i = 0; i < cnt; i++) {
-		if (p[i] < 0 || (uint32_t)p[i] >= len || (i && p[i] <= p[i - 1])) {
-			fprintf(stderr, "kvbench: kvt_gather returned position %d at %d of %d (length "
-				"%u): out of range or not ascending\n", p[i], i, cnt, len);
-			exit(1);
-		}
-		must += (uint32_t)p[i] < lo || (uint32_t)p[i] >= hi;
-	}
-	if (must != len - (hi - lo)) {
-		fprintf(stderr, "kvbench: kvt_gather returned %u of the %u sink and window tokens "
-			"(length %u, indexed range [%u, %u))\n", must, len - (hi - lo), len, lo, hi);
-		exit(1);
-	}
-}
-
 /* Compare one sequence on one layer after kvt_attend + kvt_gather. */
-void evaluate(bench *b, uint32_t s, uint32_t l, const float *out, acc *a)
+void evaluate(kb_run *b, uint32_t s, uint32_t l, const float *out, acc *a)
 {
 	const opts *o = &b->o;
 	size_t sl = (size_t)s * o->layers + l;
-	uint32_t len = b->len[sl], lo = sinks_of(b, len), n = b->n_idx[sl], hi = lo + n;
+	uint32_t len = b->len[sl], lo = rule_sinks(o, len), n = b->n_idx[sl], hi = lo + n;
+	char where[96];
 	for (uint32_t h = 0; h < o->kv_heads; h++) {
 		const int32_t *p = (const int32_t *)b->pos.host + ((size_t)s * o->kv_heads + h) * len;
 		int32_t cnt = b->counts[(size_t)s * o->kv_heads + h];
-		uint32_t jq = h * b->group, sel = 0, uni = 0;
-		check_positions(p, cnt, len, lo, hi);
+		uint32_t jq = h * b->group, uni = 0;
+		snprintf(where, sizeof where, "sequence %u, layer %u, KV head %u", s, l, h);
+		uint32_t sel = check_positions(p, cnt, len, lo, hi, where);
 		group_softmax(b, truth(b, b->K, s, l, h), b->qf + ((size_t)s * o->q_heads + jq) * b->d,
 			      len);
 		group_error(b, truth(b, b->V, s, l, h), out + ((size_t)s * o->q_heads + jq) * b->d,
 			    len, a);
-		memset(b->mark + lo, 0, n);
+		memset(b->ref.mark + lo, 0, n);
 		for (uint32_t g = 0; g < b->group; g++) {
-			const float *pr = b->prob + (size_t)g * b->cap;
+			const float *pr = b->ref.prob + (size_t)g * b->cap;
 			double r = 0;
 			int64_t nd = b->needle[(size_t)s * o->q_heads + jq + g];
 			for (int32_t i = 0; i < cnt; i++) {
@@ -166,13 +149,11 @@ void evaluate(bench *b, uint32_t s, uint32_t l, const float *out, acc *a)
 			a->recall_low += r < 0.5;
 			uint32_t one = n ? oracle_mark(b, pr, lo, n) : 0;
 			b->head_oracle[(size_t)l * o->q_heads + jq + g] += n ? (double)one / n : 0;
-			b->head_eff[(size_t)l * o->q_heads + jq + g] += exp(b->ent[g]);
+			b->head_eff[(size_t)l * o->q_heads + jq + g] += exp(b->ref.ent[g]);
 		}
 		for (uint32_t i = lo; i < hi; i++)
-			uni += b->mark[i];
-		for (int32_t i = 0; i < cnt; i++)
-			sel += (uint32_t)p[i] >= lo && (uint32_t)p[i] < hi;
-		if (b->o.baselines)
+			uni += b->ref.mark[i];
+		if (b->base)
 			base_eval(b, truth(b, b->K, s, l, h), truth(b, b->V, s, l, h),
 				  b->qf + ((size_t)s * o->q_heads + jq) * b->d, len, lo, hi, sel);
 		if (n) {

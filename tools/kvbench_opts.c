@@ -26,13 +26,20 @@ static void opts_default(opts *o)
 	/* nvme_qd and budget_max 0: the library's own defaults (32; no cap) */
 	*o = (opts){.context = 24576, .steps = 16, .layers = 2, .seqs = 1, .q_heads = 32,
 		    .kv_heads = 8, .head_dim = 128, .chunk = 4096, .dtype = KVT_DTYPE_F16,
-		    .backend = KVT_BACKEND_CPU, .seed = 1, .p = KVT_DEFAULT_P,
+		    .backend = KVT_BACKEND_AUTO, .seed = 1, .p = KVT_DEFAULT_P,
 		    .sinks = KVT_DEFAULT_N_SINK, .window = KVT_DEFAULT_WINDOW,
 		    .flush = KVT_DEFAULT_FLUSH_BATCH, .budget_min = KVT_DEFAULT_BUDGET_MIN,
 		    .budget_max = 0, .nvme_cache = KVT_DEFAULT_NVME_CACHE_BYTES, .nvme_qd = 0,
 		    .spill = KVT_SPILL_NONE, .gpu_cache = KVT_DEFAULT_GPU_CACHE_BYTES,
 		    .model_layers = 32, .gpu_bytes = 80ull << 30,
 		    .weights_bytes = 15ull << 30, .stress_modes = "all", .stress_budget = 1024};
+}
+
+/* The trace replay's own defaults: the library's seed (kvbench's workload seeds 1). */
+static void trace_preset(opts *o, const char *dir)
+{
+	o->trace_dir = dir;
+	o->seed = KVT_DEFAULT_SEED;
 }
 
 static void capacity_preset(opts *o)
@@ -59,13 +66,15 @@ const char *fmt_bytes(uint64_t bytes, char *out, size_t n)
 
 static void usage(FILE *f, const opts *d)
 {
+	const uint64_t trace_seed = KVT_DEFAULT_SEED;
 	char nc[32];
 	fprintf(f,
 		"usage: kvbench [options]\n"
 		"Prefill a synthetic long context into a kvtier cache, decode, and compare with exact\n"
 		"attention. Defaults: a Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128,\n"
-		"fp16), 2 layers, 16 steps, one sequence of 24576 tokens, CPU backend; selection and\n"
-		"tier settings are the library's defaults (KVT_DEFAULT_*), shown in parentheses.\n"
+		"fp16), 2 layers, 16 steps, one sequence of 24576 tokens, backend auto (CUDA when\n"
+		"built and a GPU is present, else CPU); selection and tier settings are the\n"
+		"library's defaults (KVT_DEFAULT_*), shown in parentheses.\n"
 		"  --context N      prefill tokens per sequence (%u)\n"
 		"  --steps N        decode steps (%u; per decode phase with --capacity)\n"
 		"  --layers N       layers (%u)\n"
@@ -85,7 +94,7 @@ static void usage(FILE *f, const opts *d)
 		"  --budget-min N   min indexed tokens per query head per step (%u)\n"
 		"  --budget-max N   max indexed tokens per query head per step, 0 = none (%u)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
-		"  --backend B      cpu, cuda or auto (cpu)\n",
+		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
 	fprintf(f,
 		"Tiers (sizes are bytes with an optional K, M, G or T suffix, powers of 1024):\n"
@@ -125,14 +134,26 @@ static void usage(FILE *f, const opts *d)
 		"  --stress-budget N  tokens per query head of adversarial selections (%u)\n",
 		d->model_layers, fmt_bytes(d->gpu_cache, nc, sizeof nc), d->stress_budget);
 	fprintf(f,
+		"Trace replay (doc/trace-format.md): the shape comes from the trace\n"
+		"  --trace DIR      replay a captured trace; takes --p, --sinks, --window, --flush,\n"
+		"                   --budget-min, --budget-max, --chunk, --dtype, --backend, --gpu-cache,\n"
+		"                   --seed (the library's, %" PRIu64 "), --json, --quiet, --nvme P[,P...]\n"
+		"                   (each layer's sequence spilled after its prefill, so the decode\n"
+		"                   steps read from NVMe) with --nvme-bytes, --nvme-qd, --nvme-cache,\n"
+		"                   and:\n"
+		"  --layers LIST    with --trace: the trace's layers to replay, e.g. 0,3,8-11 (all)\n"
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
-		"  --quiet          no progress on stderr, no per-step table\n"
+		"  --quiet          no progress on stderr, no per-step table (per-head rows with\n"
+		"                   --trace)\n"
 		"  --help           this text\n"
-		"Exit status: 0 done, 1 library or system error, 2 bad option.\n");
+		"Progress goes to stderr only: on a terminal one line rewritten in place and cleared\n"
+		"at the end, elsewhere a whole line per 10 %%.\n"
+		"Exit status: 0 done, 1 library or system error, 2 bad option.\n",
+		trace_seed);
 }
 
-static _Noreturn void bad_value(const char *flag, const char *val, const char *want)
+_Noreturn void bad_value(const char *flag, const char *val, const char *want)
 {
 	fprintf(stderr, "kvbench: %s: invalid value '%s' (%s)\n", flag, val, want);
 	exit(2);
@@ -250,6 +271,21 @@ static void add_sweep(opts *o, const char *flag, const char *val)
 		fail("out of memory", "copying --sweep");
 }
 
+/* What a trace replay takes besides --trace: the selection, the cache's dtype and backend, the
+ * prefill chunk, the hot cache, an NVMe tier, the seed and the layer list (the shape is the
+ * trace's). */
+static bool trace_takes(const char *flag)
+{
+	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
+		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
+		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
+		"--nvme-cache"};
+	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+		if (!strcmp(flag, ok[i]))
+			return true;
+	return false;
+}
+
 static void set_option(opts *o, const char *flag, const char *val)
 {
 	static const char *const dt_names[] = {"f16", "bf16", NULL};
@@ -260,6 +296,16 @@ static void set_option(opts *o, const char *flag, const char *val)
 	for (size_t i = 0; i < sizeof(nvme_only) / sizeof(nvme_only[0]); i++)
 		if (!strcmp(flag, nvme_only[i]))
 			o->nvme_only = nvme_only[i];
+	if (o->trace_dir && !trace_takes(flag))
+		snprintf(o->not_trace, sizeof o->not_trace, "%s", flag);
+	if (!strcmp(flag, "--trace")) {
+		o->trace_dir = val;
+		return;
+	}
+	if (o->trace_dir && !strcmp(flag, "--layers")) {
+		o->layer_list = val; /* a list of the trace's layers, checked against the trace */
+		return;
+	}
 	if (set_u32(o, flag, val))
 		return;
 	if (!strcmp(flag, "--seed")) {
@@ -344,6 +390,9 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 				usage(stdout, &d);
 				exit(0);
 			}
+			if (apply && o->trace_dir && !trace_takes(a) && strcmp(a, "--help") &&
+			    strcmp(a, "-h"))
+				snprintf(o->not_trace, sizeof o->not_trace, "%s", a);
 			o->json |= apply && !strcmp(a, "--json");
 			o->quiet |= apply && !strcmp(a, "--quiet");
 			o->plan |= apply && !strcmp(a, "--plan");
@@ -367,6 +416,8 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 		const char *val = eq ? eq + 1 : argv[++i];
 		if (apply)
 			set_option(o, flag, val);
+		else if (!strcmp(flag, "--trace"))
+			trace_preset(o, val);
 	}
 }
 
@@ -377,6 +428,13 @@ static void finish(opts *o)
 	if (o->topk) {
 		o->p = 1.0f;
 		o->budget_min = o->budget_max = o->topk;
+	}
+	if (o->trace_dir && o->not_trace[0]) {
+		fprintf(stderr, "kvbench: %s does not apply to --trace: the trace gives the shape, and "
+			"the replay takes --p, --sinks, --window, --flush, --budget-min, --budget-max, "
+			"--chunk, --dtype, --backend, --gpu-cache, --nvme (with --nvme-bytes, --nvme-qd "
+			"and --nvme-cache), --seed, --layers LIST, --json and --quiet\n", o->not_trace);
+		exit(2);
 	}
 	int modes = o->capacity + o->plan + (o->stress_s > 0);
 	if (modes > 1) {

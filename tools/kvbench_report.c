@@ -34,7 +34,7 @@ static double mean(double sum, uint64_t n)
 
 /* ---- the table --------------------------------------------------------------------------- */
 
-void print_row(const bench *b, int step, const acc *a)
+void print_row(const kb_run *b, int step, const acc *a)
 {
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
 	if (step < 0)
@@ -48,7 +48,7 @@ void print_row(const bench *b, int step, const acc *a)
 	       (double)a->ns / 1e6 / b->o.layers / (step < 0 ? b->steps_total : 1));
 }
 
-void print_header(const bench *b)
+void print_header(const kb_run *b)
 {
 	const opts *o = &b->o;
 	char h[32], k[32], f[32];
@@ -97,7 +97,7 @@ static int cmp_dbl(const void *a, const void *b)
 }
 
 /* min, median, max over (layer, query head) of a per-head mean over sequences and steps */
-static void spread(const bench *b, const double *sum, double out[3])
+static void spread(const kb_run *b, const double *sum, double out[3])
 {
 	size_t n = (size_t)b->o.layers * b->o.q_heads;
 	double *v = xcalloc(n, sizeof(double));
@@ -112,21 +112,6 @@ static void spread(const bench *b, const double *sum, double out[3])
 
 /* ---- JSON -------------------------------------------------------------------------------- */
 
-/* A JSON string: quotes, backslashes and control characters escaped (paths are the user's). */
-static void jstr(const char *s)
-{
-	putchar('"');
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
-		if (c == '"' || c == '\\')
-			printf("\\%c", c);
-		else if (c < 0x20)
-			printf("\\u%04x", c);
-		else
-			putchar(c);
-	}
-	putchar('"');
-}
 
 /* One JSON member: a number (integral values print as integers, non-finite ones as null) or, with
  * s set, a string. */
@@ -172,7 +157,7 @@ static void json_stages(const char *key, const kvt_stats *e, const kvt_stats *s,
 	     {"attend", (double)(e->ns_attend - s->ns_attend) / 1e6 / div, NULL});
 }
 
-static void json_per_step(const bench *b)
+static void json_per_step(const kb_run *b)
 {
 	printf("\"per_step\": [");
 	for (uint32_t i = 0; i < b->steps_total; i++) {
@@ -221,7 +206,7 @@ static void jmembers_tiers(const jv *m, size_t n, const kvt_stats *e, const kvt_
 	jmembers(t, N_TIER);
 }
 
-static void json_tiers(const bench *b)
+static void json_tiers(const kb_run *b)
 {
 	const opts *o = &b->o;
 	const kvt_stats *e = &b->st_end;
@@ -244,21 +229,22 @@ static void json_tiers(const bench *b)
 	printf("}, ");
 }
 
-static void phase_acc(const bench *b, const phase *ph, acc *a)
+/* The figures of a phase's decode steps into *a; returns its (step, layer) count. */
+static double phase_acc(const kb_run *b, const phase *ph, acc *a)
 {
 	acc_init(a);
 	for (uint32_t i = ph->step0; i < ph->step0 + ph->steps; i++)
 		acc_add(a, &b->step[i]);
+	return (double)ph->steps * b->o.layers;
 }
 
-static void json_phases(const bench *b)
+static void json_phases(const kb_run *b, const kb_phases *ps)
 {
 	printf("\"phases\": [");
-	for (uint32_t i = 0; i < b->n_phases; i++) {
-		const phase *ph = &b->phases[i];
+	for (uint32_t i = 0; i < ps->n; i++) {
+		const phase *ph = &ps->ph[i];
 		acc a;
-		phase_acc(b, ph, &a);
-		double sl = (double)ph->steps * b->o.layers;
+		double sl = phase_acc(b, ph, &a);
 		bool rs = ph->restored >= 0;
 		const jv m[] = {{"name", 0, ph->name}, {"wall_s", (double)ph->ns / 1e9, NULL},
 			{"library_ms", (double)ph->ns_lib / 1e6, NULL}, {"steps", ph->steps, NULL},
@@ -275,14 +261,14 @@ static void json_phases(const bench *b)
 			{"restored_bytes", rs ? (double)ph->restored : NAN, NULL}};
 		printf("{");
 		jmembers_tiers(m, sizeof(m) / sizeof(m[0]), &ph->st1, &ph->st0);
-		printf("}%s", i + 1 < b->n_phases ? ", " : "");
+		printf("}%s", i + 1 < ps->n ? ", " : "");
 	}
 	printf("], ");
 }
 
 /* Median over the decode steps of the time per step per layer (ms): unlike the mean, it leaves out
  * a first step's one-time costs (scratch sized for the batch, a cold hot cache). */
-static double step_median_ms(const bench *b)
+static double step_median_ms(const kb_run *b)
 {
 	uint32_t n = b->steps_total;
 	if (!n || !b->o.layers)
@@ -308,7 +294,7 @@ static double hit_rate(const kvt_stats *e, const kvt_stats *s)
 	return h + m > 0 ? h / (h + m) : NAN;
 }
 
-void print_json(const bench *b, double wall)
+void print_json(const kb_run *b, const kb_phases *ps, double wall)
 {
 	const opts *o = &b->o;
 	const kvt_stats *e = &b->st_end, *s0 = &b->st_prefill;
@@ -368,8 +354,8 @@ void print_json(const bench *b, double wall)
 	json_stages("decode_stage_ms_per_step_layer", e, &b->st_prefill, sl);
 	if (o->n_nvme)
 		json_tiers(b);
-	if (b->n_phases)
-		json_phases(b);
+	if (ps && ps->n)
+		json_phases(b, ps);
 	json_per_step(b);
 	printf("}\n");
 }
@@ -388,14 +374,13 @@ static void cell(double v, int width, int prec, bool sci)
 		printf(" %*.*f", width, prec, v);
 }
 
-static void summary_phases(const bench *b)
+static void summary_phases(const kb_run *b, const kb_phases *ps)
 {
 	printf("phase              wall_s    lib_ms  ms/layer  recall  budget   b/o  rel_err\n");
-	for (uint32_t i = 0; i < b->n_phases; i++) {
-		const phase *ph = &b->phases[i];
+	for (uint32_t i = 0; i < ps->n; i++) {
+		const phase *ph = &ps->ph[i];
 		acc a;
-		phase_acc(b, ph, &a);
-		double sl = (double)ph->steps * b->o.layers;
+		double sl = phase_acc(b, ph, &a);
 		printf("%-16s %8.2f %9.1f", ph->name, (double)ph->ns / 1e9, (double)ph->ns_lib / 1e6);
 		cell(sl ? (double)a.ns / 1e6 / sl : NAN, 9, 2, false);
 		cell(mean(a.recall_sum, a.recall_n), 7, 4, false);
@@ -406,11 +391,11 @@ static void summary_phases(const bench *b)
 	}
 	printf("phase            host MiB used/cap  NVMe MiB used/cap  written   read MiB    reads"
 	       "  cache hit/miss  spills auto restores  nvme_ms\n");
-	for (uint32_t i = 0; i < b->n_phases; i++) {
-		const kvt_stats *e = &b->phases[i].st1, *s = &b->phases[i].st0;
+	for (uint32_t i = 0; i < ps->n; i++) {
+		const kvt_stats *e = &ps->ph[i].st1, *s = &ps->ph[i].st0;
 		printf("%-16s %8.1f/%-8.1f %8.1f/%-8.1f %8.1f %8.1f %9" PRIu64 " %8" PRIu64
 		       "/%-7" PRIu64 " %5" PRIu64 " %4" PRIu64 " %8" PRIu64 " %8.1f\n",
-		       b->phases[i].name, mib(e->host_bytes_used), mib(e->host_bytes_capacity),
+		       ps->ph[i].name, mib(e->host_bytes_used), mib(e->host_bytes_capacity),
 		       mib(e->nvme_bytes_used), mib(e->nvme_bytes_capacity),
 		       mib(e->nvme_bytes_written - s->nvme_bytes_written),
 		       mib(e->nvme_bytes_read - s->nvme_bytes_read), e->nvme_reads - s->nvme_reads,
@@ -421,7 +406,7 @@ static void summary_phases(const bench *b)
 	}
 }
 
-static void summary_tiers(const bench *b)
+static void summary_tiers(const kb_run *b)
 {
 	const kvt_stats *e = &b->st_end;
 	char k[32], h[32], n[32], c[32];
@@ -444,7 +429,7 @@ static void summary_tiers(const bench *b)
 	       (double)e->ns_nvme / 1e6);
 }
 
-void print_summary(const bench *b, double wall)
+void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 {
 	const kvt_stats *e = &b->st_end, *s = &b->st_prefill;
 	const acc *a = &b->all;
@@ -452,8 +437,8 @@ void print_summary(const bench *b, double wall)
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
 	spread(b, b->head_oracle, ho);
 	spread(b, b->head_eff, he);
-	if (b->n_phases)
-		summary_phases(b);
+	if (ps && ps->n)
+		summary_phases(b, ps);
 	printf("index    %" PRIu64 " B per token per KV head = %.2f%% of its K+V bytes (%u B)\n",
 	       e->index_bytes_per_token_head,
 	       100.0 * (double)e->index_bytes_per_token_head / (4.0 * b->d), 4 * b->d);

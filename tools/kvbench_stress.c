@@ -31,7 +31,7 @@ typedef struct sres {
 } sres;
 
 typedef struct sctx {
-	bench *b;
+	kb_run *b;
 	uint32_t *spilled_upto; /* [seqs * layers] tokens below which rows are on NVMe */
 	uint16_t *row;          /* [d] scratch */
 } sctx;
@@ -39,7 +39,7 @@ typedef struct sctx {
 static void truth_bits(void *ctx, uint32_t s, uint32_t l, uint32_t h, uint32_t pos, uint16_t *k,
 		       uint16_t *v)
 {
-	const bench *b = ((sctx *)ctx)->b;
+	const kb_run *b = ((sctx *)ctx)->b;
 	const float *K = truth(b, b->K, s, l, h) + (size_t)pos * b->d;
 	const float *V = truth(b, b->V, s, l, h) + (size_t)pos * b->d;
 	for (uint32_t i = 0; i < b->d; i++) {
@@ -51,13 +51,13 @@ static void truth_bits(void *ctx, uint32_t s, uint32_t l, uint32_t h, uint32_t p
 static const char *tier_of(void *ctx, uint32_t s, uint32_t l, uint32_t h, uint32_t pos)
 {
 	const sctx *c = ctx;
-	const bench *b = c->b;
+	const kb_run *b = c->b;
 	size_t sl = (size_t)s * b->o.layers + l;
 	(void)h;
 	if (pos < c->spilled_upto[sl])
 		return "nvme";
-	if (b->on_dev)
-		return pos >= sinks_of(b, b->len[sl]) + b->n_idx[sl] ? "device window"
+	if (b->dev.on_dev)
+		return pos >= rule_sinks(&b->o, b->len[sl]) + b->n_idx[sl] ? "device window"
 								     : "host or hot cache";
 	return "host";
 }
@@ -70,7 +70,7 @@ static int cmp_u64(const void *x, const void *y)
 
 /* Queries of every sequence for one step: the workload's decode queries at the sequence's next
  * position, or (random) Gaussian ones of norm about 3 sqrt(D), new every step. */
-static void make_queries(bench *b, uint32_t l, uint32_t step, bool random, uint64_t *rs)
+static void make_queries(kb_run *b, uint32_t l, uint32_t step, bool random, uint64_t *rs)
 {
 	const uint32_t d = b->d, QH = b->o.q_heads, G = b->group;
 	uint16_t *qb = b->q.host;
@@ -94,11 +94,11 @@ static void make_queries(bench *b, uint32_t l, uint32_t step, bool random, uint6
 					qb[((size_t)s * QH + h * G + g) * d + i] =
 						to_bits(b, b->qtmp[(size_t)g * d + i]);
 		}
-	buf_sync(b, &b->q, (size_t)b->o.seqs * QH * d * 2, KB_H2D);
+	buf_sync(&b->dev, &b->q, (size_t)b->o.seqs * QH * d * 2, KB_H2D);
 }
 
 /* One appended token per sequence on layer l, kept in the truth (spill mode). */
-static void append_tokens(bench *b, uint32_t l, uint32_t step)
+static void append_tokens(kb_run *b, uint32_t l, uint32_t step)
 {
 	const uint32_t d = b->d, KV = b->o.kv_heads;
 	uint16_t *kb = b->k.host, *vb = b->v.host;
@@ -119,17 +119,17 @@ static void append_tokens(bench *b, uint32_t l, uint32_t step)
 			}
 		}
 	}
-	buf_sync(b, &b->k, (size_t)b->o.seqs * KV * d * 2, KB_H2D);
-	buf_sync(b, &b->v, (size_t)b->o.seqs * KV * d * 2, KB_H2D);
+	buf_sync(&b->dev, &b->k, (size_t)b->o.seqs * KV * d * 2, KB_H2D);
+	buf_sync(&b->dev, &b->v, (size_t)b->o.seqs * KV * d * 2, KB_H2D);
 	int rc = kvt_append(b->cache, l, b->o.seqs, b->ids, b->k.dev, b->v.dev, NULL);
 	if (rc < 0)
 		lib_fail(b->cache, rc, "kvt_append");
 	for (uint32_t s = 0; s < b->o.seqs; s++)
-		rule_append(b, (size_t)s * b->o.layers + l);
+		run_rule_append(b, (size_t)s * b->o.layers + l);
 }
 
 /* Spill (or, when spilled, restore) sequence s, recording which rows now live on NVMe. */
-static void spill_or_restore(bench *b, sctx *c, uint32_t s, bool *spilled)
+static void spill_or_restore(kb_run *b, sctx *c, uint32_t s, bool *spilled)
 {
 	int64_t rc;
 	if (!spilled[s]) {
@@ -138,7 +138,7 @@ static void spill_or_restore(bench *b, sctx *c, uint32_t s, bool *spilled)
 			lib_fail(b->cache, rc, "kvt_seq_spill");
 		for (uint32_t l = 0; l < b->o.layers; l++) {
 			size_t sl = (size_t)s * b->o.layers + l;
-			uint32_t done = sinks_of(b, b->len[sl]) + b->n_idx[sl];
+			uint32_t done = rule_sinks(&b->o, b->len[sl]) + b->n_idx[sl];
 			c->spilled_upto[sl] = done / KB_BLOCK_TOKENS * KB_BLOCK_TOKENS;
 		}
 	} else {
@@ -151,7 +151,7 @@ static void spill_or_restore(bench *b, sctx *c, uint32_t s, bool *spilled)
 	spilled[s] = !spilled[s];
 }
 
-static void snapshot(bench *b, kvt_stats *st)
+static void snapshot(kb_run *b, kvt_stats *st)
 {
 	st->size = sizeof(*st);
 	int rc = kvt_get_stats(b->cache, st);
@@ -164,7 +164,7 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 {
 	bool adv = !strcmp(mode, "adversarial"), nv = !strcmp(mode, "qd"),
 	     mix = !strcmp(mode, "spill");
-	bench *b = xcalloc(1, sizeof(*b));
+	kb_run *b = xcalloc(1, sizeof(*b));
 	b->o = *o;
 	b->o.point = true;
 	b->o.quiet = true;
@@ -193,8 +193,8 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 	const uint32_t S = b->o.seqs, KV = b->o.kv_heads, d = b->d;
 	buf kout, vout;
 	size_t rows_max = (size_t)S * KV * b->cap;
-	buf_alloc(b, &kout, rows_max * d * 2);
-	buf_alloc(b, &vout, rows_max * d * 2);
+	buf_alloc(&b->dev, &kout, rows_max * d * 2);
+	buf_alloc(&b->dev, &vout, rows_max * d * 2);
 	sctx c = {.b = b, .spilled_upto = xcalloc((size_t)S * b->o.layers, sizeof(uint32_t))};
 	kb_verifier v = {.kv_heads = KV, .d = d, .truth = truth_bits, .tier = tier_of, .ctx = &c,
 			 .scratch = xcalloc(2 * d, sizeof(uint16_t))};
@@ -229,11 +229,11 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 					       kout.dev, vout.dev, NULL);
 			if (n < 0)
 				lib_fail(b->cache, n, "kvt_gather");
-			dev_sync(b);
+			dev_sync(&b->dev);
 			ns += now_ns() - t;
-			buf_sync(b, &b->pos, (size_t)S * KV * m * sizeof(int32_t), KB_D2H);
-			buf_sync(b, &kout, (size_t)S * KV * m * d * 2, KB_D2H);
-			buf_sync(b, &vout, (size_t)S * KV * m * d * 2, KB_D2H);
+			buf_sync(&b->dev, &b->pos, (size_t)S * KV * m * sizeof(int32_t), KB_D2H);
+			buf_sync(&b->dev, &kout, (size_t)S * KV * m * d * 2, KB_D2H);
+			buf_sync(&b->dev, &vout, (size_t)S * KV * m * d * 2, KB_D2H);
 			for (uint32_t s = 0; s < S; s++)
 				lens[s] = b->len[(size_t)s * b->o.layers + l];
 			kb_mismatch bad;
@@ -272,8 +272,8 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 	r->nvme_read = st1.nvme_bytes_read - st0.nvme_bytes_read;
 	r->spills = st1.spills - st0.spills;
 	r->restores = st1.restores - st0.restores;
-	buf_free(b, &kout);
-	buf_free(b, &vout);
+	buf_free(&b->dev, &kout);
+	buf_free(&b->dev, &vout);
 	void *p[] = {c.spilled_upto, v.scratch, spilled, sidx, lens, lat};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);

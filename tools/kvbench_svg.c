@@ -192,6 +192,21 @@ static void bar_label(const kb_result *x, char *out, size_t n)
 		snprintf(out, n, "%u/%u/p%.3g", x->context, x->seqs, (double)x->p);
 }
 
+/* A bar chart of n bars: the y range up to its tallest bar times `head` (1 when there is none),
+ * the file with its title and axes, and the width of a bar into *bw. NULL when the file cannot be
+ * created. */
+static FILE *bars_open(const char *path, const char *title, frame *fr, double head,
+		       const char *xlabel, const char *ylabel, uint32_t n, double *bw)
+{
+	fr->y1 = fr->y1 > 0 ? fr->y1 * head : 1;
+	FILE *f = svg_open(path, title);
+	if (!f)
+		return NULL;
+	axes(f, fr, xlabel, ylabel, false);
+	*bw = (W - ML - MR) / (double)(n ? n : 1);
+	return f;
+}
+
 static int plot_stages(const char *path, const kb_result *r, uint32_t n)
 {
 	static const char *const st[5] = {"index", "store", "score", "select", "attend"};
@@ -202,12 +217,11 @@ static int plot_stages(const char *path, const kb_result *r, uint32_t n)
 			t += r[i].stage_ms[s];
 		fr.y1 = fmax(fr.y1, t);
 	}
-	fr.y1 = fr.y1 > 0 ? fr.y1 * 1.1 : 1;
-	FILE *f = svg_open(path, "Decode time per step and layer, by stage");
+	double bw;
+	FILE *f = bars_open(path, "Decode time per step and layer, by stage", &fr, 1.1,
+			    "point: context/seqs/p (or k)", "ms per step per layer", n, &bw);
 	if (!f)
 		return -1;
-	axes(f, &fr, "point: context/seqs/p (or k)", "ms per step per layer", false);
-	double bw = (W - ML - MR) / (double)(n ? n : 1);
 	for (uint32_t i = 0; i < n; i++) {
 		double base = 0;
 		char lab[64];
@@ -250,12 +264,11 @@ static int plot_capacity(const char *path, const kb_result *r, uint32_t n)
 	frame fr = {0, nc ? nc : 1, 0, 0};
 	for (uint32_t j = 0; j < nc; j++)
 		fr.y1 = fmax(fr.y1, fmax(kv[j], full[j]));
-	fr.y1 = fr.y1 > 0 ? fr.y1 * 1.15 : 1;
-	FILE *f = svg_open(path, "Concurrent sequences: kvtier against full K/V in HBM");
+	double bw;
+	FILE *f = bars_open(path, "Concurrent sequences: kvtier against full K/V in HBM", &fr, 1.15,
+			    "context (tokens per sequence)", "sequences held", nc, &bw);
 	if (!f)
 		return -1;
-	axes(f, &fr, "context (tokens per sequence)", "sequences held", false);
-	double bw = (W - ML - MR) / (double)(nc ? nc : 1);
 	for (uint32_t j = 0; j < nc; j++) {
 		char t[32];
 		const double v[2] = {kv[j], full[j]};

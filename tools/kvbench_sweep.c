@@ -14,14 +14,15 @@
 
 /* ---- the progress bar -------------------------------------------------------------------- */
 
-static struct {
+/* The sweep's own progress: one bar over every point, which each point's run reports into. */
+typedef struct sweep_bar {
 	bool on, tty;
 	uint32_t i, n;
 	double done_w, total_w, w; /* work of the points before this one, of all, of this one */
 	uint64_t t0;
 	int last_pct;
 	char label[96];
-} bar;
+} sweep_bar;
 
 static void fmt_eta(double s, char *out, size_t n)
 {
@@ -34,30 +35,31 @@ static void fmt_eta(double s, char *out, size_t n)
 }
 
 /* Within a point, the prefill is counted as 40 % of its work and the decode as 60 %. */
-bool sweep_progress(const char *what, uint64_t done, uint64_t total)
+static bool sweep_progress(void *ctx, const char *what, uint64_t done, uint64_t total)
 {
-	if (!bar.on)
+	sweep_bar *bar = ctx;
+	if (!bar->on)
 		return false;
 	bool dec = !strcmp(what, "decode");
 	double in = (dec ? 0.4 + 0.6 * (double)done / total : 0.4 * (double)done / total);
-	double frac = (bar.done_w + bar.w * in) / bar.total_w;
-	double el = (double)(now_ns() - bar.t0) / 1e9;
+	double frac = (bar->done_w + bar->w * in) / bar->total_w;
+	double el = (double)(now_ns() - bar->t0) / 1e9;
 	char eta[32];
 	fmt_eta(frac > 0.001 ? el / frac - el : NAN, eta, sizeof eta);
 	int pct = (int)(frac * 100);
-	if (bar.tty) {
+	if (bar->tty) {
 		char fill[21];
 		int k = (int)(frac * 20);
 		for (int j = 0; j < 20; j++)
 			fill[j] = j < k ? '#' : '.';
 		fill[20] = 0;
 		fprintf(stderr, "\r\033[Kkvbench: [%s] %3d%% point %u/%u %s %s, ETA %s", fill, pct,
-			bar.i + 1, bar.n, bar.label, what, eta);
+			bar->i + 1, bar->n, bar->label, what, eta);
 		fflush(stderr);
-	} else if (pct / 10 > bar.last_pct / 10) {
-		bar.last_pct = pct;
-		fprintf(stderr, "kvbench: sweep %d%% point %u/%u %s, ETA %s\n", pct, bar.i + 1, bar.n,
-			bar.label, eta);
+	} else if (pct / 10 > bar->last_pct / 10) {
+		bar->last_pct = pct;
+		fprintf(stderr, "kvbench: sweep %d%% point %u/%u %s, ETA %s\n", pct, bar->i + 1, bar->n,
+			bar->label, eta);
 	}
 	return true;
 }
@@ -288,8 +290,9 @@ int sweep_main(opts *o)
 	for (uint32_t i = 0; i < total; i++)
 		if (point_opts(o, ax, na, i, &po[n]))
 			n++;
-	bar = (typeof(bar)){.on = !o->quiet && na > 0, .tty = isatty(STDERR_FILENO), .n = n,
-			    .t0 = now_ns(), .last_pct = -10};
+	sweep_bar bar = {.on = !o->quiet && na > 0, .tty = isatty(STDERR_FILENO), .n = n,
+			 .t0 = now_ns(), .last_pct = -10};
+	kb_progress prog = {.hook = sweep_progress, .hook_ctx = &bar};
 	for (uint32_t i = 0; i < n; i++)
 		bar.total_w += (double)po[i].context * po[i].seqs * po[i].layers;
 	if (o->csv) { /* find out now, not after the run, that the file cannot be written */
@@ -312,7 +315,7 @@ int sweep_main(opts *o)
 		label_of(&po[i], bar.label, sizeof bar.label);
 		if (!na) /* --baselines alone: one run with its table and summary */
 			po[i].point = false;
-		run_point(&po[i], &plan, &res[i]);
+		run_point(&po[i], &plan, &prog, &res[i]);
 		bar.done_w += bar.w;
 		if (bar.on && bar.tty)
 			fprintf(stderr, "\r\033[K");
@@ -403,7 +406,7 @@ int plan_main(opts *o)
 		       ro.seqs, p.kvt_seqs, 100.0 * ro.seqs / (double)p.kvt_seqs, o->context,
 		       o->layers, o->model_layers, o->model_layers, o->layers);
 	kb_result r;
-	run_point(&ro, &p, &r);
+	run_point(&ro, &p, NULL, &r);
 	if (!o->json) {
 		printf("plan run: %.2f ms per decode step per layer, %.1f decode tokens/s over the %u "
 		       "layers run (%.1f scaled to %u layers); host tier %.1f MiB, index %.1f MiB "

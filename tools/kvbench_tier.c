@@ -19,7 +19,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static uint64_t block_bytes(const bench *b)
+static uint64_t block_bytes(const kb_run *b)
 {
 	return (uint64_t)KB_BLOCK_TOKENS * 2 * b->d * 2;
 }
@@ -30,12 +30,12 @@ static uint64_t blocks_for(uint64_t tokens)
 }
 
 /* Host-tier bytes of one sequence holding `tokens` tokens on every layer. */
-static uint64_t seq_bytes(const bench *b, uint64_t tokens)
+static uint64_t seq_bytes(const kb_run *b, uint64_t tokens)
 {
 	return blocks_for(tokens) * b->o.layers * b->o.kv_heads * block_bytes(b);
 }
 
-uint64_t tier_kv_bytes(const bench *b)
+uint64_t tier_kv_bytes(const kb_run *b)
 {
 	return b->o.seqs * seq_bytes(b, b->cap);
 }
@@ -45,21 +45,18 @@ uint64_t tier_kv_bytes(const bench *b)
  * spilled, so per layer and KV head the window (up to window + flush - 1 tokens not yet indexed)
  * and the block it starts in stay.
  */
-static uint64_t resident_bytes(const bench *b)
+static uint64_t resident_bytes(const kb_run *b)
 {
 	uint64_t blocks = blocks_for((uint64_t)b->o.window + b->o.flush) + 1;
 	return blocks * b->o.layers * b->o.kv_heads * block_bytes(b);
 }
 
-static uint64_t host_default(const bench *b)
+static uint64_t host_default(const kb_run *b)
 {
 	const opts *o = &b->o;
-	if (!o->capacity) {
-		/* Twice the rows (rounded up to whole blocks) plus slack: never the limit here. */
-		uint64_t rows = blocks_for(b->cap) * KB_BLOCK_TOKENS;
-		return 2 * rows * o->seqs * o->layers * o->kv_heads * 2 * o->head_dim * 2 +
-		       (64ull << 20);
-	}
+	if (!o->capacity)
+		return host_bytes_ample(b->cap, (uint64_t)o->seqs * o->layers, o->kv_heads,
+					o->head_dim);
 	/*
 	 * A third of the K/V, so that most of it must live on NVMe; but at least one whole sequence
 	 * next to what the others keep when spilled, since a prefill cannot spill the sequence it
@@ -71,44 +68,34 @@ static uint64_t host_default(const bench *b)
 	return (host + block_bytes(b) - 1) / block_bytes(b) * block_bytes(b);
 }
 
-/* Every sequence's K/V at once, over the files, with a quarter more for each block's header and
- * alignment padding (a 128 KiB block takes 132 KiB at 4 KiB alignment), in whole MiB. */
-static uint64_t nvme_default(const bench *b)
+/* Every sequence's K/V at once, over the files. */
+static uint64_t nvme_default(const kb_run *b)
 {
-	uint64_t all = tier_kv_bytes(b) / 4 * 5 + (16ull << 20);
-	uint64_t per = (all + b->o.n_nvme - 1) / b->o.n_nvme;
-	return (per + (1ull << 20) - 1) >> 20 << 20;
+	return nvme_bytes_ample(tier_kv_bytes(b), b->o.n_nvme);
 }
 
-void tier_config(bench *b, kvt_config *cfg)
+uint64_t tier_sizes(kb_run *b)
 {
 	const opts *o = &b->o;
-	cfg->host_bytes = o->host_bytes ? o->host_bytes : host_default(b);
-	if (!o->n_nvme)
-		return;
 	if (o->nvme_own && access(KB_NVME_DEFAULT, F_OK) == 0)
 		fail(KB_NVME_DEFAULT " exists in the current directory",
 		     "kvbench does not overwrite it: remove it or give --nvme");
 	for (uint32_t i = 0; i < o->n_nvme; i++)
 		b->nvme_sizes[i] = o->nvme_bytes ? o->nvme_bytes : nvme_default(b);
-	cfg->nvme_paths = o->nvme_paths;
-	cfg->nvme_bytes = b->nvme_sizes;
-	cfg->n_nvme = o->n_nvme;
-	cfg->nvme_queue_depth = o->nvme_qd;
-	cfg->nvme_cache_bytes = o->nvme_cache;
-	cfg->spill_policy = o->spill;
+	return o->host_bytes ? o->host_bytes : host_default(b);
 }
 
-void tier_created(const bench *b)
+void tier_created(const void *ctx)
 {
+	const opts *o = ctx;
 	/* The cache keeps its descriptor: the space stays usable until kvt_cache_destroy. */
-	if (b->o.nvme_own && unlink(KB_NVME_DEFAULT) != 0 && errno != ENOENT)
+	if (o->nvme_own && unlink(KB_NVME_DEFAULT) != 0 && errno != ENOENT)
 		fprintf(stderr, "kvbench: cannot remove %s: %s\n", KB_NVME_DEFAULT, strerror(errno));
 }
 
 /* ---- making room ------------------------------------------------------------------------- */
 
-static void snap(bench *b, kvt_stats *st)
+static void snap(kb_run *b, kvt_stats *st)
 {
 	st->size = sizeof(*st);
 	int rc = kvt_get_stats(b->cache, st);
@@ -116,14 +103,14 @@ static void snap(bench *b, kvt_stats *st)
 		lib_fail(b->cache, rc, "kvt_get_stats");
 }
 
-static uint64_t host_free(bench *b)
+static uint64_t host_free(kb_run *b)
 {
 	kvt_stats st;
 	snap(b, &st);
 	return st.host_bytes_capacity - st.host_bytes_used;
 }
 
-static void spill_seq(bench *b, uint32_t s)
+static void spill_seq(kb_run *b, uint32_t s)
 {
 	uint64_t t = now_ns();
 	int64_t rc = kvt_seq_spill(b->cache, b->ids[s]);
@@ -134,7 +121,7 @@ static void spill_seq(bench *b, uint32_t s)
 
 /* Spill the least recently used sequences other than `keep` (an index into ids, or UINT32_MAX)
  * until `need` bytes of the host tier are free. */
-static void make_room(bench *b, uint64_t need, uint32_t keep, const char *what)
+static void make_room(kb_run *b, uint64_t need, uint32_t keep, const char *what)
 {
 	for (uint32_t i = 0; i < b->o.seqs && host_free(b) < need; i++)
 		if (b->lru[i] != keep)
@@ -150,7 +137,7 @@ static void make_room(bench *b, uint64_t need, uint32_t keep, const char *what)
 }
 
 /* New host-tier bytes the next n decode steps' appends take: the blocks every sequence grows by. */
-static uint64_t growth_bytes(const bench *b, uint32_t n)
+static uint64_t growth_bytes(const kb_run *b, uint32_t n)
 {
 	uint64_t blocks = 0;
 	for (size_t i = 0; i < (size_t)b->o.seqs * b->o.layers; i++)
@@ -160,7 +147,7 @@ static uint64_t growth_bytes(const bench *b, uint32_t n)
 
 /* The LRU policy spills only sequences outside the call that needs the room, and a decode batch
  * holds every sequence: room for its new blocks must be made before, as a runtime would. */
-void tier_room_for_steps(bench *b, uint32_t n)
+void tier_room_for_steps(kb_run *b, uint32_t n)
 {
 	if (b->o.n_nvme)
 		make_room(b, growth_bytes(b, n), UINT32_MAX, "the decode steps' new blocks");
@@ -168,15 +155,15 @@ void tier_room_for_steps(bench *b, uint32_t n)
 
 /* ---- the capacity experiment ------------------------------------------------------------- */
 
-static phase *phase_begin(bench *b, const char *name)
+static phase *phase_begin(kb_run *b, kb_phases *ps, const char *name)
 {
-	phase *ph = &b->phases[b->n_phases++];
+	phase *ph = &ps->ph[ps->n++];
 	*ph = (phase){.name = name, .restored = -1, .ns = now_ns(), .ns_lib = b->ns_lib};
 	snap(b, &ph->st0);
 	return ph;
 }
 
-static void phase_end(bench *b, phase *ph)
+static void phase_end(kb_run *b, phase *ph)
 {
 	ph->ns = now_ns() - ph->ns;
 	ph->ns_lib = b->ns_lib - ph->ns_lib;
@@ -187,7 +174,7 @@ static void phase_end(bench *b, phase *ph)
 
 /* One sequence after another. Without the LRU policy the cache would refuse a full host tier, so
  * kvbench spills older sequences itself first. */
-static void fill(bench *b)
+static void fill(kb_run *b)
 {
 	for (uint32_t s = 0; s < b->o.seqs; s++) {
 		if (b->o.spill == KVT_SPILL_NONE)
@@ -200,7 +187,7 @@ static void fill(bench *b)
 /* The least recently used sequence (kvbench's own record agrees with the library's: both follow
  * the order of the calls). Without the LRU policy a full host tier makes kvt_seq_restore refuse
  * with -ENOSPC and change nothing: kvbench then spills one more sequence and tries again. */
-static void restore_lru(bench *b, phase *ph)
+static void restore_lru(kb_run *b, phase *ph)
 {
 	uint32_t s = b->lru[0], next = 1;
 	int64_t rc;
@@ -219,9 +206,9 @@ static void restore_lru(bench *b, phase *ph)
 	lru_touch(b, s);
 }
 
-static void decode_phase(bench *b, const char *name, uint32_t first)
+static void decode_phase(kb_run *b, kb_phases *ps, const char *name, uint32_t first)
 {
-	phase *ph = phase_begin(b, name);
+	phase *ph = phase_begin(b, ps, name);
 	ph->step0 = first;
 	ph->steps = b->o.steps;
 	tier_room_for_steps(b, b->o.steps);
@@ -230,7 +217,7 @@ static void decode_phase(bench *b, const char *name, uint32_t first)
 }
 
 /* A run whose K/V fits in the host tier measures nothing of the NVMe tier: say so. */
-static void check_pressure(bench *b)
+static void check_pressure(kb_run *b)
 {
 	kvt_stats st;
 	snap(b, &st);
@@ -242,21 +229,21 @@ static void check_pressure(bench *b)
 		fmt_bytes(tier_kv_bytes(b), k, sizeof k), fmt_bytes(st.host_bytes_capacity, h, sizeof h));
 }
 
-void capacity_run(bench *b)
+void capacity_run(kb_run *b, kb_phases *ps)
 {
 	check_pressure(b);
 	if (b->table)
 		print_header(b);
-	phase *ph = phase_begin(b, "fill");
+	phase *ph = phase_begin(b, ps, "fill");
 	fill(b);
 	phase_end(b, ph);
 	if (b->table)
 		print_columns();
-	decode_phase(b, "decode_spilled", 0);
-	ph = phase_begin(b, "restore");
+	decode_phase(b, ps, "decode_spilled", 0);
+	ph = phase_begin(b, ps, "restore");
 	restore_lru(b, ph);
 	phase_end(b, ph);
-	decode_phase(b, "decode_restored", b->o.steps);
+	decode_phase(b, ps, "decode_restored", b->o.steps);
 	if (b->table)
 		print_row(b, -1, &b->all);
 }

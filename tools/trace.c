@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Reader and writer of trace directories (doc/trace-format.md): the .npy parser, meta.json's
- * fields (its JSON parser is tools/trace_json.c), the checks of a trace against its metadata, and the writer used by the tests.
+ * Reader of trace directories (doc/trace-format.md): the .npy parser, meta.json's fields (its
+ * JSON parser is tools/trace_json.c) and the checks of a trace against its metadata. The writer,
+ * used by the tests, is tools/trace_write.c.
  * Inputs are untrusted: every length is checked before it is used, and nothing is allocated from a
  * size that was not first checked against the file it came from.
  */
@@ -171,7 +172,7 @@ static bool h_int(hcur *c, uint64_t *v)
 	return true;
 }
 
-static void shape_text(const uint64_t *shape, uint32_t ndim, char *out, size_t n)
+void trace_shape_text(const uint64_t *shape, uint32_t ndim, char *out, size_t n)
 {
 	size_t k = (size_t)snprintf(out, n, "(");
 	for (uint32_t i = 0; i < ndim && k < n; i++)
@@ -321,7 +322,7 @@ static int npy_header(const unsigned char *b, size_t avail, uint64_t size, const
 	o->count = count;
 	o->header_len = pre + hlen;
 	char sh[160];
-	shape_text(o->shape, o->ndim, sh, sizeof(sh));
+	trace_shape_text(o->shape, o->ndim, sh, sizeof(sh));
 	uint64_t have = size - o->header_len, need = count * item;
 	if (have < need)
 		return trace_errf(
@@ -346,51 +347,6 @@ int trace_npy_parse(const void *buf, size_t len, const char *name, trace_npy *ou
 	if (rc < 0)
 		return rc;
 	out->data = (const unsigned char *)buf + out->header_len;
-	return 0;
-}
-
-int trace_npy_write(const char *path, trace_dtype dtype, uint32_t ndim, const uint64_t *shape,
-		    const void *data, char *err, size_t errlen)
-{
-	char head[512], sh[400];
-	uint64_t count = 1, item = dtype == TRACE_F16 ? 2 : 4;
-	if (ndim > TRACE_MAX_DIMS || (dtype != TRACE_F16 && dtype != TRACE_F32))
-		return trace_errf(err, errlen, -EINVAL, "%s: bad dtype or dims", path);
-	for (uint32_t i = 0; i < ndim; i++)
-		count *= shape[i];
-	shape_text(shape, ndim, sh, sizeof(sh));
-	int k = snprintf(head + 10, sizeof(head) - 10,
-			 "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
-			 dtype == TRACE_F16 ? "<f2" : "<f4", sh);
-	/* numpy pads with spaces so that the data starts at a multiple of 64, and ends with '\n' */
-	size_t total = (10 + (size_t)k + 1 + 63) / 64 * 64, hlen = total - 10;
-	memset(head + 10 + k, ' ', hlen - (size_t)k - 1);
-	head[total - 1] = '\n';
-	memcpy(head, "\x93NUMPY\x01\x00", 8);
-	head[8] = (char)(hlen & 0xff);
-	head[9] = (char)(hlen >> 8);
-	FILE *f = fopen(path, "wb");
-	if (!f)
-		return trace_errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
-	bool ok = fwrite(head, 1, total, f) == total;
-	const unsigned char *p = data;
-	/* little-endian on disk whatever the host */
-	for (uint64_t i = 0; ok && i < count; i++) {
-		unsigned char le[4];
-		uint32_t x = 0;
-		if (item == 2) {
-			uint16_t h;
-			memcpy(&h, p + i * 2, 2);
-			x = h;
-		} else {
-			memcpy(&x, p + i * 4, 4);
-		}
-		for (unsigned j = 0; j < item; j++)
-			le[j] = (unsigned char)(x >> (8 * j));
-		ok = fwrite(le, 1, item, f) == item;
-	}
-	if (fclose(f) || !ok)
-		return trace_errf(err, errlen, -EIO, "%s: write failed", path);
 	return 0;
 }
 
@@ -583,7 +539,7 @@ static int read_file(const char *path, size_t limit, unsigned char **buf, size_t
 	return 0;
 }
 
-static void join(const char *dir, const char *file, char *out, size_t n)
+void trace_join(const char *dir, const char *file, char *out, size_t n)
 {
 	size_t l = strlen(dir);
 	snprintf(out, n, "%s%s%s", dir, l && dir[l - 1] == '/' ? "" : "/", file);
@@ -599,7 +555,7 @@ static int check_shape(const trace_meta *m, unsigned a, const trace_npy *x, cons
 	const char *field[3] = {dec ? "decode_steps" : "prefill_tokens",
 				q ? "n_q_heads" : "n_kv_heads", "head_dim"};
 	char sh[160];
-	shape_text(x->shape, x->ndim, sh, sizeof(sh));
+	trace_shape_text(x->shape, x->ndim, sh, sizeof(sh));
 	if (x->dtype != m->dtype)
 		return trace_errf(err, en, -EINVAL, "%s: descr: '%s' but meta.json says dtype = %s", path,
 			    x->dtype == TRACE_F16 ? "<f2" : "<f4",
@@ -620,7 +576,7 @@ static int read_meta(const char *dir, trace_meta *m, char *err, size_t en)
 	char path[4096];
 	unsigned char *buf;
 	size_t len;
-	join(dir, "meta.json", path, sizeof(path));
+	trace_join(dir, "meta.json", path, sizeof(path));
 	int rc = read_file(path, TRACE_MAX_JSON_BYTES, &buf, &len, err, en);
 	if (rc < 0)
 		return rc;
@@ -640,7 +596,7 @@ int trace_open(const char *dir, trace_meta *m, char *err, size_t errlen)
 			trace_npy x;
 			struct stat st;
 			trace_file_name(l, a, nm, sizeof(nm));
-			join(dir, nm, path, sizeof(path));
+			trace_join(dir, nm, path, sizeof(path));
 			FILE *f = fopen(path, "rb");
 			if (!f)
 				return trace_errf(err, errlen, -errno, "%s: cannot open: %s", path,
@@ -702,7 +658,7 @@ int trace_load_layer(const char *dir, const trace_meta *m, uint32_t layer, trace
 		size_t len;
 		trace_npy x;
 		trace_file_name(layer, a, nm, sizeof(nm));
-		join(dir, nm, path, sizeof(path));
+		trace_join(dir, nm, path, sizeof(path));
 		if ((rc = read_file(path, 0, &buf, &len, err, errlen)) < 0)
 			break;
 		rc = trace_npy_parse(buf, len, path, &x, err, errlen);
@@ -728,81 +684,4 @@ void trace_layer_free(trace_layer *l)
 	free(l->decode_k);
 	free(l->decode_v);
 	memset(l, 0, sizeof(*l));
-}
-
-/* ---- writer --------------------------------------------------------------------------------- */
-
-static void json_string(FILE *f, const char *s)
-{
-	fputc('"', f);
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
-		if (c == '"' || c == '\\')
-			fprintf(f, "\\%c", c);
-		else if (c < 0x20)
-			fprintf(f, "\\u%04x", c);
-		else
-			fputc(c, f);
-	}
-	fputc('"', f);
-}
-
-int trace_write_meta(const char *dir, const trace_meta *m, char *err, size_t errlen)
-{
-	char path[4096];
-	join(dir, "meta.json", path, sizeof(path));
-	FILE *f = fopen(path, "w");
-	if (!f)
-		return trace_errf(err, errlen, -errno, "%s: cannot create: %s", path, strerror(errno));
-	fprintf(f, "{\n  \"format\": \"%s\",\n  \"version\": %d,\n  \"model\": ", TRACE_FORMAT,
-		TRACE_VERSION);
-	json_string(f, m->model);
-	fprintf(f,
-		",\n  \"n_layers\": %u,\n  \"n_q_heads\": %u,\n  \"n_kv_heads\": %u,\n"
-		"  \"head_dim\": %u,\n  \"dtype\": \"%s\",\n  \"rope\": ",
-		m->n_layers, m->n_q_heads, m->n_kv_heads, m->head_dim,
-		m->dtype == TRACE_F16 ? "float16" : "float32");
-	json_string(f, m->rope);
-	fprintf(f,
-		",\n  \"scale\": %.17g,\n  \"prefill_tokens\": %u,\n  \"decode_steps\": %u,\n"
-		"  \"files\": [",
-		m->scale, m->prefill_tokens, m->decode_steps);
-	for (uint32_t l = 0; l < m->n_layers; l++)
-		for (unsigned a = 0; a < TRACE_ARRAYS; a++) {
-			char nm[64];
-			trace_file_name(l, a, nm, sizeof(nm));
-			fprintf(f, "%s\n    \"%s\"", l || a ? "," : "", nm);
-		}
-	fprintf(f, "\n  ]\n}\n");
-	if (fclose(f))
-		return trace_errf(err, errlen, -EIO, "%s: write failed", path);
-	return 0;
-}
-
-int trace_write_layer(const char *dir, const trace_meta *m, uint32_t layer, const trace_layer *l,
-		      char *err, size_t errlen)
-{
-	const float *arr[TRACE_ARRAYS] = {l->prefill_q, l->prefill_k, l->prefill_v,
-					  l->decode_q,	l->decode_k,  l->decode_v};
-	int rc = 0;
-	for (unsigned a = 0; a < TRACE_ARRAYS && !rc; a++) {
-		char nm[64], path[4096];
-		uint64_t shape[3] = {a >= 3 ? m->decode_steps : m->prefill_tokens,
-				     a % 3 == 0 ? m->n_q_heads : m->n_kv_heads, m->head_dim};
-		size_t n = (size_t)(shape[0] * shape[1] * shape[2]);
-		trace_file_name(layer, a, nm, sizeof(nm));
-		join(dir, nm, path, sizeof(path));
-		if (m->dtype == TRACE_F32) {
-			rc = trace_npy_write(path, TRACE_F32, 3, shape, arr[a], err, errlen);
-			continue;
-		}
-		uint16_t *h = malloc(n * sizeof(uint16_t) + 1);
-		if (!h)
-			return trace_errf(err, errlen, -ENOMEM, "%s: out of memory", path);
-		for (size_t i = 0; i < n; i++)
-			h[i] = trace_f32_to_f16(arr[a][i]);
-		rc = trace_npy_write(path, TRACE_F16, 3, shape, h, err, errlen);
-		free(h);
-	}
-	return rc;
 }

@@ -3,7 +3,7 @@
  * Traces of attention inputs captured from real models (doc/trace-format.md): a directory holding
  * meta.json and, per layer, the post-RoPE queries, keys and values of the prefill and of the
  * decode steps as .npy arrays. This is the reader and the writer, plus the small JSON parser that
- * reads meta.json, and the replay that `kvbench --trace DIR` runs.
+ * reads meta.json; the replay (`kvbench --trace DIR`) is tools/kvbench_trace.c.
  *
  * Every function that can fail returns 0 or a negative errno value (-EINVAL malformed input,
  * -ENOENT or another errno for a file that cannot be read or written, -ENOMEM) and writes into
@@ -163,14 +163,10 @@ uint16_t trace_f32_to_f16(float f);
 float trace_bf16_to_f32(uint16_t h);
 uint16_t trace_f32_to_bf16(float f);
 
-/* ---- the replay (kvbench_trace.c) ----------------------------------------------------------- */
-
-/*
- * `kvbench --trace DIR [options]`: replay a trace through kvtier and compare every decode step with
- * exact attention. argv is kvbench's whole command line; every argument must be one of this mode's
- * options. Returns the exit status: 0 done, 1 the trace or the library failed, 2 bad options.
- */
-int kvbench_trace_main(int argc, char **argv);
+/* Internal to tools/trace*.c: the Python text of a shape tuple ("(3,)", "(3, 4)") into out, and
+ * dir/file into out. */
+void trace_shape_text(const uint64_t *shape, uint32_t ndim, char *out, size_t n);
+void trace_join(const char *dir, const char *file, char *out, size_t n);
 
 /* Write the printf-style text to err (n bytes, may be NULL) and return `code`: the error form of
  * every function above, shared by tools/trace.c and tools/trace_json.c. */

@@ -1,0 +1,64 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The trace replay's context (kvbench --trace), shared by the replay (kvbench_trace.c) and its
+ * report (kvbench_trace_report.c). Options, buffers, cache creation, the window rule, the check
+ * of the gathered positions and the progress line are kvbench's own (kvbench.h).
+ */
+#ifndef KVBENCH_TRACE_REPLAY_H
+#define KVBENCH_TRACE_REPLAY_H
+
+#include "kvbench.h"
+#include "trace.h"
+
+/* Sums over decode steps of one (layer, query head), and of one (layer, KV head). */
+typedef struct hacc {
+	double recall_sum, recall_min, err2, full2;
+	uint64_t n;
+} hacc;
+
+typedef struct kacc {
+	double budget_sum;
+	uint64_t n;
+} kacc;
+
+/* What the fetch path did during one layer's decode steps: the library's counters (kvt_stats)
+ * over those steps, and the time of kvt_append + kvt_attend. */
+typedef struct tfetch {
+	uint64_t steps, hot_hits, hot_misses, pcie_bytes, nvme_bytes;
+	double step_ms;         /* summed over the steps */
+} tfetch;
+
+typedef struct kb_trace {
+	const opts *o;
+	trace_meta m;
+	kvt_cache *cache;
+	kb_dev dev;
+	kb_progress prog;
+	const char *backend;
+	bool device_time;       /* step times from CUDA events, else wall time */
+	void *ev[2];            /* the CUDA events around a step */
+	uint32_t d, group, cap, chunk, seq;
+	uint32_t len, n_idx;    /* the sequence of the current layer: tokens, indexed tokens */
+	double scale;
+	bool *sel;              /* [n_layers] layers to replay */
+	uint32_t n_sel;
+	buf q, k, v, out, pos;
+	int32_t *counts;        /* [n_kv_heads] */
+	float *K, *V;           /* rounded truth of the layer [n_kv_heads, cap, d] */
+	float *Q;               /* rounded decode queries of the layer [S, n_q_heads, d] */
+	double *prob;           /* [cap] */
+	hacc *heads;            /* [n_layers, n_q_heads] */
+	kacc *kvs;              /* [n_layers, n_kv_heads] */
+	double *recall;         /* [n_layers, n_q_heads, S] recall of every step, for percentiles */
+	tfetch *fetch;          /* [n_layers] */
+	uint64_t nvme_sizes[KB_MAX_NVME]; /* with --nvme: bytes of each file */
+	uint64_t done, total;   /* progress: prefill chunks and decode steps */
+	char what[48];          /* progress label */
+	char err[1024];
+} kb_trace;
+
+/* The report: a table per layer and head, the fetch path per layer, and a summary; or JSON. */
+void trace_print_text(kb_trace *t, double wall);
+void trace_print_json(kb_trace *t, double wall);
+
+#endif

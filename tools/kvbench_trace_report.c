@@ -1,0 +1,283 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The trace replay's report (doc/trace-format.md, "The replay"): per (layer, query head) the
+ * recall's mean, minimum and low percentiles over the decode steps (the tail matters more than
+ * the mean: one step that loses the point of a head is what a user sees), the budget and the
+ * output error; per layer the same over its heads and what the fetch path did; a summary over
+ * the layers replayed. A table, or one JSON object.
+ */
+#include "kvbench_trace.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct fig {
+	double recall_sum, recall_min, budget_sum, err2, full2, err_max;
+	double p5_min, p1_min;  /* the lowest per-head percentiles */
+	uint64_t n, kv_n;
+	tfetch f;               /* the fetch path, summed over the layers */
+} fig;
+
+static double rel_err(double e2, double f2)
+{
+	return f2 > 0 ? sqrt(e2 / f2) : sqrt(e2);
+}
+
+static int cmp_dbl(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* The q-th percentile (nearest rank: the smallest recall that at least q % of the steps are at or
+ * below) of one head's recall over the steps; pct[0] is the 5th, pct[1] the 1st. */
+static void percentiles(const kb_trace *t, uint32_t l, uint32_t h, double pct[2])
+{
+	const uint32_t S = t->m.decode_steps;
+	double *v = xcalloc(S, sizeof(double));
+	memcpy(v, t->recall + ((size_t)l * t->m.n_q_heads + h) * S, S * sizeof(double));
+	qsort(v, S, sizeof(double), cmp_dbl);
+	const double q[2] = {0.05, 0.01};
+	for (int i = 0; i < 2; i++) {
+		double r = ceil(q[i] * S);
+		pct[i] = v[r < 1 ? 0 : (size_t)r - 1];
+	}
+	free(v);
+}
+
+static void fig_head(fig *f, const hacc *a, const double pct[2])
+{
+	f->recall_sum += a->recall_sum;
+	f->recall_min = a->recall_min < f->recall_min ? a->recall_min : f->recall_min;
+	f->err2 += a->err2;
+	f->full2 += a->full2;
+	f->n += a->n;
+	double e = rel_err(a->err2, a->full2);
+	f->err_max = e > f->err_max ? e : f->err_max;
+	f->p5_min = pct[0] < f->p5_min ? pct[0] : f->p5_min;
+	f->p1_min = pct[1] < f->p1_min ? pct[1] : f->p1_min;
+}
+
+static void fetch_add(tfetch *to, const tfetch *x)
+{
+	to->steps += x->steps;
+	to->hot_hits += x->hot_hits;
+	to->hot_misses += x->hot_misses;
+	to->pcie_bytes += x->pcie_bytes;
+	to->nvme_bytes += x->nvme_bytes;
+	to->step_ms += x->step_ms;
+}
+
+/* Figures of layer l, or of every replayed layer with l = UINT32_MAX. */
+static fig figures(const kb_trace *t, uint32_t l)
+{
+	fig f = {.recall_min = INFINITY, .p5_min = INFINITY, .p1_min = INFINITY};
+	for (uint32_t i = 0; i < t->m.n_layers; i++) {
+		if (!t->sel[i] || (l != UINT32_MAX && i != l))
+			continue;
+		for (uint32_t h = 0; h < t->m.n_q_heads; h++) {
+			double pct[2];
+			percentiles(t, i, h, pct);
+			fig_head(&f, &t->heads[(size_t)i * t->m.n_q_heads + h], pct);
+		}
+		for (uint32_t h = 0; h < t->m.n_kv_heads; h++) {
+			f.budget_sum += t->kvs[(size_t)i * t->m.n_kv_heads + h].budget_sum;
+			f.kv_n += t->kvs[(size_t)i * t->m.n_kv_heads + h].n;
+		}
+		fetch_add(&f.f, &t->fetch[i]);
+	}
+	return f;
+}
+
+static double kv_budget(const kb_trace *t, uint32_t l, uint32_t h)
+{
+	const kacc *k = &t->kvs[(size_t)l * t->m.n_kv_heads + h];
+	return k->n ? k->budget_sum / k->n : 0;
+}
+
+/* Hot-cache hit rate: NAN when nothing was looked up (the CPU backend has no hot cache). */
+static double hit_rate(const tfetch *f)
+{
+	uint64_t n = f->hot_hits + f->hot_misses;
+	return n ? (double)f->hot_hits / (double)n : NAN;
+}
+
+static double per_step(double x, const tfetch *f)
+{
+	return f->steps ? x / (double)f->steps : NAN;
+}
+
+static const char *time_source(const kb_trace *t)
+{
+	return t->device_time ? "cuda_events" : "wall";
+}
+
+/* ---- JSON ----------------------------------------------------------------------------------- */
+
+static void jnum(const char *key, double v)
+{
+	if (isfinite(v))
+		printf(", \"%s\": %.6g", key, v);
+	else
+		printf(", \"%s\": null", key);
+}
+
+static void print_json_fetch(const tfetch *f)
+{
+	jnum("hot_hit_rate", hit_rate(f));
+	jnum("pcie_bytes_per_step", per_step((double)f->pcie_bytes, f));
+	jnum("nvme_bytes_per_step", per_step((double)f->nvme_bytes, f));
+	jnum("step_ms", per_step(f->step_ms, f));
+}
+
+static void print_json_fig(const fig *f)
+{
+	printf("\"recall_mean\": %.6f, \"recall_min\": %.6f, \"budget_mean\": %.6f, "
+	       "\"output_error\": %.6g, \"output_error_max\": %.6g",
+	       f->n ? f->recall_sum / f->n : 0, f->n ? f->recall_min : 0,
+	       f->kv_n ? f->budget_sum / f->kv_n : 0, rel_err(f->err2, f->full2), f->err_max);
+}
+
+static void print_json_head(const kb_trace *t, uint32_t l, uint32_t h)
+{
+	const hacc *a = &t->heads[(size_t)l * t->m.n_q_heads + h];
+	double pct[2];
+	percentiles(t, l, h, pct);
+	printf("%s\n   {\"head\": %u, \"kv_head\": %u, \"recall_mean\": %.6f, \"recall_min\": %.6f, "
+	       "\"budget_mean\": %.6f, \"output_error\": %.6g, \"recall_p5\": %.6f, \"recall_p1\": "
+	       "%.6f}",
+	       h ? "," : "", h, h / t->group, a->n ? a->recall_sum / a->n : 0,
+	       a->n ? a->recall_min : 0, kv_budget(t, l, h / t->group), rel_err(a->err2, a->full2),
+	       pct[0], pct[1]);
+}
+
+static void print_json_meta(const kb_trace *t)
+{
+	const trace_meta *m = &t->m;
+	printf("{\"trace\": {\"dir\": ");
+	jstr(t->o->trace_dir);
+	printf(", \"model\": ");
+	jstr(m->model);
+	printf(", \"rope\": ");
+	jstr(m->rope);
+	printf(", \"n_layers\": %u, \"n_q_heads\": %u, \"n_kv_heads\": %u, \"head_dim\": %u, "
+	       "\"dtype\": \"%s\", \"prefill_tokens\": %u, \"decode_steps\": %u, \"scale\": %.9g},\n",
+	       m->n_layers, m->n_q_heads, m->n_kv_heads, m->head_dim,
+	       m->dtype == TRACE_F16 ? "float16" : "float32", m->prefill_tokens, m->decode_steps,
+	       t->scale);
+}
+
+void trace_print_json(kb_trace *t, double wall)
+{
+	const trace_meta *m = &t->m;
+	const opts *o = t->o;
+	print_json_meta(t);
+	printf(" \"config\": {\"backend\": \"%s\", \"dtype\": \"%s\", \"p\": %.6g, \"sinks\": %u, "
+	       "\"window\": %u, \"flush\": %u, \"budget_min\": %u, \"budget_max\": %u, \"chunk\": "
+	       "%u, \"seed\": %" PRIu64 "},\n",
+	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
+	       o->window, o->flush, o->budget_min, o->budget_max, t->chunk, o->seed);
+	printf(" \"layers\": [");
+	bool first = true;
+	for (uint32_t l = 0; l < m->n_layers; l++) {
+		if (!t->sel[l])
+			continue;
+		fig f = figures(t, l);
+		printf("%s\n  {\"layer\": %u, ", first ? "" : ",", l);
+		print_json_fig(&f);
+		printf(", \"heads\": [");
+		for (uint32_t h = 0; h < m->n_q_heads; h++)
+			print_json_head(t, l, h);
+		printf("]");
+		jnum("recall_p5_worst_head", f.p5_min);
+		jnum("recall_p1_worst_head", f.p1_min);
+		print_json_fetch(&f.f);
+		printf("}");
+		first = false;
+	}
+	fig all = figures(t, UINT32_MAX);
+	printf("],\n \"layers_replayed\": %u, ", t->n_sel);
+	print_json_fig(&all);
+	printf(", \"wall_s\": %.3f", wall);
+	jnum("recall_p5_worst_head", all.p5_min);
+	jnum("recall_p1_worst_head", all.p1_min);
+	print_json_fetch(&all.f);
+	printf(", \"step_time\": \"%s\"}\n", time_source(t));
+}
+
+/* ---- the table ------------------------------------------------------------------------------ */
+
+static void print_text_head(const kb_trace *t, uint32_t l, uint32_t h)
+{
+	const hacc *a = &t->heads[(size_t)l * t->m.n_q_heads + h];
+	double pct[2];
+	percentiles(t, l, h, pct);
+	printf("%6u %6u %4u  %11.4f %10.4f %11.4f %9.2e %9.4f %9.4f\n", l, h, h / t->group,
+	       a->n ? a->recall_sum / a->n : 0, a->n ? a->recall_min : 0,
+	       kv_budget(t, l, h / t->group), rel_err(a->err2, a->full2), pct[0], pct[1]);
+}
+
+/* The fetch path per layer: what crossed PCIe and was read from NVMe per decode step, the hot
+ * cache's hit rate, and the time of a step's kvt_append + kvt_attend. */
+static void print_text_fetch(const kb_trace *t)
+{
+	printf("\nfetch path per decode step (kvt_stats over the steps; time of kvt_append + "
+	       "kvt_attend: %s)\n", t->device_time ? "device time, CUDA events" : "wall time");
+	printf("%6s  %8s %14s %14s %9s\n", "layer", "hot_hit", "pcie_B/step", "nvme_B/step",
+	       "ms/step");
+	for (uint32_t l = 0; l <= t->m.n_layers; l++) {
+		bool all = l == t->m.n_layers;
+		if (!all && !t->sel[l])
+			continue;
+		fig f = figures(t, all ? UINT32_MAX : l);
+		char name[16], hr[16];
+		double h = hit_rate(&f.f);
+		if (all)
+			snprintf(name, sizeof name, "all");
+		else
+			snprintf(name, sizeof name, "%u", l);
+		if (isfinite(h))
+			snprintf(hr, sizeof hr, "%.4f", h);
+		else
+			snprintf(hr, sizeof hr, "-");
+		printf("%6s  %8s %14.0f %14.0f %9.3f\n", name, hr,
+		       per_step((double)f.f.pcie_bytes, &f.f), per_step((double)f.f.nvme_bytes, &f.f),
+		       per_step(f.f.step_ms, &f.f));
+	}
+}
+
+void trace_print_text(kb_trace *t, double wall)
+{
+	const trace_meta *m = &t->m;
+	const opts *o = t->o;
+	printf("trace %s: %s, %u layers (%u replayed), %u query heads, %u KV heads, head dim %u, "
+	       "%s, %u prefill tokens, %u decode steps\n",
+	       o->trace_dir, m->model, m->n_layers, t->n_sel, m->n_q_heads, m->n_kv_heads,
+	       m->head_dim, m->dtype == TRACE_F16 ? "float16" : "float32", m->prefill_tokens,
+	       m->decode_steps);
+	printf("kvtier: %s backend, %s, p %g, sinks %u, window %u, flush %u, budget %u..%u%s, "
+	       "scale %.6g\n\n",
+	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
+	       o->window, o->flush, o->budget_min, o->budget_max, o->budget_max ? "" : " (no cap)",
+	       t->scale);
+	printf("%6s %6s %4s  %11s %10s %11s %9s %9s %9s\n", "layer", "head", "kv", "recall_mean",
+	       "recall_min", "budget_mean", "out_err", "recall_p5", "recall_p1");
+	for (uint32_t l = 0; l < m->n_layers; l++) {
+		if (!t->sel[l])
+			continue;
+		for (uint32_t h = 0; h < m->n_q_heads && !o->quiet; h++)
+			print_text_head(t, l, h);
+		fig f = figures(t, l);
+		printf("%6u %6s %4s  %11.4f %10.4f %11.4f %9.2e %9.4f %9.4f\n", l, "all", "",
+		       f.recall_sum / f.n, f.recall_min, f.kv_n ? f.budget_sum / f.kv_n : 0,
+		       rel_err(f.err2, f.full2), f.p5_min, f.p1_min);
+	}
+	print_text_fetch(t);
+	fig all = figures(t, UINT32_MAX);
+	printf("\nrecall mean %.4f, min %.4f; budget mean %.4f of the indexed tokens; output "
+	       "error %.2e (worst head %.2e); %.1f s\n",
+	       all.recall_sum / all.n, all.recall_min, all.kv_n ? all.budget_sum / all.kv_n : 0,
+	       rel_err(all.err2, all.full2), all.err_max, wall);
+}
