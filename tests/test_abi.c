@@ -129,15 +129,19 @@ static void test_config_old_size(void **state)
 	(void)state;
 	kvt_config cfg = shape_only();
 	T_CHECK(KVT_CONFIG_SIZE_VER0 < sizeof(kvt_config) &&
-			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, reserved),
-		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(reserved) = %zu < sizeof = %zu",
-		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, reserved), sizeof(kvt_config));
+			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, device_busid),
+		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(device_busid) = %zu < sizeof = %zu",
+		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, device_busid), sizeof(kvt_config));
 	cfg.size = KVT_CONFIG_SIZE_VER0;
 	memset((char *)&cfg + KVT_CONFIG_SIZE_VER0, 0xab,
 	       sizeof(kvt_config) - KVT_CONFIG_SIZE_VER0);
 	create_check("size VER0, garbage past it", &cfg, check_defaults);
-	cfg.size = KVT_CONFIG_SIZE_VER0 + 8; /* reserved[0] now inside the caller's struct */
-	create_fails("size VER0 + 8, reserved[0] set", &cfg, "reserved[0]", NULL);
+	/* the fields after VER0 are read once size covers them: reserved[0] inside the struct */
+	cfg.device_busid = NULL;
+	cfg.host_pool = NULL;
+	cfg.host_pool_bytes = 0;
+	cfg.size = offsetof(kvt_config, reserved) + 8;
+	create_fails("size through reserved[0], reserved[0] set", &cfg, "reserved[0]", NULL);
 	cfg.size = KVT_CONFIG_SIZE_VER0 - 8;
 	char want[32];
 	snprintf(want, sizeof want, "%zu", (size_t)KVT_CONFIG_SIZE_VER0);
