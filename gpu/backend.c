@@ -261,6 +261,7 @@ static const struct kvt_backend_ops ops = {
 	.name = "cuda",
 	.serves_spilled = false,
 	.probe = gpu_probe,
+	.find_device = gpu_find_device,
 	.mem_hooks = &gpu_mem_hooks,
 	.init = cu_init,
 	.fini = cu_fini,

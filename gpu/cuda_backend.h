@@ -148,6 +148,7 @@ kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
 
 /* runtime.c: the probe and memory hooks of the backend table */
 int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why);
+int gpu_find_device(const char *busid, int32_t *device, struct kvt_err *why);
 extern const struct kvt_mem_hooks gpu_mem_hooks;
 
 /* backend.c */

@@ -21,6 +21,17 @@ int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why)
 	return 0;
 }
 
+int gpu_find_device(const char *busid, int32_t *device, struct kvt_err *why)
+{
+	int d = -1;
+	cudaError_t e = cudaDeviceGetByPCIBusId(&d, busid);
+	if (e != cudaSuccess)
+		return kvt_err_set(why, -ENODEV, "no CUDA device with that bus id (%s)",
+				   cudaGetErrorString(e));
+	*device = d;
+	return 0;
+}
+
 static void *device_alloc(size_t bytes)
 {
 	void *p = NULL;

@@ -102,17 +102,9 @@ void kvt_extents_fini(struct kvt_extents *x)
 	x->used = x->mapped = 0;
 }
 
-/* Map, bind and pin one more extent and push its blocks on the free stack. */
-static int grow(struct kvt_extents *x, struct kvt_err *err)
+/* Map, bind and pin an extent of nblocks blocks (bytes) and push them on the free stack. */
+static int map_extent(struct kvt_extents *x, size_t nblocks, size_t bytes, struct kvt_err *err)
 {
-	/* the last extent only spans what the capacity still allows, so nothing is pinned in vain */
-	uint64_t left_blocks = (x->capacity - x->mapped) / x->block_bytes;
-	size_t nblocks = x->extent_bytes / x->block_bytes;
-	if (left_blocks == 0)
-		return kvt_err_set(err, -ENOSPC, "all %llu bytes of capacity are mapped",
-				   (unsigned long long)x->capacity);
-	nblocks = left_blocks < nblocks ? (size_t)left_blocks : nblocks;
-	size_t bytes = nblocks * x->block_bytes;
 	size_t cap = x->free_cap + nblocks;
 	void **stack = kvt_mem_realloc(x->free_blocks, sizeof(void *) * x->free_cap,
 				       sizeof(void *) * cap);
@@ -142,6 +134,42 @@ static int grow(struct kvt_extents *x, struct kvt_err *err)
 	for (size_t i = nblocks; i-- > 0;)
 		x->free_blocks[x->n_free++] = (char *)base + i * x->block_bytes;
 	return 0;
+}
+
+/* Map one more extent: as large as an extent, the capacity left and the shared pool allow. */
+static int grow(struct kvt_extents *x, struct kvt_err *err)
+{
+	/* the last extent only spans what the capacity still allows, so nothing is pinned in vain */
+	uint64_t left_blocks = (x->capacity - x->mapped) / x->block_bytes;
+	uint64_t pool_blocks = kvt_pool_available(x->pool) / x->block_bytes;
+	size_t nblocks = x->extent_bytes / x->block_bytes;
+	if (left_blocks == 0)
+		return kvt_err_set(err, -ENOSPC, "all %llu bytes of capacity are mapped",
+				   (unsigned long long)x->capacity);
+	left_blocks = left_blocks < pool_blocks ? left_blocks : pool_blocks;
+	nblocks = left_blocks < nblocks ? (size_t)left_blocks : nblocks;
+	nblocks = nblocks ? nblocks : 1; /* the pool is short: its charge below says so */
+	size_t bytes = nblocks * x->block_bytes;
+	int rc = kvt_pool_charge(x->pool, bytes, err);
+	if (rc < 0)
+		return rc;
+	rc = map_extent(x, nblocks, bytes, err);
+	if (rc < 0)
+		kvt_pool_uncharge(x->pool, bytes);
+	return rc;
+}
+
+uint64_t kvt_extents_free_bytes(const struct kvt_extents *x)
+{
+	if (!x->pool || !x->pool->map)
+		return x->capacity - x->used;
+	uint64_t unmapped = x->capacity - x->mapped, pool = kvt_pool_available(x->pool);
+	if (pool < unmapped) { /* short: what dead processes held counts as free */
+		kvt_pool_reclaim(x->pool);
+		pool = kvt_pool_available(x->pool);
+	}
+	unmapped = unmapped < pool ? unmapped : pool;
+	return x->mapped - x->used + unmapped / x->block_bytes * x->block_bytes;
 }
 
 int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out, struct kvt_err *err)

@@ -12,6 +12,7 @@
 
 #include "alloc.h"
 #include "err.h"
+#include "pool.h"
 
 struct kvt_extent;
 
@@ -24,6 +25,8 @@ struct kvt_extents {
 	int node;                 /* NUMA node the extents are bound to, -1 for none */
 	int pinned;               /* extents registered for device access (mem pins) */
 	const struct kvt_mem *mem; /* the owning cache's allocation context: its pin hooks */
+	struct kvt_pool *pool;    /* a host budget shared with other caches (charged per extent
+				     mapped), or NULL */
 	char placement[128];      /* how the node was chosen, for logs and kvbench */
 	struct kvt_extent *extents;
 	void **free_blocks;       /* stack of free blocks */
@@ -48,10 +51,8 @@ void kvt_extents_fini(struct kvt_extents *x);
 int kvt_extents_take(struct kvt_extents *x, uint32_t n, void **out, struct kvt_err *err);
 /* Return n blocks. */
 void kvt_extents_give(struct kvt_extents *x, uint32_t n, void *const *blocks);
-/* Bytes still available under the capacity. */
-static inline uint64_t kvt_extents_free_bytes(const struct kvt_extents *x)
-{
-	return x->capacity - x->used;
-}
+/* Bytes still available: free blocks of the mapped extents, plus what may still be mapped under
+ * the capacity and the shared pool's budget, in whole blocks. */
+uint64_t kvt_extents_free_bytes(const struct kvt_extents *x);
 
 #endif

@@ -19,7 +19,18 @@ static int choose_backend(kvt_cache *c, char *busid, size_t n)
 	const struct kvt_backend_ops *cuda = kvt_cuda_backend_ops;
 	uint32_t want = c->cfg.backend;
 	struct kvt_err why = {"this build has no CUDA backend"};
-	int gpu = cuda ? cuda->probe(c->cfg.device, busid, n, &why) : -ENODEV;
+	int gpu = -ENODEV;
+	if (c->cfg.device_busid) {
+		KVT_RETURN_IF(!cuda, NULL, -EOPNOTSUPP,
+			      "device_busid = \"%s\" but this build has no CUDA backend",
+			      c->cfg.device_busid);
+		gpu = cuda->find_device(c->cfg.device_busid, &c->cfg.device, &why);
+		KVT_RETURN_IF(gpu < 0, NULL, gpu, "device_busid = \"%s\": %s", c->cfg.device_busid,
+			      why.msg);
+		c->cfg.device_busid = NULL; /* resolved: `device` is the ordinal from here on */
+	}
+	if (cuda)
+		gpu = cuda->probe(c->cfg.device, busid, n, &why);
 	if (gpu == 0)
 		c->mem.hooks = cuda->mem_hooks;
 	if (want == KVT_BACKEND_CPU || (want == KVT_BACKEND_AUTO && gpu != 0)) {
@@ -45,6 +56,7 @@ static void cache_free(kvt_cache *c)
 		c->ops->fini(c);
 	kvt_tier_fini(c);
 	kvt_extents_fini(&c->host);
+	kvt_pool_detach(&c->pool);
 	kvt_mem_free(KVT_MEM_HOST, c->seqs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch_tokens, 0);
@@ -101,6 +113,16 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 		cache_free(c);
 		return kvt_seterr(NULL, -ENOMEM, "out of memory allocating rotations (%zu bytes) or "
 				  "the sequence table (%u sequences)", rot_bytes, cfg->max_seqs);
+	}
+	if (cfg->host_pool) {
+		struct kvt_err e;
+		rc = kvt_pool_attach(&c->pool, cfg->host_pool, cfg->host_pool_bytes, &e);
+		if (rc < 0) {
+			cache_free(c);
+			return kvt_seterr(NULL, rc, "%s", e.msg);
+		}
+		c->host.pool = &c->pool;
+		c->cfg.host_pool = c->pool.name; /* the caller's string need not outlive the call */
 	}
 	for (uint32_t l = 0; l < cfg->n_layers && rc == 0; l++)
 		rc = kvt_rotation_generate(cfg->seed, l, c->d, c->rot + (size_t)l * c->d * c->d);
@@ -339,6 +361,9 @@ KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 	c->st.host_placement = c->host.placement;
 	c->st.host_numa_node = c->host.node;
 	c->st.host_pinned = (uint32_t)c->host.pinned;
+	c->st.device = c->ops == kvt_cuda_backend_ops ? c->cfg.device : -1;
+	kvt_pool_usage(&c->pool, &c->st.host_pool_bytes, &c->st.host_pool_used,
+		       &c->st.host_pool_mine);
 	c->st.index_bytes = c->st.tokens_indexed * c->cfg.n_kv_heads * c->st.index_bytes_per_token_head;
 	c->st.nvme_bytes_capacity = 0;
 	if (c->nvme) {

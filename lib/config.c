@@ -111,6 +111,8 @@ static int check_tiers(const kvt_config *cfg)
 	      cfg->spill_policy);
 	CHECK(cfg->spill_policy == KVT_SPILL_NONE || cfg->n_nvme > 0,
 	      "spill_policy = LRU (1) needs an NVMe tier, but n_nvme = 0");
+	CHECK(cfg->host_pool || cfg->host_pool_bytes == 0,
+	      "host_pool_bytes = %llu but host_pool is NULL", (unsigned long long)cfg->host_pool_bytes);
 	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40),
 	      "gpu_cache_bytes = %llu, must be <= 1 TiB (KVT_NONE64: no hot cache)",
 	      (unsigned long long)cfg->gpu_cache_bytes);

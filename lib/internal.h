@@ -189,6 +189,7 @@ struct kvt_cache {
 	struct kvt_store_job *store_jobs; /* [max_seqs] */
 	struct kvt_index_job *index_jobs; /* [max_seqs] */
 	struct kvt_extents host;
+	struct kvt_pool pool;     /* hold on the shared host pool (kvt_config.host_pool), or none */
 	kvt_stats st;
 	uint64_t clock;           /* use counter for LRU and selection epochs */
 	uint64_t call_start;      /* clock value of the current call's first sequence */
@@ -262,6 +263,8 @@ struct kvt_backend_ops {
 	/* Whether `device` is usable here (no cache needed): 0 and its PCI bus id (n bytes, for NUMA
 	 * placement), or -ENODEV with the reason in *why; NULL: no device to probe (CPU). */
 	int (*probe)(int device, char *busid, size_t n, struct kvt_err *why);
+	/* The ordinal of the device with PCI bus id `busid`, or -ENODEV with the reason. */
+	int (*find_device)(const char *busid, int32_t *device, struct kvt_err *why);
 	/* Device memory and pinning of host pages for the caches of a usable device; NULL: none. */
 	const struct kvt_mem_hooks *mem_hooks;
 	int (*init)(kvt_cache *c);

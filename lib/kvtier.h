@@ -145,7 +145,16 @@ typedef struct kvt_config {
 	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
 				     over the layers, <= 1 TiB; 0 (default): 256 MiB; KVT_NONE64: no hot
 				     cache (every selected row is read from the host tier each step) */
-	uint64_t reserved[7]; /* must be zero: where later minor versions add fields */
+	/* several caches on one host (0.1 callers that stop at KVT_CONFIG_SIZE_VER0 get none of it) */
+	const char *device_busid; /* CUDA device by PCI bus id ("0000:3b:00.0"), or NULL (default):
+				     by `device`; the cache's `device` then reads as the ordinal */
+	const char *host_pool;    /* name of a host-memory budget shared by the caches of this host
+				     (1..48 of [A-Za-z0-9._-]; POSIX shared memory, this user only), or
+				     NULL (default): none. Every cache naming it draws its host tier
+				     from it as well as from host_bytes (doc/multi-gpu.md) */
+	uint64_t host_pool_bytes; /* the pool's size when this cache creates it; 0: it must exist; a
+				     different size than the existing pool's is -EINVAL */
+	uint64_t reserved[4]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
 /*
@@ -224,6 +233,12 @@ typedef struct kvt_stats {
 	uint64_t ns_score;            /* query quantization and bit-plane scoring */
 	uint64_t ns_select;           /* softmax statistics, Top-p threshold, union */
 	uint64_t ns_attend;           /* gather and exact attention */
+	/* placement and the shared host budget */
+	int32_t device;               /* CUDA device ordinal the cache runs on (-1: CPU backend) */
+	uint32_t pad0;
+	uint64_t host_pool_bytes;     /* the shared host pool's size (kvt_config.host_pool), 0: none */
+	uint64_t host_pool_used;      /* bytes of it charged by all the caches sharing it */
+	uint64_t host_pool_mine;      /* of which by this cache (the extents it mapped) */
 } kvt_stats;
 
 /* The size of the first release's kvt_stats: the smallest kvt_get_stats accepts. */

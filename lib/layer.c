@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* Storage of one (sequence, layer): index arrays, centroids, host-tier block table. */
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -140,6 +141,15 @@ static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
 	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
 }
 
+/* ": U of T bytes used by the caches sharing it, M by this one" (static storage: one at a time). */
+static const char *pool_text(uint64_t total, uint64_t used, uint64_t mine)
+{
+	static _Thread_local char t[96];
+	snprintf(t, sizeof t, ": %llu of %llu bytes used by the caches sharing it, %llu by this one",
+		 (unsigned long long)used, (unsigned long long)total, (unsigned long long)mine);
+	return t;
+}
+
 int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			 const uint32_t *new_tokens)
 {
@@ -153,12 +163,15 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	uint64_t bytes = need * c->host.block_bytes;
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, NULL));
-	uint64_t free = kvt_extents_free_bytes(&c->host);
+	uint64_t free = kvt_extents_free_bytes(&c->host), pool_total, pool_used, pool_mine;
+	kvt_pool_usage(&c->pool, &pool_total, &pool_used, &pool_mine);
 	KVT_RETURN_IF(bytes > free, c, -ENOSPC,
 		      "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
-		      "host_bytes = %llu",
+		      "host_bytes = %llu%s%s%s",
 		      (unsigned long long)bytes, (unsigned long long)need, c->host.block_bytes,
-		      (unsigned long long)free, (unsigned long long)c->host.capacity);
+		      (unsigned long long)free, (unsigned long long)c->host.capacity,
+		      pool_total ? " and of host pool " : "", pool_total ? c->pool.name : "",
+		      pool_total ? pool_text(pool_total, pool_used, pool_mine) : "");
 	uint32_t done = 0;
 	int rc = 0;
 	struct kvt_err e = {"no memory for a block table"}; /* reserve_table says no more */

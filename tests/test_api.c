@@ -295,7 +295,7 @@ CALL(c_st_stats, { return kvt_get_stats(f->c, NULL); })
 CALL(c_st_size, {
 	kvt_stats st;
 	memset(&st, 0, sizeof st);
-	st.size = sizeof st - 8;
+	st.size = KVT_STATS_SIZE_VER0 - 8; /* below the smallest size the library accepts */
 	return kvt_get_stats(f->c, &st);
 })
 CALL(c_ls_null, {
