@@ -164,23 +164,28 @@ _PROTOTYPES = {
 }
 
 
-def _candidates() -> List[str]:
+def _candidates() -> "tuple[List[str], List[str]]":
     """Where the library is looked for, in order: $KVTIER_LIBRARY, next to the package, the
-    system loader."""
-    out = []
+    system loader. Returns the paths to try and notes on the places that gave none."""
+    out, notes = [], []
     env = os.environ.get("KVTIER_LIBRARY")
     if env:
         out.append(env)
+    else:
+        notes.append("$KVTIER_LIBRARY (unset)")
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("libkvtier.so", "libkvtier.so.0"):
-        p = os.path.join(here, name)
-        if os.path.exists(p):
-            out.append(p)
+    beside = [os.path.join(here, n) for n in ("libkvtier.so", "libkvtier.so.0")]
+    present = [p for p in beside if os.path.exists(p)]
+    out += present
+    if not present:
+        notes.append("%s (absent)" % os.path.join(here, "libkvtier.so[.0]"))
     found = ctypes.util.find_library("kvtier")
     if found:
         out.append(found)
+    else:
+        notes.append("ctypes.util.find_library('kvtier') (nothing)")
     out.append("libkvtier.so.0")
-    return out
+    return out, notes
 
 
 def _check_version(lib: ctypes.CDLL, where: str) -> None:
@@ -215,8 +220,8 @@ def _bind(lib: ctypes.CDLL, where: str) -> None:
 
 def load(path: Optional[str] = None) -> ctypes.CDLL:
     """Load libkvtier (from `path`, or the first of the candidates that loads) and check it."""
-    tried = []
-    for cand in ([path] if path else _candidates()):
+    cands, tried = ([path], []) if path else _candidates()
+    for cand in cands:
         try:
             lib = ctypes.CDLL(cand)
         except OSError as e:
