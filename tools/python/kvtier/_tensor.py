@@ -68,7 +68,8 @@ def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: 
                          "(.contiguous() copies)" % (name, tuple(x.stride())))
         if backend == "cuda":
             if x.device.type != "cuda" or x.device.index != device:
-                raise refuse("%s: on device %s, the cache is on cuda:%d" % (name, x.device, device))
+                raise refuse("%s: on device %s, the cache is on cuda:%d"
+                             % (name, x.device, device))
         elif x.device.type != "cpu":
             raise refuse("%s: on device %s, the cache's backend is cpu (host pointers)"
                          % (name, x.device))

@@ -34,7 +34,9 @@ Calls are ordered on torch's current CUDA stream. One KvtierCache serves one gen
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -51,7 +53,15 @@ except ImportError:  # pragma: no cover
     _HFLayer = object
 
 ATTN_NAME = "kvtier"
-_active = threading.local()  # the KvtierCache whose update() ran last on this thread
+# a weak reference to the KvtierCache whose update() ran last on this thread
+_active = threading.local()
+
+
+def active_cache() -> "Optional[KvtierCache]":
+    """The KvtierCache whose update() ran last on this thread (the one the "kvtier" attention
+    serves), or None."""
+    ref = getattr(_active, "cache", None)
+    return ref() if ref is not None else None
 
 
 class Unsupported(NotImplementedError):
@@ -126,6 +136,22 @@ def _check_model_config(cfg: Any, names: Tuple[str, ...] = ("kvtier",)) -> None:
                           "KvtierCache serves every layer" % (impl, names[0], names[0]))
 
 
+def _failing_closed(fn: Any) -> Any:
+    """A failure inside the data path leaves the cache unusable (its layers may disagree):
+    later calls say so instead of serving a half-updated context."""
+    @functools.wraps(fn)
+    def wrapper(self: "KvtierCache", *args: Any, **kwargs: Any) -> Any:
+        if self._failed:
+            raise Unsupported("kvtier.hf: this KvtierCache failed earlier (%s); make a new one"
+                              % self._failed)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as e:
+            self._failed = "%s: %s" % (type(e).__name__, e)
+            raise
+    return wrapper
+
+
 class KvtierCache(_HFCache):
     """A transformers Cache whose K/V live in kvtier (one kvtier.Cache, one sequence per batch
     row), for `model.generate(..., past_key_values=KvtierCache(model.config, ...))` with
@@ -170,6 +196,7 @@ class KvtierCache(_HFCache):
         # layer -> (phase, key) of the update whose attention has not run yet: the attention
         # function serves only the K/V this cache has just returned ("prefill" or "decode")
         self._fresh: dict = {}
+        self._failed = ""
         self.layers = [_Layer(self, i) for i in range(self.n_layers)]
         self.layer_class_to_replicate = None
         self.offloading = False
@@ -270,6 +297,7 @@ class KvtierCache(_HFCache):
                              scale=self.scale, **opts)
         self.seqs = [self._kv.open() for _ in range(b)]
 
+    @_failing_closed
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Take the new tokens' K/V of `layer_idx`, [b, n_kv_heads, n_new, head_dim] (post-RoPE).
@@ -278,7 +306,7 @@ class KvtierCache(_HFCache):
         attends over them and stores them with their queries (kvt_prefill). Decode (one new
         token): stores it (kvt_append) and returns it; the attention function attends over
         kvtier. Anything else raises Unsupported."""
-        _active.cache = self
+        _active.cache = weakref.ref(self)
         b, h, n, d = key_states.shape
         if (h, d) != (self.n_kv_heads, self.head_dim):
             raise Unsupported("kvtier.hf: layer %d: key [%d, %d, %d, %d] does not match the "
@@ -314,6 +342,7 @@ class KvtierCache(_HFCache):
         self._fresh[layer_idx] = ("decode", key_states)
         return key_states, value_states
 
+    @_failing_closed
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: Optional[float],
                **kwargs: Any) -> torch.Tensor:
@@ -409,7 +438,7 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
         if kwargs.get(name) is not None:
             raise Unsupported("kvtier.hf: layer %s: %s = %s is not served"
                               % (getattr(module, "layer_idx", "?"), name, kwargs[name]))
-    cache = getattr(_active, "cache", None)
+    cache = active_cache()
     if cache is None or cache._kv is None or getattr(module, "layer_idx", None) is None:
         raise Unsupported("kvtier.hf: attn_implementation='kvtier' needs past_key_values="
                           "kvtier.hf.KvtierCache(model.config) and use_cache=True")

@@ -90,7 +90,8 @@ def train_text(held_out: str, max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(parts), dtype=np.uint8)
 
 
-def eval_docs(held_out: str, min_bytes: int, n_docs: int, max_bytes: int = 64 << 20) -> List[bytes]:
+def eval_docs(held_out: str, min_bytes: int, n_docs: int,
+              max_bytes: int = 64 << 20) -> List[bytes]:
     """n_docs texts of at least min_bytes from the held-out package: files concatenated in path
     order until each is long enough (a long real context)."""
     pk = packages()

@@ -159,7 +159,7 @@ def check_attention_setup() -> Any:
     def attend(module: Any, q: Any, k: Any, v: Any, mask: Any, scaling: Any = None,
                **kw: Any) -> Any:
         out, _ = khf.attention(module, q, k, v, mask, scaling=scaling, **kw)
-        cache = khf._active.cache
+        cache = khf.active_cache()
         if q.shape[2] == 1:
             fk, fv = cache.shadow[module.layer_idx]
             ref = torch.nn.functional.scaled_dot_product_attention(
@@ -198,7 +198,8 @@ def part_exactness(a: argparse.Namespace, model: Any, tok: Tokenizer, CheckCache
     r = run_check(model, ids, a.check_steps, CheckCache, p=1.0)
     emit("exactness_attend", p=1.0, prompt=a.prompt, steps=a.check_steps, **r,
          ok=r["max_err_bf16_ulps"] <= 2.0,
-         note="kvt_attend vs SDPA over the full K/V, every layer and step; bf16 rounding: <= 2 ulps")
+         note="kvt_attend vs SDPA over the full K/V, every layer and step; "
+              "bf16 rounding: <= 2 ulps")
 
 
 def part_negative_scale(a: argparse.Namespace, model: Any, tok: Tokenizer,

@@ -108,7 +108,8 @@ def main() -> None:
         frac = (time.time() - start) / budget
         if frac >= 1.0:
             break
-        lr = a.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        cosine = 0.5 * (1 + math.cos(math.pi * frac))
+        lr = a.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * cosine)
         for g in opt.param_groups:
             g["lr"] = lr
         x = torch.from_numpy(batches(data, a.context, a.batch, rng)).cuda(non_blocking=True)
