@@ -126,6 +126,18 @@ def generate(model: Any, ids: Any, new: int, cache: Any = None) -> Any:
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float()
 
 
+def host_opts(config: Any, tokens: int, batch: int) -> Dict[str, Any]:
+    """KvtierCache options sizing the host tier for `batch` sequences of `tokens` tokens."""
+    import kvtier
+    cfg = getattr(config, "get_text_config", lambda **k: config)()
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    fp = kvtier.footprint(kvtier.Config(
+        n_layers=cfg.num_hidden_layers, n_q_heads=cfg.num_attention_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=d), tokens + 256)
+    return {"host_bytes": int(fp.host_bytes * batch * 1.05) + (64 << 20)}
+
+
 def bf16_ulp(x: float) -> float:
     """The spacing of bfloat16 (and the coarser of fp16) numbers at magnitude x."""
     return 2.0 ** (math.floor(math.log2(max(x, 1e-30))) - 7)
@@ -195,7 +207,8 @@ def run_check(model: Any, ids: Any, steps: int, CheckCache: Any, **opts: Any) ->
 
 def part_exactness(a: argparse.Namespace, model: Any, tok: Tokenizer, CheckCache: Any) -> None:
     ids = prompts(a, tok, 1, a.prompt)
-    r = run_check(model, ids, a.check_steps, CheckCache, p=1.0)
+    r = run_check(model, ids, a.check_steps, CheckCache, p=1.0,
+                  **host_opts(model.config, a.prompt + a.check_steps, 1))
     emit("exactness_attend", p=1.0, prompt=a.prompt, steps=a.check_steps, **r,
          ok=r["max_err_bf16_ulps"] <= 2.0,
          note="kvt_attend vs SDPA over the full K/V, every layer and step; "
@@ -209,7 +222,7 @@ def part_negative_scale(a: argparse.Namespace, model: Any, tok: Tokenizer,
         model.config.hidden_size // model.config.num_attention_heads
     wrong = 1.5 * d ** -0.5
     r = run_check(model, ids, min(a.check_steps, 8), CheckCache, p=1.0, scale=wrong,
-                  check_scale=False)
+                  check_scale=False, **host_opts(model.config, a.prompt + 8, 1))
     emit("negative_wrong_scale", p=1.0, scale=wrong, right_scale=d ** -0.5, **r,
          must_fail=True, failed=r["max_err_bf16_ulps"] > 2.0)
 
@@ -226,7 +239,8 @@ def part_greedy(a: argparse.Namespace, model: Any, tok: Tokenizer) -> None:
         t_ref = time.time() - t0
         set_attn(model, "kvtier")
         try:
-            with khf.KvtierCache(model.config, p=1.0) as cache:
+            with khf.KvtierCache(model.config, p=1.0,
+                                 **host_opts(model.config, a.prompt + a.new, b)) as cache:
                 t0 = time.time()
                 got, kv_scores = generate(model, ids, a.new, cache)
                 t_kvt = time.time() - t0
@@ -265,6 +279,7 @@ def teacher_forced(a: argparse.Namespace, model: Any, ids: Any, **opts: Any) -> 
     set_attn(model, "kvtier")
     logits: List[Any] = []
     try:
+        opts.update(host_opts(model.config, ids.shape[1], ids.shape[0]))
         with khf.KvtierCache(model.config, **opts) as cache, torch.no_grad():
             model(input_ids=ids[:, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
             for i in range(n - 1):
