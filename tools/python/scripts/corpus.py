@@ -129,9 +129,44 @@ class Tokenizer:
         return self.tok(data.decode("utf-8", "replace"), add_special_tokens=False).input_ids
 
 
-def save_bytes_tokenizer(model_dir: str) -> None:
+def _byte_chars() -> List[str]:
+    """The printable character that byte-level BPE tokenizers use for each byte value: printable
+    Latin-1 bytes stand for themselves, the others are moved to 256 and up, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + \
+        list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def save_bytes_tokenizer(model_dir: str) -> Optional[str]:
+    """Mark the directory as byte-tokenized (what proof.py reads), and also save a transformers
+    tokenizer that maps each byte to its own value as id (byte-level, no merges), so that tools
+    which load AutoTokenizer (tools/capture_trace.py --prompt-file) tokenize text the same way.
+    Returns why the transformers tokenizer could not be written, or None."""
     with open(os.path.join(model_dir, TOKENIZER_FILE), "w") as f:
         json.dump({"type": "bytes", "vocab_size": 256}, f)
+    try:
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        vocab = {c: b for b, c in enumerate(_byte_chars())}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+        sample = "def f(x):\n\treturn 'é' + x  # ok\n"
+        ids = fast(sample, add_special_tokens=False).input_ids
+        if ids != list(sample.encode("utf-8")):
+            return "the byte tokenizer does not give byte values (%s...)" % ids[:8]
+        fast.save_pretrained(model_dir)
+    except Exception as e:  # the marker above is enough for proof.py
+        return "%s: %s" % (type(e).__name__, e)
+    return None
 
 
 def held_out_of(model_dir: Optional[str], default: str) -> str:

@@ -136,7 +136,11 @@ def main() -> None:
          minutes=round((time.time() - start) / 60, 2))
     os.makedirs(a.out, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(a.out)
-    save_bytes_tokenizer(a.out)
+    why = save_bytes_tokenizer(a.out)
+    if why:
+        emit("train_tokenizer", saved=False, reason=why,
+             note="proof.py reads kvtier_tokenizer.json; capture_trace.py --prompt-file needs "
+                  "the transformers tokenizer")
     with open(os.path.join(a.out, "train_meta.json"), "w") as f:
         json.dump({"eval_package": a.eval_package, "context": a.context, "steps": step,
                    "tokens": tokens, "eval_loss_nats": ev, "train_loss_nats": loss_avg,
