@@ -6,7 +6,7 @@
 set -eu
 cd "$(dirname "$0")"
 
-pkgs="meson ninja-build pkg-config gcc g++ libc6-dev libcmocka-dev liburing-dev libhwloc-dev libnuma-dev python3"
+pkgs="meson ninja-build pkg-config gcc g++ libc6-dev libcmocka-dev liburing-dev libhwloc-dev libnuma-dev python3 python3-numpy python3-pytest python3-setuptools python3-pip"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -36,6 +36,10 @@ bench)
 	;;
 test)
 	log=build/meson-logs/test-summary.txt
+	# the meson test `python` runs pytest, which writes this report: its tests are counted one
+	# by one below, in place of the one meson test
+	junit=build/meson-logs/pytest-kvtier.xml
+	rm -f "$junit"
 	set +e
 	meson test -C build --print-errorlogs "$@" | tee "$log"
 	rc=$?
@@ -44,7 +48,16 @@ test)
 	fail=$(sed -n 's/^Fail: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
 	timeout=$(sed -n 's/^Timeout: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
 	skip=$(sed -n 's/^Skipped: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
-	echo "tests: ${ok:-0} passed, $(( ${fail:-0} + ${timeout:-0} )) failed, ${skip:-0} skipped"
+	ok=${ok:-0} fail=$(( ${fail:-0} + ${timeout:-0} )) skip=${skip:-0}
+	if [ -f "$junit" ]; then
+		attr() { sed -n "s/.*<testsuite [^>]*\b$1=\"\([0-9]*\)\".*/\1/p" "$junit" | head -n 1; }
+		py_all=$(attr tests) py_fail=$(( $(attr failures) + $(attr errors) )) py_skip=$(attr skipped)
+		py_ok=$(( py_all - py_fail - py_skip ))
+		echo "python tests (pytest): $py_ok passed, $py_fail failed, $py_skip skipped"
+		if [ "$py_fail" -gt 0 ]; then fail=$(( fail - 1 )); else ok=$(( ok - 1 )); fi
+		ok=$(( ok + py_ok )) fail=$(( fail + py_fail )) skip=$(( skip + py_skip ))
+	fi
+	echo "tests: $ok passed, $fail failed, $skip skipped"
 	exit $rc
 	;;
 *)

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: MIT
+"""Checking numpy arrays and torch tensors before their pointers are handed to C.
+
+Nothing here copies or converts: an argument that is not exactly what the C function reads (dtype,
+shape, device, dense row-major layout) is refused with an Error naming it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, Tuple
+
+from . import _abi
+from .errors import refuse
+
+DTYPE_I32 = -1  # not a kvt_dtype: int32 positions of kvt_gather
+DTYPE_NAMES = {_abi.DTYPE_F16: "float16", _abi.DTYPE_BF16: "bfloat16", _abi.DTYPE_F32: "float32",
+               DTYPE_I32: "int32"}
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _numpy_dtype_ok(arr: Any, kvt_dtype: int) -> bool:
+    import numpy as np
+    if kvt_dtype == _abi.DTYPE_F16:
+        return arr.dtype == np.float16
+    if kvt_dtype == _abi.DTYPE_BF16:  # numpy has no bfloat16: raw bf16 bits in uint16
+        return arr.dtype == np.uint16
+    return arr.dtype == np.float32
+
+
+def _torch_dtype_ok(t: Any, kvt_dtype: int) -> bool:
+    torch = _torch()
+    want = {_abi.DTYPE_F16: torch.float16, _abi.DTYPE_BF16: torch.bfloat16,
+            _abi.DTYPE_F32: torch.float32}[kvt_dtype]
+    return t.dtype == want
+
+
+def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: str,
+            device: int, writable: bool = False) -> int:
+    """The address of `x` after checking it against what C reads.
+
+    Args:
+        name: the argument's name, for the error text.
+        x: a numpy.ndarray (CPU backend) or a torch.Tensor (CPU tensor for the CPU backend, CUDA
+            tensor on the cache's device for the CUDA backend).
+        shape: the exact shape wanted.
+        kvt_dtype: DTYPE_F16 / DTYPE_BF16 / DTYPE_F32 (numpy: float16 / uint16 bf16 bits /
+            float32).
+        backend: "cpu" or "cuda".
+        device: the CUDA device ordinal of the cache.
+        writable: the C function writes into x.
+    """
+    if is_torch(x):
+        if not _torch_dtype_ok(x, kvt_dtype):
+            raise refuse("%s: dtype %s, want torch.%s" % (name, x.dtype, DTYPE_NAMES[kvt_dtype]))
+        if tuple(x.shape) != tuple(shape):
+            raise refuse("%s: shape %s, want %s" % (name, tuple(x.shape), tuple(shape)))
+        if not x.is_contiguous():
+            raise refuse("%s: not contiguous (strides %s): pass a dense row-major tensor "
+                         "(.contiguous() copies)" % (name, tuple(x.stride())))
+        if backend == "cuda":
+            if x.device.type != "cuda" or x.device.index != device:
+                raise refuse("%s: on device %s, the cache is on cuda:%d"
+                             % (name, x.device, device))
+        elif x.device.type != "cpu":
+            raise refuse("%s: on device %s, the cache's backend is cpu (host pointers)"
+                         % (name, x.device))
+        if writable and x.requires_grad:
+            raise refuse("%s: requires grad; pass a tensor without autograd history" % name)
+        return x.data_ptr()
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None and isinstance(x, np.ndarray):
+        if backend != "cpu":
+            raise refuse("%s: a numpy array (host memory), the cache's backend is %s "
+                         "(device pointers: pass torch CUDA tensors)" % (name, backend))
+        if not _numpy_dtype_ok(x, kvt_dtype):
+            want = {_abi.DTYPE_F16: "float16", _abi.DTYPE_BF16: "uint16 (bfloat16 bits)",
+                    _abi.DTYPE_F32: "float32"}[kvt_dtype]
+            raise refuse("%s: dtype %s, want %s" % (name, x.dtype, want))
+        if tuple(x.shape) != tuple(shape):
+            raise refuse("%s: shape %s, want %s" % (name, tuple(x.shape), tuple(shape)))
+        if not x.flags.c_contiguous:
+            raise refuse("%s: not C-contiguous (strides %s): pass a dense row-major array "
+                         "(numpy.ascontiguousarray copies)" % (name, x.strides))
+        if writable and not x.flags.writeable:
+            raise refuse("%s: read-only array" % name)
+        return x.ctypes.data
+    raise refuse("%s: a %s, want a numpy.ndarray or a torch.Tensor" % (name, type(x).__name__))
+
+
+def empty_like_kind(ref: Any, shape: Sequence[int], kvt_dtype: int) -> Any:
+    """A new uninitialised output of `shape` of the same kind (numpy / torch, device) as `ref`."""
+    if is_torch(ref):
+        torch = _torch()
+        dt = {_abi.DTYPE_F16: torch.float16, _abi.DTYPE_BF16: torch.bfloat16,
+              _abi.DTYPE_F32: torch.float32, DTYPE_I32: torch.int32}[kvt_dtype]
+        return torch.empty(tuple(shape), dtype=dt, device=ref.device)
+    import numpy as np
+    dt = {_abi.DTYPE_F16: np.float16, _abi.DTYPE_BF16: np.uint16,
+          _abi.DTYPE_F32: np.float32, DTYPE_I32: np.int32}[kvt_dtype]
+    return np.empty(tuple(shape), dtype=dt)
+
+
+def stream_of(xs: Sequence[Any], backend: str) -> Optional[int]:
+    """The CUDA stream to pass: torch's current stream on the tensors' device (CUDA backend), else
+    NULL."""
+    if backend != "cuda":
+        return None
+    for x in xs:
+        if is_torch(x) and x.device.type == "cuda":
+            return _torch().cuda.current_stream(x.device).cuda_stream or None
+    return None

@@ -1,0 +1,503 @@
+# SPDX-License-Identifier: MIT
+"""Pythonic objects over kvtier's C interface: Config, Cache, Sequence, stats, probe, footprint.
+
+Conventions (lib/kvtier.h): tensors are dense row-major in the cache's dtype; host memory (numpy
+arrays or CPU torch tensors) for the CPU backend, torch CUDA tensors on the cache's device for the
+CUDA backend, where every call is queued on torch's current stream of that device. Calls on one
+Cache must be serialized by the caller (one thread at a time), as in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence as Seq, Union
+
+from . import _abi
+from ._tensor import DTYPE_I32, empty_like_kind, is_torch, pointer, stream_of
+from .errors import Error, check, refuse
+
+NONE = _abi.NONE32     # explicit zero of a 32-bit field (kvtier.h KVT_NONE)
+NONE64 = _abi.NONE64   # explicit zero of a 64-bit field (KVT_NONE64)
+
+_DTYPES = {"float16": _abi.DTYPE_F16, "f16": _abi.DTYPE_F16, "fp16": _abi.DTYPE_F16,
+           "half": _abi.DTYPE_F16, "bfloat16": _abi.DTYPE_BF16, "bf16": _abi.DTYPE_BF16,
+           "float32": _abi.DTYPE_F32, "f32": _abi.DTYPE_F32, "fp32": _abi.DTYPE_F32,
+           "float": _abi.DTYPE_F32}
+_BACKENDS = {"auto": _abi.BACKEND_AUTO, "cpu": _abi.BACKEND_CPU, "cuda": _abi.BACKEND_CUDA}
+_SPILL = {"none": _abi.SPILL_NONE, "lru": _abi.SPILL_LRU}
+# fields whose value 0 is meaningful: 0 given here is sent as the explicit zero (KVT_NONE[64])
+_ZERO_IS_VALUE_32 = ("n_sink", "window", "budget_min", "budget_max")
+_ZERO_IS_VALUE_64 = ("seed", "gpu_cache_bytes")
+
+
+def _dtype_code(name: str, value: Any) -> int:
+    if value is None:
+        return _abi.DTYPE_DEFAULT
+    if isinstance(value, int):
+        return value
+    key = str(value).replace("torch.", "").lower()
+    if key not in _DTYPES:
+        raise refuse("%s = %r: want float16, bfloat16 or float32" % (name, value))
+    return _DTYPES[key]
+
+
+def _enum(name: str, value: Any, table: dict) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    if str(value).lower() not in table:
+        raise refuse("%s = %r: want one of %s" % (name, value, ", ".join(table)))
+    return table[str(value).lower()]
+
+
+@dataclasses.dataclass
+class Config:
+    """kvt_config. None (or 0) means the library's default, as in C; for the fields where zero is
+    a value of its own (n_sink, window, budget_min, budget_max, seed, gpu_cache_bytes) a 0 given
+    here means that zero (no sinks, no window, no floor, no cap, seed 0, no hot cache) and is sent
+    as KVT_NONE / KVT_NONE64. Strings are accepted for the enums: dtype "float16"/"bfloat16",
+    out_dtype also "float32", backend "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes
+    are accepted too."""
+    n_layers: int = 0
+    n_q_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: Any = None
+    out_dtype: Any = None
+    backend: Any = None
+    device: Optional[int] = None
+    host_bytes: Optional[int] = None
+    nvme_paths: Optional[List[str]] = None
+    nvme_bytes: Optional[List[int]] = None
+    nvme_cache_bytes: Optional[int] = None
+    max_seqs: Optional[int] = None
+    nvme_queue_depth: Optional[int] = None
+    spill_policy: Any = None
+    p: Optional[float] = None
+    scale: Optional[float] = None
+    n_sink: Optional[int] = None
+    window: Optional[int] = None
+    flush_batch: Optional[int] = None
+    budget_min: Optional[int] = None
+    budget_max: Optional[int] = None
+    seed: Optional[int] = None
+    gpu_cache_bytes: Optional[int] = None
+
+    def to_c(self) -> "tuple[_abi.KvtConfig, list]":
+        """The kvt_config (size = the mirror's sizeof) and the objects it points into, which must
+        be kept alive while C reads it."""
+        c = _abi.KvtConfig()
+        c.size = ctypes.sizeof(_abi.KvtConfig)
+        keep: list = []
+        for f in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim", "host_bytes",
+                  "nvme_cache_bytes", "max_seqs", "nvme_queue_depth", "flush_batch"):
+            v = getattr(self, f)
+            setattr(c, f, 0 if v is None else int(v))
+        c.device = 0 if self.device is None else int(self.device)
+        c.dtype = _dtype_code("dtype", self.dtype)
+        c.out_dtype = _dtype_code("out_dtype", self.out_dtype)
+        c.backend = _enum("backend", self.backend, _BACKENDS)
+        c.spill_policy = _enum("spill_policy", self.spill_policy, _SPILL)
+        c.p = 0.0 if self.p is None else float(self.p)
+        c.scale = 0.0 if self.scale is None else float(self.scale)
+        for f in _ZERO_IS_VALUE_32:
+            v = getattr(self, f)
+            setattr(c, f, 0 if v is None else (NONE if int(v) == 0 else int(v)))
+        for f in _ZERO_IS_VALUE_64:
+            v = getattr(self, f)
+            setattr(c, f, 0 if v is None else (NONE64 if int(v) == 0 else int(v)))
+        paths, sizes = self.nvme_paths or [], self.nvme_bytes or []
+        if len(paths) != len(sizes):
+            raise refuse("nvme_paths has %d entries, nvme_bytes %d: want one size per file"
+                         % (len(paths), len(sizes)))
+        if paths:
+            arr_p = (ctypes.c_char_p * len(paths))(*[str(p).encode() for p in paths])
+            arr_b = (ctypes.c_uint64 * len(sizes))(*[int(b) for b in sizes])
+            keep += [arr_p, arr_b]
+            c.nvme_paths = ctypes.cast(arr_p, ctypes.POINTER(ctypes.c_char_p))
+            c.nvme_bytes = ctypes.cast(arr_b, ctypes.POINTER(ctypes.c_uint64))
+            c.n_nvme = len(paths)
+        return c, keep
+
+
+def _dataclass_of(name: str, struct: type, doc: str) -> type:
+    fields = []
+    for fname, ftype in struct._fields_:
+        if fname in ("size", "pad0"):
+            continue
+        if ftype is ctypes.c_char_p or (isinstance(ftype, type) and issubclass(ftype, ctypes.Array)
+                                        and ftype._type_ is ctypes.c_char):
+            fields.append((fname, str))
+        elif fname == "cuda_busid":
+            fields.append((fname, List[str]))
+        else:
+            fields.append((fname, int))
+    cls = dataclasses.make_dataclass(name, fields, frozen=True)
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    return cls
+
+
+def _text(v: Any) -> str:
+    if v is None:
+        return ""
+    return bytes(v).split(b"\0", 1)[0].decode("utf-8", "replace") if not isinstance(v, bytes) \
+        else v.decode("utf-8", "replace")
+
+
+def _fill(cls: type, c: ctypes.Structure) -> Any:
+    kw = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(c, f.name)
+        if f.name == "cuda_busid":
+            kw[f.name] = [_text(v[i].value) for i in range(min(c.cuda_devices,
+                                                                 _abi.PROBE_MAX_DEVICES))]
+        elif f.type is str:
+            kw[f.name] = _text(v) if not isinstance(v, bytes) else v.decode("utf-8", "replace")
+        else:
+            kw[f.name] = int(v)
+    return cls(**kw)
+
+
+Stats = _dataclass_of("Stats", _abi.KvtStats,
+                      "kvt_stats: counters since the cache was created (see lib/kvtier.h).")
+LayerStats = _dataclass_of("LayerStats", _abi.KvtLayerStats,
+                           "kvt_layer_stats: fetch counters of one layer (CUDA backend).")
+ProbeInfo = _dataclass_of("ProbeInfo", _abi.KvtProbeInfo,
+                          "kvt_probe_info: what this build and machine offer.")
+Footprint = _dataclass_of("Footprint", _abi.KvtFootprint,
+                          "kvt_footprint: bytes per tier for one sequence of n_tokens.")
+
+
+class Gathered(NamedTuple):
+    """kvt_gather's outputs. counts: numpy int32 [n_seqs, n_kv_heads]; pos: int32
+    [n_seqs, n_kv_heads, max_tokens] or None; k, v: [n_seqs, n_kv_heads, max_tokens, head_dim] in
+    the cache's dtype or None; only the first counts[s, h] entries of a row are written."""
+    total: int
+    counts: Any
+    pos: Any
+    k: Any
+    v: Any
+
+
+def version() -> str:
+    """The loaded library's "MAJOR.MINOR.PATCH"."""
+    return _abi.lib().kvt_version_string().decode()
+
+
+def version_number() -> int:
+    """The loaded library's KVT_VERSION_NUMBER (MAJOR * 10000 + MINOR * 100 + PATCH)."""
+    return int(_abi.lib().kvt_version_number())
+
+
+def strerror(code: int) -> str:
+    """kvt_strerror(code)."""
+    return _abi.lib().kvt_strerror(int(code)).decode()
+
+
+def probe() -> ProbeInfo:
+    """kvt_probe: backends built, CUDA devices, io_uring, NUMA, huge pages, memlock."""
+    info = _abi.KvtProbeInfo()
+    info.size = ctypes.sizeof(info)
+    check(_abi.lib().kvt_probe(ctypes.byref(info)), None, "kvt_probe")
+    return _fill(ProbeInfo, info)
+
+
+def _config_of(config: Union[Config, dict, None], kwargs: dict) -> Config:
+    if config is None:
+        return Config(**kwargs)
+    if isinstance(config, dict):
+        return Config(**{**config, **kwargs})
+    if kwargs:
+        return dataclasses.replace(config, **kwargs)
+    return config
+
+
+def footprint(config: Union[Config, dict], n_tokens: int, **kwargs: Any) -> Footprint:
+    """kvt_footprint_of: bytes per tier that `config` needs for one sequence of n_tokens tokens."""
+    cfg = _config_of(config, kwargs)
+    c, keep = cfg.to_c()
+    out = _abi.KvtFootprint()
+    out.size = ctypes.sizeof(out)
+    check(_abi.lib().kvt_footprint_of(ctypes.byref(c), int(n_tokens), ctypes.byref(out)), None,
+          "kvt_footprint_of")
+    del keep
+    return _fill(Footprint, out)
+
+
+SeqLike = Union["Sequence", int]
+
+
+class Sequence:
+    """One open sequence (a request's context) of a Cache; `id` is kvt_seq_open's id. Closing it
+    (close(), or leaving a `with` block) frees its rows; a closed Sequence is refused by every
+    call (-ENOENT) even if the library has reused its id."""
+
+    def __init__(self, cache: "Cache", seq_id: int):
+        self.cache, self.id, self.closed = cache, seq_id, False
+
+    def __repr__(self) -> str:
+        return "<kvtier.Sequence %d%s>" % (self.id, " closed" if self.closed else "")
+
+    def __enter__(self) -> "Sequence":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """kvt_seq_close. Closing twice is a no-op."""
+        if not self.closed:
+            self.cache._close_seq(self)
+
+    def length(self, layer: int = 0) -> int:
+        """Tokens held on `layer`."""
+        return self.cache.length(self, layer)
+
+    def prefill(self, layer: int, q: Any, k: Any, v: Any) -> None:
+        """Cache.prefill for this sequence."""
+        self.cache.prefill(self, layer, q, k, v)
+
+    def spill(self) -> int:
+        """Cache.spill for this sequence."""
+        return self.cache.spill(self)
+
+    def restore(self) -> int:
+        """Cache.restore for this sequence."""
+        return self.cache.restore(self)
+
+
+class Cache:
+    """A kvtier cache (kvt_cache_create / kvt_cache_destroy), usable as a context manager.
+
+    Cache(Config(n_layers=32, n_q_heads=32, n_kv_heads=8, head_dim=128)) or
+    Cache(n_layers=32, n_q_heads=32, n_kv_heads=8, head_dim=128, backend="cpu").
+    Attributes: config (the Config given), backend ("cpu" or "cuda"), dtype and out_dtype (kvt
+    codes), device (CUDA ordinal).
+    """
+
+    def __init__(self, config: Union[Config, dict, None] = None, **kwargs: Any):
+        self.config = _config_of(config, kwargs)
+        c, keep = self.config.to_c()
+        handle = ctypes.c_void_p()
+        check(_abi.lib().kvt_cache_create(ctypes.byref(c), ctypes.byref(handle)), None,
+              "kvt_cache_create")
+        del keep
+        self._h: Optional[int] = handle.value
+        self._seqs: dict = {}
+        self.n_layers, self.n_q_heads = c.n_layers, c.n_q_heads
+        self.n_kv_heads, self.head_dim = c.n_kv_heads, c.head_dim
+        self.dtype = c.dtype or _abi.DTYPE_F16
+        self.out_dtype = c.out_dtype or self.dtype
+        self.device = c.device
+        self.backend = self.stats().backend
+
+    # ---- lifetime
+    def close(self) -> None:
+        """kvt_cache_destroy: frees every sequence. Closing twice is a no-op."""
+        if self._h is not None:
+            for s in list(self._seqs.values()):
+                s.closed = True
+            self._seqs.clear()
+            _abi.lib().kvt_cache_destroy(self._h)
+            self._h = None
+
+    def __enter__(self) -> "Cache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def _handle(self) -> int:
+        if self._h is None:
+            raise refuse("the cache is closed")
+        return self._h
+
+    def _check(self, rc: int, what: str) -> int:
+        return check(rc, self._h, what)
+
+    def last_error(self) -> str:
+        """kvt_last_error: the detail of this cache's last error, or ""."""
+        raw = _abi.lib().kvt_last_error(self._handle())
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    # ---- sequences
+    def open(self) -> Sequence:
+        """kvt_seq_open: a new empty Sequence. Errors: -ENOSPC (max_seqs open), -ENOMEM."""
+        sid = ctypes.c_uint32()
+        self._check(_abi.lib().kvt_seq_open(self._handle(), ctypes.byref(sid)), "kvt_seq_open")
+        s = Sequence(self, sid.value)
+        self._seqs[sid.value] = s
+        return s
+
+    def _close_seq(self, s: Sequence) -> None:
+        self._check(_abi.lib().kvt_seq_close(self._handle(), s.id), "kvt_seq_close")
+        s.closed = True
+        self._seqs.pop(s.id, None)
+
+    def _seq_id(self, s: SeqLike) -> int:
+        if isinstance(s, Sequence):
+            if s.cache is not self:
+                raise refuse("sequence %d belongs to another cache" % s.id)
+            if s.closed:
+                raise refuse("sequence %d is closed" % s.id, -errno.ENOENT)
+            return s.id
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise refuse("sequence: a %s, want a kvtier.Sequence or an int id"
+                         % type(s).__name__)
+        if s not in self._seqs:
+            raise refuse("sequence %d is not open in this cache" % s, -errno.ENOENT)
+        return s
+
+    def _seq_array(self, seqs: Union[SeqLike, Iterable[SeqLike]]) -> "ctypes.Array":
+        if isinstance(seqs, (Sequence, int)):
+            seqs = [seqs]
+        ids = [self._seq_id(s) for s in seqs]
+        if not ids:
+            raise refuse("seqs is empty: want at least one sequence")
+        if len(set(ids)) != len(ids):
+            raise refuse("seqs %s: a sequence appears twice" % ids)
+        return (ctypes.c_uint32 * len(ids))(*ids)
+
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not \
+                0 <= layer < self.n_layers:
+            raise refuse("layer = %r, must be in [0, %d)" % (layer, self.n_layers))
+        return layer
+
+    def _ptr(self, name: str, x: Any, shape: tuple, dtype: Optional[int] = None,
+             writable: bool = False) -> int:
+        return pointer(name, x, shape, self.dtype if dtype is None else dtype, self.backend,
+                       self.device, writable)
+
+    def length(self, seq: SeqLike, layer: int = 0) -> int:
+        """kvt_seq_length: tokens held by `seq` on `layer`."""
+        sid = self._seq_id(seq)
+        return self._check(_abi.lib().kvt_seq_length(self._handle(), sid, self._layer(layer)),
+                           "kvt_seq_length")
+
+    def spill(self, seq: SeqLike) -> int:
+        """kvt_seq_spill: move the sequence's full indexed blocks to the NVMe tier; returns the
+        bytes moved. -EOPNOTSUPP without an NVMe tier (or liburing)."""
+        sid = self._seq_id(seq)
+        return self._check(_abi.lib().kvt_seq_spill(self._handle(), sid), "kvt_seq_spill")
+
+    def restore(self, seq: SeqLike) -> int:
+        """kvt_seq_restore: bring its spilled blocks back to the host tier; returns the bytes."""
+        sid = self._seq_id(seq)
+        return self._check(_abi.lib().kvt_seq_restore(self._handle(), sid), "kvt_seq_restore")
+
+    # ---- data path
+    def prefill(self, seq: SeqLike, layer: int, q: Any, k: Any, v: Any) -> None:
+        """kvt_prefill: one prefill chunk of `seq` on `layer`.
+
+        q: [n_tokens, n_q_heads, head_dim] in dtype, or None (the query centroid is then zero)
+        k, v: [n_tokens, n_kv_heads, head_dim] in dtype
+        CUDA backend: queued on torch's current stream.
+        """
+        sid, layer = self._seq_id(seq), self._layer(layer)
+        if not hasattr(k, "shape") or len(k.shape) != 3:
+            raise refuse("k: want [n_tokens, n_kv_heads, head_dim], got %s"
+                         % (getattr(k, "shape", type(k).__name__),))
+        n = int(k.shape[0])
+        kv_shape = (n, self.n_kv_heads, self.head_dim)
+        pk = self._ptr("k", k, kv_shape)
+        pv = self._ptr("v", v, kv_shape)
+        pq = None if q is None else self._ptr("q", q, (n, self.n_q_heads, self.head_dim))
+        stream = stream_of([k, v], self.backend)
+        self._check(_abi.lib().kvt_prefill(self._handle(), sid, layer, pq, pk, pv, n, stream),
+                    "kvt_prefill")
+
+    def append(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], k: Any,
+               v: Any) -> None:
+        """kvt_append: one decode token for each sequence of `seqs` on `layer`.
+
+        k, v: [n_seqs, n_kv_heads, head_dim] in dtype. All or nothing.
+        """
+        ids, layer = self._seq_array(seqs), self._layer(layer)
+        shape = (len(ids), self.n_kv_heads, self.head_dim)
+        pk, pv = self._ptr("k", k, shape), self._ptr("v", v, shape)
+        self._check(_abi.lib().kvt_append(self._handle(), layer, len(ids), ids, pk, pv,
+                                          stream_of([k, v], self.backend)), "kvt_append")
+
+    def attend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], q: Any,
+               out: Any = None) -> Any:
+        """kvt_attend: one decode step of attention on `layer` for `seqs`.
+
+        q: [n_seqs, n_q_heads, head_dim] in dtype
+        out: [n_seqs, n_q_heads, head_dim] in out_dtype, or None: a new array / tensor of the same
+            kind and device as q. Returns out.
+        """
+        ids, layer = self._seq_array(seqs), self._layer(layer)
+        shape = (len(ids), self.n_q_heads, self.head_dim)
+        pq = self._ptr("q", q, shape)
+        if out is None:
+            out = empty_like_kind(q, shape, self.out_dtype)
+        po = self._ptr("out", out, shape, self.out_dtype, writable=True)
+        self._check(_abi.lib().kvt_attend(self._handle(), layer, len(ids), ids, pq, po,
+                                          stream_of([q, out], self.backend)), "kvt_attend")
+        return out
+
+    def select(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], q: Any) -> int:
+        """kvt_select: the selection of attend without the attention. q as attend's. Returns the
+        largest token count of any (sequence, KV head): the max_tokens gather needs."""
+        ids, layer = self._seq_array(seqs), self._layer(layer)
+        pq = self._ptr("q", q, (len(ids), self.n_q_heads, self.head_dim))
+        return self._check(_abi.lib().kvt_select(self._handle(), layer, len(ids), ids, pq,
+                                                 stream_of([q], self.backend)), "kvt_select")
+
+    def gather(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], max_tokens: int,
+               positions: bool = True, kv: bool = True) -> Gathered:
+        """kvt_gather: the tokens chosen by the last select/attend of these sequences on `layer`
+        (same list, same order), in ascending position order. Buffers are allocated here: numpy
+        for the CPU backend, torch tensors on the cache's device for the CUDA backend (counts is
+        always a host numpy int32 array [n_seqs, n_kv_heads])."""
+        import numpy as np
+        ids, layer = self._seq_array(seqs), self._layer(layer)
+        n, h, d, m = len(ids), self.n_kv_heads, self.head_dim, int(max_tokens)
+        counts = np.zeros((n, h), dtype=np.int32)
+        if self.backend == "cuda":
+            import torch
+            ref = torch.empty(0, device="cuda:%d" % self.device)
+        else:
+            ref = counts
+        pos = empty_like_kind(ref, (n, h, m), DTYPE_I32) if positions else None
+        k = empty_like_kind(ref, (n, h, m, d), self.dtype) if kv else None
+        v = empty_like_kind(ref, (n, h, m, d), self.dtype) if kv else None
+        pk = None if k is None else self._ptr("k_out", k, (n, h, m, d), writable=True)
+        pv = None if v is None else self._ptr("v_out", v, (n, h, m, d), writable=True)
+        pp = None if pos is None else (pos.data_ptr() if is_torch(pos) else pos.ctypes.data)
+        total = self._check(_abi.lib().kvt_gather(
+            self._handle(), layer, n, ids, m,
+            counts.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pp, pk, pv,
+            stream_of([x for x in (k, pos) if x is not None], self.backend)), "kvt_gather")
+        return Gathered(total, counts, pos, k, v)
+
+    # ---- counters
+    def stats(self) -> "Stats":
+        """kvt_get_stats as a Stats dataclass (CUDA backend: waits for queued work)."""
+        st = _abi.KvtStats()
+        st.size = ctypes.sizeof(st)
+        self._check(_abi.lib().kvt_get_stats(self._handle(), ctypes.byref(st)), "kvt_get_stats")
+        return _fill(Stats, st)
+
+    def layer_stats(self, layer: int) -> "LayerStats":
+        """kvt_get_layer_stats of `layer` as a LayerStats dataclass (zeros on the CPU backend)."""
+        st = _abi.KvtLayerStats()
+        st.size = ctypes.sizeof(st)
+        self._check(_abi.lib().kvt_get_layer_stats(self._handle(), self._layer(layer),
+                                                   ctypes.byref(st)), "kvt_get_layer_stats")
+        return _fill(LayerStats, st)

@@ -1,0 +1,469 @@
+# SPDX-License-Identifier: MIT
+"""kvtier under Hugging Face transformers (5.x): a cache class and an attention function.
+
+    import kvtier.hf                                   # registers attn_implementation="kvtier"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                 attn_implementation="kvtier").cuda()
+    cache = kvtier.hf.KvtierCache(model.config)        # kvtier options: p=0.9, host_bytes=...
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+
+How the work is split. transformers' attention modules (Llama, Mistral, Qwen2/3 and the other
+families ported to the attention interface) compute q, k, v (after RoPE), call
+`past_key_values.update(k, v, layer_idx)` and then the attention function chosen by name with
+(query [b, Hq, q_len, D], key, value [b, Hkv, kv_len, D], mask, scaling=...), which returns
+[b, q_len, Hq, D].
+- Prefill (the first forward pass, the cache empty): update() returns the chunk's own K/V, the
+  attention function computes exact causal attention over them with transformers' SDPA path, then
+  hands q, k, v of each sequence to kvt_prefill. Nothing of the chunk stays on the GPU.
+- Decode (one new token per sequence): update() appends the token's K/V (kvt_append) and returns
+  only the new token's K/V; the attention function calls kvt_attend (Top-p selection over the
+  index, exact attention over sinks + selected + window).
+The K/V of the context live in kvtier's host tier; the GPU holds only kvtier's index, window ring
+and hot cache.
+
+What is refused, with an error that says so (never a silent fall back to full K/V on the GPU): a
+second prefill chunk over a non-empty cache (chunked prefill, prefix reuse, multi-token
+verification), crop, reorder_cache (beam search), batch_repeat_interleave / batch_select_indices
+(num_return_sequences > 1, contrastive search), reset, padding in the attention mask (batches
+need equal prompt lengths), sliding-window or chunked-attention layers, logit softcapping,
+fp32 models (kvtier stores fp16 or bf16), a model whose attention is not "kvtier" used with a
+KvtierCache, and the "kvtier" attention without a KvtierCache.
+Calls are ordered on torch's current CUDA stream. One KvtierCache serves one generate() call
+(one batch); it is closed (its host memory freed) by close(), `with`, or garbage collection.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from . import cache as _kc
+
+try:
+    from transformers.cache_utils import Cache as _HFCache
+except ImportError:  # pragma: no cover - transformers missing: the module still imports
+    _HFCache = object
+try:
+    from transformers.cache_utils import CacheLayerMixin as _HFLayer
+except ImportError:  # pragma: no cover
+    _HFLayer = object
+
+ATTN_NAME = "kvtier"
+# a weak reference to the KvtierCache whose update() ran last on this thread
+_active = threading.local()
+
+
+def active_cache() -> "Optional[KvtierCache]":
+    """The KvtierCache whose update() ran last on this thread (the one the "kvtier" attention
+    serves), or None."""
+    ref = getattr(_active, "cache", None)
+    return ref() if ref is not None else None
+
+
+class Unsupported(NotImplementedError):
+    """An operation kvtier.hf cannot serve (it never falls back to full K/V on the GPU)."""
+
+
+class _Layer(_HFLayer):
+    """What transformers may read from one layer of the cache: no K/V tensors (they are in
+    kvtier), the token count, full (not sliding) attention."""
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "KvtierCache", idx: int):  # no super().__init__: no tensors here
+        self.owner, self.idx = owner, idx
+        self.keys = self.values = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.owner._kv is not None
+
+    def lazy_initialization(self, *a: Any, **kw: Any) -> None:
+        pass
+
+    def update(self, *a: Any, **kw: Any) -> Any:
+        raise Unsupported("kvtier.hf: update the cache through KvtierCache.update")
+
+    def get_seq_length(self) -> int:
+        return self.owner._lengths[self.idx]
+
+    def get_mask_sizes(self, query: Any, *a: Any) -> Tuple[int, int]:
+        return self.owner._mask_sizes(query, self.idx)
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def __repr__(self) -> str:
+        return "KvtierLayer(%d, %d tokens)" % (self.idx, self.get_seq_length())
+
+
+if _HFLayer is not object:  # the mixin's abstract methods may differ between 5.x releases
+    _Layer.__abstractmethods__ = frozenset()
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def _check_model_config(cfg: Any, names: Tuple[str, ...] = ("kvtier",)) -> None:
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        bad = sorted({t for t in types if t != "full_attention"})
+        if bad:
+            raise Unsupported("kvtier.hf: layer types %s (sliding-window or chunked attention) "
+                              "are not served; kvtier attends every token" % bad)
+    elif getattr(cfg, "sliding_window", None) is not None and \
+            getattr(cfg, "use_sliding_window", True):
+        raise Unsupported("kvtier.hf: sliding_window = %s is not served; kvtier attends every "
+                          "token" % cfg.sliding_window)
+    for name in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(cfg, name, None):
+            raise Unsupported("kvtier.hf: %s = %s is not served" % (name, getattr(cfg, name)))
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl is not None and impl not in names:
+        raise Unsupported("kvtier.hf: the model's attention is %r; load it with "
+                          "attn_implementation=%r (or model.set_attn_implementation(%r)) so that "
+                          "KvtierCache serves every layer" % (impl, names[0], names[0]))
+
+
+def _failing_closed(fn: Any) -> Any:
+    """A failure inside the data path leaves the cache unusable (its layers may disagree):
+    later calls say so instead of serving a half-updated context."""
+    @functools.wraps(fn)
+    def wrapper(self: "KvtierCache", *args: Any, **kwargs: Any) -> Any:
+        if self._failed:
+            raise Unsupported("kvtier.hf: this KvtierCache failed earlier (%s); make a new one"
+                              % self._failed)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as e:
+            self._failed = "%s: %s" % (type(e).__name__, e)
+            raise
+    return wrapper
+
+
+class KvtierCache(_HFCache):
+    """A transformers Cache whose K/V live in kvtier (one kvtier.Cache, one sequence per batch
+    row), for `model.generate(..., past_key_values=KvtierCache(model.config, ...))` with
+    `attn_implementation="kvtier"`.
+
+    Args:
+        config: the model's config (PretrainedConfig): num_hidden_layers, num_attention_heads,
+            num_key_value_heads, head_dim (or hidden_size / num_attention_heads).
+        scale: the attention scale the model uses; None: 1/sqrt(head_dim) (Llama-family). Every
+            attention call checks that the model's `scaling` equals it.
+        check_scale: False skips that check (for negative controls only).
+        **options: kvtier.Config fields (p, n_sink, window, flush_batch, budget_min, budget_max,
+            host_bytes, gpu_cache_bytes, seed, nvme_paths, ...). dtype, backend and device come
+            from the first key tensor: CUDA tensors -> CUDA backend on their device, CPU tensors
+            -> CPU backend.
+    Attributes: kvtier (the kvtier.Cache once the first update has run), seqs (its Sequences).
+    """
+
+    is_compileable = False
+    # attention implementations this cache serves (a subclass adding checks may add its own)
+    attn_names: Tuple[str, ...] = (ATTN_NAME,)
+
+    def __init__(self, config: Any, scale: Optional[float] = None, check_scale: bool = True,
+                 **options: Any):
+        cfg = _text_config(config)
+        _check_model_config(cfg, self.attn_names)
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_q_heads = int(cfg.num_attention_heads)
+        self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_q_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or
+                            cfg.hidden_size // cfg.num_attention_heads)
+        self.scale = float(scale) if scale is not None else self.head_dim ** -0.5
+        self.check_scale = check_scale
+        for k in ("dtype", "out_dtype", "backend", "device", "n_layers", "n_q_heads",
+                  "n_kv_heads", "head_dim", "scale"):
+            if k in options:
+                raise TypeError("KvtierCache: %s is taken from the model and its tensors" % k)
+        self.options = options
+        self._kv: Optional[_kc.Cache] = None
+        self.seqs: List[_kc.Sequence] = []
+        self._lengths = [0] * self.n_layers
+        # layer -> (phase, key) of the update whose attention has not run yet: the attention
+        # function serves only the K/V this cache has just returned ("prefill" or "decode")
+        self._fresh: dict = {}
+        self._failed = ""
+        self.layers = [_Layer(self, i) for i in range(self.n_layers)]
+        self.layer_class_to_replicate = None
+        self.offloading = False
+
+    # ---- what transformers reads
+    @property
+    def kvtier(self) -> Optional[_kc.Cache]:
+        return self._kv
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._lengths[layer_idx] if layer_idx < self.n_layers else 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def _mask_sizes(self, query: Any, layer_idx: int) -> Tuple[int, int]:
+        q_len = query if isinstance(query, int) else int(query.shape[0])
+        return self.get_seq_length(layer_idx) + q_len, 0
+
+    def get_mask_sizes(self, query: Any, layer_idx: int = 0) -> Tuple[int, int]:
+        """(kv_length, kv_offset) for the mask: every token so far plus the new ones. `query` is
+        the query length (transformers >= 5.x) or the cache_position tensor (earlier)."""
+        return self._mask_sizes(query, layer_idx)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_max_length(self) -> Optional[int]:
+        return None
+
+    @property
+    def is_sliding(self) -> List[bool]:
+        return [False] * self.n_layers
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._kv is not None
+
+    @property
+    def max_batch_size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def max_cache_len(self) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def __repr__(self) -> str:
+        return "KvtierCache(%d layers, batch %d, %d tokens)" % (self.n_layers, len(self.seqs),
+                                                                self._lengths[0])
+
+    # ---- what kvtier cannot serve
+    def crop(self, max_length: int) -> None:
+        raise Unsupported("kvtier.hf: crop(%s) is not served (kvtier has no truncate yet): "
+                          "assisted/speculative decoding and rollback need it" % max_length)
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        raise Unsupported("kvtier.hf: reorder_cache is not served: beam search needs forked "
+                          "sequences, which kvtier does not have yet; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise Unsupported("kvtier.hf: batch_repeat_interleave(%s) is not served "
+                          "(num_return_sequences > 1 or contrastive search)" % repeats)
+
+    def batch_select_indices(self, indices: Any) -> None:
+        raise Unsupported("kvtier.hf: batch_select_indices is not served (contrastive search)")
+
+    def reset(self) -> None:
+        raise Unsupported("kvtier.hf: reset is not served: make a new KvtierCache")
+
+    def __getitem__(self, layer_idx: int) -> Any:
+        raise Unsupported("kvtier.hf: the K/V of layer %s are in kvtier's host tier, not "
+                          "tensors (legacy cache indexing is not served)" % layer_idx)
+
+    def __iter__(self) -> Any:
+        raise Unsupported("kvtier.hf: the K/V are in kvtier's host tier (legacy cache "
+                          "iteration is not served)")
+
+    def to_legacy_cache(self) -> Any:
+        raise Unsupported("kvtier.hf: no legacy cache: the K/V are in kvtier's host tier")
+
+    # ---- the data path
+    def _create(self, key: torch.Tensor) -> None:
+        if key.dtype not in (torch.float16, torch.bfloat16):
+            raise Unsupported("kvtier.hf: the model runs in %s; kvtier stores float16 or "
+                              "bfloat16 K/V (load the model with dtype=torch.bfloat16)"
+                              % key.dtype)
+        b = int(key.shape[0])
+        cuda = key.device.type == "cuda"
+        opts = dict(self.options)
+        opts.setdefault("max_seqs", max(b, 1))
+        self._kv = _kc.Cache(n_layers=self.n_layers, n_q_heads=self.n_q_heads,
+                             n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                             dtype=key.dtype, backend="cuda" if cuda else "cpu",
+                             device=(key.device.index or 0) if cuda else None,
+                             scale=self.scale, **opts)
+        self.seqs = [self._kv.open() for _ in range(b)]
+
+    @_failing_closed
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Take the new tokens' K/V of `layer_idx`, [b, n_kv_heads, n_new, head_dim] (post-RoPE).
+
+        Prefill (this layer empty): returns them unchanged for the attention function, which
+        attends over them and stores them with their queries (kvt_prefill). Decode (one new
+        token): stores it (kvt_append) and returns it; the attention function attends over
+        kvtier. Anything else raises Unsupported."""
+        _active.cache = weakref.ref(self)
+        b, h, n, d = key_states.shape
+        if (h, d) != (self.n_kv_heads, self.head_dim):
+            raise Unsupported("kvtier.hf: layer %d: key [%d, %d, %d, %d] does not match the "
+                              "config's %d KV heads of dim %d" % (layer_idx, b, h, n, d,
+                                                                  self.n_kv_heads,
+                                                                  self.head_dim))
+        if layer_idx in self._fresh:
+            raise Unsupported("kvtier.hf: layer %d's last update never reached the 'kvtier' "
+                              "attention: the model's attention must be attn_implementation="
+                              "'kvtier'" % layer_idx)
+        if self._kv is None:
+            self._create(key_states)
+        if b != len(self.seqs):
+            raise Unsupported("kvtier.hf: batch of %d rows, the cache holds %d sequences"
+                              % (b, len(self.seqs)))
+        if self._lengths[layer_idx] == 0:
+            self._fresh[layer_idx] = ("prefill", key_states)
+            self._lengths[layer_idx] = n
+            return key_states, value_states
+        if n != 1:
+            raise Unsupported("kvtier.hf: %d new tokens on layer %d over a non-empty cache (%d "
+                              "tokens): a second prefill chunk (chunked prefill, prefix reuse, "
+                              "multi-token verification) is not served; decode is one token "
+                              "per step" % (n, layer_idx, self._lengths[layer_idx]))
+        k = key_states[:, :, 0, :]
+        v = value_states[:, :, 0, :]
+        # [b, Hkv, D]: a view of [b, Hkv, 1, D], dense when the projection's output was; copy
+        # otherwise (this integration's own staging, not the caller's tensors)
+        k = k if k.is_contiguous() else k.contiguous()
+        v = v if v.is_contiguous() else v.contiguous()
+        self._kv.append(layer_idx, self.seqs, k, v)
+        self._lengths[layer_idx] += 1
+        self._fresh[layer_idx] = ("decode", key_states)
+        return key_states, value_states
+
+    @_failing_closed
+    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: Optional[float],
+               **kwargs: Any) -> torch.Tensor:
+        """The attention of `module` (layer module.layer_idx): query [b, Hq, q_len, D] ->
+        [b, q_len, Hq, D]."""
+        layer = module.layer_idx
+        if scaling is not None and self.check_scale and \
+                abs(float(scaling) - self.scale) > 1e-6 * self.scale:
+            raise Unsupported("kvtier.hf: layer %d attends with scale %g, the cache was made "
+                              "for %g (pass scale= to KvtierCache)" % (layer, scaling,
+                                                                       self.scale))
+        fresh = self._fresh.pop(layer, None)
+        if fresh is None or fresh[1] is not key:
+            raise Unsupported("kvtier.hf: layer %d's attention did not receive the K/V this "
+                              "KvtierCache has just returned (attn_implementation='kvtier' "
+                              "needs past_key_values=KvtierCache)" % layer)
+        if fresh[0] == "prefill":
+            out = _prefill_attention(module, query, key, value, attention_mask, scaling,
+                                     **kwargs)
+            for i, s in enumerate(self.seqs):
+                # [T, H, D] rows of one sequence (kvt_prefill's layout): copies made here
+                self._kv.prefill(s, layer, query[i].transpose(0, 1).contiguous(),
+                                 key[i].transpose(0, 1).contiguous(),
+                                 value[i].transpose(0, 1).contiguous())
+            return out
+        if query.shape[2] != 1:
+            raise Unsupported("kvtier.hf: %d queries on layer %d over a non-empty cache: only "
+                              "one token per decode step is served" % (query.shape[2], layer))
+        q = query[:, :, 0, :]
+        q = q if q.is_contiguous() else q.contiguous()
+        out = self._kv.attend(layer, self.seqs, q)       # [b, Hq, D]
+        return out.unsqueeze(1)                          # [b, 1, Hq, D]
+
+    # ---- lifetime and counters
+    def stats(self) -> "Optional[_kc.Stats]":
+        """kvtier's counters (None before the first forward pass)."""
+        return None if self._kv is None else self._kv.stats()
+
+    def close(self) -> None:
+        """Free kvtier's memory; the cache cannot be used afterwards."""
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+        self.seqs = []
+
+    def __enter__(self) -> "KvtierCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+if getattr(KvtierCache, "__abstractmethods__", None):
+    KvtierCache.__abstractmethods__ = frozenset()
+
+
+def _prefill_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: Any, scaling: Optional[float],
+                       **kwargs: Any) -> torch.Tensor:
+    """Exact causal attention of a prefill chunk over its own K/V: transformers' SDPA path (the
+    same computation as attn_implementation="sdpa"), [b, T, Hq, D]."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        sdpa_attention_forward = None
+    if sdpa_attention_forward is not None:
+        kwargs.pop("dropout", None)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                                        scaling=scaling, **kwargs)
+        return out
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None,
+        scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Any, scaling: Optional[float] = None, dropout: float = 0.0,
+              **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """The "kvtier" attention function (transformers' attention interface).
+
+    query: [b, Hq, q_len, D]; key, value: what KvtierCache.update returned, [b, Hkv, n, D].
+    Returns ([b, q_len, Hq, D], None)."""
+    if getattr(module, "training", False) and dropout:
+        raise Unsupported("kvtier.hf: training (attention dropout %g) is not served" % dropout)
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise Unsupported("kvtier.hf: layer %s: %s = %s is not served"
+                              % (getattr(module, "layer_idx", "?"), name, kwargs[name]))
+    cache = active_cache()
+    if cache is None or cache._kv is None or getattr(module, "layer_idx", None) is None:
+        raise Unsupported("kvtier.hf: attn_implementation='kvtier' needs past_key_values="
+                          "kvtier.hf.KvtierCache(model.config) and use_cache=True")
+    return cache.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
+
+
+def mask(*args: Any, **kwargs: Any) -> None:
+    """The "kvtier" mask function: no mask tensor (prefill is causal, decode attends every
+    token); refuses padding, which kvtier cannot serve exactly yet."""
+    pad = kwargs.get("attention_mask", kwargs.get("padding_mask"))
+    if isinstance(pad, torch.Tensor) and pad.dim() == 2 and not bool(pad.all()):
+        raise Unsupported("kvtier.hf: the attention mask has padding: batches need prompts of "
+                          "equal length (no padding)")
+    return None
+
+
+def register() -> None:
+    """Register "kvtier" with transformers' attention and mask interfaces (done at import)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_NAME, attention)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, mask)
+    except (ImportError, AttributeError):
+        pass
+
+
+register()

@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: MIT
+"""Shared fixtures: the library under test (KVTIER_LIBRARY, set by the meson test entry) and the
+repository root (for the header)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import kvtier
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+HEADER = os.path.join(ROOT, "lib", "kvtier.h")
+
+# a small GQA shape: 2 layers, 4 query heads over 2 KV heads, head_dim 64
+SHAPE = dict(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12)
+
+
+@pytest.fixture
+def cache():
+    with kvtier.Cache(backend="cpu", p=1.0, **SHAPE) as c:
+        yield c
+
+
+def rand(rng, *shape, dtype=np.float16):
+    return rng.standard_normal(shape).astype(dtype)
