@@ -242,7 +242,7 @@ typedef struct kvt_stats {
 } kvt_stats;
 
 /* The size of the first release's kvt_stats: the smallest kvt_get_stats accepts. */
-#define KVT_STATS_SIZE_VER0 (offsetof(kvt_stats, ns_attend) + sizeof(uint64_t))
+#define KVT_STATS_SIZE_VER0 (offsetof(kvt_stats, host_pool_mine) + sizeof(uint64_t))
 
 typedef struct kvt_cache kvt_cache;
 

@@ -60,7 +60,10 @@ class KvtConfig(ctypes.Structure):
         ("budget_min", u32), ("budget_max", u32), ("pad0", u32),
         ("seed", u64),
         ("gpu_cache_bytes", u64),
-        ("reserved", u64 * 7),
+        ("device_busid", c_char_p),
+        ("host_pool", c_char_p),
+        ("host_pool_bytes", u64),
+        ("reserved", u64 * 4),
     ]
 
 
@@ -78,6 +81,8 @@ class KvtStats(ctypes.Structure):
             "nvme_bytes_written", "nvme_bytes_read", "nvme_reads", "nvme_ios",
             "nvme_lat_ns_sum", "nvme_lat_ns_max", "nvme_cache_hits", "nvme_cache_misses",
             "ns_nvme", "ns_index", "ns_store", "ns_score", "ns_select", "ns_attend")
+    ] + [("device", i32), ("pad0", u32)] + [
+        (n, u64) for n in ("host_pool_bytes", "host_pool_used", "host_pool_mine")
     ]
 
 
@@ -123,7 +128,7 @@ def _end_of(struct: type, field: str) -> int:
 # KVT_*_SIZE_VER0: the first release's size of each struct (the header's macros)
 SIZE_VER0 = {
     KvtConfig: _end_of(KvtConfig, "gpu_cache_bytes"),
-    KvtStats: _end_of(KvtStats, "ns_attend"),
+    KvtStats: _end_of(KvtStats, "host_pool_mine"),
     KvtLayerStats: _end_of(KvtLayerStats, "hot_rows"),
     KvtProbeInfo: _end_of(KvtProbeInfo, "host_available_bytes"),
     KvtFootprint: _end_of(KvtFootprint, "hbm_cache_bytes"),

@@ -85,6 +85,9 @@ class Config:
     budget_max: Optional[int] = None
     seed: Optional[int] = None
     gpu_cache_bytes: Optional[int] = None
+    device_busid: Optional[str] = None
+    host_pool: Optional[str] = None
+    host_pool_bytes: Optional[int] = None
 
     def to_c(self) -> "tuple[_abi.KvtConfig, list]":
         """The kvt_config (size = the mirror's sizeof) and the objects it points into, which must
@@ -109,6 +112,13 @@ class Config:
         for f in _ZERO_IS_VALUE_64:
             v = getattr(self, f)
             setattr(c, f, 0 if v is None else (NONE64 if int(v) == 0 else int(v)))
+        for f in ("device_busid", "host_pool"):
+            v = getattr(self, f)
+            if v is not None:
+                b = ctypes.c_char_p(str(v).encode())
+                keep.append(b)
+                setattr(c, f, b.value)
+        c.host_pool_bytes = 0 if self.host_pool_bytes is None else int(self.host_pool_bytes)
         paths, sizes = self.nvme_paths or [], self.nvme_bytes or []
         if len(paths) != len(sizes):
             raise refuse("nvme_paths has %d entries, nvme_bytes %d: want one size per file"
