@@ -14,7 +14,9 @@
  *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
  *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
  *   -ENOENT unknown sequence, -EBADMSG an NVMe block failed verification, -E2BIG more tokens than
- *   the CUDA selection handles; and codes an NVMe I/O completion itself reports, passed on:
+ *   the CUDA selection handles, -EMFILE / -ENFILE out of file descriptors (process / system) for
+ *   the NVMe tier; and codes an NVMe I/O completion itself reports, passed on (-EBUSY also when an
+ *   NVMe file is held by another cache):
  *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
  *   -EBADE, -ETIME, -EFBIG, -EROFS, -EBADF, -EFAULT, -EOVERFLOW, -ENXIO. kvt_last_error() gives the detail.
  * - A call that fails changes nothing that the caller can observe (except the last-error text and the

@@ -366,9 +366,12 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
 		return;
+	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
-		if (l->spill[i].loc.bytes)
+		if (l->spill[i].loc.bytes) {
+			kvt_nvme_discard(c->nvme, 1, &l->spill[i].loc);
 			kvt_nvme_free(c->nvme, 1, &l->spill[i].loc);
+		}
 	kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
 	l->spill = NULL;
 }
