@@ -63,6 +63,16 @@ typedef enum kvt_spill_policy {
 			       the indexed blocks of the call's own sequences */
 } kvt_spill_policy;
 
+/*
+ * kvt_config.nvme_flags (doc/data-at-rest.md). Whatever the flags, each NVMe file is held by one
+ * cache at a time (a second cache on it fails with -EBUSY), files the cache creates are mode 0600,
+ * and the rows of a closed sequence, or of a destroyed cache, are zeroed in the files.
+ */
+typedef enum kvt_nvme_flags {
+	KVT_NVME_KEEP_FILES = 1u << 0 /* leave the files the cache created in place at destroy
+					  (zeroed), e.g. to keep their space reserved */
+} kvt_nvme_flags;
+
 typedef enum kvt_backend_kind {
 	KVT_BACKEND_AUTO = 0, /* CUDA when built and a GPU is present, else CPU */
 	KVT_BACKEND_CPU = 1,
@@ -147,7 +157,11 @@ typedef struct kvt_config {
 	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
 				     over the layers, <= 1 TiB; 0 (default): 256 MiB; KVT_NONE64: no hot
 				     cache (every selected row is read from the host tier each step) */
-	uint64_t reserved[7]; /* must be zero: where later minor versions add fields */
+	/* added in 0.2, carved out of reserved[0] */
+	uint32_t nvme_flags;  /* kvt_nvme_flags; 0 (default): files the cache created are removed at
+				 kvt_cache_destroy (and by a failed kvt_cache_create) */
+	uint32_t pad1;        /* must be zero (explicit padding) */
+	uint64_t reserved[6]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
 /*

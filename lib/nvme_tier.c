@@ -86,6 +86,7 @@ int kvt_tier_init(kvt_cache *c)
 		.bytes = c->cfg.nvme_bytes,
 		.n_files = c->cfg.n_nvme,
 		.queue_depth = c->cfg.nvme_queue_depth,
+		.flags = c->cfg.nvme_flags & KVT_NVME_KEEP_FILES ? KVT_NVME_KEEP : 0,
 	};
 	int rc = kvt_nvme_open(&nc, &c->nvme, &err);
 	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err.msg);

@@ -129,15 +129,15 @@ static void test_config_old_size(void **state)
 	(void)state;
 	kvt_config cfg = shape_only();
 	T_CHECK(KVT_CONFIG_SIZE_VER0 < sizeof(kvt_config) &&
-			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, reserved),
-		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(reserved) = %zu < sizeof = %zu",
-		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, reserved), sizeof(kvt_config));
+			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, nvme_flags),
+		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(nvme_flags) = %zu < sizeof = %zu",
+		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, nvme_flags), sizeof(kvt_config));
 	cfg.size = KVT_CONFIG_SIZE_VER0;
 	memset((char *)&cfg + KVT_CONFIG_SIZE_VER0, 0xab,
 	       sizeof(kvt_config) - KVT_CONFIG_SIZE_VER0);
 	create_check("size VER0, garbage past it", &cfg, check_defaults);
-	cfg.size = KVT_CONFIG_SIZE_VER0 + 8; /* reserved[0] now inside the caller's struct */
-	create_fails("size VER0 + 8, reserved[0] set", &cfg, "reserved[0]", NULL);
+	cfg.size = KVT_CONFIG_SIZE_VER0 + 8; /* nvme_flags and pad1 now inside the caller's struct */
+	create_fails("size VER0 + 8, pad1 set", &cfg, "pad1", NULL);
 	cfg.size = KVT_CONFIG_SIZE_VER0 - 8;
 	char want[32];
 	snprintf(want, sizeof want, "%zu", (size_t)KVT_CONFIG_SIZE_VER0);

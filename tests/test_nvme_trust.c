@@ -457,6 +457,30 @@ static void test_destroy_removes_created(void **state)
 	free(r);
 	T_CHECK(!left, "%s after destroy: got still there, wanted removed (created by the cache)",
 		path);
+	/* asked to keep it: the file stays, 0600, with no row left in it */
+	cfg.nvme_flags = KVT_NVME_KEEP_FILES;
+	c = t_create(&cfg);
+	r = t_alloc(sizeof *r);
+	make_rows(r, 7);
+	fill_and_spill(c, r, "keep");
+	kvt_cache_destroy(c);
+	free(r);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	long nz = fd >= 0 ? nonzero_bytes(fd, 0, bytes[0]) : -1;
+	int mode = fd >= 0 && fstat(fd, &sb) == 0 ? (int)(sb.st_mode & 07777) : -1;
+	if (fd >= 0)
+		close(fd);
+	unlink(path);
+	T_CHECK(fd >= 0 && nz == 0 && mode == 0600,
+		"%s after destroy with KVT_NVME_KEEP_FILES: got %s, %ld nonzero bytes, mode %04o; "
+		"wanted kept, 0, 0600", path, fd >= 0 ? "kept" : "removed", nz, (unsigned)mode);
+	cfg.nvme_flags = 0x6;
+	c = NULL;
+	int rc = kvt_cache_create(&cfg, &c);
+	const char *msg = kvt_last_error(NULL);
+	T_CHECK(rc == -EINVAL && strstr(msg, "nvme_flags = 0x6") && !exists(path),
+		"nvme_flags 0x6: got %d (%s), %s; wanted -EINVAL naming it, no file", rc, msg,
+		exists(path) ? "file created" : "no file");
 }
 
 /*
