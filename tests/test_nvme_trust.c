@@ -321,6 +321,29 @@ static void test_killed_leftover(void **state)
 	free(out);
 }
 
+/*
+ * Close releases the file at once: the ring's registered files are unregistered before the files
+ * are closed, so a store reopened right after close (on the same path) is never -EBUSY.
+ */
+static void test_reopen_after_close(void **state)
+{
+	(void)state;
+	nv_skip_unless_available();
+	char path[4096];
+	scratch_path(path, sizeof path, "reopen");
+	const char *paths[1] = {path};
+	uint64_t bytes[1] = {(uint64_t)1 << 20};
+	struct kvt_nvme_config cfg = {paths, bytes, 1, 4, 0, KVT_NVME_KEEP};
+	for (int i = 0; i < 20; i++) {
+		struct kvt_nvme *st = NULL;
+		int rc = kvt_nvme_open(&cfg, &st, &nv_err);
+		kvt_nvme_close(st);
+		T_CHECK(rc == 0, "open %d of %s right after the previous close: got %d (%s), wanted 0",
+			i, path, rc, nv_err.msg);
+	}
+	unlink(path);
+}
+
 /* ---- out of descriptors ---------------------------------------------------------------------- */
 
 /* The lowest descriptor number not open now (a limit of that many leaves no room for one more). */
@@ -544,6 +567,7 @@ int main(void)
 		cmocka_unit_test(test_two_processes_one_path),
 		cmocka_unit_test(test_foreign_block),
 		cmocka_unit_test(test_killed_leftover),
+		cmocka_unit_test(test_reopen_after_close),
 		cmocka_unit_test(test_fd_exhaustion),
 		cmocka_unit_test(test_failed_create_cleans_up),
 		cmocka_unit_test(test_destroy_removes_created),
