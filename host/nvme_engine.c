@@ -233,7 +233,7 @@ static void admit(struct kvt_nvme *st, struct kvt_call *c)
 		r->slot0 = slot0;
 		r->n_slots = k;
 		if (c->write) {
-			kvt_nvme_encode(&c->blocks[i].id, c->blocks[i].payload,
+			kvt_nvme_encode(&c->blocks[i].id, st->store_id, c->blocks[i].payload,
 					st->arena + (size_t)slot0 * st->bounce, c->locs[i].bytes,
 					st->align);
 			add_range(st, r, ri, &c->locs[i], 0, c->locs[i].bytes, 0);
@@ -411,7 +411,7 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 	}
 	struct kvt_err why;
 	char name[256];
-	if (kvt_nvme_verify(&v, &q.expect, &why)) {
+	if (kvt_nvme_verify(&v, &q.expect, st->store_id, &why)) {
 		st->stats.checksum_failures++;
 		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
 		kvt_nv_name_block(st, &q.loc, &q.expect, name, sizeof name);

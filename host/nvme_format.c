@@ -28,7 +28,8 @@ enum {
 	OFF_DIM = 52,
 	OFF_PAYLOAD = 56,
 	OFF_CHUNK = 60,
-	OFF_TABLE = 64,
+	OFF_STORE = 64,
+	OFF_TABLE = 72,
 };
 
 static void put16(unsigned char *p, uint16_t v)
@@ -119,8 +120,8 @@ static void chunk_crcs(const unsigned char *at, uint32_t p, uint32_t c, uint32_t
 					p - (c + whole) * KVT_NVME_CHUNK);
 }
 
-void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, void *dst,
-		     size_t disk_bytes, uint32_t align)
+void kvt_nvme_encode(const struct kvt_nvme_block_id *id, uint64_t store, const void *payload,
+		     void *dst, size_t disk_bytes, uint32_t align)
 {
 	unsigned char *h = dst;
 	uint32_t p = kvt_nvme_payload_bytes(id), hb = kvt_nvme_header_bytes(p),
@@ -141,6 +142,7 @@ void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, vo
 	put32(h + OFF_DIM, id->head_dim);
 	put32(h + OFF_PAYLOAD, p);
 	put32(h + OFF_CHUNK, KVT_NVME_CHUNK);
+	put64(h + OFF_STORE, store);
 	memcpy(data, payload, p);
 	for (uint32_t c = 0, n = (p + KVT_NVME_CHUNK - 1) / KVT_NVME_CHUNK; c < n;) {
 		uint32_t crc[64], k = n - c < 64 ? n - c : 64;
@@ -194,7 +196,7 @@ static int check_zero(const unsigned char *pad, uint32_t bytes, const char *wher
 }
 
 int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_id *expect,
-		    struct kvt_err *why)
+		    uint64_t store, struct kvt_err *why)
 {
 	const unsigned char *h = v->hdr;
 	uint32_t p = kvt_nvme_payload_bytes(expect), hb = kvt_nvme_header_bytes(p);
@@ -213,6 +215,14 @@ int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_i
 	uint32_t got = get32(h + OFF_CRC), want = header_crc(h, hb);
 	if (got != want)
 		return BAD("header crc32c 0x%08x, computed 0x%08x", got, want);
+	/*
+	 * Before the identity: sequence ids and generations start alike in every store, so only this
+	 * tells a block of another store on the same file (or of a dead one before it) from our own.
+	 */
+	if (get64(h + OFF_STORE) != store)
+		return BAD("store id 0x%016" PRIx64 ", wanted 0x%016" PRIx64
+			   " (a block of another store, or of an earlier one on this file)",
+			   get64(h + OFF_STORE), store);
 	int rc = check_id(h, expect, why);
 	if (rc)
 		return rc;

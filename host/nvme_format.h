@@ -16,9 +16,9 @@
 #include "err.h"
 
 #define KVT_NVME_MAGIC "KVTB"
-#define KVT_NVME_VERSION 2u
-/* Bytes of the fixed part of the header; the chunk CRC table follows it. */
-#define KVT_NVME_HDR_FIXED 64u
+#define KVT_NVME_VERSION 3u
+/* Bytes of the fixed part of the header (with the store id); the chunk CRC table follows it. */
+#define KVT_NVME_HDR_FIXED 72u
 /* Payload bytes covered by one chunk CRC: the unit direct serving verifies on its own. */
 #define KVT_NVME_CHUNK 4096u
 /* Largest payload of one block (keeps every size of the format within 32 bits). */
@@ -55,11 +55,11 @@ uint64_t kvt_nvme_disk_bytes(const struct kvt_nvme_block_id *id, uint32_t align)
 
 /*
  * Write the whole on-disk image of a block into dst (disk_bytes long, as kvt_nvme_disk_bytes gave):
- * header with chunk CRCs and header CRC, zero header padding up to kvt_nvme_data_offset(align),
+ * header with the writing store's random id `store`, chunk CRCs and header CRC, zero header padding up to kvt_nvme_data_offset(align),
  * payload copied from `payload`, zero tail padding.
  */
-void kvt_nvme_encode(const struct kvt_nvme_block_id *id, const void *payload, void *dst,
-		     size_t disk_bytes, uint32_t align);
+void kvt_nvme_encode(const struct kvt_nvme_block_id *id, uint64_t store, const void *payload,
+		     void *dst, size_t disk_bytes, uint32_t align);
 
 /*
  * What was read of one block: the whole header (kvt_nvme_header_bytes long) at hdr; the payload
@@ -79,11 +79,12 @@ struct kvt_nvme_view {
 
 /*
  * Check a block read from disk against what the caller expects, in this order: magic, version,
- * sizes, header CRC, identity (seq, layer, head, tokens, head_dim, flags), generation, the CRC of
+ * sizes, header CRC, store id (the reading store's `store`: a block another store wrote, on a
+ * shared or reused file, is refused even when its identity and checksums are right), identity (seq, layer, head, tokens, head_dim, flags), generation, the CRC of
  * every chunk in the view, zero padding (header padding, then tail padding). Returns 0, or -EBADMSG with the failed check and the got
  * and wanted values in why.
  */
 int kvt_nvme_verify(const struct kvt_nvme_view *v, const struct kvt_nvme_block_id *expect,
-		    struct kvt_err *why);
+		    uint64_t store, struct kvt_err *why);
 
 #endif

@@ -9,12 +9,17 @@
 
 #include <liburing.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "nvme_space.h"
 #include "nvme_store.h"
 
 struct nv_file {
-	int fd;
+	int fd;           /* open and flock'ed (exclusive) while the store lives */
+	int created;      /* this store created the file: removed at close unless kept */
+	int is_blk;       /* a block device (zeroed by BLKZEROOUT, never removed) */
+	dev_t dev;        /* the file, to remove only it and not whatever the path names later */
+	ino_t ino;
 	uint64_t bytes; /* usable: the configured size rounded down to the alignment */
 	struct kvt_space space;
 	char *path;
@@ -77,6 +82,8 @@ struct cqe_copy {
 struct kvt_nvme {
 	struct io_uring ring;
 	int ring_ok, fixed_files, fixed_bufs, broken;
+	int keep;          /* KVT_NVME_KEEP: created files stay at close */
+	uint64_t store_id; /* random, in every block header written, checked on every read */
 	uint32_t n_files, qd, align, bounce;
 	uint32_t n_slots; /* bounce slots: 2 * qd, so verifying and copying out never starve the
 			     queue */
@@ -130,6 +137,16 @@ uint64_t kvt_nv_read_geometry(const struct kvt_nvme *st, const struct kvt_nvme_r
 int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c);
 /* 0, or an error (detail in err) when st is NULL or out of service. */
 int kvt_nv_usable(struct kvt_nvme *st, struct kvt_err *err);
+
+/* The files (nvme_file.c): open, create, lock; zero and release. */
+int kvt_nv_file_open(struct nv_file *f, const char *path, int buffered, const char **mode,
+		     struct kvt_err *err);
+void kvt_nv_file_close(struct kvt_nvme *st, struct nv_file *f, int remove);
+/* A random store id (getrandom; a clock and pid mix where it would block). */
+uint64_t kvt_nv_store_id(void);
+/* An errno of open or io_uring set-up as a code (-EMFILE, -ENFILE, -ENOMEM, else -EIO) and a hint. */
+int kvt_nv_errno_code(int e);
+const char *kvt_nv_errno_hint(int e);
 
 /* The header cache (nvme_hcache.c). The verified header of the block at l with identity id (hb
  * bytes), or NULL. */

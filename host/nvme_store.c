@@ -104,18 +104,14 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	if (!f->path)
 		return kvt_err_set(err, -ENOMEM, "no memory for the path of file %u", i);
 	memcpy(f->path, path, f->path_bytes);
-	const char *mode = buffered ? "buffered (KVT_NVME_BUFFERED)" : "O_DIRECT";
-	f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | (buffered ? 0 : O_DIRECT), 0600);
-	if (f->fd < 0 && !buffered && errno == EINVAL) {
-		/* Some file systems (FUSE, tmpfs before 6.6) refuse O_DIRECT: go buffered. */
-		mode = "buffered (O_DIRECT refused: EINVAL)";
-		f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-	}
-	if (f->fd < 0)
-		return kvt_err_set(err, -EIO, "open %s: %s", path, strerror(errno));
+	const char *mode;
+	int rc = kvt_nv_file_open(f, path, buffered, &mode, err);
+	if (rc)
+		return rc;
 	struct stat sb;
 	if (fstat(f->fd, &sb) != 0)
 		return kvt_err_set(err, -EIO, "fstat %s: %s", path, strerror(errno));
+	f->is_blk = S_ISBLK(sb.st_mode);
 	const char *prealloc = "preallocated";
 	if (S_ISBLK(sb.st_mode)) {
 		uint64_t dev_bytes = 0;
@@ -167,9 +163,10 @@ static int check_config(const struct kvt_nvme_config *cfg, struct kvt_err *err)
 	if (cfg->queue_depth > KVT_NVME_MAX_QD)
 		return kvt_err_set(err, -EINVAL, "queue_depth = %u, must be 0 (default %u) .. %u",
 			      cfg->queue_depth, KVT_NVME_DEFAULT_QD, KVT_NVME_MAX_QD);
-	if (cfg->flags & ~(uint32_t)KVT_NVME_BUFFERED)
+	const uint32_t known = KVT_NVME_BUFFERED | KVT_NVME_KEEP;
+	if (cfg->flags & ~known)
 		return kvt_err_set(err, -EINVAL, "flags = 0x%x: unknown bits 0x%x", cfg->flags,
-			      cfg->flags & ~(uint32_t)KVT_NVME_BUFFERED);
+			      cfg->flags & ~known);
 	if (cfg->bounce_bytes > MAX_BOUNCE)
 		return kvt_err_set(err, -EINVAL, "bounce_bytes = %u, must be at most %u",
 			      cfg->bounce_bytes, MAX_BOUNCE);
@@ -195,8 +192,10 @@ static int setup_ring(struct kvt_nvme *st, struct kvt_err *err)
 		memset(&p, 0, sizeof p);
 		rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
 	}
-	if (rc == -ENOMEM)
-		return kvt_err_set(err, -ENOMEM, "io_uring_queue_init(%u): %s", st->qd, strerror(-rc));
+	/* A lack of descriptors or memory is transient, not a kernel without io_uring. */
+	if (rc == -ENOMEM || rc == -EMFILE || rc == -ENFILE)
+		return kvt_err_set(err, kvt_nv_errno_code(-rc), "io_uring_queue_init(%u): %s%s", st->qd,
+				   strerror(-rc), kvt_nv_errno_hint(-rc));
 	if (rc < 0)
 		return kvt_err_set(err, -EOPNOTSUPP,
 			      "the kernel refuses io_uring (io_uring_setup: %s; see "
@@ -314,6 +313,7 @@ static int open_all(struct kvt_nvme *st, const struct kvt_nvme_config *cfg, char
 	if (!st->files)
 		return kvt_err_set(err, -ENOMEM, "no memory for %u files", cfg->n_files);
 	st->n_files = cfg->n_files;
+	memset(st->files, 0, cfg->n_files * sizeof *st->files);
 	for (uint32_t i = 0; i < st->n_files; i++)
 		st->files[i].fd = -1;
 	int rc = setup_ring(st, err);
@@ -338,14 +338,17 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, stru
 	char notes[768] = "";
 	rc = open_all(st, cfg, notes, sizeof notes, err);
 	if (rc) {
-		kvt_nvme_close(st);
+		kvt_nvme_close(st); /* keep == 0: removes the files it created */
 		return rc;
 	}
+	st->keep = !!(cfg->flags & KVT_NVME_KEEP);
+	st->store_id = kvt_nv_store_id();
 	char reg[160];
 	register_all(st, reg, sizeof reg);
 	snprintf(st->status, sizeof st->status,
-		 "io_uring qd %u, align %u, bounce %u x %u bytes %s, crc32c %s%s", st->qd,
-		 st->align, st->n_slots, st->bounce, reg, kvt_crc32c_impl(), notes);
+		 "io_uring qd %u, align %u, bounce %u x %u bytes %s, crc32c %s, store id %016" PRIx64
+		 "%s", st->qd, st->align, st->n_slots, st->bounce, reg, kvt_crc32c_impl(),
+		 st->store_id, notes);
 	for (uint32_t i = 0; i < st->n_files; i++)
 		st->stats.bytes_free += st->files[i].bytes;
 	*out = st;
@@ -356,12 +359,18 @@ void kvt_nvme_close(struct kvt_nvme *st)
 {
 	if (!st)
 		return;
+	/*
+	 * Unregister the files first: that drops the ring's references to them now, whereas the
+	 * ring's own teardown is asynchronous, and until the last reference goes the file stays
+	 * locked against the next store.
+	 */
+	if (st->ring_ok && st->fixed_files)
+		io_uring_unregister_files(&st->ring);
 	if (st->ring_ok)
-		io_uring_queue_exit(&st->ring); /* drops the buffer and file registrations too */
+		io_uring_queue_exit(&st->ring); /* drops the buffer registrations too */
 	for (uint32_t i = 0; st->files && i < st->n_files; i++) {
 		struct nv_file *f = &st->files[i];
-		if (f->fd >= 0)
-			close(f->fd);
+		kvt_nv_file_close(st, f, !st->keep);
 		kvt_space_fini(&f->space);
 		kvt_mem_free(KVT_MEM_HOST, f->path, f->path_bytes);
 	}
@@ -535,6 +544,19 @@ void kvt_nvme_set_cqe_shuffle(struct kvt_nvme *st, uint64_t seed)
 {
 	(void)st;
 	(void)seed;
+}
+
+void kvt_nvme_discard(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)
+{
+	(void)st;
+	(void)n;
+	(void)locs;
+}
+
+uint64_t kvt_nvme_store_id(const struct kvt_nvme *st)
+{
+	(void)st;
+	return 0;
 }
 
 #endif

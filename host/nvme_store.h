@@ -8,6 +8,13 @@
  * A block lives where kvt_nvme_write_blocks put it until kvt_nvme_free; nothing survives
  * kvt_nvme_close (the files are a cache, not a database: no superblock, no fsync).
  *
+ * Ownership (doc/data-at-rest.md): a store holds each of its files exclusively (flock) from open
+ * to close, so a second store on a file is refused; every block carries the store's random id, so
+ * a block written by any other store (a dead process's on a reused file) is refused on read;
+ * files the store created (mode 0600) are removed at close unless KVT_NVME_KEEP, and what
+ * stays on a kept or caller-provided file is zeroed: a block by kvt_nvme_discard, the blocks still
+ * in use at close.
+ *
  * I/O: every block passes through a bounce pool of 2 x queue_depth slots of bounce_bytes, pinned
  * and registered with the kernel; a block larger than one slot takes several adjacent slots and is
  * moved in one I/O per slot. Up to queue_depth I/Os are in flight; the second half of the slots
@@ -50,10 +57,12 @@ enum {
 	 * of the path taken automatically when O_DIRECT is refused.
 	 */
 	KVT_NVME_BUFFERED = 1u << 0,
+	/* Leave the files this store created in place at close (zeroed where blocks were). */
+	KVT_NVME_KEEP = 1u << 1,
 };
 
 struct kvt_nvme_config {
-	const char *const *paths; /* n_files paths: created when missing, resized to bytes[i] */
+	const char *const *paths; /* n_files paths: created (0600) when missing, resized to bytes[i] */
 	const uint64_t *bytes;    /* capacity of each file; rounded down to the I/O alignment */
 	uint32_t n_files;         /* 1 .. KVT_NVME_MAX_FILES */
 	uint32_t queue_depth;     /* I/Os in flight (bounce slots: twice that), 1 .. 1024; 0 = 32 */
@@ -101,6 +110,7 @@ struct kvt_nvme_stats {
 	uint64_t bad_frees;                 /* kvt_nvme_free of a range that was not in use */
 	uint64_t bytes_used, bytes_free;    /* space now in use / free, over all files */
 	uint64_t header_cache_hits; /* row reads that used a cached verified header (no header I/O) */
+	uint64_t discard_failures;  /* ranges kvt_nvme_discard or close could not zero */
 };
 
 /*
@@ -110,17 +120,25 @@ struct kvt_nvme_stats {
 int kvt_nvme_available(struct kvt_err *why);
 
 /*
- * Open (create, resize, preallocate) the files and set up the ring, the bounce pool and the
- * registrations. Where O_DIRECT is refused (EINVAL: tmpfs), the file is used buffered; where the
- * kernel refuses to register buffers or files, plain reads/writes or plain descriptors are used;
- * kvt_nvme_status says which. err receives the detail of a failure.
- * Errors: -EINVAL (a bad config value, named), -EOPNOTSUPP (no liburing, or io_uring refused by the
- * kernel), -EIO (a file could not be opened or sized: path and errno text), -ENOSPC (the file
- * system cannot reserve the bytes), -ENOMEM.
+ * Open (create 0600 when missing, lock, resize, preallocate) the files and set up the ring, the
+ * bounce pool and the registrations, under a fresh random store id. Where O_DIRECT is refused
+ * (EINVAL: tmpfs), the file is used buffered; where the kernel refuses to register buffers or
+ * files, plain reads/writes or plain descriptors are used; kvt_nvme_status says which. A regular
+ * file that existed before has its old contents discarded (holes punched) where the file system
+ * allows. err receives the detail of a failure; a failed open removes the files it created (and
+ * no other).
+ * Errors: -EINVAL (a bad config value, named), -EBUSY (a file is held by another store: the path
+ * and the holder's pid where /proc/locks tells it), -EMFILE / -ENFILE (out of file descriptors,
+ * for the ring or a file), -EOPNOTSUPP (no liburing, or io_uring refused by the kernel), -EIO (a
+ * file could not be opened or sized: path and errno text), -ENOSPC (the file system cannot reserve
+ * the bytes), -ENOMEM.
  */
 int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, struct kvt_err *err);
 
-/* Close the files and release everything. NULL is accepted. The files are left in place. */
+/*
+ * Close the files and release everything. NULL is accepted. Blocks still in use are zeroed; files
+ * the store created are removed (unless KVT_NVME_KEEP), other files are left in place.
+ */
 void kvt_nvme_close(struct kvt_nvme *st);
 
 /*
@@ -156,6 +174,17 @@ int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_ro
  * (double free, bad loc) is ignored and counted in bad_frees.
  */
 void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs);
+
+/*
+ * Zero the on-disk bytes of n blocks (before kvt_nvme_free of them, when their rows must not stay
+ * on disk: a closed sequence's). FALLOC_FL_ZERO_RANGE on files, BLKZEROOUT on block devices, else
+ * zeros written; the space stays reserved. Entries with bytes == 0 or outside the files are
+ * skipped; a range that cannot be zeroed is counted in discard_failures.
+ */
+void kvt_nvme_discard(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs);
+
+/* The store's random id, written into every block header (0 for NULL). */
+uint64_t kvt_nvme_store_id(const struct kvt_nvme *st);
 
 /* Bytes a block of this identity takes on disk in this store (0 when the identity is invalid). */
 uint64_t kvt_nvme_block_bytes(const struct kvt_nvme *st, const struct kvt_nvme_block_id *id);

@@ -28,6 +28,7 @@ static int load_sized(const kvt_config *cfg, kvt_config *out)
 	memcpy(out, cfg, size < sizeof *out ? size : sizeof *out);
 	out->size = sizeof *out;
 	CHECK(out->pad0 == 0, "cfg->pad0 = %u, must be 0", out->pad0);
+	CHECK(out->pad1 == 0, "cfg->pad1 = %u, must be 0", out->pad1);
 	for (unsigned i = 0; i < sizeof out->reserved / sizeof out->reserved[0]; i++)
 		CHECK(out->reserved[i] == 0, "cfg->reserved[%u] = %llu, must be 0", i,
 		      (unsigned long long)out->reserved[i]);
@@ -105,6 +106,10 @@ static int check_tiers(const kvt_config *cfg)
 	      (unsigned long long)cfg->nvme_cache_bytes);
 	CHECK(cfg->nvme_cache_bytes <= ((uint64_t)1 << 40), "nvme_cache_bytes = %llu, must be <= 1 TiB",
 	      (unsigned long long)cfg->nvme_cache_bytes);
+	CHECK(!(cfg->nvme_flags & ~(uint32_t)KVT_NVME_KEEP_FILES),
+	      "nvme_flags = 0x%x: unknown bits 0x%x (known: KVT_NVME_KEEP_FILES 0x%x)",
+	      cfg->nvme_flags, cfg->nvme_flags & ~(uint32_t)KVT_NVME_KEEP_FILES,
+	      (unsigned)KVT_NVME_KEEP_FILES);
 	CHECK(cfg->nvme_queue_depth <= 1024, "nvme_queue_depth = %u, must be <= 1024",
 	      cfg->nvme_queue_depth);
 	CHECK(cfg->spill_policy <= KVT_SPILL_LRU, "spill_policy = %u, must be NONE (0) or LRU (1)",

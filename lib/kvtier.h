@@ -14,7 +14,9 @@
  *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
  *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
  *   -ENOENT unknown sequence, -EBADMSG an NVMe block failed verification, -E2BIG more tokens than
- *   the CUDA selection handles; and codes an NVMe I/O completion itself reports, passed on:
+ *   the CUDA selection handles, -EMFILE / -ENFILE out of file descriptors (process / system) for
+ *   the NVMe tier; and codes an NVMe I/O completion itself reports, passed on (-EBUSY also when an
+ *   NVMe file is held by another cache):
  *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
  *   -EBADE, -ETIME, -EFBIG, -EROFS, -EBADF, -EFAULT, -EOVERFLOW, -ENXIO. kvt_last_error() gives the detail.
  * - A call that fails changes nothing that the caller can observe (except the last-error text and the
@@ -60,6 +62,16 @@ typedef enum kvt_spill_policy {
 	KVT_SPILL_LRU = 1   /* spill least recently used sequences to NVMe first: idle ones, then
 			       the indexed blocks of the call's own sequences */
 } kvt_spill_policy;
+
+/*
+ * kvt_config.nvme_flags (doc/data-at-rest.md). Whatever the flags, each NVMe file is held by one
+ * cache at a time (a second cache on it fails with -EBUSY), files the cache creates are mode 0600,
+ * and the rows of a closed sequence, or of a destroyed cache, are zeroed in the files.
+ */
+typedef enum kvt_nvme_flags {
+	KVT_NVME_KEEP_FILES = 1u << 0 /* leave the files the cache created in place at destroy
+					  (zeroed), e.g. to keep their space reserved */
+} kvt_nvme_flags;
 
 typedef enum kvt_backend_kind {
 	KVT_BACKEND_AUTO = 0, /* CUDA when built and a GPU is present, else CPU */
@@ -145,7 +157,10 @@ typedef struct kvt_config {
 	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
 				     over the layers, <= 1 TiB; 0 (default): 256 MiB; KVT_NONE64: no hot
 				     cache (every selected row is read from the host tier each step) */
-	/* several caches on one host (0.1 callers that stop at KVT_CONFIG_SIZE_VER0 get none of it) */
+	uint32_t nvme_flags;  /* kvt_nvme_flags; 0 (default): files the cache created are removed at
+				 kvt_cache_destroy (and by a failed kvt_cache_create) */
+	uint32_t pad1;        /* must be zero (explicit padding) */
+	/* several caches on one host */
 	const char *device_busid; /* CUDA device by PCI bus id ("0000:3b:00.0"), or NULL (default):
 				     by `device`; the cache's `device` then reads as the ordinal */
 	const char *host_pool;    /* name of a host-memory budget shared by the caches of this host
@@ -154,7 +169,7 @@ typedef struct kvt_config {
 				     from it as well as from host_bytes (doc/multi-gpu.md) */
 	uint64_t host_pool_bytes; /* the pool's size when this cache creates it; 0: it must exist; a
 				     different size than the existing pool's is -EINVAL */
-	uint64_t reserved[4]; /* must be zero: where later minor versions add fields */
+	uint64_t reserved[3]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
 /*

@@ -86,6 +86,7 @@ int kvt_tier_init(kvt_cache *c)
 		.bytes = c->cfg.nvme_bytes,
 		.n_files = c->cfg.n_nvme,
 		.queue_depth = c->cfg.nvme_queue_depth,
+		.flags = c->cfg.nvme_flags & KVT_NVME_KEEP_FILES ? KVT_NVME_KEEP : 0,
 	};
 	int rc = kvt_nvme_open(&nc, &c->nvme, &err);
 	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err.msg);
@@ -366,9 +367,12 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
 		return;
+	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
-		if (l->spill[i].loc.bytes)
+		if (l->spill[i].loc.bytes) {
+			kvt_nvme_discard(c->nvme, 1, &l->spill[i].loc);
 			kvt_nvme_free(c->nvme, 1, &l->spill[i].loc);
+		}
 	kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
 	l->spill = NULL;
 }

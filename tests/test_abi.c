@@ -129,19 +129,15 @@ static void test_config_old_size(void **state)
 	(void)state;
 	kvt_config cfg = shape_only();
 	T_CHECK(KVT_CONFIG_SIZE_VER0 < sizeof(kvt_config) &&
-			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, device_busid),
-		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(device_busid) = %zu < sizeof = %zu",
-		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, device_busid), sizeof(kvt_config));
+			KVT_CONFIG_SIZE_VER0 == offsetof(kvt_config, nvme_flags),
+		"KVT_CONFIG_SIZE_VER0 got %zu, wanted offsetof(nvme_flags) = %zu < sizeof = %zu",
+		(size_t)KVT_CONFIG_SIZE_VER0, offsetof(kvt_config, nvme_flags), sizeof(kvt_config));
 	cfg.size = KVT_CONFIG_SIZE_VER0;
 	memset((char *)&cfg + KVT_CONFIG_SIZE_VER0, 0xab,
 	       sizeof(kvt_config) - KVT_CONFIG_SIZE_VER0);
 	create_check("size VER0, garbage past it", &cfg, check_defaults);
-	/* the fields after VER0 are read once size covers them: reserved[0] inside the struct */
-	cfg.device_busid = NULL;
-	cfg.host_pool = NULL;
-	cfg.host_pool_bytes = 0;
-	cfg.size = offsetof(kvt_config, reserved) + 8;
-	create_fails("size through reserved[0], reserved[0] set", &cfg, "reserved[0]", NULL);
+	cfg.size = KVT_CONFIG_SIZE_VER0 + 8; /* nvme_flags and pad1 now inside the caller's struct */
+	create_fails("size VER0 + 8, pad1 set", &cfg, "pad1", NULL);
 	cfg.size = KVT_CONFIG_SIZE_VER0 - 8;
 	char want[32];
 	snprintf(want, sizeof want, "%zu", (size_t)KVT_CONFIG_SIZE_VER0);

@@ -78,18 +78,24 @@ static void test_format(void **state)
 	uint32_t p = kvt_nvme_payload_bytes(&id), hb = kvt_nvme_header_bytes(p);
 	uint32_t d = kvt_nvme_data_offset(p, 4096);
 	uint64_t disk = kvt_nvme_disk_bytes(&id, 4096);
-	T_CHECK(p == 37 * 64 * 4 && hb == 64 + 4 * 3 && d == 4096 && disk == 16384,
-		"sizes: payload %u header %u data at %u disk %llu, wanted 9472 76 4096 16384", p,
+	T_CHECK(p == 37 * 64 * 4 && hb == 72 + 4 * 3 && d == 4096 && disk == 16384,
+		"sizes: payload %u header %u data at %u disk %llu, wanted 9472 84 4096 16384", p,
 		hb, d, (unsigned long long)disk);
 	unsigned char *src = nv_random_payload(&r, p), *img = t_alloc(disk);
-	kvt_nvme_encode(&id, src, img, disk, 4096);
+	const uint64_t store = 0x5eed5707e1d0001ull;
+	kvt_nvme_encode(&id, store, src, img, disk, 4096);
 	T_CHECK(memcmp(img, "KVTB", 4) == 0 && memcmp(img + d, src, p) == 0,
 		"the image starts with KVTB and holds the payload at the aligned data offset");
 	struct kvt_nvme_view v = {img,	      img + d, 0, 3, img + d + p, (uint32_t)(disk - d - p),
 				  img + hb, d - hb};
 	struct kvt_err why;
-	int rc = kvt_nvme_verify(&v, &id, &why);
+	int rc = kvt_nvme_verify(&v, &id, store, &why);
 	T_CHECK(rc == 0, "verify of a fresh image: got %d (%s), wanted 0", rc, why.msg);
+	/* another store's block, identity and checksums right: refused by the store id */
+	rc = kvt_nvme_verify(&v, &id, store + 1, &why);
+	T_CHECK(rc == -EBADMSG && strstr(why.msg, "store id"),
+		"verify under another store id: got %d (%s), wanted -EBADMSG naming the store id", rc,
+		why.msg);
 	const char *names[] = {"seq",   "generation", "first_token", "n_tokens",
 			       "layer", "kv_head",    "flags"};
 	for (int k = 0; k < 7; k++) {
@@ -105,7 +111,7 @@ static void test_format(void **state)
 		}
 		if (k == 3)
 			continue;
-		rc = kvt_nvme_verify(&v, &e, &why);
+		rc = kvt_nvme_verify(&v, &e, store, &why);
 		T_CHECK(rc == -EBADMSG && strstr(why.msg, names[k]),
 			"expect with another %s: got %d (%s), "
 			"wanted -EBADMSG naming it",
@@ -113,14 +119,14 @@ static void test_format(void **state)
 	}
 	struct kvt_nvme_block_id e = id;
 	e.n_tokens = 36;
-	rc = kvt_nvme_verify(&v, &e, &why);
+	rc = kvt_nvme_verify(&v, &e, store, &why);
 	T_CHECK(rc == -EBADMSG && strstr(why.msg, "sizes"), "36 rows expected: got %d (%s)", rc, why.msg);
 	img[disk - 1] = 1;
-	rc = kvt_nvme_verify(&v, &id, &why);
+	rc = kvt_nvme_verify(&v, &id, store, &why);
 	T_CHECK(rc == -EBADMSG && strstr(why.msg, "padding"), "nonzero padding: got %d (%s)", rc, why.msg);
 	img[disk - 1] = 0;
 	img[d - 1] = 0x10; /* header padding: not under the header CRC, refused all the same */
-	rc = kvt_nvme_verify(&v, &id, &why);
+	rc = kvt_nvme_verify(&v, &id, store, &why);
 	T_CHECK(rc == -EBADMSG && strstr(why.msg, "after the header"),
 		"nonzero header padding: got %d (%s)", rc, why.msg);
 	free(src);

@@ -60,10 +60,11 @@ class KvtConfig(ctypes.Structure):
         ("budget_min", u32), ("budget_max", u32), ("pad0", u32),
         ("seed", u64),
         ("gpu_cache_bytes", u64),
+        ("nvme_flags", u32), ("pad1", u32),
         ("device_busid", c_char_p),
         ("host_pool", c_char_p),
         ("host_pool_bytes", u64),
-        ("reserved", u64 * 4),
+        ("reserved", u64 * 3),
     ]
 
 

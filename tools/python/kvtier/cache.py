@@ -20,6 +20,7 @@ from .errors import Error, check, refuse
 
 NONE = _abi.NONE32     # explicit zero of a 32-bit field (kvtier.h KVT_NONE)
 NONE64 = _abi.NONE64   # explicit zero of a 64-bit field (KVT_NONE64)
+NVME_KEEP_FILES = 1    # kvt_nvme_flags: keep the NVMe files the cache created (kvtier.h)
 
 _DTYPES = {"float16": _abi.DTYPE_F16, "f16": _abi.DTYPE_F16, "fp16": _abi.DTYPE_F16,
            "half": _abi.DTYPE_F16, "bfloat16": _abi.DTYPE_BF16, "bf16": _abi.DTYPE_BF16,
@@ -85,6 +86,7 @@ class Config:
     budget_max: Optional[int] = None
     seed: Optional[int] = None
     gpu_cache_bytes: Optional[int] = None
+    nvme_flags: Optional[int] = None
     device_busid: Optional[str] = None
     host_pool: Optional[str] = None
     host_pool_bytes: Optional[int] = None
@@ -119,6 +121,7 @@ class Config:
                 keep.append(b)
                 setattr(c, f, b.value)
         c.host_pool_bytes = 0 if self.host_pool_bytes is None else int(self.host_pool_bytes)
+        c.nvme_flags = 0 if self.nvme_flags is None else int(self.nvme_flags)
         paths, sizes = self.nvme_paths or [], self.nvme_bytes or []
         if len(paths) != len(sizes):
             raise refuse("nvme_paths has %d entries, nvme_bytes %d: want one size per file"
