@@ -23,6 +23,21 @@ static void rotate(uint32_t d, const float *rot, const float *r, float *y)
 	}
 }
 
+/*
+ * sigma and beta as fp16, saturated: a value beyond the fp16 range stores +-65504 (0x7bff) and a NaN
+ * (a key whose residual overflowed float) stores 0, so an index entry is always finite and a key,
+ * however large, can never make a later score non-finite; the batch it joins keeps working and only
+ * its own estimate is off. Values within range (every normal input) keep their rounding bit for
+ * bit. gpu/index.cu's f16_sat is the twin.
+ */
+static uint16_t f16_sat(float f)
+{
+	uint16_t h = kvt_f32_to_f16(f);
+	if ((h & 0x7fffu) > 0x7c00u)
+		return 0;
+	return (h & 0x7fffu) == 0x7c00u ? (uint16_t)((h & 0x8000u) | 0x7bffu) : h;
+}
+
 static float dot(uint32_t d, const float *a, const float *b)
 {
 	float s = 0.0f;
@@ -58,8 +73,8 @@ void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float
 		float s = l1 > 0.0f ? n2 / l1 * sqrtf((float)d) : 0.0f;
 		if (!(l1 > 0.0f))
 			memset(code, 0, sizeof *code * words);
-		sigma[t] = kvt_f32_to_f16(s);
-		beta[t] = kvt_f32_to_f16(dot(d, c_q, k));
+		sigma[t] = f16_sat(s);
+		beta[t] = f16_sat(dot(d, c_q, k));
 	}
 }
 

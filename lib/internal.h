@@ -51,7 +51,8 @@ int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot)
  * Index `n` keys: for key i (floats at keys + i * key_stride), r = k - c_k, y = R r / ||r||,
  * code = [y > 0] packed little-endian into d/32 words (bit j of word w is coordinate 32w + j),
  * sigma = ||r|| / alpha with alpha = ||y||_1 / sqrt(d), beta = <c_q, k>; sigma and beta stored as
- * fp16 bits. A zero residual gives code 0 and sigma 0.
+ * fp16 bits, saturated: +-65504 beyond the fp16 range, 0 for a NaN, so an entry is always finite.
+ * A zero residual gives code 0 and sigma 0.
  */
 void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float *c_q, uint32_t n,
 		     const float *keys, size_t key_stride, uint32_t *codes, uint16_t *sigma,
