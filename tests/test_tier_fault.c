@@ -814,7 +814,7 @@ static void test_lru_failed_call_unspills(void **state)
 		int rc = kvt_cache_create(&cfg, &r->c);
 		tt_unlink(&r->f);
 		T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
-		uint32_t a, cs, b;
+		uint32_t a = 0, cs = 0, b = 0;
 		T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &cs) == 0 &&
 				kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
 		T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
@@ -896,7 +896,7 @@ static void test_lru_no_room_spills_nothing(void **state)
 	int rc = kvt_cache_create(&cfg, &r->c);
 	tt_unlink(&r->f);
 	T_CHECK(rc == 0, "%s: create got %d (%s)", r->name, rc, kvt_last_error(NULL));
-	uint32_t a, b;
+	uint32_t a = 0, b = 0;
 	T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &b) == 0, "seq_open");
 	T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
 			kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], FIRST, NULL) == 0,
