@@ -10,6 +10,7 @@
 #include "index.cuh"
 
 #define IB_TOKENS 16 /* tokens per block */
+#define IB_THREADS 256
 
 /* sigma and beta saturated as kvt_index_build's f16_sat does (lib/estimate.c): +-65504 beyond the
  * fp16 range, 0 for a NaN, so that an index entry is always finite. */
@@ -20,7 +21,6 @@ static __device__ __forceinline__ uint16_t f16_sat(float f)
 		return 0;
 	return (h & 0x7fffu) == 0x7c00u ? (uint16_t)((h & 0x8000u) | 0x7bffu) : h;
 }
-#define IB_THREADS 256
 
 template <int D, int DT>
 static __global__ void __launch_bounds__(IB_THREADS)
