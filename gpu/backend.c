@@ -29,9 +29,11 @@ int gpu_check_err(kvt_cache *c)
 	if (code == KVT_GPU_ERR_NONFINITE)
 		return kvt_seterr(c, -EINVAL,
 				  "an earlier step met a non-finite estimated score (batch entry %u, "
-				  "query head %u, indexed token %u): a non-finite query or key, or a "
-				  "key whose sigma or beta overflowed fp16; that step's selection "
-				  "was empty",
+				  "query head %u, indexed token %u): that query is not finite or too "
+				  "large for the estimate, or the sequence's centroids are not finite "
+				  "(a non-finite key or query in its first prefill chunk); not a key's "
+				  "index entry, which is stored saturated at the fp16 maximum 65504; "
+				  "that step's selection was empty",
 				  where / c->cfg.n_q_heads, where % c->cfg.n_q_heads, idx);
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): a count or "

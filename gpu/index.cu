@@ -12,6 +12,16 @@
 #define IB_TOKENS 16 /* tokens per block */
 #define IB_THREADS 256
 
+/* sigma and beta saturated as kvt_index_build's f16_sat does (lib/estimate.c): +-65504 beyond the
+ * fp16 range, 0 for a NaN, so that an index entry is always finite. */
+static __device__ __forceinline__ uint16_t f16_sat(float f)
+{
+	const uint16_t h = kvt_d_f32_to_f16(f);
+	if ((h & 0x7fffu) > 0x7c00u)
+		return 0;
+	return (h & 0x7fffu) == 0x7c00u ? (uint16_t)((h & 0x8000u) | 0x7bffu) : h;
+}
+
 template <int D, int DT>
 static __global__ void __launch_bounds__(IB_THREADS)
 	k_index_build(const float *__restrict__ rot, uint32_t n_kv, const kvt_gpu_index_job *jobs,
@@ -70,7 +80,7 @@ static __global__ void __launch_bounds__(IB_THREADS)
 		float s = 0.0f;
 		for (int i = 0; i < D; i++)
 			s = __fadd_rn(s, __fmul_rn(cq[i], ks[t][i]));
-		v.beta[at + t] = kvt_d_f32_to_f16(s);
+		v.beta[at + t] = f16_sat(s);
 	}
 
 	/* y[t][j] = sum over i increasing of rot[j][i] * r[t][i] */
@@ -104,7 +114,7 @@ static __global__ void __launch_bounds__(IB_THREADS)
 		const bool nz = l1 > 0.0f;
 		const float s =
 			nz ? __fmul_rn(__fdiv_rn(n2s[tid], l1), __fsqrt_rn((float)D)) : 0.0f;
-		v.sigma[at + tid] = kvt_d_f32_to_f16(s);
+		v.sigma[at + tid] = f16_sat(s);
 		nonzero[tid] = nz;
 	}
 	__syncthreads();

@@ -133,6 +133,41 @@ static uint32_t positions(const kvt_cache *c, const struct kvt_layer *l, uint32_
 	return n;
 }
 
+static float max_abs(uint32_t d, const float *x)
+{
+	float m = 0.0f;
+	for (uint32_t j = 0; j < d; j++)
+		m = fabsf(x[j]) > m || x[j] != x[j] ? fabsf(x[j]) : m;
+	return m;
+}
+
+/*
+ * A non-finite estimated score, blamed on its true cause. Index entries are saturated (an entry is
+ * finite whatever the key: kvt_index_build), so with a finite entry the query is what overflows the
+ * estimate: its residual's rotation and INT4 range, or its product with the key centroid.
+ */
+static int score_error(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t qh, uint32_t i,
+		       uint32_t bad, const float *qf, const kvt_qcode *qc)
+{
+	const size_t at = (size_t)h * l->idx_cap + bad;
+	const float sg = kvt_f16_to_f32(l->sigma[at]), bt = kvt_f16_to_f32(l->beta[at]);
+	if (!isfinite(sg) || !isfinite(bt))
+		return kvt_seterr(c, -EINVAL,
+				  "estimated score of indexed token %u (KV head %u, query head %u, "
+				  "batch entry %u) is %g: the key's index entry is not finite (sigma "
+				  "%g, beta %g)", bad, h, qh, i, (double)c->scores[bad], (double)sg,
+				  (double)bt);
+	return kvt_seterr(c, -EINVAL,
+			  "estimated score of indexed token %u (KV head %u, query head %u, batch entry "
+			  "%u) is %g: the query is too large for the estimate (max |q| = %g; its "
+			  "rotated residual spans [%g, %g]; <q - c_q, c_k> = %g against the key "
+			  "centroid's max |c_k| = %g); not the key: its index entry is finite (sigma %g, "
+			  "beta %g, stored saturated at the fp16 maximum 65504)",
+			  bad, h, qh, i, (double)c->scores[bad], (double)max_abs(c->d, qf),
+			  (double)qc->x_l, (double)(qc->x_l + 15.0f * qc->delta), (double)qc->qc_ck,
+			  (double)max_abs(c->d, l->c_k + (size_t)h * c->d), (double)sg, (double)bt);
+}
+
 /* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
 static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
 		       const void *q, uint32_t i)
@@ -160,10 +195,8 @@ static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, 
 				       c->cfg.budget_max, c->work, c->mask, &clamped, &bad);
 		c->st.ns_score += t1 - t0;
 		c->st.ns_select += kvt_now_ns() - t1;
-		KVT_RETURN_IF(rc < 0, c, -EINVAL,
-			      "estimated score of indexed token %u (KV head %u, query head %u, batch "
-			      "entry %u) is %g: the key's sigma or beta overflowed fp16",
-			      bad, h, h * G + g, i, (double)c->scores[bad]);
+		if (rc < 0)
+			return score_error(c, l, h, h * G + g, i, bad, qf, &qc);
 		c->st.budget_max_hits += clamped < 0;
 		c->st.budget_min_hits += clamped > 0;
 	}

@@ -5,6 +5,7 @@
  * that keeps the same order reproduces the codes and scalars bit for bit.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "half.h"
@@ -21,6 +22,21 @@ static void rotate(uint32_t d, const float *rot, const float *r, float *y)
 		for (uint32_t j = 0; j < d; j++)
 			y[j] += rot[(size_t)j * d + i] * ri;
 	}
+}
+
+/*
+ * sigma and beta as fp16, saturated: a value beyond the fp16 range stores +-65504 (0x7bff) and a NaN
+ * (a key whose residual overflowed float) stores 0, so an index entry is always finite and a key,
+ * however large, can never make a later score non-finite; the batch it joins keeps working and only
+ * its own estimate is off. Values within range (every normal input) keep their rounding bit for
+ * bit. gpu/index.cu's f16_sat is the twin.
+ */
+static uint16_t f16_sat(float f)
+{
+	uint16_t h = kvt_f32_to_f16(f);
+	if ((h & 0x7fffu) > 0x7c00u)
+		return 0;
+	return (h & 0x7fffu) == 0x7c00u ? (uint16_t)((h & 0x8000u) | 0x7bffu) : h;
 }
 
 static float dot(uint32_t d, const float *a, const float *b)
@@ -58,8 +74,8 @@ void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float
 		float s = l1 > 0.0f ? n2 / l1 * sqrtf((float)d) : 0.0f;
 		if (!(l1 > 0.0f))
 			memset(code, 0, sizeof *code * words);
-		sigma[t] = kvt_f32_to_f16(s);
-		beta[t] = kvt_f32_to_f16(dot(d, c_q, k));
+		sigma[t] = f16_sat(s);
+		beta[t] = f16_sat(dot(d, c_q, k));
 	}
 }
 
@@ -97,12 +113,14 @@ static inline uint32_t pop64(uint64_t x)
 	return (uint32_t)__builtin_popcountll(x);
 }
 
-/* The popcount instruction is not in the x86-64 baseline; a clone with it is picked at load time. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("popcnt", "default")))
-#endif
-void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
-	       const uint16_t *sigma, const uint16_t *beta, float *scores)
+/*
+ * The scoring loop, inlined into each variant below: with the popcount instruction and without.
+ * Integer popcounts and the same float expression in both, so every variant gives the same bits.
+ */
+static inline __attribute__((always_inline)) void score_loop(uint32_t d, const kvt_qcode *qc,
+							     uint32_t n, const uint32_t *codes,
+							     const uint16_t *sigma,
+							     const uint16_t *beta, float *scores)
 {
 	const uint32_t words = d / 32, pairs = words / 2;
 	const float isd = 1.0f / sqrtf((float)d);
@@ -124,6 +142,55 @@ void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *code
 		float E = A * (float)bu + B * (float)pb + C;
 		scores[t] = kvt_f16_to_f32(sigma[t]) * E + kvt_f16_to_f32(beta[t]) + qc->qc_ck;
 	}
+}
+
+typedef void score_fn(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
+		      const uint16_t *sigma, const uint16_t *beta, float *scores);
+
+static void score_generic(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
+			  const uint16_t *sigma, const uint16_t *beta, float *scores)
+{
+	score_loop(d, qc, n, codes, sigma, beta, scores);
+}
+
+/*
+ * The popcount instruction is not in the x86-64 baseline, so the variant with it is chosen at the
+ * first call, through a pointer. Not target_clones: its ifunc resolver runs during relocation,
+ * before a sanitizer's runtime (TSan) is initialized, and it makes an exported ifunc symbol.
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("popcnt"))) static void score_popcnt(uint32_t d, const kvt_qcode *qc,
+							    uint32_t n, const uint32_t *codes,
+							    const uint16_t *sigma,
+							    const uint16_t *beta, float *scores)
+{
+	score_loop(d, qc, n, codes, sigma, beta, scores);
+}
+
+static score_fn *score_pick(void)
+{
+	__builtin_cpu_init();
+	return __builtin_cpu_supports("popcnt") ? score_popcnt : score_generic;
+}
+#else
+static score_fn *score_pick(void)
+{
+	return score_generic;
+}
+#endif
+
+/* Relaxed is enough: every thread that races on the first call picks the same variant. */
+static _Atomic(score_fn *) score_variant;
+
+void kvt_score(uint32_t d, const kvt_qcode *qc, uint32_t n, const uint32_t *codes,
+	       const uint16_t *sigma, const uint16_t *beta, float *scores)
+{
+	score_fn *f = atomic_load_explicit(&score_variant, memory_order_relaxed);
+	if (!f) {
+		f = score_pick();
+		atomic_store_explicit(&score_variant, f, memory_order_relaxed);
+	}
+	f(d, qc, n, codes, sigma, beta, scores);
 }
 
 float kvt_score_float(uint32_t d, const kvt_qcode *qc, bool quantized, const uint32_t *code,

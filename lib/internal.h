@@ -51,7 +51,8 @@ int kvt_rotation_generate(uint64_t seed, uint32_t layer, uint32_t d, float *rot)
  * Index `n` keys: for key i (floats at keys + i * key_stride), r = k - c_k, y = R r / ||r||,
  * code = [y > 0] packed little-endian into d/32 words (bit j of word w is coordinate 32w + j),
  * sigma = ||r|| / alpha with alpha = ||y||_1 / sqrt(d), beta = <c_q, k>; sigma and beta stored as
- * fp16 bits. A zero residual gives code 0 and sigma 0.
+ * fp16 bits, saturated: +-65504 beyond the fp16 range, 0 for a NaN, so an entry is always finite.
+ * A zero residual gives code 0 and sigma 0.
  */
 void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float *c_q, uint32_t n,
 		     const float *keys, size_t key_stride, uint32_t *codes, uint16_t *sigma,
@@ -371,7 +372,23 @@ int kvt_tier_init(kvt_cache *c);
 void kvt_tier_fini(kvt_cache *c);
 /* Spill least recently used sequences (idle ones first, never `keep`) until `bytes` of host tier
  * are free (KVT_SPILL_LRU). */
+/*
+ * Spill least recently used sequences (never `keep`) until `bytes` of host tier are free. Checked
+ * first: -ENOSPC without spilling anything when all candidates together cannot free enough; a spill
+ * that fails after others undoes them (kvt_tier_undo). Errors: -ENOSPC, the spill's errors.
+ */
 int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep);
+/* Where the automatic spills of a call begin, so that a call failing later can undo them. */
+struct kvt_tier_mark {
+	uint64_t gen, spills, auto_spills;
+};
+void kvt_tier_mark(const kvt_cache *c, struct kvt_tier_mark *m);
+/*
+ * A call failed with rc after automatic spills since m: read their victims back into the host tier
+ * and restore the spill counters, keeping rc and its detail text. Returns rc; if a read back fails
+ * too, its victim stays spilled (readable from NVMe) and the text says so.
+ */
+int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc);
 int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 /* Free the NVMe copies of a layer's spilled blocks. */

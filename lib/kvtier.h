@@ -316,13 +316,19 @@ KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
  * query group, or zero when q is NULL).
  *   q: [n_tokens, n_q_heads, head_dim] or NULL
  *   k, v: [n_tokens, n_kv_heads, head_dim]
- * Keys must be finite. Returns 0. Errors: -EINVAL (NULL k/v, n_tokens == 0, layer out of range,
+ * Keys must be finite; their magnitude is not limited: an index entry whose sigma or beta would
+ * overflow fp16 (a residual norm above about 5e4) is stored saturated at +-65504, so such a key only
+ * coarsens its own sequence's estimate and never fails a later step of any batch.
+ * Returns 0. Errors: -EINVAL (NULL k/v, n_tokens == 0, layer out of range,
  * non-finite key), -ENOENT, -ENOSPC (host tier full: the text names the bytes needed and free),
- * -ENOMEM; with KVT_SPILL_LRU also the I/O errors of the automatic spill (-EIO, -ECANCELED, ...),
- * after which the victim keeps its host copy.
+ * -ENOMEM; with KVT_SPILL_LRU also the I/O errors of the automatic spill (-EIO, -ECANCELED, ...).
+ * A failed call changes nothing: with KVT_SPILL_LRU no sequence is spilled when spilling all the
+ * candidates could not make the room, and the victims of a call that fails after spilling are read
+ * back (their residency and the spill counters as before).
  * CUDA backend: asynchronous on `stream`; the chunk is indexed on a low-priority stream of the cache
  * that the layer's next call waits for on the device. Keys are not inspected on the host: a
- * non-finite key is reported by the first step whose scores it makes non-finite.
+ * non-finite key gets a finite (meaningless) index entry, and in the first chunk it makes the
+ * centroid non-finite, which the sequence's next step reports.
  */
 KVT_API int kvt_prefill(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,
 			const void *k, const void *v, uint32_t n_tokens, void *stream);
@@ -345,7 +351,9 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  *   q: [n_seqs, n_q_heads, head_dim] (dtype); out: [n_seqs, n_q_heads, head_dim] (out_dtype)
  * The selection of each sequence is kept, and can be read back with kvt_gather, until the next
  * kvt_select, kvt_attend, kvt_append or kvt_prefill of that sequence on this layer.
- * Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite query or score),
+ * Returns 0. Errors: -EINVAL (NULL, n_seqs == 0, layer, empty sequence, non-finite query, or a
+ * non-finite score: the text names the batch entry and query head, and the query as the cause, since
+ * index entries are finite whatever the keys),
  * -ENOENT, -ENOMEM; for a spilled sequence also the NVMe read's errors (-EIO, -EBADMSG naming the
  * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On any error the batch's
  * selections are dropped and `out` may be partly written.

@@ -161,17 +161,21 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			need += (uint64_t)(want - ls[i]->n_blocks) * H;
 	}
 	uint64_t bytes = need * c->host.block_bytes;
+	/* a failure after the automatic spills undoes them: the call changes nothing */
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, NULL));
 	uint64_t free = kvt_extents_free_bytes(&c->host), pool_total, pool_used, pool_mine;
 	kvt_pool_usage(&c->pool, &pool_total, &pool_used, &pool_mine);
-	KVT_RETURN_IF(bytes > free, c, -ENOSPC,
-		      "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
-		      "host_bytes = %llu%s%s%s",
-		      (unsigned long long)bytes, (unsigned long long)need, c->host.block_bytes,
-		      (unsigned long long)free, (unsigned long long)c->host.capacity,
-		      pool_total ? " and of host pool " : "", pool_total ? c->pool.name : "",
-		      pool_total ? pool_text(pool_total, pool_used, pool_mine) : "");
+	if (bytes > free)
+		return kvt_tier_undo(c, &m, kvt_seterr(c, -ENOSPC,
+			"host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
+			"host_bytes = %llu%s%s%s",
+			(unsigned long long)bytes, (unsigned long long)need, c->host.block_bytes,
+			(unsigned long long)free, (unsigned long long)c->host.capacity,
+			pool_total ? " and of host pool " : "", pool_total ? c->pool.name : "",
+			pool_total ? pool_text(pool_total, pool_used, pool_mine) : ""));
 	uint32_t done = 0;
 	int rc = 0;
 	struct kvt_err e = {"no memory for a block table"}; /* reserve_table says no more */
@@ -200,10 +204,12 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	for (uint32_t i = 0; i + 1 < done; i++)
 		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
 	if (rc == -ENOSPC)
-		return kvt_seterr(c, rc, "host tier full: capacity host_bytes = %llu (%s)",
-				  (unsigned long long)c->host.capacity, e.msg);
-	return kvt_seterr(c, rc, "out of memory growing the host tier (extents of %zu bytes): %s",
-			  c->host.extent_bytes, e.msg);
+		return kvt_tier_undo(c, &m, kvt_seterr(c, rc,
+			"host tier full: capacity host_bytes = %llu (%s)",
+			(unsigned long long)c->host.capacity, e.msg));
+	return kvt_tier_undo(c, &m, kvt_seterr(c, rc,
+		"out of memory growing the host tier (extents of %zu bytes): %s",
+		c->host.extent_bytes, e.msg));
 }
 
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)

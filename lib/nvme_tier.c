@@ -274,49 +274,84 @@ static uint32_t pick_victim(const kvt_cache *c, const struct kvt_seq *keep)
 	return UINT32_MAX;
 }
 
+/* Host-tier bytes that spilling every other open sequence's resident indexed blocks would free. */
+static uint64_t spillable_bytes(const kvt_cache *c, const struct kvt_seq *keep)
+{
+	uint64_t n = 0;
+	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
+		const struct kvt_seq *s = &c->seqs[i];
+		if (!s->open || s == keep)
+			continue;
+		FOR_EACH_BLOCK(c, s, l, h, b)
+		{
+			n += b < spillable_blocks(c, l) && l->blocks[(size_t)h * l->blk_cap + b];
+		}
+	}
+	return n * c->host.block_bytes;
+}
+
+/*
+ * Checked first: when spilling every candidate cannot free `bytes`, nothing is spilled. A spill that
+ * fails after others succeeded reads those back (kvt_tier_undo), so a failed call leaves every
+ * sequence's residency and the spill counters as they were.
+ */
 int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep)
 {
+	uint64_t free = kvt_extents_free_bytes(&c->host);
+	if (free >= bytes)
+		return 0;
+	uint64_t can = spillable_bytes(c, keep);
+	KVT_RETURN_IF(free + can < bytes, c, -ENOSPC,
+		      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
+		      "spilling every indexed block of the other sequences would free only %llu "
+		      "bytes more (no sequence has enough indexed blocks left to spill); nothing was "
+		      "spilled",
+		      (unsigned long long)bytes, (unsigned long long)free,
+		      (unsigned long long)c->host.capacity, (unsigned long long)can);
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
 	while (kvt_extents_free_bytes(&c->host) < bytes) {
 		uint32_t victim = pick_victim(c, keep);
-		KVT_RETURN_IF(victim == UINT32_MAX, c, -ENOSPC,
-			      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
-			      "no sequence has indexed blocks left to spill",
-			      (unsigned long long)bytes,
-			      (unsigned long long)kvt_extents_free_bytes(&c->host),
-			      (unsigned long long)c->host.capacity);
+		if (victim == UINT32_MAX) /* cannot happen after the check above; undone all the same */
+			return kvt_tier_undo(c, &m, kvt_seterr(c, -ENOSPC,
+				"host tier full: %llu bytes needed, %llu free of host_bytes = %llu, "
+				"and no sequence has indexed blocks left to spill",
+				(unsigned long long)bytes,
+				(unsigned long long)kvt_extents_free_bytes(&c->host),
+				(unsigned long long)c->host.capacity));
 		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim);
 		if (rc < 0) {
 			char why[sizeof c->err];
 			snprintf(why, sizeof why, "%s", c->err);
-			return kvt_seterr(c, (int)rc, "automatic spill (KVT_SPILL_LRU) to free %llu "
-					  "bytes of host tier failed: %s", (unsigned long long)bytes, why);
+			return kvt_tier_undo(c, &m, kvt_seterr(c, (int)rc,
+				"automatic spill (KVT_SPILL_LRU) to free %llu bytes of host tier "
+				"failed: %s", (unsigned long long)bytes, why));
 		}
 		c->st.auto_spills++;
 	}
 	return 0;
 }
 
-int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
+/* The block at `at` is on NVMe, written after generation `after` (0: any spilled block). */
+static bool spilled_after(const struct kvt_layer *l, size_t at, uint64_t after)
 {
-	KVT_TRY(need_tier(c));
+	return !l->blocks[at] && l->spill[at].gen > after;
+}
+
+static uint32_t count_spilled(const kvt_cache *c, struct kvt_seq *s, uint64_t after)
+{
 	uint32_t n = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
-		if (!l->blocks[(size_t)h * l->blk_cap + b])
-			n++;
+		n += spilled_after(l, (size_t)h * l->blk_cap + b, after);
 	}
-	if (n == 0)
-		return 0;
-	if (c->ops->quiesce)
-		KVT_TRY(c->ops->quiesce(c));
-	uint64_t bytes = (uint64_t)n * c->host.block_bytes;
-	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
-		KVT_TRY(kvt_tier_make_room(c, bytes, s)); /* never the sequence being restored */
-	KVT_RETURN_IF(bytes > kvt_extents_free_bytes(&c->host), c, -ENOSPC,
-		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = %llu",
-		      slot, (unsigned long long)bytes,
-		      (unsigned long long)kvt_extents_free_bytes(&c->host),
-		      (unsigned long long)c->host.capacity);
+	return n;
+}
+
+/* Read the n blocks of s spilled after generation `after` into host blocks, then free their NVMe
+ * copies. On failure nothing changes (the host blocks go back, the NVMe copies stay valid). */
+static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t after, uint32_t n)
+{
 	void **host = kvt_mem_alloc(KVT_MEM_HOST, sizeof *host * n);
 	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
 	struct kvt_nvme_block_id *ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *ids * n);
@@ -332,7 +367,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
 		size_t at = (size_t)h * l->blk_cap + b;
-		if (!l->blocks[at]) {
+		if (spilled_after(l, at, after)) {
 			locs[i] = l->spill[at].loc;
 			ids[i++] = block_id(c, l, h, b, l->spill[at].gen);
 		}
@@ -345,14 +380,13 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		FOR_EACH_BLOCK(c, s, l, h, b)
 		{
 			size_t at = (size_t)h * l->blk_cap + b;
-			if (!l->blocks[at]) {
+			if (spilled_after(l, at, after)) {
 				l->blocks[at] = host[i++];
 				l->blocks_gen++;
 				memset(&l->spill[at], 0, sizeof l->spill[at]);
 			}
 		}
 		kvt_nvme_free(c->nvme, n, locs);
-		c->st.restores++;
 	} else {
 		kvt_extents_give(&c->host, n, host);
 		rc = kvt_seterr(c, rc, "restoring seq %u: %s", slot, err.msg);
@@ -360,7 +394,65 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	kvt_mem_free(KVT_MEM_HOST, host, 0);
 	kvt_mem_free(KVT_MEM_HOST, locs, 0);
 	kvt_mem_free(KVT_MEM_HOST, ids, 0);
-	return rc < 0 ? rc : (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
+	return rc;
+}
+
+void kvt_tier_mark(const kvt_cache *c, struct kvt_tier_mark *m)
+{
+	m->gen = c->next_gen;
+	m->spills = c->st.spills;
+	m->auto_spills = c->st.auto_spills;
+}
+
+/*
+ * Undo the automatic spills since m: the victims' host blocks went back to the free stack and nothing
+ * took them since (the failed call gave back what it took), so the room to read them back is there.
+ */
+int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
+{
+	if (c->next_gen == m->gen)
+		return rc; /* nothing was spilled */
+	char why[sizeof c->err];
+	snprintf(why, sizeof why, "%s", c->err);
+	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
+		struct kvt_seq *s = &c->seqs[i];
+		uint32_t n = s->open ? count_spilled(c, s, m->gen) : 0;
+		if (n && read_back(c, s, i, m->gen, n) < 0) {
+			char sub[sizeof c->err];
+			snprintf(sub, sizeof sub, "%s", c->err);
+			return kvt_seterr(c, rc, "%s; then reading back seq %u, spilled to make room, "
+					  "failed too (it stays spilled, its NVMe copy valid): %.200s",
+					  why, i, sub);
+		}
+	}
+	c->st.spills = m->spills;
+	c->st.auto_spills = m->auto_spills;
+	return kvt_seterr(c, rc, "%s", why);
+}
+
+int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
+{
+	KVT_TRY(need_tier(c));
+	uint32_t n = count_spilled(c, s, 0);
+	if (n == 0)
+		return 0;
+	if (c->ops->quiesce)
+		KVT_TRY(c->ops->quiesce(c));
+	uint64_t bytes = (uint64_t)n * c->host.block_bytes;
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
+	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
+		KVT_TRY(kvt_tier_make_room(c, bytes, s)); /* never the sequence being restored */
+	KVT_RETURN_IF(bytes > kvt_extents_free_bytes(&c->host), c, -ENOSPC,
+		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = %llu",
+		      slot, (unsigned long long)bytes,
+		      (unsigned long long)kvt_extents_free_bytes(&c->host),
+		      (unsigned long long)c->host.capacity);
+	int rc = read_back(c, s, slot, 0, n);
+	if (rc < 0)
+		return kvt_tier_undo(c, &m, rc);
+	c->st.restores++;
+	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }
 
 void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)

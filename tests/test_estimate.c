@@ -488,6 +488,152 @@ static void test_score_paths(void **state)
 	}
 }
 
+/* ---- keys beyond the fp16 range (issue 11, defect 2) ----------------------------------------- */
+
+/*
+ * sigma and beta saturate at +-65504 (0x7bff) instead of overflowing to fp16 infinity, and a NaN
+ * (a residual that overflowed float) stores 0: every index entry is finite, so scores against a
+ * finite, moderate query stay finite whatever the key.
+ */
+static void test_saturated_entry(void **state)
+{
+	(void)state;
+	for (int di = 0; di < 3; di++) {
+		const uint32_t d = dims[di];
+		float *rot = rotation(7, 0, d);
+		float c_k[KVT_MAX_HEAD_DIM], c_q[KVT_MAX_HEAD_DIM], key[KVT_MAX_HEAD_DIM],
+			q[KVT_MAX_HEAD_DIM];
+		t_rng rng;
+		t_rng_seed(&rng, 0x5a7u + d);
+		/* big: fp16 keys near the fp16 maximum (residual norm ~ 6e4 sqrt(d)); huge: bf16 keys
+		 * whose residual overflows float (r = k - c_k = inf); neg: beta towards -inf */
+		const struct { const char *name; float k, ck, cq; uint16_t sigma, beta; } cases[] = {
+			{"big fp16 keys", 60000.0f, 0.0f, 1.0f, 0x7bffu, 0x7bffu},
+			{"big keys, negative beta", 60000.0f, 0.0f, -1.0f, 0x7bffu, 0xfbffu},
+			{"bf16 keys overflowing the residual", 3.0e38f, -3.0e38f, 1.0e30f, 0xffffu, 0xffffu},
+		};
+		for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+			for (uint32_t i = 0; i < d; i++) {
+				float sign = t_below(&rng, 2) ? 1.0f : -1.0f;
+				c_k[i] = cases[ci].ck * (ci == 2 ? sign : 1.0f);
+				key[i] = ci == 2 ? -c_k[i] : cases[ci].k * sign;
+				c_q[i] = ci == 2 ? cases[ci].cq : cases[ci].cq * sign;
+				q[i] = (float)t_normal(&rng);
+			}
+			uint32_t code[KVT_MAX_WORDS];
+			uint16_t sg = 0x7c00u, bt = 0x7c00u;
+			kvt_index_build(d, rot, c_k, c_q, 1, key, d, code, &sg, &bt);
+			T_CHECK(isfinite(t_h2f(sg)) && isfinite(t_h2f(bt)),
+				"d=%u %s: sigma 0x%04x, beta 0x%04x, wanted both finite", d, cases[ci].name,
+				sg, bt);
+			T_CHECK(cases[ci].sigma == 0xffffu || sg == cases[ci].sigma,
+				"d=%u %s: sigma got 0x%04x, wanted 0x%04x (saturated)", d, cases[ci].name,
+				sg, cases[ci].sigma);
+			T_CHECK(cases[ci].beta == 0xffffu || bt == cases[ci].beta,
+				"d=%u %s: beta got 0x%04x, wanted 0x%04x (saturated)", d, cases[ci].name,
+				bt, cases[ci].beta);
+			kvt_qcode qc;
+			float score;
+			const float zero[KVT_MAX_HEAD_DIM] = {0};
+			kvt_query_prepare(d, rot, zero, zero, q, &qc);
+			kvt_score(d, &qc, 1, code, &sg, &bt, &score);
+			T_CHECK(isfinite(score), "d=%u %s: score %g, wanted finite", d, cases[ci].name,
+				(double)score);
+		}
+		free(rot);
+	}
+}
+
+enum { BIG_D = 128, BIG_NQ = 4, BIG_NKV = 2, BIG_T = 200, BIG_APPENDS = 30 };
+
+/* One sequence's prefill and appends: keys N(0, 1), or (big) +-U(40000, 65000) in fp16. */
+static void big_seq(kvt_cache *c, uint32_t seq, uint32_t dtype, bool big, uint64_t seed)
+{
+	t_rng r;
+	t_rng_seed(&r, seed);
+	const size_t row = (size_t)BIG_NKV * BIG_D;
+	uint16_t *k = (uint16_t *)t_alloc(2 * row * BIG_T), *v = (uint16_t *)t_alloc(2 * row * BIG_T);
+	t_fill(&r, dtype, row * BIG_T, 0, 1, k, NULL);
+	t_fill(&r, dtype, row * BIG_T, 0, 1, v, NULL);
+	for (size_t i = 0; big && i < row * BIG_T; i++)
+		k[i] = t_enc(dtype, (float)(t_range(&r, 40000, 65000) * (t_below(&r, 2) ? 1 : -1)));
+	int rc = kvt_prefill(c, seq, 0, NULL, k, v, BIG_T - BIG_APPENDS, NULL);
+	T_CHECK(rc == 0, "prefill of seq %u (%s keys) got %d (%s), wanted 0", seq,
+		big ? "big" : "normal", rc, kvt_last_error(c));
+	for (uint32_t t = BIG_T - BIG_APPENDS; t < BIG_T; t++) {
+		rc = kvt_append(c, 0, 1, &seq, k + t * row, v + t * row, NULL);
+		T_CHECK(rc == 0, "append %u of seq %u (%s keys) got %d (%s), wanted 0", t, seq,
+			big ? "big" : "normal", rc, kvt_last_error(c));
+	}
+	free(k);
+	free(v);
+}
+
+/*
+ * A sequence of keys near the fp16 maximum (residual norms ~ 6e5, sigma beyond fp16) is indexed by
+ * prefill and by the appends' flushes. Before, every attend of a batch holding it failed with
+ * -EINVAL; now the batch attends, the other sequence's output is bit for bit its output attended
+ * alone, and every output is finite.
+ */
+static void test_big_keys_batch(void **state)
+{
+	(void)state;
+	kvt_config cfg = t_config(1, BIG_NQ, BIG_NKV, BIG_D, KVT_DTYPE_F16);
+	kvt_cache *c = t_create(&cfg);
+	uint32_t seqs[2];
+	T_CHECK(kvt_seq_open(c, &seqs[0]) == 0 && kvt_seq_open(c, &seqs[1]) == 0, "seq_open");
+	big_seq(c, seqs[0], KVT_DTYPE_F16, true, 0xb16u);
+	big_seq(c, seqs[1], KVT_DTYPE_F16, false, 0x5a11u);
+	t_rng r;
+	t_rng_seed(&r, 0x9e7u);
+	const size_t qn = (size_t)BIG_NQ * BIG_D;
+	uint16_t q[2 * BIG_NQ * BIG_D];
+	float out[2 * BIG_NQ * BIG_D], alone[BIG_NQ * BIG_D];
+	for (int step = 0; step < 3; step++) {
+		t_fill(&r, KVT_DTYPE_F16, 2 * qn, 0, 1, q, NULL);
+		int rc = kvt_attend(c, 0, 2, seqs, q, out, NULL);
+		T_CHECK(rc == 0, "step %d: attend of [big-key seq, normal seq] got %d (%s: %s), wanted 0",
+			step, rc, kvt_strerror(rc), kvt_last_error(c));
+		rc = kvt_attend(c, 0, 1, &seqs[1], q + qn, alone, NULL);
+		T_CHECK(rc == 0, "step %d: attend of the normal seq alone got %d (%s)", step, rc,
+			kvt_last_error(c));
+		for (size_t j = 0; j < 2 * qn; j++)
+			T_CHECK(isfinite(out[j]), "step %d: out[%zu] = %g, wanted finite", step, j,
+				(double)out[j]);
+		for (size_t j = 0; j < qn; j++)
+			T_CHECK(t_fbits(out[qn + j]) == t_fbits(alone[j]),
+				"step %d: normal seq's out[%zu] in the batch got %.9g, alone %.9g, wanted "
+				"equal", step, j, (double)out[qn + j], (double)alone[j]);
+	}
+	kvt_cache_destroy(c);
+}
+
+/*
+ * A query too large for the estimate (bf16 elements of 1e37) fails its attend with an error that
+ * names the query, never the key (whose index entry is finite).
+ */
+static void test_big_query_blamed(void **state)
+{
+	(void)state;
+	kvt_config cfg = t_config(1, BIG_NQ, BIG_NKV, BIG_D, KVT_DTYPE_BF16);
+	kvt_cache *c = t_create(&cfg);
+	uint32_t seq;
+	T_CHECK(kvt_seq_open(c, &seq) == 0, "seq_open");
+	big_seq(c, seq, KVT_DTYPE_BF16, false, 0x77u);
+	uint16_t q[BIG_NQ * BIG_D];
+	float out[BIG_NQ * BIG_D];
+	t_rng r;
+	t_rng_seed(&r, 0x78u);
+	for (size_t j = 0; j < BIG_NQ * BIG_D; j++)
+		q[j] = t_f2bf((float)(1e37 * (t_below(&r, 2) ? 1 : -1)));
+	int rc = kvt_attend(c, 0, 1, &seq, q, out, NULL);
+	const char *e = kvt_last_error(c);
+	T_CHECK(rc == -EINVAL && strstr(e, "the query is too large") && !strstr(e, "overflowed fp16"),
+		"attend of a 1e37 query got %d (%s), wanted -EINVAL naming the query, not the key", rc,
+		e);
+	kvt_cache_destroy(c);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -496,6 +642,9 @@ int main(void)
 		cmocka_unit_test(test_index_entry),
 		cmocka_unit_test(test_score_paths),
 		cmocka_unit_test(test_unbiased_and_spread),
+		cmocka_unit_test(test_saturated_entry),
+		cmocka_unit_test(test_big_keys_batch),
+		cmocka_unit_test(test_big_query_blamed),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

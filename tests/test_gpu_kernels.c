@@ -104,6 +104,13 @@ static void test_index_build(void **state)
 				kf[j] = (float *)t_alloc(ne * 4);
 				for (size_t i = 0; i < ne; i++) {
 					float f = (float)(0.2 + t_normal(&rng));
+					/* keys beyond fp16's sigma and beta: rows near the fp16 maximum,
+					 * and (bf16, f32) rows of +-3e38 whose residual overflows float;
+					 * both backends store them saturated (+-65504, NaN as 0) */
+					if (i / d % 7 == 3)
+						f = fmaxf(-60000.0f, fminf(60000.0f, f * 30000.0f));
+					if (i / d % 7 == 5 && dt != KVT_DTYPE_F16)
+						f = t_below(&rng, 2) ? 3.0e38f : -3.0e38f;
 					if (dt == KVT_DTYPE_F32)
 						((float *)kh[j])[i] = kf[j][i] = f;
 					else
@@ -174,6 +181,12 @@ static void test_index_build(void **state)
 						       d, t_dtype_name(dt), j, h, t,
 						       (unsigned long long)g_seed, codes[at * W],
 						       wc[0], sig[at], ws, bet[at], wb);
+						T_SOFT(&bad,
+						       (sig[at] & 0x7c00u) != 0x7c00u &&
+							       (bet[at] & 0x7c00u) != 0x7c00u,
+						       "d=%u %s job %d head %u token %u: sigma 0x%04x beta "
+						       "0x%04x, wanted finite (saturated)", d,
+						       t_dtype_name(dt), j, h, t, sig[at], bet[at]);
 						if (j == 0 && h == 0 && t == 0)
 							T_SOFT(&bad, ws == 0 && wc[0] == 0,
 							       "zero residual: sigma 0x%04x code 0x%08x",

@@ -692,8 +692,8 @@ static void test_alloc_faults(void **state)
  * Allocation failures inside an automatic spill: as test_auto_spill_faults, B's second layer needs
  * A's blocks spilled first, but now the N-th allocation of that prefill fails (spill tables, block
  * lists, the store's free lists, B's own index and blocks). The prefill returns -ENOMEM with B's
- * layer unchanged, or succeeds; A reads back byte for byte from wherever its valid copy is; the
- * retry succeeds; nothing leaks.
+ * layer unchanged and A on the host (a spill done before the failure is read back, the spill
+ * counters as before), or succeeds; A reads back byte for byte; the retry succeeds; nothing leaks.
  */
 static void test_auto_spill_alloc_faults(void **state)
 {
@@ -725,6 +725,15 @@ static void test_auto_spill_alloc_faults(void **state)
 			T_CHECK(len == 0 && f.tokens == a.tokens, "%s: the failed prefill changed B: layer 1 "
 				"length %lld (wanted 0), tokens %llu -> %llu", name, (long long)len,
 				(unsigned long long)a.tokens, (unsigned long long)f.tokens);
+			T_CHECK(on_nvme(r) == 0 && f.spills == a.spills &&
+					f.auto_spills == a.auto_spills &&
+					f.nvme_bytes_used == a.nvme_bytes_used,
+				"%s: the failed prefill left A's blocks on NVMe %u (wanted 0), spills %llu "
+				"-> %llu, auto_spills %llu -> %llu, nvme_bytes_used %llu -> %llu (wanted "
+				"unchanged)", name, on_nvme(r), (unsigned long long)a.spills,
+				(unsigned long long)f.spills, (unsigned long long)a.auto_spills,
+				(unsigned long long)f.auto_spills, (unsigned long long)a.nvme_bytes_used,
+				(unsigned long long)f.nvme_bytes_used);
 			check_all_layers(r, "A after the failed prefill");
 			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
 			T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc, kvt_last_error(r->c));
@@ -749,6 +758,166 @@ static void test_auto_spill_alloc_faults(void **state)
 		"prefills failed (wanted > 0)", (unsigned long long)(n - 1), (unsigned long long)failed);
 }
 
+/* ---- a failed call under KVT_SPILL_LRU changes nothing (issue 11, defect 3) ------------------ */
+
+/* Blocks of `seq` on NVMe. */
+static uint32_t seq_on_nvme(struct run *r, uint32_t seq)
+{
+	uint32_t keep = r->seq;
+	r->seq = seq;
+	uint32_t n = on_nvme(r);
+	r->seq = keep;
+	return n;
+}
+
+/* Layer 0 of `seq` reads back byte for byte the rows `k`, `v` given. */
+static void check_layer0(struct run *r, uint32_t seq, rows_t *k, rows_t *v, const char *what)
+{
+	struct run view = *r;
+	view.seq = seq;
+	view.sk = k;
+	view.sv = v;
+	do_select(&view, 0);
+	expect_rows(&view, 0, do_gather(&view, 0), what);
+}
+
+/*
+ * Two victims: sequences A and C hold layer 0 only (4 blocks each, 2 of them spillable), B layer 0,
+ * in a host tier of 12 blocks; B's layer 1 needs 4 blocks, so the LRU spills A, then C. Each
+ * completion of those spills fails in turn (-EIO): the prefill returns -EIO, and afterwards A and C
+ * are both on the host again (a fault in C's spill reads A back), the NVMe bytes and the spill
+ * counters are as before, and their rows read back byte for byte. The retry spills both.
+ */
+static void test_lru_failed_call_unspills(void **state)
+{
+	(void)state;
+	uint64_t n = 1, failed = 0;
+	for (; n < 1000; n++) {
+		struct run run, *r = &run;
+		char name[160];
+		snprintf(name, sizeof name, "two LRU victims, -EIO at completion %llu",
+			 (unsigned long long)n);
+		int64_t live = kvt_mem_live();
+		int fds = tt_fd_count();
+		memset(r, 0, sizeof *r);
+		snprintf(r->name, sizeof r->name, "%s", name);
+		kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+		cfg.p = 1.0f;
+		cfg.nvme_queue_depth = 8;
+		cfg.nvme_cache_bytes = (uint64_t)1 << 20;
+		cfg.host_bytes = 12 * BLOCK_BYTES;
+		cfg.spill_policy = KVT_SPILL_LRU;
+		tt_make_files(&r->f, 2, (uint64_t)4 << 20);
+		cfg.n_nvme = 2;
+		cfg.nvme_paths = r->f.ptrs;
+		cfg.nvme_bytes = r->f.bytes;
+		int rc = kvt_cache_create(&cfg, &r->c);
+		tt_unlink(&r->f);
+		T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
+		uint32_t a = 0, cs = 0, b = 0;
+		T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &cs) == 0 &&
+				kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
+		T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
+				kvt_prefill(r->c, cs, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0 &&
+				kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0,
+			"%s: prefills of layer 0 (%s)", name, kvt_last_error(r->c));
+		struct hook_state h = {.n = n, .kind = K_EIO};
+		kvt_nvme_set_cqe_hook(r->c->nvme, hook, &h);
+		kvt_stats st0 = t_stats(r->c);
+		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		kvt_nvme_set_cqe_hook(r->c->nvme, NULL, NULL);
+		if (rc) {
+			T_CHECK(rc == -EIO, "%s: prefill got %d (%s), wanted -EIO", name, rc,
+				kvt_last_error(r->c));
+			failed++;
+			kvt_stats st = t_stats(r->c);
+			T_CHECK(seq_on_nvme(r, a) == 0 && seq_on_nvme(r, cs) == 0 &&
+					st.spills == st0.spills && st.auto_spills == st0.auto_spills &&
+					st.nvme_bytes_used == st0.nvme_bytes_used &&
+					st.host_bytes_used == st0.host_bytes_used,
+				"%s: the failed prefill left: A's blocks on NVMe %u, C's %u (wanted 0 0), "
+				"spills %llu -> %llu, auto_spills %llu -> %llu, nvme_bytes_used %llu -> "
+				"%llu, host_bytes_used %llu -> %llu (wanted unchanged)", name,
+				seq_on_nvme(r, a), seq_on_nvme(r, cs), (unsigned long long)st0.spills,
+				(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
+				(unsigned long long)st.auto_spills, (unsigned long long)st0.nvme_bytes_used,
+				(unsigned long long)st.nvme_bytes_used,
+				(unsigned long long)st0.host_bytes_used,
+				(unsigned long long)st.host_bytes_used);
+			check_layer0(r, a, &g_k, &g_v, "A after the failed call");
+			check_layer0(r, cs, &g_k2, &g_v2, "C after the failed call");
+			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+			T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc,
+				kvt_last_error(r->c));
+		}
+		kvt_stats st = t_stats(r->c);
+		T_CHECK(st.auto_spills == 2 && seq_on_nvme(r, a) == NKV && seq_on_nvme(r, cs) == NKV,
+			"%s: after the prefill auto_spills %llu (wanted 2), blocks on NVMe A %u C %u "
+			"(wanted %d each)", name, (unsigned long long)st.auto_spills,
+			seq_on_nvme(r, a), seq_on_nvme(r, cs), NKV);
+		check_layer0(r, a, &g_k, &g_v, "A spilled");
+		check_layer0(r, cs, &g_k2, &g_v2, "C spilled");
+		kvt_cache_destroy(r->c);
+		T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
+			"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted "
+			"%d)", name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+		if (!h.fired)
+			break;
+	}
+	print_message("two LRU victims: completions 1..%llu failed in turn, %llu prefills failed "
+		      "and changed nothing\n", (unsigned long long)(n - 1), (unsigned long long)failed);
+	T_CHECK(failed == n - 1 && failed >= 2 * NKV, "two LRU victims: %llu of %llu faults failed "
+		"the prefill, wanted all and >= %d", (unsigned long long)failed,
+		(unsigned long long)(n - 1), 2 * NKV);
+}
+
+/*
+ * Checked before spilling: A (layer 0, 2 spillable blocks) and B (a 180-token layer 0, nothing
+ * spillable) in a host tier of 7 blocks leave 1 free; B's 300-token layer 1 needs 4, and spilling A
+ * would free only 2 more. The prefill returns -ENOSPC, naming the bytes, and spills nothing.
+ */
+static void test_lru_no_room_spills_nothing(void **state)
+{
+	(void)state;
+	struct run run, *r = &run;
+	int64_t live = kvt_mem_live();
+	int fds = tt_fd_count();
+	memset(r, 0, sizeof *r);
+	snprintf(r->name, sizeof r->name, "LRU without enough to spill");
+	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+	cfg.p = 1.0f;
+	cfg.nvme_cache_bytes = (uint64_t)1 << 20;
+	cfg.host_bytes = 7 * BLOCK_BYTES;
+	cfg.spill_policy = KVT_SPILL_LRU;
+	tt_make_files(&r->f, 2, (uint64_t)4 << 20);
+	cfg.n_nvme = 2;
+	cfg.nvme_paths = r->f.ptrs;
+	cfg.nvme_bytes = r->f.bytes;
+	int rc = kvt_cache_create(&cfg, &r->c);
+	tt_unlink(&r->f);
+	T_CHECK(rc == 0, "%s: create got %d (%s)", r->name, rc, kvt_last_error(NULL));
+	uint32_t a = 0, b = 0;
+	T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &b) == 0, "seq_open");
+	T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
+			kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], FIRST, NULL) == 0,
+		"%s: prefills of layer 0 (%s)", r->name, kvt_last_error(r->c));
+	kvt_stats st0 = t_stats(r->c);
+	rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+	kvt_stats st = t_stats(r->c);
+	T_CHECK(rc == -ENOSPC && seq_on_nvme(r, a) == 0 && st.spills == st0.spills &&
+			st.auto_spills == st0.auto_spills && st.nvme_bytes_used == 0,
+		"%s: prefill got %d (%s), A's blocks on NVMe %u, spills %llu -> %llu, auto_spills "
+		"%llu -> %llu, nvme_bytes_used %llu; wanted -ENOSPC, 0, unchanged, 0", r->name, rc,
+		kvt_last_error(r->c), seq_on_nvme(r, a), (unsigned long long)st0.spills,
+		(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
+		(unsigned long long)st.auto_spills, (unsigned long long)st.nvme_bytes_used);
+	check_layer0(r, a, &g_k, &g_v, "A after the refused prefill");
+	kvt_cache_destroy(r->c);
+	T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
+		"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",
+		r->name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+}
+
 static int setup(void **state)
 {
 	(void)state;
@@ -766,6 +935,8 @@ int main(void)
 		cmocka_unit_test(test_fail_short),    cmocka_unit_test(test_fail_zero),
 		cmocka_unit_test(test_shuffled),     cmocka_unit_test(test_auto_spill_faults),
 		cmocka_unit_test(test_alloc_faults),   cmocka_unit_test(test_auto_spill_alloc_faults),
+		cmocka_unit_test(test_lru_failed_call_unspills),
+		cmocka_unit_test(test_lru_no_room_spills_nothing),
 	};
 	return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -776,6 +776,116 @@ static void test_replay_overflow(void **state)
 	remove_trace(&t);
 }
 
+/* ---- UTF-8 (issue 11, defect 8) ------------------------------------------------------------- */
+
+/* The tests' own RFC 3629 check, by code point: the length of the valid sequence at s, or 0. */
+static size_t t_utf8_ok(const unsigned char *s, size_t n)
+{
+	if (s[0] < 0x80)
+		return 1;
+	size_t len = s[0] >= 0xf0 ? 4 : s[0] >= 0xe0 ? 3 : s[0] >= 0xc0 ? 2 : 0;
+	if (!len || len > n || s[0] > 0xf7)
+		return 0;
+	uint32_t u = s[0] & (0x7fu >> len);
+	for (size_t k = 1; k < len; k++) {
+		if ((s[k] & 0xc0) != 0x80)
+			return 0;
+		u = u << 6 | (s[k] & 0x3fu);
+	}
+	static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+	return u < min[len] || u > 0x10ffff || (u >= 0xd800 && u < 0xe000) ? 0 : len;
+}
+
+/* Offset of the first invalid UTF-8 sequence of s[0..n), or n when all of it is valid. */
+static size_t t_utf8_bad_at(const char *s, size_t n)
+{
+	for (size_t i = 0, len; i < n; i += len)
+		if (!(len = t_utf8_ok((const unsigned char *)s + i, n - i)))
+			return i;
+	return n;
+}
+
+/*
+ * The JSON parser accepts exactly valid UTF-8 in strings: the longest and shortest forms of each
+ * length are accepted; a stray continuation byte, overlong forms, surrogates, code points above
+ * U+10FFFF and truncated sequences are rejected with a message naming the byte offset. Then
+ * trace_utf8_len agrees with the tests' own check on every 1-, 2- and 3-byte input and on random
+ * 4-byte ones.
+ */
+static void test_utf8(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *text;
+		size_t bad_at; /* 0: valid */
+	} cases[] = {
+		{"[\"\x7f \xc2\x80 \xdf\xbf \xe0\xa0\x80 \xef\xbf\xbf \xf0\x90\x80\x80 \xf4\x8f\xbf\xbf\"]",
+		 0},
+		{"[\"ab\x80\"]", 4},             /* a stray continuation byte */
+		{"[\"\xc0\xaf\"]", 2},           /* overlong '/' */
+		{"[\"\xc1\xbf\"]", 2},           /* overlong */
+		{"[\"x\xe0\x80\xaf\"]", 3},      /* overlong, three bytes */
+		{"[\"\xf0\x80\x80\xaf\"]", 2},   /* overlong, four bytes */
+		{"[\"\xed\xa0\x80\"]", 2},       /* the surrogate U+D800 */
+		{"[\"\xed\xbf\xbf\"]", 2},       /* the surrogate U+DFFF */
+		{"[\"\xf4\x90\x80\x80\"]", 2},   /* U+110000 */
+		{"[\"\xf5\x80\x80\x80\"]", 2},   /* a lead byte beyond U+10FFFF */
+		{"[\"\xff\"]", 2},
+		{"[\"\xc3\"]", 2},               /* truncated by the closing quote */
+		{"[\"\xe2\x82\"]", 2},           /* truncated */
+		{"{\"k\xc3\x28\": 1}", 3},       /* in a member name */
+		{"[\"ok\"] \xc3\xa9", 0xffff},   /* outside a string: a syntax error */
+	};
+	int bad = 0;
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		char err[ERRLEN] = "", want[64];
+		trace_json j;
+		int rc = trace_json_parse(cases[i].text, strlen(cases[i].text), "u.json", &j, err,
+					  sizeof err);
+		if (cases[i].bad_at == 0) {
+			T_SOFT(&bad, rc == 0, "case %zu: rc %d (%s), wanted accepted", i, rc, err);
+			if (rc == 0)
+				trace_json_free(&j);
+			continue;
+		}
+		snprintf(want, sizeof want, "invalid UTF-8 at byte offset %zu", cases[i].bad_at);
+		T_SOFT(&bad, rc == -EINVAL && (cases[i].bad_at == 0xffff || strstr(err, want)),
+		       "case %zu: rc %d, message '%s', wanted -EINVAL and '%s'", i, rc, err,
+		       cases[i].bad_at == 0xffff ? "(a syntax error)" : want);
+		if (rc == 0)
+			trace_json_free(&j);
+	}
+	/* every 1-, 2- and 3-byte input, and random 4-byte ones */
+	unsigned char b[4];
+	for (uint32_t x = 0; x < (1u << 24); x++) {
+		b[0] = (unsigned char)(x >> 16), b[1] = (unsigned char)(x >> 8), b[2] = (unsigned char)x;
+		for (size_t n = 1; n <= 3; n++) {
+			if (n < 3 && (x & ((1u << (8 * (3 - n))) - 1)))
+				continue;
+			size_t want = t_utf8_ok(b, n), got = (size_t)trace_utf8_len(b, n, NULL);
+			T_SOFT(&bad, got == want, "trace_utf8_len(%02x %02x %02x, n = %zu) got %zu, wanted %zu",
+			       b[0], b[1], b[2], n, got, want);
+			if (bad > 10)
+				fail();
+		}
+	}
+	t_rng r;
+	t_rng_seed(&r, 0x0f8u);
+	for (int i = 0; i < 1000000; i++) {
+		uint64_t x = t_next(&r);
+		memcpy(b, &x, 4);
+		b[0] |= 0xf0;
+		size_t want = t_utf8_ok(b, 4), got = (size_t)trace_utf8_len(b, 4, NULL);
+		T_SOFT(&bad, got == want, "trace_utf8_len(%02x %02x %02x %02x) got %zu, wanted %zu",
+		       b[0], b[1], b[2], b[3], got, want);
+		if (bad > 10)
+			fail();
+	}
+	T_CHECK(bad == 0, "%d UTF-8 cases failed", bad);
+}
+
+static void test_replay_utf8(void **state);
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -786,6 +896,53 @@ int main(void)
 		cmocka_unit_test(test_malformed),
 		cmocka_unit_test(test_replay),
 		cmocka_unit_test(test_replay_overflow),
+		cmocka_unit_test(test_utf8),
+		cmocka_unit_test(test_replay_utf8),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+/*
+ * kvbench --json prints valid JSON whatever the bytes: a trace directory whose name is not UTF-8
+ * (any bytes but '/' and NUL are a valid Linux name) comes out with U+FFFD in their place, and a
+ * meta.json whose model name holds a surrogate is refused, naming the byte offset.
+ */
+static void test_replay_utf8(void **state)
+{
+	(void)state;
+	tdir t;
+	char *out, *errs;
+	make_trace(&t, TRACE_F16, 1, 40, 2, 9);
+	char odd[sizeof t.path + 16];
+	snprintf(odd, sizeof odd, "%s-\xff\xc0\xaf-\xc3\xa9", t.path);
+	T_CHECK(rename(t.path, odd) == 0, "rename %s failed", t.path);
+	char *argv[] = {"kvbench", "--trace", odd,  "--backend", "cpu", "--json",
+			"--quiet", "--window", "8", NULL};
+	int rc = run_replay(argv, &out, &errs);
+	T_CHECK(rename(odd, t.path) == 0, "rename back failed");
+	size_t n = strlen(out), at = t_utf8_bad_at(out, n);
+	T_CHECK(rc == 0 && at == n, "replay from a non-UTF-8 directory name: exit %d, stdout invalid "
+		"UTF-8 at byte %zu of %zu (got 0x%02x, wanted none), stderr '%s'", rc, at, n,
+		at < n ? (unsigned char)out[at] : 0, errs);
+	trace_json j;
+	char err[ERRLEN];
+	T_CHECK(trace_json_parse(out, n, "stdout", &j, err, sizeof err) == 0, "--json: %s", err);
+	const trace_json_node *dir =
+		trace_json_get(&j, trace_json_get(&j, &j.nodes[1], "trace"), "dir");
+	char want[sizeof odd + 16];
+	snprintf(want, sizeof want, "%s-\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd-\xc3\xa9", t.path);
+	T_CHECK(dir && dir->type == TJ_STRING && !strcmp(dir->str, want),
+		"trace in the JSON: got '%s', wanted '%s'", dir && dir->str ? dir->str : "(none)",
+		want);
+	trace_json_free(&j);
+	free(out);
+	free(errs);
+
+	edit_meta(&t, "random", "rand\xed\xa0\x80om");
+	trace_meta m;
+	rc = trace_open(t.path, &m, err, sizeof err);
+	T_CHECK(rc == -EINVAL && strstr(err, "meta.json") && strstr(err, "invalid UTF-8 at byte offset"),
+		"meta.json with a surrogate in the model name: rc %d, message '%s', wanted -EINVAL "
+		"naming meta.json and the byte offset", rc, err);
+	remove_trace(&t);
 }

@@ -6,6 +6,7 @@
  * kvt_gather returned in one way.
  */
 #include "kvbench.h"
+#include "trace.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -270,17 +271,26 @@ uint32_t check_positions(const int32_t *p, int32_t cnt, uint32_t len, uint32_t l
 
 /* ---- JSON ---------------------------------------------------------------------------------- */
 
+/* A JSON string of s: quotes, backslashes and control characters escaped, and every byte that is
+ * not part of valid UTF-8 (a path or a trace's model name may hold any bytes) written as U+FFFD,
+ * so the output is always valid JSON. */
 void jstr(const char *s)
 {
 	putchar('"');
-	for (; *s; s++) {
+	for (size_t n = strlen(s); n;) {
 		unsigned char c = (unsigned char)*s;
+		int len = trace_utf8_len((const unsigned char *)s, n, NULL);
 		if (c == '"' || c == '\\')
 			printf("\\%c", c);
 		else if (c < 0x20)
 			printf("\\u%04x", c);
+		else if (len)
+			fwrite(s, 1, (size_t)len, stdout);
 		else
-			putchar(c);
+			fputs("\\ufffd", stdout);
+		len = len ? len : 1;
+		s += len;
+		n -= (size_t)len;
 	}
 	putchar('"');
 }

@@ -89,13 +89,21 @@ typedef struct trace_json {
 
 /*
  * Parse text[len] as one JSON value (RFC 8259: objects, arrays, strings with escapes, numbers,
- * true, false, null), strictly: no comments, no trailing commas, no duplicate member names, at most
+ * true, false, null), strictly: no comments, no trailing commas, no duplicate member names, valid
+ * UTF-8 only (RFC 3629: no overlong forms, surrogates or code points above U+10FFFF), at most
  * TRACE_MAX_JSON_BYTES bytes, TRACE_MAX_JSON_DEPTH levels and TRACE_MAX_JSON_NODES values.
- * Messages give name, line and column. Free with trace_json_free.
+ * Messages give name, line and column (and the byte offset of invalid UTF-8). Free with
+ * trace_json_free.
  */
 int trace_json_parse(const char *text, size_t len, const char *name, trace_json *out, char *err,
 		     size_t errlen);
 void trace_json_free(trace_json *j);
+/*
+ * Length (1 to 4) of the valid UTF-8 sequence (RFC 3629) at s[0..n), or 0 when s starts an invalid
+ * one; then *why (may be NULL) says what is wrong: a stray continuation byte, an overlong form, a
+ * surrogate, a code point above U+10FFFF, or a truncated sequence. n >= 1.
+ */
+int trace_utf8_len(const unsigned char *s, size_t n, const char **why);
 /* The member `key` of object node `obj`, or NULL. */
 const trace_json_node *trace_json_get(const trace_json *j, const trace_json_node *obj,
 				      const char *key);

@@ -87,6 +87,47 @@ static int j_hex4(jp *p, uint32_t *u)
 	return 0;
 }
 
+int trace_utf8_len(const unsigned char *s, size_t n, const char **why)
+{
+	const char *w = NULL;
+	int len = 0;
+	unsigned char c = s[0], lo = 0x80, hi = 0xbf; /* the range of the second byte */
+	if (c < 0x80)
+		return 1;
+	if (c < 0xc0)
+		w = "a continuation byte where a character starts";
+	else if (c < 0xc2)
+		w = "an overlong two-byte form";
+	else if (c < 0xe0)
+		len = 2;
+	else if (c < 0xf0) {
+		len = 3;
+		lo = c == 0xe0 ? 0xa0 : 0x80; /* below: overlong */
+		hi = c == 0xed ? 0x9f : 0xbf; /* above: a surrogate, U+D800..U+DFFF */
+	} else if (c < 0xf5) {
+		len = 4;
+		lo = c == 0xf0 ? 0x90 : 0x80; /* below: overlong */
+		hi = c == 0xf4 ? 0x8f : 0xbf; /* above: beyond U+10FFFF */
+	} else {
+		w = "a lead byte of a code point above U+10FFFF";
+	}
+	if (len && (n < 2 || s[1] < lo || s[1] > hi)) {
+		w = n < 2 || s[1] < 0x80 || s[1] > 0xbf ? "a truncated sequence"
+		    : c == 0xed				 ? "a surrogate (U+D800..U+DFFF)"
+		    : c == 0xf4 && s[1] > 0x8f		 ? "a code point above U+10FFFF"
+							 : "an overlong form";
+		len = 0;
+	}
+	for (int k = 2; k < len; k++)
+		if ((size_t)k >= n || s[k] < 0x80 || s[k] > 0xbf) {
+			w = "a truncated sequence";
+			len = 0;
+		}
+	if (why)
+		*why = w;
+	return len;
+}
+
 /* A string at p->i (on its '"') decoded into the pool; returns it or NULL (error set). */
 static char *j_string(jp *p)
 {
@@ -101,6 +142,20 @@ static char *j_string(jp *p)
 			break;
 		if (c < 0x20)
 			return j_fail(p, "control character in a string"), NULL;
+		if (c >= 0x80) {
+			const char *why;
+			int len = trace_utf8_len((const unsigned char *)p->s + p->i, p->n - p->i, &why);
+			if (!len) {
+				char what[160];
+				snprintf(what, sizeof what, "invalid UTF-8 at byte offset %zu (0x%02x): %s",
+					 p->i, c, why);
+				return j_fail(p, what), NULL;
+			}
+			memcpy(out + k, p->s + p->i, (size_t)len);
+			k += (size_t)len;
+			p->i += (size_t)len;
+			continue;
+		}
 		if (c != '\\') {
 			out[k++] = (char)c;
 			p->i++;
