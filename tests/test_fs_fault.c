@@ -14,9 +14,9 @@
  * With --fresh the files do not exist before the create (the library creates them), and a failed
  * create must also remove what it created (issue 11, defect 6).
  *
- * Also: io_uring denied by a seccomp filter (ENOSYS and EPERM from io_uring_setup, in a forked child
- * with no_new_privs) must give -EOPNOTSUPP and a text that names io_uring; and where the machine lets
- * us attach a loop device with 4096-byte logical sectors, a cache on it must spill its rows and
+ * Also: io_uring denied by a seccomp filter (ENOSYS and EPERM from io_uring_setup, in a forked
+ * child with no_new_privs) must give -EOPNOTSUPP and a text that names io_uring; and where the
+ * machine lets us attach a loop device with 4096-byte logical sectors, a cache on it must spill its rows and
  * restore them verified (skipped with the reason otherwise).
  */
 #define _GNU_SOURCE

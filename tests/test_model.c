@@ -2,22 +2,23 @@
 /*
  * Model-based random-operation test (RocksDB's db_stress): random sequences of open, close,
  * prefill, append, attend, select and gather, spill and restore run on a tiered cache T (CPU
- * backend, an NVMe tier) and on a reference R of the same configuration without NVMe and with ample
- * host memory. The tier does not change the math, so every result must match bit for bit: return
- * codes, sequence ids, lengths, attention outputs, selection sizes, gathered counts, positions and
- * rows. At p = 1 every indexed token is selected, so attention must also equal exact attention over
- * every token the model holds, computed here in double precision; and every gather holds every token.
+ * backend, an NVMe tier) and on a reference R of the same configuration without NVMe and with
+ * ample host memory. The tier does not change the math, so every result must match bit for bit:
+ * return codes, sequence ids, lengths, attention outputs, selection sizes, gathered counts,
+ * positions and rows. At p = 1 every indexed token is selected, so attention must also equal exact
+ * attention over every token the model holds, computed here in double precision, and every gather
+ * holds every token.
  *
  * Faults are injected into T's calls only: the Nth allocation (kvt_mem_fail_at) or the Nth io_uring
- * completion rewritten to an error or a short count (the completion hook of tests/test_tier_fault.c).
- * A call that fails with an injected fault must return a documented code and change nothing: R does
- * not run that call, and every later result (and an attend over every sequence right after the
- * failure) must still match R's. A call that recovers from the fault (a resubmitted short read) must
- * give R's result. At the end nothing may leak (allocations, descriptors).
+ * completion rewritten to an error or a short count (the hook of tests/test_tier_fault.c). A call
+ * that fails with an injected fault must return a documented code and change nothing: R does not
+ * run that call, and every later result (and an attend over every sequence right after the failure)
+ * must still match R's. A call that recovers from the fault (a resubmitted short read) must give
+ * R's result. At the end nothing may leak (allocations, descriptors).
  *
  * Usage: test_model [--long] [--seeds N] [--seed S] [--steps N]. Default: a CI-sized run (suite
- * unit, 32 seeds); --long runs 2000 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too. A
- * failure prints the seed and step, and --seed S --steps N replays it.
+ * unit, 32 seeds); --long runs 2000 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too.
+ * A failure prints the seed and step, and --seed S --steps N replays it.
  */
 #include <unistd.h>
 
@@ -54,7 +55,10 @@ struct model {
 	uint64_t ops[12], faults_fired, faults_failed, faults_recovered, exact_checks;
 };
 
-enum op { OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE, OP_NOPS };
+enum op {
+	OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE,
+	OP_NOPS
+};
 static const char *const op_name[OP_NOPS] = {"open",   "close",  "prefill", "append",
 					    "attend", "select", "spill",   "restore"};
 
@@ -234,8 +238,9 @@ static uint32_t pick_batch(struct model *m, int *slots, uint32_t need_tokens, ui
 	return n;
 }
 
-/* Rows of n tokens: encoded into bits, decoded into the model's arrays at dk/dv when not NULL. */
-static void rows(struct model *m, uint32_t n, uint32_t width, double mean, uint16_t *bits, float *dec)
+/* Rows of n tokens of `width` values: encoded into bits, decoded into dec when not NULL. */
+static void rows(struct model *m, uint32_t n, uint32_t width, double mean, uint16_t *bits,
+		 float *dec)
 {
 	t_fill(&m->r, m->dtype, (size_t)n * width, mean, 1.0, bits, dec);
 }
