@@ -17,7 +17,7 @@
  * R's result. At the end nothing may leak (allocations, descriptors).
  *
  * Usage: test_model [--long] [--seeds N] [--seed S] [--steps N]. Default: a CI-sized run (suite
- * unit, 32 seeds); --long runs 2000 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too.
+ * unit, 32 seeds); --long runs 250 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too.
  * A failure prints the seed and step, and --seed S --steps N replays it.
  */
 #include <unistd.h>
@@ -591,12 +591,9 @@ static int setup(void **state)
 
 int main(int argc, char **argv)
 {
-	const char *env = getenv("KVT_MODEL_SEEDS");
-	if (env && env[0])
-		n_seeds = strtoull(env, NULL, 0);
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--long")) {
-			n_seeds = 2000;
+			n_seeds = 250;
 		} else if (!strcmp(argv[i], "--seeds") && i + 1 < argc) {
 			n_seeds = strtoull(argv[++i], NULL, 0);
 		} else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
@@ -610,6 +607,9 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
+	const char *env = getenv("KVT_MODEL_SEEDS"); /* over --long: for runs longer still */
+	if (env && env[0])
+		n_seeds = strtoull(env, NULL, 0);
 	t_warm_runtime();
 	const struct CMUnitTest tests[] = {cmocka_unit_test(test_model)};
 	return cmocka_run_group_tests(tests, setup, NULL);
