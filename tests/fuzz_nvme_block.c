@@ -48,7 +48,8 @@ static unsigned char *exact(const unsigned char *src, size_t src_n, size_t n)
 	if (!b)
 		abort();
 	memset(b, 0, n);
-	memcpy(b, src, src_n < n ? src_n : n);
+	if (src_n)
+		memcpy(b, src, src_n < n ? src_n : n);
 	return b;
 }
 
