@@ -58,9 +58,12 @@ test)
 	fi
 	# The sanitizer matrix's every-run cell: AddressSanitizer and UndefinedBehaviorSanitizer over
 	# the CPU and NVMe suites (no CUDA: the gpu suite runs in ./build). b_lundef=false because
-	# sanitized shared objects leave the runtime's symbols to the executable.
+	# sanitized shared objects leave the runtime's symbols to the executable. Warnings are not
+	# errors here: ./build holds the code to -Werror, and gcc's flow analysis under
+	# -fsanitize=address warns where it does not without (a NULL destination of sprintf after an
+	# allocation whose failure ends the test, in tests/test_trace.c).
 	if [ ! -f build-asan/build.ninja ]; then
-		meson setup build-asan --buildtype=debugoptimized -Dwerror=$werror -Dcuda=disabled \
+		meson setup build-asan --buildtype=debugoptimized -Dwerror=false -Dcuda=disabled \
 			-Db_sanitize=address,undefined -Db_lundef=false
 	fi
 	meson compile -C build-asan
