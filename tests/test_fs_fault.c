@@ -327,7 +327,8 @@ static void test_seccomp_denied(void **state)
 /* ---- a device of 4096-byte logical sectors -------------------------------------------------- */
 
 /* Attach `file` to a free loop device with 4096-byte sectors; its path in dev, or -errno. */
-static int loop_attach(const char *file, char *dev, size_t n, int *dev_fd, char *why, size_t wn)
+static int loop_attach_once(const char *file, char *dev, size_t n, int *dev_fd, char *why,
+			    size_t wn)
 {
 	int ctl = open("/dev/loop-control", O_RDWR | O_CLOEXEC);
 	if (ctl < 0) {
@@ -363,6 +364,15 @@ static int loop_attach(const char *file, char *dev, size_t n, int *dev_fd, char 
 	}
 	*dev_fd = fd;
 	return 0;
+}
+
+/* Another process may take the free device between the query and the attach: try again. */
+static int loop_attach(const char *file, char *dev, size_t n, int *dev_fd, char *why, size_t wn)
+{
+	int rc = -EBUSY;
+	for (int i = 0; i < 5 && rc == -EBUSY; i++)
+		rc = loop_attach_once(file, dev, n, dev_fd, why, wn);
+	return rc;
 }
 
 static void test_4k_sectors(void **state)
