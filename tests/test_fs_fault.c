@@ -14,10 +14,12 @@
  * With --fresh the files do not exist before the create (the library creates them), and a failed
  * create must also remove what it created (issue 11, defect 6).
  *
- * Also: io_uring denied by a seccomp filter (ENOSYS and EPERM from io_uring_setup, in a forked
- * child with no_new_privs) must give -EOPNOTSUPP and a text that names io_uring; and where the
- * machine lets us attach a loop device with 4096-byte logical sectors, a cache on it must spill its rows and
- * restore them verified (skipped with the reason otherwise).
+ * Also: a FIFO as the NVMe file is refused (-EINVAL naming it); io_uring denied by a seccomp
+ * filter (ENOSYS and EPERM from io_uring_setup, in a forked child with no_new_privs) must give
+ * -EOPNOTSUPP and a text that names io_uring; and where the machine lets us attach a loop device
+ * with 4096-byte logical sectors, a cache on it must spill its rows and restore them verified, and
+ * asking for more bytes than the device holds must be refused naming it (skipped with the reason
+ * where no loop device can be attached).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -419,13 +421,59 @@ static void test_4k_sectors(void **state)
 		kvt_cache_destroy(c);
 	}
 	close(dev_fd); /* autoclear detaches the device */
-	remove_dir(dir);
 	print_message("4096-byte sectors on %s (BLKSSZGET %d): create %d, spill %lld, restore %lld\n",
 		      dev, ss, rc, (long long)out, (long long)back);
+	/* more bytes than the device holds: refused, naming the device */
+	uint64_t big[1] = {2 * FILE_BYTES};
+	cfg.nvme_bytes = big;
+	int rc_big = -1;
+	char msg_big[1024] = "";
+	if (loop_attach(file, dev, sizeof dev, &dev_fd, why, sizeof why) == 0) {
+		c = NULL;
+		rc_big = kvt_cache_create(&cfg, &c);
+		snprintf(msg_big, sizeof msg_big, "%s", kvt_last_error(NULL));
+		kvt_cache_destroy(rc_big == 0 ? c : NULL);
+		close(dev_fd);
+	}
+	remove_dir(dir);
 	T_CHECK(ss == 4096, "%s: logical sector size got %d, wanted 4096", dev, ss);
+	T_CHECK(rc_big == -EINVAL && strstr(msg_big, dev), "%llu bytes on a device of %llu: got %d "
+		"(%s), wanted -EINVAL naming %s", (unsigned long long)big[0],
+		(unsigned long long)FILE_BYTES, rc_big, msg_big, dev);
 	T_CHECK(rc == 0, "create on %s: got %d (%s), wanted 0", dev, rc, msg);
 	T_CHECK(out > 0 && same, "%s: spill got %lld bytes, restore got %lld, wanted equal and > 0",
 		dev, (long long)out, (long long)back);
+}
+
+/* A FIFO as the NVMe file: refused with -EINVAL naming the path, nothing leaked, FIFO kept. */
+static void test_not_a_file(void **state)
+{
+	(void)state;
+	char dir[4096], path[4200];
+	make_dir(dir, sizeof dir);
+	snprintf(path, sizeof path, "%s/fifo", dir);
+	T_CHECK(mkfifo(path, 0600) == 0, "mkfifo %s: %s", path, strerror(errno));
+	const char *ptrs[1] = {path};
+	uint64_t bytes[1] = {FILE_BYTES};
+	kvt_config cfg = fs_config(ptrs, bytes, 1);
+	int64_t live = kvt_mem_live();
+	int fds = nv_fd_count();
+	kvt_cache *c = NULL;
+	int rc = kvt_cache_create(&cfg, &c);
+	char msg[1024];
+	snprintf(msg, sizeof msg, "%s", kvt_last_error(NULL));
+	struct stat st;
+	int kept = stat(path, &st) == 0 && S_ISFIFO(st.st_mode);
+	remove_dir(dir);
+	kvt_cache_destroy(rc == 0 ? c : NULL);
+	T_CHECK(rc == -EINVAL, "a FIFO as the NVMe file: got %d (%s), wanted -EINVAL", rc, msg);
+	T_CHECK(strstr(msg, path) && strstr(msg, "neither a regular file nor a block device"),
+		"a FIFO as the NVMe file: the text \"%s\" does not name the path and the reason",
+		msg);
+	T_CHECK(kvt_mem_live() == live && nv_fd_count() == fds, "a FIFO as the NVMe file: live "
+		"allocations %lld (wanted %lld), descriptors %d (wanted %d)",
+		(long long)kvt_mem_live(), (long long)live, nv_fd_count(), fds);
+	T_CHECK(kept, "a FIFO as the NVMe file: the FIFO is gone or changed after the refusal");
 }
 
 static int setup(void **state)
@@ -449,6 +497,7 @@ int main(int argc, char **argv)
 	const struct CMUnitTest all[] = {
 		cmocka_unit_test(test_fail_each_call),
 		cmocka_unit_test(test_seccomp_denied),
+		cmocka_unit_test(test_not_a_file),
 		cmocka_unit_test(test_4k_sectors),
 	};
 	const struct CMUnitTest only_fresh[] = {cmocka_unit_test(test_fail_each_call)};
