@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "sysio.h"
 #include "kvt_config.h"
 
 #if KVT_HAVE_LIBURING
@@ -111,14 +112,14 @@ static int lock_file(int fd, const struct stat *sb)
 static int open_or_create(const char *path, int *created)
 {
 	for (int tries = 0; tries < 8; tries++) {
-		int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+		int fd = kvt_sys_open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 		if (fd >= 0) {
 			*created = 1;
 			return fd;
 		}
 		if (errno != EEXIST)
 			return -1;
-		fd = open(path, O_RDWR | O_CLOEXEC);
+		fd = kvt_sys_open(path, O_RDWR | O_CLOEXEC, 0);
 		if (fd >= 0 || errno != ENOENT) {
 			*created = 0;
 			return fd;
@@ -138,8 +139,13 @@ int kvt_nv_file_open(struct nv_file *f, const char *path, int buffered, const ch
 		return kvt_err_set(err, kvt_nv_errno_code(errno), "open %s: %s%s", path,
 				   strerror(errno), kvt_nv_errno_hint(errno));
 	struct stat sb;
-	if (fstat(f->fd, &sb) != 0)
-		return kvt_err_set(err, -EIO, "fstat %s: %s", path, strerror(errno));
+	if (kvt_sys_fstat(f->fd, &sb) != 0) {
+		int rc = kvt_err_set(err, -EIO, "fstat %s: %s", path, strerror(errno));
+		/* created a moment ago by this O_EXCL open and not yet used: not left behind */
+		if (created)
+			unlink(path);
+		return rc;
+	}
 	f->dev = sb.st_dev;
 	f->ino = sb.st_ino;
 	if (lock_file(f->fd, &sb) != 0) {

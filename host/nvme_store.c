@@ -19,6 +19,7 @@
 #include "alloc.h"
 #include "crc32c.h"
 #include "nvme_store.h"
+#include "sysio.h"
 
 #if KVT_HAVE_LIBURING
 #include <linux/fs.h>
@@ -72,7 +73,7 @@ static uint32_t file_alignment(int fd, const struct stat *sb, char *why, size_t 
 {
 #ifdef STATX_DIOALIGN
 	struct statx sx;
-	if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+	if (kvt_sys_statx_fd(fd, STATX_DIOALIGN, &sx) == 0 &&
 	    (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_offset_align) {
 		snprintf(why, n, "statx DIOALIGN (memory %u, offset %u)", sx.stx_dio_mem_align,
 			 sx.stx_dio_offset_align);
@@ -109,7 +110,7 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	if (rc)
 		return rc;
 	struct stat sb;
-	if (fstat(f->fd, &sb) != 0)
+	if (kvt_sys_fstat(f->fd, &sb) != 0)
 		return kvt_err_set(err, -EIO, "fstat %s: %s", path, strerror(errno));
 	f->is_blk = S_ISBLK(sb.st_mode);
 	const char *prealloc = "preallocated";
@@ -125,12 +126,12 @@ static int open_file(struct kvt_nvme *st, uint32_t i, const char *path, uint64_t
 	} else if (!S_ISREG(sb.st_mode)) {
 		return kvt_err_set(err, -EINVAL, "%s is neither a regular file nor a block device", path);
 	} else {
-		if (ftruncate(f->fd, (off_t)bytes) != 0)
+		if (kvt_sys_ftruncate(f->fd, (off_t)bytes) != 0)
 			return kvt_err_set(err, errno == ENOSPC || errno == EFBIG ? -ENOSPC : -EIO,
 				      "ftruncate %s to %" PRIu64 " bytes: %s", path, bytes,
 				      strerror(errno));
 		/* Reserve the space now, so no write can fail later for want of it. */
-		if (fallocate(f->fd, 0, 0, (off_t)bytes) != 0) {
+		if (kvt_sys_fallocate(f->fd, 0, 0, (off_t)bytes) != 0) {
 			if (errno == ENOSPC)
 				return kvt_err_set(err, -ENOSPC, "fallocate %s of %" PRIu64 " bytes: %s",
 					      path, bytes, strerror(errno));
@@ -187,10 +188,10 @@ static int setup_ring(struct kvt_nvme *st, struct kvt_err *err)
 	memset(&p, 0, sizeof p);
 	/* Cooperative task running saves an interrupt per completion (kernel >= 5.19). */
 	p.flags = IORING_SETUP_COOP_TASKRUN;
-	int rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
+	int rc = kvt_sys_uring_init(st->qd, &st->ring, &p);
 	if (rc == -EINVAL) {
 		memset(&p, 0, sizeof p);
-		rc = io_uring_queue_init_params(st->qd, &st->ring, &p);
+		rc = kvt_sys_uring_init(st->qd, &st->ring, &p);
 	}
 	/* A lack of descriptors or memory is transient, not a kernel without io_uring. */
 	if (rc == -ENOMEM || rc == -EMFILE || rc == -ENFILE)
@@ -250,7 +251,7 @@ static void register_all(struct kvt_nvme *st, char *note, size_t n)
 			iov[i].iov_base = st->arena + (size_t)i * st->bounce;
 			iov[i].iov_len = st->bounce;
 		}
-		rc = io_uring_register_buffers(&st->ring, iov, st->n_slots);
+		rc = kvt_sys_uring_register_buffers(&st->ring, iov, st->n_slots);
 		kvt_mem_free(KVT_MEM_HOST, iov, st->n_slots * sizeof *iov);
 	}
 	st->fixed_bufs = rc == 0;
@@ -262,7 +263,7 @@ static void register_all(struct kvt_nvme *st, char *note, size_t n)
 	int fds[KVT_NVME_MAX_FILES];
 	for (uint32_t i = 0; i < st->n_files; i++)
 		fds[i] = st->files[i].fd;
-	rc = io_uring_register_files(&st->ring, fds, st->n_files);
+	rc = kvt_sys_uring_register_files(&st->ring, fds, st->n_files);
 	st->fixed_files = rc == 0;
 	snprintf(note + used, n - used, ", files %s%s%s", rc == 0 ? "registered" : "plain (",
 		 rc == 0 ? "" : strerror(-rc), rc == 0 ? "" : ")");

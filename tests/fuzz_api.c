@@ -1,0 +1,348 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Fuzz target of the public API's call sequences on the CPU backend: the first bytes of the input
+ * choose a small cache configuration (layers, heads, head_dim, dtypes, window, sinks, flush batch,
+ * p, budgets, sequences, a host tier small enough to fill), the rest a sequence of at most 64 calls
+ * (open, close, prefill, append, attend, select and gather, length, stats, layer stats, spill and
+ * restore) with bounded sizes, sequence ids and layers that may be wrong, and keys, values and
+ * queries that may be zero, large, or hold a NaN or an infinity.
+ *
+ * Properties: no crash and no access outside the caller's buffers (each an allocation of the exact
+ * size the header gives); every call returns success or a code of the header's list, with a
+ * kvt_last_error text when it fails; a failed prefill or append changes no sequence's length; a
+ * gather's counts fit max_tokens, sum to its return value, and give ascending positions within the
+ * sequence; after kvt_cache_destroy no allocation is live.
+ *
+ * Built with -DKVT_LIBFUZZER and -fsanitize=fuzzer it is a libFuzzer target; otherwise main()
+ * (fuzz_replay.h) replays tests/fuzz_corpus/api/ under meson test.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host/alloc.h"
+#include "kvtier.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			fprintf(stderr, "fuzz_api: %s: ", #cond);                                  \
+			fprintf(stderr, __VA_ARGS__);                                              \
+			fprintf(stderr, "\n");                                                     \
+			abort();                                                                   \
+		}                                                                                  \
+	} while (0)
+
+#define MAXS 4
+#define MAXT 48
+
+struct in {
+	const uint8_t *p;
+	size_t n, at;
+};
+
+static uint8_t byte(struct in *in)
+{
+	return in->at < in->n ? in->p[in->at++] : 0;
+}
+
+struct fz {
+	kvt_cache *c;
+	kvt_config cfg;
+	uint32_t esz, osz; /* bytes per element of K/V/q and of the output */
+	uint32_t ids[8];   /* ids handed out (open or closed) and a few never handed out */
+	uint32_t n_ids;
+	uint64_t rng;
+};
+
+static int documented(int64_t rc)
+{
+	return rc == -EINVAL || rc == -ENOMEM || rc == -ENOSPC || rc == -EOPNOTSUPP ||
+	       rc == -ENOENT || rc == -E2BIG;
+}
+
+static void check_rc(struct fz *z, const char *call, int64_t rc)
+{
+	if (rc >= 0)
+		return;
+	CHECK(documented(rc), "%s returned %lld (%s), not a code of the header's list", call,
+	      (long long)rc, kvt_strerror((int)rc));
+	const char *m = kvt_last_error(z->c);
+	CHECK(m && m[0], "%s returned %lld without a kvt_last_error text", call, (long long)rc);
+}
+
+/* Truncating conversions (any rounding will do for fuzz inputs). */
+static uint16_t to_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return (uint16_t)(u >> 16);
+}
+
+static uint16_t to_f16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	uint32_t sign = (u >> 16) & 0x8000u, e = (u >> 23) & 0xffu;
+	if (e < 113) /* below fp16's normal range: zero */
+		return (uint16_t)sign;
+	if (e > 142) /* above it: the largest finite value */
+		return (uint16_t)(sign | 0x7bffu);
+	return (uint16_t)(sign | (e - 112) << 10 | (u >> 13 & 0x3ffu));
+}
+
+/* Elements of n values in the cache's dtype: normal-ish, large, zero, or with one NaN/infinity. */
+static void *values(struct fz *z, size_t n, uint8_t mode)
+{
+	uint16_t *b = malloc(n * 2);
+	if (!b)
+		abort();
+	for (size_t i = 0; i < n; i++) {
+		z->rng ^= z->rng << 13;
+		z->rng ^= z->rng >> 7;
+		z->rng ^= z->rng << 17;
+		float f = (float)((int)(z->rng % 2001) - 1000) / 400.0f;
+		if (mode % 4 == 1)
+			f *= 4000.0f;
+		else if (mode % 4 == 2)
+			f = 0;
+		b[i] = z->cfg.dtype == KVT_DTYPE_BF16 ? to_bf16(f) : to_f16(f);
+	}
+	if (mode % 4 == 3 && n)
+		b[z->rng % n] = z->cfg.dtype == KVT_DTYPE_BF16 ? (mode & 4 ? 0x7fc0 : 0x7f80)
+							       : (mode & 4 ? 0x7e00 : 0x7c00);
+	return b;
+}
+
+static uint32_t pick_seq(struct fz *z, struct in *in)
+{
+	uint8_t b = byte(in);
+	return z->n_ids && b < 200 ? z->ids[b % z->n_ids] : b;
+}
+
+static int64_t length(struct fz *z, uint32_t seq, uint32_t layer)
+{
+	return kvt_seq_length(z->c, seq, layer);
+}
+
+static void do_prefill(struct fz *z, struct in *in)
+{
+	uint32_t seq = pick_seq(z, in), layer = byte(in) % (z->cfg.n_layers + 1);
+	uint32_t n = byte(in) % (MAXT + 1);
+	uint8_t mode = byte(in), with_q = byte(in) & 1;
+	size_t kvn = (size_t)(n ? n : 1) * z->cfg.n_kv_heads * z->cfg.head_dim;
+	void *q = with_q ? values(z, (size_t)(n ? n : 1) * z->cfg.n_q_heads * z->cfg.head_dim, mode)
+			 : NULL;
+	void *k = values(z, kvn, mode), *v = values(z, kvn, 0);
+	int64_t before = length(z, seq, layer);
+	int rc = kvt_prefill(z->c, seq, layer, q, k, v, n, NULL);
+	check_rc(z, "kvt_prefill", rc);
+	if (rc < 0)
+		CHECK(length(z, seq, layer) == before, "a failed prefill (%d) changed the length of %u "
+		      "on layer %u from %lld to %lld", rc, seq, layer, (long long)before,
+		      (long long)length(z, seq, layer));
+	free(q);
+	free(k);
+	free(v);
+}
+
+/* A batch of 1..4 sequence ids (duplicates and unknown ids possible). */
+static uint32_t batch(struct fz *z, struct in *in, uint32_t *seqs)
+{
+	uint32_t n = 1 + byte(in) % MAXS;
+	for (uint32_t i = 0; i < n; i++)
+		seqs[i] = pick_seq(z, in);
+	return n;
+}
+
+static void do_append(struct fz *z, struct in *in)
+{
+	uint32_t seqs[MAXS], layer = byte(in) % (z->cfg.n_layers + 1), n = batch(z, in, seqs);
+	uint8_t mode = byte(in);
+	size_t kvn = (size_t)n * z->cfg.n_kv_heads * z->cfg.head_dim;
+	void *k = values(z, kvn, mode), *v = values(z, kvn, 0);
+	int64_t before[MAXS];
+	for (uint32_t i = 0; i < n; i++)
+		before[i] = length(z, seqs[i], layer);
+	int rc = kvt_append(z->c, layer, n, seqs, k, v, NULL);
+	check_rc(z, "kvt_append", rc);
+	for (uint32_t i = 0; rc < 0 && i < n; i++)
+		CHECK(length(z, seqs[i], layer) == before[i], "a failed append (%d) changed the length "
+		      "of %u on layer %u", rc, seqs[i], layer);
+	free(k);
+	free(v);
+}
+
+static void do_attend(struct fz *z, struct in *in, int split)
+{
+	uint32_t seqs[MAXS], layer = byte(in) % (z->cfg.n_layers + 1), n = batch(z, in, seqs);
+	uint8_t mode = byte(in);
+	void *q = values(z, (size_t)n * z->cfg.n_q_heads * z->cfg.head_dim, mode & 3 ? mode : 0);
+	if (!split) {
+		void *out = malloc((size_t)n * z->cfg.n_q_heads * z->cfg.head_dim * z->osz);
+		check_rc(z, "kvt_attend", kvt_attend(z->c, layer, n, seqs, q, out, NULL));
+		free(out);
+		free(q);
+		return;
+	}
+	int rc = kvt_select(z->c, layer, n, seqs, q, NULL);
+	check_rc(z, "kvt_select", rc);
+	free(q);
+	/* max_tokens: the selection's, or less (must be refused), or more */
+	uint8_t how = byte(in);
+	uint32_t mt = rc > 0 ? (uint32_t)rc : 1;
+	if (how % 4 == 1 && mt > 1)
+		mt -= 1 + how / 4 % (mt - 1);
+	else if (how % 4 == 2)
+		mt += how / 4;
+	size_t pairs = (size_t)n * z->cfg.n_kv_heads, rows = pairs * mt * z->cfg.head_dim;
+	int32_t *counts = malloc(pairs * sizeof *counts), *pos = NULL;
+	void *k = NULL, *v = NULL;
+	if (how & 64)
+		pos = malloc(pairs * mt * sizeof *pos);
+	if (how & 128) {
+		k = malloc(rows * z->esz);
+		v = malloc(rows * z->esz);
+	}
+	int g = kvt_gather(z->c, layer, n, seqs, mt, counts, pos, k, v, NULL);
+	check_rc(z, "kvt_gather", g);
+	if (g >= 0) {
+		int64_t sum = 0;
+		for (size_t i = 0; i < pairs; i++) {
+			CHECK(counts[i] >= 0 && (uint32_t)counts[i] <= mt, "gather count %d of pair "
+			      "%zu, max_tokens %u", counts[i], i, mt);
+			sum += counts[i];
+			int64_t len = length(z, seqs[i / z->cfg.n_kv_heads], layer);
+			for (int32_t t = 0; pos && t < counts[i]; t++) {
+				int32_t p = pos[i * mt + (size_t)t];
+				CHECK(p >= 0 && p < len && (t == 0 || p > pos[i * mt + (size_t)t - 1]),
+				      "gather position %d (index %d of pair %zu), length %lld", p, t,
+				      i, (long long)len);
+			}
+		}
+		CHECK(sum == g, "gather returned %d, its counts sum to %lld", g, (long long)sum);
+	}
+	free(counts);
+	free(pos);
+	free(k);
+	free(v);
+}
+
+static void do_stats(struct fz *z, struct in *in)
+{
+	uint8_t b = byte(in);
+	if (b & 1) {
+		kvt_layer_stats ls;
+		memset(&ls, 0, sizeof ls);
+		ls.size = sizeof ls;
+		check_rc(z, "kvt_get_layer_stats",
+			 kvt_get_layer_stats(z->c, (uint32_t)(b >> 1) % (z->cfg.n_layers + 1), &ls));
+	} else {
+		kvt_stats st;
+		memset(&st, 0, sizeof st);
+		st.size = sizeof st;
+		check_rc(z, "kvt_get_stats", kvt_get_stats(z->c, &st));
+	}
+}
+
+static void step(struct fz *z, struct in *in)
+{
+	uint8_t op = byte(in) % 10;
+	uint32_t s;
+	int rc;
+	switch (op) {
+	case 0:
+		rc = kvt_seq_open(z->c, &s);
+		check_rc(z, "kvt_seq_open", rc);
+		if (rc == 0 && z->n_ids < 8)
+			z->ids[z->n_ids++] = s;
+		break;
+	case 1:
+		check_rc(z, "kvt_seq_close", kvt_seq_close(z->c, pick_seq(z, in)));
+		break;
+	case 2: case 3:
+		do_prefill(z, in);
+		break;
+	case 4:
+		do_append(z, in);
+		break;
+	case 5:
+		do_attend(z, in, 0);
+		break;
+	case 6:
+		do_attend(z, in, 1);
+		break;
+	case 7:
+		s = pick_seq(z, in);
+		check_rc(z, "kvt_seq_length", length(z, s, byte(in) % (z->cfg.n_layers + 1)));
+		break;
+	case 8:
+		do_stats(z, in);
+		break;
+	default:
+		s = pick_seq(z, in);
+		check_rc(z, "kvt_seq_spill", kvt_seq_spill(z->c, s));
+		check_rc(z, "kvt_seq_restore", kvt_seq_restore(z->c, s));
+		break;
+	}
+}
+
+/* The configuration the first 12 bytes ask for: always a valid one. */
+static void configure(struct fz *z, struct in *in)
+{
+	static const uint32_t windows[] = {KVT_NONE, 4, 16, 64};
+	static const uint32_t sinks[] = {KVT_NONE, 1, 4, 4};
+	static const float ps[] = {0.5f, 0.9f, 1.0f, 0.99f};
+	static const uint32_t bmin[] = {KVT_NONE, 2, 8, 64};
+	kvt_config c = KVT_CONFIG_INIT;
+	c.backend = KVT_BACKEND_CPU;
+	/* few layers and mostly head_dim 64: each layer's seeded rotation costs O(head_dim^3) */
+	c.n_layers = 1 + byte(in) % 2;
+	c.n_kv_heads = 1 + byte(in) % 2;
+	c.n_q_heads = c.n_kv_heads * (1 + byte(in) % 2);
+	c.head_dim = byte(in) % 8 == 7 ? 128 : 64;
+	c.dtype = byte(in) & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
+	uint8_t o = byte(in) % 3;
+	c.out_dtype = o == 0 ? KVT_DTYPE_F32 : o == 1 ? KVT_DTYPE_F16 : KVT_DTYPE_BF16;
+	c.window = windows[byte(in) % 4];
+	c.n_sink = sinks[byte(in) % 4];
+	c.flush_batch = 1 + byte(in) % 8;
+	c.p = ps[byte(in) % 4];
+	uint8_t b = byte(in);
+	c.budget_min = bmin[b % 4];
+	c.budget_max = b & 4 ? 96 : 0;
+	c.max_seqs = 1 + (b >> 3) % MAXS;
+	c.host_bytes = (uint64_t)(1 + byte(in) % 16) << 18; /* 256 KiB .. 4 MiB */
+	z->cfg = c;
+	z->esz = 2;
+	z->osz = c.out_dtype == KVT_DTYPE_F32 ? 4 : 2;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	struct in in = {data, size, 0};
+	struct fz z;
+	memset(&z, 0, sizeof z);
+	configure(&z, &in);
+	z.rng = 0x9e3779b97f4a7c15ull ^ size;
+	int64_t live = kvt_mem_live();
+	int rc = kvt_cache_create(&z.cfg, &z.c);
+	CHECK(rc == 0, "kvt_cache_create of a valid configuration: %d (%s)", rc,
+	      kvt_last_error(NULL));
+	/* a few ids that were never handed out */
+	z.ids[z.n_ids++] = 7;
+	for (int i = 0; i < 64 && in.at < in.n; i++)
+		step(&z, &in);
+	kvt_cache_destroy(z.c);
+	CHECK(kvt_mem_live() == live, "live allocations %lld after destroy, %lld before",
+	      (long long)kvt_mem_live(), (long long)live);
+	return 0;
+}
+
+#define FUZZ_NAME "fuzz_api"
+#include "fuzz_replay.h"

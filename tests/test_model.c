@@ -1,0 +1,616 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Model-based random-operation test (RocksDB's db_stress): random sequences of open, close,
+ * prefill, append, attend, select and gather, spill and restore run on a tiered cache T (CPU
+ * backend, an NVMe tier) and on a reference R of the same configuration without NVMe and with
+ * ample host memory. The tier does not change the math, so every result must match bit for bit:
+ * return codes, sequence ids, lengths, attention outputs, selection sizes, gathered counts,
+ * positions and rows. At p = 1 every indexed token is selected, so attention must also equal exact
+ * attention over every token the model holds, computed here in double precision, and every gather
+ * holds every token.
+ *
+ * Faults are injected into T's calls only: the Nth allocation (kvt_mem_fail_at) or the Nth io_uring
+ * completion rewritten to an error or a short count (the hook of tests/test_tier_fault.c). A call
+ * that fails with an injected fault must return a documented code and change nothing: R does not
+ * run that call, and every later result (and an attend over every sequence right after the failure)
+ * must still match R's. A call that recovers from the fault (a resubmitted short read) must give
+ * R's result. At the end nothing may leak (allocations, descriptors).
+ *
+ * Usage: test_model [--long] [--seeds N] [--seed S] [--steps N]. Default: a CI-sized run (suite
+ * unit, 32 seeds); --long runs 250 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too.
+ * A failure prints the seed and step, and --seed S --steps N replays it.
+ */
+#include <unistd.h>
+
+#include "common.h"
+#include "host/nvme_store.h"
+#include "nvme_util.h"
+
+#define NL 2
+#define NQ 4
+#define NKV 2
+#define D 64
+#define MAXS 4
+#define CAP 2000 /* tokens per sequence and layer the model keeps */
+#define ROW (NKV * D)
+#define QROW (NQ * D)
+
+/* A sequence as the model sees it: its rows per layer, decoded (for the exact attention). */
+struct mseq {
+	int open;
+	uint32_t id;
+	uint32_t len[NL];
+	float *k[NL], *v[NL]; /* [CAP, NKV, D] */
+};
+
+struct model {
+	t_rng r;
+	uint32_t dtype;
+	float p;
+	kvt_cache *t, *ref;
+	nv_files f;
+	struct mseq s[MAXS];
+	uint64_t seed, step;
+	/* counts for the summary */
+	uint64_t ops[12], faults_fired, faults_failed, faults_recovered, exact_checks;
+};
+
+enum op {
+	OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE,
+	OP_NOPS
+};
+static const char *const op_name[OP_NOPS] = {"open",   "close",  "prefill", "append",
+					    "attend", "select", "spill",   "restore"};
+
+static int g_fail; /* a mismatch was found: stop the seed */
+static int g_all;  /* batches take every open sequence (the check after a failed call) */
+
+#define M_CHECK(m, cond, ...)                                                                      \
+	do {                                                                                       \
+		if (!(cond) && !g_fail) {                                                          \
+			print_error("%s:%d: seed %llu step %llu: check failed: %s\n    ", __FILE__,    \
+				    __LINE__, (unsigned long long)(m)->seed,                       \
+				    (unsigned long long)(m)->step, #cond);                         \
+			print_error(__VA_ARGS__);                                                  \
+			print_error("\n    replay: test_model --seed %llu --steps %llu\n",          \
+				    (unsigned long long)(m)->seed,                                 \
+				    (unsigned long long)(m)->step + 1);                            \
+			g_fail = 1;                                                                \
+		}                                                                                  \
+	} while (0)
+
+/* ---- injected faults ------------------------------------------------------------------------ */
+
+enum fkind { F_NONE, F_MEM, F_EIO, F_ECANCELED, F_ENOSPC, F_EAGAIN, F_SHORT, F_NKINDS };
+static const char *const fkind_name[F_NKINDS] = {"none",     "allocation", "-EIO",  "-ECANCELED",
+						 "-ENOSPC",  "-EAGAIN",    "short"};
+
+struct fault {
+	enum fkind kind;
+	uint64_t n;
+	int fired;
+};
+
+static int cqe_hook(void *ctx, uint64_t nth, int res)
+{
+	struct fault *f = (struct fault *)ctx;
+	if (nth != f->n || f->fired || res < 0)
+		return res;
+	f->fired = 1;
+	switch (f->kind) {
+	case F_EIO: return -EIO;
+	case F_ECANCELED: return -ECANCELED;
+	case F_ENOSPC: return -ENOSPC;
+	case F_EAGAIN: return -EAGAIN;
+	case F_SHORT: return res > 1 ? res / 2 : res;
+	default: return res;
+	}
+}
+
+static void arm(struct model *m, struct fault *f)
+{
+	f->fired = 0;
+	f->kind = F_NONE;
+	if (t_unif(&m->r) >= 0.25)
+		return;
+	f->kind = (enum fkind)(1 + t_below(&m->r, F_NKINDS - 1));
+	if (f->kind == F_MEM) {
+		f->n = 1 + t_below(&m->r, 6);
+		kvt_mem_fail_at(f->n);
+	} else {
+		f->n = 1 + t_below(&m->r, 8);
+		kvt_nvme_set_cqe_hook(m->t->nvme, cqe_hook, f);
+	}
+}
+
+static void disarm(struct model *m, struct fault *f)
+{
+	if (f->kind == F_MEM) {
+		f->fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+	} else if (f->kind != F_NONE) {
+		kvt_nvme_set_cqe_hook(m->t->nvme, NULL, NULL);
+	}
+	m->faults_fired += f->fired != 0;
+}
+
+/* The codes a call may return when the fault `f` hit it (kvtier.h's lists). */
+static int documented(const struct fault *f, int64_t rc)
+{
+	if (f->kind == F_MEM)
+		return rc == -ENOMEM;
+	return rc == -EIO || rc == -ECANCELED || rc == -ENOSPC || rc == -EAGAIN || rc == -EBADMSG;
+}
+
+/*
+ * Judge T's result under fault f. Returns 1 when R must run the call too (no fault reached, or T
+ * recovered), 0 when T failed as documented (R skips the call: it must be as if never made).
+ */
+static int judge(struct model *m, const struct fault *f, enum op op, int64_t rc)
+{
+	if (!f->fired || rc >= 0) {
+		m->faults_recovered += f->fired && rc >= 0;
+		return 1;
+	}
+	M_CHECK(m, documented(f, rc), "%s under an injected %s fault (n %llu): got %lld (%s: %s), "
+		"not a documented code", op_name[op], fkind_name[f->kind], (unsigned long long)f->n,
+		(long long)rc, kvt_strerror((int)rc), kvt_last_error(m->t));
+	m->faults_failed++;
+	return 0;
+}
+
+/* ---- the caches ------------------------------------------------------------------------------ */
+
+static kvt_config base_config(uint32_t dtype, float p)
+{
+	kvt_config cfg = t_config(NL, NQ, NKV, D, dtype);
+	cfg.max_seqs = MAXS;
+	cfg.host_bytes = (uint64_t)64 << 20;
+	cfg.p = p;
+	cfg.budget_min = 8;
+	cfg.flush_batch = 8;
+	cfg.window = 16;
+	cfg.n_sink = 4;
+	return cfg;
+}
+
+static void model_open(struct model *m, uint64_t seed)
+{
+	memset(m, 0, sizeof *m);
+	m->seed = seed;
+	t_rng_seed(&m->r, seed * 0x9e3779b97f4a7c15ull + 1);
+	m->dtype = t_below(&m->r, 2) ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
+	m->p = seed % 4 == 3 ? 1.0f : (float)(0.5 + 0.45 * t_unif(&m->r));
+	kvt_config cfg = base_config(m->dtype, m->p);
+	m->ref = t_create(&cfg);
+	nv_make_files(&m->f, nv_dir(), 1, (uint64_t)16 << 20);
+	cfg.nvme_paths = m->f.ptrs;
+	cfg.nvme_bytes = m->f.bytes;
+	cfg.n_nvme = 1;
+	cfg.nvme_cache_bytes = (uint64_t)2 << 20;
+	cfg.nvme_queue_depth = 1 + t_below(&m->r, 8);
+	m->t = t_create(&cfg);
+	nv_unlink(&m->f);
+	for (int i = 0; i < MAXS; i++)
+		for (int l = 0; l < NL; l++) {
+			m->s[i].k[l] = t_alloc(sizeof(float) * CAP * ROW);
+			m->s[i].v[l] = t_alloc(sizeof(float) * CAP * ROW);
+		}
+}
+
+static void model_close(struct model *m)
+{
+	kvt_cache_destroy(m->t);
+	kvt_cache_destroy(m->ref);
+	for (int i = 0; i < MAXS; i++)
+		for (int l = 0; l < NL; l++) {
+			free(m->s[i].k[l]);
+			free(m->s[i].v[l]);
+		}
+}
+
+/* ---- operations ------------------------------------------------------------------------------ */
+
+/* A random open sequence's slot, or -1. */
+static int pick_open(struct model *m)
+{
+	int c[MAXS], n = 0;
+	for (int i = 0; i < MAXS; i++)
+		if (m->s[i].open)
+			c[n++] = i;
+	return n ? c[t_below(&m->r, (uint32_t)n)] : -1;
+}
+
+/* A random non-empty subset (random order) of the open sequences, as slots; its size. */
+static uint32_t pick_batch(struct model *m, int *slots, uint32_t need_tokens, uint32_t layer)
+{
+	uint32_t n = 0;
+	for (int i = 0; i < MAXS; i++)
+		if (m->s[i].open && (!need_tokens || m->s[i].len[layer] > 0) &&
+		    (g_all || t_below(&m->r, 3)))
+			slots[n++] = i;
+	for (uint32_t i = n; i > 1; i--) {
+		uint32_t j = t_below(&m->r, i);
+		int x = slots[i - 1];
+		slots[i - 1] = slots[j];
+		slots[j] = x;
+	}
+	return n;
+}
+
+/* Rows of n tokens of `width` values: encoded into bits, decoded into dec when not NULL. */
+static void rows(struct model *m, uint32_t n, uint32_t width, double mean, uint16_t *bits,
+		 float *dec)
+{
+	t_fill(&m->r, m->dtype, (size_t)n * width, mean, 1.0, bits, dec);
+}
+
+static void op_open(struct model *m)
+{
+	int free_slot = -1;
+	for (int i = 0; i < MAXS && free_slot < 0; i++)
+		if (!m->s[i].open)
+			free_slot = i;
+	struct fault f;
+	uint32_t a = 0, b = 0;
+	arm(m, &f);
+	int rt = kvt_seq_open(m->t, &a);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_OPEN, rt))
+		return;
+	int rr = kvt_seq_open(m->ref, &b);
+	M_CHECK(m, rt == rr && (rt || a == b), "open: tiered got %d (id %u), reference got %d (id %u)",
+		rt, a, rr, b);
+	M_CHECK(m, (rt == 0) == (free_slot >= 0), "open with %s slot free: got %d",
+		free_slot >= 0 ? "a" : "no", rt);
+	if (rt == 0 && free_slot >= 0) {
+		struct mseq *s = &m->s[free_slot];
+		s->open = 1;
+		s->id = a;
+		memset(s->len, 0, sizeof s->len);
+	}
+}
+
+static void op_close(struct model *m)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	int rt = kvt_seq_close(m->t, m->s[i].id), rr = kvt_seq_close(m->ref, m->s[i].id);
+	M_CHECK(m, rt == 0 && rr == 0, "close %u: tiered got %d, reference got %d, wanted 0",
+		m->s[i].id, rt, rr);
+	m->s[i].open = 0;
+}
+
+static void op_prefill(struct model *m, uint16_t *q, uint16_t *k, uint16_t *v)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	struct mseq *s = &m->s[i];
+	uint32_t l = t_below(&m->r, NL);
+	uint32_t n = t_below(&m->r, 2) ? 1 + t_below(&m->r, 64) : 100 + t_below(&m->r, 300);
+	if (s->len[l] + n > CAP)
+		return;
+	int with_q = t_below(&m->r, 2);
+	if (with_q)
+		rows(m, n, QROW, 0.3, q, NULL);
+	rows(m, n, ROW, 0.1 * (double)i, k, s->k[l] + (size_t)s->len[l] * ROW);
+	rows(m, n, ROW, 0, v, s->v[l] + (size_t)s->len[l] * ROW);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_prefill(m->t, s->id, l, with_q ? q : NULL, k, v, n, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_PREFILL, rt))
+		return;
+	int rr = kvt_prefill(m->ref, s->id, l, with_q ? q : NULL, k, v, n, NULL);
+	M_CHECK(m, rt == 0 && rr == 0, "prefill %u tokens of %u on layer %u: tiered got %d (%s), "
+		"reference got %d, wanted 0", n, s->id, l, rt, kvt_last_error(m->t), rr);
+	if (rt == 0)
+		s->len[l] += n;
+}
+
+static void op_append(struct model *m, uint16_t *k, uint16_t *v)
+{
+	int slots[MAXS];
+	uint32_t l = t_below(&m->r, NL), ids[MAXS];
+	uint32_t n = pick_batch(m, slots, 0, l);
+	if (!n)
+		return;
+	for (uint32_t j = 0; j < n; j++) {
+		struct mseq *s = &m->s[slots[j]];
+		if (s->len[l] + 1 > CAP)
+			return;
+		ids[j] = s->id;
+		rows(m, 1, ROW, 0.1 * slots[j], k + (size_t)j * ROW, s->k[l] + (size_t)s->len[l] * ROW);
+		rows(m, 1, ROW, 0, v + (size_t)j * ROW, s->v[l] + (size_t)s->len[l] * ROW);
+	}
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_append(m->t, l, n, ids, k, v, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_APPEND, rt))
+		return;
+	int rr = kvt_append(m->ref, l, n, ids, k, v, NULL);
+	M_CHECK(m, rt == 0 && rr == 0, "append to %u sequences on layer %u: tiered got %d (%s), "
+		"reference got %d, wanted 0", n, l, rt, kvt_last_error(m->t), rr);
+	if (rt == 0)
+		for (uint32_t j = 0; j < n; j++)
+			m->s[slots[j]].len[l]++;
+}
+
+/* Exact attention of one sequence's queries [NQ, D] over every token the model holds. */
+static void exact(const struct model *m, const struct mseq *s, uint32_t l, const float *q,
+		  double *out)
+{
+	uint32_t n = s->len[l];
+	double *w = malloc(sizeof(double) * (n ? n : 1));
+	double scale = 1.0 / sqrt((double)D);
+	for (int h = 0; h < NQ; h++) {
+		int g = h / (NQ / NKV);
+		double mx = -INFINITY, sum = 0;
+		for (uint32_t t = 0; t < n; t++) {
+			double dot = 0;
+			for (int d = 0; d < D; d++)
+				dot += (double)q[h * D + d] * s->k[l][(size_t)t * ROW + g * D + d];
+			w[t] = dot * scale;
+			mx = w[t] > mx ? w[t] : mx;
+		}
+		for (uint32_t t = 0; t < n; t++)
+			sum += (w[t] = exp(w[t] - mx));
+		for (int d = 0; d < D; d++) {
+			double acc = 0;
+			for (uint32_t t = 0; t < n; t++)
+				acc += w[t] * s->v[l][(size_t)t * ROW + g * D + d];
+			out[h * D + d] = acc / sum;
+		}
+	}
+	(void)m;
+	free(w);
+}
+
+static void op_attend(struct model *m, uint16_t *q, float *qd, float *ot, float *orf)
+{
+	int slots[MAXS];
+	uint32_t l = t_below(&m->r, NL), ids[MAXS];
+	/* now and then a sequence without tokens on the layer: both must refuse the batch */
+	uint32_t n = pick_batch(m, slots, g_all || t_below(&m->r, 8) != 0, l);
+	if (!n)
+		return;
+	for (uint32_t j = 0; j < n; j++)
+		ids[j] = m->s[slots[j]].id;
+	rows(m, n, QROW, 0.3, q, qd);
+	size_t outn = (size_t)n * QROW;
+	memset(ot, 0xff, outn * sizeof *ot);
+	memset(orf, 0xff, outn * sizeof *orf);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_attend(m->t, l, n, ids, q, ot, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_ATTEND, rt))
+		return;
+	int rr = kvt_attend(m->ref, l, n, ids, q, orf, NULL);
+	M_CHECK(m, rt == rr, "attend of %u sequences on layer %u: tiered got %d (%s), reference %d "
+		"(%s)", n, l, rt, kvt_last_error(m->t), rr, kvt_last_error(m->ref));
+	if (rt || rr)
+		return;
+	for (size_t x = 0; x < outn; x++)
+		if (memcmp(&ot[x], &orf[x], sizeof *ot)) {
+			M_CHECK(m, 0, "attend of %u sequences on layer %u: output %zu (sequence %u, "
+				"head %zu, dim %zu) tiered %.9g, reference %.9g: wanted bit for bit",
+				n, l, x, ids[x / QROW], x % QROW / D, x % D, ot[x], orf[x]);
+			return;
+		}
+	if (m->p < 1.0f)
+		return;
+	double want[QROW];
+	for (uint32_t j = 0; j < n; j++) {
+		exact(m, &m->s[slots[j]], l, qd + (size_t)j * QROW, want);
+		for (int x = 0; x < QROW; x++) {
+			double got = ot[(size_t)j * QROW + x];
+			if (fabs(got - want[x]) > 2e-3 + 2e-3 * fabs(want[x])) {
+				M_CHECK(m, 0, "p = 1 attend, sequence %u (%u tokens) on layer %u, head "
+					"%d dim %d: got %.6f, exact %.6f", ids[j],
+					m->s[slots[j]].len[l], l, x / D, x % D, got, want[x]);
+				return;
+			}
+		}
+		m->exact_checks++;
+	}
+}
+
+static void op_select(struct model *m, uint16_t *q, uint16_t *kt, uint16_t *vt, uint16_t *kr,
+		      uint16_t *vr, int32_t *pt, int32_t *pr)
+{
+	int slots[MAXS];
+	uint32_t l = t_below(&m->r, NL), ids[MAXS];
+	uint32_t n = pick_batch(m, slots, 1, l);
+	if (!n)
+		return;
+	for (uint32_t j = 0; j < n; j++)
+		ids[j] = m->s[slots[j]].id;
+	rows(m, n, QROW, 0.3, q, NULL);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_select(m->t, l, n, ids, q, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_SELECT, rt))
+		return;
+	int rr = kvt_select(m->ref, l, n, ids, q, NULL);
+	M_CHECK(m, rt == rr, "select of %u sequences on layer %u: tiered got %d (%s), reference %d",
+		n, l, rt, kvt_last_error(m->t), rr);
+	if (rt <= 0 || rt != rr || (uint32_t)rt > CAP)
+		return;
+	uint32_t mt = (uint32_t)rt;
+	int32_t ct[MAXS * NKV], cr[MAXS * NKV];
+	arm(m, &f);
+	int gt = kvt_gather(m->t, l, n, ids, mt, ct, pt, kt, vt, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_SELECT, gt))
+		return;
+	int gr = kvt_gather(m->ref, l, n, ids, mt, cr, pr, kr, vr, NULL);
+	M_CHECK(m, gt == gr && gt >= 0, "gather of %u sequences on layer %u: tiered got %d (%s), "
+		"reference %d", n, l, gt, kvt_last_error(m->t), gr);
+	if (gt < 0 || gt != gr)
+		return;
+	M_CHECK(m, !memcmp(ct, cr, sizeof(int32_t) * n * NKV), "gather counts differ on layer %u "
+		"(first pair: tiered %d, reference %d)", l, ct[0], cr[0]);
+	for (uint32_t j = 0; j < n * NKV && !g_fail; j++) {
+		size_t off = (size_t)j * mt;
+		uint32_t c = (uint32_t)ct[j];
+		M_CHECK(m, !memcmp(pt + off, pr + off, c * sizeof *pt), "gather positions differ, "
+			"sequence %u kv head %u", ids[j / NKV], j % NKV);
+		M_CHECK(m, !memcmp(kt + off * D, kr + off * D, (size_t)c * D * 2) &&
+			!memcmp(vt + off * D, vr + off * D, (size_t)c * D * 2),
+			"gathered rows differ, sequence %u kv head %u", ids[j / NKV], j % NKV);
+		if (m->p >= 1.0f)
+			M_CHECK(m, c == m->s[slots[j / NKV]].len[l], "p = 1: sequence %u kv head %u "
+				"gathered %u tokens, wanted all %u", ids[j / NKV], j % NKV, c,
+				m->s[slots[j / NKV]].len[l]);
+	}
+}
+
+static void op_tier(struct model *m, enum op op)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	struct fault f;
+	arm(m, &f);
+	int64_t rc = op == OP_SPILL ? kvt_seq_spill(m->t, m->s[i].id)
+				   : kvt_seq_restore(m->t, m->s[i].id);
+	disarm(m, &f);
+	if (!judge(m, &f, op, rc))
+		return;
+	M_CHECK(m, rc >= 0, "%s of %u: got %lld (%s), wanted >= 0", op_name[op], m->s[i].id,
+		(long long)rc, kvt_last_error(m->t));
+}
+
+/* Lengths of every open sequence on every layer: the model's, T's and R's. */
+static void check_lengths(struct model *m)
+{
+	for (int i = 0; i < MAXS; i++) {
+		if (!m->s[i].open)
+			continue;
+		for (uint32_t l = 0; l < NL; l++) {
+			int64_t a = kvt_seq_length(m->t, m->s[i].id, l);
+			int64_t b = kvt_seq_length(m->ref, m->s[i].id, l);
+			M_CHECK(m, a == b && a == m->s[i].len[l], "length of %u on layer %u: tiered "
+				"%lld, reference %lld, model %u", m->s[i].id, l, (long long)a,
+				(long long)b, m->s[i].len[l]);
+		}
+	}
+}
+
+struct bufs {
+	uint16_t q[400 * QROW], k[400 * ROW], v[400 * ROW];
+	float qd[MAXS * QROW], ot[MAXS * QROW], orf[MAXS * QROW];
+	uint16_t kt[MAXS * NKV * CAP * D], vt[MAXS * NKV * CAP * D];
+	uint16_t kr[MAXS * NKV * CAP * D], vr[MAXS * NKV * CAP * D];
+	int32_t pt[MAXS * NKV * CAP], pr[MAXS * NKV * CAP];
+};
+
+static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *totals)
+{
+	struct model m;
+	model_open(&m, seed);
+	/* two sequences to start with */
+	op_open(&m);
+	op_open(&m);
+	static const uint32_t weight[OP_NOPS] = {4, 2, 14, 30, 18, 10, 6, 6};
+	for (m.step = 0; m.step < steps && !g_fail; m.step++) {
+		uint32_t x = t_below(&m.r, 90), op = 0;
+		while (x >= weight[op])
+			x -= weight[op++];
+		uint64_t failed = m.faults_failed;
+		switch ((enum op)op) {
+		case OP_OPEN: op_open(&m); break;
+		case OP_CLOSE: op_close(&m); break;
+		case OP_PREFILL: op_prefill(&m, b->q, b->k, b->v); break;
+		case OP_APPEND: op_append(&m, b->k, b->v); break;
+		case OP_ATTEND: op_attend(&m, b->q, b->qd, b->ot, b->orf); break;
+		case OP_SELECT: op_select(&m, b->q, b->kt, b->vt, b->kr, b->vr, b->pt, b->pr); break;
+		default: op_tier(&m, (enum op)op); break;
+		}
+		m.ops[op]++;
+		check_lengths(&m);
+		/* right after a failed call: every layer's attention over every sequence must match */
+		if (m.faults_failed != failed) {
+			g_all = 1;
+			for (int l = 0; l < NL && !g_fail; l++)
+				op_attend(&m, b->q, b->qd, b->ot, b->orf);
+			g_all = 0;
+		}
+	}
+	for (int o = 0; o < OP_NOPS; o++)
+		totals[o] += m.ops[o];
+	totals[OP_NOPS] += m.faults_fired;
+	totals[OP_NOPS + 1] += m.faults_failed;
+	totals[OP_NOPS + 2] += m.faults_recovered;
+	totals[OP_NOPS + 3] += m.exact_checks;
+	model_close(&m);
+}
+
+static uint64_t n_seeds = 32, first_seed = 1, n_steps = 300;
+
+static void test_model(void **state)
+{
+	(void)state;
+	struct bufs *b = t_alloc(sizeof *b);
+	uint64_t totals[OP_NOPS + 4] = {0};
+	int64_t live = kvt_mem_live();
+	int fds = nv_fd_count();
+	uint64_t s;
+	for (s = first_seed; s < first_seed + n_seeds && !g_fail; s++)
+		run_seed(s, n_steps, b, totals);
+	free(b);
+	print_message("model: %llu seeds x %llu steps; ops:", (unsigned long long)(s - first_seed),
+		      (unsigned long long)n_steps);
+	for (int o = 0; o < OP_NOPS; o++)
+		print_message(" %s %llu", op_name[o], (unsigned long long)totals[o]);
+	print_message("; faults fired %llu (failed as documented %llu, recovered %llu); exact p = 1 "
+		      "checks %llu\n", (unsigned long long)totals[OP_NOPS],
+		      (unsigned long long)totals[OP_NOPS + 1], (unsigned long long)totals[OP_NOPS + 2],
+		      (unsigned long long)totals[OP_NOPS + 3]);
+	T_CHECK(!g_fail, "a seed did not match the reference (above)");
+	T_CHECK(kvt_mem_live() == live, "live allocations got %lld after every seed, wanted %lld",
+		(long long)kvt_mem_live(), (long long)live);
+	T_CHECK(nv_fd_count() == fds, "open descriptors got %d after every seed, wanted %d",
+		nv_fd_count(), fds);
+	T_CHECK(n_seeds < 8 || (totals[OP_NOPS + 1] > 0 && totals[OP_NOPS + 3] > 0),
+		"faults that failed a call got %llu, exact checks %llu: wanted both > 0",
+		(unsigned long long)totals[OP_NOPS + 1], (unsigned long long)totals[OP_NOPS + 3]);
+}
+
+static int setup(void **state)
+{
+	(void)state;
+	nv_skip_unless_available();
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--long")) {
+			n_seeds = 250;
+		} else if (!strcmp(argv[i], "--seeds") && i + 1 < argc) {
+			n_seeds = strtoull(argv[++i], NULL, 0);
+		} else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+			first_seed = strtoull(argv[++i], NULL, 0);
+			n_seeds = 1;
+		} else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
+			n_steps = strtoull(argv[++i], NULL, 0);
+		} else {
+			fprintf(stderr, "usage: %s [--long] [--seeds N] [--seed S] [--steps N]\n",
+				argv[0]);
+			return 2;
+		}
+	}
+	const char *env = getenv("KVT_MODEL_SEEDS"); /* over --long: for runs longer still */
+	if (env && env[0])
+		n_seeds = strtoull(env, NULL, 0);
+	t_warm_runtime();
+	const struct CMUnitTest tests[] = {cmocka_unit_test(test_model)};
+	return cmocka_run_group_tests(tests, setup, NULL);
+}
