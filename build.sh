@@ -39,8 +39,9 @@ summary() {
 	timeout=$(sed -n 's/^Timeout: *\([0-9]*\).*/\1/p' "$1" | tail -n 1)
 	skip=$(sed -n 's/^Skipped: *\([0-9]*\).*/\1/p' "$1" | tail -n 1)
 	ok=${ok:-0} fail=$(( ${fail:-0} + ${timeout:-0} )) skip=${skip:-0}
-	if [ -n "${3:-}" ] && [ -f "$3" ]; then
-		attr() { sed -n "s/.*<testsuite [^>]*\b$1=\"\([0-9]*\)\".*/\1/p" "$3" | head -n 1; }
+	junit_report=${3:-}
+	if [ -n "$junit_report" ] && [ -f "$junit_report" ]; then
+		attr() { sed -n "s/.*<testsuite [^>]*\b$1=\"\([0-9]*\)\".*/\1/p" "$junit_report" | head -n 1; }
 		py_all=$(attr tests) py_fail=$(( $(attr failures) + $(attr errors) )) py_skip=$(attr skipped)
 		py_ok=$(( py_all - py_fail - py_skip ))
 		echo "python tests (pytest): $py_ok passed, $py_fail failed, $py_skip skipped"
