@@ -338,18 +338,32 @@ static __global__ void k_centroids(uint32_t d, uint32_t hkv, uint32_t G, const v
 	if (x >= hkv * d)
 		return;
 	const uint32_t h = x / d, j = x % d;
+	/* non-finite elements are left out (the CUDA backend does not inspect keys on the host):
+	 * one bad key must not make the centroid, and every score of its sequence, non-finite */
 	double acc = 0.0;
-	for (uint32_t t = 0; t < n; t++)
-		acc = __dadd_rn(acc, (double)kvt_d_load<DT>(keys, t * ts + h * hs + j));
-	c_k[x] = (float)__ddiv_rn(acc, (double)n);
+	uint32_t cnt = 0;
+	for (uint32_t t = 0; t < n; t++) {
+		const double v = (double)kvt_d_load<DT>(keys, t * ts + h * hs + j);
+		if (isfinite(v)) {
+			acc = __dadd_rn(acc, v);
+			cnt++;
+		}
+	}
+	c_k[x] = cnt ? (float)__ddiv_rn(acc, (double)cnt) : 0.0f;
 	acc = 0.0;
+	cnt = 0;
 	if (q) {
 		const size_t hq = (size_t)hkv * G;
 		for (uint32_t t = 0; t < n; t++)
-			for (uint32_t g = 0; g < G; g++)
-				acc = __dadd_rn(acc, (double)kvt_d_load<DT>(
-							     q, ((size_t)t * hq + h * G + g) * d + j));
-		c_q[x] = (float)__ddiv_rn(acc, __dmul_rn((double)n, (double)G));
+			for (uint32_t g = 0; g < G; g++) {
+				const double v = (double)kvt_d_load<DT>(
+					q, ((size_t)t * hq + h * G + g) * d + j);
+				if (isfinite(v)) {
+					acc = __dadd_rn(acc, v);
+					cnt++;
+				}
+			}
+		c_q[x] = cnt ? (float)__ddiv_rn(acc, (double)cnt) : 0.0f;
 	} else {
 		c_q[x] = 0.0f;
 	}

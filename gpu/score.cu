@@ -88,7 +88,9 @@ static __global__ void __launch_bounds__(D)
 		float s = 0.0f;
 		for (int i = 0; i < D; i++)
 			s = __fadd_rn(s, __fmul_rn(rs[i], ck[i]));
-		o->qc_ck = s;
+		/* saturated as lib/estimate.c's twin does (KVT_QC_CK_MAX) */
+		o->qc_ck = s != s ? 0.0f : s > KVT_QC_CK_MAX ? KVT_QC_CK_MAX
+			   : s < -KVT_QC_CK_MAX ? -KVT_QC_CK_MAX : s;
 	}
 	__syncthreads();
 	const float lo = lo_s, delta = delta_s;

@@ -15,6 +15,10 @@
  * 64-bit tag words and a 32-bit last-use epoch (gpu/fetch.cuh; lib/probe.c sizes it from these). */
 #define KVT_GPU_HOT_WAYS 8u
 #define KVT_GPU_HOT_TAG_BYTES (2 * 8u + 4u)
+/* |<q - c_q, c_k>| of a prepared query is saturated here (and a NaN made 0), on the CPU and in
+ * gpu/score.cu alike: keys or centroids of a magnitude no model produces (bf16 above ~1e36) then
+ * give a finite, dominant score instead of failing every batch their sequence joins. */
+#define KVT_QC_CK_MAX 1e30f
 /* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
 #define KVT_TABLE_MIN_BLOCKS 4u
 

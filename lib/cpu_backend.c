@@ -49,7 +49,8 @@ static float centroid_key(const kvt_cache *c, const struct kvt_layer *l, const v
 }
 
 /* Freeze the centroids: mean of n keys and, when q is given, of the [n, n_q_heads, d] queries of
- * each KV head's group. */
+ * each KV head's group. The CUDA twin leaves non-finite elements out of the means; none reach this
+ * one (check_finite refused them). */
 static int cpu_centroids(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
 			 const void *k, uint32_t n, void *stream)
 {

@@ -85,7 +85,10 @@ void kvt_query_prepare(uint32_t d, const float *rot, const float *c_q, const flo
 	float r[KVT_MAX_HEAD_DIM] = { 0 };
 	for (uint32_t i = 0; i < d; i++)
 		r[i] = q[i] - c_q[i];
-	qc->qc_ck = dot(d, r, c_k);
+	const float qc_ck = dot(d, r, c_k);
+	qc->qc_ck = qc_ck != qc_ck ? 0.0f
+		    : qc_ck > KVT_QC_CK_MAX ? KVT_QC_CK_MAX
+		    : qc_ck < -KVT_QC_CK_MAX ? -KVT_QC_CK_MAX : qc_ck;
 	rotate(d, rot, r, qc->x);
 	float lo = qc->x[0], hi = qc->x[0];
 	for (uint32_t j = 1; j < d; j++) {

@@ -547,8 +547,9 @@ static void test_saturated_entry(void **state)
 enum { BIG_D = 128, BIG_NQ = 4, BIG_NKV = 2, BIG_T = 200, BIG_APPENDS = 30 };
 
 /* One sequence's prefill and appends: keys N(0, 1), or (big) +-U(40000, 65000) in fp16. */
-static void big_seq(kvt_cache *c, uint32_t seq, uint32_t dtype, bool big, uint64_t seed)
+static void big_seq(kvt_cache *c, uint32_t seq, uint32_t dtype, double mag, uint64_t seed)
 {
+	const bool big = mag > 0;
 	t_rng r;
 	t_rng_seed(&r, seed);
 	const size_t row = (size_t)BIG_NKV * BIG_D;
@@ -556,7 +557,7 @@ static void big_seq(kvt_cache *c, uint32_t seq, uint32_t dtype, bool big, uint64
 	t_fill(&r, dtype, row * BIG_T, 0, 1, k, NULL);
 	t_fill(&r, dtype, row * BIG_T, 0, 1, v, NULL);
 	for (size_t i = 0; big && i < row * BIG_T; i++)
-		k[i] = t_enc(dtype, (float)(t_range(&r, 40000, 65000) * (t_below(&r, 2) ? 1 : -1)));
+		k[i] = t_enc(dtype, (float)(t_range(&r, 0.6 * mag, mag) * (t_below(&r, 2) ? 1 : -1)));
 	int rc = kvt_prefill(c, seq, 0, NULL, k, v, BIG_T - BIG_APPENDS, NULL);
 	T_CHECK(rc == 0, "prefill of seq %u (%s keys) got %d (%s), wanted 0", seq,
 		big ? "big" : "normal", rc, kvt_last_error(c));
@@ -573,31 +574,34 @@ static void big_seq(kvt_cache *c, uint32_t seq, uint32_t dtype, bool big, uint64
  * A sequence of keys near the fp16 maximum (residual norms ~ 6e5, sigma beyond fp16) is indexed by
  * prefill and by the appends' flushes. Before, every attend of a batch holding it failed with
  * -EINVAL; now the batch attends, the other sequence's output is bit for bit its output attended
- * alone, and every output is finite.
+ * alone, and every output is finite. The same with bf16 keys near bf16's maximum, whose
+ * <q - c_q, c_k> overflowed float (saturated at KVT_QC_CK_MAX now).
  */
-static void test_big_keys_batch(void **state)
+static void big_keys_batch(uint32_t dtype, double mag)
 {
-	(void)state;
-	kvt_config cfg = t_config(1, BIG_NQ, BIG_NKV, BIG_D, KVT_DTYPE_F16);
+	kvt_config cfg = t_config(1, BIG_NQ, BIG_NKV, BIG_D, dtype);
 	kvt_cache *c = t_create(&cfg);
 	uint32_t seqs[2];
 	T_CHECK(kvt_seq_open(c, &seqs[0]) == 0 && kvt_seq_open(c, &seqs[1]) == 0, "seq_open");
-	big_seq(c, seqs[0], KVT_DTYPE_F16, true, 0xb16u);
-	big_seq(c, seqs[1], KVT_DTYPE_F16, false, 0x5a11u);
+	big_seq(c, seqs[0], dtype, mag, 0xb16u);
+	big_seq(c, seqs[1], dtype, 0, 0x5a11u);
 	t_rng r;
 	t_rng_seed(&r, 0x9e7u);
 	const size_t qn = (size_t)BIG_NQ * BIG_D;
 	uint16_t q[2 * BIG_NQ * BIG_D];
 	float out[2 * BIG_NQ * BIG_D], alone[BIG_NQ * BIG_D];
 	for (int step = 0; step < 3; step++) {
-		t_fill(&r, KVT_DTYPE_F16, 2 * qn, 0, 1, q, NULL);
+		t_fill(&r, dtype, 2 * qn, 0, 1, q, NULL);
 		int rc = kvt_attend(c, 0, 2, seqs, q, out, NULL);
-		T_CHECK(rc == 0, "step %d: attend of [big-key seq, normal seq] got %d (%s: %s), wanted 0",
-			step, rc, kvt_strerror(rc), kvt_last_error(c));
+		T_CHECK(rc == 0, "%s keys of %g, step %d: attend of [big-key seq, normal seq] got %d "
+			"(%s: %s), wanted 0", t_dtype_name(dtype), mag, step, rc, kvt_strerror(rc),
+			kvt_last_error(c));
 		rc = kvt_attend(c, 0, 1, &seqs[1], q + qn, alone, NULL);
 		T_CHECK(rc == 0, "step %d: attend of the normal seq alone got %d (%s)", step, rc,
 			kvt_last_error(c));
-		for (size_t j = 0; j < 2 * qn; j++)
+		/* the big-key sequence's own output is finite while its exact q.k is (fp16 keys);
+		 * bf16 keys near 3e38 overflow its own attention, and only its own */
+		for (size_t j = mag < 1e5 ? 0 : qn; j < 2 * qn; j++)
 			T_CHECK(isfinite(out[j]), "step %d: out[%zu] = %g, wanted finite", step, j,
 				(double)out[j]);
 		for (size_t j = 0; j < qn; j++)
@@ -606,6 +610,15 @@ static void test_big_keys_batch(void **state)
 				"equal", step, j, (double)out[qn + j], (double)alone[j]);
 	}
 	kvt_cache_destroy(c);
+}
+
+static void test_big_keys_batch(void **state)
+{
+	(void)state;
+	big_keys_batch(KVT_DTYPE_F16, 65000);
+	/* bf16 keys near its maximum: <q - c_q, c_k> overflows float unless saturated
+	 * (KVT_QC_CK_MAX) */
+	big_keys_batch(KVT_DTYPE_BF16, 3e38);
 }
 
 /*
@@ -619,7 +632,7 @@ static void test_big_query_blamed(void **state)
 	kvt_cache *c = t_create(&cfg);
 	uint32_t seq;
 	T_CHECK(kvt_seq_open(c, &seq) == 0, "seq_open");
-	big_seq(c, seq, KVT_DTYPE_BF16, false, 0x77u);
+	big_seq(c, seq, KVT_DTYPE_BF16, 0, 0x77u);
 	uint16_t q[BIG_NQ * BIG_D];
 	float out[BIG_NQ * BIG_D];
 	t_rng r;

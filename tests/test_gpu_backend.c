@@ -14,7 +14,8 @@
  * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
  *   for bit;
  * - spilled: a sequence spilled to NVMe is restored by the step that attends it, with the same
- *   output as before the spill (in a build with liburing, which the NVMe tier needs).
+ *   output as before the spill (in a build with liburing, which the NVMe tier needs);
+ * - bad key: a NaN key in a sequence's first chunk fails none of the batches it joins.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
@@ -411,6 +412,84 @@ static void test_spilled(void **state)
 }
 #endif
 
+/*
+ * A non-finite key in a sequence's first chunk (the CUDA backend does not inspect keys on the
+ * host) must not fail the batches that sequence joins: its centroid leaves the element out, so every
+ * score stays finite, and the other sequence's output in the batch is bit for bit its output alone.
+ * Before, the NaN centroid made every score of the sequence NaN and each batch with it failed.
+ */
+static void test_bad_key_batch(void **state)
+{
+	(void)state;
+	enum { T = 300, STEPS = 3 };
+	kvt_config cfg = config(0);
+	cfg.backend = KVT_BACKEND_CUDA;
+	kvt_cache *c = NULL;
+	OK(NULL, kvt_cache_create(&cfg, &c));
+	t_rng r;
+	t_rng_seed(&r, 0xbad);
+	const size_t kv = (size_t)T * HKV * D, qn = (size_t)HQ * D;
+	uint16_t *hk = t_alloc(2 * kv), *hv = t_alloc(2 * kv), *hq = t_alloc(2 * 2 * qn);
+	void *dk, *dv, *dq, *dout, *dalone;
+	CU(cudaMalloc(&dk, 2 * kv));
+	CU(cudaMalloc(&dv, 2 * kv));
+	CU(cudaMalloc(&dq, 2 * 2 * qn));
+	CU(cudaMalloc(&dout, 4 * 2 * qn));
+	CU(cudaMalloc(&dalone, 4 * qn));
+	uint32_t seqs[2];
+	for (int s = 0; s < 2; s++) {
+		OK(c, kvt_seq_open(c, &seqs[s]));
+		for (size_t i = 0; i < kv; i++) {
+			hk[i] = t_f2h((float)t_normal(&r));
+			hv[i] = t_f2h((float)t_normal(&r));
+		}
+		if (s == 0)
+			hk[5 * HKV * D + 3] = 0x7e00; /* NaN: token 5, KV head 0, element 3 */
+		CU(cudaMemcpy(dk, hk, 2 * kv, cudaMemcpyHostToDevice));
+		CU(cudaMemcpy(dv, hv, 2 * kv, cudaMemcpyHostToDevice));
+		OK(c, kvt_prefill(c, seqs[s], 0, NULL, dk, dv, T, NULL));
+	}
+	float *out = t_alloc(4 * 2 * qn), *alone = t_alloc(4 * qn);
+	for (int step = 0; step < STEPS; step++) {
+		for (size_t i = 0; i < 2 * (size_t)HKV * D; i++) {
+			hk[i] = t_f2h((float)t_normal(&r));
+			hv[i] = t_f2h((float)t_normal(&r));
+		}
+		for (size_t i = 0; i < 2 * qn; i++)
+			hq[i] = t_f2h((float)t_normal(&r));
+		CU(cudaMemcpy(dk, hk, 2 * 2 * HKV * D, cudaMemcpyHostToDevice));
+		CU(cudaMemcpy(dv, hv, 2 * 2 * HKV * D, cudaMemcpyHostToDevice));
+		CU(cudaMemcpy(dq, hq, 2 * 2 * qn, cudaMemcpyHostToDevice));
+		OK(c, kvt_append(c, 0, 2, seqs, dk, dv, NULL));
+		int rc = kvt_attend(c, 0, 2, seqs, dq, dout, NULL);
+		T_CHECK(rc == 0, "step %d: attend of [bad-key seq, normal seq] got %d (%s)", step, rc,
+			kvt_last_error(c));
+		rc = kvt_attend(c, 0, 1, &seqs[1], (char *)dq + 2 * qn, dalone, NULL);
+		T_CHECK(rc == 0, "step %d: attend of the normal seq alone got %d (%s)", step, rc,
+			kvt_last_error(c));
+		kvt_stats st = {.size = sizeof st};
+		rc = kvt_get_stats(c, &st); /* synchronizes: reports what the kernels found */
+		T_CHECK(rc == 0, "step %d: the kernels reported %d (%s)", step, rc, kvt_last_error(c));
+		CU(cudaMemcpy(out, dout, 4 * 2 * qn, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(alone, dalone, 4 * qn, cudaMemcpyDeviceToHost));
+		for (size_t j = 0; j < qn; j++)
+			T_CHECK(t_fbits(out[qn + j]) == t_fbits(alone[j]),
+				"step %d: normal seq's out[%zu] in the batch %.9g, alone %.9g", step, j,
+				(double)out[qn + j], (double)alone[j]);
+	}
+	free(hk);
+	free(hv);
+	free(hq);
+	free(out);
+	free(alone);
+	CU(cudaFree(dk));
+	CU(cudaFree(dv));
+	CU(cudaFree(dq));
+	CU(cudaFree(dout));
+	CU(cudaFree(dalone));
+	kvt_cache_destroy(c);
+}
+
 int main(void)
 {
 	int count = 0;
@@ -423,6 +502,7 @@ int main(void)
 		cmocka_unit_test(test_pipeline),
 		cmocka_unit_test(test_hot_cache),
 		cmocka_unit_test(test_graph),
+		cmocka_unit_test(test_bad_key_batch),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
 		cmocka_unit_test(test_spilled),
 #endif
