@@ -394,3 +394,54 @@ KVT_API int kvt_get_layer_stats(kvt_cache *c, uint32_t layer, kvt_layer_stats *s
 	kvt_out_fill(st, &out, sizeof out);
 	return 0;
 }
+
+KVT_API int kvt_get_capacity(kvt_cache *c, kvt_capacity *cap)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!cap, c, -EINVAL, "cap is NULL");
+	KVT_TRY(kvt_out_size_check(c, "cap", cap->size, KVT_CAPACITY_SIZE_VER0));
+	const uint64_t kl = (uint64_t)c->cfg.n_kv_heads * c->cfg.n_layers;
+	kvt_capacity k = {
+		.size = sizeof k,
+		.host_bytes_free = kvt_extents_free_bytes(&c->host),
+		.host_bytes_capacity = c->host.capacity,
+		.block_bytes = c->host.block_bytes,
+		.block_tokens = KVT_BLOCK_TOKENS,
+		.row_bytes_per_token = c->row_bytes * kl,
+		.index_bytes_per_token = c->st.index_bytes_per_token_head * kl,
+		.seqs_open = (uint32_t)c->st.seqs_open,
+		.max_seqs = c->cfg.max_seqs,
+	};
+	if (c->nvme) {
+		struct kvt_nvme_stats ns;
+		kvt_nvme_get_stats(c->nvme, &ns);
+		k.nvme_bytes_free = ns.bytes_free;
+		k.nvme_bytes_capacity = ns.bytes_used + ns.bytes_free;
+	}
+	kvt_out_fill(cap, &k, sizeof k);
+	return 0;
+}
+
+KVT_API int kvt_seq_bytes(kvt_cache *c, uint32_t seq, uint64_t *host, uint64_t *nvme)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(lookup(c, seq, &s));
+	uint64_t h = 0, n = 0;
+	for (uint32_t i = 0; i < c->cfg.n_layers; i++) {
+		const struct kvt_layer *l = &s->layers[i];
+		for (uint32_t kh = 0; kh < c->cfg.n_kv_heads; kh++)
+			for (uint32_t b = 0; b < l->n_blocks; b++) {
+				size_t at = (size_t)kh * l->blk_cap + b;
+				if (l->blocks[at])
+					h += c->host.block_bytes;
+				else if (l->spill)
+					n += l->spill[at].loc.bytes;
+			}
+	}
+	if (host)
+		*host = h;
+	if (nvme)
+		*nvme = n;
+	return 0;
+}

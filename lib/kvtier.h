@@ -424,6 +424,41 @@ typedef struct kvt_layer_stats {
  */
 KVT_API int kvt_get_layer_stats(kvt_cache *cache, uint32_t layer, kvt_layer_stats *stats);
 
+/* What a scheduler asks before admitting or growing a request (kvt_get_capacity). */
+typedef struct kvt_capacity {
+	size_t size;                  /* sizeof(kvt_capacity), set by the caller */
+	uint64_t host_bytes_free;     /* host-tier bytes still available to this cache: its own
+					 host_bytes and, with a host pool, the pool's share left */
+	uint64_t host_bytes_capacity; /* kvt_config.host_bytes */
+	uint64_t nvme_bytes_free;     /* free bytes in the NVMe files (0 without an NVMe tier) */
+	uint64_t nvme_bytes_capacity;
+	uint64_t block_bytes;         /* the host tier's unit: block_tokens rows of one layer and KV head */
+	uint64_t block_tokens;        /* tokens per block */
+	uint64_t row_bytes_per_token; /* K/V bytes of one token over all layers and KV heads */
+	uint64_t index_bytes_per_token; /* index bytes of one indexed token over all layers and KV heads
+					   (the CUDA backend keeps them in HBM) */
+	uint32_t seqs_open, max_seqs;
+} kvt_capacity;
+
+/* The size of the first release's kvt_capacity: the smallest kvt_get_capacity accepts. */
+#define KVT_CAPACITY_SIZE_VER0 (offsetof(kvt_capacity, max_seqs) + sizeof(uint32_t))
+
+/*
+ * Fill *cap (filled up to cap->size, as kvt_get_stats) with what the cache can still take. Never
+ * synchronizes or waits for the device: every figure is kept on the host, so a scheduler may ask at
+ * every step. A sequence of n tokens needs about ceil(n / block_tokens) * block_bytes per layer and KV
+ * head in the host tier (kvt_seq_bytes tells what one holds). Errors: -EINVAL (NULL, size below
+ * KVT_CAPACITY_SIZE_VER0). Thread safety: calls on one cache are serialized by the caller.
+ */
+KVT_API int kvt_get_capacity(kvt_cache *cache, kvt_capacity *cap);
+
+/*
+ * The bytes sequence `seq` holds now, over all its layers and KV heads: in the host tier (*host,
+ * whole blocks) and on NVMe (*nvme, its spilled blocks with their headers); either pointer may be
+ * NULL. Never synchronizes the device. Errors: -EINVAL (cache NULL), -ENOENT (not open).
+ */
+KVT_API int kvt_seq_bytes(kvt_cache *cache, uint32_t seq, uint64_t *host, uint64_t *nvme);
+
 /* ---- what this build and machine offer, and what a configuration needs ------------------ */
 
 /* CUDA devices kvt_probe lists at most. */

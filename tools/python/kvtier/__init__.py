@@ -13,11 +13,12 @@ The library is found through $KVTIER_LIBRARY, then next to this package, then th
 """
 
 from ._abi import LoadError, VERSION_NUMBER as ABI_VERSION_NUMBER
-from .cache import (NONE, NONE64, NVME_KEEP_FILES, Cache, Config, Footprint, Gathered, LayerStats, ProbeInfo,
-                    Sequence, Stats, footprint, probe, strerror, version, version_number)
+from .cache import (NONE, NONE64, NVME_KEEP_FILES, Cache, Capacity, Config, Footprint, Gathered,
+                    LayerStats, ProbeInfo, Sequence, Stats, footprint, probe, strerror, version,
+                    version_number)
 from .errors import Error
 
 __all__ = ["Cache", "Config", "Sequence", "Stats", "LayerStats", "ProbeInfo", "Footprint",
-           "Gathered", "Error", "LoadError", "NONE", "NONE64", "NVME_KEEP_FILES", "ABI_VERSION_NUMBER", "version",
+           "Gathered", "Capacity", "Error", "LoadError", "NONE", "NONE64", "NVME_KEEP_FILES", "ABI_VERSION_NUMBER", "version",
            "version_number", "strerror", "probe", "footprint"]
 __version__ = "0.1.0"

@@ -121,6 +121,15 @@ class KvtFootprint(ctypes.Structure):
     ]
 
 
+class KvtCapacity(ctypes.Structure):
+    """kvt_capacity (output struct)."""
+    _fields_ = [("size", size_t)] + [
+        (n, u64) for n in ("host_bytes_free", "host_bytes_capacity", "nvme_bytes_free",
+                           "nvme_bytes_capacity", "block_bytes", "block_tokens",
+                           "row_bytes_per_token", "index_bytes_per_token")
+    ] + [("seqs_open", u32), ("max_seqs", u32)]
+
+
 def _end_of(struct: type, field: str) -> int:
     f = getattr(struct, field)
     return f.offset + f.size
@@ -133,9 +142,11 @@ SIZE_VER0 = {
     KvtLayerStats: _end_of(KvtLayerStats, "hot_rows"),
     KvtProbeInfo: _end_of(KvtProbeInfo, "host_available_bytes"),
     KvtFootprint: _end_of(KvtFootprint, "hbm_cache_bytes"),
+    KvtCapacity: _end_of(KvtCapacity, "max_seqs"),
 }
 STRUCTS = {"kvt_config": KvtConfig, "kvt_stats": KvtStats, "kvt_layer_stats": KvtLayerStats,
-           "kvt_probe_info": KvtProbeInfo, "kvt_footprint": KvtFootprint}
+           "kvt_probe_info": KvtProbeInfo, "kvt_footprint": KvtFootprint,
+           "kvt_capacity": KvtCapacity}
 
 
 class LoadError(ImportError):
@@ -160,6 +171,8 @@ _PROTOTYPES = {
                                   ctypes.POINTER(i32), _P, _P, _P, _P]),
     "kvt_get_stats": (ctypes.c_int, [_P, ctypes.POINTER(KvtStats)]),
     "kvt_get_layer_stats": (ctypes.c_int, [_P, u32, ctypes.POINTER(KvtLayerStats)]),
+    "kvt_get_capacity": (ctypes.c_int, [_P, ctypes.POINTER(KvtCapacity)]),
+    "kvt_seq_bytes": (ctypes.c_int, [_P, u32, ctypes.POINTER(u64), ctypes.POINTER(u64)]),
     "kvt_probe": (ctypes.c_int, [ctypes.POINTER(KvtProbeInfo)]),
     "kvt_footprint_of": (ctypes.c_int, [ctypes.POINTER(KvtConfig), u64,
                                         ctypes.POINTER(KvtFootprint)]),

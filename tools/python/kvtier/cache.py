@@ -181,6 +181,8 @@ LayerStats = _dataclass_of("LayerStats", _abi.KvtLayerStats,
                            "kvt_layer_stats: fetch counters of one layer (CUDA backend).")
 ProbeInfo = _dataclass_of("ProbeInfo", _abi.KvtProbeInfo,
                           "kvt_probe_info: what this build and machine offer.")
+Capacity = _dataclass_of("Capacity", _abi.KvtCapacity,
+                         "kvt_capacity: what the cache can still take (never waits for the GPU).")
 Footprint = _dataclass_of("Footprint", _abi.KvtFootprint,
                           "kvt_footprint: bytes per tier for one sequence of n_tokens.")
 
@@ -506,6 +508,23 @@ class Cache:
         st.size = ctypes.sizeof(st)
         self._check(_abi.lib().kvt_get_stats(self._handle(), ctypes.byref(st)), "kvt_get_stats")
         return _fill(Stats, st)
+
+    def capacity(self) -> "Capacity":
+        """kvt_get_capacity as a Capacity dataclass: free host and NVMe bytes, bytes per token and
+        per block. Never synchronizes the device, so a scheduler may ask at every step."""
+        k = _abi.KvtCapacity()
+        k.size = ctypes.sizeof(k)
+        self._check(_abi.lib().kvt_get_capacity(self._handle(), ctypes.byref(k)),
+                    "kvt_get_capacity")
+        return _fill(Capacity, k)
+
+    def seq_bytes(self, seq: SeqLike) -> "tuple[int, int]":
+        """kvt_seq_bytes: (host-tier bytes, NVMe bytes) the sequence holds now."""
+        host, nvme = ctypes.c_uint64(), ctypes.c_uint64()
+        self._check(_abi.lib().kvt_seq_bytes(self._handle(), self._seq_id(seq),
+                                             ctypes.byref(host), ctypes.byref(nvme)),
+                    "kvt_seq_bytes")
+        return host.value, nvme.value
 
     def layer_stats(self, layer: int) -> "LayerStats":
         """kvt_get_layer_stats of `layer` as a LayerStats dataclass (zeros on the CPU backend)."""

@@ -150,6 +150,22 @@ def test_stats_dataclass(cache, rng):
         st.tokens = 0
 
 
+def test_capacity_and_seq_bytes(cache, rng):
+    k0 = cache.capacity()
+    assert dataclasses.is_dataclass(k0) and k0.seqs_open == 0
+    assert k0.block_tokens == 256 and k0.block_bytes == 256 * 4 * 64
+    assert k0.host_bytes_free == k0.host_bytes_capacity and k0.nvme_bytes_capacity == 0
+    s = cache.open()
+    cache.prefill(s, 0, None, rand(rng, 300, 2, 64), rand(rng, 300, 2, 64))
+    host, nvme = cache.seq_bytes(s)
+    assert host == 2 * k0.block_bytes * 2 and nvme == 0  # 2 blocks per KV head, 2 heads, 1 layer
+    assert cache.capacity().host_bytes_free == k0.host_bytes_free - host
+    s.close()
+    with pytest.raises(kvtier.Error) as e:
+        cache.seq_bytes(s)
+    assert e.value.errno == errno.ENOENT
+
+
 def test_select_and_gather(cache, rng):
     s = cache.open()
     q, k, v = rand(rng, 150, 4, 64), rand(rng, 150, 2, 64), rand(rng, 150, 2, 64)
