@@ -321,8 +321,6 @@ extern const struct kvt_backend_ops *const kvt_cuda_backend_ops;
 
 /* ---- the pipeline (lib/pipeline.c): arguments checked by lib/api.c ------------------------ */
 
-/* Whether appending up to n_tokens makes layer l flush: its window then holds W + B tokens. */
-bool kvt_flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_tokens);
 int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
 		     const void *k, const void *v, uint32_t n, void *stream);
 int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,

@@ -141,13 +141,23 @@ static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
 	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
 }
 
-/* ": U of T bytes used by the caches sharing it, M by this one" (static storage: one at a time). */
-static const char *pool_text(uint64_t total, uint64_t used, uint64_t mine)
+/* The error of a host tier too full for `bytes`, naming the shared host pool when there is one. */
+static int host_full(kvt_cache *c, uint64_t bytes, uint64_t blocks, uint64_t free)
 {
-	static _Thread_local char t[96];
-	snprintf(t, sizeof t, ": %llu of %llu bytes used by the caches sharing it, %llu by this one",
-		 (unsigned long long)used, (unsigned long long)total, (unsigned long long)mine);
-	return t;
+	char pool[192] = "";
+	uint64_t total, used, mine;
+	kvt_pool_usage(&c->pool, &total, &used, &mine);
+	if (total)
+		snprintf(pool, sizeof pool,
+			 " and of host pool %s: %llu of %llu bytes used by the caches sharing it, "
+			 "%llu by this one",
+			 c->pool.name, (unsigned long long)used, (unsigned long long)total,
+			 (unsigned long long)mine);
+	return kvt_seterr(c, -ENOSPC,
+			  "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
+			  "host_bytes = %llu%s",
+			  (unsigned long long)bytes, (unsigned long long)blocks, c->host.block_bytes,
+			  (unsigned long long)free, (unsigned long long)c->host.capacity, pool);
 }
 
 int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
@@ -166,16 +176,9 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	kvt_tier_mark(c, &m);
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, NULL));
-	uint64_t free = kvt_extents_free_bytes(&c->host), pool_total, pool_used, pool_mine;
-	kvt_pool_usage(&c->pool, &pool_total, &pool_used, &pool_mine);
+	uint64_t free = kvt_extents_free_bytes(&c->host);
 	if (bytes > free)
-		return kvt_tier_undo(c, &m, kvt_seterr(c, -ENOSPC,
-			"host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
-			"host_bytes = %llu%s%s%s",
-			(unsigned long long)bytes, (unsigned long long)need, c->host.block_bytes,
-			(unsigned long long)free, (unsigned long long)c->host.capacity,
-			pool_total ? " and of host pool " : "", pool_total ? c->pool.name : "",
-			pool_total ? pool_text(pool_total, pool_used, pool_mine) : ""));
+		return kvt_tier_undo(c, &m, host_full(c, bytes, need, free));
 	uint32_t done = 0;
 	int rc = 0;
 	struct kvt_err e = {"no memory for a block table"}; /* reserve_table says no more */

@@ -13,7 +13,8 @@
  */
 #include "internal.h"
 
-bool kvt_flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_tokens)
+/* The flush rule: appending up to n_tokens makes layer l flush when its window then holds W + B. */
+static bool flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_tokens)
 {
 	return n_tokens - kvt_sinks_of(c, n_tokens) - l->n_indexed >=
 	       c->cfg.window + c->cfg.flush_batch;
@@ -92,13 +93,19 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	const uint32_t B = c->cfg.flush_batch, H = c->cfg.n_kv_heads;
 	const size_t tok_bytes = (size_t)H * c->d * c->elem;
 	uint32_t *total = c->batch_tokens;
+	/* lazy flushes, decided once: the oldest B window tokens of each full window join the index */
+	struct kvt_index_job *jobs = c->index_jobs;
+	uint32_t nj = 0;
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "k", k, n_seqs, H));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
 		total[i] = l->n_tokens + 1;
-		uint32_t grow = kvt_flush_due(c, l, total[i]) ? B : 0;
-		KVT_TRY(ops->reserve(c, l, layer, l->n_indexed + grow, 0, stream));
+		bool flush = flush_due(c, l, total[i]);
+		if (flush)
+			jobs[nj++] = (struct kvt_index_job){
+				.l = l, .from = l->n_indexed, .to = l->n_indexed + B};
+		KVT_TRY(ops->reserve(c, l, layer, l->n_indexed + (flush ? B : 0), 0, stream));
 	}
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
 	struct kvt_store_job *sj = c->store_jobs;
@@ -110,34 +117,24 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 					       .n = 1,
 					       .window_from = c->cfg.n_sink + ls[i]->n_indexed};
 	KVT_TRY(ops->store(c, layer, n_seqs, sj, stream));
-	/* lazy flushes: the oldest B window tokens of each full window join the index */
-	struct kvt_index_job *jobs = c->index_jobs;
-	uint32_t nj = 0;
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct kvt_layer *l = ls[i];
-		if (!kvt_flush_due(c, l, total[i]))
-			continue;
-		if (!l->centroids)
-			KVT_TRY(ops->centroids(c, l, layer, NULL, NULL, B, stream));
-		jobs[nj++] = (struct kvt_index_job){.l = l, .from = l->n_indexed, .to = l->n_indexed + B};
-	}
+	for (uint32_t j = 0; j < nj; j++)
+		if (!jobs[j].l->centroids)
+			KVT_TRY(ops->centroids(c, jobs[j].l, layer, NULL, NULL, B, stream));
 	if (nj)
 		KVT_TRY(ops->index(c, layer, nj, jobs, false, stream));
 	if (ops->end)
 		KVT_TRY(ops->end(c, stream));
 	for (uint32_t i = 0; i < n_seqs; i++) {
-		struct kvt_layer *l = ls[i];
-		bool flush = kvt_flush_due(c, l, total[i]);
-		l->n_tokens = total[i];
-		c->st.tokens++;
-		l->sel_epoch = 0;
-		if (!flush)
-			continue;
-		l->centroids = true;
-		l->n_indexed += B;
-		c->st.tokens_indexed += B;
-		c->st.flushes++;
+		ls[i]->n_tokens = total[i];
+		ls[i]->sel_epoch = 0;
 	}
+	c->st.tokens += n_seqs;
+	for (uint32_t j = 0; j < nj; j++) {
+		jobs[j].l->centroids = true;
+		jobs[j].l->n_indexed += B;
+	}
+	c->st.tokens_indexed += (uint64_t)nj * B;
+	c->st.flushes += nj;
 	return 0;
 }
 
@@ -172,7 +169,7 @@ static int resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs,
 }
 
 /* Tokens attended by KV head h of l's current selection: sinks + m selected + window. */
-static uint32_t attended(const kvt_cache *c, const struct kvt_layer *l, uint32_t m)
+static uint32_t attended(const struct kvt_layer *l, uint32_t m)
 {
 	return m + l->sel_tokens - l->sel_indexed;
 }
@@ -199,7 +196,7 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t 
 		c->st.steps++;
 		c->st.candidate_tokens += (uint64_t)l->n_indexed * H;
 		for (uint32_t h = 0; sel_n && h < H; h++)
-			most = max_u32(most, attended(c, l, sel_n[(size_t)i * H + h]));
+			most = max_u32(most, attended(l, sel_n[(size_t)i * H + h]));
 	}
 	return (int)most;
 }
@@ -224,7 +221,7 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			uint32_t *m = &n[(size_t)i * H + h];
-			*m = attended(c, ls[i], *m);
+			*m = attended(ls[i], *m);
 			KVT_RETURN_IF(*m > max_tokens, c, -EINVAL,
 				      "max_tokens = %u is smaller than the %u tokens selected for "
 				      "seqs[%u], KV head %u",

@@ -589,9 +589,7 @@ static void round_trip(const char *name, uint32_t layers, uint32_t nq, uint32_t 
 	memcpy(wname, w->name, sizeof wname);
 	w_close(w);
 	free(w);
-	T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-		"%s: after destroy live allocations %lld (wanted %lld), open descriptors %d (wanted %d)",
-		wname, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+	TT_CHECK_RELEASED(wname, live, fds);
 }
 
 static void test_round_trip(void **state)

@@ -506,10 +506,7 @@ static void test_auto_spill_faults(void **state)
 			r->sv = &g_v2;
 			check_all_layers(r, "B");
 			kvt_cache_destroy(r->c);
-			T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-				"%s: after destroy live allocations %lld (wanted %lld), descriptors %d "
-				"(wanted %d)", name, (long long)kvt_mem_live(), (long long)live,
-				tt_fd_count(), fds);
+			TT_CHECK_RELEASED(name, live, fds);
 			if (!h.fired)
 				break;
 		}
@@ -649,9 +646,7 @@ static int afail_script(struct afail *a)
 	kvt_cache_destroy(r->c);
 	a->fired |= kvt_mem_fired();
 	kvt_mem_fail_at(0);
-	T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-		"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",
-		r->name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+	TT_CHECK_RELEASED(r->name, live, fds);
 	return a->fired;
 }
 
@@ -746,9 +741,7 @@ static void test_auto_spill_alloc_faults(void **state)
 		r->sv = &g_v2;
 		check_all_layers(r, "B");
 		kvt_cache_destroy(r->c);
-		T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-			"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",
-			name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+		TT_CHECK_RELEASED(name, live, fds);
 		if (!fired)
 			break;
 	}
@@ -858,9 +851,7 @@ static void test_lru_failed_call_unspills(void **state)
 		check_layer0(r, a, &g_k, &g_v, "A spilled");
 		check_layer0(r, cs, &g_k2, &g_v2, "C spilled");
 		kvt_cache_destroy(r->c);
-		T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-			"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted "
-			"%d)", name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+		TT_CHECK_RELEASED(name, live, fds);
 		if (!h.fired)
 			break;
 	}
@@ -913,9 +904,7 @@ static void test_lru_no_room_spills_nothing(void **state)
 		(unsigned long long)st.auto_spills, (unsigned long long)st.nvme_bytes_used);
 	check_layer0(r, a, &g_k, &g_v, "A after the refused prefill");
 	kvt_cache_destroy(r->c);
-	T_CHECK(kvt_mem_live() == live && tt_fd_count() == fds,
-		"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",
-		r->name, (long long)kvt_mem_live(), (long long)live, tt_fd_count(), fds);
+	TT_CHECK_RELEASED(r->name, live, fds);
 }
 
 static int setup(void **state)
