@@ -343,6 +343,8 @@ int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens);
  */
 int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			 const uint32_t *new_tokens);
+/* Give back the blocks of n layers beyond their tokens (the rows a failed call grew). */
+void kvt_layers_ungrow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls);
 /* Whether a block of l's rows is on NVMe (cached per blocks_gen). */
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l);
 /* Free everything a layer holds. */

@@ -138,6 +138,8 @@ static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
 		for (uint32_t b = keep; b < l->n_blocks; b++)
 			if (l->blocks[(size_t)h * l->blk_cap + b]) /* NULL: spilled, see kvt_tier_drop */
 				kvt_extents_give(&c->host, 1, &l->blocks[(size_t)h * l->blk_cap + b]);
+	if (keep < l->n_blocks)
+		l->blocks_gen++; /* a device copy of the table must not keep the given-back blocks */
 	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
 }
 
@@ -213,6 +215,12 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 	return kvt_tier_undo(c, &m, kvt_seterr(c, rc,
 		"out of memory growing the host tier (extents of %zu bytes): %s",
 		c->host.extent_bytes, e.msg));
+}
+
+void kvt_layers_ungrow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls)
+{
+	for (uint32_t i = 0; i < n; i++)
+		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
 }
 
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)

@@ -43,24 +43,14 @@ static uint32_t max_u32(uint32_t a, uint32_t b)
 	return a > b ? a : b;
 }
 
-int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
-		     const void *k, const void *v, uint32_t n, void *stream)
+/* The verbs of a prefill chunk after its host-tier rows were grown (see kvt_pipe_prefill). */
+static int prefill_run(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+		       const void *k, const void *v, uint32_t n, uint32_t target, uint32_t stored_to,
+		       uint32_t chunk_from, uint32_t from_chunk, void *stream)
 {
 	const struct kvt_backend_ops *ops = c->ops;
 	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
-	const uint32_t first = l->n_tokens, total = first + n, ni0 = l->n_indexed;
-	const uint32_t target = max_u32(prefill_target(c, total), ni0);
-	/* index positions [ni0, stored_to) are tokens stored before this chunk (the old window),
-	 * [chunk_from, target) tokens of the chunk */
-	const uint32_t stored_to = first > S ? (first - S < target ? first - S : target) : 0;
-	const uint32_t chunk_from = (first > S ? first : S) - S;
-	const uint32_t from_chunk = target > chunk_from ? target - chunk_from : 0;
-	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "k", k, n, H));
-	if (q)
-		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
-	KVT_TRY(ops->reserve(c, l, layer, target, from_chunk, stream));
-	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &total));
+	const uint32_t first = l->n_tokens, ni0 = l->n_indexed;
 	if (!l->centroids)
 		KVT_TRY(ops->centroids(c, l, layer, q, k, n, stream));
 	struct kvt_index_job old = {.l = l, .from = ni0, .to = stored_to};
@@ -75,8 +65,44 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 			.l = l, .from = chunk_from, .to = target, .keys = (const char *)k + at};
 		KVT_TRY(ops->index(c, layer, 1, &chunk, false, stream));
 	}
-	if (ops->end)
-		KVT_TRY(ops->end(c, stream));
+	return ops->end ? ops->end(c, stream) : 0;
+}
+
+/*
+ * A verb that fails after the host-tier rows were grown (a device allocation, a sticky device
+ * error) gives the grown blocks back and reads back the sequences spilled to make room for them:
+ * the call changes nothing (issue 11, defect 3).
+ */
+static int undo_grow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
+		     const struct kvt_tier_mark *m, int rc)
+{
+	kvt_layers_ungrow(c, n, ls);
+	return kvt_tier_undo(c, m, rc);
+}
+
+int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
+		     const void *k, const void *v, uint32_t n, void *stream)
+{
+	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
+	const uint32_t first = l->n_tokens, total = first + n, ni0 = l->n_indexed;
+	const uint32_t target = max_u32(prefill_target(c, total), ni0);
+	/* index positions [ni0, stored_to) are tokens stored before this chunk (the old window),
+	 * [chunk_from, target) tokens of the chunk */
+	const uint32_t stored_to = first > S ? (first - S < target ? first - S : target) : 0;
+	const uint32_t chunk_from = (first > S ? first : S) - S;
+	const uint32_t from_chunk = target > chunk_from ? target - chunk_from : 0;
+	KVT_TRY(enter(c));
+	KVT_TRY(check_finite(c, "k", k, n, H));
+	if (q)
+		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
+	KVT_TRY(c->ops->reserve(c, l, layer, target, from_chunk, stream));
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
+	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &total));
+	int rc = prefill_run(c, l, layer, q, k, v, n, target, stored_to, chunk_from, from_chunk,
+			     stream);
+	if (rc < 0)
+		return undo_grow(c, 1, &l, &m, rc);
 	l->centroids = true;
 	l->n_tokens = total;
 	c->st.tokens += n;
@@ -86,12 +112,36 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 	return 0;
 }
 
+/* The verbs of an append after its host-tier rows were grown (see kvt_pipe_append). */
+static int append_run(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const void *k, const void *v, const struct kvt_index_job *jobs, uint32_t nj,
+		      void *stream)
+{
+	const struct kvt_backend_ops *ops = c->ops;
+	const uint32_t B = c->cfg.flush_batch;
+	const size_t tok_bytes = (size_t)c->cfg.n_kv_heads * c->d * c->elem;
+	struct kvt_store_job *sj = c->store_jobs;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		sj[i] = (struct kvt_store_job){.l = ls[i],
+					       .k = (const char *)k + i * tok_bytes,
+					       .v = (const char *)v + i * tok_bytes,
+					       .first = ls[i]->n_tokens,
+					       .n = 1,
+					       .window_from = c->cfg.n_sink + ls[i]->n_indexed};
+	KVT_TRY(ops->store(c, layer, n_seqs, sj, stream));
+	for (uint32_t j = 0; j < nj; j++)
+		if (!jobs[j].l->centroids)
+			KVT_TRY(ops->centroids(c, jobs[j].l, layer, NULL, NULL, B, stream));
+	if (nj)
+		KVT_TRY(ops->index(c, layer, nj, jobs, false, stream));
+	return ops->end ? ops->end(c, stream) : 0;
+}
+
 int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const void *k, const void *v, void *stream)
 {
 	const struct kvt_backend_ops *ops = c->ops;
 	const uint32_t B = c->cfg.flush_batch, H = c->cfg.n_kv_heads;
-	const size_t tok_bytes = (size_t)H * c->d * c->elem;
 	uint32_t *total = c->batch_tokens;
 	/* lazy flushes, decided once: the oldest B window tokens of each full window join the index */
 	struct kvt_index_job *jobs = c->index_jobs;
@@ -107,23 +157,12 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 				.l = l, .from = l->n_indexed, .to = l->n_indexed + B};
 		KVT_TRY(ops->reserve(c, l, layer, l->n_indexed + (flush ? B : 0), 0, stream));
 	}
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
-	struct kvt_store_job *sj = c->store_jobs;
-	for (uint32_t i = 0; i < n_seqs; i++)
-		sj[i] = (struct kvt_store_job){.l = ls[i],
-					       .k = (const char *)k + i * tok_bytes,
-					       .v = (const char *)v + i * tok_bytes,
-					       .first = ls[i]->n_tokens,
-					       .n = 1,
-					       .window_from = c->cfg.n_sink + ls[i]->n_indexed};
-	KVT_TRY(ops->store(c, layer, n_seqs, sj, stream));
-	for (uint32_t j = 0; j < nj; j++)
-		if (!jobs[j].l->centroids)
-			KVT_TRY(ops->centroids(c, jobs[j].l, layer, NULL, NULL, B, stream));
-	if (nj)
-		KVT_TRY(ops->index(c, layer, nj, jobs, false, stream));
-	if (ops->end)
-		KVT_TRY(ops->end(c, stream));
+	int rc = append_run(c, layer, n_seqs, ls, k, v, jobs, nj, stream);
+	if (rc < 0)
+		return undo_grow(c, n_seqs, ls, &m, rc);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		ls[i]->n_tokens = total[i];
 		ls[i]->sel_epoch = 0;

@@ -15,13 +15,17 @@
  *   for bit;
  * - spilled: a sequence spilled to NVMe is restored by the step that attends it, with the same
  *   output as before the spill (in a build with liburing, which the NVMe tier needs);
- * - bad key: a NaN key in a sequence's first chunk fails none of the batches it joins.
+ * - bad key: a NaN key in a sequence's first chunk fails none of the batches it joins;
+ * - LRU undo: an append whose device verb fails after the host tier made room by spilling another
+ *   sequence gives the grown blocks back and reads the victim back (issue 11, defect 3): every
+ *   injected failure changes nothing, and the final outputs equal a fault-free twin's bit for bit.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
 #include <math.h>
 
 #include "common.h"
+#include "host/alloc.h"
 #include "tools/workload.h"
 
 #define CU(x)                                                                                      \
@@ -410,6 +414,98 @@ static void test_spilled(void **state)
 	pair_fini(&p);
 	remove(paths[0]);
 }
+
+/* A CUDA cache with an NVMe file and LRU spills, its host tier 32 blocks (4 MiB): sequences a and
+ * b prefilled with 1024 tokens on both layers fill it. */
+static kvt_cache *lru_cache(const char *path, struct pair *p, uint32_t *a, uint32_t *b)
+{
+	static const char *paths[1];
+	static uint64_t sizes[1] = {64u << 20};
+	paths[0] = path;
+	kvt_config cfg = config(0);
+	cfg.backend = KVT_BACKEND_CUDA;
+	cfg.host_bytes = 32u * 256 * 4 * D; /* 32 blocks of 256 fp16 rows of K and V */
+	cfg.spill_policy = KVT_SPILL_LRU;
+	cfg.nvme_paths = paths;
+	cfg.nvme_bytes = sizes;
+	cfg.n_nvme = 1;
+	kvt_cache *c = NULL;
+	OK(NULL, kvt_cache_create(&cfg, &c));
+	OK(c, kvt_seq_open(c, a));
+	OK(c, kvt_seq_open(c, b));
+	for (uint32_t layer = 0; layer < LAYERS; layer++)
+		for (uint32_t s = 0; s < 2; s++) {
+			make(p, s, layer, 0, 1024, -1);
+			upload(p, 1024);
+			OK(c, kvt_prefill(c, s ? *b : *a, layer, p->dq, p->dk, p->dv, 1024, NULL));
+		}
+	return c;
+}
+
+static void test_lru_undo(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 1024, 2, 0);
+	const char *pf = "test_gpu_backend_lru.img", *pr = "test_gpu_backend_lru_ref.img";
+	uint32_t a, b, ra, rb;
+	kvt_cache *c = lru_cache(pf, &p, &a, &b), *ref = lru_cache(pr, &p, &ra, &rb);
+	kvt_capacity cap0 = {.size = sizeof cap0}, cap = {.size = sizeof cap};
+	OK(c, kvt_get_capacity(c, &cap0));
+	make(&p, 1, 0, 1024, 1, 0); /* b's token 1024 on layer 0: two new blocks, so a spills */
+	upload(&p, 1);
+	uint32_t failed = 0;
+	for (uint64_t k = 1;; k++) {
+		T_CHECK(k < 500, "the append never succeeded");
+		kvt_mem_fail_at(k);
+		int rc = kvt_append(c, 0, 1, &b, p.dk, p.dv, NULL);
+		bool fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(fired, "append failed (%d: %s) with no fault injected", rc, kvt_last_error(c));
+		failed++;
+		kvt_stats st = {.size = sizeof st};
+		OK(c, kvt_get_stats(c, &st));
+		uint64_t host = 0, nvme = 0;
+		OK(c, kvt_seq_bytes(c, a, &host, &nvme));
+		OK(c, kvt_get_capacity(c, &cap));
+		T_CHECK(st.spills == 0 && nvme == 0,
+			"fault %llu (%s): seq a left spilled (spills %llu, %llu bytes on NVMe)",
+			(unsigned long long)k, kvt_last_error(c), (unsigned long long)st.spills,
+			(unsigned long long)nvme);
+		T_CHECK(cap.host_bytes_free == cap0.host_bytes_free,
+			"fault %llu (%s): %llu host bytes free, %llu before the call",
+			(unsigned long long)k, kvt_last_error(c),
+			(unsigned long long)cap.host_bytes_free,
+			(unsigned long long)cap0.host_bytes_free);
+		T_CHECK(kvt_seq_length(c, b, 0) == 1024, "fault %llu: b has %lld tokens",
+			(unsigned long long)k, (long long)kvt_seq_length(c, b, 0));
+	}
+	OK(ref, kvt_append(ref, 0, 1, &rb, p.dk, p.dv, NULL));
+	printf("lru undo: %u injected failures changed nothing\n", failed);
+	T_CHECK(failed > 0, "no failure was injected");
+	/* both sequences attend as the fault-free twin's */
+	const size_t ob = sizeof(float) * HQ * D;
+	float *mine = malloc(ob), *theirs = malloc(ob);
+	for (uint32_t s = 0; s < 2; s++) {
+		make(&p, s, 0, 1025, 1, 1);
+		upload(&p, 1);
+		uint32_t sq = s ? b : a, rq = s ? rb : ra;
+		OK(c, kvt_attend(c, 0, 1, &sq, p.dq, p.dout, NULL));
+		CU(cudaMemcpy(mine, p.dout, ob, cudaMemcpyDeviceToHost));
+		OK(ref, kvt_attend(ref, 0, 1, &rq, p.dq, p.dout, NULL));
+		CU(cudaMemcpy(theirs, p.dout, ob, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(mine, theirs, ob), "seq %u attends differently from the twin's", s);
+	}
+	free(mine);
+	free(theirs);
+	kvt_cache_destroy(c);
+	kvt_cache_destroy(ref);
+	pair_fini(&p);
+	remove(pf);
+	remove(pr);
+}
 #endif
 
 /*
@@ -505,6 +601,7 @@ int main(void)
 		cmocka_unit_test(test_bad_key_batch),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
 		cmocka_unit_test(test_spilled),
+		cmocka_unit_test(test_lru_undo),
 #endif
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
