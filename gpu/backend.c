@@ -150,6 +150,10 @@ static void cu_fini(kvt_cache *c)
 		cudaEventDestroy(b->staging_ev);
 	if (b->ready)
 		cudaEventDestroy(b->ready);
+	if (b->sp_ev)
+		cudaEventDestroy(b->sp_ev);
+	gpu_pinned_free(c, b->sp_meta, b->sp_meta_bytes);
+	gpu_pinned_free(c, b->sp_rows, b->sp_rows_bytes);
 	if (b->err_host) {
 		kvt_mem_unpin(&c->mem, b->err_host, ERR_HOST_BYTES);
 		kvt_mem_free(KVT_MEM_PAGES, b->err_host, ERR_HOST_BYTES);
@@ -261,7 +265,6 @@ static int cu_init(kvt_cache *c)
 
 static const struct kvt_backend_ops ops = {
 	.name = "cuda",
-	.serves_spilled = false,
 	.probe = gpu_probe,
 	.find_device = gpu_find_device,
 	.mem_hooks = &gpu_mem_hooks,

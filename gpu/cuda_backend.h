@@ -111,6 +111,12 @@ struct gpu_cache {
 	size_t jobs_bytes;
 	struct gpu_timing t[GPU_TIMING_SETS];
 	uint32_t t_next;
+	/* rows of spilled blocks served in place (spilled.c): pinned metadata and staged rows,
+	 * reused once the last step that read them is done (sp_ev) */
+	void *sp_meta, *sp_rows;
+	size_t sp_meta_bytes, sp_rows_bytes;
+	cudaEvent_t sp_ev;
+	bool sp_pending, sp_used;
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)
@@ -128,6 +134,14 @@ static inline size_t gpu_up(size_t x)
 void gpu_harvest(kvt_cache *c, struct gpu_timing *t);
 struct gpu_timing *gpu_timing(kvt_cache *c, void *stream, int kind);
 void gpu_mark(struct gpu_timing *t, int i, void *stream);
+
+/* spilled.c: between the lookup and the fill of a fetch, read the missed rows of spilled blocks
+ * through the NVMe tier into pinned staging (reread: the batch's selections are those of an
+ * earlier step, a gather); then, after the kernels that read them, gpu_spilled_done. */
+int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream);
+int gpu_spilled_done(kvt_cache *c, void *stream);
+void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes);
 
 /* devmem.c */
 int gpu_no_capture(kvt_cache *c, void *stream, const char *what);

@@ -84,7 +84,8 @@ static __global__ void __launch_bounds__(FT_THREADS)
 						}
 					}
 				}
-				if (!p && !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
+				if (!p && !(q.flags & KVT_GPU_FETCH_SPILLED) &&
+				    !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
 					kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
 			} else {
 				const uint32_t i = q.n_indexed + (k - S - m); /* index position */
@@ -104,7 +105,8 @@ static __global__ void __launch_bounds__(FT_THREADS)
 
 static __global__ void __launch_bounds__(FT_THREADS)
 	k_fill(uint32_t row_bytes, uint32_t hkv, const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot,
-	       uint32_t epoch, const void **rows, const kvt_gpu_rows *items, uint32_t max_rows)
+	       uint32_t epoch, const void **rows, const kvt_gpu_rows *items, uint32_t max_rows,
+	       unsigned long long *err)
 {
 	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv, lane = threadIdx.x & 31;
 	const kvt_gpu_fetch_seq q = seqs[s];
@@ -115,13 +117,20 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	for (uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; k < n;
 	     k += gridDim.x * (FT_THREADS / 32)) {
 		const void **slotp = &rows[(size_t)item * max_rows + k];
-		if (*slotp)
+		const uintptr_t cur = (uintptr_t)*slotp;
+		if (cur && !(cur & KVT_GPU_ROW_STAGED))
 			continue; /* a hit */
 		const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
-		const char *src = host_row(q.blocks, q.blk_cap, h, at, row_bytes);
+		/* a row of a spilled block, staged by the host, or a row of the host tier */
+		const char *src = cur ? (const char *)(cur & ~(uintptr_t)KVT_GPU_ROW_STAGED)
+				      : host_row(q.blocks, q.blk_cap, h, at, row_bytes);
 		if (!src) {
-			if (lane == 0)
-				*slotp = q.ring; /* a missing block was reported by the lookup */
+			/* a missing block, reported by the lookup, or a spilled row not staged */
+			if (lane == 0) {
+				if (q.flags & KVT_GPU_FETCH_SPILLED)
+					kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
+				*slotp = q.ring;
+			}
 			continue;
 		}
 		if (!hot.sets) {
@@ -200,10 +209,9 @@ static uint32_t grid_x(uint32_t units, uint32_t per_block, uint32_t items, uint3
 	return need < cap ? need : cap;
 }
 
-extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
-			     const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
-			     const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
-			     unsigned long long *err, void *stream)
+static int fetch_args(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+		      const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, const void **rows,
+		      const kvt_gpu_rows *items)
 {
 	if (!seqs || !rows || !items || n_kv_heads == 0 || row_bytes == 0 || row_bytes % 16)
 		return -EINVAL;
@@ -211,19 +219,52 @@ extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_
 		return -EINVAL;
 	if ((uint64_t)n_seqs * n_kv_heads > 65535)
 		return -EINVAL;
-	if (n_seqs == 0)
-		return 0;
-	cudaStream_t s = KVT_STREAM(stream);
+	return 0;
+}
+
+extern "C" int kvt_gpu_fetch_lookup(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+				    const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+				    const void **rows, kvt_gpu_rows *items, uint32_t max_rows,
+				    int32_t *pos, unsigned long long *err, void *stream)
+{
+	int rc = fetch_args(row_bytes, n_seqs, n_kv_heads, seqs, hot, rows, items);
+	if (rc < 0 || n_seqs == 0)
+		return rc;
 	const uint32_t n_items = n_seqs * n_kv_heads;
 	const dim3 g1(grid_x(max_rows, FT_THREADS, n_items, 1024), n_items);
-	k_lookup<<<g1, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
-					   max_rows, pos, err);
-	KVT_CU_LAUNCHED();
-	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items, 4096), n_items);
-	k_fill<<<g2, FT_THREADS, 0, s>>>(row_bytes, n_kv_heads, seqs, hot, epoch, rows, items,
-					 max_rows);
+	k_lookup<<<g1, FT_THREADS, 0, KVT_STREAM(stream)>>>(row_bytes, n_kv_heads, seqs, hot, epoch,
+							    rows, items, max_rows, pos, err);
 	KVT_CU_LAUNCHED();
 	return 0;
+}
+
+extern "C" int kvt_gpu_fetch_fill(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+				  const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+				  const void **rows, const kvt_gpu_rows *items, uint32_t max_rows,
+				  unsigned long long *err, void *stream)
+{
+	int rc = fetch_args(row_bytes, n_seqs, n_kv_heads, seqs, hot, rows, items);
+	if (rc < 0 || n_seqs == 0)
+		return rc;
+	const uint32_t n_items = n_seqs * n_kv_heads;
+	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items, 4096), n_items);
+	k_fill<<<g2, FT_THREADS, 0, KVT_STREAM(stream)>>>(row_bytes, n_kv_heads, seqs, hot, epoch,
+							  rows, items, max_rows, err);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+			     const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+			     const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
+			     unsigned long long *err, void *stream)
+{
+	int rc = kvt_gpu_fetch_lookup(row_bytes, n_seqs, n_kv_heads, seqs, hot, epoch, rows, items,
+				      max_rows, pos, err, stream);
+	if (rc < 0)
+		return rc;
+	return kvt_gpu_fetch_fill(row_bytes, n_seqs, n_kv_heads, seqs, hot, epoch, rows, items,
+				  max_rows, err, stream);
 }
 
 /* ---- dense copy of gathered rows ------------------------------------------------------------ */

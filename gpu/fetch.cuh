@@ -81,8 +81,17 @@ typedef struct kvt_gpu_fetch_seq {
 	uint32_t n_sink;       /* sinks attended: positions [0, n_sink) */
 	uint32_t n_indexed;    /* index positions [0, n_indexed) are in the index */
 	uint32_t n_tokens;     /* the window is positions [n_sink + n_indexed, n_tokens) */
-	uint32_t reserved;
+	uint32_t flags;        /* KVT_GPU_FETCH_SPILLED */
 } kvt_gpu_fetch_seq;
+
+/*
+ * Some blocks of the sequence are on NVMe (their table entries are NULL): the lookup leaves their
+ * missed rows NULL instead of reporting them, and the host, between the lookup and the fill, reads
+ * them into pinned memory and writes each one's address with bit 0 set (KVT_GPU_ROW_STAGED) into
+ * `rows`; the fill treats such a row as a miss read from that address (gpu/spilled.c).
+ */
+#define KVT_GPU_FETCH_SPILLED 1u
+#define KVT_GPU_ROW_STAGED 1u
 
 /*
  * The rows of every (sequence, KV head) item: sinks, then the selected tokens, then the window, in
@@ -101,6 +110,21 @@ int kvt_gpu_fetch(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
 		  const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
 		  const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
 		  unsigned long long *err, void *stream);
+
+/*
+ * kvt_gpu_fetch in its two halves, for a host step between them (KVT_GPU_FETCH_SPILLED): the
+ * lookup writes items, positions (pos may be NULL) and the hits' rows, every miss NULL; the fill
+ * serves the misses (a NULL row of a spilled block that the host did not stage is reported as
+ * KVT_GPU_ERR_RANGE and pointed at the ring, never read). Same arguments, same returns.
+ */
+int kvt_gpu_fetch_lookup(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+			 const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+			 const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
+			 unsigned long long *err, void *stream);
+int kvt_gpu_fetch_fill(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+		       const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+		       const void **rows, const kvt_gpu_rows *items, uint32_t max_rows,
+		       unsigned long long *err, void *stream);
 
 /*
  * Copy the rows of n_items items into dense outputs: K of row t of item i to

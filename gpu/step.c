@@ -27,6 +27,7 @@ struct step_scratch {
 	void *ascratch;
 	size_t abytes;
 	size_t bytes;
+	bool spilled; /* a sequence of the batch has blocks on NVMe (gpu/spilled.c) */
 };
 
 /* Scratch of n sequences with ld scores each and at most max_rows rows per item, carved from base
@@ -97,7 +98,7 @@ static void bounds(const kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const 
 
 /* Descriptors of the batch, in host scratch laid out as on the device, uploaded in one piece. */
 static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
-			      struct kvt_layer *const *ls, bool reread, const struct step_scratch *s,
+			      struct kvt_layer *const *ls, bool reread, struct step_scratch *s,
 			      void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
@@ -109,6 +110,7 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	const float **cq = (const float **)(h + ((char *)s->cq - (char *)s->views));
 	const float **ck = (const float **)(h + ((char *)s->ck - (char *)s->views));
 	kvt_gpu_fetch_seq *f = (kvt_gpu_fetch_seq *)(h + ((char *)s->fetch - (char *)s->views));
+	uint32_t n_spilled = 0;
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct kvt_layer *l = ls[i];
 		const struct gpu_seq_layer *g = l->dev;
@@ -127,9 +129,13 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 					   .wcap = g->wcap,
 					   .n_sink = kvt_sinks_of(c, l->sel_tokens),
 					   .n_indexed = l->sel_indexed,
-					   .n_tokens = l->sel_tokens};
+					   .n_tokens = l->sel_tokens,
+					   .flags = kvt_layer_spilled(c, ls[i]) ? KVT_GPU_FETCH_SPILLED
+										: 0};
+		n_spilled += f[i].flags != 0;
 	}
 	LAUNCH(c, kvt_gpu_upload(s->views, h, s->desc_bytes, stream));
+	s->spilled = n_spilled != 0;
 	return 0;
 }
 
@@ -200,6 +206,33 @@ static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
 	return hot;
 }
 
+/*
+ * The rows of the batch's selections through the hot cache (flags: hot_of's; pos: positions out, or
+ * NULL), rows of spilled blocks read from NVMe between the lookup and the fill.
+ */
+static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		 const struct step_scratch *s, uint32_t flags, uint32_t max_rows, int32_t *pos,
+		 void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads, rb = (uint32_t)c->row_bytes;
+	const kvt_gpu_hot hot = hot_of(c, layer, flags);
+	const uint32_t epoch = ++y->epoch;
+	if (!s->spilled) {
+		LAUNCH(c, kvt_gpu_fetch(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
+					max_rows, pos, b->err, stream));
+		return 0;
+	}
+	LAUNCH(c, kvt_gpu_fetch_lookup(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
+				       max_rows, s->pos, b->err, stream));
+	KVT_TRY(gpu_serve_spilled(c, layer, n_seqs, ls, flags & KVT_GPU_HOT_NO_STEP, s->rows,
+				  s->pos, max_rows, stream));
+	LAUNCH(c, kvt_gpu_fetch_fill(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
+				     max_rows, b->err, stream));
+	return 0;
+}
+
 /* The selected counts of the batch's selections, copied to the host (synchronizes): one copy per
  * run of consecutive slots, so a step's own batch takes one. */
 static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -243,12 +276,11 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 	KVT_TRY(select_rows(c, layer, n_seqs, q, &s, max_ni, t, stream));
 	gpu_mark(t, 2, stream);
 	if (out) {
-		LAUNCH(c, kvt_gpu_fetch((uint32_t)c->row_bytes, n_seqs, H, s.fetch,
-					hot_of(c, layer, 0), ++y->epoch, s.rows, s.items, max_rows,
-					NULL, b->err, stream));
+		KVT_TRY(fetch(c, layer, n_seqs, ls, &s, 0, max_rows, NULL, stream));
 		LAUNCH(c, kvt_gpu_attend(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs,
 					 c->cfg.n_q_heads, H, c->scale, q, s.items, max_rows, out,
 					 s.ascratch, s.abytes, b->err, stream));
+		KVT_TRY(gpu_spilled_done(c, stream));
 	}
 	gpu_mark(t, 3, stream);
 	KVT_TRY(gpu_err_copy(c, stream));
@@ -284,8 +316,6 @@ int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream)
 {
-	struct gpu_cache *b = gpu_of(c);
-	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], ls[i]->dev, stream));
@@ -293,10 +323,9 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	uint32_t max_ni, max_rows;
 	KVT_TRY(step_setup(c, layer, n_seqs, ls, true, stream, &s, &max_ni, &max_rows));
 	/* the selection was counted when it was made */
-	LAUNCH(c, kvt_gpu_fetch((uint32_t)c->row_bytes, n_seqs, H, s.fetch,
-				hot_of(c, layer, KVT_GPU_HOT_NO_STEP), ++y->epoch, s.rows, s.items,
-				max_rows, s.pos, b->err, stream));
+	KVT_TRY(fetch(c, layer, n_seqs, ls, &s, KVT_GPU_HOT_NO_STEP, max_rows, s.pos, stream));
 	LAUNCH(c, kvt_gpu_rows_copy(c->d, n_seqs * H, s.items, max_rows, s.pos, k_out, v_out, pos,
 				    max_tokens, stream));
+	KVT_TRY(gpu_spilled_done(c, stream));
 	return gpu_err_copy(c, stream);
 }

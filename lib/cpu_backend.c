@@ -308,7 +308,6 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 
 const struct kvt_backend_ops kvt_cpu_backend = {
 	.name = "cpu",
-	.serves_spilled = true,
 	.check_finite = check_finite,
 	.reserve = cpu_reserve,
 	.centroids = cpu_centroids,

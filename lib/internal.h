@@ -258,9 +258,6 @@ struct kvt_index_job {
 
 struct kvt_backend_ops {
 	const char *name;
-	/* Rows of spilled blocks are read from NVMe by the backend itself (direct serving, through
-	 * kvt_rows_get); false: the pipeline restores a spilled sequence before a step reads it. */
-	bool serves_spilled;
 	/* Whether `device` is usable here (no cache needed): 0 and its PCI bus id (n bytes, for NUMA
 	 * placement), or -ENODEV with the reason in *why; NULL: no device to probe (CPU). */
 	int (*probe)(int device, char *busid, size_t n, struct kvt_err *why);

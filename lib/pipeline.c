@@ -4,9 +4,9 @@
  * decode step and a gather do to a (sequence, layer), in which order the backend's verbs run, and
  * what the counters say afterwards. Decided here: the window and flush rule, prefill targets,
  * which index positions come from tokens stored earlier and which from the chunk, selection epochs,
- * the counters of kvt_stats that do not depend on the device, and residency (a backend that cannot
- * read spilled rows gets its sequences restored before the step). The backend (struct
- * kvt_backend_ops in internal.h) executes; it never calls tier policy.
+ * and the counters of kvt_stats that do not depend on the device. Both backends read the rows of
+ * spilled blocks in place (through kvt_rows_get), so nothing is restored for a step. The backend
+ * (struct kvt_backend_ops in internal.h) executes; it never calls tier policy.
  *
  * Failure: every verb that can fail for lack of memory (reserve, the host-tier blocks) runs before
  * the first verb that changes state, so a call that fails changes nothing the caller can observe.
@@ -177,36 +177,6 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	return 0;
 }
 
-/*
- * Residency: where the rows a call reads must be before the backend runs. A backend that serves
- * spilled rows reads them in place; for any other, each spilled sequence of the batch is restored
- * into the host tier (which may spill another one of the batch to make room: then the batch cannot
- * be resident at once).
- */
-static int resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs,
-		    struct kvt_layer *const *ls, void *stream)
-{
-	bool restored = false;
-	if (c->ops->serves_spilled)
-		return 0;
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		if (!kvt_layer_spilled(c, ls[i]))
-			continue;
-		if (c->ops->may_block)
-			KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
-		int64_t rc = kvt_tier_restore(c, &c->seqs[seqs[i]], seqs[i]);
-		if (rc < 0)
-			return (int)rc;
-		restored = true;
-	}
-	for (uint32_t i = 0; restored && i < n_seqs; i++)
-		KVT_RETURN_IF(kvt_layer_spilled(c, ls[i]), c, -ENOSPC,
-			      "seqs[%u] and other sequences of the batch cannot all be in the host tier "
-			      "at once (host_bytes = %llu): a smaller batch or more host memory",
-			      i, (unsigned long long)c->cfg.host_bytes);
-	return 0;
-}
-
 /* Tokens attended by KV head h of l's current selection: sinks + m selected + window. */
 static uint32_t attended(const struct kvt_layer *l, uint32_t m)
 {
@@ -220,7 +190,6 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t 
 	uint32_t *sel_n = out ? NULL : c->sel_counts;
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads));
-	KVT_TRY(resident(c, n_seqs, seqs, ls, stream));
 	/* the selections are rewritten from here: a failure leaves none half made */
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		ls[i]->sel_epoch = 0;
@@ -251,9 +220,6 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 		KVT_RETURN_IF(!ls[i]->sel_epoch, c, -EINVAL,
 			      "seq %u layer %u has no selection: call kvt_select or kvt_attend first",
 			      seqs[i], layer);
-	/* a sequence spilled since its selection is brought back: its rows moved, not its
-	 * selection */
-	KVT_TRY(resident(c, n_seqs, seqs, ls, stream));
 	KVT_TRY(c->ops->counts(c, layer, n_seqs, ls, n, stream));
 	/* counts is written only once every one fits */
 	uint64_t total = 0;

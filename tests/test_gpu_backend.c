@@ -13,8 +13,10 @@
  *   hits, misses and evictions;
  * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
  *   for bit;
- * - spilled: a sequence spilled to NVMe is restored by the step that attends it, with the same
- *   output as before the spill (in a build with liburing, which the NVMe tier needs);
+ * - spilled: a sequence spilled to NVMe is attended and gathered in place (issue 14): nothing is
+ *   restored, the selected rows are read from the disk, the output equals the one before the spill
+ *   and the gathered rows the written ones; each completion of the step failed in turn fails it
+ *   with -EIO and the next step is exact (in a build with liburing, which the NVMe tier needs);
  * - bad key: a NaN key in a sequence's first chunk fails none of the batches it joins;
  * - LRU undo: an append whose device verb fails after the host tier made room by spilling another
  *   sequence gives the grown blocks back and reads the victim back (issue 11, defect 3): every
@@ -372,6 +374,14 @@ static void test_graph(void **state)
 
 #if KVT_HAVE_LIBURING
 /* A spilled sequence is restored by the step that attends it, and attends as before. */
+/* The completion hook of the NVMe store: fail the n-th completion with -EIO. */
+static int fail_nth(void *ctx, uint64_t nth, int res)
+{
+	struct { uint64_t n, seen; } *h = ctx;
+	h->seen = nth > h->seen ? nth : h->seen;
+	return nth == h->n && res >= 0 ? -EIO : res;
+}
+
 static void test_spilled(void **state)
 {
 	(void)state;
@@ -406,10 +416,80 @@ static void test_spilled(void **state)
 	CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
 	kvt_stats st = {.size = sizeof st};
 	OK(p.gpu, kvt_get_stats(p.gpu, &st));
-	printf("spilled: %lld bytes moved, %llu restores\n", (long long)moved,
-	       (unsigned long long)st.restores);
-	T_CHECK(st.restores == 1, "restores = %llu", (unsigned long long)st.restores);
-	T_CHECK(!memcmp(before, p.out_g, ob), "output after spill and restore differs");
+	uint64_t host = 0, nvme = 0;
+	OK(p.gpu, kvt_seq_bytes(p.gpu, s, &host, &nvme));
+	printf("spilled: %lld bytes moved, %llu restores, %llu chunks read, %llu bytes still on NVMe\n",
+	       (long long)moved, (unsigned long long)st.restores,
+	       (unsigned long long)st.nvme_cache_misses, (unsigned long long)nvme);
+	/* served in place: nothing restored, the selected rows read from the disk */
+	T_CHECK(st.restores == 0 && nvme > 0, "restores = %llu, %llu bytes on NVMe",
+		(unsigned long long)st.restores, (unsigned long long)nvme);
+	T_CHECK(st.nvme_cache_misses > 0, "no chunk was read from NVMe");
+	T_CHECK(!memcmp(before, p.out_g, ob), "output of the spilled sequence differs");
+	/* the gather of that selection: the rows that were written */
+	enum { MAXT = 2100 };
+	int32_t counts[HKV], *pos = malloc(sizeof(int32_t) * HKV * MAXT);
+	void *dpos, *gk, *gv;
+	CU(cudaMalloc(&dpos, sizeof(int32_t) * HKV * MAXT));
+	CU(cudaMalloc(&gk, (size_t)HKV * MAXT * D * 2));
+	CU(cudaMalloc(&gv, (size_t)HKV * MAXT * D * 2));
+	uint16_t *hk = malloc((size_t)HKV * MAXT * D * 2), *hv = malloc((size_t)HKV * MAXT * D * 2);
+	OK(p.gpu, kvt_gather(p.gpu, 1, 1, &s, MAXT, counts, dpos, gk, gv, NULL));
+	CU(cudaMemcpy(pos, dpos, sizeof(int32_t) * HKV * MAXT, cudaMemcpyDeviceToHost));
+	CU(cudaMemcpy(hk, gk, (size_t)HKV * MAXT * D * 2, cudaMemcpyDeviceToHost));
+	CU(cudaMemcpy(hv, gv, (size_t)HKV * MAXT * D * 2, cudaMemcpyDeviceToHost));
+	for (uint32_t h = 0; h < HKV; h++)
+		for (int32_t t = 0; t < counts[h]; t++) {
+			const int32_t at = pos[h * MAXT + t];
+			const size_t o = ((size_t)h * MAXT + t) * D;
+			/* pair's rows of layer 1, sequence 0 (make() recorded them) */
+			T_CHECK(!memcmp(hk + o, p.rows_k + row_at(&p, 1, 0, h, (uint32_t)at), D * 2) &&
+					!memcmp(hv + o, p.rows_v + row_at(&p, 1, 0, h, (uint32_t)at), D * 2),
+				"gathered row %d of KV head %u (position %d) differs", t, h, at);
+		}
+	/* a failed or corrupt read fails the step with the block named, delivers nothing, and the
+	 * sequence attends as before once the fault is gone: every completion of a cold step */
+	uint32_t failed = 0;
+	for (uint64_t n = 1; n < 64; n++) {
+		struct { uint64_t n, seen; } h = {n, 0};
+		kvt_cache_destroy(p.gpu);
+		OK(NULL, kvt_cache_create(&cfg, &p.gpu));
+		OK(p.gpu, kvt_seq_open(p.gpu, &s));
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			make(&p, 0, layer, 0, 2048, -1);
+			upload(&p, 2048);
+			OK(p.gpu, kvt_prefill(p.gpu, s, layer, p.dq, p.dk, p.dv, 2048, NULL));
+		}
+		make(&p, 0, 1, 2048, 1, 0);
+		upload(&p, 1);
+		T_CHECK(kvt_seq_spill(p.gpu, s) > 0, "spill: %s", kvt_last_error(p.gpu));
+		kvt_nvme_set_cqe_hook(p.gpu->nvme, fail_nth, &h);
+		int rc = kvt_attend(p.gpu, 1, 1, &s, p.dq, p.dout, NULL);
+		kvt_nvme_set_cqe_hook(p.gpu->nvme, NULL, NULL);
+		if (h.seen < n) {
+			T_CHECK(rc == 0, "no fault, yet attend = %d (%s)", rc, kvt_last_error(p.gpu));
+			break; /* the step has fewer completions: all were failed in turn */
+		}
+		T_CHECK(rc == -EIO, "completion %llu failed: attend = %d (%s)", (unsigned long long)n,
+			rc, kvt_last_error(p.gpu));
+		/* the layer, KV head, file and offset of the read */
+		T_CHECK(strstr(kvt_last_error(p.gpu), "KV head") && strstr(kvt_last_error(p.gpu), "@"),
+			"the text names no block: %s", kvt_last_error(p.gpu));
+		failed++;
+		OK(p.gpu, kvt_attend(p.gpu, 1, 1, &s, p.dq, p.dout, NULL));
+		CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(before, p.out_g, ob), "completion %llu failed: the next step differs",
+			(unsigned long long)n);
+	}
+	printf("spilled: %u completions failed in turn, each step refused, the next one exact\n",
+	       failed);
+	T_CHECK(failed > 0, "no completion was failed");
+	free(pos);
+	free(hk);
+	free(hv);
+	CU(cudaFree(dpos));
+	CU(cudaFree(gk));
+	CU(cudaFree(gv));
 	free(before);
 	pair_fini(&p);
 	remove(paths[0]);
