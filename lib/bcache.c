@@ -320,6 +320,18 @@ void kvt_rows_round(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls)
 		ls[i]->bc_round = bc->round;
 }
 
+void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer)
+{
+	struct kvt_bcache *bc = c->bc;
+	for (uint32_t i = 0; bc && i < bc->n_slots; i++) {
+		const struct bslot *s = &bc->slots[i];
+		if (s->used && s->uid == uid && (layer == UINT32_MAX || s->layer == layer)) {
+			bc_unlink(bc, (int32_t)i);
+			bc->free[bc->n_free++] = (int32_t)i;
+		}
+	}
+}
+
 /* ---- one call's rows ---------------------------------------------------------------------------- */
 
 static uint32_t rows_per_chunk(const kvt_cache *c)

@@ -401,6 +401,9 @@ struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_
 /* The block cache of nvme_cache_bytes and the read requests of one call; -ENOMEM. */
 int kvt_bcache_init(kvt_cache *c);
 void kvt_bcache_fini(kvt_cache *c);
+/* Forget the cached chunks of sequence uid, of one layer or (UINT32_MAX) all: its rows are back in
+ * the host tier or gone, so the slots are free at once rather than aged out. */
+void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer);
 /*
  * A step or gather is about to read the rows of these n (sequence, layer)s: when one of them was
  * read in the current round already, the next round (decode step) begins. The block cache keeps the

@@ -361,6 +361,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	int rc = read_back(c, s, slot, 0, n);
 	if (rc < 0)
 		return kvt_tier_undo(c, &m, rc);
+	kvt_bcache_drop(c, s->uid, UINT32_MAX);
 	c->st.restores++;
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }
@@ -369,6 +370,7 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
 		return;
+	kvt_bcache_drop(c, l->seq_uid, l->index);
 	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
 		if (l->spill[i].loc.bytes) {
