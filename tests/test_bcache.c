@@ -95,6 +95,36 @@ static void get_rows(struct bworld *w, uint32_t s, uint32_t l, uint32_t h, uint3
 	}
 }
 
+/* Which (sequence, KV head)s of one layer a step reads: [s0, s1) x [h0, h1), `rows` rows from
+ * `first`. */
+struct items {
+	uint32_t layer, s0, s1, h0, h1, first, rows;
+};
+
+/* The round of a step over the items, and (plan) the prefetch planned: begin and every add. */
+static void begin_step(struct bworld *w, const struct items *it, bool plan)
+{
+	struct kvt_layer *ls[NS];
+	for (uint32_t s = it->s0; s < it->s1; s++)
+		ls[s - it->s0] = layer_of(w, s, it->layer);
+	kvt_rows_round(w->c, it->s1 - it->s0, ls);
+	if (!plan)
+		return;
+	kvt_rows_prefetch_begin(w->c);
+	for (uint32_t s = it->s0; s < it->s1; s++)
+		for (uint32_t h = it->h0; h < it->h1; h++)
+			kvt_rows_prefetch_add(w->c, ls[s - it->s0], h, span(it->first, it->rows),
+					      g_pos);
+}
+
+/* The step's kvt_rows_get calls, every row checked. */
+static void get_items(struct bworld *w, const struct items *it, const char *what)
+{
+	for (uint32_t s = it->s0; s < it->s1; s++)
+		for (uint32_t h = it->h0; h < it->h1; h++)
+			get_rows(w, s, it->layer, h, span(it->first, it->rows), what);
+}
+
 /* One decode step over sequences [s0, s1), every layer and head reading `rows` rows from `first`;
  * with prefetch, the step's misses are read ahead. Returns the hits of the step. */
 static uint64_t step(struct bworld *w, uint32_t s0, uint32_t s1, uint32_t first, uint32_t rows,
@@ -102,23 +132,11 @@ static uint64_t step(struct bworld *w, uint32_t s0, uint32_t s1, uint32_t first,
 {
 	uint64_t h0 = t_stats(w->c).nvme_cache_hits;
 	for (uint32_t l = 0; l < LAYERS; l++) {
-		struct kvt_layer *ls[NS];
-		for (uint32_t s = s0; s < s1; s++)
-			ls[s - s0] = layer_of(w, s, l);
-		kvt_rows_round(w->c, s1 - s0, ls);
-		if (prefetch) {
-			kvt_rows_prefetch_begin(w->c);
-			for (uint32_t s = s0; s < s1; s++)
-				for (uint32_t h = 0; h < NKV; h++)
-					kvt_rows_prefetch_add(w->c, ls[s - s0], h, span(first, rows),
-							      g_pos);
-			int rc = kvt_rows_prefetch(w->c);
-			T_CHECK(rc == 0, "%s: prefetch got %d (%s), wanted 0", what, rc,
-				kvt_last_error(w->c));
-		}
-		for (uint32_t s = s0; s < s1; s++)
-			for (uint32_t h = 0; h < NKV; h++)
-				get_rows(w, s, l, h, span(first, rows), what);
+		const struct items it = {l, s0, s1, 0, NKV, first, rows};
+		begin_step(w, &it, prefetch);
+		int rc = prefetch ? kvt_rows_prefetch(w->c) : 0;
+		T_CHECK(rc == 0, "%s: prefetch got %d (%s), wanted 0", what, rc, kvt_last_error(w->c));
+		get_items(w, &it, what);
 	}
 	return t_stats(w->c).nvme_cache_hits - h0;
 }
@@ -179,20 +197,12 @@ static void test_prefetch_reads_ahead(void **state)
 	tt_skip_unless_available();
 	struct bworld w;
 	bw_open(&w, (uint64_t)4 << 20);
-	struct kvt_layer *ls[NS];
-	for (uint32_t s = 0; s < NS; s++)
-		ls[s] = layer_of(&w, s, 0);
-	kvt_rows_round(w.c, NS, ls);
-	kvt_rows_prefetch_begin(w.c);
-	for (uint32_t s = 0; s < NS; s++)
-		for (uint32_t h = 0; h < NKV; h++)
-			kvt_rows_prefetch_add(w.c, ls[s], h, span(0, 80 * PER_CHUNK), g_pos);
+	const struct items it = {0, 0, NS, 0, NKV, 0, 80 * PER_CHUNK};
+	begin_step(&w, &it, true);
 	kvt_stats a = t_stats(w.c);
 	T_CHECK(kvt_rows_prefetch(w.c) == 0, "prefetch: %s", kvt_last_error(w.c));
 	kvt_stats b = t_stats(w.c);
-	for (uint32_t s = 0; s < NS; s++)
-		for (uint32_t h = 0; h < NKV; h++)
-			get_rows(&w, s, 0, h, span(0, 80 * PER_CHUNK), "after the prefetch");
+	get_items(&w, &it, "after the prefetch");
 	kvt_stats e = t_stats(w.c);
 	T_CHECK(b.nvme_cache_misses - a.nvme_cache_misses == NS * NKV * 80 &&
 			e.nvme_cache_misses == b.nvme_cache_misses && e.nvme_reads == b.nvme_reads &&
@@ -214,17 +224,11 @@ static void test_prefetch_what_fits(void **state)
 	tt_skip_unless_available();
 	struct bworld w;
 	bw_open(&w, (uint64_t)1 << 20);
+	const struct items it = {1, 0, NS, 1, 2, 0, 75 * PER_CHUNK};
 	for (int k = 0; k < 3; k++) {
-		struct kvt_layer *ls[NS];
-		for (uint32_t s = 0; s < NS; s++)
-			ls[s] = layer_of(&w, s, 1);
-		kvt_rows_round(w.c, NS, ls);
-		kvt_rows_prefetch_begin(w.c);
-		for (uint32_t s = 0; s < NS; s++)
-			kvt_rows_prefetch_add(w.c, ls[s], 1, span(0, 75 * PER_CHUNK), g_pos);
+		begin_step(&w, &it, true);
 		T_CHECK(kvt_rows_prefetch(w.c) == 0, "prefetch of what fits: %s", kvt_last_error(w.c));
-		for (uint32_t s = 0; s < NS; s++)
-			get_rows(&w, s, 1, 1, span(0, 75 * PER_CHUNK), "a step larger than the cache");
+		get_items(&w, &it, "a step larger than the cache");
 	}
 	bw_close(&w, "prefetch what fits");
 }
@@ -253,14 +257,8 @@ static int faulty_prefetch(uint64_t n, bool io)
 		 (unsigned long long)n);
 	bw_open(&w, (uint64_t)2 << 20);
 	step(&w, 0, 1, 0, 16 * PER_CHUNK, false, name); /* some chunks cached, some not */
-	struct kvt_layer *ls[NS];
-	for (uint32_t s = 0; s < NS; s++)
-		ls[s] = layer_of(&w, s, 0);
-	kvt_rows_round(w.c, NS, ls);
-	kvt_rows_prefetch_begin(w.c);
-	for (uint32_t s = 0; s < NS; s++)
-		for (uint32_t h = 0; h < NKV; h++)
-			kvt_rows_prefetch_add(w.c, ls[s], h, span(0, 40 * PER_CHUNK), g_pos);
+	const struct items it = {0, 0, NS, 0, NKV, 0, 40 * PER_CHUNK};
+	begin_step(&w, &it, true);
 	struct fault f = {.n = n};
 	kvt_stats a = t_stats(w.c);
 	if (io)
@@ -277,9 +275,7 @@ static int faulty_prefetch(uint64_t n, bool io)
 	T_CHECK(rc == 0 || (b.nvme_cache_misses == a.nvme_cache_misses && kvt_last_error(w.c)[0]),
 		"%s: the failed prefetch counted %llu misses (wanted none) or left no text", name,
 		(unsigned long long)(b.nvme_cache_misses - a.nvme_cache_misses));
-	for (uint32_t s = 0; s < NS; s++)
-		for (uint32_t h = 0; h < NKV; h++)
-			get_rows(&w, s, 0, h, span(0, 40 * PER_CHUNK), name);
+	get_items(&w, &it, name);
 	step(&w, 0, NS, 0, 40 * PER_CHUNK, true, name);
 	bw_close(&w, name);
 	return f.fired;
