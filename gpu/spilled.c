@@ -97,6 +97,34 @@ static uint32_t misses_of(const kvt_cache *c, const struct kvt_layer *l, uint32_
 	return m;
 }
 
+/* Plan and read every item's missed rows of spilled blocks in one submission (the block cache's
+ * prefetch); the per-item kvt_rows_get calls that follow find them cached. */
+static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls, const char *m,
+		    size_t seq_meta, uint32_t max_rows, int32_t *want_pos, uint32_t *want_k)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	const size_t per = (size_t)H * max_rows;
+	kvt_rows_prefetch_begin(c);
+	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
+		const struct kvt_layer *l = ls[i];
+		if (!kvt_layer_spilled(c, ls[i]))
+			continue;
+		const char *at = m + (size_t)j++ * seq_meta;
+		const uint32_t *sel_n = (const uint32_t *)(at + per * (sizeof(void *) + sizeof(int32_t)));
+		const uint32_t S = kvt_sinks_of(c, l->sel_tokens);
+		for (uint32_t h = 0; h < H; h++) {
+			uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
+			uint32_t w = misses_of(c, l, h, (const void *const *)at + (size_t)h * max_rows,
+					       (const int32_t *)(at + per * sizeof(void *)) +
+						       (size_t)h * max_rows,
+					       n, want_pos, want_k);
+			if (w)
+				kvt_rows_prefetch_add(c, l, h, w, want_pos);
+		}
+	}
+	return kvt_rows_prefetch(c);
+}
+
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream)
 {
@@ -164,6 +192,8 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	const void **got = (const void **)(m + n_sp * seq_meta);
 	int32_t *want_pos = (int32_t *)(got + max_rows);
 	uint32_t *want_k = (uint32_t *)(want_pos + max_rows);
+	/* the reads of every item in one submission (the queue depth filled), then each item's rows */
+	KVT_TRY(prefetch(c, n_seqs, ls, m, seq_meta, max_rows, want_pos, want_k));
 	char *stage = b->sp_rows;
 	b->sp_used = true; /* the copies below read the metadata buffer */
 	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {

@@ -248,18 +248,36 @@ static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, cons
 	return 0;
 }
 
+/*
+ * Read ahead, in one submission, the spilled rows of every sequence and KV head of the batch that
+ * the block cache misses, before the per-head kvt_rows_get calls use them.
+ */
+static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls)
+{
+	int32_t *pos = (int32_t *)c->work;
+	if (!c->bc)
+		return 0;
+	kvt_rows_prefetch_begin(c);
+	for (uint32_t i = 0; i < n_seqs; i++)
+		for (uint32_t h = 0; h < c->cfg.n_kv_heads && kvt_layer_spilled(c, ls[i]); h++)
+			kvt_rows_prefetch_add(c, ls[i], h, positions(c, ls[i], h, pos), pos);
+	return kvt_rows_prefetch(c);
+}
+
 static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const void *q, void *out, uint32_t *sel_n, void *stream)
 {
 	const uint32_t H = c->cfg.n_kv_heads;
-	for (uint32_t i = 0; i < n_seqs; i++) {
-		const struct kvt_layer *l = ls[i];
+	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++)
-			KVT_TRY(select_head(c, layer, l, h, q, i));
+			KVT_TRY(select_head(c, layer, ls[i], h, q, i));
+	if (out)
+		KVT_TRY(prefetch(c, n_seqs, ls));
+	for (uint32_t i = 0; i < n_seqs; i++) {
 		for (uint32_t h = 0; out && h < H; h++)
-			KVT_TRY(attend_head(c, l, h, q, out, i));
+			KVT_TRY(attend_head(c, ls[i], h, q, out, i));
 		for (uint32_t h = 0; sel_n && h < H; h++)
-			sel_n[(size_t)i * H + h] = l->sel_n[h];
+			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
 	return 0;
 }
@@ -281,6 +299,8 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	int32_t *tmp = (int32_t *)c->work;
 	const void **rows = c->rows;
 	uint64_t t0 = kvt_now_ns(), total = 0;
+	if (k_out)
+		KVT_TRY(prefetch(c, n_seqs, ls));
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++) {
 			const struct kvt_layer *l = ls[i];

@@ -153,6 +153,7 @@ struct kvt_layer {
 	uint32_t *sel_n;    /* [n_kv_heads] */
 	struct kvt_spill *spill; /* [n_kv_heads, blk_cap] where blocks are on NVMe, or NULL */
 	uint64_t seq_uid;   /* the owning sequence's uid (NVMe block identity, block cache key) */
+	uint64_t bc_round;  /* the block cache's round of its last step or gather (lib/bcache.c) */
 	uint32_t index;     /* this layer's number */
 	void *dev;          /* backend-owned per-layer state */
 };
@@ -390,13 +391,57 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
 /* Free the NVMe copies of a layer's spilled blocks. */
 void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l);
+/* The identity block b of KV head h of l has on NVMe, written as generation gen. */
+struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_layer *l,
+					   uint32_t h, uint32_t b, uint64_t gen);
+
+/* ---- direct serving through the block cache (lib/bcache.c) ------------------------------------ */
+
+/* The block cache of nvme_cache_bytes and the read requests of one call; -ENOMEM. */
+int kvt_bcache_init(kvt_cache *c);
+void kvt_bcache_fini(kvt_cache *c);
+/* Forget the cached chunks of sequence uid, of one layer or (UINT32_MAX) all: its rows are back in
+ * the host tier or gone, so the slots are free at once rather than aged out. */
+void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer);
+/*
+ * A step or gather is about to read the rows of these n (sequence, layer)s: when one of them was
+ * read in the current round already, the next round (decode step) begins. The block cache keeps the
+ * chunks the previous round used ahead of those read in this one (lib/bcache.c). Called by the
+ * pipeline for every backend; nothing without an NVMe tier.
+ */
+void kvt_rows_round(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls);
 /*
  * Row pointers for n ascending token positions of KV head h: host-tier rows directly, spilled rows
  * through the block cache (read and verified from NVMe on a miss). The pointers stay valid until the
- * next call. Errors: the NVMe read's (-EIO, -EBADMSG, ...), -ENOSPC (block cache too small).
+ * next call into the block cache (kvt_rows_get or the prefetch); a call never evicts a chunk it
+ * needs itself. Errors: the NVMe read's (-EIO, -EBADMSG, ...), -ENOSPC (one call needs more
+ * chunks than the block cache holds: nvme_cache_bytes). On error nothing is lost: the chunks the
+ * call could not read are forgotten, every other cached chunk stays valid.
  */
 int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
 		 const int32_t *pos, const void **rows);
+/*
+ * The prefetch of a step: every chunk of spilled rows that the step's kvt_rows_get calls will miss
+ * read in one kvt_nvme_read_rows submission (queue depth filled), before those calls.
+ *   kvt_rows_prefetch_begin(c)             a new plan (the pins of the previous one expire);
+ *   kvt_rows_prefetch_add(c, l, h, n, pos) the rows one later kvt_rows_get(c, l, h, n, pos) reads:
+ *                                          chunks cached now are pinned (kept until that call uses
+ *                                          them), the others planned (at most one per slot);
+ *   kvt_rows_prefetch(c)                   read the planned chunks, pinned too.
+ * No kvt_rows_get between begin and kvt_rows_prefetch (the plan lives in the read requests). Only
+ * what fits is read: slots that are unused, stale, read in this round and not reused, or held by
+ * chunks of a planned (sequence, layer, KV head) that the plan does not need; never chunks the
+ * previous round used, so the prefetch evicts no more than kvt_rows_get would. The rest is read by
+ * kvt_rows_get as before. A pin is a preference, not a lock: kvt_rows_get takes a pinned slot
+ * before failing, so no call fails with -ENOSPC that would succeed without the prefetch.
+ * Chunks read ahead count as misses, and their first use as no hit. kvt_rows_prefetch returns 0 or
+ * the read's error (the chunks of the failed read are forgotten, nothing else changes; the
+ * following kvt_rows_get calls would read them again). Nothing without an NVMe tier.
+ */
+void kvt_rows_prefetch_begin(kvt_cache *c);
+void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
+			   const int32_t *pos);
+int kvt_rows_prefetch(kvt_cache *c);
 
 /* Monotonic nanoseconds. */
 uint64_t kvt_now_ns(void);

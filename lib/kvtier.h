@@ -132,7 +132,12 @@ typedef struct kvt_config {
 	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier */
 	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use */
 	uint64_t nvme_cache_bytes;     /* host memory caching blocks read for direct serving, >= 1 MiB
-					  when n_nvme > 0; 0 (default): 64 MiB */
+					  when n_nvme > 0; 0 (default): 64 MiB. Size it to the 4 KiB
+					  chunks one decode step reads from spilled sequences (every
+					  layer, sequence and KV head; a chunk holds 4096 / (4 head_dim)
+					  rows): then steps reuse what they share; 1.5 x that lets a
+					  step's misses be read ahead in one submission; smaller keeps a
+					  part (doc/data-path.md, "Sizing") */
 	uint32_t max_seqs;    /* sequences open at once, <= 65536; 0 (default): 256 */
 	uint32_t n_nvme;      /* files of the NVMe tier, at most 64; 0 (default): no NVMe tier */
 	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, <= 1024; 0 (default): 32 */

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The NVMe tier seen from the cache: spill and restore of whole sequences, the LRU spill policy,
- * and direct serving of spilled rows through a host-memory block cache.
+ * The NVMe tier seen from the cache: spill and restore of whole sequences and the LRU spill policy.
+ * Direct serving of spilled rows, through a host-memory block cache, is lib/bcache.c.
  *
  * Only full host-tier blocks whose tokens are all sinks or indexed are spilled. Index builds (window
  * flushes) and row stores touch only the window and the last block, so they never need a spilled
@@ -11,70 +11,6 @@
 #include <string.h>
 
 #include "internal.h"
-
-/* One cached 4 KiB payload chunk of a spilled block. */
-struct bslot {
-	uint64_t uid;
-	uint32_t layer, head, block, chunk;
-	int32_t next;   /* hash chain */
-	uint64_t stamp; /* call that last needed it: never evicted during that call */
-	bool used;
-};
-
-struct kvt_bcache {
-	uint32_t n_slots, n_buckets, hand;
-	uint64_t stamp;
-	unsigned char *data; /* [n_slots, KVT_NVME_CHUNK] */
-	struct bslot *slots;
-	int32_t *buckets;
-};
-
-static uint32_t bucket_of(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
-			  uint32_t block, uint32_t chunk)
-{
-	uint64_t h = uid * 0x9e3779b97f4a7c15ull;
-	h ^= ((uint64_t)layer << 40) ^ ((uint64_t)head << 24) ^ ((uint64_t)block << 8) ^ chunk;
-	h *= 0xbf58476d1ce4e5b9ull;
-	return (uint32_t)(h >> 32) & (bc->n_buckets - 1);
-}
-
-static void bc_unlink(struct kvt_bcache *bc, int32_t i)
-{
-	struct bslot *s = &bc->slots[i];
-	int32_t *p = &bc->buckets[bucket_of(bc, s->uid, s->layer, s->head, s->block, s->chunk)];
-	while (*p != i)
-		p = &bc->slots[*p].next;
-	*p = s->next;
-	s->used = false;
-}
-
-static int32_t bc_find(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
-		       uint32_t block, uint32_t chunk)
-{
-	for (int32_t i = bc->buckets[bucket_of(bc, uid, layer, head, block, chunk)]; i >= 0;
-	     i = bc->slots[i].next) {
-		const struct bslot *s = &bc->slots[i];
-		if (s->uid == uid && s->layer == layer && s->head == head && s->block == block &&
-		    s->chunk == chunk)
-			return i;
-	}
-	return -1;
-}
-
-/* A slot for a new chunk, evicting by clock; -1 when every slot is needed by this call. */
-static int32_t bc_take(struct kvt_bcache *bc)
-{
-	for (uint32_t tries = 0; tries < bc->n_slots; tries++) {
-		int32_t i = (int32_t)bc->hand;
-		bc->hand = (bc->hand + 1) % bc->n_slots;
-		if (bc->slots[i].used && bc->slots[i].stamp == bc->stamp)
-			continue;
-		if (bc->slots[i].used)
-			bc_unlink(bc, i);
-		return i;
-	}
-	return -1;
-}
 
 int kvt_tier_init(kvt_cache *c)
 {
@@ -90,38 +26,12 @@ int kvt_tier_init(kvt_cache *c)
 	};
 	int rc = kvt_nvme_open(&nc, &c->nvme, &err);
 	KVT_RETURN_IF(rc < 0, NULL, rc, "NVMe tier: %s", err.msg);
-	struct kvt_bcache *bc = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc);
-	KVT_RETURN_IF(!bc, NULL, -ENOMEM, "out of memory for the block cache");
-	c->bc = bc;
-	bc->n_slots = (uint32_t)(c->cfg.nvme_cache_bytes / KVT_NVME_CHUNK);
-	bc->n_buckets = 1;
-	while (bc->n_buckets < 2 * bc->n_slots)
-		bc->n_buckets *= 2;
-	bc->data = kvt_mem_alloc(KVT_MEM_PAGES, (size_t)bc->n_slots * KVT_NVME_CHUNK);
-	bc->slots = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->slots * bc->n_slots);
-	bc->buckets = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->buckets * bc->n_buckets);
-	/* one read request per chunk at most, and a call never holds more chunks than slots */
-	c->reqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->reqs * bc->n_slots);
-	KVT_RETURN_IF(!bc->data || !bc->slots || !bc->buckets || !c->reqs, NULL, -ENOMEM,
-		      "out of memory for the block cache (nvme_cache_bytes = %llu)",
-		      (unsigned long long)c->cfg.nvme_cache_bytes);
-	for (uint32_t i = 0; i < bc->n_buckets; i++)
-		bc->buckets[i] = -1;
-	return 0;
+	return kvt_bcache_init(c);
 }
 
 void kvt_tier_fini(kvt_cache *c)
 {
-	struct kvt_bcache *bc = c->bc;
-	if (bc) {
-		kvt_mem_free(KVT_MEM_PAGES, bc->data, (size_t)bc->n_slots * KVT_NVME_CHUNK);
-		kvt_mem_free(KVT_MEM_HOST, bc->slots, 0);
-		kvt_mem_free(KVT_MEM_HOST, bc->buckets, 0);
-		kvt_mem_free(KVT_MEM_HOST, bc, 0);
-		c->bc = NULL;
-	}
-	kvt_mem_free(KVT_MEM_HOST, c->reqs, 0);
-	c->reqs = NULL;
+	kvt_bcache_fini(c);
 	kvt_nvme_close(c->nvme);
 	c->nvme = NULL;
 }
@@ -140,8 +50,8 @@ static uint32_t block_rows(const kvt_cache *c, const struct kvt_layer *l, uint32
 	return (end < l->n_tokens ? end : l->n_tokens) - b * KVT_BLOCK_TOKENS;
 }
 
-static struct kvt_nvme_block_id block_id(const kvt_cache *c, const struct kvt_layer *l, uint32_t h,
-					 uint32_t b, uint64_t gen)
+struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_layer *l,
+					   uint32_t h, uint32_t b, uint64_t gen)
 {
 	return (struct kvt_nvme_block_id){
 		.seq = l->seq_uid,
@@ -206,7 +116,7 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	{
 		void *host = l->blocks[(size_t)h * l->blk_cap + b];
 		if (b < spillable_blocks(c, l) && host) {
-			blocks[i].id = block_id(c, l, h, b, gen0 + i + 1);
+			blocks[i].id = kvt_tier_block_id(c, l, h, b, gen0 + i + 1);
 			blocks[i++].payload = host;
 		}
 	}
@@ -369,7 +279,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 		size_t at = (size_t)h * l->blk_cap + b;
 		if (spilled_after(l, at, after)) {
 			locs[i] = l->spill[at].loc;
-			ids[i++] = block_id(c, l, h, b, l->spill[at].gen);
+			ids[i++] = kvt_tier_block_id(c, l, h, b, l->spill[at].gen);
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
@@ -451,6 +361,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	int rc = read_back(c, s, slot, 0, n);
 	if (rc < 0)
 		return kvt_tier_undo(c, &m, rc);
+	kvt_bcache_drop(c, s->uid, UINT32_MAX);
 	c->st.restores++;
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }
@@ -459,6 +370,7 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
 		return;
+	kvt_bcache_drop(c, l->seq_uid, l->index);
 	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
 		if (l->spill[i].loc.bytes) {
@@ -467,78 +379,4 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 		}
 	kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
 	l->spill = NULL;
-}
-
-/* Forget the slots this call reserved but could not fill. */
-static void drop_pending(struct kvt_bcache *bc, const struct kvt_nvme_rows *reqs, uint32_t n)
-{
-	for (uint32_t r = 0; r < n; r++) {
-		int32_t i = (int32_t)(((const unsigned char *)reqs[r].out - bc->data) / KVT_NVME_CHUNK);
-		if (bc->slots[i].used)
-			bc_unlink(bc, i);
-	}
-}
-
-int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
-		 const int32_t *pos, const void **rows)
-{
-	struct kvt_bcache *bc = c->bc;
-	const uint32_t per_chunk = KVT_NVME_CHUNK / (uint32_t)c->row_bytes;
-	uint32_t nreq = 0, hits = 0;
-	if (bc)
-		bc->stamp++;
-	for (uint32_t i = 0; i < n; i++) {
-		uint32_t p = (uint32_t)pos[i], b = p / KVT_BLOCK_TOKENS, r = p % KVT_BLOCK_TOKENS;
-		size_t at = (size_t)h * l->blk_cap + b;
-		if (l->blocks[at]) {
-			rows[i] = kvt_row(c, l, h, p);
-			continue;
-		}
-		uint32_t chunk = r / per_chunk;
-		int32_t s = bc_find(bc, l->seq_uid, l->index, h, b, chunk);
-		if (s >= 0) {
-			hits += bc->slots[s].stamp != bc->stamp;
-		} else {
-			s = bc_take(bc);
-			if (s < 0) {
-				drop_pending(bc, c->reqs, nreq);
-				return kvt_seterr(c, -ENOSPC,
-						  "direct serving of layer %u KV head %u needs more "
-						  "than nvme_cache_bytes = %llu of block cache: restore "
-						  "the sequence or raise nvme_cache_bytes",
-						  l->index, h, (unsigned long long)c->cfg.nvme_cache_bytes);
-			}
-			struct bslot *sl = &bc->slots[s];
-			*sl = (struct bslot){ .uid = l->seq_uid, .layer = l->index, .head = h,
-					      .block = b, .chunk = chunk, .used = true };
-			uint32_t bk = bucket_of(bc, sl->uid, sl->layer, h, b, chunk);
-			sl->next = bc->buckets[bk];
-			bc->buckets[bk] = s;
-			struct kvt_nvme_rows *q = &c->reqs[nreq++];
-			q->loc = l->spill[at].loc;
-			q->expect = block_id(c, l, h, b, l->spill[at].gen);
-			q->row_begin = chunk * per_chunk;
-			q->row_end = q->row_begin + per_chunk;
-			q->row_end = q->row_end < q->expect.n_tokens ? q->row_end : q->expect.n_tokens;
-			q->out = bc->data + (size_t)s * KVT_NVME_CHUNK;
-		}
-		bc->slots[s].stamp = bc->stamp;
-		rows[i] = bc->data + (size_t)s * KVT_NVME_CHUNK + (size_t)(r % per_chunk) * c->row_bytes;
-	}
-	if (!bc)
-		return 0;
-	c->st.nvme_cache_hits += hits;
-	if (nreq == 0)
-		return 0;
-	uint64_t t0 = kvt_now_ns();
-	struct kvt_err err;
-	int rc = kvt_nvme_read_rows(c->nvme, nreq, c->reqs, &err);
-	c->st.ns_nvme += kvt_now_ns() - t0;
-	if (rc < 0) {
-		drop_pending(bc, c->reqs, nreq);
-		return kvt_seterr(c, rc, "direct serving of layer %u KV head %u: %s", l->index, h,
-				  err.msg);
-	}
-	c->st.nvme_cache_misses += nreq;
-	return 0;
 }

@@ -190,6 +190,8 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t 
 	uint32_t *sel_n = out ? NULL : c->sel_counts;
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads));
+	if (out)
+		kvt_rows_round(c, n_seqs, ls);
 	/* the selections are rewritten from here: a failure leaves none half made */
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		ls[i]->sel_epoch = 0;
@@ -235,6 +237,8 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 		}
 	for (size_t i = 0; i < (size_t)n_seqs * H; i++)
 		counts[i] = (int32_t)n[i];
+	if (k_out)
+		kvt_rows_round(c, n_seqs, ls);
 	if (pos || k_out)
 		KVT_TRY(c->ops->gather(c, layer, n_seqs, ls, max_tokens, pos, k_out, v_out, stream));
 	return (int)total;

@@ -27,13 +27,29 @@ typedef struct nv_files {
 } nv_files;
 
 /*
- * The directory for scratch files: $KVT_TEST_DIR, else the current directory (the build directory
- * under meson test), which is on the real disk where /tmp may be tmpfs without O_DIRECT.
+ * The directory for scratch files: $KVT_TEST_DIR, else the directory of the test executable (the
+ * build tree, whatever the current directory: never the source tree, and on the real disk where
+ * /tmp may be tmpfs without O_DIRECT), else $TMPDIR, else /tmp.
  */
 static inline const char *nv_dir(void)
 {
+	static char exe_dir[4096];
 	const char *d = getenv("KVT_TEST_DIR");
-	return d && d[0] ? d : ".";
+	if (d && d[0])
+		return d;
+	if (!exe_dir[0]) {
+		ssize_t n = readlink("/proc/self/exe", exe_dir, sizeof exe_dir - 1);
+		exe_dir[n > 0 ? n : 0] = 0;
+		char *slash = strrchr(exe_dir, '/');
+		if (slash && slash != exe_dir)
+			*slash = 0;
+		else
+			exe_dir[0] = 0;
+	}
+	if (exe_dir[0] && access(exe_dir, W_OK) == 0)
+		return exe_dir;
+	d = getenv("TMPDIR");
+	return d && d[0] ? d : "/tmp";
 }
 
 static inline void nv_make_files(nv_files *f, const char *dir, uint32_t n, uint64_t bytes)

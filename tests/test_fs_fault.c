@@ -29,6 +29,7 @@
 #include <linux/filter.h>
 #include <linux/loop.h>
 #include <linux/seccomp.h>
+#include <signal.h>
 #include <stddef.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
@@ -57,11 +58,45 @@ static kvt_config fs_config(const char *const *paths, const uint64_t *bytes, uin
 	return cfg;
 }
 
+/*
+ * The scratch directory in use (empty: none), removed by remove_dir, and also on every way out of a
+ * test that skips it: a failed check (the tests' teardown), exit, and SIGINT, SIGTERM or SIGHUP.
+ */
+static char scratch[4096];
+/* Every name a test creates in its scratch directory (what the signal handler unlinks). */
+static const char *const scratch_names[] = {"store", "store-0", "store-1", "backing", "fifo"};
+static pid_t scratch_owner; /* a forked child never removes its parent's directory */
+
+/* Async-signal-safe: only unlink and rmdir of names known in advance. */
+static void drop_scratch_names(void)
+{
+	char p[4200];
+	if (!scratch[0] || getpid() != scratch_owner)
+		return;
+	for (size_t i = 0; i < sizeof scratch_names / sizeof scratch_names[0]; i++) {
+		size_t n = strlen(scratch), m = strlen(scratch_names[i]);
+		memcpy(p, scratch, n);
+		p[n] = '/';
+		memcpy(p + n + 1, scratch_names[i], m + 1);
+		unlink(p);
+	}
+	rmdir(scratch);
+}
+
+static void on_signal(int sig)
+{
+	drop_scratch_names();
+	signal(sig, SIG_DFL);
+	raise(sig);
+}
+
 /* A private scratch directory under nv_dir(), so that the directory listing is ours alone. */
 static void make_dir(char *dir, size_t n)
 {
 	snprintf(dir, n, "%s/kvt-fs-fault-XXXXXX", nv_dir());
 	T_CHECK(mkdtemp(dir) != NULL, "mkdtemp %s: %s", dir, strerror(errno));
+	snprintf(scratch, sizeof scratch, "%s", dir);
+	scratch_owner = getpid();
 }
 
 /* Names in dir, sorted into one string (for comparing listings). */
@@ -95,6 +130,17 @@ static void remove_dir(const char *dir)
 		closedir(d);
 	}
 	rmdir(dir);
+	if (!strcmp(dir, scratch))
+		scratch[0] = 0;
+}
+
+/* After every test, whether it passed or a check failed half way. */
+static int teardown(void **state)
+{
+	(void)state;
+	if (scratch[0])
+		remove_dir(scratch);
+	return 0;
 }
 
 /* What a failure of `call` with errno `e` may return, and must return where it is not a choice. */
@@ -498,13 +544,18 @@ int main(int argc, char **argv)
 		}
 	}
 	t_warm_runtime();
+	atexit(drop_scratch_names);
+	signal(SIGINT, on_signal);
+	signal(SIGTERM, on_signal);
+	signal(SIGHUP, on_signal);
 	const struct CMUnitTest all[] = {
-		cmocka_unit_test(test_fail_each_call),
-		cmocka_unit_test(test_seccomp_denied),
-		cmocka_unit_test(test_not_a_file),
-		cmocka_unit_test(test_4k_sectors),
+		cmocka_unit_test_teardown(test_fail_each_call, teardown),
+		cmocka_unit_test_teardown(test_seccomp_denied, teardown),
+		cmocka_unit_test_teardown(test_not_a_file, teardown),
+		cmocka_unit_test_teardown(test_4k_sectors, teardown),
 	};
-	const struct CMUnitTest only_fresh[] = {cmocka_unit_test(test_fail_each_call)};
+	const struct CMUnitTest only_fresh[] = {
+		cmocka_unit_test_teardown(test_fail_each_call, teardown)};
 	return fresh ? cmocka_run_group_tests(only_fresh, setup, NULL)
 		     : cmocka_run_group_tests(all, setup, NULL);
 }

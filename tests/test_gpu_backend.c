@@ -474,8 +474,9 @@ static void test_spilled(void **state)
 		}
 		T_CHECK(rc == -EIO, "completion %llu failed: attend = %d (%s)", (unsigned long long)n,
 			rc, kvt_last_error(p.gpu));
-		/* the layer, KV head, file and offset of the read */
-		T_CHECK(strstr(kvt_last_error(p.gpu), "KV head") && strstr(kvt_last_error(p.gpu), "@"),
+		/* the read's file and offset: the block */
+		T_CHECK(strstr(kvt_last_error(p.gpu), "direct serving") &&
+				strstr(kvt_last_error(p.gpu), "@"),
 			"the text names no block: %s", kvt_last_error(p.gpu));
 		failed++;
 		OK(p.gpu, kvt_attend(p.gpu, 1, 1, &s, p.dq, p.dout, NULL));
