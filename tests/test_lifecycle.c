@@ -93,6 +93,13 @@ static void run_step(kvt_cache *c, uint32_t s, const struct step *st)
 	}
 }
 
+/* The same step on s of c and on rs of the reference r. */
+static void both(kvt_cache *c, uint32_t s, kvt_cache *r, uint32_t rs, const struct step *st)
+{
+	run_step(c, s, st);
+	run_step(r, rs, st);
+}
+
 /* Attention of one query over seq s of cache c on layer l, as raw bits. */
 static void attend(kvt_cache *c, uint32_t s, uint32_t l, float *out)
 {
@@ -213,8 +220,7 @@ static void test_truncate_first_chunk(void **state)
 	run_step(cb, b, &part);
 	g_other_centroids = true;
 	expect_same(ca, a, cb, b, "first chunk", 0);
-	run_step(ca, a, &more);
-	run_step(cb, b, &more);
+	both(ca, a, cb, b, &more);
 	expect_same(ca, a, cb, b, "first chunk", 1);
 	g_other_centroids = false;
 	kvt_cache_destroy(ca);
@@ -245,27 +251,23 @@ static void test_fork_cow(void **state)
 			"host bytes after fork: got %llu, wanted %llu", (unsigned long long)t_stats(c).host_bytes_used,
 			(unsigned long long)(used + (uint64_t)NL * NKV * blk));
 		T_CHECK(t_stats(c).seqs_open == 2, "seqs_open %llu", (unsigned long long)t_stats(c).seqs_open);
-		run_step(r, rp, &pre);
-		run_step(r, rp, &app);
-		run_step(r, rk, &pre);
-		run_step(r, rk, &app);
+		for (int i = 0; i < 2; i++) {
+			run_step(r, i ? rk : rp, &pre);
+			run_step(r, i ? rk : rp, &app);
+		}
 		expect_same(c, kid, r, rk, "fork, child", 0);
 		expect_same(c, par, r, rp, "fork, parent", 0);
 		/* the parent decodes the kept stream on, the child drafted tokens: each its own rows */
 		const struct step pa = {APPEND, 30}, ka = {DRAFT_APPEND, 30};
-		run_step(c, par, &pa);
-		run_step(r, rp, &pa);
-		run_step(c, kid, &ka);
-		run_step(r, rk, &ka);
+		both(c, par, r, rp, &pa);
+		both(c, kid, r, rk, &ka);
 		expect_same(c, par, r, rp, "fork, parent after appends", 1);
 		expect_same(c, kid, r, rk, "fork, child after appends", 1);
 		/* the parent goes back into a shared full block (copied, the child keeps its own) */
 		const struct step cut = {TRUNC, 639 - 400};
-		run_step(c, par, &cut);
-		run_step(r, rp, &cut);
 		const struct step pb = {DRAFT_APPEND, 40};
-		run_step(c, par, &pb);
-		run_step(r, rp, &pb);
+		both(c, par, r, rp, &cut);
+		both(c, par, r, rp, &pb);
 		expect_same(c, par, r, rp, "fork, parent after truncation into a shared block", 2);
 		expect_same(c, kid, r, rk, "fork, child after the parent's truncation", 2);
 		/* a closed parent leaves the child whole; the child's close frees everything */

@@ -246,12 +246,18 @@ static void rows(struct model *m, uint32_t n, uint32_t width, double mean, uint1
 	t_fill(&m->r, m->dtype, (size_t)n * width, mean, 1.0, bits, dec);
 }
 
+/* The lowest model slot not open, or -1 (the library hands out the lowest free id alike). */
+static int free_slot_of(const struct model *m)
+{
+	for (int i = 0; i < MAXS; i++)
+		if (!m->s[i].open)
+			return i;
+	return -1;
+}
+
 static void op_open(struct model *m)
 {
-	int free_slot = -1;
-	for (int i = 0; i < MAXS && free_slot < 0; i++)
-		if (!m->s[i].open)
-			free_slot = i;
+	int free_slot = free_slot_of(m);
 	struct fault f;
 	uint32_t a = 0, b = 0;
 	arm(m, &f);
@@ -490,12 +496,9 @@ static void op_tier(struct model *m, enum op op)
 /* Fork a random open sequence into the lowest free slot (refused alike when none is free). */
 static void op_fork(struct model *m)
 {
-	int i = pick_open(m), free_slot = -1;
+	int i = pick_open(m), free_slot = free_slot_of(m);
 	if (i < 0)
 		return;
-	for (int j = 0; j < MAXS && free_slot < 0; j++)
-		if (!m->s[j].open)
-			free_slot = j;
 	struct fault f;
 	uint32_t a = 0, b = 0;
 	arm(m, &f);
