@@ -531,8 +531,8 @@ KVT_API int kvt_get_capacity(kvt_cache *cache, kvt_capacity *cap);
 
 /*
  * The bytes sequence `seq` holds now, over all its layers and KV heads: in the host tier (*host,
- * whole blocks) and on NVMe (*nvme, its spilled blocks with their headers); either pointer may be
- * NULL. Never synchronizes the device. Errors: -EINVAL (cache NULL), -ENOENT (not open).
+ * whole blocks) and on NVMe (*nvme, its spilled blocks with their headers; a block shared with a
+ * forked sequence counts in each holder); either pointer may be NULL. Never synchronizes the device. Errors: -EINVAL (cache NULL), -ENOENT (not open).
  */
 KVT_API int kvt_seq_bytes(kvt_cache *cache, uint32_t seq, uint64_t *host, uint64_t *nvme);
 

@@ -301,7 +301,8 @@ static int fork_prepare(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *ch
 	}
 	KVT_RETURN_IF(shared > UINT32_MAX, c, -ENOMEM, "%llu blocks to share",
 		      (unsigned long long)shared);
-	KVT_TRY(kvt_share_reserve(c, (uint32_t)shared));
+	if (shared)
+		KVT_TRY(kvt_share_reserve(c, (uint32_t)shared));
 	if (part) {
 		*fresh = kvt_mem_alloc(KVT_MEM_HOST, sizeof **fresh * part);
 		KVT_RETURN_IF(!*fresh, c, -ENOMEM, "out of memory forking a sequence");
