@@ -283,6 +283,9 @@ static const struct kvt_backend_ops ops = {
 	.gather = gpu_gather,
 	.stats = cu_stats,
 	.quiesce = cu_quiesce,
+	.truncate = gpu_truncate,
+	.fork = gpu_fork,
+	.read_rows = gpu_read_rows,
 };
 
 const struct kvt_backend_ops *const kvt_cuda_backend_ops = &ops;

@@ -20,7 +20,8 @@
  * The files: backend.c (set-up, tear-down, entry, errors, stats, the verb table), timing.c (CUDA
  * event sets timing the stages), devmem.c (device buffers), mirror.c (the per (sequence, layer)
  * mirror), store.c (reserve, centroids, store, index: the verbs of prefill and append), step.c (the
- * verbs of a decode step and a gather). The pipeline that calls them is lib/pipeline.c.
+ * verbs of a decode step and a gather), life.c (truncate, fork, row ranges). The pipeline that
+ * calls them is lib/pipeline.c (lib/lifecycle.c for life.c's).
  */
 #ifndef KVT_GPU_CUDA_BACKEND_H
 #define KVT_GPU_CUDA_BACKEND_H
@@ -158,6 +159,9 @@ int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *
 		       uint32_t tokens, void *stream);
 int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g,
 			   void *stream);
+/* The first ni index entries per KV head of `from` into `to` (its capacity reserved). */
+int gpu_mirror_copy_index(kvt_cache *c, const struct gpu_seq_layer *from, uint32_t ni,
+			  struct gpu_seq_layer *to);
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
 
 /* runtime.c: the probe and memory hooks of the backend table */
@@ -187,5 +191,13 @@ int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	       uint32_t *sel_n, void *stream);
 int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       uint32_t max_tokens, int32_t *pos, void *k_out, void *v_out, void *stream);
+
+/* life.c: verbs of truncate, fork and row ranges */
+int gpu_truncate(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni, uint32_t n_tokens,
+		 void *stream);
+int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_t layer,
+	     void *stream);
+int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k, void *v,
+		  void *stream);
 
 #endif /* KVT_GPU_CUDA_BACKEND_H */

@@ -124,6 +124,12 @@ int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_lay
 	return 0;
 }
 
+int gpu_mirror_copy_index(kvt_cache *c, const struct gpu_seq_layer *from, uint32_t ni,
+			  struct gpu_seq_layer *to)
+{
+	return copy_index(c, from, ni, to->cap, to->codes, to->sigma, to->beta);
+}
+
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g)
 {
 	return (kvt_gpu_index_view){

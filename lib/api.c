@@ -52,6 +52,7 @@ static void cache_free(kvt_cache *c)
 			if (c->seqs[s].open)
 				kvt_seq_close(c, s);
 	}
+	kvt_share_fini(c);
 	if (c->ops && c->ops->fini)
 		c->ops->fini(c);
 	kvt_tier_fini(c);
@@ -170,15 +171,24 @@ static int check_layer(kvt_cache *c, uint32_t layer)
 	return 0;
 }
 
-KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
+/* The lowest free sequence slot. */
+static int free_slot(kvt_cache *c, uint32_t *out)
 {
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_RETURN_IF(!seq, c, -EINVAL, "seq is NULL");
 	uint32_t s = 0;
 	while (s < c->cfg.max_seqs && c->seqs[s].open)
 		s++;
 	KVT_RETURN_IF(s == c->cfg.max_seqs, c, -ENOSPC, "all max_seqs = %u sequences are open",
 		      c->cfg.max_seqs);
+	*out = s;
+	return 0;
+}
+
+KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!seq, c, -EINVAL, "seq is NULL");
+	uint32_t s = 0;
+	KVT_TRY(free_slot(c, &s));
 	struct kvt_layer *layers = kvt_mem_alloc(KVT_MEM_HOST, sizeof *layers * c->cfg.n_layers);
 	KVT_RETURN_IF(!layers, c, -ENOMEM, "out of memory opening a sequence (%u layers)",
 		      c->cfg.n_layers);
@@ -214,7 +224,7 @@ KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
-	return kvt_tier_spill(c, s, seq);
+	return kvt_tier_spill(c, s, seq, NULL);
 }
 
 KVT_API int64_t kvt_seq_restore(kvt_cache *c, uint32_t seq)
@@ -234,6 +244,74 @@ KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
 	KVT_TRY(lookup(c, seq, &s));
 	KVT_TRY(check_layer(c, layer));
 	return s->layers[layer].n_tokens;
+}
+
+KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void *stream)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(lookup(c, seq, &s));
+	c->call_start = c->clock + 1;
+	s->last_use = ++c->clock;
+	return kvt_pipe_truncate(c, s, seq, n_tokens, stream);
+}
+
+KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *stream)
+{
+	struct kvt_seq *s = NULL;
+	uint32_t slot = 0;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
+	KVT_TRY(lookup(c, parent, &s));
+	KVT_TRY(free_slot(c, &slot));
+	c->call_start = c->clock + 1;
+	s->last_use = ++c->clock;
+	KVT_TRY(kvt_pipe_fork(c, s, &c->seqs[slot], stream));
+	*child = slot;
+	return 0;
+}
+
+/* The checks of a row range [from, to) of seq on layer; *out: its state. */
+static int range_args(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from, uint32_t to,
+		      const void *k, const void *v, struct kvt_seq **out)
+{
+	KVT_TRY(lookup(c, seq, out));
+	KVT_TRY(check_layer(c, layer));
+	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
+	KVT_RETURN_IF(to <= from, c, -EINVAL, "to = %u, must be > from = %u", to, from);
+	return 0;
+}
+
+KVT_API int kvt_seq_read_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+			      uint32_t to, void *k, void *v, void *stream)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
+	const uint32_t n = s->layers[layer].n_tokens;
+	KVT_RETURN_IF(to > n, c, -EINVAL, "to = %u, must be <= %u, the tokens seq %u holds on layer %u",
+		      to, n, seq, layer);
+	c->call_start = c->clock + 1;
+	s->last_use = ++c->clock;
+	return kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, stream);
+}
+
+KVT_API int kvt_seq_write_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+			       uint32_t to, const void *k, const void *v, void *stream)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
+	const uint32_t n = s->layers[layer].n_tokens;
+	KVT_RETURN_IF(from != n, c, -EINVAL,
+		      "from = %u, must be %u: rows are written at the end of seq %u on layer %u", from,
+		      n, seq, layer);
+	KVT_RETURN_IF((uint64_t)to > INT32_MAX, c, -EINVAL,
+		      "to = %u would grow seq %u layer %u past %d tokens", to, seq, layer, INT32_MAX);
+	c->call_start = c->clock + 1;
+	s->last_use = ++c->clock;
+	KVT_TRY(kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from, stream));
+	return (int)(to - from);
 }
 
 KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,

@@ -29,8 +29,11 @@
 
 #include "internal.h"
 
-/* One cached 4 KiB payload chunk of a spilled block. */
+/* One cached 4 KiB payload chunk of a spilled block, found by the block's generation (unique per
+ * block written: the holders of a shared block share its chunks, and rows written again at a
+ * position after a truncation never meet a stale chunk); uid, layer and head say whose it is. */
 struct bslot {
+	uint64_t bgen;
 	uint64_t uid;
 	uint32_t layer, head, block, chunk;
 	int32_t next;   /* hash chain */
@@ -70,17 +73,10 @@ struct kvt_bcache {
 	uint32_t items_cap;
 };
 
-static uint64_t mix(uint64_t uid, uint32_t layer, uint32_t head, uint32_t block, uint32_t chunk)
+static uint32_t bucket_of(const struct kvt_bcache *bc, uint64_t bgen, uint32_t chunk)
 {
-	uint64_t h = uid * 0x9e3779b97f4a7c15ull;
-	h ^= ((uint64_t)layer << 40) ^ ((uint64_t)head << 24) ^ ((uint64_t)block << 8) ^ chunk;
-	return h * 0xbf58476d1ce4e5b9ull;
-}
-
-static uint32_t bucket_of(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
-			  uint32_t block, uint32_t chunk)
-{
-	return (uint32_t)(mix(uid, layer, head, block, chunk) >> 32) & (bc->n_buckets - 1);
+	uint64_t h = (bgen * 0x9e3779b97f4a7c15ull ^ chunk) * 0xbf58476d1ce4e5b9ull;
+	return (uint32_t)(h >> 32) & (bc->n_buckets - 1);
 }
 
 /* ---- the classes ------------------------------------------------------------------------------ */
@@ -112,7 +108,7 @@ static void demote(struct kvt_bcache *bc, struct bslot *s)
 static void bc_unlink(struct kvt_bcache *bc, int32_t i)
 {
 	struct bslot *s = &bc->slots[i];
-	int32_t *p = &bc->buckets[bucket_of(bc, s->uid, s->layer, s->head, s->block, s->chunk)];
+	int32_t *p = &bc->buckets[bucket_of(bc, s->bgen, s->chunk)];
 	while (*p != i)
 		p = &bc->slots[*p].next;
 	*p = s->next;
@@ -122,16 +118,11 @@ static void bc_unlink(struct kvt_bcache *bc, int32_t i)
 	bc->n_used--;
 }
 
-static int32_t bc_find(const struct kvt_bcache *bc, uint64_t uid, uint32_t layer, uint32_t head,
-		       uint32_t block, uint32_t chunk)
+static int32_t bc_find(const struct kvt_bcache *bc, uint64_t bgen, uint32_t chunk)
 {
-	for (int32_t i = bc->buckets[bucket_of(bc, uid, layer, head, block, chunk)]; i >= 0;
-	     i = bc->slots[i].next) {
-		const struct bslot *s = &bc->slots[i];
-		if (s->uid == uid && s->layer == layer && s->head == head && s->block == block &&
-		    s->chunk == chunk)
+	for (int32_t i = bc->buckets[bucket_of(bc, bgen, chunk)]; i >= 0; i = bc->slots[i].next)
+		if (bc->slots[i].bgen == bgen && bc->slots[i].chunk == chunk)
 			return i;
-	}
 	return -1;
 }
 
@@ -221,14 +212,14 @@ static int32_t bc_take(struct kvt_bcache *bc, bool demand)
 }
 
 /* Fill slot i with a chunk (not yet read), used in this round. */
-static void bc_insert(struct kvt_bcache *bc, int32_t i, uint64_t uid, uint32_t layer, uint32_t head,
-		      uint32_t block, uint32_t chunk)
+static void bc_insert(struct kvt_bcache *bc, int32_t i, uint64_t bgen, uint64_t uid, uint32_t layer,
+		      uint32_t head, uint32_t block, uint32_t chunk)
 {
 	struct bslot *s = &bc->slots[i];
 	uint32_t gen = s->gen;
-	*s = (struct bslot){.uid = uid, .layer = layer, .head = head, .block = block,
+	*s = (struct bslot){.bgen = bgen, .uid = uid, .layer = layer, .head = head, .block = block,
 			    .chunk = chunk, .gen = gen, .used = true, .fresh = true};
-	uint32_t bk = bucket_of(bc, uid, layer, head, block, chunk);
+	uint32_t bk = bucket_of(bc, bgen, chunk);
 	s->next = bc->buckets[bk];
 	bc->buckets[bk] = i;
 	bc->n_used++;
@@ -345,7 +336,7 @@ static void chunk_request(const kvt_cache *c, const struct kvt_layer *l, uint32_
 {
 	const size_t at = (size_t)h * l->blk_cap + b;
 	q->loc = l->spill[at].loc;
-	q->expect = kvt_tier_block_id(c, l, h, b, l->spill[at].gen);
+	q->expect = kvt_tier_block_id(c, l, h, b, &l->spill[at]);
 	q->row_begin = chunk * rows_per_chunk(c);
 	q->row_end = q->row_begin + rows_per_chunk(c);
 	q->row_end = q->row_end < q->expect.n_tokens ? q->row_end : q->expect.n_tokens;
@@ -359,7 +350,7 @@ static int32_t chunk_slot(kvt_cache *c, const struct kvt_layer *l, uint32_t h, u
 {
 	struct kvt_bcache *bc = c->bc;
 	const uint32_t b = p / KVT_BLOCK_TOKENS, chunk = p % KVT_BLOCK_TOKENS / rows_per_chunk(c);
-	int32_t i = bc_find(bc, l->seq_uid, l->index, h, b, chunk);
+	int32_t i = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen, chunk);
 	if (i >= 0) {
 		struct bslot *s = &bc->slots[i];
 		if (s->stamp != bc->stamp) {
@@ -373,7 +364,8 @@ static int32_t chunk_slot(kvt_cache *c, const struct kvt_layer *l, uint32_t h, u
 		i = bc_take(bc, true);
 		if (i < 0)
 			return -1;
-		bc_insert(bc, i, l->seq_uid, l->index, h, b, chunk);
+		bc_insert(bc, i, l->spill[(size_t)h * l->blk_cap + b].gen, l->seq_uid, l->index, h, b,
+			  chunk);
 		chunk_request(c, l, h, b, chunk, bc->data + (size_t)i * KVT_NVME_CHUNK,
 			      &c->reqs[(*nreq)++]);
 	}
@@ -476,7 +468,7 @@ void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, 
 			continue;
 		last_b = b;
 		last_chunk = chunk;
-		int32_t s = bc_find(bc, l->seq_uid, l->index, h, b, chunk);
+		int32_t s = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen, chunk);
 		if (s >= 0) {
 			bc->slots[s].pin = bc->plan;
 			touch(bc, &bc->slots[s]);
@@ -523,9 +515,7 @@ static void demote_uncovered(struct kvt_bcache *bc)
 /* The request's chunk, from its identity. */
 static int32_t request_find(const kvt_cache *c, const struct kvt_nvme_rows *q)
 {
-	return bc_find(c->bc, q->expect.seq, q->expect.layer, q->expect.kv_head,
-		       (uint32_t)(q->expect.first_token / KVT_BLOCK_TOKENS),
-		       q->row_begin / rows_per_chunk(c));
+	return bc_find(c->bc, q->expect.generation, q->row_begin / rows_per_chunk(c));
 }
 
 int kvt_rows_prefetch(kvt_cache *c)
@@ -543,7 +533,7 @@ int kvt_rows_prefetch(kvt_cache *c)
 		int32_t i = bc_take(bc, false);
 		if (i < 0)
 			break; /* what fits: the rest is read by kvt_rows_get */
-		bc_insert(bc, i, q.expect.seq, q.expect.layer, q.expect.kv_head,
+		bc_insert(bc, i, q.expect.generation, q.expect.seq, q.expect.layer, q.expect.kv_head,
 			  (uint32_t)(q.expect.first_token / KVT_BLOCK_TOKENS),
 			  q.row_begin / rows_per_chunk(c));
 		bc->slots[i].pin = bc->plan;

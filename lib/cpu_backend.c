@@ -326,6 +326,32 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	return 0;
 }
 
+/* Rows [from, to) of l into dense [n, H, d] K and V, one block of one KV head at a time (spilled
+ * rows through the block cache, which holds a block's chunks at once). */
+static int cpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+			 void *v, void *stream)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	const size_t half = c->d * c->elem;
+	int32_t pos[KVT_BLOCK_TOKENS];
+	const void *rows[KVT_BLOCK_TOKENS];
+	for (uint32_t h = 0; h < H; h++)
+		for (uint32_t p = from; p < to;) {
+			uint32_t end = (p / KVT_BLOCK_TOKENS + 1) * KVT_BLOCK_TOKENS, n;
+			end = end < to ? end : to;
+			for (n = 0; p + n < end; n++)
+				pos[n] = (int32_t)(p + n);
+			KVT_TRY(kvt_rows_get(c, l, h, n, pos, rows));
+			for (uint32_t t = 0; t < n; t++) {
+				size_t at = ((size_t)(p - from + t) * H + h) * half;
+				memcpy((char *)k + at, rows[t], half);
+				memcpy((char *)v + at, (const char *)rows[t] + half, half);
+			}
+			p = end;
+		}
+	return 0;
+}
+
 const struct kvt_backend_ops kvt_cpu_backend = {
 	.name = "cpu",
 	.check_finite = check_finite,
@@ -336,4 +362,6 @@ const struct kvt_backend_ops kvt_cpu_backend = {
 	.step = cpu_step,
 	.counts = cpu_counts,
 	.gather = cpu_gather,
+	.read_rows = cpu_read_rows,
+	.read_rows_spilled = true,
 };

@@ -128,12 +128,26 @@ void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, co
 
 /* ---- state ------------------------------------------------------------------------------ */
 
+/*
+ * A run of prefill chunks with no append between them: lengths [from, to), the index count at
+ * `from`. Consecutive chunks index what one chunk of their total would (the prefill target only
+ * grows), so a run and the append rule between runs give the index count of every length the
+ * layer went through: what kvt_seq_truncate goes back to (lib/lifecycle.c).
+ */
+struct kvt_run {
+	uint32_t from, to, ni;
+};
+
 /* Per (sequence, layer). Token positions: [0, n_sink) sinks, then the index covers
  * [n_sink, n_sink + n_indexed), and the window is the rest up to n_tokens. */
 struct kvt_layer {
 	uint32_t n_tokens;
 	uint32_t n_indexed;
 	bool centroids;     /* frozen */
+	uint32_t cent_keep; /* the frozen centroids hold for lengths >= cent_keep (the event that froze
+			       them, a prefill chunk or the first flush, is part of such a prefix) */
+	struct kvt_run *runs; /* [runs_cap] prefill runs, oldest first */
+	uint32_t n_runs, runs_cap;
 	float *c_k;         /* [n_kv_heads, d] */
 	float *c_q;         /* [n_kv_heads, d] */
 	uint32_t idx_cap;   /* tokens of index storage per KV head */
@@ -158,10 +172,12 @@ struct kvt_layer {
 	void *dev;          /* backend-owned per-layer state */
 };
 
-/* A host-tier block that lives on NVMe: blocks[i] is NULL and loc.bytes != 0. */
+/* A host-tier block that lives on NVMe: blocks[i] is NULL and loc.bytes != 0. `uid` is the
+ * seq_uid of the layer that wrote it (the block's identity on disk; a forked sequence shares it). */
 struct kvt_spill {
 	struct kvt_nvme_loc loc;
 	uint64_t gen;
+	uint64_t uid;
 };
 
 struct kvt_seq {
@@ -192,6 +208,7 @@ struct kvt_cache {
 	struct kvt_index_job *index_jobs; /* [max_seqs] */
 	struct kvt_extents host;
 	struct kvt_pool pool;     /* hold on the shared host pool (kvt_config.host_pool), or none */
+	struct kvt_share *share;  /* holders of blocks shared by forked sequences (lib/share.c) */
 	kvt_stats st;
 	uint64_t clock;           /* use counter for LRU and selection epochs */
 	uint64_t call_start;      /* clock value of the current call's first sequence */
@@ -222,6 +239,13 @@ static inline void *kvt_row(const kvt_cache *c, const struct kvt_layer *l, uint3
 static inline uint32_t kvt_sinks_of(const kvt_cache *c, uint32_t n_tokens)
 {
 	return n_tokens < c->cfg.n_sink ? n_tokens : c->cfg.n_sink;
+}
+
+/* Indexed tokens a layer holding n_tokens has after a prefill (all but sinks and window). */
+static inline uint32_t kvt_prefill_target(const kvt_cache *c, uint32_t n_tokens)
+{
+	uint64_t keep = (uint64_t)c->cfg.n_sink + c->cfg.window;
+	return n_tokens > keep ? (uint32_t)(n_tokens - keep) : 0;
 }
 
 /* Window tokens currently held (positions past sinks and index). */
@@ -311,6 +335,22 @@ struct kvt_backend_ops {
 	/* Wait until no queued device work reads or writes the host tier (before the NVMe tier moves
 	 * blocks under it); NULL: nothing queued, ever. */
 	int (*quiesce)(kvt_cache *c);
+	/* l is about to hold n_tokens tokens, ni of them indexed (fewer than now: kvt_seq_truncate);
+	 * the host-tier rows of its new window are resident. Runs before l changes, so that a failure
+	 * leaves it as it was. NULL: the backend keeps no window of its own. */
+	int (*truncate)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni,
+			uint32_t n_tokens, void *stream);
+	/* Give `to` (a fresh layer of a forked sequence, its host state already copied) the backend
+	 * state of `from`, copied on the device. All or nothing. NULL: none to copy. */
+	int (*fork)(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_t layer,
+		    void *stream);
+	/* Copy rows [from, to) of l (resident in the host tier, or served from NVMe by a backend that
+	 * serves spilled rows) into k and v, [to - from, n_kv_heads, head_dim] in backend memory. */
+	int (*read_rows)(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+			 void *v, void *stream);
+	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
+	 * restores the sequence first */
+	bool read_rows_spilled;
 };
 
 extern const struct kvt_backend_ops kvt_cpu_backend;
@@ -330,6 +370,32 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
 		    void *k_out, void *v_out, void *stream);
 
+/* ---- the lifecycle of a sequence (lib/lifecycle.c): arguments checked by lib/api.c ---------- */
+
+/* Drop the last n tokens of every layer of s (each holds at least n). */
+int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n, void *stream);
+/* Make child (a free slot) a copy of parent sharing its full blocks. */
+int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, void *stream);
+int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,
+		       uint32_t from, uint32_t to, void *k, void *v, void *stream);
+
+/* ---- blocks shared by forked sequences (lib/share.c) ------------------------------------------ */
+
+/* Keys naming a block: a host-tier block, an NVMe copy. */
+uint64_t kvt_share_host_key(const void *block);
+uint64_t kvt_share_nvme_key(const struct kvt_nvme_loc *loc);
+/* Room for `more` newly shared blocks, so that kvt_share_add cannot fail. -ENOMEM. */
+int kvt_share_reserve(kvt_cache *c, uint32_t more);
+/* One more holder of key (a block held once becomes held twice). */
+void kvt_share_add(kvt_cache *c, uint64_t key);
+/* One holder lets go of key: the holders left; 0: it was the last, the caller frees the block. */
+uint32_t kvt_share_drop(kvt_cache *c, uint64_t key);
+/* Holders of key (1 when it is not shared). */
+uint32_t kvt_share_holders(const kvt_cache *c, uint64_t key);
+/* A shared block moved (spill, restore): its holders now under `to`. */
+void kvt_share_rekey(kvt_cache *c, uint64_t from, uint64_t to);
+void kvt_share_fini(kvt_cache *c);
+
 /* ---- one (sequence, layer) (lib/layer.c) ---------------------------------------------------- */
 
 /* Grow l's index, centroid and selection storage (and the cache scratch) to hold `tokens`
@@ -343,6 +409,13 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			 const uint32_t *new_tokens);
 /* Give back the blocks of n layers beyond their tokens (the rows a failed call grew). */
 void kvt_layers_ungrow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls);
+/* Let go of l's blocks [keep, n_blocks) per KV head, host-tier or NVMe (a shared block is freed by
+ * its last holder). */
+void kvt_layer_drop_blocks(kvt_cache *c, struct kvt_layer *l, uint32_t keep);
+/* Room for the prefill run a chunk starting at l->n_tokens opens. -ENOMEM. */
+int kvt_layer_reserve_run(kvt_cache *c, struct kvt_layer *l);
+/* A prefill chunk took l from `first` to `total` tokens, ni indexed before it. */
+void kvt_layer_note_run(struct kvt_layer *l, uint32_t first, uint32_t total, uint32_t ni);
 /* Whether a block of l's rows is on NVMe (cached per blocks_gen). */
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l);
 /* Free everything a layer holds. */
@@ -387,13 +460,16 @@ void kvt_tier_mark(const kvt_cache *c, struct kvt_tier_mark *m);
  * too, its victim stays spilled (readable from NVMe) and the text says so.
  */
 int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc);
-int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
+/* Spill s's full indexed blocks; a block shared with `keep` (or not spillable in another holder)
+ * stays, a shared one moves for all its holders. */
+int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot, const struct kvt_seq *keep);
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
-/* Free the NVMe copies of a layer's spilled blocks. */
+/* Free the NVMe copies of a layer's spilled blocks (those no other sequence holds). */
 void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l);
-/* The identity block b of KV head h of l has on NVMe, written as generation gen. */
+/* The identity block b of KV head h of l has on NVMe as written (sp: its entry of l->spill; a forked
+ * sequence reads the identity its parent wrote). */
 struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_layer *l,
-					   uint32_t h, uint32_t b, uint64_t gen);
+					   uint32_t h, uint32_t b, const struct kvt_spill *sp);
 
 /* ---- direct serving through the block cache (lib/bcache.c) ------------------------------------ */
 
@@ -410,6 +486,8 @@ void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer);
  * pipeline for every backend; nothing without an NVMe tier.
  */
 void kvt_rows_round(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls);
+/* The same for the one entry `at` of l's tables (nothing when it is not spilled). */
+void kvt_tier_drop_block(kvt_cache *c, struct kvt_layer *l, size_t at);
 /*
  * Row pointers for n ascending token positions of KV head h: host-tier rows directly, spilled rows
  * through the block cache (read and verified from NVMe on a miss). The pointers stay valid until the

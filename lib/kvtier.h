@@ -314,6 +314,83 @@ KVT_API int64_t kvt_seq_restore(kvt_cache *cache, uint32_t seq);
 /* Tokens held by `seq` on `layer`, or a negative code (-EINVAL, -ENOENT). */
 KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
 
+/* ---- the lifecycle of a sequence (speculative decoding, prefix sharing, row transfer) ---- */
+
+/*
+ * Drop the last `n_tokens` tokens of `seq` on every layer (speculative-decoding rollback,
+ * transformers' crop): the rows, their index entries and the window. The sequence goes back to the
+ * state it had at the shorter length: tokens that were indexed since return to the window, and
+ * appending the same tokens again gives, bit for bit, the attention of a sequence that never had
+ * the dropped ones, made by the same calls (prefill chunks and appends) up to that length. The
+ * index entries kept are unchanged, and so are the centroids unless the prefill chunk or flush that
+ * fixed them is dropped entirely (then the next chunk or flush fixes them anew); a truncation into
+ * the first prefill chunk keeps centroids computed over the whole chunk. Selections of the sequence
+ * are dropped (kvt_gather needs a new kvt_select). Whole blocks past the new length go back to the
+ * host tier (or free their NVMe space); a block still held by a forked sequence stays with it, and
+ * a shared block that becomes the partial last block is copied first (appends write it).
+ * n_tokens == 0 changes nothing. Returns 0. All or nothing.
+ * Errors: -EINVAL (cache NULL; n_tokens more than the sequence holds on some layer: the text names
+ * the layer and its length), -ENOENT (not open), -ENOSPC and -ENOMEM (a block to copy); when a
+ * spilled block holds rows of the new window or its last block, the sequence is restored first
+ * (kvt_seq_restore's errors; it stays restored if the call then fails).
+ * CUDA backend: synchronizes the device (blocks may be freed under queued work; not capturable:
+ * -EINVAL while `stream` is being captured); the window ring's rows of tokens returning to the
+ * window are copied back from the host tier on `stream`. -EIO when that copy fails, a device
+ * failure after which rings of the sequence may hold dropped rows.
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_truncate(kvt_cache *cache, uint32_t seq, uint32_t n_tokens, void *stream);
+
+/*
+ * Open a new sequence *child holding what `parent` holds on every layer (prefix sharing, beam or
+ * parallel sampling). The parent's full host-tier blocks, and the NVMe copies of its spilled ones,
+ * are shared, not copied: no row is copied until one side would write it, i.e. the partial last
+ * block of each layer and KV head, which the next append writes, is copied now. The index (codes,
+ * sigma, beta), centroids and window are copied, not shared (on the CUDA backend from device
+ * memory, never rebuilt from the host tier). No selection is copied. A shared block is spilled
+ * once, for all its holders, and restored once; its host memory or NVMe space is freed when its last
+ * holder lets it go: closing or truncating the parent leaves the child intact, and a block no
+ * sequence holds any more is never read by another. kvt_seq_bytes counts a shared block in each
+ * holder, kvt_stats.host_bytes_used once.
+ * On success *child receives the new id. All or nothing: on failure no sequence is opened and the
+ * parent is as it was.
+ * Errors: -EINVAL (NULL), -ENOENT (parent not open), -ENOSPC (max_seqs open, or the host tier
+ * cannot hold the copied blocks: KVT_SPILL_LRU spills others first, undone on failure), -ENOMEM;
+ * CUDA backend: -EIO, and -EINVAL while `stream` is being captured (the call synchronizes).
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_fork(kvt_cache *cache, uint32_t parent, uint32_t *child, void *stream);
+
+/*
+ * Copy the rows of tokens [from, to) of `seq` on `layer` into k and v, dense
+ * [to - from, n_kv_heads, head_dim] each (dtype): e.g. to hand a prefix to another engine. Rows of
+ * spilled blocks are read from NVMe and verified (through the block cache on the CPU backend; the
+ * CUDA backend restores the sequence first). Returns to - from.
+ * Errors: -EINVAL (NULL, layer, to <= from, to past the sequence's length: the text names the
+ * values), -ENOENT; for spilled rows the NVMe read's errors (-EIO, -EBADMSG naming the block) and
+ * -ENOSPC (CPU: block cache too small; CUDA: kvt_seq_restore's), after which k and v may be partly
+ * written (never with unverified bytes). The sequence is not changed (the CUDA backend may leave
+ * it restored).
+ * CUDA backend: k and v are device pointers; the copies are queued on `stream`.
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_read_rows(kvt_cache *cache, uint32_t seq, uint32_t layer, uint32_t from,
+			      uint32_t to, void *k, void *v, void *stream);
+
+/*
+ * Append the rows of tokens [from, to) of `seq` on `layer`, computed elsewhere (disaggregated
+ * prefill, a prefix moved from another engine): from must be the sequence's length on the layer.
+ *   k, v: [to - from, n_kv_heads, head_dim] (dtype)
+ * The rows are stored and indexed as a kvt_prefill chunk without queries is (the first chunk of a
+ * layer fixes the key centroid, and a zero query centroid): the same call. Returns to - from.
+ * Errors: -EINVAL (NULL, layer, to <= from, from not the length, to past 2^31 - 1, non-finite key),
+ * -ENOENT, and kvt_prefill's (-ENOSPC, -ENOMEM, automatic spill I/O). All or nothing.
+ * CUDA backend: as kvt_prefill (asynchronous on `stream`).
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_write_rows(kvt_cache *cache, uint32_t seq, uint32_t layer, uint32_t from,
+			       uint32_t to, const void *k, const void *v, void *stream);
+
 /*
  * Add one prefill chunk of `seq` on `layer`: stores its K/V rows in the host tier and indexes every
  * token of the chunk except sinks and the last `window` tokens of the sequence. The first chunk of a
@@ -459,8 +536,8 @@ KVT_API int kvt_get_capacity(kvt_cache *cache, kvt_capacity *cap);
 
 /*
  * The bytes sequence `seq` holds now, over all its layers and KV heads: in the host tier (*host,
- * whole blocks) and on NVMe (*nvme, its spilled blocks with their headers); either pointer may be
- * NULL. Never synchronizes the device. Errors: -EINVAL (cache NULL), -ENOENT (not open).
+ * whole blocks) and on NVMe (*nvme, its spilled blocks with their headers; a block shared with a
+ * forked sequence counts in each holder); either pointer may be NULL. Never synchronizes the device. Errors: -EINVAL (cache NULL), -ENOENT (not open).
  */
 KVT_API int kvt_seq_bytes(kvt_cache *cache, uint32_t seq, uint64_t *host, uint64_t *nvme);
 

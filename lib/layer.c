@@ -131,16 +131,44 @@ static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
 	return 0;
 }
 
-/* Blocks per KV head of one layer, back to `keep` (undoing a partial grow). */
-static void shrink_rows(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
+void kvt_layer_drop_blocks(kvt_cache *c, struct kvt_layer *l, uint32_t keep)
 {
 	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
-		for (uint32_t b = keep; b < l->n_blocks; b++)
-			if (l->blocks[(size_t)h * l->blk_cap + b]) /* NULL: spilled, see kvt_tier_drop */
-				kvt_extents_give(&c->host, 1, &l->blocks[(size_t)h * l->blk_cap + b]);
+		for (uint32_t b = keep; b < l->n_blocks; b++) {
+			size_t at = (size_t)h * l->blk_cap + b;
+			if (!l->blocks[at]) {
+				if (l->spill)
+					kvt_tier_drop_block(c, l, at);
+				continue;
+			}
+			if (kvt_share_drop(c, kvt_share_host_key(l->blocks[at])) == 0)
+				kvt_extents_give(&c->host, 1, &l->blocks[at]);
+			l->blocks[at] = NULL;
+		}
 	if (keep < l->n_blocks)
 		l->blocks_gen++; /* a device copy of the table must not keep the given-back blocks */
 	l->n_blocks = l->n_blocks < keep ? l->n_blocks : keep;
+}
+
+int kvt_layer_reserve_run(kvt_cache *c, struct kvt_layer *l)
+{
+	if ((l->n_runs && l->runs[l->n_runs - 1].to == l->n_tokens) || l->n_runs < l->runs_cap)
+		return 0;
+	uint32_t cap = l->runs_cap ? 2 * l->runs_cap : 4;
+	struct kvt_run *r = kvt_mem_realloc(l->runs, sizeof *r * l->runs_cap, sizeof *r * cap);
+	KVT_RETURN_IF(!r, c, -ENOMEM, "out of memory for the prefill runs of a layer (%u)", cap);
+	l->runs = r;
+	l->runs_cap = cap;
+	return 0;
+}
+
+void kvt_layer_note_run(struct kvt_layer *l, uint32_t first, uint32_t total, uint32_t ni)
+{
+	struct kvt_run *last = l->n_runs ? &l->runs[l->n_runs - 1] : NULL;
+	if (last && last->to == first)
+		last->to = total; /* no append since: the same run */
+	else
+		l->runs[l->n_runs++] = (struct kvt_run){.from = first, .to = total, .ni = ni};
 }
 
 /* The error of a host tier too full for `bytes`, naming the shared host pool when there is one. */
@@ -207,7 +235,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		return 0;
 	/* undo the layers grown before the failing one (its own heads were given back above) */
 	for (uint32_t i = 0; i + 1 < done; i++)
-		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
+		kvt_layer_drop_blocks(c, ls[i], blocks_for(ls[i]->n_tokens));
 	if (rc == -ENOSPC)
 		return kvt_tier_undo(c, &m, kvt_seterr(c, rc,
 			"host tier full: capacity host_bytes = %llu (%s)",
@@ -220,7 +248,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 void kvt_layers_ungrow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls)
 {
 	for (uint32_t i = 0; i < n; i++)
-		shrink_rows(c, ls[i], blocks_for(ls[i]->n_tokens));
+		kvt_layer_drop_blocks(c, ls[i], blocks_for(ls[i]->n_tokens));
 }
 
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)
@@ -239,9 +267,10 @@ void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)
 {
 	if (c->ops->layer_fini)
 		c->ops->layer_fini(c, l);
+	kvt_layer_drop_blocks(c, l, 0);
 	kvt_tier_drop(c, l);
-	shrink_rows(c, l, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
+	kvt_mem_free(KVT_MEM_HOST, l->runs, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->codes, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->sigma, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->beta, 0);

@@ -50,12 +50,14 @@ static uint32_t block_rows(const kvt_cache *c, const struct kvt_layer *l, uint32
 	return (end < l->n_tokens ? end : l->n_tokens) - b * KVT_BLOCK_TOKENS;
 }
 
+/* The identity of block b of KV head h of l as written: by the layer of sequence uid sp->uid (a
+ * forked sequence reads its parent's), generation sp->gen. */
 struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_layer *l,
-					   uint32_t h, uint32_t b, uint64_t gen)
+					   uint32_t h, uint32_t b, const struct kvt_spill *sp)
 {
 	return (struct kvt_nvme_block_id){
-		.seq = l->seq_uid,
-		.generation = gen,
+		.seq = sp->uid,
+		.generation = sp->gen,
 		.first_token = (uint64_t)b * KVT_BLOCK_TOKENS,
 		.n_tokens = block_rows(c, l, b),
 		.layer = l->index,
@@ -88,7 +90,122 @@ static int ensure_spill_table(kvt_cache *c, struct kvt_layer *l)
 			for (uint32_t h = 0; h < (c)->cfg.n_kv_heads; h++)                          \
 				for (uint32_t b = 0; b < l->n_blocks; b++)
 
-int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
+/* ---- blocks shared by forked sequences (lib/share.c) ---------------------------------------- */
+
+/* The share-table key of block (h, b) of l: its host block, or its NVMe copy. */
+static uint64_t key_of(const struct kvt_layer *l, uint32_t h, uint32_t b)
+{
+	size_t at = (size_t)h * l->blk_cap + b;
+	return l->blocks[at] ? kvt_share_host_key(l->blocks[at]) : kvt_share_nvme_key(&l->spill[at].loc);
+}
+
+static bool shared(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t b)
+{
+	return c->share && kvt_share_holders(c, key_of(l, h, b)) > 1;
+}
+
+/* Whether x (another sequence's layer of the same number) holds the block (h, b) of l: a fork
+ * shares blocks at the same position, and they never move. */
+static bool same_block(const struct kvt_layer *x, const struct kvt_layer *l, uint32_t h, uint32_t b)
+{
+	if (x == l || b >= x->n_blocks)
+		return false;
+	size_t ax = (size_t)h * x->blk_cap + b, al = (size_t)h * l->blk_cap + b;
+	if (l->blocks[al])
+		return x->blocks[ax] == l->blocks[al];
+	return !x->blocks[ax] && x->spill && x->spill[ax].gen == l->spill[al].gen;
+}
+
+/* Every other holder x (in sequence slot s_) of block (h, b) of l. */
+#define FOR_EACH_HOLDER(c, l, h, b, x)                                                              \
+	for (uint32_t s_ = 0; s_ < (c)->cfg.max_seqs; s_++)                                         \
+		for (struct kvt_layer *x = (c)->seqs[s_].open ? &(c)->seqs[s_].layers[(l)->index]   \
+							       : NULL;                             \
+		     x; x = NULL)                                                                   \
+			if (same_block(x, l, h, b))
+
+/*
+ * Whether block (h, b) of l, a layer of s, is spilled with s: resident, all its tokens sinks or
+ * indexed (flushes read window rows from the host tier), and when shared, so in every holder and
+ * none of them `keep` (a shared block moves for all its holders at once). *first: s is its holder
+ * of the lowest slot, so that a count over sequences counts a shared block once.
+ */
+static bool may_spill(const kvt_cache *c, const struct kvt_seq *s, const struct kvt_layer *l,
+		      uint32_t h, uint32_t b, const struct kvt_seq *keep, bool *first)
+{
+	if (first)
+		*first = true;
+	if (b >= spillable_blocks(c, l) || !l->blocks[(size_t)h * l->blk_cap + b])
+		return false;
+	if (!shared(c, l, h, b))
+		return true;
+	FOR_EACH_HOLDER(c, l, h, b, x)
+	{
+		if (&c->seqs[s_] == keep || b >= spillable_blocks(c, x))
+			return false;
+		if (first && &c->seqs[s_] < s)
+			*first = false;
+	}
+	return true;
+}
+
+/* Spill tables for every holder of the shared blocks about to be spilled with s. */
+static int holders_ready(kvt_cache *c, struct kvt_seq *s, const struct kvt_seq *keep)
+{
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		if (!may_spill(c, s, l, h, b, keep, NULL) || !shared(c, l, h, b))
+			continue;
+		FOR_EACH_HOLDER(c, l, h, b, x)
+		{
+			KVT_TRY(ensure_spill_table(c, x));
+		}
+	}
+	return 0;
+}
+
+/* Block (h, b) of l is now on NVMe as sp, for every holder; its host block goes back. */
+static void spilled_to(kvt_cache *c, struct kvt_layer *l, uint32_t h, uint32_t b,
+		       const struct kvt_spill *sp)
+{
+	size_t at = (size_t)h * l->blk_cap + b;
+	if (shared(c, l, h, b)) {
+		FOR_EACH_HOLDER(c, l, h, b, x)
+		{
+			size_t ax = (size_t)h * x->blk_cap + b;
+			x->spill[ax] = *sp;
+			x->blocks[ax] = NULL;
+			x->blocks_gen++;
+		}
+		kvt_share_rekey(c, kvt_share_host_key(l->blocks[at]), kvt_share_nvme_key(&sp->loc));
+	}
+	l->spill[at] = *sp;
+	kvt_extents_give(&c->host, 1, &l->blocks[at]);
+	l->blocks[at] = NULL;
+	l->blocks_gen++;
+}
+
+/* Block (h, b) of l is back in host block q, for every holder (its NVMe copy is freed by the
+ * caller). */
+static void restored_to(kvt_cache *c, struct kvt_layer *l, uint32_t h, uint32_t b, void *q)
+{
+	size_t at = (size_t)h * l->blk_cap + b;
+	if (shared(c, l, h, b)) {
+		FOR_EACH_HOLDER(c, l, h, b, x)
+		{
+			size_t ax = (size_t)h * x->blk_cap + b;
+			x->blocks[ax] = q;
+			memset(&x->spill[ax], 0, sizeof x->spill[ax]);
+			x->blocks_gen++;
+		}
+		kvt_share_rekey(c, kvt_share_nvme_key(&l->spill[at].loc), kvt_share_host_key(q));
+	}
+	l->blocks[at] = q;
+	l->blocks_gen++;
+	memset(&l->spill[at], 0, sizeof l->spill[at]);
+}
+
+int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot, const struct kvt_seq *keep)
 {
 	KVT_TRY(need_tier(c));
 	if (c->ops->quiesce)
@@ -96,13 +213,13 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	uint32_t n = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
-		if (b < spillable_blocks(c, l) && l->blocks[(size_t)h * l->blk_cap + b])
-			n++;
+		n += may_spill(c, s, l, h, b, keep, NULL);
 	}
 	if (n == 0)
 		return 0;
 	for (uint32_t i = 0; i < c->cfg.n_layers; i++)
 		KVT_TRY(ensure_spill_table(c, &s->layers[i]));
+	KVT_TRY(holders_ready(c, s, keep));
 	struct kvt_nvme_block *blocks = kvt_mem_alloc(KVT_MEM_HOST, sizeof *blocks * n);
 	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
 	if (!blocks || !locs) {
@@ -114,10 +231,10 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	uint64_t gen0 = c->next_gen;
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
-		void *host = l->blocks[(size_t)h * l->blk_cap + b];
-		if (b < spillable_blocks(c, l) && host) {
-			blocks[i].id = kvt_tier_block_id(c, l, h, b, gen0 + i + 1);
-			blocks[i++].payload = host;
+		if (may_spill(c, s, l, h, b, keep, NULL)) {
+			const struct kvt_spill sp = {.gen = gen0 + i + 1, .uid = l->seq_uid};
+			blocks[i].id = kvt_tier_block_id(c, l, h, b, &sp);
+			blocks[i++].payload = l->blocks[(size_t)h * l->blk_cap + b];
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
@@ -134,12 +251,10 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	int64_t moved = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
 	{
-		size_t at = (size_t)h * l->blk_cap + b;
-		if (b < spillable_blocks(c, l) && l->blocks[at]) {
-			l->spill[at] = (struct kvt_spill){ .loc = locs[i], .gen = blocks[i].id.generation };
-			kvt_extents_give(&c->host, 1, &l->blocks[at]);
-			l->blocks[at] = NULL;
-			l->blocks_gen++;
+		if (may_spill(c, s, l, h, b, keep, NULL)) {
+			const struct kvt_spill sp = {
+				.loc = locs[i], .gen = blocks[i].id.generation, .uid = l->seq_uid};
+			spilled_to(c, l, h, b, &sp);
 			moved += (int64_t)blocks[i++].id.n_tokens * (int64_t)c->row_bytes;
 		}
 	}
@@ -149,14 +264,12 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	return moved;
 }
 
-static bool has_spillable(const kvt_cache *c, const struct kvt_seq *s)
+static bool has_spillable(const kvt_cache *c, const struct kvt_seq *s, const struct kvt_seq *keep)
 {
-	for (uint32_t L = 0; L < c->cfg.n_layers; L++) {
-		const struct kvt_layer *l = &s->layers[L];
-		for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
-			for (uint32_t b = 0; b < spillable_blocks(c, l); b++)
-				if (l->blocks[(size_t)h * l->blk_cap + b])
-					return true;
+	FOR_EACH_BLOCK(c, s, l, h, b)
+	{
+		if (may_spill(c, s, l, h, b, keep, NULL))
+			return true;
 	}
 	return false;
 }
@@ -175,7 +288,7 @@ static uint32_t pick_victim(const kvt_cache *c, const struct kvt_seq *keep)
 			if (!s->open || s == keep || (pass == 0 && s->last_use >= c->call_start))
 				continue;
 			if ((victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use) &&
-			    has_spillable(c, s))
+			    has_spillable(c, s, keep))
 				victim = i;
 		}
 		if (victim != UINT32_MAX)
@@ -194,7 +307,8 @@ static uint64_t spillable_bytes(const kvt_cache *c, const struct kvt_seq *keep)
 			continue;
 		FOR_EACH_BLOCK(c, s, l, h, b)
 		{
-			n += b < spillable_blocks(c, l) && l->blocks[(size_t)h * l->blk_cap + b];
+			bool first;
+			n += may_spill(c, s, l, h, b, keep, &first) && first;
 		}
 	}
 	return n * c->host.block_bytes;
@@ -229,7 +343,7 @@ int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep)
 				(unsigned long long)bytes,
 				(unsigned long long)kvt_extents_free_bytes(&c->host),
 				(unsigned long long)c->host.capacity));
-		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim);
+		int64_t rc = kvt_tier_spill(c, &c->seqs[victim], victim, keep);
 		if (rc < 0) {
 			char why[sizeof c->err];
 			snprintf(why, sizeof why, "%s", c->err);
@@ -279,7 +393,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 		size_t at = (size_t)h * l->blk_cap + b;
 		if (spilled_after(l, at, after)) {
 			locs[i] = l->spill[at].loc;
-			ids[i++] = kvt_tier_block_id(c, l, h, b, l->spill[at].gen);
+			ids[i++] = kvt_tier_block_id(c, l, h, b, &l->spill[at]);
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
@@ -289,12 +403,8 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 		i = 0;
 		FOR_EACH_BLOCK(c, s, l, h, b)
 		{
-			size_t at = (size_t)h * l->blk_cap + b;
-			if (spilled_after(l, at, after)) {
-				l->blocks[at] = host[i++];
-				l->blocks_gen++;
-				memset(&l->spill[at], 0, sizeof l->spill[at]);
-			}
+			if (spilled_after(l, (size_t)h * l->blk_cap + b, after))
+				restored_to(c, l, h, b, host[i++]);
 		}
 		kvt_nvme_free(c->nvme, n, locs);
 	} else {
@@ -366,6 +476,20 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }
 
+/* The sequence is gone (or its tokens there are): its rows must not stay readable in the files
+ * (doc/data-at-rest.md), unless another sequence still holds the block. */
+void kvt_tier_drop_block(kvt_cache *c, struct kvt_layer *l, size_t at)
+{
+	struct kvt_spill *sp = &l->spill[at];
+	if (!sp->loc.bytes)
+		return;
+	if (kvt_share_drop(c, kvt_share_nvme_key(&sp->loc)) == 0) {
+		kvt_nvme_discard(c->nvme, 1, &sp->loc);
+		kvt_nvme_free(c->nvme, 1, &sp->loc);
+	}
+	memset(sp, 0, sizeof *sp);
+}
+
 void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
@@ -373,10 +497,7 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 	kvt_bcache_drop(c, l->seq_uid, l->index);
 	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
-		if (l->spill[i].loc.bytes) {
-			kvt_nvme_discard(c->nvme, 1, &l->spill[i].loc);
-			kvt_nvme_free(c->nvme, 1, &l->spill[i].loc);
-		}
+		kvt_tier_drop_block(c, l, i);
 	kvt_mem_free(KVT_MEM_HOST, l->spill, 0);
 	l->spill = NULL;
 }

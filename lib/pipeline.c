@@ -20,13 +20,6 @@ static bool flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_
 	       c->cfg.window + c->cfg.flush_batch;
 }
 
-/* Indexed tokens a layer holding n_tokens should have after a prefill (all but sinks and window). */
-static uint32_t prefill_target(const kvt_cache *c, uint32_t n_tokens)
-{
-	uint64_t keep = (uint64_t)c->cfg.n_sink + c->cfg.window;
-	return n_tokens > keep ? (uint32_t)(n_tokens - keep) : 0;
-}
-
 static int enter(kvt_cache *c)
 {
 	return c->ops->enter ? c->ops->enter(c) : 0;
@@ -85,7 +78,7 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 {
 	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
 	const uint32_t first = l->n_tokens, total = first + n, ni0 = l->n_indexed;
-	const uint32_t target = max_u32(prefill_target(c, total), ni0);
+	const uint32_t target = max_u32(kvt_prefill_target(c, total), ni0);
 	/* index positions [ni0, stored_to) are tokens stored before this chunk (the old window),
 	 * [chunk_from, target) tokens of the chunk */
 	const uint32_t stored_to = first > S ? (first - S < target ? first - S : target) : 0;
@@ -95,6 +88,7 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 	KVT_TRY(check_finite(c, "k", k, n, H));
 	if (q)
 		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
+	KVT_TRY(kvt_layer_reserve_run(c, l));
 	KVT_TRY(c->ops->reserve(c, l, layer, target, from_chunk, stream));
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
@@ -103,7 +97,10 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 			     stream);
 	if (rc < 0)
 		return undo_grow(c, 1, &l, &m, rc);
+	if (!l->centroids)
+		l->cent_keep = first + 1;
 	l->centroids = true;
+	kvt_layer_note_run(l, first, total, ni0);
 	l->n_tokens = total;
 	c->st.tokens += n;
 	c->st.tokens_indexed += target - ni0;
@@ -169,6 +166,8 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	}
 	c->st.tokens += n_seqs;
 	for (uint32_t j = 0; j < nj; j++) {
+		if (!jobs[j].l->centroids)
+			jobs[j].l->cent_keep = jobs[j].l->n_tokens;
 		jobs[j].l->centroids = true;
 		jobs[j].l->n_indexed += B;
 	}

@@ -20,7 +20,12 @@
  * - bad key: a NaN key in a sequence's first chunk fails none of the batches it joins;
  * - LRU undo: an append whose device verb fails after the host tier made room by spilling another
  *   sequence gives the grown blocks back and reads the victim back (issue 11, defect 3): every
- *   injected failure changes nothing, and the final outputs equal a fault-free twin's bit for bit.
+ *   injected failure changes nothing, and the final outputs equal a fault-free twin's bit for bit;
+ * - lifecycle: a sequence that decoded drafted tokens (two flushes) and was truncated back attends
+ *   bit for bit like a fresh one fed only the kept tokens, decoding on (the window ring refilled
+ *   from the host tier); a fork attends like its parent, then like a fresh sequence fed its own
+ *   tokens while the parent decodes others (the mirror copied on the device); read_rows gives the
+ *   rows written.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
@@ -669,6 +674,89 @@ static void test_bad_key_batch(void **state)
 	kvt_cache_destroy(c);
 }
 
+/* Append token pos of workload sequence `src` to seq s of the GPU cache on every layer; the query of
+ * the last layer stays in dq. */
+static void gpu_append(struct pair *p, uint32_t s, uint32_t src, uint32_t pos)
+{
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		make(p, src, layer, pos, 1, (int32_t)pos);
+		upload(p, 1);
+		OK(p->gpu, kvt_append(p->gpu, layer, 1, &s, p->dk, p->dv, NULL));
+	}
+}
+
+/* Seqs a and b of the GPU cache attend the query in dq on every layer bit for bit alike. */
+static void gpu_same(struct pair *p, uint32_t a, uint32_t b, const char *what, uint32_t step)
+{
+	const size_t ob = sizeof(float) * HQ * D;
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		OK(p->gpu, kvt_attend(p->gpu, layer, 1, &a, p->dq, p->dout, NULL));
+		CU(cudaMemcpy(p->out_c, p->dout, ob, cudaMemcpyDeviceToHost));
+		OK(p->gpu, kvt_attend(p->gpu, layer, 1, &b, p->dq, p->dout, NULL));
+		CU(cudaMemcpy(p->out_g, p->dout, ob, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(p->out_c, p->out_g, ob), "%s, step %u, layer %u: seq %u attends "
+			"differently from seq %u (first output %.9g, wanted %.9g)", what, step, layer, a, b,
+			p->out_c[0], p->out_g[0]);
+	}
+}
+
+static void test_lifecycle(void **state)
+{
+	(void)state;
+	struct pair p;
+	const uint32_t ctx = 1024, cut = ctx / 3;
+	pair_init(&p, ctx, 96, 64u << 20);
+	const uint32_t a = p.sg[0];
+	uint32_t b, kid;
+	/* b: sequence 0's tokens again, in the same two chunks */
+	OK(p.gpu, kvt_seq_open(p.gpu, &b));
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		const uint32_t from[2] = {0, cut}, n[2] = {cut, ctx - cut};
+		for (int part = 0; part < 2; part++) {
+			make(&p, 0, layer, from[part], n[part], -1);
+			upload(&p, n[part]);
+			OK(p.gpu, kvt_prefill(p.gpu, b, layer, p.dq, p.dk, p.dv, n[part], NULL));
+		}
+	}
+	/* a drafts 40 tokens of another sequence (window 32, flush batch 16: two flushes), drops them */
+	for (uint32_t t = 0; t < 40; t++)
+		gpu_append(&p, a, 1, ctx + t);
+	OK(p.gpu, kvt_seq_truncate(p.gpu, a, 40, NULL));
+	for (uint32_t t = 0; t < 24; t++) {
+		gpu_append(&p, a, 0, ctx + t);
+		gpu_append(&p, b, 0, ctx + t);
+		gpu_same(&p, a, b, "truncated against fresh", t);
+	}
+	/* the fork attends as its parent; then it takes sequence 0's tokens on (like b), the parent
+	 * sequence 1's */
+	OK(p.gpu, kvt_seq_fork(p.gpu, a, &kid, NULL));
+	gpu_same(&p, kid, a, "fork against parent", 0);
+	for (uint32_t t = 24; t < 60; t++) {
+		gpu_append(&p, a, 1, ctx + t);
+		gpu_append(&p, kid, 0, ctx + t);
+		gpu_append(&p, b, 0, ctx + t);
+		gpu_same(&p, kid, b, "fork against fresh", t);
+	}
+	OK(p.gpu, kvt_seq_close(p.gpu, a));
+	gpu_same(&p, kid, b, "fork after its parent closed", 60);
+	/* rows [0, ctx) of b back, dense [ctx][HKV][D] */
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		int rc = kvt_seq_read_rows(p.gpu, b, layer, 0, ctx, p.dk, p.dv, NULL);
+		T_CHECK(rc == (int)ctx, "read_rows layer %u: %d (%s)", layer, rc, kvt_last_error(p.gpu));
+		CU(cudaMemcpy(p.hk, p.dk, (size_t)ctx * HKV * D * 2, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(p.hv, p.dv, (size_t)ctx * HKV * D * 2, cudaMemcpyDeviceToHost));
+		for (uint32_t t = 0; t < ctx; t++)
+			for (uint32_t h = 0; h < HKV; h++) {
+				const size_t at = ((size_t)t * HKV + h) * D;
+				T_CHECK(!memcmp(p.hk + at, p.rows_k + row_at(&p, layer, 0, h, t), D * 2) &&
+					!memcmp(p.hv + at, p.rows_v + row_at(&p, layer, 0, h, t), D * 2),
+					"read_rows layer %u token %u head %u differs from the row written",
+					layer, t, h);
+			}
+	}
+	pair_fini(&p);
+}
+
 int main(void)
 {
 	int count = 0;
@@ -682,6 +770,7 @@ int main(void)
 		cmocka_unit_test(test_hot_cache),
 		cmocka_unit_test(test_graph),
 		cmocka_unit_test(test_bad_key_batch),
+		cmocka_unit_test(test_lifecycle),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
 		cmocka_unit_test(test_spilled),
 		cmocka_unit_test(test_lru_undo),

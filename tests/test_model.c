@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Model-based random-operation test (RocksDB's db_stress): random sequences of open, close,
- * prefill, append, attend, select and gather, spill and restore run on a tiered cache T (CPU
+ * prefill, append, attend, select and gather, spill and restore, fork and truncate run on a tiered
+ * cache T (CPU
  * backend, an NVMe tier) and on a reference R of the same configuration without NVMe and with
  * ample host memory. The tier does not change the math, so every result must match bit for bit:
  * return codes, sequence ids, lengths, attention outputs, selection sizes, gathered counts,
@@ -57,10 +58,10 @@ struct model {
 
 enum op {
 	OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE,
-	OP_NOPS
+	OP_FORK, OP_TRUNCATE, OP_NOPS
 };
-static const char *const op_name[OP_NOPS] = {"open",   "close",  "prefill", "append",
-					    "attend", "select", "spill",   "restore"};
+static const char *const op_name[OP_NOPS] = {"open",   "close",  "prefill", "append", "attend",
+					    "select", "spill",  "restore", "fork",   "truncate"};
 
 static int g_fail; /* a mismatch was found: stop the seed */
 static int g_all;  /* batches take every open sequence (the check after a failed call) */
@@ -245,12 +246,18 @@ static void rows(struct model *m, uint32_t n, uint32_t width, double mean, uint1
 	t_fill(&m->r, m->dtype, (size_t)n * width, mean, 1.0, bits, dec);
 }
 
+/* The lowest model slot not open, or -1 (the library hands out the lowest free id alike). */
+static int free_slot_of(const struct model *m)
+{
+	for (int i = 0; i < MAXS; i++)
+		if (!m->s[i].open)
+			return i;
+	return -1;
+}
+
 static void op_open(struct model *m)
 {
-	int free_slot = -1;
-	for (int i = 0; i < MAXS && free_slot < 0; i++)
-		if (!m->s[i].open)
-			free_slot = i;
+	int free_slot = free_slot_of(m);
 	struct fault f;
 	uint32_t a = 0, b = 0;
 	arm(m, &f);
@@ -486,6 +493,62 @@ static void op_tier(struct model *m, enum op op)
 		(long long)rc, kvt_last_error(m->t));
 }
 
+/* Fork a random open sequence into the lowest free slot (refused alike when none is free). */
+static void op_fork(struct model *m)
+{
+	int i = pick_open(m), free_slot = free_slot_of(m);
+	if (i < 0)
+		return;
+	struct fault f;
+	uint32_t a = 0, b = 0;
+	arm(m, &f);
+	int rt = kvt_seq_fork(m->t, m->s[i].id, &a, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_FORK, rt))
+		return;
+	int rr = kvt_seq_fork(m->ref, m->s[i].id, &b, NULL);
+	M_CHECK(m, rt == rr && (rt || a == b), "fork of %u: tiered got %d (id %u, %s), reference %d "
+		"(id %u)", m->s[i].id, rt, a, kvt_last_error(m->t), rr, b);
+	M_CHECK(m, (rt == 0) == (free_slot >= 0), "fork with %s slot free: got %d",
+		free_slot >= 0 ? "a" : "no", rt);
+	if (rt || free_slot < 0)
+		return;
+	struct mseq *c = &m->s[free_slot];
+	c->open = 1;
+	c->id = a;
+	for (int l = 0; l < NL; l++) {
+		c->len[l] = m->s[i].len[l];
+		memcpy(c->k[l], m->s[i].k[l], sizeof(float) * c->len[l] * ROW);
+		memcpy(c->v[l], m->s[i].v[l], sizeof(float) * c->len[l] * ROW);
+	}
+}
+
+/* Drop the last tokens of a random open sequence: mostly a few (a rejected draft), now and then
+ * many, now and then more than a layer holds (refused alike). */
+static void op_truncate(struct model *m)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	struct mseq *s = &m->s[i];
+	uint32_t least = s->len[0];
+	for (int l = 1; l < NL; l++)
+		least = s->len[l] < least ? s->len[l] : least;
+	uint32_t n = t_below(&m->r, 4) ? t_below(&m->r, 9) : t_below(&m->r, least + 2);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_seq_truncate(m->t, s->id, n, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_TRUNCATE, rt))
+		return;
+	int rr = kvt_seq_truncate(m->ref, s->id, n, NULL);
+	M_CHECK(m, rt == rr && (rt == 0) == (n <= least), "truncate %u of %u (least length %u): "
+		"tiered got %d (%s), reference %d", n, s->id, least, rt, kvt_last_error(m->t), rr);
+	if (rt == 0)
+		for (int l = 0; l < NL; l++)
+			s->len[l] -= n;
+}
+
 /* Lengths of every open sequence on every layer: the model's, T's and R's. */
 static void check_lengths(struct model *m)
 {
@@ -517,9 +580,9 @@ static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *to
 	/* two sequences to start with */
 	op_open(&m);
 	op_open(&m);
-	static const uint32_t weight[OP_NOPS] = {4, 2, 14, 30, 18, 10, 6, 6};
+	static const uint32_t weight[OP_NOPS] = {4, 2, 14, 30, 18, 10, 6, 6, 3, 7};
 	for (m.step = 0; m.step < steps && !g_fail; m.step++) {
-		uint32_t x = t_below(&m.r, 90), op = 0;
+		uint32_t x = t_below(&m.r, 100), op = 0;
 		while (x >= weight[op])
 			x -= weight[op++];
 		uint64_t failed = m.faults_failed;
@@ -530,6 +593,8 @@ static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *to
 		case OP_APPEND: op_append(&m, b->k, b->v); break;
 		case OP_ATTEND: op_attend(&m, b->q, b->qd, b->ot, b->orf); break;
 		case OP_SELECT: op_select(&m, b->q, b->kt, b->vt, b->kr, b->vr, b->pt, b->pr); break;
+		case OP_FORK: op_fork(&m); break;
+		case OP_TRUNCATE: op_truncate(&m); break;
 		default: op_tier(&m, (enum op)op); break;
 		}
 		m.ops[op]++;

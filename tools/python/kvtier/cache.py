@@ -284,6 +284,14 @@ class Sequence:
         """Cache.restore for this sequence."""
         return self.cache.restore(self)
 
+    def truncate(self, n_tokens: int) -> None:
+        """Cache.truncate for this sequence."""
+        self.cache.truncate(self, n_tokens)
+
+    def fork(self) -> "Sequence":
+        """Cache.fork of this sequence."""
+        return self.cache.fork(self)
+
 
 class Cache:
     """A kvtier cache (kvt_cache_create / kvt_cache_destroy), usable as a context manager.
@@ -414,6 +422,62 @@ class Cache:
         """kvt_seq_restore: bring its spilled blocks back to the host tier; returns the bytes."""
         sid = self._seq_id(seq)
         return self._check(_abi.lib().kvt_seq_restore(self._handle(), sid), "kvt_seq_restore")
+
+    def truncate(self, seq: SeqLike, n_tokens: int) -> None:
+        """kvt_seq_truncate: drop the last n_tokens tokens of `seq` on every layer (speculative
+        rollback); appending the same tokens again attends as if they had never been dropped.
+        CUDA backend: synchronizes the device."""
+        sid = self._seq_id(seq)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise refuse("n_tokens = %r, want an int >= 0" % (n_tokens,))
+        self._check(_abi.lib().kvt_seq_truncate(self._handle(), sid, n_tokens,
+                                                stream_of([], self.backend)), "kvt_seq_truncate")
+
+    def fork(self, seq: SeqLike) -> Sequence:
+        """kvt_seq_fork: a new Sequence holding what `seq` holds; full blocks are shared copy on
+        write, the index and window copied. CUDA backend: synchronizes the device."""
+        sid, child = self._seq_id(seq), ctypes.c_uint32()
+        self._check(_abi.lib().kvt_seq_fork(self._handle(), sid, ctypes.byref(child),
+                                            stream_of([], self.backend)), "kvt_seq_fork")
+        s = Sequence(self, child.value)
+        self._seqs[child.value] = s
+        return s
+
+    def read_rows(self, seq: SeqLike, layer: int, start: int, stop: int) -> "tuple[Any, Any]":
+        """kvt_seq_read_rows: (k, v) of tokens [start, stop) of `seq` on `layer`, each
+        [stop - start, n_kv_heads, head_dim] in dtype: numpy arrays (CPU backend) or torch tensors
+        on the cache's device (CUDA backend, queued on torch's current stream)."""
+        import numpy as np
+        sid, layer = self._seq_id(seq), self._layer(layer)
+        if stop <= start or start < 0:
+            raise refuse("rows [%r, %r): want 0 <= start < stop" % (start, stop))
+        shape = (stop - start, self.n_kv_heads, self.head_dim)
+        if self.backend == "cuda":
+            import torch
+            ref = torch.empty(0, device="cuda:%d" % self.device)
+        else:
+            ref = np.empty(0)
+        k, v = empty_like_kind(ref, shape, self.dtype), empty_like_kind(ref, shape, self.dtype)
+        pk = self._ptr("k", k, shape, writable=True)
+        pv = self._ptr("v", v, shape, writable=True)
+        self._check(_abi.lib().kvt_seq_read_rows(self._handle(), sid, layer, start, stop, pk, pv,
+                                                 stream_of([k, v], self.backend)),
+                    "kvt_seq_read_rows")
+        return k, v
+
+    def write_rows(self, seq: SeqLike, layer: int, k: Any, v: Any) -> None:
+        """kvt_seq_write_rows: append rows computed elsewhere at the end of `seq` on `layer`,
+        indexed as a prefill chunk without queries. k, v: [n_tokens, n_kv_heads, head_dim]."""
+        sid, layer = self._seq_id(seq), self._layer(layer)
+        if not hasattr(k, "shape") or len(k.shape) != 3:
+            raise refuse("k: want [n_tokens, n_kv_heads, head_dim], got %s"
+                         % (getattr(k, "shape", type(k).__name__),))
+        n, start = int(k.shape[0]), self.length(seq, layer)
+        shape = (n, self.n_kv_heads, self.head_dim)
+        pk, pv = self._ptr("k", k, shape), self._ptr("v", v, shape)
+        self._check(_abi.lib().kvt_seq_write_rows(self._handle(), sid, layer, start, start + n,
+                                                  pk, pv, stream_of([k, v], self.backend)),
+                    "kvt_seq_write_rows")
 
     # ---- data path
     def prefill(self, seq: SeqLike, layer: int, q: Any, k: Any, v: Any) -> None:

@@ -237,3 +237,32 @@ def test_probe_and_footprint():
     with pytest.raises(kvtier.Error) as ei:
         kvtier.footprint(dict(SHAPE, n_q_heads=3), 10)
     assert ei.value.name == "EINVAL" and "n_q_heads" in ei.value.detail
+
+
+def test_truncate_fork_rows(rng):
+    """truncate then the same tokens again attends as a fresh sequence; a fork attends as its
+    parent; read_rows gives the rows written; write_rows equals a prefill without queries."""
+    d, hq, hkv = SHAPE["head_dim"], SHAPE["n_q_heads"], SHAPE["n_kv_heads"]
+    with kvtier.Cache(backend="cpu", p=0.9, **SHAPE) as c:
+        a, b = c.open(), c.open()
+        k, v = rand(rng, 300, hkv, d), rand(rng, 300, hkv, d)
+        for layer in range(SHAPE["n_layers"]):
+            c.prefill(a, layer, None, k, v)
+            c.write_rows(b, layer, k, v)
+        draft = rand(rng, 40, hkv, d)
+        for t in range(40):
+            for layer in range(SHAPE["n_layers"]):
+                c.append(layer, a, draft[t:t + 1], draft[t:t + 1])
+        a.truncate(40)
+        q = rand(rng, 1, hq, d)
+        kid = a.fork()
+        assert kid.length(1) == 300
+        for layer in range(SHAPE["n_layers"]):
+            want = c.attend(layer, b, q)
+            assert np.array_equal(c.attend(layer, a, q), want)
+            assert np.array_equal(c.attend(layer, kid, q), want)
+            rk, rv = c.read_rows(kid, layer, 10, 290)
+            assert np.array_equal(rk, k[10:290]) and np.array_equal(rv, v[10:290])
+        with pytest.raises(kvtier.Error) as e:
+            a.truncate(301)
+        assert e.value.code == -errno.EINVAL and "301" in e.value.detail
