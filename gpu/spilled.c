@@ -70,59 +70,23 @@ int gpu_spilled_done(kvt_cache *c, void *stream)
 	return 0;
 }
 
-/* One spilled (sequence, KV head) item's rows to stage: positions and row numbers in the item. */
-struct want {
-	int32_t *pos;
-	uint32_t *k;
-	uint32_t n;
-};
-
-/* The rows of item (i, h) that missed the hot cache and lie in spilled blocks. */
-static uint32_t misses_of(const kvt_cache *c, const struct kvt_layer *l, uint32_t h,
-			  const void *const *rows, const int32_t *pos, uint32_t n, int32_t *pos_out,
-			  uint32_t *k_out)
+/*
+ * The rows of item (sequence j of the spilled ones, KV head h) that missed the hot cache and lie in
+ * spilled blocks, compacted in place: their positions to the front of the item's position array,
+ * their row numbers to k_out. Returns their count.
+ */
+static uint32_t misses_of(const struct kvt_layer *l, uint32_t h, const void *const *rows,
+			  int32_t *pos, uint32_t n, uint32_t *k_out)
 {
 	uint32_t m = 0;
 	for (uint32_t k = 0; k < n; k++) {
-		const uint32_t at = (uint32_t)pos[k];
-		if (rows[k] || at / KVT_BLOCK_TOKENS >= l->n_blocks ||
-		    l->blocks[(size_t)h * l->blk_cap + at / KVT_BLOCK_TOKENS])
+		const uint32_t at = (uint32_t)pos[k], b = at / KVT_BLOCK_TOKENS;
+		if (rows[k] || b >= l->n_blocks || l->blocks[(size_t)h * l->blk_cap + b])
 			continue;
-		if (pos_out) {
-			pos_out[m] = (int32_t)at;
-			k_out[m] = k;
-		}
-		m++;
+		pos[m] = (int32_t)at; /* m <= k: read before written */
+		k_out[m++] = k;
 	}
 	return m;
-}
-
-/* Plan and read every item's missed rows of spilled blocks in one submission (the block cache's
- * prefetch); the per-item kvt_rows_get calls that follow find them cached. */
-static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls, const char *m,
-		    size_t seq_meta, uint32_t max_rows, int32_t *want_pos, uint32_t *want_k)
-{
-	const uint32_t H = c->cfg.n_kv_heads;
-	const size_t per = (size_t)H * max_rows;
-	kvt_rows_prefetch_begin(c);
-	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
-		const struct kvt_layer *l = ls[i];
-		if (!kvt_layer_spilled(c, ls[i]))
-			continue;
-		const char *at = m + (size_t)j++ * seq_meta;
-		const uint32_t *sel_n = (const uint32_t *)(at + per * (sizeof(void *) + sizeof(int32_t)));
-		const uint32_t S = kvt_sinks_of(c, l->sel_tokens);
-		for (uint32_t h = 0; h < H; h++) {
-			uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
-			uint32_t w = misses_of(c, l, h, (const void *const *)at + (size_t)h * max_rows,
-					       (const int32_t *)(at + per * sizeof(void *)) +
-						       (size_t)h * max_rows,
-					       n, want_pos, want_k);
-			if (w)
-				kvt_rows_prefetch_add(c, l, h, w, want_pos);
-		}
-	}
-	return kvt_rows_prefetch(c);
 }
 
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -146,13 +110,18 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	if (!b->sp_ev)
 		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	KVT_TRY(staging_idle(c));
-	/* metadata: per spilled sequence its rows, positions and counts; then one item's wants:
-	 * row pointers, positions, row numbers */
+	/* metadata (pinned): per spilled sequence its rows, positions and counts; then per item the
+	 * row numbers to stage and their count; then one item's row pointers */
 	const size_t seq_meta = (per * (sizeof(void *) + sizeof(int32_t)) + H * sizeof(uint32_t) +
 				 15) & ~(size_t)15;
-	const size_t meta = n_sp * seq_meta + (size_t)max_rows * (sizeof(void *) + 2 * sizeof(int32_t));
+	const size_t meta = n_sp * seq_meta + n_sp * per * sizeof(uint32_t) +
+			    ((n_sp * H * sizeof(uint32_t) + 15) & ~(size_t)15) +
+			    (size_t)max_rows * sizeof(void *);
 	KVT_TRY(pinned_grow(c, &b->sp_meta, &b->sp_meta_bytes, meta, "spilled rows' metadata"));
 	char *m = b->sp_meta;
+	uint32_t *ks = (uint32_t *)(m + n_sp * seq_meta);
+	uint32_t *nw = ks + n_sp * per;
+	const void **got = (const void **)(m + meta - (size_t)max_rows * sizeof(void *));
 	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
 		if (!kvt_layer_spilled(c, ls[i]))
 			continue;
@@ -170,48 +139,48 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	}
 	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
 	KVT_TRY(gpu_check_err(c)); /* the lookup's range errors first */
-	/* how many rows to stage, then the staging, then each item's reads */
+	/* one pass: each item's misses in spilled blocks, planned for one read submission */
 	size_t total = 0;
+	kvt_rows_prefetch_begin(c);
 	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
 		const struct kvt_layer *l = ls[i];
 		if (!kvt_layer_spilled(c, ls[i]))
 			continue;
-		const char *at = m + (size_t)j++ * seq_meta;
+		char *at = m + (size_t)j * seq_meta;
 		const uint32_t *sel_n = (const uint32_t *)(at + per * (sizeof(void *) + sizeof(int32_t)));
 		const uint32_t S = kvt_sinks_of(c, l->sel_tokens);
 		for (uint32_t h = 0; h < H; h++) {
-			uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
-			total += misses_of(c, l, h, (const void *const *)at + (size_t)h * max_rows,
-					   (const int32_t *)(at + per * sizeof(void *)) +
-						   (size_t)h * max_rows,
-					   n, NULL, NULL);
+			const size_t item = (size_t)j * H + h;
+			int32_t *p = (int32_t *)(at + per * sizeof(void *)) + (size_t)h * max_rows;
+			const uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
+			nw[item] = misses_of(l, h, (const void *const *)at + (size_t)h * max_rows, p, n,
+					     ks + item * max_rows);
+			if (nw[item])
+				kvt_rows_prefetch_add(c, l, h, nw[item], p);
+			total += nw[item];
 		}
+		j++;
 	}
+	KVT_TRY(kvt_rows_prefetch(c));
 	KVT_TRY(pinned_grow(c, &b->sp_rows, &b->sp_rows_bytes, total ? total * rb : 1,
 			    "staged rows of spilled blocks"));
-	const void **got = (const void **)(m + n_sp * seq_meta);
-	int32_t *want_pos = (int32_t *)(got + max_rows);
-	uint32_t *want_k = (uint32_t *)(want_pos + max_rows);
-	/* the reads of every item in one submission (the queue depth filled), then each item's rows */
-	KVT_TRY(prefetch(c, n_seqs, ls, m, seq_meta, max_rows, want_pos, want_k));
+	/* each item's rows: read (found in the block cache now), staged, their addresses tagged */
 	char *stage = b->sp_rows;
 	b->sp_used = true; /* the copies below read the metadata buffer */
 	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
 		const struct kvt_layer *l = ls[i];
 		if (!kvt_layer_spilled(c, ls[i]))
 			continue;
-		char *at = m + (size_t)j++ * seq_meta;
-		const uint32_t *sel_n = (const uint32_t *)(at + per * (sizeof(void *) + sizeof(int32_t)));
-		const uint32_t S = kvt_sinks_of(c, l->sel_tokens);
+		char *at = m + (size_t)j * seq_meta;
 		for (uint32_t h = 0; h < H; h++) {
+			const size_t item = (size_t)j * H + h;
+			const uint32_t w = nw[item], *k = ks + item * max_rows;
 			const void **r = (const void **)at + (size_t)h * max_rows;
 			const int32_t *p = (const int32_t *)(at + per * sizeof(void *)) +
 					   (size_t)h * max_rows;
-			uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
-			uint32_t w = misses_of(c, l, h, r, p, n, want_pos, want_k);
 			if (!w)
 				continue;
-			int rc = kvt_rows_get(c, l, h, w, want_pos, got);
+			int rc = kvt_rows_get(c, l, h, w, p, got);
 			if (rc < 0) {
 				char why[sizeof c->err];
 				snprintf(why, sizeof why, "%s", c->err);
@@ -220,12 +189,14 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 			}
 			for (uint32_t t = 0; t < w; t++, stage += rb) {
 				memcpy(stage, got[t], rb);
-				r[want_k[t]] = (const void *)((uintptr_t)stage | KVT_GPU_ROW_STAGED);
+				r[k[t]] = (const void *)((uintptr_t)stage | KVT_GPU_ROW_STAGED);
 			}
+			/* the item's rows up to its last staged one */
 			CU(c, cudaMemcpyAsync(rows + (size_t)i * per + (size_t)h * max_rows, r,
-					      n * sizeof(void *), cudaMemcpyHostToDevice,
+					      (k[w - 1] + 1) * sizeof(void *), cudaMemcpyHostToDevice,
 					      (cudaStream_t)stream));
 		}
+		j++;
 	}
 	return 0;
 }
