@@ -62,9 +62,14 @@ static uint64_t num(const char *flag, const char *val, uint64_t lo, uint64_t hi,
 	char *end;
 	errno = 0;
 	unsigned long long v = strtoull(val, &end, 0);
-	if (errno || end == val || *end || *val == '-' || v < lo || v > hi)
+	int shift = !*end ? 0 : strchr("kK", *end) ? 10 : strchr("mM", *end) ? 20
+		  : strchr("gG", *end) ? 30 : -1;
+	if (shift > 0 && !end[1])
+		end++;
+	if (errno || end == val || *end || *val == '-' || shift < 0 || v > (hi >> shift) ||
+	    (v << shift) < lo)
 		bad(flag, val, want);
-	return v;
+	return v << shift;
 }
 
 static void parse(int argc, char **argv, args *a)
@@ -84,7 +89,8 @@ static void parse(int argc, char **argv, args *a)
 			a->given = true;
 		}
 		else if (!strcmp(f, "--size"))
-			a->size = num(f, v, 64 * MIB, 1ull << 40, "bytes in [64 MiB, 1 TiB]");
+			a->size = num(f, v, 64 * MIB, 1ull << 40,
+				      "bytes in [64 MiB, 1 TiB], with an optional K, M or G suffix");
 		else if (!strcmp(f, "--qd"))
 			a->qd = (uint32_t)num(f, v, 1, KVT_NVME_MAX_QD, "a queue depth in [1, 1024]");
 		else if (!strcmp(f, "--runs"))

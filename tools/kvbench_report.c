@@ -236,6 +236,15 @@ static double hit_rate(const kvt_stats *e, const kvt_stats *s)
 	return h + m > 0 ? h / (h + m) : NAN;
 }
 
+/* The figures of a phase's decode steps into *a; returns its (step, layer) count. */
+static double phase_acc(const kb_run *b, const phase *ph, acc *a)
+{
+	acc_init(a);
+	for (uint32_t i = ph->step0; i < ph->step0 + ph->steps; i++)
+		acc_add(a, &b->step[i]);
+	return (double)ph->steps * b->o.layers;
+}
+
 /* What a phase's fetch path did, per decode step (NAN where it has none, or the backend does not
  * count it): the phase's counter deltas divided by its steps. */
 typedef struct phase_fetch {
@@ -245,8 +254,10 @@ typedef struct phase_fetch {
 	double nvme_bytes, nvme_reads, pcie_bytes; /* per step */
 } phase_fetch;
 
-static void phase_fetch_of(const kb_run *b, const phase *ph, const acc *a, phase_fetch *f)
+/* The phase's quality figures into *a (phase_acc) and its fetch path into *f. */
+static void phase_fetch_of(const kb_run *b, const phase *ph, acc *a, phase_fetch *f)
 {
+	phase_acc(b, ph, a);
 	const kvt_stats *e = &ph->st1, *s = &ph->st0;
 	double n = ph->steps ? (double)ph->steps : NAN;
 	double h = (double)(e->nvme_cache_hits - s->nvme_cache_hits);
@@ -262,15 +273,6 @@ static void phase_fetch_of(const kb_run *b, const phase *ph, const acc *a, phase
 	};
 }
 
-/* The figures of a phase's decode steps into *a; returns its (step, layer) count. */
-static double phase_acc(const kb_run *b, const phase *ph, acc *a)
-{
-	acc_init(a);
-	for (uint32_t i = ph->step0; i < ph->step0 + ph->steps; i++)
-		acc_add(a, &b->step[i]);
-	return (double)ph->steps * b->o.layers;
-}
-
 static void json_phases(const kb_run *b, const kb_phases *ps)
 {
 	printf("\"phases\": [");
@@ -278,7 +280,6 @@ static void json_phases(const kb_run *b, const kb_phases *ps)
 		const phase *ph = &ps->ph[i];
 		acc a;
 		phase_fetch f;
-		phase_acc(b, ph, &a);
 		phase_fetch_of(b, ph, &a, &f);
 		bool rs = ph->restored >= 0;
 		const jv m[] = {{"name", 0, ph->name}, {"wall_s", (double)ph->ns / 1e9, NULL},
@@ -436,13 +437,17 @@ static void summary_phases(const kb_run *b, const kb_phases *ps)
 		       e->auto_spills - s->auto_spills, e->restores - s->restores,
 		       (double)(e->ns_nvme - s->ns_nvme) / 1e6);
 	}
+}
+
+/* The fetch path per decode step of each phase ("-" where it has none). */
+static void summary_fetch(const kb_run *b, const kb_phases *ps)
+{
 	printf("phase             ms/step  ms/layer  hot_hit  bcache_hit  NVMe MiB/step  reads/step"
 	       "  PCIe MiB/step\n");
 	for (uint32_t i = 0; i < ps->n; i++) {
 		const phase *ph = &ps->ph[i];
 		acc a;
 		phase_fetch f;
-		phase_acc(b, ph, &a);
 		phase_fetch_of(b, ph, &a, &f);
 		printf("%-16s", ph->name);
 		cell(f.step_ms, 8, 2, false);
@@ -487,8 +492,10 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
 	spread(b, b->head_oracle, ho);
 	spread(b, b->head_eff, he);
-	if (ps && ps->n)
+	if (ps && ps->n) {
 		summary_phases(b, ps);
+		summary_fetch(b, ps);
+	}
 	printf("index    %" PRIu64 " B per token per KV head = %.2f%% of its K+V bytes (%u B)\n",
 	       e->index_bytes_per_token_head,
 	       100.0 * (double)e->index_bytes_per_token_head / (4.0 * b->d), 4 * b->d);
