@@ -68,6 +68,9 @@ static void test_host_bound(void **state)
  * to 4096, plus the 131072 B payload = 135168 B; 2^41 / 135168 = 16268815 blocks.
  * Host + NVMe: (4194304 + 16268815) / 32768 = 624.5 -> 624 sequences; HBM allows 302, so kvtier
  * holds 302 sequences (302 * 32768 = 9895936 tokens), limited by HBM: 18.9 x the 16 of full K/V.
+ * The GPU alone (hbm_*): the same 302 sequences, 302 * 32768 = 9895936 blocks, of which the host
+ * tier takes 4194304 (512 GiB = 549755813888 B) and NVMe the other 5701632 at 135168 B each =
+ * 770678194176 B (717.8 GiB).
  */
 static void test_hbm_bound(void **state)
 {
@@ -83,6 +86,9 @@ static void test_hbm_bound(void **state)
 	EQ(kvt_seqs, 302);
 	EQ(kvt_tokens, 9895936);
 	EQ(full_seqs, 16);
+	EQ(hbm_tokens, 9895936);
+	EQ(hbm_host_bytes, 549755813888ull);
+	EQ(hbm_nvme_bytes, 770678194176ull);
 	T_CHECK(!strcmp(p.limit, "HBM"), "%s: limit got %s, wanted HBM", name, p.limit);
 }
 
@@ -134,6 +140,12 @@ static void test_short_context(void **state)
 	EQ(host_seqs, 16);
 	EQ(kvt_seqs, 16);
 	EQ(kvt_tokens, 800);
+	/* the GPU alone: 21 sequences (1050 tokens), 16 blocks in the host tier (1 MiB) and 5 on
+	 * NVMe, each 65536 B of payload after a 4096-B header sector = 69632 B: 348160 B */
+	EQ(hbm_tokens, 1050);
+	EQ(hbm_host_bytes, MiB);
+	EQ(nvme_block_bytes, 69632);
+	EQ(hbm_nvme_bytes, 348160);
 }
 
 /* A zero count or a head dim the library does not serve is refused. */

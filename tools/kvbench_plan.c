@@ -17,7 +17,10 @@
  * scratch of one step (once, not per layer: scores, row lists and the threshold's histograms,
  * doc/cuda-backend.md), and counts
  * a spilled sequence's NVMe blocks without the window blocks it keeps in host memory: kvt_seqs is
- * an upper bound that a run (kvbench --plan) then checks.
+ * an upper bound that a run (kvbench --plan) then checks. Both backends serve a spilled
+ * sequence's rows in place (the CUDA backend since issue 14), so NVMe blocks count on either; the
+ * hbm_* figures answer what the GPU alone bounds: its sequences, with their K/V in the host tier
+ * first and the rest on NVMe, however much NVMe that takes.
  */
 #include "kvbench_plan.h"
 
@@ -72,6 +75,12 @@ int kb_plan_compute(const kb_plan_in *in, kb_plan *out)
 	p.kvt_seqs = hbm_bound ? p.hbm_seqs : p.tier_seqs;
 	p.kvt_tokens = p.kvt_seqs * in->context;
 	p.limit = hbm_bound ? "HBM" : in->nvme_bytes ? "host+NVMe" : "host";
+
+	uint64_t hbm_blocks = p.hbm_seqs * p.seq_blocks;
+	uint64_t in_host = hbm_blocks < host_blocks ? hbm_blocks : host_blocks;
+	p.hbm_tokens = p.hbm_seqs * in->context;
+	p.hbm_host_bytes = in_host * p.block_bytes;
+	p.hbm_nvme_bytes = (hbm_blocks - in_host) * p.nvme_block_bytes;
 	*out = p;
 	return 0;
 }

@@ -44,7 +44,16 @@ typedef struct kb_plan {
 	uint64_t kvt_seqs;          /* min(hbm_seqs, tier_seqs) */
 	uint64_t kvt_tokens;        /* kvt_seqs * context */
 	const char *limit;          /* what bounds kvt_seqs: "HBM" or "host+NVMe" ("host" without NVMe) */
+	/* the GPU alone: its hbm_seqs sequences, served from the host tier and NVMe (a spilled
+	   sequence is served in place on either backend), whatever host and NVMe that takes */
+	uint64_t hbm_tokens;        /* hbm_seqs * context */
+	uint64_t hbm_host_bytes;    /* their blocks in the host tier first: min(all, host_bytes) in
+				       whole blocks */
+	uint64_t hbm_nvme_bytes;    /* the rest on NVMe, in nvme_block_bytes per block */
 } kb_plan;
+
+/* One H200's HBM (141 GB) for the plan's "one H200" line. */
+#define KB_H200_HBM_BYTES 141000000000ull
 
 /* Fill *out from *in. Returns 0, or -1 when a count is zero or the library refuses the shape
  * (kvt_footprint_of: head_dim 64, 128 or 256, at most 1024 KV heads and 4096 layers, sinks and

@@ -229,6 +229,13 @@ static void json_tiers(const kb_run *b)
 	printf("}, ");
 }
 
+/* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
+static double hit_rate(const kvt_stats *e, const kvt_stats *s)
+{
+	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
+	return h + m > 0 ? h / (h + m) : NAN;
+}
+
 /* The figures of a phase's decode steps into *a; returns its (step, layer) count. */
 static double phase_acc(const kb_run *b, const phase *ph, acc *a)
 {
@@ -238,17 +245,50 @@ static double phase_acc(const kb_run *b, const phase *ph, acc *a)
 	return (double)ph->steps * b->o.layers;
 }
 
+/* What a phase's fetch path did, per decode step (NAN where it has none, or the backend does not
+ * count it): the phase's counter deltas divided by its steps. */
+typedef struct phase_fetch {
+	double step_ms, layer_ms; /* append + attend per step (all layers), per (step, layer) */
+	double hot_hit;           /* hot cache: rows served / rows looked up (CUDA backend) */
+	double bcache_hit;        /* block cache: nvme_cache_hits / (hits + misses) */
+	double nvme_bytes, nvme_reads, pcie_bytes; /* per step */
+} phase_fetch;
+
+/* The phase's quality figures into *a (phase_acc) and its fetch path into *f. */
+static void phase_fetch_of(const kb_run *b, const phase *ph, acc *a, phase_fetch *f)
+{
+	phase_acc(b, ph, a);
+	const kvt_stats *e = &ph->st1, *s = &ph->st0;
+	double n = ph->steps ? (double)ph->steps : NAN;
+	double h = (double)(e->nvme_cache_hits - s->nvme_cache_hits);
+	double m = (double)(e->nvme_cache_misses - s->nvme_cache_misses);
+	*f = (phase_fetch){
+		.step_ms = (double)a->ns / 1e6 / n,
+		.layer_ms = (double)a->ns / 1e6 / (n * b->o.layers),
+		.hot_hit = ph->steps ? hit_rate(e, s) : NAN,
+		.bcache_hit = h + m > 0 ? h / (h + m) : NAN,
+		.nvme_bytes = (double)(e->nvme_bytes_read - s->nvme_bytes_read) / n,
+		.nvme_reads = (double)(e->nvme_reads - s->nvme_reads) / n,
+		.pcie_bytes = (double)(e->pcie_bytes - s->pcie_bytes) / n,
+	};
+}
+
 static void json_phases(const kb_run *b, const kb_phases *ps)
 {
 	printf("\"phases\": [");
 	for (uint32_t i = 0; i < ps->n; i++) {
 		const phase *ph = &ps->ph[i];
 		acc a;
-		double sl = phase_acc(b, ph, &a);
+		phase_fetch f;
+		phase_fetch_of(b, ph, &a, &f);
 		bool rs = ph->restored >= 0;
 		const jv m[] = {{"name", 0, ph->name}, {"wall_s", (double)ph->ns / 1e9, NULL},
 			{"library_ms", (double)ph->ns_lib / 1e6, NULL}, {"steps", ph->steps, NULL},
-			{"step_ms_per_layer", sl ? (double)a.ns / 1e6 / sl : NAN, NULL},
+			{"step_ms_per_layer", f.layer_ms, NULL}, {"step_ms", f.step_ms, NULL},
+			{"hot_hit_rate", f.hot_hit, NULL}, {"nvme_cache_hit_rate", f.bcache_hit, NULL},
+			{"nvme_bytes_read_per_step", f.nvme_bytes, NULL},
+			{"nvme_reads_per_step", f.nvme_reads, NULL},
+			{"pcie_bytes_per_step", f.pcie_bytes, NULL},
 			{"recall_mean", mean(a.recall_sum, a.recall_n), NULL},
 			{"recall_min", a.recall_n ? a.recall_min : NAN, NULL},
 			{"budget_mean", mean(a.budget_sum, a.kv_n), NULL},
@@ -285,13 +325,6 @@ static double step_median_ms(const kb_run *b)
 	double m = n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
 	free(t);
 	return m;
-}
-
-/* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
-static double hit_rate(const kvt_stats *e, const kvt_stats *s)
-{
-	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
-	return h + m > 0 ? h / (h + m) : NAN;
 }
 
 void print_json(const kb_run *b, const kb_phases *ps, double wall)
@@ -406,6 +439,28 @@ static void summary_phases(const kb_run *b, const kb_phases *ps)
 	}
 }
 
+/* The fetch path per decode step of each phase ("-" where it has none). */
+static void summary_fetch(const kb_run *b, const kb_phases *ps)
+{
+	printf("phase             ms/step  ms/layer  hot_hit  bcache_hit  NVMe MiB/step  reads/step"
+	       "  PCIe MiB/step\n");
+	for (uint32_t i = 0; i < ps->n; i++) {
+		const phase *ph = &ps->ph[i];
+		acc a;
+		phase_fetch f;
+		phase_fetch_of(b, ph, &a, &f);
+		printf("%-16s", ph->name);
+		cell(f.step_ms, 8, 2, false);
+		cell(f.layer_ms, 9, 2, false);
+		cell(f.hot_hit, 8, 4, false);
+		cell(f.bcache_hit, 11, 4, false);
+		cell(f.nvme_bytes / 1048576.0, 14, 3, false);
+		cell(f.nvme_reads, 11, 1, false);
+		cell(ph->steps && isfinite(f.hot_hit) ? f.pcie_bytes / 1048576.0 : NAN, 14, 3, false);
+		printf("\n");
+	}
+}
+
 static void summary_tiers(const kb_run *b)
 {
 	const kvt_stats *e = &b->st_end;
@@ -437,8 +492,10 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
 	spread(b, b->head_oracle, ho);
 	spread(b, b->head_eff, he);
-	if (ps && ps->n)
+	if (ps && ps->n) {
 		summary_phases(b, ps);
+		summary_fetch(b, ps);
+	}
 	printf("index    %" PRIu64 " B per token per KV head = %.2f%% of its K+V bytes (%u B)\n",
 	       e->index_bytes_per_token_head,
 	       100.0 * (double)e->index_bytes_per_token_head / (4.0 * b->d), 4 * b->d);

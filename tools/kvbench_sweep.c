@@ -378,6 +378,21 @@ static void plan_table(const opts *o, const kb_plan_in *in, const kb_plan *p)
 	(void)o;
 }
 
+/* What one H200 serves on its HBM alone, with the rows in the host tier and the rest on NVMe. */
+static void plan_h200(const kb_plan_in *in)
+{
+	kb_plan_in h = *in;
+	kb_plan p;
+	h.gpu_bytes = KB_H200_HBM_BYTES;
+	if (kb_plan_compute(&h, &p) < 0)
+		fail("capacity plan", "bad shape");
+	char w[32], hb[32], nb[32];
+	printf("one H200 (141 GB HBM, %s weights): %" PRIu64 " tokens, %" PRIu64 " sequences of %u "
+	       "(index + hot cache in HBM, K/V on %s host + %s NVMe)\n",
+	       fmt_bytes(in->weights_bytes, w, sizeof w), p.hbm_tokens, p.hbm_seqs, in->context,
+	       fmt_bytes(p.hbm_host_bytes, hb, sizeof hb), fmt_bytes(p.hbm_nvme_bytes, nb, sizeof nb));
+}
+
 int plan_main(opts *o)
 {
 	kb_plan_in in;
@@ -385,8 +400,10 @@ int plan_main(opts *o)
 	opts_plan_in(o, o->context, &in);
 	if (kb_plan_compute(&in, &p) < 0)
 		fail("capacity plan", "bad shape");
-	if (!o->json)
+	if (!o->json) {
 		plan_table(o, &in, &p);
+		plan_h200(&in);
+	}
 	if (!p.kvt_seqs) {
 		fprintf(stderr, "kvbench: the plan holds no sequence: nothing to run\n");
 		opts_free(o);
