@@ -442,9 +442,11 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * CUDA backend: asynchronous on `stream` (no host synchronization, no allocation once a step of
  * the same batch and context size has run, so the call can be captured in a CUDA graph). Errors
  * the kernels find (a non-finite query or score) are returned by the next call on the cache. A
- * spilled sequence is restored first (kvt_seq_restore's errors apply; -ENOSPC when the batch
- * cannot be in the host tier at once). -E2BIG when a sequence has more than 2^24 - 1 indexed
- * tokens on the layer (the selection's limit).
+ * spilled sequence is served in place: the call synchronizes once (the selection comes to the host,
+ * the missed rows of spilled blocks are read from NVMe and staged in pinned memory), so it cannot
+ * be captured while such a sequence is in the batch (-EINVAL; kvt_seq_restore it first).
+ * -E2BIG when a sequence has more than 2^24 - 1 indexed tokens on the layer (the selection's
+ * limit).
  */
 KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream);
