@@ -33,10 +33,10 @@ referenced are closed. A fork that fails closes the forks made and raises kvtier
 batch unchanged.
 
 What is refused, with an error that says so (never a silent fall back to full K/V on the GPU):
-reset, legacy indexing or iteration of the cache's K/V, padding in the attention mask (batches need equal prompt lengths), sliding-window or
-chunked-attention layers, logit softcapping, fp32 models (kvtier stores fp16 or bf16), a model
-whose attention is not "kvtier" used with a KvtierCache, and the "kvtier" attention without a
-KvtierCache.
+reset, legacy indexing or iteration of the cache's K/V, padding in the attention mask (batches need
+equal prompt lengths), sliding-window or chunked-attention layers, logit softcapping, fp32 models
+(kvtier stores fp16 or bf16), a model whose attention is not "kvtier" used with a KvtierCache, and
+the "kvtier" attention without a KvtierCache.
 Calls are ordered on torch's current CUDA stream. One KvtierCache serves one generate() call
 (one batch); it is closed (its host memory freed) by close(), `with`, or garbage collection.
 """
