@@ -15,19 +15,28 @@ families ported to the attention interface) compute q, k, v (after RoPE), call
 - Prefill (the first forward pass, the cache empty): update() returns the chunk's own K/V, the
   attention function computes exact causal attention over them with transformers' SDPA path, then
   hands q, k, v of each sequence to kvt_prefill. Nothing of the chunk stays on the GPU.
-- Decode (one new token per sequence): update() appends the token's K/V (kvt_append) and returns
-  only the new token's K/V; the attention function calls kvt_attend (Top-p selection over the
-  index, exact attention over sinks + selected + window).
+- Decode (one new token per sequence), and several new tokens over a non-empty cache (assisted
+  or speculative decoding's verification pass, a later prefill chunk): update() returns the new
+  tokens' K/V; the attention function stores and attends them one token at a time (kvt_append,
+  then kvt_attend: Top-p selection over the index, exact attention over sinks + selected +
+  window), so each query sees the tokens up to its own.
 The K/V of the context live in kvtier's host tier; the GPU holds only kvtier's index, window ring
 and hot cache.
 
-What is refused, with an error that says so (never a silent fall back to full K/V on the GPU): a
-second prefill chunk over a non-empty cache (chunked prefill, prefix reuse, multi-token
-verification), crop, reorder_cache (beam search), batch_repeat_interleave / batch_select_indices
-(num_return_sequences > 1, contrastive search), reset, padding in the attention mask (batches
-need equal prompt lengths), sliding-window or chunked-attention layers, logit softcapping,
-fp32 models (kvtier stores fp16 or bf16), a model whose attention is not "kvtier" used with a
-KvtierCache, and the "kvtier" attention without a KvtierCache.
+Between forward passes the cache follows transformers' batch and length changes on top of
+kvtier's sequence lifecycle: crop (assisted decoding's rollback) truncates every row
+(kvt_seq_truncate, all layers at once); reorder_cache (beam search), batch_repeat_interleave
+(num_return_sequences / num_beams expansion of a filled cache) and batch_select_indices keep one
+kvtier sequence per row: the first new row of each source row takes its sequence, every further
+one a fork (kvt_seq_fork: full blocks shared, index and window copied), and rows no longer
+referenced are closed. A fork that fails closes the forks made and raises kvtier.Error with the
+batch unchanged.
+
+What is refused, with an error that says so (never a silent fall back to full K/V on the GPU):
+reset, legacy indexing or iteration of the cache's K/V, padding in the attention mask (batches need
+equal prompt lengths), sliding-window or chunked-attention layers, logit softcapping, fp32 models
+(kvtier stores fp16 or bf16), a model whose attention is not "kvtier" used with a KvtierCache, and
+the "kvtier" attention without a KvtierCache.
 Calls are ordered on torch's current CUDA stream. One KvtierCache serves one generate() call
 (one batch); it is closed (its host memory freed) by close(), `with`, or garbage collection.
 """
@@ -41,6 +50,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from . import _batch
 from . import cache as _kc
 
 try:
@@ -193,8 +203,9 @@ class KvtierCache(_HFCache):
         self._kv: Optional[_kc.Cache] = None
         self.seqs: List[_kc.Sequence] = []
         self._lengths = [0] * self.n_layers
-        # layer -> (phase, key) of the update whose attention has not run yet: the attention
-        # function serves only the K/V this cache has just returned ("prefill" or "decode")
+        # layer -> (phase, key, value) of the update whose attention has not run yet: the
+        # attention function serves only the K/V this cache has just returned ("prefill":
+        # the layer was empty; "extend": tokens over a non-empty layer)
         self._fresh: dict = {}
         self._failed = ""
         self.layers = [_Layer(self, i) for i in range(self.n_layers)]
@@ -250,21 +261,69 @@ class KvtierCache(_HFCache):
         return "KvtierCache(%d layers, batch %d, %d tokens)" % (self.n_layers, len(self.seqs),
                                                                 self._lengths[0])
 
-    # ---- what kvtier cannot serve
+    # ---- batch and length changes (kvt_seq_truncate, kvt_seq_fork)
+    def _check_between_steps(self, what: str) -> None:
+        if self._failed:
+            raise Unsupported("kvtier.hf: this KvtierCache failed earlier (%s); make a new one"
+                              % self._failed)
+        if self._fresh:
+            raise Unsupported("kvtier.hf: %s between a layer's update and its attention (layers "
+                              "%s): the cache changes between forward passes only"
+                              % (what, sorted(self._fresh)))
+        if len(set(self._lengths)) > 1:
+            raise Unsupported("kvtier.hf: %s with layers of different lengths %s (a forward "
+                              "pass did not reach every layer)" % (what, self._lengths))
+
     def crop(self, max_length: int) -> None:
-        raise Unsupported("kvtier.hf: crop(%s) is not served (kvtier has no truncate yet): "
-                          "assisted/speculative decoding and rollback need it" % max_length)
+        """Keep the first `max_length` tokens of every row on every layer (a negative
+        max_length drops that many; nothing happens when the cache is not longer): assisted
+        and speculative decoding's rollback. One kvt_seq_truncate per row covers every layer;
+        appending the same tokens again attends as if they had never been dropped. A failure
+        on a later row after earlier rows were truncated leaves the cache unusable."""
+        self._check_between_steps("crop")
+        keep = _batch.crop_target(self._lengths[0], max_length)
+        if keep is None:
+            return
+        drop = self._lengths[0] - keep
+        if self._kv is not None and self.seqs:
+            try:
+                _batch.truncate_rows(self._kv, self.seqs, drop)
+            except BaseException as e:
+                if getattr(e, "rows_done", 0):
+                    self._failed = "crop(%s) truncated %d of %d rows, then %s: %s" % (
+                        max_length, e.rows_done, len(self.seqs), type(e).__name__, e)
+                raise
+        self._lengths = [keep] * self.n_layers
+
+    def _select_rows(self, indices: Any, what: str) -> None:
+        """New row i takes old row rows[i]: the first new row of each source keeps its kvtier
+        sequence, every further one gets a fork (shared full blocks, copied index and window);
+        sources no new row takes are closed. A fork that fails closes the forks made and
+        raises kvtier.Error with the batch as it was."""
+        self._check_between_steps(what)
+        if self._kv is None or not self.seqs:  # nothing stored yet: as DynamicCache, no-op
+            return
+        p = _batch.plan(_batch.as_rows(indices, len(self.seqs), what), len(self.seqs))
+        if p.identity:
+            return
+        new, old = _batch.fork_rows(self._kv, self.seqs, p)
+        self.seqs = new
+        _batch.close_all(old)
 
     def reorder_cache(self, beam_idx: Any) -> None:
-        raise Unsupported("kvtier.hf: reorder_cache is not served: beam search needs forked "
-                          "sequences, which kvtier does not have yet; use greedy or sampling")
+        """Beam search: new row i continues old row beam_idx[i] (a LongTensor of the batch's
+        size, as transformers passes it)."""
+        self._select_rows(beam_idx, "reorder_cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise Unsupported("kvtier.hf: batch_repeat_interleave(%s) is not served "
-                          "(num_return_sequences > 1 or contrastive search)" % repeats)
+        """Every row repeated `repeats` times in place (row i -> rows i*repeats .. ):
+        num_return_sequences or num_beams expansion of a filled cache."""
+        rows = _batch.repeat_rows(len(self.seqs), repeats)
+        self._select_rows(rows, "batch_repeat_interleave")
 
     def batch_select_indices(self, indices: Any) -> None:
-        raise Unsupported("kvtier.hf: batch_select_indices is not served (contrastive search)")
+        """Keep only the rows `indices` (ints or a LongTensor; a repeated index is forked)."""
+        self._select_rows(indices, "batch_select_indices")
 
     def reset(self) -> None:
         raise Unsupported("kvtier.hf: reset is not served: make a new KvtierCache")
@@ -289,7 +348,11 @@ class KvtierCache(_HFCache):
         b = int(key.shape[0])
         cuda = key.device.type == "cuda"
         opts = dict(self.options)
-        opts.setdefault("max_seqs", max(b, 1))
+        # room for the forks of reorder_cache (beam search forks before it closes: up to
+        # 2b - 1 open) and batch_repeat_interleave; the CUDA backend serves at most
+        # max_seqs * n_q_heads <= 65535
+        cap = 65535 // self.n_q_heads if cuda else 65536
+        opts.setdefault("max_seqs", max(b, 1, min(cap, max(2 * b, 256))))
         self._kv = _kc.Cache(n_layers=self.n_layers, n_q_heads=self.n_q_heads,
                              n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                              dtype=key.dtype, backend="cuda" if cuda else "cpu",
@@ -303,9 +366,11 @@ class KvtierCache(_HFCache):
         """Take the new tokens' K/V of `layer_idx`, [b, n_kv_heads, n_new, head_dim] (post-RoPE).
 
         Prefill (this layer empty): returns them unchanged for the attention function, which
-        attends over them and stores them with their queries (kvt_prefill). Decode (one new
-        token): stores it (kvt_append) and returns it; the attention function attends over
-        kvtier. Anything else raises Unsupported."""
+        attends over them and stores them with their queries (kvt_prefill). Over a non-empty
+        layer (decode: one token; assisted decoding's verification or a later prefill chunk:
+        several): returns them unchanged, and the attention function stores and attends them
+        one token at a time (kvt_append, kvt_attend), each query over the tokens up to its
+        own."""
         _active.cache = weakref.ref(self)
         b, h, n, d = key_states.shape
         if (h, d) != (self.n_kv_heads, self.head_dim):
@@ -323,23 +388,14 @@ class KvtierCache(_HFCache):
             raise Unsupported("kvtier.hf: batch of %d rows, the cache holds %d sequences"
                               % (b, len(self.seqs)))
         if self._lengths[layer_idx] == 0:
-            self._fresh[layer_idx] = ("prefill", key_states)
+            self._fresh[layer_idx] = ("prefill", key_states, value_states)
             self._lengths[layer_idx] = n
             return key_states, value_states
-        if n != 1:
-            raise Unsupported("kvtier.hf: %d new tokens on layer %d over a non-empty cache (%d "
-                              "tokens): a second prefill chunk (chunked prefill, prefix reuse, "
-                              "multi-token verification) is not served; decode is one token "
-                              "per step" % (n, layer_idx, self._lengths[layer_idx]))
-        k = key_states[:, :, 0, :]
-        v = value_states[:, :, 0, :]
-        # [b, Hkv, D]: a view of [b, Hkv, 1, D], dense when the projection's output was; copy
-        # otherwise (this integration's own staging, not the caller's tensors)
-        k = k if k.is_contiguous() else k.contiguous()
-        v = v if v.is_contiguous() else v.contiguous()
-        self._kv.append(layer_idx, self.seqs, k, v)
-        self._lengths[layer_idx] += 1
-        self._fresh[layer_idx] = ("decode", key_states)
+        # decode (n == 1) or several tokens over a non-empty cache (assisted decoding's
+        # verification, a later prefill chunk): the attention appends and attends them one
+        # token at a time, each query over the tokens up to its own (causal)
+        self._lengths[layer_idx] += n
+        self._fresh[layer_idx] = ("extend", key_states, value_states)
         return key_states, value_states
 
     @_failing_closed
@@ -368,13 +424,21 @@ class KvtierCache(_HFCache):
                                  key[i].transpose(0, 1).contiguous(),
                                  value[i].transpose(0, 1).contiguous())
             return out
-        if query.shape[2] != 1:
-            raise Unsupported("kvtier.hf: %d queries on layer %d over a non-empty cache: only "
-                              "one token per decode step is served" % (query.shape[2], layer))
-        q = query[:, :, 0, :]
-        q = q if q.is_contiguous() else q.contiguous()
-        out = self._kv.attend(layer, self.seqs, q)       # [b, Hq, D]
-        return out.unsqueeze(1)                          # [b, 1, Hq, D]
+        n = int(query.shape[2])
+        if n != int(key.shape[2]):
+            raise Unsupported("kvtier.hf: layer %d: %d queries for %d new tokens" % (layer, n,
+                                                                                 key.shape[2]))
+        outs = []
+        for t in range(n):
+            # [b, Hkv, D] and [b, Hq, D]: views of the token's slice, dense when the
+            # projection's output was; copied otherwise (this integration's own staging)
+            k, v, q = key[:, :, t, :], value[:, :, t, :], query[:, :, t, :]
+            k = k if k.is_contiguous() else k.contiguous()
+            v = v if v.is_contiguous() else v.contiguous()
+            q = q if q.is_contiguous() else q.contiguous()
+            self._kv.append(layer, self.seqs, k, v)
+            outs.append(self._kv.attend(layer, self.seqs, q))      # [b, Hq, D]
+        return outs[0].unsqueeze(1) if n == 1 else torch.stack(outs, 1)  # [b, n, Hq, D]
 
     # ---- lifetime and counters
     def stats(self) -> "Optional[_kc.Stats]":

@@ -2,8 +2,12 @@
 """kvtier.hf under transformers on a GPU: with p = 1 (every indexed token selected) greedy
 generation of a tiny random Llama (2 layers, 4 query heads over 2 KV heads, head_dim 64, RoPE)
 must give transformers' own tokens (SDPA + DynamicCache), batch 1 and 2, fp16 and bf16; a token
-may differ only where the reference's top-2 logits nearly tie. What kvtier.hf cannot serve must
-raise. Skips without torch + CUDA + transformers or without a CUDA build of libkvtier."""
+may differ only where the reference's top-2 logits nearly tie. So must assisted generation (an
+assistant model, and prompt lookup), which verifies several tokens per forward pass and crops the
+rejected ones, and beam search, which reorders the cache at every step. crop then decode equals
+never having had the cropped tokens; reorder / repeat / select then decode equals DynamicCache
+under the same operations. What kvtier.hf cannot serve must raise. Skips without torch + CUDA +
+transformers or without a CUDA build of libkvtier."""
 
 import pytest
 
@@ -111,14 +115,12 @@ def test_unsupported_operations_raise(tiny):
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True)
             assert cache.get_seq_length() == 64
-            with pytest.raises(Unsupported, match="second prefill chunk"):
-                model(ids[:, :5], past_key_values=cache, use_cache=True)
-        for op, arg, what in ((cache.crop, 10, "crop"),
-                              (cache.reorder_cache, torch.zeros(1, dtype=torch.long),
-                               "reorder_cache"),
-                              (cache.batch_repeat_interleave, 2, "batch_repeat_interleave")):
-            with pytest.raises(Unsupported, match=what):
-                op(arg)
+        with pytest.raises(Unsupported, match="reset"):
+            cache.reset()
+        with pytest.raises(Unsupported, match="legacy"):
+            cache[0]
+        with pytest.raises(IndexError):
+            cache.reorder_cache(torch.tensor([1], device="cuda"))   # a batch of one row
         cache.close()
         with torch.no_grad():
             with pytest.raises(Unsupported, match="KvtierCache"):   # kvtier attention alone
@@ -141,3 +143,201 @@ def test_unsupported_operations_raise(tiny):
         finally:
             set_attn(model, "sdpa")
             model.to(torch.bfloat16)
+
+
+def run_ops(model, cache, ids, ops):
+    """Prefill `ids` into `cache`, then each op in turn: ("feed", ids [b, n]) a forward pass of
+    n tokens, ("crop", m), ("reorder", rows), ("repeat", r), ("select", rows). Returns the logits
+    (float32) of every forward pass, the prefill's last position first."""
+    out = []
+    with torch.no_grad():
+        out.append(model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].float())
+        for op, arg in ops:
+            if op == "feed":
+                out.append(model(arg, past_key_values=cache, use_cache=True).logits.float())
+            elif op == "crop":
+                cache.crop(arg)
+            elif op == "reorder":
+                cache.reorder_cache(torch.tensor(arg, dtype=torch.long, device="cuda"))
+            elif op == "repeat":
+                cache.batch_repeat_interleave(arg)
+            elif op == "select":
+                cache.batch_select_indices(torch.tensor(arg, dtype=torch.long, device="cuda"))
+            else:
+                raise AssertionError(op)
+    return out
+
+
+def assert_logits_close(got, want, rel, what):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, "%s, pass %d: %s vs %s" % (what, i, a.shape, b.shape)
+        err, top = float((a - b).abs().max()), float(b.abs().max())
+        assert err <= rel * top, "%s, pass %d: logits differ by %g (max |logit| %g)" % (
+            what, i, err, top)
+        assert torch.equal(a.argmax(-1), b.argmax(-1)) or err <= 0.02, (
+            "%s, pass %d: different top tokens" % (what, i))
+
+
+@pytest.mark.parametrize("p", [1.0, 0.9])
+def test_crop_then_decode_equals_never_having_the_tokens(tiny, p):
+    """40 tokens one at a time (flushes included), crop(-37), 20 more tokens: the logits of the
+    20 equal those of a cache that only ever had the first 3. At p < 1 too: truncation returns
+    the sequence to the state it had at the shorter length (the same calls, the same state)."""
+    model = tiny.to(torch.float16)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=g).cuda()
+    x = torch.randint(0, 512, (1, 40), generator=g).cuda()
+    y = torch.randint(0, 512, (1, 20), generator=g).cuda()
+    feed = lambda t: [("feed", t[:, i:i + 1]) for i in range(t.shape[1])]  # noqa: E731
+    set_attn(model, "kvtier")
+    try:
+        opts = dict(OPTS, p=p)
+        with KvtierCache(model.config, **opts) as a, KvtierCache(model.config, **opts) as b:
+            got = run_ops(model, a, ids, feed(x) + [("crop", -37)] + feed(y))
+            assert a.get_seq_length() == PROMPT + 3 + 20
+            assert [a.kvtier.length(s, layer) for s in a.seqs for layer in range(2)] == \
+                [PROMPT + 23] * 2
+            want = run_ops(model, b, ids, feed(x[:, :3]) + feed(y))
+            assert a.stats().flushes > b.stats().flushes > 0
+    finally:
+        set_attn(model, "sdpa")
+    assert_logits_close(got[-20:], want[-20:], 1e-3, "crop at p = %g" % p)
+    # the greedy continuation agrees too (the argmax of the same logits)
+    assert torch.equal(torch.cat([t.argmax(-1) for t in got[-20:]], 1),
+                       torch.cat([t.argmax(-1) for t in want[-20:]], 1))
+
+
+def test_batch_ops_then_decode_match_dynamic_cache(tiny):
+    """reorder_cache (a source dropped, one doubled), a 5-token chunk over the cache, crop,
+    batch_repeat_interleave and batch_select_indices (a duplicate index), each followed by
+    decoding: at p = 1 kvtier's logits are DynamicCache's under the same operations."""
+    model = tiny.to(torch.float16)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 512, (3, PROMPT), generator=g).cuda()
+    tok = lambda b, n=1: torch.randint(0, 512, (b, n), generator=g).cuda()  # noqa: E731
+    ops = [("feed", tok(3)), ("feed", tok(3)), ("reorder", [2, 0, 0]), ("feed", tok(3)),
+           ("feed", tok(3, 5)), ("crop", -3), ("feed", tok(3)), ("repeat", 2),
+           ("feed", tok(6)), ("select", [5, 0, 0, 3]), ("feed", tok(4)), ("feed", tok(4)),
+           ("reorder", [1, 0, 3, 2]), ("feed", tok(4))]
+    set_attn(model, "sdpa")
+    want = run_ops(model, transformers.DynamicCache(), ids, ops)
+    set_attn(model, "kvtier")
+    try:
+        with KvtierCache(model.config, **OPTS) as cache:
+            got = run_ops(model, cache, ids, ops)
+            assert cache.get_seq_length() == PROMPT + 2 + 1 + 5 - 3 + 1 + 1 + 2 + 1
+            assert cache.stats().seqs_open == 4 == len(cache.seqs)
+            assert len({s.id for s in cache.seqs}) == 4
+    finally:
+        set_attn(model, "sdpa")
+    assert_logits_close(got, want, 0.02, "batch operations")
+
+
+def _assistant(model):
+    """The tiny model with a perturbed lm_head: it agrees with the model on part of its
+    tokens only, so verification accepts some candidates and crops the others."""
+    import copy
+    asst = copy.deepcopy(model)
+    set_attn(asst, "sdpa")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        w = asst.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=g).to(w) * 0.3 * float(w.float().std()))
+    asst.generation_config.num_assistant_tokens = 4
+    asst.generation_config.num_assistant_tokens_schedule = "constant"
+    return asst
+
+
+def assert_same_tokens(got, want, scores, dtype, what):
+    assert got.shape == want.shape, "%s: %s vs %s" % (what, got.shape, want.shape)
+    for row in range(got.shape[0]):
+        diff = (got[row] != want[row]).nonzero()
+        if len(diff) == 0:
+            continue
+        t = int(diff[0])
+        top2 = scores[row, t].topk(2).values
+        margin = float(top2[0] - top2[1])
+        assert margin < TIE[dtype], (
+            "%s: row %d, token %d: kvtier %d, reference %d, reference margin %.4f (not a "
+            "near-tie)" % (what, row, t, got[row, t], want[row, t], margin))
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+def test_assisted_generation_matches_at_p1(tiny, mode):
+    """generate(assistant_model=...) and generate(prompt_lookup_num_tokens=...) with a
+    KvtierCache give the tokens they give with transformers' own cache: the verification pass
+    runs several tokens over the cache and crop() drops the rejected ones."""
+    dtype = torch.float16
+    model = tiny.to(dtype)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=g).cuda()
+    extra = dict(assistant_model=_assistant(model)) if mode == "assistant" else \
+        dict(prompt_lookup_num_tokens=3)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+              do_sample=False, return_dict_in_generate=True, output_scores=True,
+              pad_token_id=0, **extra)
+    set_attn(model, "sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    want, scores = ref.sequences[:, PROMPT:], torch.stack(ref.scores, 1).float()
+    set_attn(model, "kvtier")
+    drops = []
+    try:
+        with KvtierCache(model.config, **OPTS) as cache:
+            crop = cache.crop
+
+            def counting_crop(max_length):
+                before = cache.get_seq_length()
+                crop(max_length)
+                drops.append(before - cache.get_seq_length())
+            cache.crop = counting_crop
+            with torch.no_grad():
+                out = model.generate(ids, past_key_values=cache, **kw)
+            got = out.sequences[:, PROMPT:]
+            assert cache.get_seq_length() == out.sequences.shape[1] - 1
+            assert cache.kvtier.length(cache.seqs[0], 1) == out.sequences.shape[1] - 1
+    finally:
+        set_attn(model, "sdpa")
+    assert drops, "generate never called crop: not the assisted path"
+    if mode == "assistant":
+        assert sum(drops) > 0, "no candidate was rejected: crop never dropped a token"
+    assert_same_tokens(got, want, scores, dtype, mode)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_beam_search_matches_at_p1(tiny, batch):
+    """num_beams = 3 (reorder_cache every step: beams dropped and forked) gives the default
+    cache's sequences and scores."""
+    model = tiny.to(torch.float16)
+    g = torch.Generator().manual_seed(20 + batch)
+    ids = torch.randint(0, 512, (batch, PROMPT), generator=g).cuda()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+              num_beams=3, num_return_sequences=2, do_sample=False,
+              return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+    set_attn(model, "sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    set_attn(model, "kvtier")
+    reorders = []
+    try:
+        with KvtierCache(model.config, **OPTS) as cache:
+            reorder = cache.reorder_cache
+
+            def counting_reorder(beam_idx):
+                reorders.append(beam_idx.tolist())
+                reorder(beam_idx)
+            cache.reorder_cache = counting_reorder
+            with torch.no_grad():
+                out = model.generate(ids, past_key_values=cache, **kw)
+            assert cache.stats().seqs_open == 3 * batch == len(cache.seqs)
+    finally:
+        set_attn(model, "sdpa")
+    assert reorders and any(len(set(r)) < len(r) for r in reorders), \
+        "beam search never forked a beam"
+    assert torch.equal(out.sequences, ref.sequences), (
+        "beam search: kvtier %s, reference %s (scores %s vs %s)"
+        % (out.sequences[:, PROMPT:].tolist(), ref.sequences[:, PROMPT:].tolist(),
+           out.sequences_scores.tolist(), ref.sequences_scores.tolist()))
+    assert torch.allclose(out.sequences_scores.float(), ref.sequences_scores.float(),
+                          atol=2e-3, rtol=0)
