@@ -145,6 +145,9 @@ int gpu_spilled_done(kvt_cache *c, void *stream);
 void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes);
 
 /* devmem.c */
+/* -EINVAL with the text `why` when `stream` is being captured into a graph. */
+int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why);
+/* The same for `what`, which needs device memory. */
 int gpu_no_capture(kvt_cache *c, void *stream, const char *what);
 void gpu_dfree(kvt_cache *c, void *p);
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what);

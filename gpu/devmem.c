@@ -4,17 +4,26 @@
  * reach them): zeroed allocation, growth that never happens while a stream is being captured into a
  * graph, and the wait of a stream for a layer's last index build.
  */
+#include <stdio.h>
+
 #include "cuda_backend.h"
 
-int gpu_no_capture(kvt_cache *c, void *stream, const char *what)
+int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why)
 {
 	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
 	CU(c, cudaStreamIsCapturing((cudaStream_t)stream, &st));
-	KVT_RETURN_IF(st != cudaStreamCaptureStatusNone, c, -EINVAL,
-		      "%s needs device memory while the stream is being captured: run one step of "
-		      "the same batch and context size before capturing",
-		      what);
+	KVT_RETURN_IF(st != cudaStreamCaptureStatusNone, c, -EINVAL, "%s", why);
 	return 0;
+}
+
+int gpu_no_capture(kvt_cache *c, void *stream, const char *what)
+{
+	char why[256];
+	snprintf(why, sizeof why,
+		 "%s needs device memory while the stream is being captured: run one step of the "
+		 "same batch and context size before capturing",
+		 what);
+	return gpu_refuse_capture(c, stream, why);
 }
 
 void gpu_dfree(kvt_cache *c, void *p)

@@ -101,12 +101,12 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		n_sp += kvt_layer_spilled(c, ls[i]);
 	if (!n_sp)
 		return 0;
-	enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-	CU(c, cudaStreamIsCapturing((cudaStream_t)stream, &cs));
-	KVT_RETURN_IF(cs != cudaStreamCaptureStatusNone, c, -EINVAL,
-		      "layer %u: a sequence of the batch has rows on NVMe, which a step reads from "
-		      "the disk: it cannot be captured into a graph (kvt_seq_restore it first)",
-		      layer);
+	char capture[192];
+	snprintf(capture, sizeof capture,
+		 "layer %u: a sequence of the batch has rows on NVMe, which a step reads from the "
+		 "disk: it cannot be captured into a graph (kvt_seq_restore it first)",
+		 layer);
+	KVT_TRY(gpu_refuse_capture(c, stream, capture));
 	if (!b->sp_ev)
 		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	KVT_TRY(staging_idle(c));
