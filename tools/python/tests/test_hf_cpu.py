@@ -22,7 +22,10 @@ SCALE = D ** -0.5
 CFG = types.SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ,
                             num_key_value_heads=HKV, head_dim=D, hidden_size=HQ * D,
                             _attn_implementation="kvtier")
-MODS = [types.SimpleNamespace(layer_idx=i, training=False) for i in range(L)]
+# as a transformers attention module: transformers' SDPA path repeats the KV heads by
+# num_key_value_groups (or passes enable_gqa) only when the module has it
+MODS = [types.SimpleNamespace(layer_idx=i, training=False, num_key_value_groups=HQ // HKV,
+                              is_causal=True) for i in range(L)]
 
 
 def full_attention(q, k, v):
