@@ -428,6 +428,53 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 			       stream);
 }
 
+/* cu_seqlens [n_seqs + 1] of kvt_extend: from 0, never decreasing, a total of at least one row. */
+static int check_seqlens(kvt_cache *c, uint32_t n_seqs, const uint32_t *cu)
+{
+	KVT_RETURN_IF(cu[0] != 0, c, -EINVAL, "cu_seqlens[0] = %u, must be 0", cu[0]);
+	for (uint32_t i = 0; i < n_seqs; i++)
+		KVT_RETURN_IF(cu[i + 1] < cu[i], c, -EINVAL,
+			      "cu_seqlens[%u] = %u is below cu_seqlens[%u] = %u: must not decrease",
+			      i + 1, cu[i + 1], i, cu[i]);
+	KVT_RETURN_IF(cu[n_seqs] == 0, c, -EINVAL,
+		      "cu_seqlens[%u] = 0: the batch has no new tokens (total 0)", n_seqs);
+	KVT_RETURN_IF(cu[n_seqs] > INT32_MAX, c, -EINVAL, "cu_seqlens[%u] = %u, must be <= %d",
+		      n_seqs, cu[n_seqs], INT32_MAX);
+	return 0;
+}
+
+KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
+		       void *out, uint32_t flags, void *stream)
+{
+	struct kvt_layer **ls;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!q || !k || !v || !out, c, -EINVAL, "%s is NULL",
+		      !q ? "q" : !k ? "k" : !v ? "v" : "out");
+	KVT_RETURN_IF(!cu_seqlens, c, -EINVAL, "cu_seqlens is NULL");
+	KVT_RETURN_IF(flags != 0, c, -EINVAL, "flags = 0x%x, must be 0 (no flag is defined yet)",
+		      flags);
+	KVT_TRY(check_layer(c, layer));
+	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
+		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
+	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
+	KVT_TRY(check_seqlens(c, n_seqs, cu_seqlens));
+	ls = c->batch;
+	KVT_TRY(batch(c, layer, n_seqs, seqs, ls));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const uint32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
+		KVT_RETURN_IF((uint64_t)ls[i]->n_tokens + n > INT32_MAX, c, -EINVAL,
+			      "seqs[%u] = %u: %u new tokens would grow layer %u past %d tokens "
+			      "(it holds %u)", i, seqs[i], n, layer, INT32_MAX, ls[i]->n_tokens);
+	}
+	/* entries without new tokens are bystanders: not used by this call for the LRU */
+	c->call_start = c->clock + 1;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		if (cu_seqlens[i + 1] > cu_seqlens[i])
+			c->seqs[seqs[i]].last_use = ++c->clock;
+	return kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, q, k, v, out, stream);
+}
+
 KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)
 {
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");

@@ -326,30 +326,98 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	return 0;
 }
 
-/* Rows [from, to) of l into dense [n, H, d] K and V, one block of one KV head at a time (spilled
- * rows through the block cache, which holds a block's chunks at once). */
+/* The rows of KV head h from position p to the end of p's block or `to`, whichever comes first,
+ * into rows (spilled ones through the block cache, which holds a block's chunks at once): their
+ * count, or a negative code. */
+static int block_rows(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t p, uint32_t to,
+		      const void **rows)
+{
+	int32_t pos[KVT_BLOCK_TOKENS];
+	uint32_t end = (p / KVT_BLOCK_TOKENS + 1) * KVT_BLOCK_TOKENS, n;
+	end = end < to ? end : to;
+	for (n = 0; p + n < end; n++)
+		pos[n] = (int32_t)(p + n);
+	KVT_TRY(kvt_rows_get(c, l, h, n, pos, rows));
+	return (int)n;
+}
+
+/* Rows [from, to) of l into dense [n, H, d] K and V, one block of one KV head at a time. */
 static int cpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
 			 void *v, void *stream)
 {
 	const uint32_t H = c->cfg.n_kv_heads;
 	const size_t half = c->d * c->elem;
-	int32_t pos[KVT_BLOCK_TOKENS];
 	const void *rows[KVT_BLOCK_TOKENS];
 	for (uint32_t h = 0; h < H; h++)
 		for (uint32_t p = from; p < to;) {
-			uint32_t end = (p / KVT_BLOCK_TOKENS + 1) * KVT_BLOCK_TOKENS, n;
-			end = end < to ? end : to;
-			for (n = 0; p + n < end; n++)
-				pos[n] = (int32_t)(p + n);
-			KVT_TRY(kvt_rows_get(c, l, h, n, pos, rows));
-			for (uint32_t t = 0; t < n; t++) {
+			int n = block_rows(c, l, h, p, to, rows);
+			if (n < 0)
+				return n;
+			for (int t = 0; t < n; t++) {
 				size_t at = ((size_t)(p - from + t) * H + h) * half;
 				memcpy((char *)k + at, rows[t], half);
 				memcpy((char *)v + at, (const char *)rows[t] + half, half);
 			}
-			p = end;
+			p += (uint32_t)n;
 		}
 	return 0;
+}
+
+/*
+ * Causal attention of KV head h's query group over the chunk of l: n tokens stored at positions
+ * first = l->n_tokens onwards, their queries rows row0 .. row0 + n of q (and of out). Query j
+ * attends positions [0, first + j]: all of them, in ascending order, as kvt_attend at p = 1 does.
+ * The rows are read a block at a time and fed to every query of the chunk that attends them.
+ * buf: n G (2 d + 2) floats and n G words.
+ */
+static int extend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t row0,
+		       uint32_t n, const void *q, void *out, float *buf)
+{
+	const uint32_t d = c->d, G = c->group, QH = c->cfg.n_q_heads, first = l->n_tokens;
+	const size_t nq = (size_t)n * G;
+	float *qf = buf, *acc = qf + nq * d, *m = acc + nq * d, *sum = m + nq;
+	uint32_t *end = (uint32_t *)(sum + nq);
+	const void *rows[KVT_BLOCK_TOKENS];
+	for (size_t at = 0; at < nq; at++) {
+		load_vec(c, q, ((row0 + at / G) * QH + h * G + at % G) * d, qf + at * d);
+		end[at] = first + (uint32_t)(at / G) + 1;
+	}
+	kvt_attention_begin(d, (uint32_t)nq, m, sum, acc);
+	for (uint32_t p = 0; p < first + n;) {
+		int got = block_rows(c, l, h, p, first + n, rows);
+		if (got < 0)
+			return got;
+		kvt_attention_feed(d, c->cfg.dtype, c->scale, (uint32_t)nq, qf, end, p,
+				   (uint32_t)got, rows, m, sum, acc);
+		p += (uint32_t)got;
+	}
+	kvt_attention_finish(d, (uint32_t)nq, sum, acc, qf);
+	for (size_t at = 0; at < nq; at++)
+		store_out(c, out, ((row0 + at / G) * QH + h * G + at % G) * d, qf + at * d);
+	c->st.rows_fetched += first + n;
+	c->st.bytes_fetched += (uint64_t)(first + n) * c->row_bytes;
+	return 0;
+}
+
+static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const uint32_t *cu, const void *q, void *out, void *stream)
+{
+	uint32_t most = 0;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		most = cu[i + 1] - cu[i] > most ? cu[i + 1] - cu[i] : most;
+	const size_t nq = (size_t)most * c->group;
+	const size_t bytes = nq * ((2 * c->d + 2) * sizeof(float) + sizeof(uint32_t));
+	float *buf = kvt_mem_alloc(KVT_MEM_HOST, bytes);
+	KVT_RETURN_IF(!buf, c, -ENOMEM, "out of memory for the queries of a %u-token chunk (%zu bytes)",
+		      most, bytes);
+	uint64_t t0 = kvt_now_ns();
+	int rc = 0;
+	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
+		for (uint32_t h = 0; h < c->cfg.n_kv_heads && rc == 0 && cu[i + 1] > cu[i]; h++)
+			rc = extend_head(c, ls[i], h, cu[i], cu[i + 1] - cu[i], q, out, buf);
+	c->st.ns_attend += kvt_now_ns() - t0;
+	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
+	return rc;
 }
 
 const struct kvt_backend_ops kvt_cpu_backend = {
@@ -363,5 +431,6 @@ const struct kvt_backend_ops kvt_cpu_backend = {
 	.counts = cpu_counts,
 	.gather = cpu_gather,
 	.read_rows = cpu_read_rows,
+	.extend = cpu_extend,
 	.read_rows_spilled = true,
 };

@@ -126,6 +126,19 @@ void kvt_attention(uint32_t d, uint32_t dtype, float scale, const float *q, uint
 void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
 			 uint32_t n, const void *const *rows, float *out);
 
+/*
+ * The same pass in pieces, for g queries (q: g x d floats) of any number: kvt_attention_begin sets
+ * the running state (m, l: g floats; acc: g x d floats), kvt_attention_feed takes rows of token
+ * positions first .. first + n - 1 (rows[i] holds position first + i), each query h only those below
+ * end[h] (end NULL: all), in the order given; kvt_attention_finish writes g x d outputs. A query fed
+ * its rows in any number of pieces gets, bit for bit, what kvt_attention gives it over them at once.
+ */
+void kvt_attention_begin(uint32_t d, uint32_t g, float *m, float *l, float *acc);
+void kvt_attention_feed(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
+			const uint32_t *end, uint32_t first, uint32_t n, const void *const *rows,
+			float *m, float *l, float *acc);
+void kvt_attention_finish(uint32_t d, uint32_t g, const float *l, const float *acc, float *out);
+
 /* ---- state ------------------------------------------------------------------------------ */
 
 /*
@@ -348,6 +361,13 @@ struct kvt_backend_ops {
 	 * serves spilled rows) into k and v, [to - from, n_kv_heads, head_dim] in backend memory. */
 	int (*read_rows)(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
 			 void *v, void *stream);
+	/* Causal attention of the chunks of an extend: entry i's queries (rows cu[i] .. cu[i + 1] of q
+	 * and out, [total, n_q_heads, head_dim]) are tokens ls[i]->n_tokens onwards, already stored
+	 * (not yet counted in n_tokens); query j attends positions [0, ls[i]->n_tokens + j], rows of
+	 * spilled blocks included. Entries with no queries are skipped. NULL: not supported (the
+	 * pipeline refuses kvt_extend with -EOPNOTSUPP before anything changes). */
+	int (*extend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const uint32_t *cu, const void *q, void *out, void *stream);
 	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
 	 * restores the sequence first */
 	bool read_rows_spilled;
@@ -366,6 +386,10 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 /* out == NULL: select only; returns the largest per-KV-head token count. */
 int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		  struct kvt_layer *const *ls, const void *q, void *out, void *stream);
+/* kvt_extend: cu [n_seqs + 1] checked (ascending from 0); entries may be empty. */
+int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
+		    void *stream);
 int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
 		    void *k_out, void *v_out, void *stream);

@@ -479,6 +479,41 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
 		       void *stream);
 
 /*
+ * Several new tokens per sequence attending everything stored before them (chunked prefill, a
+ * prefix-cache hit, speculative verification), varlen over a batch of `n_seqs` sequences on `layer`.
+ * Entry i gets rows cu_seqlens[i] .. cu_seqlens[i + 1] of q, k, v and out as its new tokens, in
+ * order; an entry with none (equal bounds) is left untouched. Each entry's tokens are stored and
+ * indexed exactly as kvt_prefill(seqs[i], layer, its q, k, v rows) stores and indexes that chunk
+ * (the first chunk of a layer fixes the centroids from its keys and queries), and each query row
+ * attends causally: the row of position P (the sequence's length before the call plus its offset in
+ * the chunk) attends every token of its sequence at positions 0 .. P, the chunk's own rows up to
+ * itself included, with exact attention: the scale, GQA groups, fp32 accumulation and out_dtype of
+ * kvt_attend, whose output at p = 1 over the same tokens it equals bit for bit. Rows of spilled
+ * blocks are read from NVMe in place (nothing is restored).
+ *   seqs: host [n_seqs], distinct open sequences
+ *   cu_seqlens: host [n_seqs + 1], cu_seqlens[0] = 0, never decreasing; total = cu_seqlens[n_seqs]
+ *   q: [total, n_q_heads, head_dim] (dtype); k, v: [total, n_kv_heads, head_dim] (dtype)
+ *   out: [total, n_q_heads, head_dim] (out_dtype)
+ *   flags: must be 0 (reserved: Top-p selection per query row is not offered yet)
+ * The selections of the entries with new tokens are dropped (kvt_gather needs a new kvt_select).
+ * Returns 0. All or nothing over the batch: on failure no sequence changed (out may be partly
+ * written). Errors: -EINVAL (NULL pointer, n_seqs == 0 or above max_seqs, layer, flags,
+ * cu_seqlens[0] != 0, cu_seqlens decreasing, total 0 or above 2^31 - 1, a sequence twice in the
+ * batch, a sequence growing past 2^31 - 1 tokens, non-finite key or query: the text names the
+ * value), -ENOENT (a sequence not open), -ENOSPC (host tier full) and -ENOMEM, with KVT_SPILL_LRU
+ * the I/O errors of the automatic spill (undone on failure), as kvt_prefill; for spilled rows the
+ * NVMe read's errors (-EIO, -EBADMSG naming the block) and -ENOSPC (nvme_cache_bytes smaller than
+ * one block of rows). -EOPNOTSUPP on the CUDA backend, which has no multi-token attention yet.
+ * CPU backend: synchronous; the cost is about (stored + new tokens) x new tokens x n_q_heads x
+ * head_dim per entry. Counted in kvt_stats as tokens (and indexed tokens) like kvt_prefill, and as
+ * rows_fetched per KV head; not as steps.
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_extend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
+		       void *out, uint32_t flags, void *stream);
+
+/*
  * Fill *stats up to stats->size (the output-struct rule above). With the CUDA backend this waits for
  * the device to finish the work already queued (the fetch counters live on the device).
  * Errors: -EINVAL (NULL, stats->size below KVT_STATS_SIZE_VER0: the text names both), -EIO (the

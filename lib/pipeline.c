@@ -36,29 +36,75 @@ static uint32_t max_u32(uint32_t a, uint32_t b)
 	return a > b ? a : b;
 }
 
+/*
+ * What a prefill chunk of n tokens does to l, decided before anything runs: the chunk takes the
+ * layer from `first` to `total` tokens and its index from ni0 to `target` entries; index positions
+ * [ni0, stored_to) are tokens stored before the chunk (the old window), [chunk_from, target) tokens
+ * of the chunk (from_chunk of them).
+ */
+struct prefill_plan {
+	uint32_t n, first, total, ni0, target, stored_to, chunk_from, from_chunk;
+};
+
+static struct prefill_plan prefill_plan(const kvt_cache *c, const struct kvt_layer *l, uint32_t n)
+{
+	const uint32_t S = c->cfg.n_sink;
+	struct prefill_plan p = {.n = n, .first = l->n_tokens, .ni0 = l->n_indexed};
+	p.total = p.first + n;
+	p.target = max_u32(kvt_prefill_target(c, p.total), p.ni0);
+	p.stored_to = p.first > S ? (p.first - S < p.target ? p.first - S : p.target) : 0;
+	p.chunk_from = (p.first > S ? p.first : S) - S;
+	p.from_chunk = p.target > p.chunk_from ? p.target - p.chunk_from : 0;
+	return p;
+}
+
+/* Room for the chunk's prefill run and index: what can fail before the chunk changes anything. */
+static int prefill_reserve(kvt_cache *c, struct kvt_layer *l, uint32_t layer,
+			   const struct prefill_plan *p, void *stream)
+{
+	KVT_TRY(kvt_layer_reserve_run(c, l));
+	return c->ops->reserve(c, l, layer, p->target, p->from_chunk, stream);
+}
+
 /* The verbs of a prefill chunk after its host-tier rows were grown (see kvt_pipe_prefill). */
 static int prefill_run(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
-		       const void *k, const void *v, uint32_t n, uint32_t target, uint32_t stored_to,
-		       uint32_t chunk_from, uint32_t from_chunk, void *stream)
+		       const void *k, const void *v, const struct prefill_plan *p, void *stream)
 {
 	const struct kvt_backend_ops *ops = c->ops;
 	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
-	const uint32_t first = l->n_tokens, ni0 = l->n_indexed;
 	if (!l->centroids)
-		KVT_TRY(ops->centroids(c, l, layer, q, k, n, stream));
-	struct kvt_index_job old = {.l = l, .from = ni0, .to = stored_to};
-	if (stored_to > ni0)
+		KVT_TRY(ops->centroids(c, l, layer, q, k, p->n, stream));
+	struct kvt_index_job old = {.l = l, .from = p->ni0, .to = p->stored_to};
+	if (p->stored_to > p->ni0)
 		KVT_TRY(ops->index(c, layer, 1, &old, true, stream));
-	const struct kvt_store_job store = {
-		.l = l, .k = k, .v = v, .first = first, .n = n, .window_from = S + target};
+	const struct kvt_store_job store = {.l = l,
+					    .k = k,
+					    .v = v,
+					    .first = p->first,
+					    .n = p->n,
+					    .window_from = S + p->target};
 	KVT_TRY(ops->store(c, layer, 1, &store, stream));
-	if (from_chunk) {
-		const size_t at = (size_t)(chunk_from + S - first) * H * c->d * c->elem;
+	if (p->from_chunk) {
+		const size_t at = (size_t)(p->chunk_from + S - p->first) * H * c->d * c->elem;
 		struct kvt_index_job chunk = {
-			.l = l, .from = chunk_from, .to = target, .keys = (const char *)k + at};
+			.l = l, .from = p->chunk_from, .to = p->target, .keys = (const char *)k + at};
 		KVT_TRY(ops->index(c, layer, 1, &chunk, false, stream));
 	}
 	return ops->end ? ops->end(c, stream) : 0;
+}
+
+/* The chunk's verbs succeeded: the layer holds it. */
+static void prefill_commit(kvt_cache *c, struct kvt_layer *l, const struct prefill_plan *p)
+{
+	if (!l->centroids)
+		l->cent_keep = p->first + 1;
+	l->centroids = true;
+	kvt_layer_note_run(l, p->first, p->total, p->ni0);
+	l->n_tokens = p->total;
+	c->st.tokens += p->n;
+	c->st.tokens_indexed += p->target - p->ni0;
+	l->n_indexed = p->target;
+	l->sel_epoch = 0;
 }
 
 /*
@@ -76,36 +122,76 @@ static int undo_grow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const void *q,
 		     const void *k, const void *v, uint32_t n, void *stream)
 {
-	const uint32_t S = c->cfg.n_sink, H = c->cfg.n_kv_heads;
-	const uint32_t first = l->n_tokens, total = first + n, ni0 = l->n_indexed;
-	const uint32_t target = max_u32(kvt_prefill_target(c, total), ni0);
-	/* index positions [ni0, stored_to) are tokens stored before this chunk (the old window),
-	 * [chunk_from, target) tokens of the chunk */
-	const uint32_t stored_to = first > S ? (first - S < target ? first - S : target) : 0;
-	const uint32_t chunk_from = (first > S ? first : S) - S;
-	const uint32_t from_chunk = target > chunk_from ? target - chunk_from : 0;
+	const struct prefill_plan p = prefill_plan(c, l, n);
 	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "k", k, n, H));
+	KVT_TRY(check_finite(c, "k", k, n, c->cfg.n_kv_heads));
 	if (q)
 		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
-	KVT_TRY(kvt_layer_reserve_run(c, l));
-	KVT_TRY(c->ops->reserve(c, l, layer, target, from_chunk, stream));
+	KVT_TRY(prefill_reserve(c, l, layer, &p, stream));
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
-	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &total));
-	int rc = prefill_run(c, l, layer, q, k, v, n, target, stored_to, chunk_from, from_chunk,
-			     stream);
+	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &p.total));
+	int rc = prefill_run(c, l, layer, q, k, v, &p, stream);
 	if (rc < 0)
 		return undo_grow(c, 1, &l, &m, rc);
-	if (!l->centroids)
-		l->cent_keep = first + 1;
-	l->centroids = true;
-	kvt_layer_note_run(l, first, total, ni0);
-	l->n_tokens = total;
-	c->st.tokens += n;
-	c->st.tokens_indexed += target - ni0;
-	l->n_indexed = target;
-	l->sel_epoch = 0;
+	prefill_commit(c, l, &p);
+	return 0;
+}
+
+/* The chunks of an extend stored and indexed, then attended (see kvt_pipe_extend). */
+static int extend_run(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
+		      void *stream)
+{
+	const size_t q_row = (size_t)c->cfg.n_q_heads * c->d * c->elem;
+	const size_t kv_row = (size_t)c->cfg.n_kv_heads * c->d * c->elem;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
+		if (p.n)
+			KVT_TRY(prefill_run(c, ls[i], layer, (const char *)q + cu[i] * q_row,
+					    (const char *)k + cu[i] * kv_row,
+					    (const char *)v + cu[i] * kv_row, &p, stream));
+	}
+	kvt_rows_round(c, n_seqs, ls);
+	return c->ops->extend(c, layer, n_seqs, ls, cu, q, out, stream);
+}
+
+/*
+ * Entry i's chunk (rows cu[i] .. cu[i + 1] of q, k and v; none when they are equal) stored and
+ * indexed as kvt_pipe_prefill stores a chunk, and attended causally by its queries. All or nothing
+ * over the batch: every reservation and the host-tier rows of all the chunks come first; the chunks
+ * are stored past each layer's length and attended there; only when all of that succeeded do the
+ * layers take them (prefill_commit), and a failure gives the rows back.
+ */
+int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
+		    void *stream)
+{
+	uint32_t *total = c->batch_tokens;
+	KVT_RETURN_IF(!c->ops->extend, c, -EOPNOTSUPP,
+		      "the %s backend has no multi-token attention yet (kvt_extend): store the "
+		      "chunks with kvt_prefill and attend them with the runtime's own kernel",
+		      c->ops->name);
+	KVT_TRY(enter(c));
+	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads));
+	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
+		total[i] = p.total;
+		if (p.n)
+			KVT_TRY(prefill_reserve(c, ls[i], layer, &p, stream));
+	}
+	struct kvt_tier_mark m;
+	kvt_tier_mark(c, &m);
+	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
+	int rc = extend_run(c, layer, n_seqs, ls, cu, q, k, v, out, stream);
+	if (rc < 0)
+		return undo_grow(c, n_seqs, ls, &m, rc);
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
+		if (p.n)
+			prefill_commit(c, ls[i], &p);
+	}
 	return 0;
 }
 
