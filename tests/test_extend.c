@@ -1,0 +1,550 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvt_extend on the CPU backend: several new tokens per sequence attending everything stored before
+ * them. Against a double-precision reference for every query row; the stored state bit for bit that
+ * of kvt_prefill of the same chunks, and the outputs bit for bit those of appending the tokens one
+ * at a time and attending at p = 1; a varlen batch (an empty entry included) equal to the entries
+ * extended alone; bad arguments refused by name with nothing changed; allocation faults that leave
+ * every sequence as it was. With --nvme: a spilled sequence, its rows read from NVMe, equal to the
+ * same sequence unspilled.
+ */
+#include "common.h"
+#include "tier_util.h"
+
+enum { L = 2, HQ = 4, HKV = 2, D = 64, NS = 4, MAXT = 1024, LAYER = 1 };
+#define KROW (HKV * D)
+#define QROW (HQ * D)
+
+/* Token streams: sequence s of a cache (opened in order, so its id is s) takes its tokens from
+ * stream s, token i at position i, on every layer. */
+static uint16_t g_q[NS][MAXT * QROW], g_k[NS][MAXT * KROW], g_v[NS][MAXT * KROW];
+/* a batch's rows packed [total, heads, D] */
+static uint16_t g_bq[NS * MAXT * QROW], g_bk[NS * MAXT * KROW], g_bv[NS * MAXT * KROW];
+static uint32_t g_dtype;
+
+static void make_streams(uint32_t dtype, uint64_t seed)
+{
+	t_rng r;
+	t_rng_seed(&r, seed);
+	g_dtype = dtype;
+	/* queries of sd 2: scaled scores of sd about 2, a softmax neither flat nor one-hot */
+	for (uint32_t s = 0; s < NS; s++) {
+		t_fill(&r, dtype, (size_t)MAXT * QROW, 0.3, 2.0, g_q[s], NULL);
+		t_fill(&r, dtype, (size_t)MAXT * KROW, 0.1, 1.0, g_k[s], NULL);
+		t_fill(&r, dtype, (size_t)MAXT * KROW, -0.2, 1.0, g_v[s], NULL);
+	}
+}
+
+static kvt_config config(uint32_t dtype, uint32_t out_dtype, float p)
+{
+	kvt_config cfg = t_config(L, HQ, HKV, D, dtype);
+	cfg.out_dtype = out_dtype;
+	cfg.p = p;
+	return cfg;
+}
+
+/* A cache with NS sequences open (ids 0 .. NS - 1). */
+static kvt_cache *make_cache(const kvt_config *cfg)
+{
+	kvt_cache *c = t_create(cfg);
+	for (uint32_t s = 0; s < NS; s++) {
+		uint32_t id = UINT32_MAX;
+		T_CHECK(kvt_seq_open(c, &id) == 0 && id == s, "seq_open: got %u, wanted %u", id, s);
+	}
+	return c;
+}
+
+static uint32_t len_of(kvt_cache *c, uint32_t s)
+{
+	int64_t n = kvt_seq_length(c, s, LAYER);
+	T_CHECK(n >= 0, "kvt_seq_length(%u): %s", s, kvt_last_error(c));
+	return (uint32_t)n;
+}
+
+static size_t out_bytes(const kvt_cache *c, uint32_t rows)
+{
+	return (size_t)rows * QROW * c->out_elem;
+}
+
+/* kvt_extend of entry i = sequence seqs[i], n[i] tokens of its stream from its length. */
+static int extend(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *n,
+		  void *out)
+{
+	uint32_t cu[NS + 1] = {0};
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const uint32_t s = seqs[i], from = len_of(c, s);
+		T_CHECK(from + n[i] <= MAXT, "stream %u too short for %u + %u", s, from, n[i]);
+		memcpy(g_bq + (size_t)cu[i] * QROW, g_q[s] + (size_t)from * QROW, 2ull * n[i] * QROW);
+		memcpy(g_bk + (size_t)cu[i] * KROW, g_k[s] + (size_t)from * KROW, 2ull * n[i] * KROW);
+		memcpy(g_bv + (size_t)cu[i] * KROW, g_v[s] + (size_t)from * KROW, 2ull * n[i] * KROW);
+		cu[i + 1] = cu[i] + n[i];
+	}
+	return kvt_extend(c, LAYER, n_seqs, seqs, cu, g_bq, g_bk, g_bv, out, 0, NULL);
+}
+
+static void extend_ok(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *n,
+		      void *out)
+{
+	int rc = extend(c, n_seqs, seqs, n, out);
+	T_CHECK(rc == 0, "kvt_extend: got %d (%s), wanted 0", rc, kvt_last_error(c));
+}
+
+/* The same chunk of sequence s through kvt_prefill. */
+static void prefill(kvt_cache *c, uint32_t s, uint32_t n)
+{
+	const uint32_t from = len_of(c, s);
+	int rc = kvt_prefill(c, s, LAYER, g_q[s] + (size_t)from * QROW, g_k[s] + (size_t)from * KROW,
+			     g_v[s] + (size_t)from * KROW, n, NULL);
+	T_CHECK(rc == 0, "kvt_prefill seq %u: %s", s, kvt_last_error(c));
+}
+
+/* One decode step of sequences seqs: the next token of each stream appended, then attended. */
+static void decode(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, void *out)
+{
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const uint32_t s = seqs[i], at = len_of(c, s);
+		memcpy(g_bq + (size_t)i * QROW, g_q[s] + (size_t)at * QROW, 2ull * QROW);
+		memcpy(g_bk + (size_t)i * KROW, g_k[s] + (size_t)at * KROW, 2ull * KROW);
+		memcpy(g_bv + (size_t)i * KROW, g_v[s] + (size_t)at * KROW, 2ull * KROW);
+	}
+	T_CHECK(kvt_append(c, LAYER, n_seqs, seqs, g_bk, g_bv, NULL) == 0, "kvt_append: %s",
+		kvt_last_error(c));
+	T_CHECK(kvt_attend(c, LAYER, n_seqs, seqs, g_bq, out, NULL) == 0, "kvt_attend: %s",
+		kvt_last_error(c));
+}
+
+/* Decode steps of all NS sequences on a and b: their outputs bit for bit equal. */
+static void same_decode(kvt_cache *a, kvt_cache *b, uint32_t steps, const char *what)
+{
+	static const uint32_t all[NS] = {0, 1, 2, 3};
+	uint8_t *oa = t_alloc(out_bytes(a, NS)), *ob = t_alloc(out_bytes(b, NS));
+	for (uint32_t t = 0; t < steps; t++) {
+		decode(a, NS, all, oa);
+		decode(b, NS, all, ob);
+		T_CHECK(!memcmp(oa, ob, out_bytes(a, NS)), "%s: decode step %u after: outputs differ",
+			what, t);
+	}
+	free(oa);
+	free(ob);
+}
+
+/* Layer LAYER of sequence s in a and b: lengths, index (entries, centroids, runs) and rows equal. */
+static void same_layer(kvt_cache *a, kvt_cache *b, uint32_t s, const char *what)
+{
+	const struct kvt_layer *x = &a->seqs[s].layers[LAYER], *y = &b->seqs[s].layers[LAYER];
+	T_CHECK(x->n_tokens == y->n_tokens && x->n_indexed == y->n_indexed &&
+			x->centroids == y->centroids && x->n_runs == y->n_runs,
+		"%s seq %u: tokens %u/%u, indexed %u/%u, centroids %d/%d, runs %u/%u (got/wanted)",
+		what, s, x->n_tokens, y->n_tokens, x->n_indexed, y->n_indexed, x->centroids,
+		y->centroids, x->n_runs, y->n_runs);
+	T_CHECK(!x->n_runs || !memcmp(x->runs, y->runs, sizeof *x->runs * x->n_runs),
+		"%s seq %u: prefill runs differ", what, s);
+	if (x->centroids)
+		T_CHECK(!memcmp(x->c_k, y->c_k, sizeof(float) * HKV * D) &&
+				!memcmp(x->c_q, y->c_q, sizeof(float) * HKV * D),
+			"%s seq %u: centroids differ", what, s);
+	for (uint32_t h = 0; h < HKV; h++) {
+		const size_t ax = (size_t)h * x->idx_cap, ay = (size_t)h * y->idx_cap;
+		T_CHECK(!memcmp(x->codes + ax * a->words, y->codes + ay * b->words,
+				4ull * a->words * x->n_indexed) &&
+				!memcmp(x->sigma + ax, y->sigma + ay, 2ull * x->n_indexed) &&
+				!memcmp(x->beta + ax, y->beta + ay, 2ull * x->n_indexed),
+			"%s seq %u KV head %u: index entries differ", what, s, h);
+	}
+	if (!x->n_tokens)
+		return;
+	uint16_t *k = t_alloc(4ull * x->n_tokens * KROW), *v = k + (size_t)x->n_tokens * KROW;
+	T_CHECK(kvt_seq_read_rows(a, s, LAYER, 0, x->n_tokens, k, v, NULL) == (int)x->n_tokens,
+		"read_rows: %s", kvt_last_error(a));
+	T_CHECK(!memcmp(k, g_k[s], 2ull * x->n_tokens * KROW) &&
+			!memcmp(v, g_v[s], 2ull * x->n_tokens * KROW),
+		"%s seq %u: stored rows are not the stream's", what, s);
+	free(k);
+}
+
+/* ---- (1) every query row against a double-precision reference ----------------------------- */
+
+/* Row j of a chunk of sequence s that began at `first`, against the reference over [0, first + j]. */
+static void check_row(const float *out, uint32_t s, uint32_t first, uint32_t j, float scale,
+		      const char *what)
+{
+	const uint32_t P = first + j, G = HQ / HKV;
+	float *kf = t_alloc(4ull * (P + 1) * D), *vf = t_alloc(4ull * (P + 1) * D), q[D];
+	const float **kp = t_alloc(sizeof(float *) * (P + 1)), **vp = t_alloc(sizeof(float *) * (P + 1));
+	double ref[D], mag[D];
+	for (uint32_t qh = 0; qh < HQ; qh++) {
+		const uint32_t h = qh / G;
+		for (uint32_t t = 0; t <= P; t++) {
+			for (uint32_t e = 0; e < D; e++) {
+				kf[(size_t)t * D + e] = t_dec(g_dtype, g_k[s][((size_t)t * HKV + h) * D + e]);
+				vf[(size_t)t * D + e] = t_dec(g_dtype, g_v[s][((size_t)t * HKV + h) * D + e]);
+			}
+			kp[t] = kf + (size_t)t * D;
+			vp[t] = vf + (size_t)t * D;
+		}
+		for (uint32_t e = 0; e < D; e++)
+			q[e] = t_dec(g_dtype, g_q[s][((size_t)P * HQ + qh) * D + e]);
+		t_ref_attention(D, scale, q, P + 1, kp, vp, ref, mag);
+		const float *o = out + ((size_t)j * HQ + qh) * D;
+		for (uint32_t e = 0; e < D; e++)
+			T_CHECK(fabs(o[e] - ref[e]) <= 1e-5 * mag[e],
+				"%s: position %u (chunk row %u), query head %u, out[%u] got %.9g, wanted "
+				"%.9g (rel err %.3g of sum p|v| = %.6g, wanted < 1e-5)",
+				what, P, j, qh, e, (double)o[e], ref[e], fabs(o[e] - ref[e]) / mag[e],
+				mag[e]);
+	}
+	free(kf);
+	free(vf);
+	free(kp);
+	free(vp);
+}
+
+static void test_reference(void **state)
+{
+	(void)state;
+	/* the first chunk (centroids), one token, a chunk across the window, sinks and a block end */
+	static const uint32_t chunks[][3] = {{37, 1, 50}, {3, 300, 5}};
+	for (uint32_t ci = 0; ci < 2; ci++) {
+		make_streams(KVT_DTYPE_F16, 0xe7e0 + ci);
+		kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+		kvt_cache *c = make_cache(&cfg);
+		for (uint32_t k = 0; k < 3; k++) {
+			const uint32_t s = 1, n = chunks[ci][k], first = len_of(c, s);
+			float *out = t_alloc(out_bytes(c, n));
+			char what[64];
+			extend_ok(c, 1, &s, &n, out);
+			T_CHECK(len_of(c, s) == first + n, "length after the chunk: got %u, wanted %u",
+				len_of(c, s), first + n);
+			snprintf(what, sizeof what, "chunks %u/%u/%u, chunk %u", chunks[ci][0],
+				 chunks[ci][1], chunks[ci][2], k);
+			for (uint32_t j = 0; j < n; j++)
+				check_row(out, s, first, j, c->scale, what);
+			free(out);
+		}
+		kvt_cache_destroy(c);
+	}
+}
+
+/* ---- (2) the stored state of kvt_prefill, the outputs of appends attended at p = 1 --------- */
+
+static void test_twins(void **state)
+{
+	(void)state;
+	static const uint32_t chunks[] = {37, 1, 50, 290, 2};
+	static const uint32_t dtypes[][2] = {{KVT_DTYPE_F16, KVT_DTYPE_F32},
+					     {KVT_DTYPE_BF16, KVT_DTYPE_BF16}};
+	for (uint32_t di = 0; di < 2; di++) {
+		make_streams(dtypes[di][0], 0x7a1 + di);
+		kvt_config cfg = config(dtypes[di][0], dtypes[di][1], 0);
+		kvt_config full = config(dtypes[di][0], dtypes[di][1], 1.0f);
+		kvt_cache *a = make_cache(&cfg), *b = make_cache(&cfg), *c = make_cache(&full);
+		const uint32_t s = 2;
+		for (uint32_t k = 0; k < sizeof chunks / sizeof *chunks; k++) {
+			const uint32_t n = chunks[k], first = len_of(a, s);
+			uint8_t *oa = t_alloc(out_bytes(a, n)), *oc = t_alloc(out_bytes(a, n));
+			extend_ok(a, 1, &s, &n, oa);
+			prefill(b, s, n);
+			for (uint32_t j = 0; j < n; j++)
+				decode(c, 1, &s, oc + out_bytes(a, j));
+			for (uint32_t j = 0; j < n; j++)
+				T_CHECK(!memcmp(oa + out_bytes(a, j), oc + out_bytes(a, j), out_bytes(a, 1)),
+					"%s: chunk %u, position %u: extend's output differs from append "
+					"+ attend at p = 1", t_dtype_name(dtypes[di][0]), k, first + j);
+			same_layer(a, b, s, "extend vs prefill");
+			kvt_stats sa = t_stats(a), sb = t_stats(b);
+			T_CHECK(sa.tokens == sb.tokens && sa.tokens_indexed == sb.tokens_indexed,
+				"stats: tokens %llu/%llu, indexed %llu/%llu", (unsigned long long)sa.tokens,
+				(unsigned long long)sb.tokens, (unsigned long long)sa.tokens_indexed,
+				(unsigned long long)sb.tokens_indexed);
+			free(oa);
+			free(oc);
+		}
+		same_decode(a, b, 30, "extend vs prefill");
+		same_layer(a, b, s, "extend vs prefill, after decoding");
+		kvt_cache_destroy(a);
+		kvt_cache_destroy(b);
+		kvt_cache_destroy(c);
+	}
+}
+
+/* ---- (3) a varlen batch equals its entries extended alone ----------------------------------- */
+
+static void test_varlen(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0xba7c);
+	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+	kvt_cache *a = make_cache(&cfg), *b = make_cache(&cfg);
+	static const uint32_t pre[NS] = {40, 0, 300, 7};
+	static const uint32_t seqs[NS] = {2, 0, 3, 1}, n[NS] = {5, 17, 0, 1};
+	for (uint32_t s = 0; s < NS; s++)
+		for (kvt_cache *c = a; pre[s] && c; c = c == a ? b : NULL)
+			prefill(c, s, pre[s]);
+	/* the empty entry's selection survives the call */
+	const uint32_t idle = 3;
+	T_CHECK(kvt_select(a, LAYER, 1, &idle, g_q[idle], NULL) > 0, "select: %s", kvt_last_error(a));
+	const uint64_t epoch = a->seqs[idle].layers[LAYER].sel_epoch;
+	uint32_t total = 0;
+	for (uint32_t i = 0; i < NS; i++)
+		total += n[i];
+	uint8_t *oa = t_alloc(out_bytes(a, total)), *ob = t_alloc(out_bytes(a, total));
+	extend_ok(a, NS, seqs, n, oa);
+	for (uint32_t i = 0, row = 0; i < NS; row += n[i], i++)
+		if (n[i])
+			extend_ok(b, 1, &seqs[i], &n[i], ob + out_bytes(a, row));
+	for (uint32_t i = 0, row = 0; i < NS; row += n[i], i++)
+		T_CHECK(!memcmp(oa + out_bytes(a, row), ob + out_bytes(a, row), out_bytes(a, n[i])),
+			"entry %u (seq %u, %u tokens after %u): batch output differs from alone", i,
+			seqs[i], n[i], pre[seqs[i]]);
+	T_CHECK(a->seqs[idle].layers[LAYER].sel_epoch == epoch && len_of(a, idle) == pre[idle],
+		"the empty entry changed: length %u (wanted %u), selection epoch %llu (wanted %llu)",
+		len_of(a, idle), pre[idle],
+		(unsigned long long)a->seqs[idle].layers[LAYER].sel_epoch, (unsigned long long)epoch);
+	for (uint32_t s = 0; s < NS; s++)
+		same_layer(a, b, s, "batch vs alone");
+	same_decode(a, b, 12, "batch vs alone");
+	free(oa);
+	free(ob);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
+/* ---- (5) bad arguments: refused by name, nothing changed ------------------------------------ */
+
+/* What a failed call must leave as it was. */
+struct snap {
+	uint32_t len[NS][L], indexed[NS][L];
+	uint64_t tokens, tokens_indexed, host_used, sel[NS];
+};
+
+static void snap_take(kvt_cache *c, struct snap *sn)
+{
+	memset(sn, 0, sizeof *sn);
+	for (uint32_t s = 0; s < NS && c->seqs[s].open; s++) {
+		for (uint32_t l = 0; l < L; l++) {
+			sn->len[s][l] = c->seqs[s].layers[l].n_tokens;
+			sn->indexed[s][l] = c->seqs[s].layers[l].n_indexed;
+		}
+		sn->sel[s] = c->seqs[s].layers[LAYER].sel_epoch;
+	}
+	kvt_stats st = t_stats(c);
+	sn->tokens = st.tokens;
+	sn->tokens_indexed = st.tokens_indexed;
+	sn->host_used = st.host_bytes_used;
+}
+
+struct bad {
+	const char *name;
+	int want;
+	const char *text; /* kvt_last_error must contain it */
+};
+
+static void check_bad(kvt_cache *c, const struct bad *b, int rc, const struct snap *s0)
+{
+	struct snap s1;
+	const char *e = kvt_last_error(c);
+	T_CHECK(rc == b->want && strstr(e, b->text), "%s: got %d (\"%s\"), wanted %d naming \"%s\"",
+		b->name, rc, e, b->want, b->text);
+	snap_take(c, &s1);
+	T_CHECK(!memcmp(s0, &s1, sizeof s1), "%s: the failed call changed the cache", b->name);
+}
+
+static void test_bad_arguments(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0xbad);
+	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+	kvt_cache *c = make_cache(&cfg);
+	for (uint32_t s = 0; s < 3; s++)
+		prefill(c, s, 20 + 30 * s);
+	T_CHECK(kvt_seq_close(c, 3) == 0, "close");
+	const uint32_t seqs[] = {0, 1, 2}, dup[] = {0, 1, 0}, shut[] = {0, 3};
+	const uint32_t cu[] = {0, 2, 5, 6}, cu0[] = {1, 2, 5, 6}, cud[] = {0, 4, 3, 6};
+	const uint32_t cuz[] = {0, 0, 0, 0}, cubig[] = {0, 0x80000000u};
+	uint16_t *q = calloc(6, 2 * QROW), *k = calloc(6, 2 * KROW), *v = calloc(6, 2 * KROW);
+	float *out = calloc(6, 4 * QROW);
+	struct snap s0;
+	snap_take(c, &s0);
+#define BAD(nm, code, txt, call)                                                                   \
+	do {                                                                                       \
+		const struct bad b_ = {nm, code, txt};                                              \
+		check_bad(c, &b_, call, &s0);                                                      \
+	} while (0)
+	T_CHECK(kvt_extend(NULL, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL) == -EINVAL &&
+			strstr(kvt_last_error(NULL), "cache is NULL"),
+		"NULL cache: %s", kvt_last_error(NULL));
+	BAD("q NULL", -EINVAL, "q is NULL", kvt_extend(c, LAYER, 3, seqs, cu, NULL, k, v, out, 0, NULL));
+	BAD("k NULL", -EINVAL, "k is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, NULL, v, out, 0, NULL));
+	BAD("v NULL", -EINVAL, "v is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, k, NULL, out, 0, NULL));
+	BAD("out NULL", -EINVAL, "out is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, NULL, 0, NULL));
+	BAD("cu NULL", -EINVAL, "cu_seqlens is NULL",
+	    kvt_extend(c, LAYER, 3, seqs, NULL, q, k, v, out, 0, NULL));
+	BAD("seqs NULL", -EINVAL, "seqs is NULL", kvt_extend(c, LAYER, 3, NULL, cu, q, k, v, out, 0, NULL));
+	BAD("flags", -EINVAL, "flags = 0x4", kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 4, NULL));
+	BAD("layer", -EINVAL, "layer = 2", kvt_extend(c, L, 3, seqs, cu, q, k, v, out, 0, NULL));
+	BAD("n_seqs 0", -EINVAL, "n_seqs = 0", kvt_extend(c, LAYER, 0, seqs, cu, q, k, v, out, 0, NULL));
+	BAD("n_seqs big", -EINVAL, "n_seqs = 9", kvt_extend(c, LAYER, 9, seqs, cu, q, k, v, out, 0, NULL));
+	BAD("cu[0]", -EINVAL, "cu_seqlens[0] = 1", kvt_extend(c, LAYER, 3, seqs, cu0, q, k, v, out, 0, NULL));
+	BAD("cu decreasing", -EINVAL, "cu_seqlens[2] = 3 is below cu_seqlens[1] = 4",
+	    kvt_extend(c, LAYER, 3, seqs, cud, q, k, v, out, 0, NULL));
+	BAD("total 0", -EINVAL, "total 0", kvt_extend(c, LAYER, 3, seqs, cuz, q, k, v, out, 0, NULL));
+	BAD("total big", -EINVAL, "cu_seqlens[1] = 2147483648",
+	    kvt_extend(c, LAYER, 1, seqs, cubig, q, k, v, out, 0, NULL));
+	BAD("twice", -EINVAL, "seqs[0] = seqs[2] = 0", kvt_extend(c, LAYER, 3, dup, cu, q, k, v, out, 0, NULL));
+	BAD("not open", -ENOENT, "seq = 3", kvt_extend(c, LAYER, 2, shut, cu, q, k, v, out, 0, NULL));
+	/* too long: seq 1 made to look full for the call */
+	c->seqs[1].layers[LAYER].n_tokens = INT32_MAX - 1;
+	int rc = kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL);
+	c->seqs[1].layers[LAYER].n_tokens = s0.len[1][LAYER];
+	BAD("too long", -EINVAL, "seqs[1] = 1: 3 new tokens would grow layer 1 past", rc);
+	k[(size_t)4 * KROW + D + 3] = 0x7c00; /* +inf: row 4, KV head 1, element 3 */
+	BAD("non-finite key", -EINVAL, "k[4, 1, 3] = inf",
+	    kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL));
+	k[(size_t)4 * KROW + D + 3] = 0;
+	q[(size_t)5 * QROW + 2 * D + 7] = 0x7e00; /* NaN: row 5, query head 2, element 7 */
+	BAD("non-finite query", -EINVAL, "q[5, 2, 7] = nan",
+	    kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL));
+	q[(size_t)5 * QROW + 2 * D + 7] = 0;
+	/* a backend without the verb (the CUDA backend today) */
+	struct kvt_backend_ops no_extend = *c->ops;
+	const struct kvt_backend_ops *ops = c->ops;
+	no_extend.extend = NULL;
+	c->ops = &no_extend;
+	rc = kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL);
+	c->ops = ops;
+	BAD("no backend verb", -EOPNOTSUPP, "backend has no multi-token attention yet", rc);
+#undef BAD
+	T_CHECK(kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL) == 0,
+		"the good call after them: %s", kvt_last_error(c));
+	free(q);
+	free(k);
+	free(v);
+	free(out);
+	kvt_cache_destroy(c);
+}
+
+/* ---- (6) allocation faults over a batch extend ---------------------------------------------- */
+
+/* Three sequences with history; the batch grows each by blocks and index. */
+static kvt_cache *fault_cache(void)
+{
+	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+	kvt_cache *c = make_cache(&cfg);
+	prefill(c, 0, 30);
+	prefill(c, 1, 250);
+	prefill(c, 2, 3);
+	return c;
+}
+
+static void test_faults(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0xfa17);
+	const uint32_t seqs[] = {1, 3, 0, 2}, n[] = {300, 0, 40, 270};
+	const uint32_t total = 610;
+	const int64_t live0 = kvt_mem_live();
+	uint64_t fault = 1;
+	for (;; fault++) {
+		kvt_cache *c = fault_cache(), *twin = fault_cache();
+		uint8_t *oc = t_alloc(out_bytes(c, total)), *ot = t_alloc(out_bytes(c, total));
+		struct snap s0, s1;
+		snap_take(c, &s0);
+		kvt_mem_fail_at(fault);
+		int rc = extend(c, 4, seqs, n, oc);
+		int fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		if (rc < 0) {
+			T_CHECK(fired && (rc == -ENOMEM || rc == -ENOSPC) && *kvt_last_error(c),
+				"fault %llu: got %d (%s), fired %d", (unsigned long long)fault, rc,
+				kvt_last_error(c), fired);
+			snap_take(c, &s1);
+			T_CHECK(!memcmp(&s0, &s1, sizeof s0), "fault %llu: the failed call changed the "
+				"cache (tokens %llu -> %llu, host %llu -> %llu)", (unsigned long long)fault,
+				(unsigned long long)s0.tokens, (unsigned long long)s1.tokens,
+				(unsigned long long)s0.host_used, (unsigned long long)s1.host_used);
+			for (uint32_t s = 0; s < NS; s++)
+				same_layer(c, twin, s, "after a fault, vs the untouched twin");
+			/* the same call again, now without a fault, and what follows */
+			extend_ok(c, 4, seqs, n, oc);
+		} else {
+			T_CHECK(!fired, "fault %llu fired but the call succeeded", (unsigned long long)fault);
+		}
+		extend_ok(twin, 4, seqs, n, ot);
+		T_CHECK(!memcmp(oc, ot, out_bytes(c, total)), "fault %llu: outputs differ from the twin",
+			(unsigned long long)fault);
+		same_decode(c, twin, 3, "after a fault");
+		free(oc);
+		free(ot);
+		kvt_cache_destroy(c);
+		kvt_cache_destroy(twin);
+		T_CHECK(kvt_mem_live() == live0, "fault %llu: live allocations %lld, wanted %lld",
+			(unsigned long long)fault, (long long)kvt_mem_live(), (long long)live0);
+		if (!fired)
+			break;
+	}
+	print_message("batch extend: %llu allocation faults, each left every sequence as it was\n",
+		      (unsigned long long)(fault - 1));
+}
+
+/* ---- (4) a spilled sequence: its rows read from NVMe ---------------------------------------- */
+
+static void test_spilled(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	tt_files f;
+	tt_make_files(&f, 2, 64ull << 20); /* one file per cache */
+	make_streams(KVT_DTYPE_F16, 0x5b111);
+	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+	cfg.n_nvme = 1;
+	cfg.nvme_paths = (const char *const *)f.ptrs;
+	cfg.nvme_bytes = f.bytes;
+	cfg.nvme_cache_bytes = 1u << 20;
+	kvt_cache *a = make_cache(&cfg);
+	cfg.nvme_paths = (const char *const *)f.ptrs + 1;
+	cfg.nvme_bytes = f.bytes + 1;
+	kvt_cache *b = make_cache(&cfg);
+	static const uint32_t seqs[] = {0, 1}, n[] = {45, 3};
+	for (kvt_cache *c = a; c; c = c == a ? b : NULL) {
+		prefill(c, 0, 700);
+		prefill(c, 1, 600);
+	}
+	T_CHECK(kvt_seq_spill(a, 0) > 0 && kvt_seq_spill(a, 1) > 0, "spill: %s", kvt_last_error(a));
+	uint64_t host = 0, nvme = 0;
+	T_CHECK(kvt_seq_bytes(a, 0, &host, &nvme) == 0 && nvme > 0, "seq 0 is not spilled");
+	const kvt_stats before = t_stats(a);
+	uint8_t *oa = t_alloc(out_bytes(a, 48)), *ob = t_alloc(out_bytes(a, 48));
+	for (uint32_t round = 0; round < 2; round++) {
+		extend_ok(a, 2, seqs, n, oa);
+		extend_ok(b, 2, seqs, n, ob);
+		T_CHECK(!memcmp(oa, ob, out_bytes(a, 48)), "round %u: spilled outputs differ from "
+			"unspilled", round);
+	}
+	const kvt_stats after = t_stats(a);
+	T_CHECK(after.nvme_cache_misses > before.nvme_cache_misses && after.restores == 0,
+		"rows were not read from NVMe in place: misses %llu -> %llu, restores %llu",
+		(unsigned long long)before.nvme_cache_misses,
+		(unsigned long long)after.nvme_cache_misses, (unsigned long long)after.restores);
+	T_CHECK(kvt_seq_bytes(a, 0, &host, &nvme) == 0 && nvme > 0, "seq 0 was restored");
+	same_decode(a, b, 4, "spilled vs unspilled");
+	free(oa);
+	free(ob);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+	tt_unlink(&f);
+}
+
+int main(int argc, char **argv)
+{
+	t_warm_runtime();
+	if (argc > 1 && !strcmp(argv[1], "--nvme")) {
+		const struct CMUnitTest tests[] = {cmocka_unit_test(test_spilled)};
+		return cmocka_run_group_tests(tests, NULL, NULL);
+	}
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_reference),     cmocka_unit_test(test_twins),
+		cmocka_unit_test(test_varlen),        cmocka_unit_test(test_bad_arguments),
+		cmocka_unit_test(test_faults),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
