@@ -173,6 +173,8 @@ _PROTOTYPES = {
     "kvt_select": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P]),
     "kvt_gather": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), u32,
                                   ctypes.POINTER(i32), _P, _P, _P, _P]),
+    "kvt_extend": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), ctypes.POINTER(u32), _P,
+                                  _P, _P, _P, u32, _P]),
     "kvt_get_stats": (ctypes.c_int, [_P, ctypes.POINTER(KvtStats)]),
     "kvt_get_layer_stats": (ctypes.c_int, [_P, u32, ctypes.POINTER(KvtLayerStats)]),
     "kvt_get_capacity": (ctypes.c_int, [_P, ctypes.POINTER(KvtCapacity)]),

@@ -530,6 +530,43 @@ class Cache:
                                           stream_of([q, out], self.backend)), "kvt_attend")
         return out
 
+    def extend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], lengths: Seq[int],
+               q: Any, k: Any, v: Any, out: Any = None) -> Any:
+        """kvt_extend: several new tokens per sequence (chunked prefill, a prefix hit, speculative
+        verification) attending everything stored before them, varlen over `seqs` on `layer`.
+
+        lengths: new tokens of each sequence, in the order of `seqs` (0: the sequence is left
+            untouched); their sum is `total`, and sequence i's rows follow those of 0 .. i - 1
+        q: [total, n_q_heads, head_dim] in dtype
+        k, v: [total, n_kv_heads, head_dim] in dtype
+        out: [total, n_q_heads, head_dim] in out_dtype, or None: a new array of q's kind.
+        The rows are stored and indexed as prefill stores a chunk; query row j of a sequence holding
+        n tokens before the call attends its tokens 0 .. n + j exactly (as attend at p = 1).
+        All or nothing. Returns out. The CUDA backend has no multi-token attention yet
+        (kvtier.Error, EOPNOTSUPP).
+        """
+        ids, layer = self._seq_array(seqs), self._layer(layer)
+        lengths = list(lengths)
+        if len(lengths) != len(ids) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                                           for n in lengths):
+            raise refuse("lengths = %r: want %d ints >= 0, one per sequence" % (lengths, len(ids)))
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        total = cu[-1]
+        q_shape, kv_shape = (total, self.n_q_heads, self.head_dim), \
+            (total, self.n_kv_heads, self.head_dim)
+        pq, pk, pv = self._ptr("q", q, q_shape), self._ptr("k", k, kv_shape), \
+            self._ptr("v", v, kv_shape)
+        if out is None:
+            out = empty_like_kind(q, q_shape, self.out_dtype)
+        po = self._ptr("out", out, q_shape, self.out_dtype, writable=True)
+        c_cu = (ctypes.c_uint32 * len(cu))(*cu)
+        self._check(_abi.lib().kvt_extend(self._handle(), layer, len(ids), ids, c_cu, pq, pk, pv,
+                                          po, 0, stream_of([q, k, v, out], self.backend)),
+                    "kvt_extend")
+        return out
+
     def select(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], q: Any) -> int:
         """kvt_select: the selection of attend without the attention. q as attend's. Returns the
         largest token count of any (sequence, KV head): the max_tokens gather needs."""
