@@ -128,7 +128,7 @@ static void same_decode(kvt_cache *a, kvt_cache *b, uint32_t steps, const char *
 	free(ob);
 }
 
-/* Layer LAYER of sequence s in a and b: lengths, index (entries, centroids, runs) and rows equal. */
+/* Layer LAYER of sequence s in a and b: lengths, index (entries, centroids, runs), rows equal. */
 static void same_layer(kvt_cache *a, kvt_cache *b, uint32_t s, const char *what)
 {
 	const struct kvt_layer *x = &a->seqs[s].layers[LAYER], *y = &b->seqs[s].layers[LAYER];
@@ -164,7 +164,7 @@ static void same_layer(kvt_cache *a, kvt_cache *b, uint32_t s, const char *what)
 
 /* ---- (1) every query row against a double-precision reference ----------------------------- */
 
-/* Row j of a chunk of sequence s that began at `first`, against the reference over [0, first + j]. */
+/* Row j of a chunk of sequence s begun at `first`, against the reference over [0, first + j]. */
 static void check_row(const float *out, uint32_t s, uint32_t first, uint32_t j, float scale,
 		      const char *what)
 {
@@ -333,10 +333,15 @@ static void snap_take(kvt_cache *c, struct snap *sn)
 	sn->host_used = st.host_bytes_used;
 }
 
+enum { NO_Q = 1, NO_K = 2, NO_V = 4, NO_OUT = 8, NO_CU = 16, NO_SEQS = 32 };
+
+/* One refused call: kvt_extend(c, layer, n_seqs, seqs, cu, ...), the pointers of `drop` NULL. */
 struct bad {
 	const char *name;
 	int want;
 	const char *text; /* kvt_last_error must contain it */
+	uint32_t layer, n_seqs, flags, drop;
+	const uint32_t *seqs, *cu;
 };
 
 static void check_bad(kvt_cache *c, const struct bad *b, int rc, const struct snap *s0)
@@ -349,6 +354,15 @@ static void check_bad(kvt_cache *c, const struct bad *b, int rc, const struct sn
 	T_CHECK(!memcmp(s0, &s1, sizeof s1), "%s: the failed call changed the cache", b->name);
 }
 
+static int call_bad(kvt_cache *c, const struct bad *b, uint16_t *q, uint16_t *k, uint16_t *v,
+		    float *out)
+{
+	return kvt_extend(c, b->layer, b->n_seqs, b->drop & NO_SEQS ? NULL : b->seqs,
+			  b->drop & NO_CU ? NULL : b->cu, b->drop & NO_Q ? NULL : q,
+			  b->drop & NO_K ? NULL : k, b->drop & NO_V ? NULL : v,
+			  b->drop & NO_OUT ? NULL : out, b->flags, NULL);
+}
+
 static void test_bad_arguments(void **state)
 {
 	(void)state;
@@ -358,64 +372,70 @@ static void test_bad_arguments(void **state)
 	for (uint32_t s = 0; s < 3; s++)
 		prefill(c, s, 20 + 30 * s);
 	T_CHECK(kvt_seq_close(c, 3) == 0, "close");
-	const uint32_t seqs[] = {0, 1, 2}, dup[] = {0, 1, 0}, shut[] = {0, 3};
-	const uint32_t cu[] = {0, 2, 5, 6}, cu0[] = {1, 2, 5, 6}, cud[] = {0, 4, 3, 6};
-	const uint32_t cuz[] = {0, 0, 0, 0}, cubig[] = {0, 0x80000000u};
+	static const uint32_t seqs[] = {0, 1, 2}, dup[] = {0, 1, 0}, shut[] = {0, 3};
+	static const uint32_t cu[] = {0, 2, 5, 6}, cu0[] = {1, 2, 5, 6}, cud[] = {0, 4, 3, 6};
+	static const uint32_t cuz[] = {0, 0, 0, 0}, cubig[] = {0, 0x80000000u};
+#define GOOD LAYER, 3, 0
+	static const struct bad table[] = {
+		{"q NULL", -EINVAL, "q is NULL", GOOD, NO_Q, seqs, cu},
+		{"k NULL", -EINVAL, "k is NULL", GOOD, NO_K, seqs, cu},
+		{"v NULL", -EINVAL, "v is NULL", GOOD, NO_V, seqs, cu},
+		{"out NULL", -EINVAL, "out is NULL", GOOD, NO_OUT, seqs, cu},
+		{"cu NULL", -EINVAL, "cu_seqlens is NULL", GOOD, NO_CU, seqs, cu},
+		{"seqs NULL", -EINVAL, "seqs is NULL", GOOD, NO_SEQS, seqs, cu},
+		{"flags", -EINVAL, "flags = 0x4", LAYER, 3, 4, 0, seqs, cu},
+		{"layer", -EINVAL, "layer = 2", L, 3, 0, 0, seqs, cu},
+		{"n_seqs 0", -EINVAL, "n_seqs = 0", LAYER, 0, 0, 0, seqs, cu},
+		{"n_seqs big", -EINVAL, "n_seqs = 9", LAYER, 9, 0, 0, seqs, cu},
+		{"cu[0]", -EINVAL, "cu_seqlens[0] = 1", GOOD, 0, seqs, cu0},
+		{"cu decreasing", -EINVAL, "cu_seqlens[2] = 3 is below cu_seqlens[1] = 4", GOOD, 0,
+		 seqs, cud},
+		{"total 0", -EINVAL, "total 0", GOOD, 0, seqs, cuz},
+		{"total big", -EINVAL, "cu_seqlens[1] = 2147483648", LAYER, 1, 0, 0, seqs, cubig},
+		{"twice", -EINVAL, "seqs[0] = seqs[2] = 0", GOOD, 0, dup, cu},
+		{"not open", -ENOENT, "seq = 3", LAYER, 2, 0, 0, shut, cu},
+	};
+#undef GOOD
+	const struct bad good = {"", 0, "", LAYER, 3, 0, 0, seqs, cu};
 	uint16_t *q = calloc(6, 2 * QROW), *k = calloc(6, 2 * KROW), *v = calloc(6, 2 * KROW);
 	float *out = calloc(6, 4 * QROW);
 	struct snap s0;
 	snap_take(c, &s0);
-#define BAD(nm, code, txt, call)                                                                   \
-	do {                                                                                       \
-		const struct bad b_ = {nm, code, txt};                                              \
-		check_bad(c, &b_, call, &s0);                                                      \
-	} while (0)
 	T_CHECK(kvt_extend(NULL, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL) == -EINVAL &&
 			strstr(kvt_last_error(NULL), "cache is NULL"),
 		"NULL cache: %s", kvt_last_error(NULL));
-	BAD("q NULL", -EINVAL, "q is NULL", kvt_extend(c, LAYER, 3, seqs, cu, NULL, k, v, out, 0, NULL));
-	BAD("k NULL", -EINVAL, "k is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, NULL, v, out, 0, NULL));
-	BAD("v NULL", -EINVAL, "v is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, k, NULL, out, 0, NULL));
-	BAD("out NULL", -EINVAL, "out is NULL", kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, NULL, 0, NULL));
-	BAD("cu NULL", -EINVAL, "cu_seqlens is NULL",
-	    kvt_extend(c, LAYER, 3, seqs, NULL, q, k, v, out, 0, NULL));
-	BAD("seqs NULL", -EINVAL, "seqs is NULL", kvt_extend(c, LAYER, 3, NULL, cu, q, k, v, out, 0, NULL));
-	BAD("flags", -EINVAL, "flags = 0x4", kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 4, NULL));
-	BAD("layer", -EINVAL, "layer = 2", kvt_extend(c, L, 3, seqs, cu, q, k, v, out, 0, NULL));
-	BAD("n_seqs 0", -EINVAL, "n_seqs = 0", kvt_extend(c, LAYER, 0, seqs, cu, q, k, v, out, 0, NULL));
-	BAD("n_seqs big", -EINVAL, "n_seqs = 9", kvt_extend(c, LAYER, 9, seqs, cu, q, k, v, out, 0, NULL));
-	BAD("cu[0]", -EINVAL, "cu_seqlens[0] = 1", kvt_extend(c, LAYER, 3, seqs, cu0, q, k, v, out, 0, NULL));
-	BAD("cu decreasing", -EINVAL, "cu_seqlens[2] = 3 is below cu_seqlens[1] = 4",
-	    kvt_extend(c, LAYER, 3, seqs, cud, q, k, v, out, 0, NULL));
-	BAD("total 0", -EINVAL, "total 0", kvt_extend(c, LAYER, 3, seqs, cuz, q, k, v, out, 0, NULL));
-	BAD("total big", -EINVAL, "cu_seqlens[1] = 2147483648",
-	    kvt_extend(c, LAYER, 1, seqs, cubig, q, k, v, out, 0, NULL));
-	BAD("twice", -EINVAL, "seqs[0] = seqs[2] = 0", kvt_extend(c, LAYER, 3, dup, cu, q, k, v, out, 0, NULL));
-	BAD("not open", -ENOENT, "seq = 3", kvt_extend(c, LAYER, 2, shut, cu, q, k, v, out, 0, NULL));
+	for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+		check_bad(c, &table[i], call_bad(c, &table[i], q, k, v, out), &s0);
 	/* too long: seq 1 made to look full for the call */
+	const struct bad too_long = {"too long", -EINVAL,
+				     "seqs[1] = 1: 3 new tokens would grow layer 1 past", LAYER, 3, 0,
+				     0, seqs, cu};
 	c->seqs[1].layers[LAYER].n_tokens = INT32_MAX - 1;
-	int rc = kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL);
+	int rc = call_bad(c, &too_long, q, k, v, out);
 	c->seqs[1].layers[LAYER].n_tokens = s0.len[1][LAYER];
-	BAD("too long", -EINVAL, "seqs[1] = 1: 3 new tokens would grow layer 1 past", rc);
+	check_bad(c, &too_long, rc, &s0);
 	k[(size_t)4 * KROW + D + 3] = 0x7c00; /* +inf: row 4, KV head 1, element 3 */
-	BAD("non-finite key", -EINVAL, "k[4, 1, 3] = inf",
-	    kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL));
+	const struct bad key = {"non-finite key", -EINVAL, "k[4, 1, 3] = inf", LAYER, 3, 0, 0, seqs,
+				cu};
+	check_bad(c, &key, call_bad(c, &key, q, k, v, out), &s0);
 	k[(size_t)4 * KROW + D + 3] = 0;
 	q[(size_t)5 * QROW + 2 * D + 7] = 0x7e00; /* NaN: row 5, query head 2, element 7 */
-	BAD("non-finite query", -EINVAL, "q[5, 2, 7] = nan",
-	    kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL));
+	const struct bad query = {"non-finite query", -EINVAL, "q[5, 2, 7] = nan", LAYER, 3, 0, 0,
+				  seqs, cu};
+	check_bad(c, &query, call_bad(c, &query, q, k, v, out), &s0);
 	q[(size_t)5 * QROW + 2 * D + 7] = 0;
 	/* a backend without the verb (the CUDA backend today) */
+	const struct bad cuda = {"no backend verb", -EOPNOTSUPP,
+				 "backend has no multi-token attention yet", LAYER, 3, 0, 0, seqs, cu};
 	struct kvt_backend_ops no_extend = *c->ops;
 	const struct kvt_backend_ops *ops = c->ops;
 	no_extend.extend = NULL;
 	c->ops = &no_extend;
-	rc = kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL);
+	rc = call_bad(c, &cuda, q, k, v, out);
 	c->ops = ops;
-	BAD("no backend verb", -EOPNOTSUPP, "backend has no multi-token attention yet", rc);
-#undef BAD
-	T_CHECK(kvt_extend(c, LAYER, 3, seqs, cu, q, k, v, out, 0, NULL) == 0,
-		"the good call after them: %s", kvt_last_error(c));
+	check_bad(c, &cuda, rc, &s0);
+	T_CHECK(call_bad(c, &good, q, k, v, out) == 0, "the good call after them: %s",
+		kvt_last_error(c));
 	free(q);
 	free(k);
 	free(v);
