@@ -286,6 +286,8 @@ static const struct kvt_backend_ops ops = {
 	.truncate = gpu_truncate,
 	.fork = gpu_fork,
 	.read_rows = gpu_read_rows,
+	/* no multi-token attention kernel yet: the pipeline refuses kvt_extend with -EOPNOTSUPP */
+	.extend = NULL,
 };
 
 const struct kvt_backend_ops *const kvt_cuda_backend_ops = &ops;
