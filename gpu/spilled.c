@@ -185,7 +185,7 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 				char why[sizeof c->err];
 				snprintf(why, sizeof why, "%s", c->err);
 				gpu_spilled_done(c, stream);
-				return kvt_seterr(c, rc, "seqs[%u]: %s", i, why);
+				return kvt_err_entry(c, i, kvt_seterr(c, rc, "seqs[%u]: %s", i, why));
 			}
 			for (uint32_t t = 0; t < w; t++, stage += rb) {
 				memcpy(stage, got[t], rb);

@@ -305,10 +305,10 @@ int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct gpu_seq_layer *g = ls[i]->dev;
-		KVT_RETURN_IF(!g || g->sel_stamp != y->stamp, c, -EINVAL,
-			      "seqs[%u]: its selection on layer %u was replaced by a later "
-			      "kvt_select or kvt_attend of another batch on that layer",
-			      i, layer);
+		if (!g || g->sel_stamp != y->stamp)
+			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+				"seqs[%u]: its selection on layer %u was replaced by a later "
+				"kvt_select or kvt_attend of another batch on that layer", i, layer));
 	}
 	return read_counts(c, layer, n_seqs, ls, sel_n, stream);
 }

@@ -81,6 +81,7 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	kvt_cache *c = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c);
 	KVT_RETURN_IF(!c, NULL, -ENOMEM, "out of memory allocating the cache (%zu bytes)", sizeof *c);
 	c->cfg = resolved;
+	c->err_entry = -1;
 	c->d = cfg->head_dim;
 	c->words = c->d / 32;
 	c->group = cfg->n_q_heads / cfg->n_kv_heads;
@@ -338,11 +339,14 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 {
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_seq *s = NULL;
-		KVT_TRY(lookup(c, seqs[i], &s));
+		int rc = lookup(c, seqs[i], &s);
+		if (rc < 0)
+			return kvt_err_entry(c, i, rc);
 		for (uint32_t j = 0; j < i; j++)
-			KVT_RETURN_IF(seqs[j] == seqs[i], c, -EINVAL,
-				      "seqs[%u] = seqs[%u] = %u: a sequence appears twice in one batch",
-				      j, i, seqs[i]);
+			if (seqs[j] == seqs[i])
+				return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+					"seqs[%u] = seqs[%u] = %u: a sequence appears twice in one batch",
+					j, i, seqs[i]));
 		ls[i] = &s->layers[layer];
 	}
 	return 0;
@@ -375,8 +379,9 @@ KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	int rc = 0;
 	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
 		if (ls[i]->n_tokens >= INT32_MAX)
-			rc = kvt_seterr(c, -EINVAL, "seq %u layer %u holds %d tokens, the limit",
-					seqs[i], layer, INT32_MAX);
+			rc = kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+					"seq %u layer %u holds %d tokens, the limit", seqs[i], layer,
+					INT32_MAX));
 	if (rc == 0)
 		rc = kvt_pipe_append(c, layer, n_seqs, ls, k, v, stream);
 	return rc;
@@ -390,8 +395,8 @@ static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const ui
 	int rc = 0;
 	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
 		if (ls[i]->n_tokens == 0)
-			rc = kvt_seterr(c, -EINVAL, "seq %u holds no tokens on layer %u", seqs[i],
-					layer);
+			rc = kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+					"seq %u holds no tokens on layer %u", seqs[i], layer));
 	if (rc == 0)
 		rc = kvt_pipe_step(c, layer, n_seqs, seqs, ls, q, out, stream);
 	return rc;
@@ -463,9 +468,10 @@ KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_TRY(batch(c, layer, n_seqs, seqs, ls));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const uint32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
-		KVT_RETURN_IF((uint64_t)ls[i]->n_tokens + n > INT32_MAX, c, -EINVAL,
-			      "seqs[%u] = %u: %u new tokens would grow layer %u past %d tokens "
-			      "(it holds %u)", i, seqs[i], n, layer, INT32_MAX, ls[i]->n_tokens);
+		if ((uint64_t)ls[i]->n_tokens + n > INT32_MAX)
+			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+				"seqs[%u] = %u: %u new tokens would grow layer %u past %d tokens (it "
+				"holds %u)", i, seqs[i], n, layer, INT32_MAX, ls[i]->n_tokens));
 	}
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
 	c->call_start = c->clock + 1;

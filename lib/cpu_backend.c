@@ -13,8 +13,11 @@ static int check_finite(kvt_cache *c, const char *name, const void *x, uint32_t 
 	const size_t n = (size_t)rows * heads * c->d;
 	for (size_t i = 0; i < n; i++) {
 		float f = kvt_load(x, i, c->cfg.dtype);
-		KVT_RETURN_IF(!isfinite(f), c, -EINVAL, "%s[%zu, %zu, %zu] = %g is not finite", name,
-			      i / c->d / heads, i / c->d % heads, i % c->d, (double)f);
+		if (!isfinite(f)) /* the row: the pipeline makes it a batch entry */
+			return kvt_err_entry(c, (uint32_t)(i / c->d / heads),
+					     kvt_seterr(c, -EINVAL, "%s[%zu, %zu, %zu] = %g is not finite",
+							name, i / c->d / heads, i / c->d % heads,
+							i % c->d, (double)f));
 	}
 	return 0;
 }
@@ -197,7 +200,7 @@ static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, 
 		c->st.ns_score += t1 - t0;
 		c->st.ns_select += kvt_now_ns() - t1;
 		if (rc < 0)
-			return score_error(c, l, h, h * G + g, i, bad, qf, &qc);
+			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, &qc));
 		c->st.budget_max_hits += clamped < 0;
 		c->st.budget_min_hits += clamped > 0;
 	}
@@ -274,8 +277,11 @@ static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	if (out)
 		KVT_TRY(prefetch(c, n_seqs, ls));
 	for (uint32_t i = 0; i < n_seqs; i++) {
-		for (uint32_t h = 0; out && h < H; h++)
-			KVT_TRY(attend_head(c, ls[i], h, q, out, i));
+		for (uint32_t h = 0; out && h < H; h++) {
+			int rc = attend_head(c, ls[i], h, q, out, i);
+			if (rc < 0)
+				return kvt_err_entry(c, i, rc);
+		}
 		for (uint32_t h = 0; sel_n && h < H; h++)
 			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
@@ -308,8 +314,9 @@ static int cpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 			uint32_t n = positions(c, l, h, tmp);
 			if (pos)
 				memcpy(pos + slot * max_tokens, tmp, sizeof *tmp * n);
-			if (k_out)
-				KVT_TRY(kvt_rows_get(c, l, h, n, tmp, rows));
+			int rc = k_out ? kvt_rows_get(c, l, h, n, tmp, rows) : 0;
+			if (rc < 0)
+				return kvt_err_entry(c, i, rc);
 			for (uint32_t t = 0; k_out && t < n; t++) {
 				const char *row = rows[t];
 				size_t at = (slot * max_tokens + t) * half;

@@ -17,9 +17,22 @@ int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(buf, cap, fmt, ap);
 	va_end(ap);
-	if (c)
+	if (c) {
 		c->st.errors++;
+		c->err_entry = -1;
+	}
 	return code;
+}
+
+int kvt_err_entry(kvt_cache *c, uint32_t i, int rc)
+{
+	c->err_entry = (int32_t)i;
+	return rc;
+}
+
+KVT_API int kvt_last_error_entry(const kvt_cache *cache)
+{
+	return cache ? cache->err_entry : -1;
 }
 
 KVT_API const char *kvt_last_error(const kvt_cache *cache)

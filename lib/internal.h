@@ -20,6 +20,8 @@
 
 /* Record the detail of an error on `c` (or on the calling thread when c is NULL) and return `code`. */
 int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The error just set (rc, from kvt_seterr) concerns entry i of the failing call's batch. */
+int kvt_err_entry(kvt_cache *c, uint32_t i, int rc);
 
 #define KVT_RETURN_IF(cond, c, err, ...)                                                            \
 	do {                                                                                       \
@@ -239,6 +241,7 @@ struct kvt_cache {
 	uint32_t rows_cap;        /* row pointers: sinks + scratch_cap + window + flush_batch */
 	const void **rows;        /* [rows_cap] */
 	char err[512];
+	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
 };
 
 /* Address of the host-tier row of token `pos` of KV head `h`. */

@@ -690,6 +690,20 @@ KVT_API const char *kvt_strerror(int code);
  */
 KVT_API const char *kvt_last_error(const kvt_cache *cache);
 
+/*
+ * Which entry of the failed call's batch (an index into its `seqs`) the last error of `cache`
+ * concerns, or -1 when it concerns none in particular (a bad argument of the whole call, the host
+ * tier full, an error of a call without a batch, or no error). A failed call changes nothing, so
+ * a runtime can take seqs[entry] out of the batch and call again with the others (issue 13's
+ * per-sequence status). Set for: a sequence not open or twice in the batch, a length limit, an
+ * empty sequence, a non-finite key or query (kvt_append, kvt_attend, kvt_select: the row is the
+ * entry; kvt_extend: the entry whose rows hold it), a non-finite score, a read of a spilled
+ * sequence's rows that failed, kvt_gather's max_tokens and missing selections.
+ * CUDA backend: errors the kernels find are reported by a later call and name no entry (-1).
+ * Thread safety: as kvt_last_error.
+ */
+KVT_API int kvt_last_error_entry(const kvt_cache *cache);
+
 /* KVT_VERSION_NUMBER of the library actually loaded, and its "MAJOR.MINOR.PATCH" text. */
 KVT_API unsigned kvt_version_number(void);
 KVT_API const char *kvt_version_string(void);

@@ -25,10 +25,26 @@ static int enter(kvt_cache *c)
 	return c->ops->enter ? c->ops->enter(c) : 0;
 }
 
+/*
+ * Refuse a non-finite element of x [rows, heads, d]. The backend's error names the row (err_entry);
+ * cu (NULL: row i is batch entry i) maps rows to the entries of a varlen batch; a prefill
+ * (one = true) has no batch.
+ */
 static int check_finite(kvt_cache *c, const char *name, const void *x, uint32_t rows,
-			uint32_t heads)
+			uint32_t heads, const uint32_t *cu, bool one)
 {
-	return c->ops->check_finite ? c->ops->check_finite(c, name, x, rows, heads) : 0;
+	int rc = c->ops->check_finite ? c->ops->check_finite(c, name, x, rows, heads) : 0;
+	if (rc >= 0 || c->err_entry < 0)
+		return rc;
+	if (one)
+		c->err_entry = -1;
+	else if (cu) {
+		uint32_t e = 0;
+		while (cu[e + 1] <= (uint32_t)c->err_entry)
+			e++;
+		c->err_entry = (int32_t)e;
+	}
+	return rc;
 }
 
 static uint32_t max_u32(uint32_t a, uint32_t b)
@@ -124,9 +140,9 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 {
 	const struct prefill_plan p = prefill_plan(c, l, n);
 	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "k", k, n, c->cfg.n_kv_heads));
+	KVT_TRY(check_finite(c, "k", k, n, c->cfg.n_kv_heads, NULL, true));
 	if (q)
-		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads));
+		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads, NULL, true));
 	KVT_TRY(prefill_reserve(c, l, layer, &p, stream));
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
@@ -173,8 +189,8 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 		      "chunks with kvt_prefill and attend them with the runtime's own kernel",
 		      c->ops->name);
 	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads));
-	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads));
+	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads, cu, false));
+	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads, cu, false));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
 		total[i] = p.total;
@@ -230,7 +246,7 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	struct kvt_index_job *jobs = c->index_jobs;
 	uint32_t nj = 0;
 	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "k", k, n_seqs, H));
+	KVT_TRY(check_finite(c, "k", k, n_seqs, H, NULL, false));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
 		total[i] = l->n_tokens + 1;
@@ -274,7 +290,7 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t 
 	const uint32_t H = c->cfg.n_kv_heads;
 	uint32_t *sel_n = out ? NULL : c->sel_counts;
 	KVT_TRY(enter(c));
-	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads));
+	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads, NULL, false));
 	if (out)
 		kvt_rows_round(c, n_seqs, ls);
 	/* the selections are rewritten from here: a failure leaves none half made */
@@ -304,9 +320,10 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 	uint32_t *n = c->sel_counts;
 	KVT_TRY(enter(c));
 	for (uint32_t i = 0; i < n_seqs; i++)
-		KVT_RETURN_IF(!ls[i]->sel_epoch, c, -EINVAL,
-			      "seq %u layer %u has no selection: call kvt_select or kvt_attend first",
-			      seqs[i], layer);
+		if (!ls[i]->sel_epoch)
+			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+				"seq %u layer %u has no selection: call kvt_select or kvt_attend "
+				"first", seqs[i], layer));
 	KVT_TRY(c->ops->counts(c, layer, n_seqs, ls, n, stream));
 	/* counts is written only once every one fits */
 	uint64_t total = 0;
@@ -314,10 +331,10 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 		for (uint32_t h = 0; h < H; h++) {
 			uint32_t *m = &n[(size_t)i * H + h];
 			*m = attended(ls[i], *m);
-			KVT_RETURN_IF(*m > max_tokens, c, -EINVAL,
-				      "max_tokens = %u is smaller than the %u tokens selected for "
-				      "seqs[%u], KV head %u",
-				      max_tokens, *m, i, h);
+			if (*m > max_tokens)
+				return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+					"max_tokens = %u is smaller than the %u tokens selected for "
+					"seqs[%u], KV head %u", max_tokens, *m, i, h));
 			total += *m;
 		}
 	for (size_t i = 0; i < (size_t)n_seqs * H; i++)

@@ -184,6 +184,7 @@ _PROTOTYPES = {
                                         ctypes.POINTER(KvtFootprint)]),
     "kvt_strerror": (c_char_p, [ctypes.c_int]),
     "kvt_last_error": (c_char_p, [_P]),
+    "kvt_last_error_entry": (ctypes.c_int, [_P]),
     "kvt_version_number": (ctypes.c_uint, []),
     "kvt_version_string": (c_char_p, []),
 }

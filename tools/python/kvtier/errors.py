@@ -23,10 +23,15 @@ class Error(Exception):
         strerror: kvt_strerror(code), the library's text for the code.
         detail: kvt_last_error's text (which argument, which value, which limit), or the Python
             layer's own detail for a refusal made before calling C.
+        entry: kvt_last_error_entry: the index into the failed call's batch (`seqs`) of the
+            sequence the error concerns, or None; the call changed nothing, so the caller may
+            retry without that sequence.
     """
 
-    def __init__(self, code: int, detail: str = "", strerror: Optional[str] = None):
+    def __init__(self, code: int, detail: str = "", strerror: Optional[str] = None,
+                 entry: Optional[int] = None):
         self.code = int(code)
+        self.entry = entry
         self.errno = -self.code
         self.name = _NAMES.get(self.errno) or _errno.errorcode.get(self.errno, "E?%d" % self.errno)
         if strerror is None:
@@ -48,8 +53,9 @@ def check(rc: int, cache_handle: Optional[int] = None, what: str = "") -> int:
         return rc
     raw = _abi.lib().kvt_last_error(cache_handle)
     detail = raw.decode("utf-8", "replace") if raw else ""
+    entry = _abi.lib().kvt_last_error_entry(cache_handle) if cache_handle else -1
     if what and not detail:
         detail = what
     elif what:
         detail = "%s: %s" % (what, detail)
-    raise Error(rc, detail)
+    raise Error(rc, detail, entry=entry if entry >= 0 else None)

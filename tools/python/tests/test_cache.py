@@ -114,7 +114,23 @@ def test_error_from_c_carries_code_text_and_detail(cache):
     assert e.code == -errno.EINVAL and e.errno == errno.EINVAL and e.name == "EINVAL"
     assert e.strerror == kvtier.strerror(-errno.EINVAL) and e.strerror
     assert e.detail and e.detail in str(e)
+    assert e.entry == 0  # the empty sequence is entry 0 of the batch
     assert cache.stats().errors == 1
+
+
+def test_error_names_the_batch_entry(cache, rng):
+    a, b, c = cache.open(), cache.open(), cache.open()
+    for s in (a, b, c):
+        cache.prefill(s, 0, None, rand(rng, 40, 2, 64), rand(rng, 40, 2, 64))
+    q = rand(rng, 3, 4, 64)
+    q[2, 1, 5] = np.inf
+    with pytest.raises(kvtier.Error) as ei:
+        cache.attend(0, [a, b, c], q)
+    assert ei.value.entry == 2 and "not finite" in ei.value.detail
+    cache.attend(0, [a, b], q[:2])  # the batch without that entry: nothing was changed
+    with pytest.raises(kvtier.Error) as ei:
+        cache.attend(7, [a, b], q[:2])  # a bad layer concerns no entry
+    assert ei.value.entry is None
 
 
 def test_config_errors_and_explicit_zero():

@@ -1,0 +1,121 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvt_last_error_entry (issue 13's per-sequence status) on the CPU backend: a batch call that fails
+ * because of one sequence names that entry of its `seqs`, changes nothing, and the same call without
+ * that entry succeeds; an error of the whole call names none (-1). Cases: a sequence not open, a
+ * sequence twice, an empty sequence, a non-finite key (kvt_append) and query (kvt_attend,
+ * kvt_select), a non-finite key and query in a varlen kvt_extend (the entry whose rows hold it),
+ * kvt_gather's max_tokens and a missing selection; -1 for a bad layer, a prefill's non-finite key and
+ * a fresh cache.
+ */
+#include "common.h"
+
+enum { L = 1, HQ = 4, HKV = 2, D = 64, NS = 4, T = 300 };
+
+static uint16_t g_k[T * HKV * D], g_v[T * HKV * D], g_q[T * HQ * D];
+
+static kvt_cache *make(uint32_t *ids)
+{
+	kvt_config cfg = t_config(L, HQ, HKV, D, KVT_DTYPE_F16);
+	kvt_cache *c = t_create(&cfg);
+	t_rng r;
+	t_rng_seed(&r, 11);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)T * HKV * D, 0.0, 1.0, g_k, NULL);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)T * HKV * D, 0.0, 1.0, g_v, NULL);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)T * HQ * D, 0.0, 1.0, g_q, NULL);
+	for (uint32_t s = 0; s < NS; s++) {
+		T_CHECK(kvt_seq_open(c, &ids[s]) == 0, "open: %s", kvt_last_error(c));
+		if (s < NS - 1) /* the last one stays empty */
+			T_CHECK(kvt_prefill(c, ids[s], 0, g_q, g_k, g_v, T - 10 * s, NULL) == 0,
+				"prefill: %s", kvt_last_error(c));
+	}
+	return c;
+}
+
+/* rc is the failure wanted, naming entry `entry`; the call changed no length. */
+static void want(kvt_cache *c, const uint32_t *ids, int rc, int code, int entry, const char *what)
+{
+	T_CHECK(rc == code, "%s: rc %d, wanted %d (%s)", what, rc, code, kvt_last_error(c));
+	T_CHECK(kvt_last_error_entry(c) == entry, "%s: entry %d, wanted %d (%s)", what,
+		kvt_last_error_entry(c), entry, kvt_last_error(c));
+	for (uint32_t s = 0; s < NS - 1; s++)
+		T_CHECK(kvt_seq_length(c, ids[s], 0) == T - 10 * s, "%s: seq %u has %lld tokens",
+			what, s, (long long)kvt_seq_length(c, ids[s], 0));
+}
+
+static void test_entries(void **state)
+{
+	(void)state;
+	uint32_t ids[NS];
+	kvt_cache *c = make(ids);
+	T_CHECK(kvt_last_error_entry(c) == -1, "a fresh cache names entry %d",
+		kvt_last_error_entry(c));
+	T_CHECK(kvt_last_error_entry(NULL) == -1, "NULL names an entry");
+	static float out[NS * HQ * D];
+	uint16_t k[NS * HKV * D], v[NS * HKV * D], q[NS * HQ * D];
+	memcpy(k, g_k, sizeof k);
+	memcpy(v, g_v, sizeof v);
+	memcpy(q, g_q, sizeof q);
+
+	/* a sequence not open, then twice in the batch */
+	uint32_t b[3] = {ids[0], 77, ids[1]};
+	want(c, ids, kvt_attend(c, 0, 3, b, q, out, NULL), -ENOENT, 1, "seq not open");
+	b[1] = ids[0];
+	want(c, ids, kvt_append(c, 0, 3, b, k, v, NULL), -EINVAL, 1, "seq twice");
+	/* the empty sequence */
+	uint32_t e[2] = {ids[1], ids[NS - 1]};
+	want(c, ids, kvt_attend(c, 0, 2, e, q, out, NULL), -EINVAL, 1, "empty seq");
+	/* a non-finite key of entry 2, then a non-finite query of entry 1 */
+	uint32_t three[3] = {ids[0], ids[1], ids[2]};
+	k[2 * HKV * D + 5] = 0x7e00;
+	want(c, ids, kvt_append(c, 0, 3, three, k, v, NULL), -EINVAL, 2, "NaN key");
+	k[2 * HKV * D + 5] = g_k[2 * HKV * D + 5];
+	q[1 * HQ * D + 3 * D + 7] = 0x7c00; /* +inf */
+	want(c, ids, kvt_attend(c, 0, 3, three, q, out, NULL), -EINVAL, 1, "inf query");
+	want(c, ids, kvt_select(c, 0, 3, three, q, NULL), -EINVAL, 1, "inf query (select)");
+	/* the same calls without the bad entry succeed */
+	uint32_t two[2] = {ids[0], ids[2]};
+	uint16_t q2[2 * HQ * D];
+	memcpy(q2, q, sizeof(uint16_t) * HQ * D);
+	memcpy(q2 + HQ * D, q + 2 * HQ * D, sizeof(uint16_t) * HQ * D);
+	T_CHECK(kvt_attend(c, 0, 2, two, q2, out, NULL) == 0, "without the bad entry: %s",
+		kvt_last_error(c));
+	q[1 * HQ * D + 3 * D + 7] = g_q[1 * HQ * D + 3 * D + 7];
+	/* kvt_gather: entry 1 has no selection (entry 0 has one), then max_tokens too small */
+	int32_t counts[NS * HKV];
+	want(c, ids, kvt_gather(c, 0, 2, (uint32_t[]){ids[0], ids[1]}, 4096, counts, NULL, NULL,
+				NULL, NULL),
+	     -EINVAL, 1, "no selection");
+	T_CHECK(kvt_select(c, 0, 2, two, q2, NULL) > 0, "select: %s", kvt_last_error(c));
+	want(c, ids, kvt_gather(c, 0, 2, two, 1, counts, NULL, NULL, NULL, NULL), -EINVAL, 0,
+	     "max_tokens");
+	/* kvt_extend, varlen [3, 0, 4]: a NaN key in the third entry's rows, a NaN query in the
+	 * first's */
+	uint32_t cu[4] = {0, 3, 3, 7};
+	static uint16_t ek[7 * HKV * D], ev[7 * HKV * D], eq[7 * HQ * D];
+	static float eout[7 * HQ * D];
+	memcpy(ek, g_k, sizeof ek);
+	memcpy(ev, g_v, sizeof ev);
+	memcpy(eq, g_q, sizeof eq);
+	ek[5 * HKV * D] = 0x7e00; /* row 5: the entry [3, 7) */
+	want(c, ids, kvt_extend(c, 0, 3, three, cu, eq, ek, ev, eout, 0, NULL), -EINVAL, 2,
+	     "extend NaN key");
+	ek[5 * HKV * D] = g_k[5 * HKV * D];
+	eq[2 * HQ * D] = 0x7e00; /* row 2: the entry [0, 3) */
+	want(c, ids, kvt_extend(c, 0, 3, three, cu, eq, ek, ev, eout, 0, NULL), -EINVAL, 0,
+	     "extend NaN query");
+	/* errors of the whole call, or of a call without a batch */
+	want(c, ids, kvt_attend(c, 5, 2, two, q2, out, NULL), -EINVAL, -1, "bad layer");
+	k[0] = 0x7e00;
+	want(c, ids, kvt_prefill(c, ids[NS - 1], 0, NULL, k, v, 1, NULL), -EINVAL, -1,
+	     "prefill NaN key");
+	kvt_cache_destroy(c);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_entries),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
