@@ -114,13 +114,14 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	 * row numbers to stage and their count; then one item's row pointers */
 	const size_t seq_meta = (per * (sizeof(void *) + sizeof(int32_t)) + H * sizeof(uint32_t) +
 				 15) & ~(size_t)15;
-	const size_t meta = n_sp * seq_meta + n_sp * per * sizeof(uint32_t) +
+	const size_t ks_bytes = (n_sp * per * sizeof(uint32_t) + 15) & ~(size_t)15;
+	const size_t meta = n_sp * seq_meta + ks_bytes +
 			    ((n_sp * H * sizeof(uint32_t) + 15) & ~(size_t)15) +
 			    (size_t)max_rows * sizeof(void *);
 	KVT_TRY(pinned_grow(c, &b->sp_meta, &b->sp_meta_bytes, meta, "spilled rows' metadata"));
 	char *m = b->sp_meta;
 	uint32_t *ks = (uint32_t *)(m + n_sp * seq_meta);
-	uint32_t *nw = ks + n_sp * per;
+	uint32_t *nw = (uint32_t *)((char *)ks + ks_bytes);
 	const void **got = (const void **)(m + meta - (size_t)max_rows * sizeof(void *));
 	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
 		if (!kvt_layer_spilled(c, ls[i]))
@@ -184,7 +185,6 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 			if (rc < 0) {
 				char why[sizeof c->err];
 				snprintf(why, sizeof why, "%s", c->err);
-				gpu_spilled_done(c, stream);
 				return kvt_err_entry(c, i, kvt_seterr(c, rc, "seqs[%u]: %s", i, why));
 			}
 			for (uint32_t t = 0; t < w; t++, stage += rb) {

@@ -208,11 +208,13 @@ static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
 
 /*
  * The rows of the batch's selections through the hot cache (flags: hot_of's; pos: positions out, or
- * NULL), rows of spilled blocks read from NVMe between the lookup and the fill.
+ * NULL), rows of spilled blocks read from NVMe between the lookup and the fill; with rows == false
+ * (a gather of positions only) a batch with spilled blocks gets its positions and reads nothing.
+ * The caller calls gpu_spilled_done after the kernels that read the rows, whatever this returns.
  */
 static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		 const struct step_scratch *s, uint32_t flags, uint32_t max_rows, int32_t *pos,
-		 void *stream)
+		 bool rows, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
@@ -226,6 +228,8 @@ static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer
 	}
 	LAUNCH(c, kvt_gpu_fetch_lookup(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
 				       max_rows, s->pos, b->err, stream));
+	if (!rows)
+		return 0;
 	KVT_TRY(gpu_serve_spilled(c, layer, n_seqs, ls, flags & KVT_GPU_HOT_NO_STEP, s->rows,
 				  s->pos, max_rows, stream));
 	LAUNCH(c, kvt_gpu_fetch_fill(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
@@ -276,11 +280,17 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 	KVT_TRY(select_rows(c, layer, n_seqs, q, &s, max_ni, t, stream));
 	gpu_mark(t, 2, stream);
 	if (out) {
-		KVT_TRY(fetch(c, layer, n_seqs, ls, &s, 0, max_rows, NULL, stream));
-		LAUNCH(c, kvt_gpu_attend(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs,
-					 c->cfg.n_q_heads, H, c->scale, q, s.items, max_rows, out,
-					 s.ascratch, s.abytes, b->err, stream));
-		KVT_TRY(gpu_spilled_done(c, stream));
+		int rc = fetch(c, layer, n_seqs, ls, &s, 0, max_rows, NULL, true, stream);
+		int r = rc < 0 ? 0 : kvt_gpu_attend(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs,
+						    c->cfg.n_q_heads, H, c->scale, q, s.items,
+						    max_rows, out, s.ascratch, s.abytes, b->err,
+						    stream);
+		if (r < 0)
+			rc = kvt_seterr(c, r, "kvt_gpu_attend: %s", kvt_strerror(r));
+		/* staged rows stay untouched until whatever was queued has read them */
+		int done = gpu_spilled_done(c, stream);
+		KVT_TRY(rc);
+		KVT_TRY(done);
 	}
 	gpu_mark(t, 3, stream);
 	KVT_TRY(gpu_err_copy(c, stream));
@@ -323,9 +333,14 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	uint32_t max_ni, max_rows;
 	KVT_TRY(step_setup(c, layer, n_seqs, ls, true, stream, &s, &max_ni, &max_rows));
 	/* the selection was counted when it was made */
-	KVT_TRY(fetch(c, layer, n_seqs, ls, &s, KVT_GPU_HOT_NO_STEP, max_rows, s.pos, stream));
-	LAUNCH(c, kvt_gpu_rows_copy(c->d, n_seqs * H, s.items, max_rows, s.pos, k_out, v_out, pos,
-				    max_tokens, stream));
-	KVT_TRY(gpu_spilled_done(c, stream));
+	int rc = fetch(c, layer, n_seqs, ls, &s, KVT_GPU_HOT_NO_STEP, max_rows, s.pos, k_out != NULL,
+		       stream);
+	int r = rc < 0 ? 0 : kvt_gpu_rows_copy(c->d, n_seqs * H, s.items, max_rows, s.pos, k_out,
+					       v_out, pos, max_tokens, stream);
+	if (r < 0)
+		rc = kvt_seterr(c, r, "kvt_gpu_rows_copy: %s", kvt_strerror(r));
+	int done = gpu_spilled_done(c, stream);
+	KVT_TRY(rc);
+	KVT_TRY(done);
 	return gpu_err_copy(c, stream);
 }

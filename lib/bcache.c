@@ -70,6 +70,7 @@ struct kvt_bcache {
 	struct fresh_entry *fresh;      /* [2 n_slots] slots read this round, newest last */
 	int32_t *call;                  /* [n_slots] slots the running call uses */
 	struct kvt_rows_key *items;     /* [max_seqs * n_kv_heads] what the plan covers */
+	uint64_t *plan_uid;             /* [n_slots] the reading layer's uid of each planned chunk */
 	uint32_t items_cap;
 };
 
@@ -258,10 +259,11 @@ int kvt_bcache_init(kvt_cache *c)
 	bc->fresh = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->fresh * 2 * bc->n_slots);
 	bc->call = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->call * bc->n_slots);
 	bc->items = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->items * bc->items_cap);
+	bc->plan_uid = kvt_mem_alloc(KVT_MEM_HOST, sizeof *bc->plan_uid * bc->n_slots);
 	/* one read request per chunk at most, and a call never holds more chunks than slots */
 	c->reqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->reqs * bc->n_slots);
 	KVT_RETURN_IF(!bc->data || !bc->slots || !bc->buckets || !bc->free || !bc->fresh ||
-		      !bc->call || !bc->items || !c->reqs, NULL, -ENOMEM,
+		      !bc->call || !bc->items || !bc->plan_uid || !c->reqs, NULL, -ENOMEM,
 		      "out of memory for the block cache (nvme_cache_bytes = %llu)",
 		      (unsigned long long)c->cfg.nvme_cache_bytes);
 	memset(bc->slots, 0, sizeof *bc->slots * bc->n_slots);
@@ -286,6 +288,7 @@ void kvt_bcache_fini(kvt_cache *c)
 		kvt_mem_free(KVT_MEM_HOST, bc->fresh, 0);
 		kvt_mem_free(KVT_MEM_HOST, bc->call, 0);
 		kvt_mem_free(KVT_MEM_HOST, bc->items, 0);
+		kvt_mem_free(KVT_MEM_HOST, bc->plan_uid, 0);
 		kvt_mem_free(KVT_MEM_HOST, bc, 0);
 		c->bc = NULL;
 	}
@@ -473,6 +476,9 @@ void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, 
 			bc->slots[s].pin = bc->plan;
 			touch(bc, &bc->slots[s]);
 		} else if (bc->n_plan < bc->n_slots) {
+			/* the reader's uid, as kvt_rows_get tags a chunk (a fork reads blocks its
+			 * parent wrote, under the parent's identity) */
+			bc->plan_uid[bc->n_plan] = l->seq_uid;
 			chunk_request(c, l, h, b, chunk, NULL, &c->reqs[bc->n_plan++]);
 		}
 	}
@@ -533,7 +539,7 @@ int kvt_rows_prefetch(kvt_cache *c)
 		int32_t i = bc_take(bc, false);
 		if (i < 0)
 			break; /* what fits: the rest is read by kvt_rows_get */
-		bc_insert(bc, i, q.expect.generation, q.expect.seq, q.expect.layer, q.expect.kv_head,
+		bc_insert(bc, i, q.expect.generation, bc->plan_uid[r], q.expect.layer, q.expect.kv_head,
 			  (uint32_t)(q.expect.first_token / KVT_BLOCK_TOKENS),
 			  q.row_begin / rows_per_chunk(c));
 		bc->slots[i].pin = bc->plan;

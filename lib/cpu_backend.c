@@ -375,7 +375,7 @@ static int cpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint3
  * first = l->n_tokens onwards, their queries rows row0 .. row0 + n of q (and of out). Query j
  * attends positions [0, first + j]: all of them, in ascending order, as kvt_attend at p = 1 does.
  * The rows are read a block at a time and fed to every query of the chunk that attends them.
- * buf: n G (2 d + 2) floats and n G words.
+ * buf: n G (2 d + 2) floats and n G words. Returns the rows attended, or a negative code.
  */
 static int extend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t row0,
 		       uint32_t n, const void *q, void *out, float *buf)
@@ -401,9 +401,7 @@ static int extend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 	kvt_attention_finish(d, (uint32_t)nq, sum, acc, qf);
 	for (size_t at = 0; at < nq; at++)
 		store_out(c, out, ((row0 + at / G) * QH + h * G + at % G) * d, qf + at * d);
-	c->st.rows_fetched += first + n;
-	c->st.bytes_fetched += (uint64_t)(first + n) * c->row_bytes;
-	return 0;
+	return (int)(first + n); /* rows attended: <= INT32_MAX (kvt_extend checks the lengths) */
 }
 
 static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -417,14 +415,21 @@ static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	float *buf = kvt_mem_alloc(KVT_MEM_HOST, bytes);
 	KVT_RETURN_IF(!buf, c, -ENOMEM, "out of memory for the queries of a %u-token chunk (%zu bytes)",
 		      most, bytes);
-	uint64_t t0 = kvt_now_ns();
+	uint64_t t0 = kvt_now_ns(), rows = 0;
 	int rc = 0;
-	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
-		for (uint32_t h = 0; h < c->cfg.n_kv_heads && rc == 0 && cu[i + 1] > cu[i]; h++)
+	for (uint32_t i = 0; i < n_seqs && rc >= 0; i++)
+		for (uint32_t h = 0; h < c->cfg.n_kv_heads && rc >= 0 && cu[i + 1] > cu[i]; h++) {
 			rc = extend_head(c, ls[i], h, cu[i], cu[i + 1] - cu[i], q, out, buf);
+			rows += rc > 0 ? (uint64_t)rc : 0;
+		}
 	c->st.ns_attend += kvt_now_ns() - t0;
 	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
-	return rc;
+	if (rc < 0)
+		return rc;
+	/* counted only when every entry was attended: a failed call counts no rows */
+	c->st.rows_fetched += rows;
+	c->st.bytes_fetched += rows * c->row_bytes;
+	return 0;
 }
 
 const struct kvt_backend_ops kvt_cpu_backend = {

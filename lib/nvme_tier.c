@@ -471,7 +471,8 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	int rc = read_back(c, s, slot, 0, n);
 	if (rc < 0)
 		return kvt_tier_undo(c, &m, rc);
-	kvt_bcache_drop(c, s->uid, UINT32_MAX);
+	for (uint32_t layer = 0; layer < c->cfg.n_layers; layer++) /* a truncated layer has its uid */
+		kvt_bcache_drop(c, s->layers[layer].seq_uid, layer);
 	c->st.restores++;
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }

@@ -131,6 +131,10 @@ static void prefill_commit(kvt_cache *c, struct kvt_layer *l, const struct prefi
 static int undo_grow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		     const struct kvt_tier_mark *m, int rc)
 {
+	/* queued device work may still write the grown blocks: drained before they are reused
+	 * (its own error, on a device that failed already, adds nothing to rc) */
+	if (c->ops->quiesce)
+		(void)c->ops->quiesce(c);
 	kvt_layers_ungrow(c, n, ls);
 	return kvt_tier_undo(c, m, rc);
 }

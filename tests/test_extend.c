@@ -145,10 +145,11 @@ static void same_layer(kvt_cache *a, kvt_cache *b, uint32_t s, const char *what)
 			"%s seq %u: centroids differ", what, s);
 	for (uint32_t h = 0; h < HKV; h++) {
 		const size_t ax = (size_t)h * x->idx_cap, ay = (size_t)h * y->idx_cap;
-		T_CHECK(!memcmp(x->codes + ax * a->words, y->codes + ay * b->words,
-				4ull * a->words * x->n_indexed) &&
-				!memcmp(x->sigma + ax, y->sigma + ay, 2ull * x->n_indexed) &&
-				!memcmp(x->beta + ax, y->beta + ay, 2ull * x->n_indexed),
+		T_CHECK(!x->n_indexed || /* no index arrays yet: nothing to compare (NULL) */
+				(!memcmp(x->codes + ax * a->words, y->codes + ay * b->words,
+					 4ull * a->words * x->n_indexed) &&
+				 !memcmp(x->sigma + ax, y->sigma + ay, 2ull * x->n_indexed) &&
+				 !memcmp(x->beta + ax, y->beta + ay, 2ull * x->n_indexed)),
 			"%s seq %u KV head %u: index entries differ", what, s, h);
 	}
 	if (!x->n_tokens)
