@@ -283,24 +283,45 @@ static int range_args(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
 	return 0;
 }
 
-KVT_API int kvt_seq_read_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-			      uint32_t to, void *k, void *v, void *stream)
+static int read_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
+		     uint32_t to, void *k, void *v, const kvt_rows_layout *lo, void *stream)
 {
 	struct kvt_seq *s = NULL;
+	struct kvt_rows_map m;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
 	const uint32_t n = s->layers[layer].n_tokens;
 	KVT_RETURN_IF(to > n, c, -EINVAL, "to = %u, must be <= %u, the tokens seq %u holds on layer %u",
 		      to, n, seq, layer);
+	int dense = kvt_rows_map_check(c, call, lo, to - from, false, &m);
+	if (dense < 0)
+		return dense;
 	c->call_start = c->clock + 1;
 	s->last_use = ++c->clock;
-	return kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, stream);
+	return kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, dense ? NULL : &m, stream);
 }
 
-KVT_API int kvt_seq_write_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-			       uint32_t to, const void *k, const void *v, void *stream)
+KVT_API int kvt_seq_read_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+			      uint32_t to, void *k, void *v, void *stream)
+{
+	return read_rows(c, "kvt_seq_read_rows", seq, layer, from, to, k, v, NULL, stream);
+}
+
+KVT_API int kvt_seq_read_rows_at(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+				 uint32_t to, void *k, void *v, const kvt_rows_layout *layout,
+				 void *stream)
+{
+	return read_rows(c, "kvt_seq_read_rows_at", seq, layer, from, to, k, v, layout, stream);
+}
+
+/* Rows of a dense layout stored as a prefill chunk without queries; a strided or paged one gathered
+ * into a dense buffer first. */
+static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
+		      uint32_t to, const void *k, const void *v, const kvt_rows_layout *lo,
+		      void *stream)
 {
 	struct kvt_seq *s = NULL;
+	struct kvt_rows_map m;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
 	const uint32_t n = s->layers[layer].n_tokens;
@@ -309,10 +330,34 @@ KVT_API int kvt_seq_write_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint3
 		      n, seq, layer);
 	KVT_RETURN_IF((uint64_t)to > INT32_MAX, c, -EINVAL,
 		      "to = %u would grow seq %u layer %u past %d tokens", to, seq, layer, INT32_MAX);
+	int dense = kvt_rows_map_check(c, call, lo, to - from, true, &m);
+	if (dense < 0)
+		return dense;
+	void *buf = NULL;
+	size_t bytes = 0;
+	if (!dense) {
+		KVT_TRY(kvt_rows_gather(c, &m, to - from, k, v, &buf, &bytes));
+		k = buf;
+		v = (char *)buf + bytes / 2;
+	}
 	c->call_start = c->clock + 1;
 	s->last_use = ++c->clock;
-	KVT_TRY(kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from, stream));
-	return (int)(to - from);
+	int rc = kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from, stream);
+	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
+	return rc < 0 ? rc : (int)(to - from);
+}
+
+KVT_API int kvt_seq_write_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+			       uint32_t to, const void *k, const void *v, void *stream)
+{
+	return write_rows(c, "kvt_seq_write_rows", seq, layer, from, to, k, v, NULL, stream);
+}
+
+KVT_API int kvt_seq_write_rows_at(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
+				  uint32_t to, const void *k, const void *v,
+				  const kvt_rows_layout *layout, void *stream)
+{
+	return write_rows(c, "kvt_seq_write_rows_at", seq, layer, from, to, k, v, layout, stream);
 }
 
 KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,

@@ -348,26 +348,37 @@ static int block_rows(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint3
 	return (int)n;
 }
 
-/* Rows [from, to) of l into dense [n, H, d] K and V, one block of one KV head at a time. */
-static int cpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
-			 void *v, void *stream)
+/* Rows [from, to) of l into K and V placed by m (skipped tokens left alone), one block of one KV
+ * head at a time. */
+static int cpu_read_rows_at(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+			    void *v, const struct kvt_rows_map *m, void *stream)
 {
-	const uint32_t H = c->cfg.n_kv_heads;
 	const size_t half = c->d * c->elem;
 	const void *rows[KVT_BLOCK_TOKENS];
-	for (uint32_t h = 0; h < H; h++)
+	(void)stream;
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
 		for (uint32_t p = from; p < to;) {
 			int n = block_rows(c, l, h, p, to, rows);
 			if (n < 0)
 				return n;
 			for (int t = 0; t < n; t++) {
-				size_t at = ((size_t)(p - from + t) * H + h) * half;
-				memcpy((char *)k + at, rows[t], half);
-				memcpy((char *)v + at, (const char *)rows[t] + half, half);
+				int64_t at = kvt_rows_at(m, p - from + (uint32_t)t, h);
+				if (at < 0)
+					continue;
+				memcpy((char *)k + (size_t)at * c->elem, rows[t], half);
+				memcpy((char *)v + (size_t)at * c->elem, (const char *)rows[t] + half, half);
 			}
 			p += (uint32_t)n;
 		}
 	return 0;
+}
+
+/* Rows [from, to) of l into dense [n, H, d] K and V. */
+static int cpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+			 void *v, void *stream)
+{
+	const struct kvt_rows_map dense = {NULL, (uint64_t)c->cfg.n_kv_heads * c->d, c->d};
+	return cpu_read_rows_at(c, l, from, to, k, v, &dense, stream);
 }
 
 /*
@@ -443,6 +454,7 @@ const struct kvt_backend_ops kvt_cpu_backend = {
 	.counts = cpu_counts,
 	.gather = cpu_gather,
 	.read_rows = cpu_read_rows,
+	.read_rows_at = cpu_read_rows_at,
 	.extend = cpu_extend,
 	.read_rows_spilled = true,
 };

@@ -204,6 +204,32 @@ struct kvt_seq {
 
 struct kvt_backend_ops;
 
+/* ---- row layouts of the _at calls (lib/rows_layout.c) ------------------------------------------ */
+
+/* A checked kvt_rows_layout, strides in elements: token i, KV head h at element
+ * slot(i) * slot_stride + h * head_stride (slot NULL: slot(i) = i). */
+struct kvt_rows_map {
+	const int64_t *slot;
+	uint64_t slot_stride, head_stride;
+};
+
+/* The element offset of token i's KV head h, or -1: the token is skipped. */
+static inline int64_t kvt_rows_at(const struct kvt_rows_map *m, uint32_t i, uint32_t h)
+{
+	int64_t s = m->slot ? m->slot[i] : (int64_t)i;
+	return s < 0 ? -1 : s * (int64_t)m->slot_stride + (int64_t)(h * m->head_stride);
+}
+
+/* Check `lo` for n tokens (writing: no skipped slot; reading: no repeated one), naming `call` in
+ * the error; fill *m. Returns 1 when the layout is the dense one (read and write as without it),
+ * 0 otherwise, or -EINVAL, -ENOMEM, -EOPNOTSUPP (a backend without read_rows_at). */
+int kvt_rows_map_check(kvt_cache *c, const char *call, const kvt_rows_layout *lo, uint32_t n,
+		       bool write, struct kvt_rows_map *m);
+/* The n tokens of k and v placed by m, gathered into *dense ([2][n, n_kv_heads, head_dim]: K then
+ * V), *bytes long (for kvt_mem_free). -ENOMEM. */
+int kvt_rows_gather(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
+		    const void *v, void **dense, size_t *bytes);
+
 struct kvt_cache {
 	kvt_config cfg;
 	uint32_t d, words, group; /* head_dim, d / 32, n_q_heads / n_kv_heads */
@@ -371,6 +397,11 @@ struct kvt_backend_ops {
 	 * pipeline refuses kvt_extend with -EOPNOTSUPP before anything changes). */
 	int (*extend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      const uint32_t *cu, const void *q, void *out, void *stream);
+	/* read_rows, each token's rows placed by m (lib/rows_layout.c). NULL: the backend's tensors
+	 * are device memory that the host can neither scatter into nor gather from, so the _at calls
+	 * refuse any layout but the dense one (-EOPNOTSUPP). */
+	int (*read_rows_at)(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+			    void *v, const struct kvt_rows_map *m, void *stream);
 	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
 	 * restores the sequence first */
 	bool read_rows_spilled;
@@ -403,8 +434,10 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n, void *stream);
 /* Make child (a free slot) a copy of parent sharing its full blocks. */
 int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, void *stream);
+/* m NULL: dense rows (ops->read_rows), else placed by m (ops->read_rows_at, which must exist). */
 int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,
-		       uint32_t from, uint32_t to, void *k, void *v, void *stream);
+		       uint32_t from, uint32_t to, void *k, void *v, const struct kvt_rows_map *m,
+		       void *stream);
 
 /* ---- blocks shared by forked sequences (lib/share.c) ------------------------------------------ */
 

@@ -392,6 +392,60 @@ KVT_API int kvt_seq_write_rows(kvt_cache *cache, uint32_t seq, uint32_t layer, u
 			       uint32_t to, const void *k, const void *v, void *stream);
 
 /*
+ * Where the rows of a token range lie in a caller's buffer, for kvt_seq_read_rows_at and
+ * kvt_seq_write_rows_at: a paged K/V buffer given its slot mapping (vLLM: k, v of
+ * [n_slots, n_kv_heads, head_dim], slot_mapping[i] the slot of token from + i), or a strided view of
+ * a dense one (slot_mapping NULL). Token i, KV head h starts at element
+ * slot(i) * slot_stride + h * head_stride of k (and of v); its head_dim elements are contiguous.
+ * Zero in a field means the default, so `{ sizeof(kvt_rows_layout) }` is the dense layout of
+ * kvt_seq_read_rows.
+ */
+typedef struct kvt_rows_layout {
+	uint32_t size;  /* sizeof(kvt_rows_layout): at least up to head_stride */
+	uint32_t flags; /* must be 0 */
+	/* [to - from] host array (whatever the backend), or NULL: slot(i) = i. On read a slot of -1
+	 * skips the token (its rows are not written) and the other slots must be distinct; on write
+	 * every slot must be >= 0 and may repeat (the same rows stored twice). Every slot must be
+	 * <= the largest whose rows an address of ptrdiff_t range reaches (the error names it). */
+	const int64_t *slot_mapping;
+	/* elements between slots; 0: n_kv_heads * head_stride. Must be at least
+	 * (n_kv_heads - 1) * head_stride + head_dim, so that no two slots overlap. */
+	uint64_t slot_stride;
+	/* elements between the KV heads of a slot; 0: head_dim. Must be at least head_dim. */
+	uint64_t head_stride;
+} kvt_rows_layout;
+
+/*
+ * kvt_seq_read_rows, with the rows placed in k and v as `layout` says (NULL: dense, the same call).
+ * Token from + i goes to slot slot_mapping[i] (skipped when -1). Returns to - from (skipped tokens
+ * included). Writes nothing of k and v outside the slots and heads named; the bytes between heads
+ * of a strided slot are left as they were.
+ * Errors: kvt_seq_read_rows's, and -EINVAL for the layout (size too small, unknown flags, a stride
+ * below its minimum, a slot below -1 or out of range, two tokens on one slot: the text names the
+ * field, the index and the value); -ENOMEM (the check for repeated slots needs n words);
+ * -EOPNOTSUPP on the CUDA backend for any layout but the dense one (no kernel yet).
+ * A failed call writes nothing of k and v, except after a failed NVMe read as kvt_seq_read_rows.
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_read_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer, uint32_t from,
+				 uint32_t to, void *k, void *v, const kvt_rows_layout *layout,
+				 void *stream);
+
+/*
+ * kvt_seq_write_rows, with the rows taken from k and v as `layout` says (NULL: dense, the same
+ * call): ingest of new rows straight from a runtime's paged K/V buffer. The rows are gathered into
+ * a dense host buffer of 2 (to - from) n_kv_heads head_dim elements first, then stored and indexed
+ * exactly as kvt_seq_write_rows stores and indexes the same rows given dense (bit for bit).
+ * Returns to - from. Errors: kvt_seq_write_rows's, -EINVAL for the layout (as kvt_seq_read_rows_at;
+ * a slot of -1 is refused), -ENOMEM (the dense buffer), -EOPNOTSUPP on the CUDA backend for any
+ * layout but the dense one. All or nothing.
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_write_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer, uint32_t from,
+				  uint32_t to, const void *k, const void *v,
+				  const kvt_rows_layout *layout, void *stream);
+
+/*
  * Add one prefill chunk of `seq` on `layer`: stores its K/V rows in the host tier and indexes every
  * token of the chunk except sinks and the last `window` tokens of the sequence. The first chunk of a
  * layer fixes the key centroid (mean of its keys) and the query centroid (mean of its queries over the

@@ -364,7 +364,8 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 /* ---- row ranges ------------------------------------------------------------------------------ */
 
 int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,
-		       uint32_t from, uint32_t to, void *k, void *v, void *stream)
+		       uint32_t from, uint32_t to, void *k, void *v, const struct kvt_rows_map *m,
+		       void *stream)
 {
 	struct kvt_layer *l = &s->layers[layer];
 	if (c->ops->enter)
@@ -376,7 +377,10 @@ int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t 
 		if (rc < 0)
 			return (int)rc;
 	}
-	KVT_TRY(c->ops->read_rows(c, l, from, to, k, v, stream));
+	if (m)
+		KVT_TRY(c->ops->read_rows_at(c, l, from, to, k, v, m, stream));
+	else
+		KVT_TRY(c->ops->read_rows(c, l, from, to, k, v, stream));
 	c->st.rows_fetched += (uint64_t)(to - from) * c->cfg.n_kv_heads;
 	c->st.bytes_fetched += (uint64_t)(to - from) * c->cfg.n_kv_heads * c->row_bytes;
 	return (int)(to - from);
