@@ -7,6 +7,7 @@
 #ifndef KVT_TEST_COMMON_H
 #define KVT_TEST_COMMON_H
 
+#include <ctype.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -313,6 +314,19 @@ static inline void t_warm_runtime(void)
 	if (kvt_seq_open(c, &seq) == 0)
 		kvt_prefill(c, seq, 0, NULL, kv, kv, 1, NULL);
 	kvt_cache_destroy(c);
+}
+
+/* Whether text contains needle, ignoring case (error details are checked for the values named). */
+static inline int t_contains(const char *text, const char *needle)
+{
+	for (const char *t = text; *t; t++) {
+		size_t i = 0;
+		while (needle[i] && tolower((unsigned char)t[i]) == tolower((unsigned char)needle[i]))
+			i++;
+		if (!needle[i])
+			return 1;
+	}
+	return 0;
 }
 
 static inline kvt_stats t_stats(kvt_cache *c)

@@ -14,8 +14,6 @@
  *   - allocation faults: fork and truncate failing at the N-th allocation for N = 1, 2, ... change
  *     nothing (lengths, outputs, host bytes) and leak nothing.
  */
-#include <ctype.h>
-
 #include "common.h"
 
 #define D 64
@@ -322,18 +320,6 @@ static void test_rows(void **state)
 
 /* ---- bad arguments --------------------------------------------------------------------------- */
 
-static int contains(const char *text, const char *needle)
-{
-	for (const char *t = text; *t; t++) {
-		size_t i = 0;
-		while (needle[i] && tolower((unsigned char)t[i]) == tolower((unsigned char)needle[i]))
-			i++;
-		if (!needle[i])
-			return 1;
-	}
-	return 0;
-}
-
 struct fx {
 	kvt_cache *c;
 	uint32_t a, closed;
@@ -437,7 +423,7 @@ static void test_bad_arguments(void **state)
 		T_SOFT(&nfail, rc == t->want, "[%s]: got %d (%s), wanted %d; detail \"%s\"", t->name, rc,
 		       kvt_strerror(rc), t->want, msg);
 		for (int k = 0; k < 2 && t->needle[k]; k++)
-			T_SOFT(&nfail, contains(msg, t->needle[k]), "[%s]: detail \"%s\" does not name \"%s\"",
+			T_SOFT(&nfail, t_contains(msg, t->needle[k]), "[%s]: detail \"%s\" does not name \"%s\"",
 			       t->name, msg, t->needle[k]);
 		kvt_stats after = t_stats(f.c);
 		T_SOFT(&nfail, after.tokens == before.tokens && after.seqs_open == before.seqs_open &&

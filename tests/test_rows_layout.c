@@ -12,8 +12,6 @@
  *   - allocation faults: the write and read paths failing at the N-th allocation for N = 1, 2, ...
  *     change nothing and leak nothing.
  */
-#include <ctype.h>
-
 #include "common.h"
 
 #define D 64
@@ -269,18 +267,6 @@ static void test_write_strided(void **state)
 
 /* ---- bad arguments ---------------------------------------------------------------------------- */
 
-static int contains(const char *text, const char *needle)
-{
-	for (const char *t = text; *t; t++) {
-		size_t i = 0;
-		while (needle[i] && tolower((unsigned char)t[i]) == tolower((unsigned char)needle[i]))
-			i++;
-		if (!needle[i])
-			return 1;
-	}
-	return 0;
-}
-
 /* seq a holds 40 tokens; layouts over 2 tokens unless named. */
 struct fx {
 	kvt_cache *c;
@@ -381,7 +367,7 @@ static void test_bad_arguments(void **state)
 		T_SOFT(&nfail, rc == cases[i].want, "[%s]: got %d (%s), wanted %d; detail \"%s\"",
 		       cases[i].name, rc, kvt_strerror(rc), cases[i].want, msg);
 		for (int k = 0; k < 2 && cases[i].needle[k]; k++)
-			T_SOFT(&nfail, contains(msg, cases[i].needle[k]),
+			T_SOFT(&nfail, t_contains(msg, cases[i].needle[k]),
 			       "[%s]: detail \"%s\" does not name \"%s\"", cases[i].name, msg,
 			       cases[i].needle[k]);
 		kvt_stats after = t_stats(f.c);
