@@ -149,6 +149,14 @@ STRUCTS = {"kvt_config": KvtConfig, "kvt_stats": KvtStats, "kvt_layer_stats": Kv
            "kvt_capacity": KvtCapacity}
 
 
+class KvtRowsLayout(ctypes.Structure):
+    """kvt_rows_layout: where the rows of kvt_seq_read_rows_at / write_rows_at go (slot mapping,
+    slot and head strides in elements)."""
+    _fields_ = [("size", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("slot_mapping", ctypes.c_void_p), ("slot_stride", ctypes.c_uint64),
+                ("head_stride", ctypes.c_uint64)]
+
+
 class LoadError(ImportError):
     """libkvtier could not be loaded or does not match this package."""
 
@@ -167,6 +175,10 @@ _PROTOTYPES = {
     "kvt_seq_fork": (ctypes.c_int, [_P, u32, ctypes.POINTER(u32), _P]),
     "kvt_seq_read_rows": (ctypes.c_int, [_P, u32, u32, u32, u32, _P, _P, _P]),
     "kvt_seq_write_rows": (ctypes.c_int, [_P, u32, u32, u32, u32, _P, _P, _P]),
+    "kvt_seq_read_rows_at": (ctypes.c_int, [_P, u32, u32, u32, u32, _P, _P,
+                                             ctypes.POINTER(KvtRowsLayout), _P]),
+    "kvt_seq_write_rows_at": (ctypes.c_int, [_P, u32, u32, u32, u32, _P, _P,
+                                              ctypes.POINTER(KvtRowsLayout), _P]),
     "kvt_prefill": (ctypes.c_int, [_P, u32, u32, _P, _P, _P, u32, _P]),
     "kvt_append": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P, _P]),
     "kvt_attend": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P, _P]),
