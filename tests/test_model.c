@@ -1,21 +1,28 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Model-based random-operation test (RocksDB's db_stress): random sequences of open, close,
- * prefill, append, attend, select and gather, spill and restore, fork and truncate run on a tiered
- * cache T (CPU
- * backend, an NVMe tier) and on a reference R of the same configuration without NVMe and with
- * ample host memory. The tier does not change the math, so every result must match bit for bit:
- * return codes, sequence ids, lengths, attention outputs, selection sizes, gathered counts,
- * positions and rows. At p = 1 every indexed token is selected, so attention must also equal exact
+ * prefill, append, attend, select and gather, spill and restore, fork, truncate, extend (a varlen
+ * batch of 1-3 sequences with 0-5 new tokens each), read_rows (a random range) and write_rows (a few
+ * rows at the end) run on a tiered cache T (CPU backend, an NVMe tier) and on a reference R of the
+ * same configuration without NVMe and with ample host memory. Every other pair of seeds runs T with
+ * KVT_SPILL_LRU and a host tier of HOST_BLOCKS blocks, too small for the seed's sequences: calls
+ * spill others to NVMe on their own (automatic spills, undone when the call fails). The tier does
+ * not change the math, so every result must match bit for bit: return codes, sequence ids,
+ * lengths, attention and extend outputs, selection sizes, gathered counts, positions and rows, rows
+ * read. At p = 1 every indexed token is selected, so attention must also equal exact
  * attention over every token the model holds, computed here in double precision, and every gather
  * holds every token.
  *
  * Faults are injected into T's calls only: the Nth allocation (kvt_mem_fail_at) or the Nth io_uring
  * completion rewritten to an error or a short count (the hook of tests/test_tier_fault.c). A call
  * that fails with an injected fault must return a documented code and change nothing: R does not
- * run that call, and every later result (and an attend over every sequence right after the failure)
- * must still match R's. A call that recovers from the fault (a resubmitted short read) must give
- * R's result. At the end nothing may leak (allocations, descriptors).
+ * run that call, T's spill, restore and automatic-spill counts and its host and NVMe bytes are as
+ * before it, and every later result (and an attend over every sequence right after the failure)
+ * must still match R's. A call of a KVT_SPILL_LRU seed that needs more host tier than spilling can
+ * free is refused (-ENOSPC, "host tier") and is judged alike. A call that recovers from the fault (a
+ * resubmitted short read) must give R's result. At the end of each seed, with every sequence
+ * closed, no host or NVMe bytes may be left in use; at the end nothing may leak (allocations,
+ * descriptors).
  *
  * Usage: test_model [--long] [--seeds N] [--seed S] [--steps N]. Default: a CI-sized run (suite
  * unit, 32 seeds); --long runs 250 seeds (suite slow). KVT_MODEL_SEEDS sets the seed count too.
@@ -35,6 +42,22 @@
 #define CAP 2000 /* tokens per sequence and layer the model keeps */
 #define ROW (NKV * D)
 #define QROW (NQ * D)
+#ifndef HOST_BLOCKS
+#define HOST_BLOCKS 20 /* KVT_SPILL_LRU seeds: host-tier blocks (256 tokens of a KV head, 64 KiB) */
+#endif
+
+enum op {
+	OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE,
+	OP_FORK, OP_TRUNCATE, OP_EXTEND, OP_READ, OP_WRITE, OP_NOPS
+};
+static const char *const op_name[OP_NOPS] = {
+	"open",	 "close", "prefill",  "append", "attend",    "select",	   "spill",
+	"restore", "fork",  "truncate", "extend", "read_rows", "write_rows"};
+
+/* Counters of the tiered cache that a failed call must leave as they were. */
+struct tstate {
+	uint64_t spills, restores, auto_spills, host_bytes_used, nvme_bytes_used;
+};
 
 /* A sequence as the model sees it: its rows per layer, decoded (for the exact attention). */
 struct mseq {
@@ -49,19 +72,15 @@ struct model {
 	uint32_t dtype;
 	float p;
 	kvt_cache *t, *ref;
+	int lru;		/* T spills automatically (KVT_SPILL_LRU) from a small host tier */
+	struct tstate pre;	/* T's counters before the call under a fault (arm) */
 	nv_files f;
 	struct mseq s[MAXS];
 	uint64_t seed, step;
 	/* counts for the summary */
-	uint64_t ops[12], faults_fired, faults_failed, faults_recovered, exact_checks;
+	uint64_t ops[OP_NOPS], faults_fired, faults_failed, faults_recovered, exact_checks;
+	uint64_t host_full; /* calls refused by the small host tier of a KVT_SPILL_LRU seed */
 };
-
-enum op {
-	OP_OPEN, OP_CLOSE, OP_PREFILL, OP_APPEND, OP_ATTEND, OP_SELECT, OP_SPILL, OP_RESTORE,
-	OP_FORK, OP_TRUNCATE, OP_NOPS
-};
-static const char *const op_name[OP_NOPS] = {"open",   "close",  "prefill", "append", "attend",
-					    "select", "spill",  "restore", "fork",   "truncate"};
 
 static int g_fail; /* a mismatch was found: stop the seed */
 static int g_all;  /* batches take every open sequence (the check after a failed call) */
@@ -108,8 +127,18 @@ static int cqe_hook(void *ctx, uint64_t nth, int res)
 	}
 }
 
+static struct tstate tstate_of(struct model *m)
+{
+	kvt_stats st = {.size = sizeof st};
+	int rc = kvt_get_stats(m->t, &st);
+	M_CHECK(m, rc == 0, "kvt_get_stats: got %d (%s)", rc, kvt_last_error(m->t));
+	return (struct tstate){st.spills, st.restores, st.auto_spills, st.host_bytes_used,
+			       st.nvme_bytes_used};
+}
+
 static void arm(struct model *m, struct fault *f)
 {
+	m->pre = tstate_of(m);
 	f->fired = 0;
 	f->kind = F_NONE;
 	if (t_unif(&m->r) >= 0.25)
@@ -149,14 +178,34 @@ static int documented(const struct fault *f, int64_t rc)
  */
 static int judge(struct model *m, const struct fault *f, enum op op, int64_t rc)
 {
-	if (!f->fired || rc >= 0) {
+	/* the small host tier of a KVT_SPILL_LRU seed may not hold what one call needs beside the
+	 * blocks that cannot spill (tail blocks not indexed yet): refused, as if never made */
+	int full = m->lru && !f->fired && rc == -ENOSPC && strstr(kvt_last_error(m->t), "host tier");
+	if (!full && (!f->fired || rc >= 0)) {
 		m->faults_recovered += f->fired && rc >= 0;
 		return 1;
 	}
-	M_CHECK(m, documented(f, rc), "%s under an injected %s fault (n %llu): got %lld (%s: %s), "
+	M_CHECK(m, full || documented(f, rc), "%s under an injected %s fault (n %llu): got %lld (%s: %s), "
 		"not a documented code", op_name[op], fkind_name[f->kind], (unsigned long long)f->n,
 		(long long)rc, kvt_strerror((int)rc), kvt_last_error(m->t));
-	m->faults_failed++;
+	/* nothing changed: no spill or restore left counted (automatic spills undone), no block */
+	struct tstate a = tstate_of(m), b = m->pre;
+	/* kvtier.h: a truncate restores a spilled sequence first, which stays restored (with the
+	 * automatic spills that made room for it) when the call then fails */
+	int restored = op == OP_TRUNCATE && a.restores == b.restores + 1;
+	M_CHECK(m, restored || !memcmp(&a, &b, sizeof a), "%s failed under an injected %s fault (n %llu) but "
+		"changed the tiered cache: spills %llu -> %llu, restores %llu -> %llu, auto spills "
+		"%llu -> %llu, host bytes %llu -> %llu, NVMe bytes %llu -> %llu", op_name[op],
+		fkind_name[f->kind], (unsigned long long)f->n, (unsigned long long)b.spills,
+		(unsigned long long)a.spills, (unsigned long long)b.restores,
+		(unsigned long long)a.restores, (unsigned long long)b.auto_spills,
+		(unsigned long long)a.auto_spills, (unsigned long long)b.host_bytes_used,
+		(unsigned long long)a.host_bytes_used, (unsigned long long)b.nvme_bytes_used,
+		(unsigned long long)a.nvme_bytes_used);
+	if (full)
+		m->host_full++;
+	else
+		m->faults_failed++;
 	return 0;
 }
 
@@ -190,6 +239,15 @@ static void model_open(struct model *m, uint64_t seed)
 	cfg.n_nvme = 1;
 	cfg.nvme_cache_bytes = (uint64_t)2 << 20;
 	cfg.nvme_queue_depth = 1 + t_below(&m->r, 8);
+	/* every other pair of seeds (p = 1 ones too): KVT_SPILL_LRU and a host tier of HOST_BLOCKS
+	 * blocks, below what the sequences of a seed come to hold (about 24-52 blocks at their
+	 * peak), so that calls spill others on their own several times a seed; now and then one
+	 * call needs more than can be freed (judge: refused, changing nothing) */
+	m->lru = seed / 2 % 2 == 1;
+	if (m->lru) {
+		cfg.spill_policy = KVT_SPILL_LRU;
+		cfg.host_bytes = (uint64_t)HOST_BLOCKS << 16;
+	}
 	m->t = t_create(&cfg);
 	nv_unlink(&m->f);
 	for (int i = 0; i < MAXS; i++)
@@ -346,6 +404,13 @@ static void op_append(struct model *m, uint16_t *k, uint16_t *v)
 			m->s[slots[j]].len[l]++;
 }
 
+/* Both output buffers set to NaN, so that an output a call leaves unwritten cannot match. */
+static void poison(float *ot, float *orf, size_t n)
+{
+	memset(ot, 0xff, n * sizeof *ot);
+	memset(orf, 0xff, n * sizeof *orf);
+}
+
 /* Exact attention of one sequence's queries [NQ, D] over every token the model holds. */
 static void exact(const struct model *m, const struct mseq *s, uint32_t l, const float *q,
 		  double *out)
@@ -388,8 +453,7 @@ static void op_attend(struct model *m, uint16_t *q, float *qd, float *ot, float 
 		ids[j] = m->s[slots[j]].id;
 	rows(m, n, QROW, 0.3, q, qd);
 	size_t outn = (size_t)n * QROW;
-	memset(ot, 0xff, outn * sizeof *ot);
-	memset(orf, 0xff, outn * sizeof *orf);
+	poison(ot, orf, outn);
 	struct fault f;
 	arm(m, &f);
 	int rt = kvt_attend(m->t, l, n, ids, q, ot, NULL);
@@ -549,6 +613,111 @@ static void op_truncate(struct model *m)
 			s->len[l] -= n;
 }
 
+/* A varlen batch (kvt_extend) of 1-3 open sequences with 0-5 new tokens each (all 0 now and then:
+ * refused alike), every query row attending causally; outputs bit for bit. */
+static void op_extend(struct model *m, uint16_t *q, uint16_t *k, uint16_t *v, float *ot,
+		      float *orf)
+{
+	int slots[MAXS];
+	uint32_t l = t_below(&m->r, NL), ids[MAXS], cu[MAXS + 1] = {0};
+	uint32_t n = pick_batch(m, slots, 0, l), most = 1 + t_below(&m->r, 3);
+	n = n < most ? n : most;
+	if (!n)
+		return;
+	for (uint32_t j = 0; j < n; j++) {
+		struct mseq *s = &m->s[slots[j]];
+		uint32_t c = t_below(&m->r, 6);
+		if (s->len[l] + c > CAP)
+			return;
+		ids[j] = s->id;
+		cu[j + 1] = cu[j] + c;
+		rows(m, c, ROW, 0.1 * slots[j], k + (size_t)cu[j] * ROW,
+		     s->k[l] + (size_t)s->len[l] * ROW);
+		rows(m, c, ROW, 0, v + (size_t)cu[j] * ROW, s->v[l] + (size_t)s->len[l] * ROW);
+	}
+	uint32_t total = cu[n];
+	rows(m, total, QROW, 0.3, q, NULL);
+	size_t outn = (size_t)total * QROW;
+	poison(ot, orf, outn);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_extend(m->t, l, n, ids, cu, q, k, v, ot, 0, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_EXTEND, rt))
+		return;
+	int rr = kvt_extend(m->ref, l, n, ids, cu, q, k, v, orf, 0, NULL);
+	M_CHECK(m, rt == rr && (rt == 0) == (total > 0), "extend of %u sequences (%u new tokens) on "
+		"layer %u: tiered got %d (%s), reference %d (%s)", n, total, l, rt,
+		kvt_last_error(m->t), rr, kvt_last_error(m->ref));
+	if (rt || rr)
+		return;
+	for (uint32_t j = 0; j < n; j++)
+		m->s[slots[j]].len[l] += cu[j + 1] - cu[j];
+	for (size_t x = 0; x < outn; x++)
+		if (memcmp(&ot[x], &orf[x], sizeof *ot)) {
+			M_CHECK(m, 0, "extend of %u sequences on layer %u: output %zu (row %zu, head "
+				"%zu, dim %zu) tiered %.9g, reference %.9g: wanted bit for bit", n, l,
+				x, x / QROW, x % QROW / D, x % D, ot[x], orf[x]);
+			return;
+		}
+}
+
+/* The rows of a random range of a random sequence and layer (now and then past its length:
+ * refused alike), spilled rows read from NVMe: bit for bit with the reference's. */
+static void op_read(struct model *m, uint16_t *kt, uint16_t *vt, uint16_t *kr, uint16_t *vr)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	struct mseq *s = &m->s[i];
+	uint32_t l = t_below(&m->r, NL), len = s->len[l];
+	uint32_t from = t_below(&m->r, len + 1), to = from + 1 + t_below(&m->r, len - from + 1);
+	if (t_below(&m->r, 10) && to > len) /* mostly a valid range */
+		to = len;
+	int valid = to > from && to <= len;
+	size_t bytes = (size_t)(to - from) * ROW * 2;
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_seq_read_rows(m->t, s->id, l, from, to, kt, vt, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_READ, rt))
+		return;
+	int rr = kvt_seq_read_rows(m->ref, s->id, l, from, to, kr, vr, NULL);
+	M_CHECK(m, rt == rr && (valid ? rt == (int)(to - from) : rt == -EINVAL), "read_rows "
+		"[%u, %u) of %u (%u tokens) on layer %u: tiered got %d (%s), reference %d (%s)", from,
+		to, s->id, len, l, rt, kvt_last_error(m->t), rr, kvt_last_error(m->ref));
+	if (rt != rr || rt <= 0)
+		return;
+	M_CHECK(m, !memcmp(kt, kr, bytes) && !memcmp(vt, vr, bytes), "read_rows [%u, %u) of %u on "
+		"layer %u: rows differ from the reference's", from, to, s->id, l);
+}
+
+/* A few rows computed elsewhere appended at the end of a random sequence and layer. */
+static void op_write(struct model *m, uint16_t *k, uint16_t *v)
+{
+	int i = pick_open(m);
+	if (i < 0)
+		return;
+	struct mseq *s = &m->s[i];
+	uint32_t l = t_below(&m->r, NL), n = 1 + t_below(&m->r, 8), from = s->len[l];
+	if (from + n > CAP)
+		return;
+	rows(m, n, ROW, 0.1 * (double)i, k, s->k[l] + (size_t)from * ROW);
+	rows(m, n, ROW, 0, v, s->v[l] + (size_t)from * ROW);
+	struct fault f;
+	arm(m, &f);
+	int rt = kvt_seq_write_rows(m->t, s->id, l, from, from + n, k, v, NULL);
+	disarm(m, &f);
+	if (!judge(m, &f, OP_WRITE, rt))
+		return;
+	int rr = kvt_seq_write_rows(m->ref, s->id, l, from, from + n, k, v, NULL);
+	M_CHECK(m, rt == (int)n && rr == (int)n, "write_rows [%u, %u) of %u on layer %u: tiered got "
+		"%d (%s), reference %d, wanted %u", from, from + n, s->id, l, rt, kvt_last_error(m->t),
+		rr, n);
+	if (rt == (int)n)
+		s->len[l] += n;
+}
+
 /* Lengths of every open sequence on every layer: the model's, T's and R's. */
 static void check_lengths(struct model *m)
 {
@@ -565,9 +734,14 @@ static void check_lengths(struct model *m)
 	}
 }
 
+/* The summary's counters past the operations. */
+enum { T_FIRED = OP_NOPS, T_FAILED, T_RECOVERED, T_EXACT, T_LRU_SEEDS, T_SPILLS, T_AUTO_SPILLS,
+       T_HOST_FULL,
+       T_N };
+
 struct bufs {
 	uint16_t q[400 * QROW], k[400 * ROW], v[400 * ROW];
-	float qd[MAXS * QROW], ot[MAXS * QROW], orf[MAXS * QROW];
+	float qd[MAXS * QROW], ot[15 * QROW], orf[15 * QROW]; /* 15: extend's most rows */
 	uint16_t kt[MAXS * NKV * CAP * D], vt[MAXS * NKV * CAP * D];
 	uint16_t kr[MAXS * NKV * CAP * D], vr[MAXS * NKV * CAP * D];
 	int32_t pt[MAXS * NKV * CAP], pr[MAXS * NKV * CAP];
@@ -580,12 +754,12 @@ static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *to
 	/* two sequences to start with */
 	op_open(&m);
 	op_open(&m);
-	static const uint32_t weight[OP_NOPS] = {4, 2, 14, 30, 18, 10, 6, 6, 3, 7};
+	static const uint32_t weight[OP_NOPS] = {4, 2, 12, 26, 16, 9, 6, 6, 3, 6, 5, 3, 2};
 	for (m.step = 0; m.step < steps && !g_fail; m.step++) {
 		uint32_t x = t_below(&m.r, 100), op = 0;
 		while (x >= weight[op])
 			x -= weight[op++];
-		uint64_t failed = m.faults_failed;
+		uint64_t failed = m.faults_failed + m.host_full;
 		switch ((enum op)op) {
 		case OP_OPEN: op_open(&m); break;
 		case OP_CLOSE: op_close(&m); break;
@@ -595,24 +769,44 @@ static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *to
 		case OP_SELECT: op_select(&m, b->q, b->kt, b->vt, b->kr, b->vr, b->pt, b->pr); break;
 		case OP_FORK: op_fork(&m); break;
 		case OP_TRUNCATE: op_truncate(&m); break;
+		case OP_EXTEND: op_extend(&m, b->q, b->k, b->v, b->ot, b->orf); break;
+		case OP_READ: op_read(&m, b->kt, b->vt, b->kr, b->vr); break;
+		case OP_WRITE: op_write(&m, b->k, b->v); break;
 		default: op_tier(&m, (enum op)op); break;
 		}
 		m.ops[op]++;
 		check_lengths(&m);
 		/* right after a failed call: every layer's attention over every sequence must match */
-		if (m.faults_failed != failed) {
+		if (m.faults_failed + m.host_full != failed) {
 			g_all = 1;
 			for (int l = 0; l < NL && !g_fail; l++)
 				op_attend(&m, b->q, b->qd, b->ot, b->orf);
 			g_all = 0;
 		}
 	}
+	struct tstate st = tstate_of(&m);
+	/* close everything: no block may be left on either tier */
+	while (!g_fail && pick_open(&m) >= 0)
+		op_close(&m);
+	if (!g_fail) {
+		kvt_stats a = {.size = sizeof a}, r = {.size = sizeof r};
+		int ra = kvt_get_stats(m.t, &a), rb = kvt_get_stats(m.ref, &r);
+		M_CHECK(&m, ra == 0 && rb == 0 && a.host_bytes_used == 0 && a.nvme_bytes_used == 0 &&
+			r.host_bytes_used == 0, "every sequence closed: tiered host bytes %llu, NVMe "
+			"bytes %llu, reference host bytes %llu; wanted 0", (unsigned long long)
+			a.host_bytes_used, (unsigned long long)a.nvme_bytes_used,
+			(unsigned long long)r.host_bytes_used);
+	}
 	for (int o = 0; o < OP_NOPS; o++)
 		totals[o] += m.ops[o];
-	totals[OP_NOPS] += m.faults_fired;
-	totals[OP_NOPS + 1] += m.faults_failed;
-	totals[OP_NOPS + 2] += m.faults_recovered;
-	totals[OP_NOPS + 3] += m.exact_checks;
+	totals[T_FIRED] += m.faults_fired;
+	totals[T_FAILED] += m.faults_failed;
+	totals[T_RECOVERED] += m.faults_recovered;
+	totals[T_EXACT] += m.exact_checks;
+	totals[T_LRU_SEEDS] += (uint64_t)m.lru;
+	totals[T_SPILLS] += st.spills;
+	totals[T_AUTO_SPILLS] += st.auto_spills;
+	totals[T_HOST_FULL] += m.host_full;
 	model_close(&m);
 }
 
@@ -622,7 +816,7 @@ static void test_model(void **state)
 {
 	(void)state;
 	struct bufs *b = t_alloc(sizeof *b);
-	uint64_t totals[OP_NOPS + 4] = {0};
+	uint64_t totals[T_N] = {0};
 	int64_t live = kvt_mem_live();
 	int fds = nv_fd_count();
 	uint64_t s;
@@ -634,17 +828,24 @@ static void test_model(void **state)
 	for (int o = 0; o < OP_NOPS; o++)
 		print_message(" %s %llu", op_name[o], (unsigned long long)totals[o]);
 	print_message("; faults fired %llu (failed as documented %llu, recovered %llu); exact p = 1 "
-		      "checks %llu\n", (unsigned long long)totals[OP_NOPS],
-		      (unsigned long long)totals[OP_NOPS + 1], (unsigned long long)totals[OP_NOPS + 2],
-		      (unsigned long long)totals[OP_NOPS + 3]);
+		      "checks %llu; KVT_SPILL_LRU seeds %llu, tiered spills %llu (automatic %llu), calls "
+		      "refused by the small host tier %llu\n",
+		      (unsigned long long)totals[T_FIRED], (unsigned long long)totals[T_FAILED],
+		      (unsigned long long)totals[T_RECOVERED], (unsigned long long)totals[T_EXACT],
+		      (unsigned long long)totals[T_LRU_SEEDS], (unsigned long long)totals[T_SPILLS],
+		      (unsigned long long)totals[T_AUTO_SPILLS],
+		      (unsigned long long)totals[T_HOST_FULL]);
 	T_CHECK(!g_fail, "a seed did not match the reference (above)");
 	T_CHECK(kvt_mem_live() == live, "live allocations got %lld after every seed, wanted %lld",
 		(long long)kvt_mem_live(), (long long)live);
 	T_CHECK(nv_fd_count() == fds, "open descriptors got %d after every seed, wanted %d",
 		nv_fd_count(), fds);
-	T_CHECK(n_seeds < 8 || (totals[OP_NOPS + 1] > 0 && totals[OP_NOPS + 3] > 0),
-		"faults that failed a call got %llu, exact checks %llu: wanted both > 0",
-		(unsigned long long)totals[OP_NOPS + 1], (unsigned long long)totals[OP_NOPS + 3]);
+	T_CHECK(n_seeds < 8 || (totals[T_FAILED] > 0 && totals[T_EXACT] > 0 &&
+				totals[T_AUTO_SPILLS] >= 2 * totals[T_LRU_SEEDS]),
+		"faults that failed a call got %llu, exact checks %llu, automatic spills %llu in %llu "
+		"KVT_SPILL_LRU seeds: wanted > 0, > 0 and >= 2 a seed",
+		(unsigned long long)totals[T_FAILED], (unsigned long long)totals[T_EXACT],
+		(unsigned long long)totals[T_AUTO_SPILLS], (unsigned long long)totals[T_LRU_SEEDS]);
 }
 
 static int setup(void **state)
