@@ -154,10 +154,7 @@ static void cu_fini(kvt_cache *c)
 		cudaEventDestroy(b->sp_ev);
 	gpu_pinned_free(c, b->sp_meta, b->sp_meta_bytes);
 	gpu_pinned_free(c, b->sp_rows, b->sp_rows_bytes);
-	if (b->err_host) {
-		kvt_mem_unpin(&c->mem, b->err_host, ERR_HOST_BYTES);
-		kvt_mem_free(KVT_MEM_PAGES, b->err_host, ERR_HOST_BYTES);
-	}
+	gpu_pinned_free(c, b->err_host, ERR_HOST_BYTES);
 	gpu_dfree(c, b->rot);
 	gpu_dfree(c, b->err);
 	gpu_dfree(c, b->counters);
@@ -173,14 +170,8 @@ static void cu_fini(kvt_cache *c)
 /* The pinned mirror of the error word: one page, through the cache's allocation context. */
 static int err_host_alloc(kvt_cache *c, struct gpu_cache *b)
 {
-	void *p = kvt_mem_alloc(KVT_MEM_PAGES, ERR_HOST_BYTES);
-	KVT_RETURN_IF(!p, c, -ENOMEM, "out of memory for the error word's host mirror");
-	if (kvt_mem_pin(&c->mem, p, ERR_HOST_BYTES) < 0) {
-		kvt_mem_free(KVT_MEM_PAGES, p, ERR_HOST_BYTES);
-		return kvt_seterr(c, -ENOMEM, "pinning the error word's host mirror failed");
-	}
-	b->err_host = p;
-	return 0;
+	return gpu_pinned_alloc(c, (void **)&b->err_host, ERR_HOST_BYTES,
+				"the error word's host mirror");
 }
 
 static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)

@@ -142,9 +142,12 @@ void gpu_mark(struct gpu_timing *t, int i, void *stream);
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream);
 int gpu_spilled_done(kvt_cache *c, void *stream);
-void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes);
 
 /* devmem.c */
+/* Host pages pinned (and mapped) through the cache's allocation context: *p, or -ENOMEM naming
+ * `what`; freed (NULL accepted) with the same size. */
+int gpu_pinned_alloc(kvt_cache *c, void **p, size_t bytes, const char *what);
+void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes);
 /* -EINVAL with the text `why` when `stream` is being captured into a graph. */
 int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why);
 /* The same for `what`, which needs device memory. */

@@ -44,6 +44,27 @@ int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 	return 0;
 }
 
+int gpu_pinned_alloc(kvt_cache *c, void **p, size_t bytes, const char *what)
+{
+	void *q = kvt_mem_alloc(KVT_MEM_PAGES, bytes);
+	KVT_RETURN_IF(!q, c, -ENOMEM, "out of host memory for %s (%zu bytes)", what, bytes);
+	if (kvt_mem_pin(&c->mem, q, bytes) < 0) {
+		kvt_mem_free(KVT_MEM_PAGES, q, bytes);
+		return kvt_seterr(c, -ENOMEM, "pinning %zu bytes of host memory for %s failed", bytes,
+				  what);
+	}
+	*p = q;
+	return 0;
+}
+
+void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	kvt_mem_unpin(&c->mem, p, bytes);
+	kvt_mem_free(KVT_MEM_PAGES, p, bytes);
+}
+
 /* Grow a device buffer to `need` bytes (contents not kept). */
 int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, const char *what)
 {

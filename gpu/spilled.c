@@ -21,14 +21,6 @@
 
 #include "cuda_backend.h"
 
-void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes)
-{
-	if (!p)
-		return;
-	kvt_mem_unpin(&c->mem, p, bytes);
-	kvt_mem_free(KVT_MEM_PAGES, p, bytes);
-}
-
 /* Wait until no queued work reads the staging or the metadata buffer. */
 static int staging_idle(kvt_cache *c)
 {
@@ -46,13 +38,8 @@ static int pinned_grow(kvt_cache *c, void **p, size_t *have, size_t need, const 
 	if (need <= *have && *p)
 		return 0;
 	size_t want = (need + need / 4 + 4095) & ~(size_t)4095;
-	void *q = kvt_mem_alloc(KVT_MEM_PAGES, want);
-	KVT_RETURN_IF(!q, c, -ENOMEM, "out of host memory for %s (%zu bytes)", what, want);
-	if (kvt_mem_pin(&c->mem, q, want) < 0) {
-		kvt_mem_free(KVT_MEM_PAGES, q, want);
-		return kvt_seterr(c, -ENOMEM, "pinning %zu bytes of host memory for %s failed", want,
-				  what);
-	}
+	void *q = NULL;
+	KVT_TRY(gpu_pinned_alloc(c, &q, want, what));
 	gpu_pinned_free(c, *p, *have);
 	*p = q;
 	*have = want;

@@ -443,7 +443,7 @@ static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const ui
 			rc = kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
 					"seq %u holds no tokens on layer %u", seqs[i], layer));
 	if (rc == 0)
-		rc = kvt_pipe_step(c, layer, n_seqs, seqs, ls, q, out, stream);
+		rc = kvt_pipe_step(c, layer, n_seqs, ls, q, out, stream);
 	return rc;
 }
 

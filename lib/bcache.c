@@ -314,12 +314,14 @@ void kvt_rows_round(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls)
 		ls[i]->bc_round = bc->round;
 }
 
-void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer)
+void kvt_bcache_drop(kvt_cache *c, const struct kvt_layer *ls, uint32_t n)
 {
 	struct kvt_bcache *bc = c->bc;
+	const uint32_t first = n ? ls[0].index : 0;
 	for (uint32_t i = 0; bc && i < bc->n_slots; i++) {
 		const struct bslot *s = &bc->slots[i];
-		if (s->used && s->uid == uid && (layer == UINT32_MAX || s->layer == layer)) {
+		/* a slot carries the uid of the layer that read it (a truncated layer has its own) */
+		if (s->used && s->layer - first < n && s->uid == ls[s->layer - first].seq_uid) {
 			bc_unlink(bc, (int32_t)i);
 			bc->free[bc->n_free++] = (int32_t)i;
 		}

@@ -418,7 +418,7 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const void *k, const void *v, void *stream);
 /* out == NULL: select only; returns the largest per-KV-head token count. */
-int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		  struct kvt_layer *const *ls, const void *q, void *out, void *stream);
 /* kvt_extend: cu [n_seqs + 1] checked (ascending from 0); entries may be empty. */
 int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -536,9 +536,10 @@ struct kvt_nvme_block_id kvt_tier_block_id(const kvt_cache *c, const struct kvt_
 /* The block cache of nvme_cache_bytes and the read requests of one call; -ENOMEM. */
 int kvt_bcache_init(kvt_cache *c);
 void kvt_bcache_fini(kvt_cache *c);
-/* Forget the cached chunks of sequence uid, of one layer or (UINT32_MAX) all: its rows are back in
- * the host tier or gone, so the slots are free at once rather than aged out. */
-void kvt_bcache_drop(kvt_cache *c, uint64_t uid, uint32_t layer);
+/* Forget the cached chunks read by the n consecutive layers ls (one layer, or a sequence's all):
+ * their rows are back in the host tier or gone, so the slots are free at once rather than aged
+ * out. One pass over the cache. */
+void kvt_bcache_drop(kvt_cache *c, const struct kvt_layer *ls, uint32_t n);
 /*
  * A step or gather is about to read the rows of these n (sequence, layer)s: when one of them was
  * read in the current round already, the next round (decode step) begins. The block cache keeps the

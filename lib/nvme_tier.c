@@ -471,8 +471,7 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	int rc = read_back(c, s, slot, 0, n);
 	if (rc < 0)
 		return kvt_tier_undo(c, &m, rc);
-	for (uint32_t layer = 0; layer < c->cfg.n_layers; layer++) /* a truncated layer has its uid */
-		kvt_bcache_drop(c, s->layers[layer].seq_uid, layer);
+	kvt_bcache_drop(c, s->layers, c->cfg.n_layers);
 	c->st.restores++;
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;
 }
@@ -495,7 +494,7 @@ void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l)
 {
 	if (!l->spill)
 		return;
-	kvt_bcache_drop(c, l->seq_uid, l->index);
+	kvt_bcache_drop(c, l, 1);
 	/* The sequence is gone: its rows must not stay readable in the files (doc/data-at-rest.md). */
 	for (size_t i = 0; i < (size_t)l->blk_cap * c->cfg.n_kv_heads; i++)
 		kvt_tier_drop_block(c, l, i);

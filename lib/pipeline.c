@@ -288,7 +288,7 @@ static uint32_t attended(const struct kvt_layer *l, uint32_t m)
 	return m + l->sel_tokens - l->sel_indexed;
 }
 
-int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		  struct kvt_layer *const *ls, const void *q, void *out, void *stream)
 {
 	const uint32_t H = c->cfg.n_kv_heads;
