@@ -88,9 +88,12 @@ static int lock_holder(dev_t dev, ino_t ino)
 }
 
 /*
- * flock(LOCK_EX | LOCK_NB), waiting up to 2 s while the holder is a process that has exited: a
- * dead process's io_uring is torn down asynchronously, and its registered files (with the lock)
- * are released some milliseconds after its exit. A live holder is refused at once.
+ * flock(LOCK_EX | LOCK_NB), waiting up to 2 s while the holder is not a live process: a dead
+ * process's io_uring is torn down asynchronously, and its registered files (with the lock) are
+ * released some milliseconds after its exit. Once the dead holder is reaped, /proc/locks shows
+ * its pid as 0 (no such pid in this namespace), which is also how a holder in another pid
+ * namespace shows: both are waited for, and a holder still there after 2 s is refused. A live
+ * holder this process can see is refused at once.
  */
 static int lock_file(int fd, const struct stat *sb)
 {
@@ -100,7 +103,7 @@ static int lock_file(int fd, const struct stat *sb)
 		if (errno != EWOULDBLOCK || tries == 200)
 			return -1;
 		int pid = lock_holder(sb->st_dev, sb->st_ino);
-		if (pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH) {
+		if (pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH)) {
 			errno = EWOULDBLOCK;
 			return -1;
 		}
@@ -150,7 +153,7 @@ int kvt_nv_file_open(struct nv_file *f, const char *path, int buffered, const ch
 	f->ino = sb.st_ino;
 	if (lock_file(f->fd, &sb) != 0) {
 		int e = errno, pid = e == EWOULDBLOCK ? lock_holder(sb.st_dev, sb.st_ino) : 0;
-		char who[48] = "holder unknown";
+		char who[64] = "holder's pid not visible here";
 		if (pid)
 			snprintf(who, sizeof who, "locked by pid %d", pid);
 		if (e == EWOULDBLOCK)
