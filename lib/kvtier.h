@@ -332,13 +332,13 @@ KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
  * Errors: -EINVAL (cache NULL; n_tokens more than the sequence holds on some layer: the text names
  * the layer and its length), -ENOENT (not open), -ENOSPC and -ENOMEM (a block to copy); when a
  * spilled block holds rows of the new window or its last block, the sequence is restored first
- * (kvt_seq_restore's errors; it stays restored if the call then fails, and under KVT_SPILL_LRU
- * the sequences that restore spilled to make room stay spilled: a known gap in this call's
- * all-or-nothing promise, found by test_model).
+ * (kvt_seq_restore's errors; a failed restore changes nothing: the sequences it or the copies
+ * of shared blocks spilled under KVT_SPILL_LRU are read back).
  * CUDA backend: synchronizes the device (blocks may be freed under queued work; not capturable:
  * -EINVAL while `stream` is being captured); the window ring's rows of tokens returning to the
  * window are copied back from the host tier on `stream`. -EIO when that copy fails, a device
- * failure after which rings of the sequence may hold dropped rows.
+ * failure after which rings of the sequence may hold dropped rows, the sequence stays restored,
+ * and a sequence spilled to make room for that restore may stay spilled (the text says which).
  * Thread safety: as every call on the cache.
  */
 KVT_API int kvt_seq_truncate(kvt_cache *cache, uint32_t seq, uint32_t n_tokens, void *stream);

@@ -95,14 +95,19 @@ static uint32_t truncated_ni(const kvt_cache *c, const struct kvt_layer *l, uint
 	return ni < l->n_indexed ? ni : l->n_indexed;
 }
 
-/* Whether l's partial last block after dropping n tokens is shared (the next append writes it). */
+/* Whether l's partial last block after dropping n tokens is shared (the next append writes it),
+ * wherever it lies: a spilled block keeps its holders under its NVMe key, and is restored first. */
 static bool cow_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n, uint32_t h)
 {
 	const uint32_t keep = l->n_tokens - n, b = keep / KVT_BLOCK_TOKENS;
 	if (keep % KVT_BLOCK_TOKENS == 0 || !c->share)
 		return false;
-	void *blk = l->blocks[(size_t)h * l->blk_cap + b];
-	return blk && kvt_share_holders(c, kvt_share_host_key(blk)) > 1;
+	const size_t at = (size_t)h * l->blk_cap + b;
+	void *blk = l->blocks[at];
+	if (blk)
+		return kvt_share_holders(c, kvt_share_host_key(blk)) > 1;
+	return l->spill && l->spill[at].loc.bytes &&
+	       kvt_share_holders(c, kvt_share_nvme_key(&l->spill[at].loc)) > 1;
 }
 
 /* Whether a block truncation must have in the host tier is spilled: the new window's (flushes read
@@ -171,12 +176,13 @@ int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n
 	bool restore = false;
 	for (uint32_t i = 0; i < L && !restore; i++)
 		restore = truncate_needs_restore(c, &s->layers[i], n);
-	if (restore) {
-		int64_t rc = kvt_tier_restore(c, s, slot);
-		if (rc < 0)
-			return (int)rc;
-	}
-	struct kvt_tier_mark m; /* take_blocks may spill others: undone if a later step fails */
+	/*
+	 * The private copies of shared partial blocks come first, then the restore: each undoes its
+	 * own automatic spills when it fails, and a failed restore gives the copies back and undoes
+	 * theirs, so the call changes nothing. Nothing that can fail is left after the restore but
+	 * the device's ring copy (a device failure).
+	 */
+	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
 	uint32_t cow = 0;
 	for (uint32_t i = 0; i < L; i++)
@@ -190,6 +196,15 @@ int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n
 		if (rc < 0) {
 			kvt_mem_free(KVT_MEM_HOST, fresh, 0);
 			return rc;
+		}
+	}
+	if (restore) {
+		int64_t rc = kvt_tier_restore(c, s, slot);
+		if (rc < 0) {
+			if (cow)
+				kvt_extents_give(&c->host, cow, fresh);
+			kvt_mem_free(KVT_MEM_HOST, fresh, 0);
+			return kvt_tier_undo(c, &m, (int)rc);
 		}
 	}
 	int rc = 0;
