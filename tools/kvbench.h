@@ -178,6 +178,8 @@ typedef struct kb_run {
 	int32_t *counts;        /* [seqs, kv_heads] */
 	kb_ref ref;
 	double *head_oracle, *head_eff; /* [layers * q_heads] sums over seqs and steps */
+	double *recalls;        /* every query head's recall of every step, for the low percentiles */
+	size_t n_recalls, cap_recalls;
 	acc *step;              /* [steps_total] */
 	acc all;
 	uint64_t ns_prefill, ns_gather;
@@ -194,7 +196,7 @@ typedef struct kb_run {
 typedef struct kb_result {
 	uint32_t context, seqs, layers, topk;
 	float p;
-	double recall, recall_min, budget, oracle_budget, err, step_ms, tok_s, hit_rate, pcie_step;
+	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s, hit_rate, pcie_step;
 	double stage_ms[5];     /* index, store, score, select, attend per (step, layer) */
 	double base_recall[KB_N_BASE], base_budget[KB_N_BASE], base_err[KB_N_BASE];
 	uint64_t host_used, index_bytes;
@@ -225,6 +227,11 @@ _Noreturn void bad_value(const char *flag, const char *val, const char *want);
 _Noreturn void lib_fail(const kvt_cache *c, int64_t rc, const char *what);
 _Noreturn void fail(const char *what, const char *detail);
 void *xcalloc(size_t n, size_t size);
+/* The 5th (pct[0]) and 1st (pct[1]) percentiles of v[0..n) by nearest rank: the smallest value that
+ * at least q % of the values are at or below. Sorts v; NAN for n == 0. */
+void low_percentiles(double *v, size_t n, double pct[2]);
+/* The 5th and 1st percentiles of every query head's recall over the steps of a run. */
+void run_percentiles(const kb_run *b, double *p5, double *p1);
 uint64_t now_ns(void);
 /* Report done of total units of `what` (see kb_progress). */
 void progress(kb_progress *pg, const char *what, uint64_t done, uint64_t total);

@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -65,6 +66,23 @@ void *xcalloc(size_t n, size_t size)
 		exit(1);
 	}
 	return p;
+}
+
+static int cmp_dbl(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+void low_percentiles(double *v, size_t n, double pct[2])
+{
+	const double q[2] = {0.05, 0.01};
+	if (n)
+		qsort(v, n, sizeof(double), cmp_dbl);
+	for (int i = 0; i < 2; i++) {
+		double r = ceil(q[i] * (double)n);
+		pct[i] = n ? v[r < 1 ? 0 : (size_t)r - 1] : NAN;
+	}
 }
 
 uint64_t now_ns(void)

@@ -147,6 +147,8 @@ void evaluate(kb_run *b, uint32_t s, uint32_t l, const float *out, acc *a)
 			a->recall_n++;
 			a->recall_min = r < a->recall_min ? r : a->recall_min;
 			a->recall_low += r < 0.5;
+			if (b->n_recalls < b->cap_recalls)
+				b->recalls[b->n_recalls++] = r;
 			uint32_t one = n ? oracle_mark(b, pr, lo, n) : 0;
 			b->head_oracle[(size_t)l * o->q_heads + jq + g] += n ? (double)one / n : 0;
 			b->head_eff[(size_t)l * o->q_heads + jq + g] += exp(b->ref.ent[g]);
@@ -162,6 +164,16 @@ void evaluate(kb_run *b, uint32_t s, uint32_t l, const float *out, acc *a)
 			a->kv_n++;
 		}
 	}
+}
+
+void run_percentiles(const kb_run *b, double *p5, double *p1)
+{
+	double *v = xcalloc(b->n_recalls ? b->n_recalls : 1, sizeof(double)), pct[2];
+	memcpy(v, b->recalls, b->n_recalls * sizeof(double));
+	low_percentiles(v, b->n_recalls, pct);
+	free(v);
+	*p5 = pct[0];
+	*p1 = pct[1];
 }
 
 void acc_init(acc *a)

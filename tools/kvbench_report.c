@@ -333,13 +333,15 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	const kvt_stats *e = &b->st_end, *s0 = &b->st_prefill;
 	const double steps = b->steps_total ? (double)b->steps_total : 1.0;
 	const acc *a = &b->all;
-	double sl = (double)b->steps_total * o->layers, ho[3], he[3];
+	double sl = (double)b->steps_total * o->layers, ho[3], he[3], p5, p1;
 	spread(b, b->head_oracle, ho);
+	run_percentiles(b, &p5, &p1);
 	spread(b, b->head_eff, he);
 	const jv top[] = {{"library_version", 0, kvt_version_string()}, {"p", o->p, NULL},
 	     {"index_bytes_per_token_head", (double)e->index_bytes_per_token_head, NULL},
 	     {"index_overhead", (double)e->index_bytes_per_token_head / (2.0 * b->d * 2), NULL},
 	     {"recall_mean", mean(a->recall_sum, a->recall_n), NULL}, {"recall_min", a->recall_min, NULL},
+	     {"recall_p5", p5, NULL}, {"recall_p1", p1, NULL},
 	     {"recall_below_half", mean((double)a->recall_low, a->recall_n), NULL},
 	     {"budget_mean", mean(a->budget_sum, a->kv_n), NULL},
 	     {"oracle_budget_mean", mean(a->oracle_sum, a->kv_n), NULL},
@@ -489,8 +491,9 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	const kvt_stats *e = &b->st_end, *s = &b->st_prefill;
 	const acc *a = &b->all;
 	double sl = (double)b->steps_total * b->o.layers, ho[3], he[3];
-	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
+	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n), p5, p1;
 	spread(b, b->head_oracle, ho);
+	run_percentiles(b, &p5, &p1);
 	spread(b, b->head_eff, he);
 	if (ps && ps->n) {
 		summary_phases(b, ps);
@@ -499,8 +502,9 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	printf("index    %" PRIu64 " B per token per KV head = %.2f%% of its K+V bytes (%u B)\n",
 	       e->index_bytes_per_token_head,
 	       100.0 * (double)e->index_bytes_per_token_head / (4.0 * b->d), 4 * b->d);
-	printf("recall   mean %.4f, min %.4f, below 0.5 for %.2f%% of query heads x steps (exact "
-	       "softmax mass on the attended tokens)\n", mean(a->recall_sum, a->recall_n), a->recall_min,
+	printf("recall   mean %.4f, 5th percentile %.4f, 1st %.4f, min %.4f, below 0.5 for %.2f%% of "
+	       "query heads x steps (exact softmax mass on the attended tokens)\n",
+	       mean(a->recall_sum, a->recall_n), p5, p1, a->recall_min,
 	       100.0 * mean((double)a->recall_low, a->recall_n));
 	if (a->kv_n)
 		printf("budget   %.4f of the indexed tokens fetched; exact Top-%.3g oracle %.4f "

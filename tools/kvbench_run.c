@@ -97,6 +97,8 @@ void setup(kb_run *b)
 	b->head_oracle = xcalloc((size_t)o->layers * o->q_heads, sizeof(double));
 	b->head_eff = xcalloc((size_t)o->layers * o->q_heads, sizeof(double));
 	b->step = xcalloc(b->steps_total, sizeof(acc));
+	b->cap_recalls = (size_t)b->steps_total * o->seqs * o->layers * o->q_heads;
+	b->recalls = xcalloc(b->cap_recalls ? b->cap_recalls : 1, sizeof(double));
 	for (uint32_t i = 0; i < b->steps_total; i++)
 		acc_init(&b->step[i]);
 	acc_init(&b->all);
@@ -122,7 +124,7 @@ void teardown(kb_run *b)
 	wl_destroy(b->w);
 	void *p[] = {b->ids, b->lru, b->K, b->V, b->len, b->n_idx, b->qf, b->needle, b->counts,
 		     b->ref.score, b->ref.ent, b->qtmp, b->ref.prob, b->ref.sorted, b->ref.mark, b->head_oracle,
-		     b->head_eff, b->step};
+		     b->head_eff, b->step, b->recalls};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);
 	base_free(b->base);
@@ -348,6 +350,7 @@ static void result_of(const kb_run *b, kb_result *r)
 			 .topk = o->topk, .p = o->p};
 	r->recall = ratio(a->recall_sum, (double)a->recall_n);
 	r->recall_min = a->recall_min;
+	run_percentiles(b, &r->recall_p5, &r->recall_p1);
 	r->budget = ratio(a->budget_sum, (double)a->kv_n);
 	r->oracle_budget = ratio(a->oracle_sum, (double)a->kv_n);
 	r->err = sqrt(ratio(a->err2, a->full2));

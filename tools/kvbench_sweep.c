@@ -133,6 +133,7 @@ static void label_of(const opts *po, char *out, size_t n)
 
 static const char *const csv_cols[] = {
 	"context", "seqs", "layers", "p", "topk", "budget", "oracle_budget", "recall", "recall_min",
+	"recall_p5", "recall_p1",
 	"output_rel_err", "step_ms_per_layer", "tokens_per_s", "hot_hit_rate", "pcie_bytes_per_step",
 	"ms_index", "ms_store", "ms_score", "ms_select", "ms_attend", "host_bytes_used",
 	"index_bytes", "oracle_topp_budget", "oracle_topp_recall", "oracle_topp_err",
@@ -145,7 +146,7 @@ static void values(const kb_result *r, double v[N_COLS])
 {
 	const double x[N_COLS] = {
 		r->context, r->seqs, r->layers, r->p, r->topk, r->budget, r->oracle_budget,
-		r->recall, r->recall_min, r->err, r->step_ms, r->tok_s, r->hit_rate, r->pcie_step,
+		r->recall, r->recall_min, r->recall_p5, r->recall_p1, r->err, r->step_ms, r->tok_s, r->hit_rate, r->pcie_step,
 		r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4],
 		(double)r->host_used, (double)r->index_bytes,
 		r->base_budget[0], r->base_recall[0], r->base_err[0],
@@ -209,7 +210,7 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 
 static void print_point_columns(void)
 {
-	printf("context seqs layers      p  topk  budget  oracle  recall   r_min  rel_err  ms/layer"
+	printf("context seqs layers      p  topk  budget  oracle  recall    r_p5   r_min  rel_err  ms/layer"
 	       "    tok/s  hit   PCIe MiB/step\n");
 }
 
@@ -227,6 +228,7 @@ static void print_point(const kb_result *r)
 	cellf(r->budget, 7, 4);
 	cellf(r->oracle_budget, 7, 4);
 	cellf(r->recall, 7, 4);
+	cellf(r->recall_p5, 7, 4);
 	cellf(r->recall_min, 7, 4);
 	printf("  %.2e", r->err);
 	cellf(r->step_ms, 9, 2);

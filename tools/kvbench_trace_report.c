@@ -25,25 +25,13 @@ static double rel_err(double e2, double f2)
 	return f2 > 0 ? sqrt(e2 / f2) : sqrt(e2);
 }
 
-static int cmp_dbl(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
-}
-
-/* The q-th percentile (nearest rank: the smallest recall that at least q % of the steps are at or
- * below) of one head's recall over the steps; pct[0] is the 5th, pct[1] the 1st. */
+/* The 5th and 1st percentiles of one head's recall over the steps (low_percentiles). */
 static void percentiles(const kb_trace *t, uint32_t l, uint32_t h, double pct[2])
 {
 	const uint32_t S = t->m.decode_steps;
 	double *v = xcalloc(S, sizeof(double));
 	memcpy(v, t->recall + ((size_t)l * t->m.n_q_heads + h) * S, S * sizeof(double));
-	qsort(v, S, sizeof(double), cmp_dbl);
-	const double q[2] = {0.05, 0.01};
-	for (int i = 0; i < 2; i++) {
-		double r = ceil(q[i] * S);
-		pct[i] = v[r < 1 ? 0 : (size_t)r - 1];
-	}
+	low_percentiles(v, S, pct);
 	free(v);
 }
 
