@@ -172,23 +172,38 @@ static int score_error(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 			  (double)max_abs(c->d, l->c_k + (size_t)h * c->d), (double)sg, (double)bt);
 }
 
-/* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
-static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
-		       const void *q, uint32_t i)
+/* Selection counters of kvt_stats, added to c->st by the caller once its call can no longer fail
+ * (a Top-p extend) or at once (a step, as before). */
+struct sel_tally {
+	uint64_t selected, max_hits, min_hits;
+};
+
+static void tally_add(kvt_cache *c, const struct sel_tally *t)
 {
-	const uint32_t d = c->d, G = c->group, ni = l->n_indexed, cap = l->idx_cap;
+	c->st.selected_tokens += t->selected;
+	c->st.budget_max_hits += t->max_hits;
+	c->st.budget_min_hits += t->min_hits;
+}
+
+/*
+ * Score the first ni indexed tokens of KV head h for each query head of its group (query row `row`
+ * of q, [rows, n_q_heads, d]) and mark the union of their Top-p sets in c->mask[0, ni). The one
+ * selection of the CPU backend: a decode step takes every indexed token (ni = l->n_indexed), a row
+ * of a Top-p extend those at positions up to its own. Errors name batch entry i.
+ */
+static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		     uint32_t ni, const void *q, size_t row, uint32_t i, struct sel_tally *t)
+{
+	const uint32_t d = c->d, G = c->group, cap = l->idx_cap;
 	const float *rot = c->rot + (size_t)layer * d * d;
-	uint32_t *sel = l->sel + (size_t)h * cap, m = 0;
-	if (ni == 0) {
-		l->sel_n[h] = 0;
+	if (ni == 0)
 		return 0;
-	}
 	memset(c->mask, 0, ni);
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM];
 		kvt_qcode qc;
 		uint64_t t0 = kvt_now_ns();
-		load_vec(c, q, ((size_t)i * c->cfg.n_q_heads + h * G + g) * d, qf);
+		load_vec(c, q, (row * c->cfg.n_q_heads + h * G + g) * d, qf);
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
@@ -201,12 +216,26 @@ static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, 
 		c->st.ns_select += kvt_now_ns() - t1;
 		if (rc < 0)
 			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, &qc));
-		c->st.budget_max_hits += clamped < 0;
-		c->st.budget_min_hits += clamped > 0;
+		t->max_hits += clamped < 0;
+		t->min_hits += clamped > 0;
 	}
-	for (uint32_t t = 0; t < ni; t++)
-		if (c->mask[t])
-			sel[m++] = t;
+	return 0;
+}
+
+/* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
+static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		       const void *q, uint32_t i)
+{
+	const uint32_t ni = l->n_indexed;
+	uint32_t *sel = l->sel + (size_t)h * l->idx_cap, m = 0;
+	struct sel_tally t = {0};
+	int rc = mark_head(c, layer, l, h, ni, q, i, i, &t);
+	tally_add(c, &t);
+	if (rc < 0)
+		return rc;
+	for (uint32_t k = 0; k < ni; k++)
+		if (c->mask[k])
+			sel[m++] = k;
 	l->sel_n[h] = m;
 	c->st.selected_tokens += m;
 	return 0;
