@@ -502,8 +502,9 @@ KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!q || !k || !v || !out, c, -EINVAL, "%s is NULL",
 		      !q ? "q" : !k ? "k" : !v ? "v" : "out");
 	KVT_RETURN_IF(!cu_seqlens, c, -EINVAL, "cu_seqlens is NULL");
-	KVT_RETURN_IF(flags != 0, c, -EINVAL, "flags = 0x%x, must be 0 (no flag is defined yet)",
-		      flags);
+	KVT_RETURN_IF(flags & ~(uint32_t)KVT_EXTEND_TOPP, c, -EINVAL,
+		      "flags = 0x%x, unknown bits 0x%x (defined: KVT_EXTEND_TOPP = 0x%x)", flags,
+		      flags & ~(uint32_t)KVT_EXTEND_TOPP, (unsigned)KVT_EXTEND_TOPP);
 	KVT_TRY(check_layer(c, layer));
 	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
@@ -523,7 +524,7 @@ KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	for (uint32_t i = 0; i < n_seqs; i++)
 		if (cu_seqlens[i + 1] > cu_seqlens[i])
 			c->seqs[seqs[i]].last_use = ++c->clock;
-	return kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, q, k, v, out, stream);
+	return kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, q, k, v, out, flags, stream);
 }
 
 KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)

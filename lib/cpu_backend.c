@@ -172,23 +172,38 @@ static int score_error(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 			  (double)max_abs(c->d, l->c_k + (size_t)h * c->d), (double)sg, (double)bt);
 }
 
-/* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
-static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
-		       const void *q, uint32_t i)
+/* Selection counters of kvt_stats, added to c->st by the caller once its call can no longer fail
+ * (a Top-p extend) or at once (a step, as before). */
+struct sel_tally {
+	uint64_t selected, max_hits, min_hits;
+};
+
+static void tally_add(kvt_cache *c, const struct sel_tally *t)
 {
-	const uint32_t d = c->d, G = c->group, ni = l->n_indexed, cap = l->idx_cap;
+	c->st.selected_tokens += t->selected;
+	c->st.budget_max_hits += t->max_hits;
+	c->st.budget_min_hits += t->min_hits;
+}
+
+/*
+ * Score the first ni indexed tokens of KV head h for each query head of its group (query row `row`
+ * of q, [rows, n_q_heads, d]) and mark the union of their Top-p sets in c->mask[0, ni). The one
+ * selection of the CPU backend: a decode step takes every indexed token (ni = l->n_indexed), a row
+ * of a Top-p extend those at positions up to its own. Errors name batch entry i.
+ */
+static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		     uint32_t ni, const void *q, size_t row, uint32_t i, struct sel_tally *t)
+{
+	const uint32_t d = c->d, G = c->group, cap = l->idx_cap;
 	const float *rot = c->rot + (size_t)layer * d * d;
-	uint32_t *sel = l->sel + (size_t)h * cap, m = 0;
-	if (ni == 0) {
-		l->sel_n[h] = 0;
+	if (ni == 0)
 		return 0;
-	}
 	memset(c->mask, 0, ni);
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM];
 		kvt_qcode qc;
 		uint64_t t0 = kvt_now_ns();
-		load_vec(c, q, ((size_t)i * c->cfg.n_q_heads + h * G + g) * d, qf);
+		load_vec(c, q, (row * c->cfg.n_q_heads + h * G + g) * d, qf);
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
@@ -201,12 +216,26 @@ static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, 
 		c->st.ns_select += kvt_now_ns() - t1;
 		if (rc < 0)
 			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, &qc));
-		c->st.budget_max_hits += clamped < 0;
-		c->st.budget_min_hits += clamped > 0;
+		t->max_hits += clamped < 0;
+		t->min_hits += clamped > 0;
 	}
-	for (uint32_t t = 0; t < ni; t++)
-		if (c->mask[t])
-			sel[m++] = t;
+	return 0;
+}
+
+/* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
+static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		       const void *q, uint32_t i)
+{
+	const uint32_t ni = l->n_indexed;
+	uint32_t *sel = l->sel + (size_t)h * l->idx_cap, m = 0;
+	struct sel_tally t = {0};
+	int rc = mark_head(c, layer, l, h, ni, q, i, i, &t);
+	tally_add(c, &t);
+	if (rc < 0)
+		return rc;
+	for (uint32_t k = 0; k < ni; k++)
+		if (c->mask[k])
+			sel[m++] = k;
 	l->sel_n[h] = m;
 	c->st.selected_tokens += m;
 	return 0;
@@ -415,29 +444,110 @@ static int extend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 	return (int)(first + n); /* rows attended: <= INT32_MAX (kvt_extend checks the lengths) */
 }
 
+/*
+ * Whether position p is attended by the row whose selection is c->mask over the first `lim` of the
+ * layer's ni indexed tokens (index position k is token S + k): sinks, marked indexed tokens,
+ * the window. The caller keeps p at or below the row's position.
+ */
+static bool topp_takes(const kvt_cache *c, uint32_t ni, uint32_t lim, uint32_t p)
+{
+	const uint32_t S = c->cfg.n_sink;
+	return p < S || p - S >= ni || (p - S < lim && c->mask[p - S]);
+}
+
+/*
+ * Query row `row` of q (position P of entry i's layer l, which holds ni indexed tokens once the
+ * chunk is in) through KV head h with Top-p selection: the indexed tokens at positions <= P
+ * (the first lim) scored and selected as a decode step selects them (mark_head), then exact
+ * attention of the group's queries over sinks, selected and window tokens up to P, ascending: the
+ * order kvt_attend gives them, so a row over the same tokens gets kvt_attend's bits. Rows are read
+ * a block at a time (spilled ones in place, as the exact path reads them). buf: G (2 d + 2)
+ * floats. Returns the rows attended, or a negative code.
+ */
+static int topp_row(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		    uint32_t ni, uint32_t P, const void *q, void *out, size_t row, uint32_t i,
+		    float *buf, struct sel_tally *t)
+{
+	const uint32_t d = c->d, G = c->group, S = c->cfg.n_sink;
+	const uint32_t lim = P + 1 > S ? (P + 1 - S < ni ? P + 1 - S : ni) : 0;
+	float *qf = buf, *acc = qf + (size_t)G * d, *m = acc + (size_t)G * d, *sum = m + G;
+	const size_t at = (row * c->cfg.n_q_heads + h * G) * d;
+	int32_t pos[KVT_BLOCK_TOKENS];
+	const void *rows[KVT_BLOCK_TOKENS];
+	uint32_t total = 0;
+	KVT_TRY(mark_head(c, layer, l, h, lim, q, row, i, t));
+	for (uint32_t k = 0; k < lim; k++)
+		t->selected += c->mask[k];
+	for (uint32_t g = 0; g < G; g++)
+		load_vec(c, q, at + (size_t)g * d, qf + (size_t)g * d);
+	kvt_attention_begin(d, G, m, sum, acc);
+	for (uint32_t b = 0; b <= P; b += KVT_BLOCK_TOKENS) {
+		uint32_t n = 0;
+		for (uint32_t p = b; p <= P && p < b + KVT_BLOCK_TOKENS; p++)
+			if (topp_takes(c, ni, lim, p))
+				pos[n++] = (int32_t)p;
+		if (!n)
+			continue;
+		KVT_TRY(kvt_rows_get(c, l, h, n, pos, rows));
+		kvt_attention_feed(d, c->cfg.dtype, c->scale, G, qf, NULL, 0, n, rows, m, sum, acc);
+		total += n;
+	}
+	kvt_attention_finish(d, G, sum, acc, qf);
+	for (uint32_t g = 0; g < G; g++)
+		store_out(c, out, at + (size_t)g * d, qf + (size_t)g * d);
+	return (int)total; /* <= P + 1 <= INT32_MAX (kvt_extend checks the lengths) */
+}
+
+/* Every query row of entry i's chunk (rows row0 .. row0 + n of q) through KV head h, Top-p; the
+ * rows each one attended added to *rows. */
+static int topp_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
+		     uint32_t ni, uint32_t row0, uint32_t n, const void *q, void *out, uint32_t i,
+		     float *buf, struct sel_tally *t, uint64_t *rows)
+{
+	for (uint32_t j = 0; j < n; j++) {
+		int rc = topp_row(c, layer, l, h, ni, l->n_tokens + j, q, out, (size_t)row0 + j, i,
+				  buf, t);
+		if (rc < 0)
+			return rc;
+		*rows += (uint64_t)rc;
+	}
+	return 0;
+}
+
 static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const uint32_t *cu, const void *q, void *out, void *stream)
+		      const uint32_t *cu, const uint32_t *indexed, const void *q, void *out,
+		      void *stream)
 {
 	uint32_t most = 0;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		most = cu[i + 1] - cu[i] > most ? cu[i + 1] - cu[i] : most;
-	const size_t nq = (size_t)most * c->group;
+	/* the exact path takes a chunk's queries at once, a Top-p row one query group */
+	const size_t nq = (size_t)(indexed ? 1 : most) * c->group;
 	const size_t bytes = nq * ((2 * c->d + 2) * sizeof(float) + sizeof(uint32_t));
 	float *buf = kvt_mem_alloc(KVT_MEM_HOST, bytes);
 	KVT_RETURN_IF(!buf, c, -ENOMEM, "out of memory for the queries of a %u-token chunk (%zu bytes)",
 		      most, bytes);
-	uint64_t t0 = kvt_now_ns(), rows = 0;
+	uint64_t t0 = kvt_now_ns(), rows = 0, sel0 = c->st.ns_score + c->st.ns_select;
+	struct sel_tally t = {0};
 	int rc = 0;
 	for (uint32_t i = 0; i < n_seqs && rc >= 0; i++)
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads && rc >= 0 && cu[i + 1] > cu[i]; h++) {
-			rc = extend_head(c, ls[i], h, cu[i], cu[i + 1] - cu[i], q, out, buf);
+			const uint32_t n = cu[i + 1] - cu[i];
+			if (indexed) {
+				rc = topp_head(c, layer, ls[i], h, indexed[i], cu[i], n, q, out, i, buf,
+					       &t, &rows);
+				continue;
+			}
+			rc = extend_head(c, ls[i], h, cu[i], n, q, out, buf);
 			rows += rc > 0 ? (uint64_t)rc : 0;
 		}
-	c->st.ns_attend += kvt_now_ns() - t0;
+	/* the selection's own time went to ns_score and ns_select (mark_head) */
+	c->st.ns_attend += kvt_now_ns() - t0 - (c->st.ns_score + c->st.ns_select - sel0);
 	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
 	if (rc < 0)
 		return rc;
 	/* counted only when every entry was attended: a failed call counts no rows */
+	tally_add(c, &t);
 	c->st.rows_fetched += rows;
 	c->st.bytes_fetched += rows * c->row_bytes;
 	return 0;

@@ -244,7 +244,8 @@ struct kvt_cache {
 	struct kvt_seq *seqs;     /* [max_seqs] */
 	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */
 	uint32_t *batch_tokens;   /* [max_seqs], their token counts after an append */
-	uint32_t *sel_counts;     /* [max_seqs, n_kv_heads], selected counts of a step or gather */
+	uint32_t *sel_counts;     /* [max_seqs, n_kv_heads], selected counts of a step or gather;
+				     the index counts of a Top-p extend's entries */
 	struct kvt_store_job *store_jobs; /* [max_seqs] */
 	struct kvt_index_job *index_jobs; /* [max_seqs] */
 	struct kvt_extents host;
@@ -392,11 +393,16 @@ struct kvt_backend_ops {
 			 void *v, void *stream);
 	/* Causal attention of the chunks of an extend: entry i's queries (rows cu[i] .. cu[i + 1] of q
 	 * and out, [total, n_q_heads, head_dim]) are tokens ls[i]->n_tokens onwards, already stored
-	 * (not yet counted in n_tokens); query j attends positions [0, ls[i]->n_tokens + j], rows of
-	 * spilled blocks included. Entries with no queries are skipped. NULL: not supported (the
+	 * and indexed (not yet counted in n_tokens, n_indexed); query j attends positions
+	 * [0, ls[i]->n_tokens + j], rows of spilled blocks included. indexed NULL: all of them; else
+	 * (KVT_EXTEND_TOPP) indexed[i] is entry i's index count with its chunk in, and query j attends
+	 * the sinks and window among those positions and its group's Top-p selection of the indexed
+	 * ones. Counts rows_fetched and, with indexed, the selection counters of a step; the pipeline
+	 * counts steps and candidates. Entries with no queries are skipped. NULL: not supported (the
 	 * pipeline refuses kvt_extend with -EOPNOTSUPP before anything changes). */
 	int (*extend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      const uint32_t *cu, const void *q, void *out, void *stream);
+		      const uint32_t *cu, const uint32_t *indexed, const void *q, void *out,
+		      void *stream);
 	/* read_rows, each token's rows placed by m (lib/rows_layout.c). NULL: the backend's tensors
 	 * are device memory that the host can neither scatter into nor gather from, so the _at calls
 	 * refuse any layout but the dense one (-EOPNOTSUPP). */
@@ -423,7 +429,7 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 /* kvt_extend: cu [n_seqs + 1] checked (ascending from 0); entries may be empty. */
 int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
-		    void *stream);
+		    uint32_t flags, void *stream);
 int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
 		    void *k_out, void *v_out, void *stream);

@@ -223,7 +223,8 @@ typedef struct kvt_stats {
 	uint32_t host_pinned;         /* 1 when host-tier extents are pinned for a GPU */
 	uint64_t index_bytes;         /* bytes of codes + sigma + beta in use */
 	uint64_t index_bytes_per_token_head; /* head_dim / 8 + 4 */
-	uint64_t steps;               /* kvt_attend / kvt_select calls x sequences x layers */
+	uint64_t steps;               /* kvt_attend / kvt_select calls x sequences x layers, and
+					 query rows of kvt_extend with KVT_EXTEND_TOPP */
 	uint64_t selected_tokens;     /* indexed tokens selected, summed over steps and KV heads */
 	uint64_t candidate_tokens;    /* indexed tokens scored, summed over steps and KV heads */
 	uint64_t budget_max_hits;     /* query-head selections cut by budget_max */
@@ -534,6 +535,11 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
 		       uint32_t max_tokens, int32_t *counts, int32_t *pos, void *k_out, void *v_out,
 		       void *stream);
 
+/* kvt_extend flags. */
+typedef enum kvt_extend_flags {
+	KVT_EXTEND_TOPP = 1u << 0 /* each query row attends its Top-p selection (see kvt_extend) */
+} kvt_extend_flags;
+
 /*
  * Several new tokens per sequence attending everything stored before them (chunked prefill, a
  * prefix-cache hit, speculative verification), varlen over a batch of `n_seqs` sequences on `layer`.
@@ -546,11 +552,26 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * itself included, with exact attention: the scale, GQA groups, fp32 accumulation and out_dtype of
  * kvt_attend, whose output at p = 1 over the same tokens it equals bit for bit. Rows of spilled
  * blocks are read from NVMe in place (nothing is restored).
+ * With KVT_EXTEND_TOPP in flags each query row attends, instead of every token up to it, what a
+ * kvt_attend step would select for it (speculative verification at decode cost): the chunk is
+ * stored and indexed first, as above; then for the row of position P, per KV head, the tokens
+ * attended are every token at positions <= P that is not indexed (the sinks, and the window with
+ * the chunk's recent rows), and the union over the KV head's query group of each query head's
+ * Top-p selection among the indexed tokens at positions <= P, with kvt_attend's estimate, p and
+ * budget_min / budget_max clamping. Indexed tokens past P are left out of the scoring entirely
+ * (they add nothing to the estimated mass), so a later token of the chunk never changes an
+ * earlier row. Attention over that set is exact, as kvt_attend's. So the last row of each entry
+ * gets, bit for bit, what kvt_attend of the same query row gives right after the call; and at
+ * p = 1 (when budget_max is 0 or at least the entry's indexed token count) every row gets what it
+ * gets without the flag. The cost per row is that of a decode step (scoring every indexed token
+ * up to P, then attending the set). kvt_stats counts each query row of a Top-p call as a step
+ * (steps, candidate_tokens, selected_tokens, budget_max_hits, budget_min_hits), and rows_fetched
+ * sums the rows each row attended; the selections kept for kvt_gather are dropped as without it.
  *   seqs: host [n_seqs], distinct open sequences
  *   cu_seqlens: host [n_seqs + 1], cu_seqlens[0] = 0, never decreasing; total = cu_seqlens[n_seqs]
  *   q: [total, n_q_heads, head_dim] (dtype); k, v: [total, n_kv_heads, head_dim] (dtype)
  *   out: [total, n_q_heads, head_dim] (out_dtype)
- *   flags: must be 0 (reserved: Top-p selection per query row is not offered yet)
+ *   flags: 0 (exact attention) or KVT_EXTEND_TOPP; other bits are -EINVAL
  * The selections of the entries with new tokens are dropped (kvt_gather needs a new kvt_select).
  * Returns 0. All or nothing over the batch: on failure no sequence changed (out may be partly
  * written). Errors: -EINVAL (NULL pointer, n_seqs == 0 or above max_seqs, layer, flags,
@@ -559,10 +580,12 @@ KVT_API int kvt_gather(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * value), -ENOENT (a sequence not open), -ENOSPC (host tier full) and -ENOMEM, with KVT_SPILL_LRU
  * the I/O errors of the automatic spill (undone on failure), as kvt_prefill; for spilled rows the
  * NVMe read's errors (-EIO, -EBADMSG naming the block) and -ENOSPC (nvme_cache_bytes smaller than
- * one block of rows). -EOPNOTSUPP on the CUDA backend, which has no multi-token attention yet.
+ * one block of rows). -EOPNOTSUPP on the CUDA backend, which has no multi-token attention yet
+ * (with or without KVT_EXTEND_TOPP).
  * CPU backend: synchronous; the cost is about (stored + new tokens) x new tokens x n_q_heads x
- * head_dim per entry. Counted in kvt_stats as tokens (and indexed tokens) like kvt_prefill, and as
- * rows_fetched per KV head; not as steps.
+ * head_dim per entry (with KVT_EXTEND_TOPP: a decode step's per new token). Counted in kvt_stats
+ * as tokens (and indexed tokens) like kvt_prefill, and as rows_fetched per KV head; not as steps
+ * (except with KVT_EXTEND_TOPP, above).
  * Thread safety: as every call on the cache.
  */
 KVT_API int kvt_extend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,

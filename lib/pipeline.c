@@ -158,35 +158,55 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 	return 0;
 }
 
-/* The chunks of an extend stored and indexed, then attended (see kvt_pipe_extend). */
+/* The chunks of an extend stored and indexed, then attended (see kvt_pipe_extend); with Top-p the
+ * backend gets each entry's index count with its chunk in. */
 static int extend_run(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
-		      void *stream)
+		      bool topp, void *stream)
 {
 	const size_t q_row = (size_t)c->cfg.n_q_heads * c->d * c->elem;
 	const size_t kv_row = (size_t)c->cfg.n_kv_heads * c->d * c->elem;
+	uint32_t *indexed = topp ? c->sel_counts : NULL;
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
+		if (indexed)
+			indexed[i] = p.target;
 		if (p.n)
 			KVT_TRY(prefill_run(c, ls[i], layer, (const char *)q + cu[i] * q_row,
 					    (const char *)k + cu[i] * kv_row,
 					    (const char *)v + cu[i] * kv_row, &p, stream));
 	}
 	kvt_rows_round(c, n_seqs, ls);
-	return c->ops->extend(c, layer, n_seqs, ls, cu, q, out, stream);
+	return c->ops->extend(c, layer, n_seqs, ls, cu, indexed, q, out, stream);
+}
+
+/*
+ * The step counters of a Top-p extend's chunk, each query row one step: candidates are the indexed
+ * tokens at positions up to the row's, over the KV heads.
+ */
+static void extend_count_steps(kvt_cache *c, const struct prefill_plan *p)
+{
+	const uint32_t S = c->cfg.n_sink;
+	uint64_t cand = 0;
+	for (uint32_t P = p->first; P < p->total; P++)
+		cand += P + 1 > S ? (P + 1 - S < p->target ? P + 1 - S : p->target) : 0;
+	c->st.steps += p->n;
+	c->st.candidate_tokens += cand * c->cfg.n_kv_heads;
 }
 
 /*
  * Entry i's chunk (rows cu[i] .. cu[i + 1] of q, k and v; none when they are equal) stored and
- * indexed as kvt_pipe_prefill stores a chunk, and attended causally by its queries. All or nothing
- * over the batch: every reservation and the host-tier rows of all the chunks come first; the chunks
- * are stored past each layer's length and attended there; only when all of that succeeded do the
- * layers take them (prefill_commit), and a failure gives the rows back.
+ * indexed as kvt_pipe_prefill stores a chunk, and attended causally by its queries (KVT_EXTEND_TOPP
+ * in flags: each over its Top-p selection). All or nothing over the batch: every reservation and
+ * the host-tier rows of all the chunks come first; the chunks are stored past each layer's length
+ * and attended there; only when all of that succeeded do the layers take them (prefill_commit),
+ * and a failure gives the rows back.
  */
 int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
-		    void *stream)
+		    uint32_t flags, void *stream)
 {
+	const bool topp = flags & KVT_EXTEND_TOPP;
 	uint32_t *total = c->batch_tokens;
 	KVT_RETURN_IF(!c->ops->extend, c, -EOPNOTSUPP,
 		      "the %s backend has no multi-token attention yet (kvt_extend): store the "
@@ -204,11 +224,13 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
-	int rc = extend_run(c, layer, n_seqs, ls, cu, q, k, v, out, stream);
+	int rc = extend_run(c, layer, n_seqs, ls, cu, q, k, v, out, topp, stream);
 	if (rc < 0)
 		return undo_grow(c, n_seqs, ls, &m, rc);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
+		if (p.n && topp)
+			extend_count_steps(c, &p);
 		if (p.n)
 			prefill_commit(c, ls[i], &p);
 	}

@@ -5,8 +5,11 @@
  * of kvt_prefill of the same chunks, and the outputs bit for bit those of appending the tokens one
  * at a time and attending at p = 1; a varlen batch (an empty entry included) equal to the entries
  * extended alone; bad arguments refused by name with nothing changed; allocation faults that leave
- * every sequence as it was. With --nvme: a spilled sequence, its rows read from NVMe, equal to the
- * same sequence unspilled.
+ * every sequence as it was. With KVT_EXTEND_TOPP (Top-p per query row): each entry's last row bit
+ * for bit kvt_attend of its query, p = 1 equal to exact attention, every row equal to an oracle
+ * built from one-token prefills and kvt_attend (with its selection counters), and later tokens of
+ * the chunk masked out of an earlier row's selection. With --nvme: a spilled sequence, its rows
+ * read from NVMe, equal to the same sequence unspilled (exact and Top-p).
  */
 #include "common.h"
 #include "tier_util.h"
@@ -67,8 +70,8 @@ static size_t out_bytes(const kvt_cache *c, uint32_t rows)
 }
 
 /* kvt_extend of entry i = sequence seqs[i], n[i] tokens of its stream from its length. */
-static int extend(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *n,
-		  void *out)
+static int extend_flags(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *n,
+			void *out, uint32_t flags)
 {
 	uint32_t cu[NS + 1] = {0};
 	for (uint32_t i = 0; i < n_seqs; i++) {
@@ -79,14 +82,21 @@ static int extend(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uin
 		memcpy(g_bv + (size_t)cu[i] * KROW, g_v[s] + (size_t)from * KROW, 2ull * n[i] * KROW);
 		cu[i + 1] = cu[i] + n[i];
 	}
-	return kvt_extend(c, LAYER, n_seqs, seqs, cu, g_bq, g_bk, g_bv, out, 0, NULL);
+	return kvt_extend(c, LAYER, n_seqs, seqs, cu, g_bq, g_bk, g_bv, out, flags, NULL);
+}
+
+static void extend_ok_flags(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs,
+			    const uint32_t *n, void *out, uint32_t flags)
+{
+	int rc = extend_flags(c, n_seqs, seqs, n, out, flags);
+	T_CHECK(rc == 0, "kvt_extend (flags 0x%x): got %d (%s), wanted 0", flags, rc,
+		kvt_last_error(c));
 }
 
 static void extend_ok(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *n,
 		      void *out)
 {
-	int rc = extend(c, n_seqs, seqs, n, out);
-	T_CHECK(rc == 0, "kvt_extend: got %d (%s), wanted 0", rc, kvt_last_error(c));
+	extend_ok_flags(c, n_seqs, seqs, n, out, 0);
 }
 
 /* The same chunk of sequence s through kvt_prefill. */
@@ -385,6 +395,8 @@ static void test_bad_arguments(void **state)
 		{"cu NULL", -EINVAL, "cu_seqlens is NULL", GOOD, NO_CU, seqs, cu},
 		{"seqs NULL", -EINVAL, "seqs is NULL", GOOD, NO_SEQS, seqs, cu},
 		{"flags", -EINVAL, "flags = 0x4", LAYER, 3, 4, 0, seqs, cu},
+		{"flags past Top-p", -EINVAL, "flags = 0x80000001, unknown bits 0x80000000", LAYER, 3,
+		 0x80000001u, 0, seqs, cu},
 		{"layer", -EINVAL, "layer = 2", L, 3, 0, 0, seqs, cu},
 		{"n_seqs 0", -EINVAL, "n_seqs = 0", LAYER, 0, 0, 0, seqs, cu},
 		{"n_seqs big", -EINVAL, "n_seqs = 9", LAYER, 9, 0, 0, seqs, cu},
@@ -425,16 +437,22 @@ static void test_bad_arguments(void **state)
 				  seqs, cu};
 	check_bad(c, &query, call_bad(c, &query, q, k, v, out), &s0);
 	q[(size_t)5 * QROW + 2 * D + 7] = 0;
-	/* a backend without the verb (the CUDA backend today) */
-	const struct bad cuda = {"no backend verb", -EOPNOTSUPP,
-				 "backend has no multi-token attention yet", LAYER, 3, 0, 0, seqs, cu};
+	/* a backend without the verb (the CUDA backend today), with and without Top-p */
+	const struct bad cuda[] = {{"no backend verb", -EOPNOTSUPP,
+				    "backend has no multi-token attention yet", LAYER, 3, 0, 0, seqs,
+				    cu},
+				   {"no backend verb, Top-p", -EOPNOTSUPP,
+				    "backend has no multi-token attention yet", LAYER, 3,
+				    KVT_EXTEND_TOPP, 0, seqs, cu}};
 	struct kvt_backend_ops no_extend = *c->ops;
 	const struct kvt_backend_ops *ops = c->ops;
 	no_extend.extend = NULL;
-	c->ops = &no_extend;
-	rc = call_bad(c, &cuda, q, k, v, out);
-	c->ops = ops;
-	check_bad(c, &cuda, rc, &s0);
+	for (uint32_t i = 0; i < 2; i++) {
+		c->ops = &no_extend;
+		rc = call_bad(c, &cuda[i], q, k, v, out);
+		c->ops = ops;
+		check_bad(c, &cuda[i], rc, &s0);
+	}
 	T_CHECK(call_bad(c, &good, q, k, v, out) == 0, "the good call after them: %s",
 		kvt_last_error(c));
 	free(q);
@@ -457,9 +475,8 @@ static kvt_cache *fault_cache(void)
 	return c;
 }
 
-static void test_faults(void **state)
+static void faults(uint32_t flags)
 {
-	(void)state;
 	make_streams(KVT_DTYPE_F16, 0xfa17);
 	const uint32_t seqs[] = {1, 3, 0, 2}, n[] = {300, 0, 40, 270};
 	const uint32_t total = 610;
@@ -471,7 +488,7 @@ static void test_faults(void **state)
 		struct snap s0, s1;
 		snap_take(c, &s0);
 		kvt_mem_fail_at(fault);
-		int rc = extend(c, 4, seqs, n, oc);
+		int rc = extend_flags(c, 4, seqs, n, oc, flags);
 		int fired = kvt_mem_fired();
 		kvt_mem_fail_at(0);
 		if (rc < 0) {
@@ -486,11 +503,11 @@ static void test_faults(void **state)
 			for (uint32_t s = 0; s < NS; s++)
 				same_layer(c, twin, s, "after a fault, vs the untouched twin");
 			/* the same call again, now without a fault, and what follows */
-			extend_ok(c, 4, seqs, n, oc);
+			extend_ok_flags(c, 4, seqs, n, oc, flags);
 		} else {
 			T_CHECK(!fired, "fault %llu fired but the call succeeded", (unsigned long long)fault);
 		}
-		extend_ok(twin, 4, seqs, n, ot);
+		extend_ok_flags(twin, 4, seqs, n, ot, flags);
 		T_CHECK(!memcmp(oc, ot, out_bytes(c, total)), "fault %llu: outputs differ from the twin",
 			(unsigned long long)fault);
 		same_decode(c, twin, 3, "after a fault");
@@ -503,8 +520,206 @@ static void test_faults(void **state)
 		if (!fired)
 			break;
 	}
-	print_message("batch extend: %llu allocation faults, each left every sequence as it was\n",
-		      (unsigned long long)(fault - 1));
+	print_message("batch extend (flags 0x%x): %llu allocation faults, each left every sequence "
+		      "as it was\n", flags, (unsigned long long)(fault - 1));
+}
+
+static void test_faults(void **state)
+{
+	(void)state;
+	faults(0);
+	faults(KVT_EXTEND_TOPP);
+}
+
+/* ---- (7) Top-p per query row (KVT_EXTEND_TOPP) --------------------------------------------- */
+
+static kvt_config topp_config(uint32_t dtype, float p, uint32_t window, uint32_t bmin,
+			      uint32_t bmax)
+{
+	kvt_config cfg = config(dtype, dtype == KVT_DTYPE_F16 ? KVT_DTYPE_F32 : dtype, p);
+	cfg.window = window;
+	cfg.budget_min = bmin;
+	cfg.budget_max = bmax;
+	return cfg;
+}
+
+/* The selection counters of kvt_stats. */
+struct sel_stats {
+	uint64_t steps, candidates, selected, max_hits, min_hits, rows;
+};
+
+static struct sel_stats sel_stats(kvt_cache *c)
+{
+	kvt_stats st = t_stats(c);
+	return (struct sel_stats){st.steps, st.candidate_tokens, st.selected_tokens,
+				  st.budget_max_hits, st.budget_min_hits, st.rows_fetched};
+}
+
+static struct sel_stats sel_delta(struct sel_stats a, struct sel_stats b)
+{
+	return (struct sel_stats){b.steps - a.steps, b.candidates - a.candidates,
+				  b.selected - a.selected, b.max_hits - a.max_hits,
+				  b.min_hits - a.min_hits, b.rows - a.rows};
+}
+
+/* Each entry's last row equals kvt_attend of that query row right after the call, bit for bit. */
+static void test_topp_last_row(void **state)
+{
+	(void)state;
+	static const uint32_t pre[NS] = {40, 0, 300, 7};
+	static const uint32_t seqs[NS] = {2, 0, 3, 1}, n[NS] = {37, 50, 0, 1};
+	const kvt_config cfgs[] = {topp_config(KVT_DTYPE_F16, 0.9f, 16, 8, 0),
+				   topp_config(KVT_DTYPE_BF16, 0.5f, 16, KVT_NONE, 24)};
+	for (uint32_t ci = 0; ci < 2; ci++) {
+		make_streams(cfgs[ci].dtype, 0x709 + ci);
+		kvt_cache *a = make_cache(&cfgs[ci]), *b = make_cache(&cfgs[ci]);
+		for (uint32_t s = 0; s < NS; s++)
+			for (kvt_cache *c = a; pre[s] && c; c = c == a ? b : NULL)
+				prefill(c, s, pre[s]);
+		uint8_t *oa = t_alloc(out_bytes(a, 88)), *ob = t_alloc(out_bytes(a, 88));
+		uint8_t *o2 = t_alloc(out_bytes(a, NS));
+		const struct sel_stats s0 = sel_stats(a);
+		extend_ok_flags(a, NS, seqs, n, oa, KVT_EXTEND_TOPP);
+		const struct sel_stats d = sel_delta(s0, sel_stats(a));
+		extend_ok(b, NS, seqs, n, ob);
+		T_CHECK(d.steps == 88 && d.selected < d.candidates && memcmp(oa, ob, out_bytes(a, 88)),
+			"config %u: Top-p selected %llu of %llu candidates over %llu steps, outputs %s "
+			"the exact ones: the test would not tell Top-p from exact", ci,
+			(unsigned long long)d.selected, (unsigned long long)d.candidates,
+			(unsigned long long)d.steps, memcmp(oa, ob, out_bytes(a, 88)) ? "differ from" : "equal");
+		uint32_t last[NS], m = 0, row = 0;
+		for (uint32_t i = 0; i < NS; row += n[i], i++) {
+			if (!n[i])
+				continue;
+			const uint32_t s = seqs[i];
+			memcpy(g_bq + (size_t)m * QROW, g_q[s] + (size_t)(len_of(a, s) - 1) * QROW,
+			       2ull * QROW);
+			last[m++] = row + n[i] - 1;
+		}
+		static const uint32_t busy[] = {2, 0, 1};
+		T_CHECK(kvt_attend(a, LAYER, m, busy, g_bq, o2, NULL) == 0, "attend: %s",
+			kvt_last_error(a));
+		for (uint32_t i = 0; i < m; i++)
+			T_CHECK(!memcmp(oa + out_bytes(a, last[i]), o2 + out_bytes(a, i), out_bytes(a, 1)),
+				"config %u, seq %u: the last row (%u) differs from kvt_attend of its query",
+				ci, busy[i], last[i]);
+		free(oa);
+		free(ob);
+		free(o2);
+		kvt_cache_destroy(a);
+		kvt_cache_destroy(b);
+	}
+}
+
+/* At p = 1 with no budget_max, every indexed token up to a row is selected: the exact outputs. */
+static void test_topp_p1(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0x9e1);
+	const kvt_config cfg = topp_config(KVT_DTYPE_F16, 1.0f, 16, KVT_DEFAULT_BUDGET_MIN, 0);
+	kvt_cache *a = make_cache(&cfg), *b = make_cache(&cfg);
+	static const uint32_t seqs[3] = {0, 1, 2};
+	static const uint32_t chunks[][3] = {{37, 3, 300}, {1, 90, 2}, {200, 0, 17}};
+	for (uint32_t k = 0; k < 3; k++) {
+		uint32_t total = chunks[k][0] + chunks[k][1] + chunks[k][2];
+		uint8_t *oa = t_alloc(out_bytes(a, total)), *ob = t_alloc(out_bytes(a, total));
+		extend_ok_flags(a, 3, seqs, chunks[k], oa, KVT_EXTEND_TOPP);
+		extend_ok(b, 3, seqs, chunks[k], ob);
+		for (uint32_t j = 0; j < total; j++)
+			T_CHECK(!memcmp(oa + out_bytes(a, j), ob + out_bytes(a, j), out_bytes(a, 1)),
+				"batch %u, row %u: Top-p at p = 1 differs from exact attention", k, j);
+		free(oa);
+		free(ob);
+	}
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
+/*
+ * Every row against an oracle. Without a window every token past the sinks is indexed, so row j
+ * of a chunk selects among exactly what a cache holding the tokens up to it has indexed: the same
+ * history, the chunk's rows prefilled one at a time and each attended by its query. The selection
+ * counters match too (a Top-p row counts as a step).
+ */
+static void test_topp_oracle(void **state)
+{
+	(void)state;
+	const kvt_config cfgs[] = {topp_config(KVT_DTYPE_F16, 0.9f, KVT_NONE, 8, 0),
+				   topp_config(KVT_DTYPE_F16, 0.9f, KVT_NONE, KVT_NONE, 30)};
+	const uint32_t s = 1, n = 60;
+	for (uint32_t ci = 0; ci < 2; ci++) {
+		make_streams(KVT_DTYPE_F16, 0x0ac1e + ci);
+		kvt_cache *a = make_cache(&cfgs[ci]), *b = make_cache(&cfgs[ci]);
+		prefill(a, s, 200);
+		prefill(b, s, 200);
+		float *oa = t_alloc(out_bytes(a, n)), ob[QROW];
+		const struct sel_stats a0 = sel_stats(a), b0 = sel_stats(b);
+		extend_ok_flags(a, 1, &s, &n, oa, KVT_EXTEND_TOPP);
+		for (uint32_t j = 0; j < n; j++) {
+			prefill(b, s, 1);
+			T_CHECK(kvt_attend(b, LAYER, 1, &s, g_q[s] + (size_t)(200 + j) * QROW, ob, NULL) == 0,
+				"attend: %s", kvt_last_error(b));
+			T_CHECK(!memcmp(oa + (size_t)j * QROW, ob, sizeof ob),
+				"config %u, row %u (position %u): Top-p extend differs from the oracle", ci,
+				j, 200 + j);
+		}
+		const struct sel_stats da = sel_delta(a0, sel_stats(a)), db = sel_delta(b0, sel_stats(b));
+		T_CHECK(!memcmp(&da, &db, sizeof da) && da.selected < da.candidates &&
+				(ci == 0 || da.max_hits > 0),
+			"config %u: counters (steps, candidates, selected, max hits, min hits, rows) "
+			"got %llu %llu %llu %llu %llu %llu, wanted %llu %llu %llu %llu %llu %llu", ci,
+			(unsigned long long)da.steps, (unsigned long long)da.candidates,
+			(unsigned long long)da.selected, (unsigned long long)da.max_hits,
+			(unsigned long long)da.min_hits, (unsigned long long)da.rows,
+			(unsigned long long)db.steps, (unsigned long long)db.candidates,
+			(unsigned long long)db.selected, (unsigned long long)db.max_hits,
+			(unsigned long long)db.min_hits, (unsigned long long)db.rows);
+		free(oa);
+		kvt_cache_destroy(a);
+		kvt_cache_destroy(b);
+	}
+}
+
+/*
+ * Masking: later tokens of the chunk, indexed, with huge keys aligned with an early row's queries,
+ * leave that row and every row before it unchanged (they are not scored for it), while they do
+ * change the last row.
+ */
+static void test_topp_masking(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0x3a5c);
+	const kvt_config cfg = topp_config(KVT_DTYPE_F16, 0.9f, 16, 8, 0);
+	const uint32_t s = 1, n = 80, j0 = 30, first = 200, G = HQ / HKV;
+	kvt_cache *a = make_cache(&cfg), *b = make_cache(&cfg);
+	prefill(a, s, first);
+	prefill(b, s, first);
+	uint8_t *oa = t_alloc(out_bytes(a, n)), *ob = t_alloc(out_bytes(a, n));
+	extend_ok_flags(a, 1, &s, &n, oa, KVT_EXTEND_TOPP);
+	uint16_t *keep = t_alloc(2ull * n * KROW);
+	memcpy(keep, g_k[s] + (size_t)first * KROW, 2ull * n * KROW);
+	for (uint32_t j = j0 + 1; j < n; j++)
+		for (uint32_t h = 0; h < HKV; h++)
+			for (uint32_t e = 0; e < D; e++) {
+				float qe = t_dec(g_dtype, g_q[s][((size_t)(first + j0) * HQ + h * G) * D + e]);
+				g_k[s][((size_t)(first + j) * HKV + h) * D + e] = t_enc(g_dtype, 8.0f * qe);
+			}
+	extend_ok_flags(b, 1, &s, &n, ob, KVT_EXTEND_TOPP);
+	memcpy(g_k[s] + (size_t)first * KROW, keep, 2ull * n * KROW);
+	T_CHECK(b->seqs[s].layers[LAYER].n_indexed > first + j0 + 1 - cfg.n_sink,
+		"the huge keys are not indexed (%u indexed): the test would prove nothing",
+		b->seqs[s].layers[LAYER].n_indexed);
+	for (uint32_t j = 0; j <= j0; j++)
+		T_CHECK(!memcmp(oa + out_bytes(a, j), ob + out_bytes(a, j), out_bytes(a, 1)),
+			"row %u (position %u): changed by keys at positions > %u", j, first + j,
+			first + j0);
+	T_CHECK(memcmp(oa + out_bytes(a, n - 1), ob + out_bytes(a, n - 1), out_bytes(a, 1)),
+		"the last row did not change: the huge keys had no effect, the test proves nothing");
+	free(keep);
+	free(oa);
+	free(ob);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
 }
 
 /* ---- (4) a spilled sequence: its rows read from NVMe ---------------------------------------- */
@@ -535,11 +750,12 @@ static void test_spilled(void **state)
 	T_CHECK(kvt_seq_bytes(a, 0, &host, &nvme) == 0 && nvme > 0, "seq 0 is not spilled");
 	const kvt_stats before = t_stats(a);
 	uint8_t *oa = t_alloc(out_bytes(a, 48)), *ob = t_alloc(out_bytes(a, 48));
-	for (uint32_t round = 0; round < 2; round++) {
-		extend_ok(a, 2, seqs, n, oa);
-		extend_ok(b, 2, seqs, n, ob);
-		T_CHECK(!memcmp(oa, ob, out_bytes(a, 48)), "round %u: spilled outputs differ from "
-			"unspilled", round);
+	for (uint32_t round = 0; round < 4; round++) {
+		const uint32_t flags = round & 1 ? KVT_EXTEND_TOPP : 0;
+		extend_ok_flags(a, 2, seqs, n, oa, flags);
+		extend_ok_flags(b, 2, seqs, n, ob, flags);
+		T_CHECK(!memcmp(oa, ob, out_bytes(a, 48)), "round %u (flags 0x%x): spilled outputs "
+			"differ from unspilled", round, flags);
 	}
 	const kvt_stats after = t_stats(a);
 	T_CHECK(after.nvme_cache_misses > before.nvme_cache_misses && after.restores == 0,
@@ -565,7 +781,9 @@ int main(int argc, char **argv)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_reference),     cmocka_unit_test(test_twins),
 		cmocka_unit_test(test_varlen),        cmocka_unit_test(test_bad_arguments),
-		cmocka_unit_test(test_faults),
+		cmocka_unit_test(test_faults),        cmocka_unit_test(test_topp_last_row),
+		cmocka_unit_test(test_topp_p1),       cmocka_unit_test(test_topp_oracle),
+		cmocka_unit_test(test_topp_masking),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -604,7 +604,7 @@ class Cache:
         return out
 
     def extend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], lengths: Seq[int],
-               q: Any, k: Any, v: Any, out: Any = None) -> Any:
+               q: Any, k: Any, v: Any, out: Any = None, top_p: bool = False) -> Any:
         """kvt_extend: several new tokens per sequence (chunked prefill, a prefix hit, speculative
         verification) attending everything stored before them, varlen over `seqs` on `layer`.
 
@@ -613,8 +613,12 @@ class Cache:
         q: [total, n_q_heads, head_dim] in dtype
         k, v: [total, n_kv_heads, head_dim] in dtype
         out: [total, n_q_heads, head_dim] in out_dtype, or None: a new array of q's kind.
+        top_p: False: exact attention; True (KVT_EXTEND_TOPP): each query row attends what an
+            attend step would select for it among the tokens up to it (speculative verification)
         The rows are stored and indexed as prefill stores a chunk; query row j of a sequence holding
-        n tokens before the call attends its tokens 0 .. n + j exactly (as attend at p = 1).
+        n tokens before the call attends its tokens 0 .. n + j exactly (as attend at p = 1), or with
+        top_p the sinks and window among them and its Top-p selection of the indexed ones (indexed
+        tokens past it are not scored): each sequence's last row then equals attend of its query.
         All or nothing. Returns out. The CUDA backend has no multi-token attention yet
         (kvtier.Error, EOPNOTSUPP).
         """
@@ -635,8 +639,9 @@ class Cache:
             out = empty_like_kind(q, q_shape, self.out_dtype)
         po = self._ptr("out", out, q_shape, self.out_dtype, writable=True)
         c_cu = (ctypes.c_uint32 * len(cu))(*cu)
+        flags = _abi.EXTEND_TOPP if top_p else 0
         self._check(_abi.lib().kvt_extend(self._handle(), layer, len(ids), ids, c_cu, pq, pk, pv,
-                                          po, 0, stream_of([q, k, v, out], self.backend)),
+                                          po, flags, stream_of([q, k, v, out], self.backend)),
                     "kvt_extend")
         return out
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """Cache.extend (kvt_extend) on the CPU backend with numpy: several new tokens per sequence attend
 everything stored before them, causally; a varlen batch with an empty entry; bit-equal to
-appending the tokens one at a time at p = 1; refusals that change nothing."""
+appending the tokens one at a time at p = 1; refusals that change nothing; with top_p, each
+sequence's last row bit-equal to attend of its query right after."""
 
 import errno
 
@@ -86,3 +87,24 @@ def test_refusals_change_nothing(cache, rng):
     with pytest.raises(kvtier.Error, match=r"k\[1, 1, 5\] = inf"):
         cache.extend(0, [s], [3], q, bad, v)
     assert cache.length(s, 0) == 10
+
+
+def test_top_p_last_row_equals_attend(rng):
+    with kvtier.Cache(backend="cpu", out_dtype="float32", budget_min=8, **SHAPE) as c, \
+            kvtier.Cache(backend="cpu", out_dtype="float32", budget_min=8, **SHAPE) as e:
+        seqs, exact = [c.open(), c.open()], [e.open(), e.open()]
+        for s, x, n in zip(seqs, exact, (300, 120)):
+            q, k, v = rand(rng, n, HQ, D), rand(rng, n, HKV, D), rand(rng, n, HKV, D)
+            c.prefill(s, 1, q, k, v)
+            e.prefill(x, 1, q, k, v)
+        lengths = [40, 5]
+        total = sum(lengths)
+        q, k, v = rand(rng, total, HQ, D), rand(rng, total, HKV, D), rand(rng, total, HKV, D)
+        steps = c.stats().steps
+        out = c.extend(1, seqs, lengths, q, k, v, top_p=True)
+        assert c.stats().steps == steps + total  # a Top-p row counts as a step
+        last = [lengths[0] - 1, total - 1]
+        want = c.attend(1, seqs, q[last])
+        assert out[last].tobytes() == want.tobytes()
+        # the selection is selective here: some row differs from exact attention
+        assert out.tobytes() != e.extend(1, exact, lengths, q, k, v).tobytes()
