@@ -578,8 +578,10 @@ KVT_API int kvt_extend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * is token_stride head_dim, head_stride T head_dim. The rows of two (token, head) pairs must not
  * overlap, which the checks make simple: head_stride >= head_dim, and either token-major,
  * token_stride >= (heads - 1) * head_stride + head_dim, or head-major, token_stride >= head_dim and
- * head_stride >= (n - 1) * token_stride + head_dim (n: the call's rows); the last element
- * ((n - 1) * token_stride + (heads - 1) * head_stride + head_dim) must lie within PTRDIFF_MAX bytes.
+ * head_stride >= (n - 1) * token_stride + head_dim (n: the call's rows, i.e. n_tokens, n_seqs or
+ * cu_seqlens[n_seqs]); the view's extent, (n - 1) * token_stride + (heads - 1) * head_stride +
+ * head_dim elements, must lie within PTRDIFF_MAX bytes. Views of distinct tensors may interleave
+ * (the three of a fused projection do).
  */
 typedef struct kvt_io_view {
 	uint64_t token_stride; /* elements between tokens (rows of the batch); 0: the default */
