@@ -279,6 +279,9 @@ static const struct kvt_backend_ops ops = {
 	.read_rows = gpu_read_rows,
 	/* no multi-token attention kernel yet: the pipeline refuses kvt_extend with -EOPNOTSUPP */
 	.extend = NULL,
+	/* no strided copy yet (cudaMemcpy2DAsync per token would do, into a device scratch): the
+	 * compute calls' _at forms refuse a non-dense layout with -EOPNOTSUPP, a dense one runs */
+	.copy_strided = NULL,
 };
 
 const struct kvt_backend_ops *const kvt_cuda_backend_ops = &ops;

@@ -53,6 +53,7 @@ static void cache_free(kvt_cache *c)
 				kvt_seq_close(c, s);
 	}
 	kvt_share_fini(c);
+	kvt_io_fini(c);
 	if (c->ops && c->ops->fini)
 		c->ops->fini(c);
 	kvt_tier_fini(c);
@@ -360,8 +361,9 @@ KVT_API int kvt_seq_write_rows_at(kvt_cache *c, uint32_t seq, uint32_t layer, ui
 	return write_rows(c, "kvt_seq_write_rows_at", seq, layer, from, to, k, v, layout, stream);
 }
 
-KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
-			const void *v, uint32_t n_tokens, void *stream)
+KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q,
+			   const void *k, const void *v, uint32_t n_tokens,
+			   const kvt_io_layout *layout, void *stream)
 {
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
@@ -373,9 +375,17 @@ KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *
 	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
 		      "n_tokens = %u would grow seq %u layer %u past %d tokens", n_tokens, seq, layer,
 		      INT32_MAX);
+	struct kvt_io io = {.q = q, .k = k, .v = v};
+	KVT_TRY(kvt_io_begin(c, "kvt_prefill_at", layout, n_tokens, &io, stream));
 	c->call_start = c->clock + 1;
 	s->last_use = ++c->clock;
-	return kvt_pipe_prefill(c, l, layer, q, k, v, n_tokens, stream);
+	return kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream);
+}
+
+KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
+			const void *v, uint32_t n_tokens, void *stream)
+{
+	return kvt_prefill_at(c, seq, layer, q, k, v, n_tokens, NULL, stream);
 }
 
 /* Resolve a batch of distinct open sequences to their layer state. */
@@ -407,53 +417,73 @@ static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint3
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
 	*ls = c->batch;
-	KVT_TRY(batch(c, layer, n_seqs, seqs, *ls));
+	return batch(c, layer, n_seqs, seqs, *ls);
+}
+
+/* The batch is used by this call (the LRU clock), once every argument has been checked. */
+static void batch_use(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs)
+{
 	c->call_start = c->clock + 1;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		c->seqs[seqs[i]].last_use = ++c->clock;
-	return 0;
 }
 
-KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-		       const void *k, const void *v, void *stream)
+KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *k, const void *v, const kvt_io_layout *layout, void *stream)
 {
 	struct kvt_layer **ls;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
-	int rc = 0;
-	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
+	for (uint32_t i = 0; i < n_seqs; i++)
 		if (ls[i]->n_tokens >= INT32_MAX)
-			rc = kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
 					"seq %u layer %u holds %d tokens, the limit", seqs[i], layer,
 					INT32_MAX));
-	if (rc == 0)
-		rc = kvt_pipe_append(c, layer, n_seqs, ls, k, v, stream);
-	return rc;
+	struct kvt_io io = {.k = k, .v = v};
+	KVT_TRY(kvt_io_begin(c, "kvt_append_at", layout, n_seqs, &io, stream));
+	batch_use(c, n_seqs, seqs);
+	return kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream);
 }
 
-static int attend_common(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-			 const void *q, void *out, void *stream)
+KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *k, const void *v, void *stream)
+{
+	return kvt_append_at(c, layer, n_seqs, seqs, k, v, NULL, stream);
+}
+
+static int attend_common(kvt_cache *c, const char *call, uint32_t layer, uint32_t n_seqs,
+			 const uint32_t *seqs, const void *q, void *out, const kvt_io_layout *lo,
+			 void *stream)
 {
 	struct kvt_layer **ls;
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
-	int rc = 0;
-	for (uint32_t i = 0; i < n_seqs && rc == 0; i++)
-		if (ls[i]->n_tokens == 0)
-			rc = kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
+	for (uint32_t i = 0; i < n_seqs; i++)
+		if (ls[i]->n_tokens == 0) {
+			batch_use(c, n_seqs, seqs);
+			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
 					"seq %u holds no tokens on layer %u", seqs[i], layer));
-	if (rc == 0)
-		rc = kvt_pipe_step(c, layer, n_seqs, ls, q, out, stream);
-	return rc;
+		}
+	struct kvt_io io = {.q = q, .out = out};
+	KVT_TRY(kvt_io_begin(c, call, lo, n_seqs, &io, stream));
+	batch_use(c, n_seqs, seqs);
+	int rc = kvt_pipe_step(c, layer, n_seqs, ls, io.q, io.out, stream);
+	return kvt_io_end(c, &io, rc, stream);
+}
+
+KVT_API int kvt_attend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *q, void *out, const kvt_io_layout *layout, void *stream)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!q || !out, c, -EINVAL, "%s is NULL", !q ? "q" : "out");
+	int rc = attend_common(c, "kvt_attend_at", layer, n_seqs, seqs, q, out, layout, stream);
+	return rc < 0 ? rc : 0;
 }
 
 KVT_API int kvt_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream)
 {
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_RETURN_IF(!q || !out, c, -EINVAL, "%s is NULL", !q ? "q" : "out");
-	int rc = attend_common(c, layer, n_seqs, seqs, q, out, stream);
-	return rc < 0 ? rc : 0;
+	return kvt_attend_at(c, layer, n_seqs, seqs, q, out, NULL, stream);
 }
 
 KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -461,7 +491,7 @@ KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 {
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!q, c, -EINVAL, "q is NULL");
-	return attend_common(c, layer, n_seqs, seqs, q, NULL, stream);
+	return attend_common(c, "kvt_select", layer, n_seqs, seqs, q, NULL, NULL, stream);
 }
 
 KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -474,6 +504,7 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	batch_use(c, n_seqs, seqs);
 	return kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos, k_out, v_out,
 			       stream);
 }
@@ -493,9 +524,9 @@ static int check_seqlens(kvt_cache *c, uint32_t n_seqs, const uint32_t *cu)
 	return 0;
 }
 
-KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-		       const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
-		       void *out, uint32_t flags, void *stream)
+KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
+			  void *out, uint32_t flags, const kvt_io_layout *layout, void *stream)
 {
 	struct kvt_layer **ls;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
@@ -519,12 +550,23 @@ KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 				"seqs[%u] = %u: %u new tokens would grow layer %u past %d tokens (it "
 				"holds %u)", i, seqs[i], n, layer, INT32_MAX, ls[i]->n_tokens));
 	}
+	struct kvt_io io = {.q = q, .k = k, .v = v, .out = out};
+	KVT_TRY(kvt_io_begin(c, "kvt_extend_at", layout, cu_seqlens[n_seqs], &io, stream));
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
 	c->call_start = c->clock + 1;
 	for (uint32_t i = 0; i < n_seqs; i++)
 		if (cu_seqlens[i + 1] > cu_seqlens[i])
 			c->seqs[seqs[i]].last_use = ++c->clock;
-	return kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, q, k, v, out, flags, stream);
+	int rc = kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out, flags,
+				 stream);
+	return kvt_io_end(c, &io, rc, stream);
+}
+
+KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
+		       void *out, uint32_t flags, void *stream)
+{
+	return kvt_extend_at(c, layer, n_seqs, seqs, cu_seqlens, q, k, v, out, flags, NULL, stream);
 }
 
 KVT_API int kvt_get_stats(kvt_cache *c, kvt_stats *st)

@@ -553,6 +553,24 @@ static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	return 0;
 }
 
+/* A dense tensor to or from a strided view, one head row at a time (lib/io_layout.c). */
+static int cpu_copy_strided(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
+			    bool to_view, void *stream)
+{
+	(void)c;
+	(void)stream;
+	for (size_t t = 0; t < s->n; t++)
+		for (size_t h = 0; h < s->heads; h++) {
+			const size_t view = t * s->token_pitch + h * s->head_pitch;
+			const size_t dense = (t * s->heads + h) * s->width;
+			if (to_view)
+				memcpy((char *)dst + view, (const char *)src + dense, s->width);
+			else
+				memcpy((char *)dst + dense, (const char *)src + view, s->width);
+		}
+	return 0;
+}
+
 const struct kvt_backend_ops kvt_cpu_backend = {
 	.name = "cpu",
 	.check_finite = check_finite,
@@ -566,5 +584,6 @@ const struct kvt_backend_ops kvt_cpu_backend = {
 	.read_rows = cpu_read_rows,
 	.read_rows_at = cpu_read_rows_at,
 	.extend = cpu_extend,
+	.copy_strided = cpu_copy_strided,
 	.read_rows_spilled = true,
 };

@@ -230,6 +230,38 @@ int kvt_rows_map_check(kvt_cache *c, const char *call, const kvt_rows_layout *lo
 int kvt_rows_gather(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
 		    const void *v, void **dense, size_t *bytes);
 
+/* ---- strided q, k, v and out of the compute calls (lib/io_layout.c) ---------------------------- */
+
+/* A tensor [n, heads, width bytes] as a strided view: row (t, h) at byte t * token_pitch +
+ * h * head_pitch, its dense twin's at (t * heads + h) * width. The copy a cudaMemcpy2DAsync per
+ * token (or one, when token_pitch = heads * head_pitch) does. */
+struct kvt_strided {
+	uint32_t n, heads;
+	size_t width, token_pitch, head_pitch;
+};
+
+/* The tensors of one compute call: set q, k, v, out to the caller's (NULL: not taken), then
+ * kvt_io_begin points them at what the dense pipeline reads and writes, and kvt_io_end scatters
+ * out into the caller's view. */
+struct kvt_io {
+	const void *q, *k, *v;
+	void *out;
+	void *user_out;             /* the caller's out when it is strided, else NULL */
+	struct kvt_strided out_view;
+};
+
+/*
+ * Check `lo` for a call of n rows (-EINVAL naming `call`, the field, its value and the limit), then
+ * gather each strided input into the cache's scratch (grown: -ENOMEM) through ops->copy_strided
+ * (NULL: -EOPNOTSUPP). Changes nothing of the cache but the scratch. A dense layout: no copy.
+ */
+int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32_t n,
+		 struct kvt_io *io, void *stream);
+/* After the dense call returned rc: a strided out is scattered when rc >= 0. Returns rc, or the
+ * copy's error. */
+int kvt_io_end(kvt_cache *c, struct kvt_io *io, int rc, void *stream);
+void kvt_io_fini(kvt_cache *c);
+
 struct kvt_cache {
 	kvt_config cfg;
 	uint32_t d, words, group; /* head_dim, d / 32, n_q_heads / n_kv_heads */
@@ -267,6 +299,8 @@ struct kvt_cache {
 	uint8_t *mask;            /* [scratch_cap] */
 	uint32_t rows_cap;        /* row pointers: sinks + scratch_cap + window + flush_batch */
 	const void **rows;        /* [rows_cap] */
+	void *io_scratch;         /* dense copies of the strided tensors of the _at calls */
+	size_t io_scratch_bytes;
 	char err[512];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
 };
@@ -408,6 +442,11 @@ struct kvt_backend_ops {
 	 * refuse any layout but the dense one (-EOPNOTSUPP). */
 	int (*read_rows_at)(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
 			    void *v, const struct kvt_rows_map *m, void *stream);
+	/* Copy between a dense tensor and a strided view of it (lib/io_layout.c): to_view, dense src
+	 * into the view dst; else the view src into dense dst. Both in the backend's tensor memory.
+	 * NULL: the compute calls' _at forms refuse any layout but the dense one (-EOPNOTSUPP). */
+	int (*copy_strided)(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
+			    bool to_view, void *stream);
 	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
 	 * restores the sequence first */
 	bool read_rows_spilled;

@@ -593,6 +593,62 @@ KVT_API int kvt_extend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
 		       void *out, uint32_t flags, void *stream);
 
 /*
+ * Where the rows of one tensor of a compute call lie (kvt_io_layout): token t, head h starts at
+ * element t * token_stride + h * head_stride; its head_dim elements are contiguous. Zero in a field
+ * means the default: head_stride = head_dim, token_stride = heads * head_stride (heads: n_q_heads
+ * for q and out, n_kv_heads for k and v), i.e. dense [n, heads, head_dim]. A fused qkv projection
+ * split three ways is token_stride (n_q_heads + 2 n_kv_heads) head_dim; a [B, H, T, D] transpose
+ * is token_stride head_dim, head_stride T head_dim. The rows of two (token, head) pairs must not
+ * overlap, which the checks make simple: head_stride >= head_dim, and either token-major,
+ * token_stride >= (heads - 1) * head_stride + head_dim, or head-major, token_stride >= head_dim and
+ * head_stride >= (n - 1) * token_stride + head_dim (n: the call's rows, i.e. n_tokens, n_seqs or
+ * cu_seqlens[n_seqs]); the view's extent, (n - 1) * token_stride + (heads - 1) * head_stride +
+ * head_dim elements, must lie within PTRDIFF_MAX bytes. Views of distinct tensors may interleave
+ * (the three of a fused projection do).
+ */
+typedef struct kvt_io_view {
+	uint64_t token_stride; /* elements between tokens (rows of the batch); 0: the default */
+	uint64_t head_stride;  /* elements between heads of a token; 0: head_dim */
+} kvt_io_view;
+
+/*
+ * Strided q, k, v and out for kvt_prefill_at, kvt_append_at, kvt_attend_at and kvt_extend_at.
+ * `{ sizeof(kvt_io_layout) }` (or a NULL pointer) is the dense layout of the plain calls. A view of
+ * a tensor the call does not take (kvt_prefill's out, a NULL q) is not read.
+ */
+typedef struct kvt_io_layout {
+	uint32_t size;  /* sizeof(kvt_io_layout): at least up to out */
+	uint32_t flags; /* must be 0 */
+	kvt_io_view q, k, v, out;
+} kvt_io_layout;
+
+/*
+ * kvt_prefill, kvt_append, kvt_attend and kvt_extend with their tensors placed as `layout` says
+ * (NULL: dense, the same call). A layout whose views all resolve to the dense placement costs
+ * nothing; any other is gathered into a dense scratch of the cache (grown as needed, kept until
+ * kvt_cache_destroy), the dense call runs on it, and its out is scattered into the caller's view:
+ * the outputs and the cache's state are bit for bit those of the dense call on the same values.
+ * Nothing of out is written outside its (token, head) rows, and a failed strided call writes
+ * nothing of out at all.
+ * Errors: the plain call's, and -EINVAL for the layout, checked before anything changes (size too
+ * small, unknown flags, a stride below its minimum or past the address range: the text names the
+ * field, its value and the limit, e.g. "layout->q.head_stride = 64, must be 0 or in [head_dim =
+ * 128, ...]"); -ENOMEM (the scratch; nothing changed); -EOPNOTSUPP for a layout other than the
+ * dense one on the CUDA backend (no strided copy on the device yet; a dense layout works there).
+ * Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_prefill_at(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,
+			   const void *k, const void *v, uint32_t n_tokens,
+			   const kvt_io_layout *layout, void *stream);
+KVT_API int kvt_append_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *k, const void *v, const kvt_io_layout *layout, void *stream);
+KVT_API int kvt_attend_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *q, void *out, const kvt_io_layout *layout, void *stream);
+KVT_API int kvt_extend_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
+			  void *out, uint32_t flags, const kvt_io_layout *layout, void *stream);
+
+/*
  * Fill *stats up to stats->size (the output-struct rule above). With the CUDA backend this waits for
  * the device to finish the work already queued (the fetch counters live on the device).
  * Errors: -EINVAL (NULL, stats->size below KVT_STATS_SIZE_VER0: the text names both), -EIO (the

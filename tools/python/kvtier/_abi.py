@@ -158,6 +158,19 @@ class KvtRowsLayout(ctypes.Structure):
                 ("head_stride", ctypes.c_uint64)]
 
 
+class KvtIoView(ctypes.Structure):
+    """kvt_io_view: where the rows of one tensor lie (token and head strides in elements, 0: the
+    dense default)."""
+    _fields_ = [("token_stride", ctypes.c_uint64), ("head_stride", ctypes.c_uint64)]
+
+
+class KvtIoLayout(ctypes.Structure):
+    """kvt_io_layout: the views of q, k, v and out of kvt_prefill_at, kvt_append_at,
+    kvt_attend_at and kvt_extend_at."""
+    _fields_ = [("size", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("q", KvtIoView),
+                ("k", KvtIoView), ("v", KvtIoView), ("out", KvtIoView)]
+
+
 class LoadError(ImportError):
     """libkvtier could not be loaded or does not match this package."""
 
@@ -188,6 +201,14 @@ _PROTOTYPES = {
                                   ctypes.POINTER(i32), _P, _P, _P, _P]),
     "kvt_extend": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), ctypes.POINTER(u32), _P,
                                   _P, _P, _P, u32, _P]),
+    "kvt_prefill_at": (ctypes.c_int, [_P, u32, u32, _P, _P, _P, u32,
+                                       ctypes.POINTER(KvtIoLayout), _P]),
+    "kvt_append_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P,
+                                      ctypes.POINTER(KvtIoLayout), _P]),
+    "kvt_attend_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P,
+                                      ctypes.POINTER(KvtIoLayout), _P]),
+    "kvt_extend_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), ctypes.POINTER(u32), _P,
+                                      _P, _P, _P, u32, ctypes.POINTER(KvtIoLayout), _P]),
     "kvt_get_stats": (ctypes.c_int, [_P, ctypes.POINTER(KvtStats)]),
     "kvt_get_layer_stats": (ctypes.c_int, [_P, u32, ctypes.POINTER(KvtLayerStats)]),
     "kvt_get_capacity": (ctypes.c_int, [_P, ctypes.POINTER(KvtCapacity)]),

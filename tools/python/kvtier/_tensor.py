@@ -2,7 +2,8 @@
 """Checking numpy arrays and torch tensors before their pointers are handed to C.
 
 Nothing here copies or converts: an argument that is not exactly what the C function reads (dtype,
-shape, device, dense row-major layout) is refused with an Error naming it.
+shape, device, dense row-major layout, or for the calls taking a kvt_io_layout a numpy view with
+contiguous rows) is refused with an Error naming it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _torch_dtype_ok(t: Any, kvt_dtype: int) -> bool:
 
 
 def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: str,
-            device: int, writable: bool = False) -> int:
+            device: int, writable: bool = False, strided: bool = False) -> int:
     """The address of `x` after checking it against what C reads.
 
     Args:
@@ -57,6 +58,8 @@ def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: 
         backend: "cpu" or "cuda".
         device: the CUDA device ordinal of the cache.
         writable: the C function writes into x.
+        strided: a numpy array may be a strided view with contiguous rows (row_strides); the
+            caller passes its strides on (strided_pointer).
     """
     if is_torch(x):
         if not _torch_dtype_ok(x, kvt_dtype):
@@ -90,13 +93,47 @@ def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: 
             raise refuse("%s: dtype %s, want %s" % (name, x.dtype, want))
         if tuple(x.shape) != tuple(shape):
             raise refuse("%s: shape %s, want %s" % (name, tuple(x.shape), tuple(shape)))
-        if not x.flags.c_contiguous:
-            raise refuse("%s: not C-contiguous (strides %s): pass a dense row-major array "
-                         "(numpy.ascontiguousarray copies)" % (name, x.strides))
+        if not x.flags.c_contiguous and (not strided or row_strides(x) is None):
+            raise refuse("%s: not C-contiguous (strides %s)%s: pass a dense row-major array "
+                         "(numpy.ascontiguousarray copies)"
+                         % (name, x.strides, ", nor rows of contiguous head_dim elements at "
+                            "positive token and head strides" if strided else ""))
         if writable and not x.flags.writeable:
             raise refuse("%s: read-only array" % name)
         return x.ctypes.data
     raise refuse("%s: a %s, want a numpy.ndarray or a torch.Tensor" % (name, type(x).__name__))
+
+
+def row_strides(x: Any) -> Optional[Tuple[int, int]]:
+    """(token_stride, head_stride) in elements of a numpy [n, heads, head_dim] array whose
+    head_dim elements are contiguous and whose token and head strides are positive multiples of
+    the element size (a dimension of one row or head: 0, the default), else None. The library
+    checks the rest (rows that overlap are refused there)."""
+    it = x.itemsize
+    if x.ndim != 3 or (x.shape[2] > 1 and x.strides[2] != it):
+        return None
+    out = []
+    for n, s in zip(x.shape[:2], x.strides[:2]):
+        if n == 1:
+            out.append(0)
+        elif s <= 0 or s % it:
+            return None
+        else:
+            out.append(s // it)
+    return out[0], out[1]
+
+
+def strided_pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: str,
+                    device: int, writable: bool = False) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """pointer() for a q, k, v or out of the calls that take a kvt_io_layout: a numpy array may
+    also be a strided view whose head_dim elements are contiguous (a fused qkv projection split
+    three ways, a [B, H, T, D] transpose), passed as it is, not copied. Returns the address and
+    None (dense) or the (token_stride, head_stride) of its kvt_io_view in elements. torch tensors
+    must be dense, as for pointer()."""
+    addr = pointer(name, x, shape, kvt_dtype, backend, device, writable, strided=True)
+    if is_torch(x) or x.flags.c_contiguous:
+        return addr, None
+    return addr, row_strides(x)
 
 
 def empty_like_kind(ref: Any, shape: Sequence[int], kvt_dtype: int) -> Any:

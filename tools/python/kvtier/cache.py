@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: MIT
 """Pythonic objects over kvtier's C interface: Config, Cache, Sequence, stats, probe, footprint.
 
-Conventions (lib/kvtier.h): tensors are dense row-major in the cache's dtype; host memory (numpy
-arrays or CPU torch tensors) for the CPU backend, torch CUDA tensors on the cache's device for the
-CUDA backend, where every call is queued on torch's current stream of that device. Calls on one
-Cache must be serialized by the caller (one thread at a time), as in C.
+Conventions (lib/kvtier.h): tensors are dense row-major in the cache's dtype (prefill, append,
+attend and extend also take numpy views with contiguous head rows, kvt_io_layout); host memory
+(numpy arrays or CPU torch tensors) for the CPU backend, torch CUDA tensors on the cache's device
+for the CUDA backend, where every call is queued on torch's current stream of that device. Calls on
+one Cache must be serialized by the caller (one thread at a time), as in C.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import errno
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence as Seq, Union
 
 from . import _abi
-from ._tensor import DTYPE_I32, empty_like_kind, is_torch, pointer, stream_of
+from ._tensor import DTYPE_I32, empty_like_kind, is_torch, pointer, stream_of, strided_pointer
 from .errors import Error, check, refuse
 
 NONE = _abi.NONE32     # explicit zero of a 32-bit field (kvtier.h KVT_NONE)
@@ -406,6 +407,23 @@ class Cache:
         return pointer(name, x, shape, self.dtype if dtype is None else dtype, self.backend,
                        self.device, writable)
 
+    def _sptr(self, name: str, x: Any, shape: tuple, dtype: Optional[int] = None,
+              writable: bool = False) -> "tuple[int, Any]":
+        return strided_pointer(name, x, shape, self.dtype if dtype is None else dtype,
+                               self.backend, self.device, writable)
+
+    @staticmethod
+    def _layout(**views: Any) -> Any:
+        """A pointer to the kvt_io_layout of the strided ones among views (q, k, v, out: None or
+        (token_stride, head_stride) in elements), or None (NULL: all dense, no copy in C)."""
+        if all(s is None for s in views.values()):
+            return None
+        lo = _abi.KvtIoLayout(size=ctypes.sizeof(_abi.KvtIoLayout))
+        for name, s in views.items():
+            if s is not None:
+                setattr(lo, name, _abi.KvtIoView(*s))
+        return ctypes.pointer(lo)
+
     def length(self, seq: SeqLike, layer: int = 0) -> int:
         """kvt_seq_length: tokens held by `seq` on `layer`."""
         sid = self._seq_id(seq)
@@ -558,6 +576,9 @@ class Cache:
 
         q: [n_tokens, n_q_heads, head_dim] in dtype, or None (the query centroid is then zero)
         k, v: [n_tokens, n_kv_heads, head_dim] in dtype
+        numpy q, k, v may be strided views with contiguous head rows (a fused qkv split, a
+        [B, H, T, D] transpose): passed with their strides (kvt_prefill_at), not copied. So may
+        the tensors of append, attend (out too) and extend.
         CUDA backend: queued on torch's current stream.
         """
         sid, layer = self._seq_id(seq), self._layer(layer)
@@ -566,12 +587,14 @@ class Cache:
                          % (getattr(k, "shape", type(k).__name__),))
         n = int(k.shape[0])
         kv_shape = (n, self.n_kv_heads, self.head_dim)
-        pk = self._ptr("k", k, kv_shape)
-        pv = self._ptr("v", v, kv_shape)
-        pq = None if q is None else self._ptr("q", q, (n, self.n_q_heads, self.head_dim))
+        pk, sk = self._sptr("k", k, kv_shape)
+        pv, sv = self._sptr("v", v, kv_shape)
+        pq, sq = (None, None) if q is None else \
+            self._sptr("q", q, (n, self.n_q_heads, self.head_dim))
         stream = stream_of([k, v], self.backend)
-        self._check(_abi.lib().kvt_prefill(self._handle(), sid, layer, pq, pk, pv, n, stream),
-                    "kvt_prefill")
+        self._check(_abi.lib().kvt_prefill_at(self._handle(), sid, layer, pq, pk, pv, n,
+                                              self._layout(q=sq, k=sk, v=sv), stream),
+                    "kvt_prefill_at")
 
     def append(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], k: Any,
                v: Any) -> None:
@@ -581,9 +604,10 @@ class Cache:
         """
         ids, layer = self._seq_array(seqs), self._layer(layer)
         shape = (len(ids), self.n_kv_heads, self.head_dim)
-        pk, pv = self._ptr("k", k, shape), self._ptr("v", v, shape)
-        self._check(_abi.lib().kvt_append(self._handle(), layer, len(ids), ids, pk, pv,
-                                          stream_of([k, v], self.backend)), "kvt_append")
+        (pk, sk), (pv, sv) = self._sptr("k", k, shape), self._sptr("v", v, shape)
+        self._check(_abi.lib().kvt_append_at(self._handle(), layer, len(ids), ids, pk, pv,
+                                             self._layout(k=sk, v=sv),
+                                             stream_of([k, v], self.backend)), "kvt_append_at")
 
     def attend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], q: Any,
                out: Any = None) -> Any:
@@ -595,12 +619,13 @@ class Cache:
         """
         ids, layer = self._seq_array(seqs), self._layer(layer)
         shape = (len(ids), self.n_q_heads, self.head_dim)
-        pq = self._ptr("q", q, shape)
+        pq, sq = self._sptr("q", q, shape)
         if out is None:
             out = empty_like_kind(q, shape, self.out_dtype)
-        po = self._ptr("out", out, shape, self.out_dtype, writable=True)
-        self._check(_abi.lib().kvt_attend(self._handle(), layer, len(ids), ids, pq, po,
-                                          stream_of([q, out], self.backend)), "kvt_attend")
+        po, so = self._sptr("out", out, shape, self.out_dtype, writable=True)
+        self._check(_abi.lib().kvt_attend_at(self._handle(), layer, len(ids), ids, pq, po,
+                                             self._layout(q=sq, out=so),
+                                             stream_of([q, out], self.backend)), "kvt_attend_at")
         return out
 
     def extend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], lengths: Seq[int],
@@ -633,16 +658,17 @@ class Cache:
         total = cu[-1]
         q_shape, kv_shape = (total, self.n_q_heads, self.head_dim), \
             (total, self.n_kv_heads, self.head_dim)
-        pq, pk, pv = self._ptr("q", q, q_shape), self._ptr("k", k, kv_shape), \
-            self._ptr("v", v, kv_shape)
+        (pq, sq), (pk, sk), (pv, sv) = self._sptr("q", q, q_shape), \
+            self._sptr("k", k, kv_shape), self._sptr("v", v, kv_shape)
         if out is None:
             out = empty_like_kind(q, q_shape, self.out_dtype)
-        po = self._ptr("out", out, q_shape, self.out_dtype, writable=True)
+        po, so = self._sptr("out", out, q_shape, self.out_dtype, writable=True)
         c_cu = (ctypes.c_uint32 * len(cu))(*cu)
         flags = _abi.EXTEND_TOPP if top_p else 0
-        self._check(_abi.lib().kvt_extend(self._handle(), layer, len(ids), ids, c_cu, pq, pk, pv,
-                                          po, flags, stream_of([q, k, v, out], self.backend)),
-                    "kvt_extend")
+        self._check(_abi.lib().kvt_extend_at(self._handle(), layer, len(ids), ids, c_cu, pq, pk,
+                                             pv, po, flags, self._layout(q=sq, k=sk, v=sv, out=so),
+                                             stream_of([q, k, v, out], self.backend)),
+                    "kvt_extend_at")
         return out
 
     def select(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], q: Any) -> int:
