@@ -185,6 +185,9 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 		      "device %d cannot use host pointers of registered memory: the zero-copy "
 		      "host tier needs it",
 		      c->cfg.device);
+	KVT_RETURN_IF(c->cfg.correction_steps, c, -EOPNOTSUPP,
+		      "correction_steps = %u: the CUDA backend has no score correction yet (0, "
+		      "the default, turns it off)", c->cfg.correction_steps);
 	KVT_RETURN_IF(c->group > KVT_GPU_MAX_GROUP, c, -EOPNOTSUPP,
 		      "n_q_heads / n_kv_heads = %u, the CUDA backend serves at most %u", c->group,
 		      KVT_GPU_MAX_GROUP);

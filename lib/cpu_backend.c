@@ -189,7 +189,9 @@ static void tally_add(kvt_cache *c, const struct sel_tally *t)
  * Score the first ni indexed tokens of KV head h for each query head of its group (query row `row`
  * of q, [rows, n_q_heads, d]) and mark the union of their Top-p sets in c->mask[0, ni). The one
  * selection of the CPU backend: a decode step takes every indexed token (ni = l->n_indexed), a row
- * of a Top-p extend those at positions up to its own. Errors name batch entry i.
+ * of a Top-p extend those at positions up to its own. The scores take the corrections of the
+ * layer's next selection (a step commits it, a Top-p extend row only looks). Errors name batch
+ * entry i.
  */
 static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
 		     uint32_t ni, const void *q, size_t row, uint32_t i, struct sel_tally *t)
@@ -207,6 +209,7 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
+		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores, c->work);
 		uint64_t t1 = kvt_now_ns();
 		int clamped;
 		uint32_t bad = 0;
@@ -254,8 +257,8 @@ static void store_out(const kvt_cache *c, void *out, size_t at, const float *o)
 }
 
 /* Exact attention of KV head h's query group of batch entry i over its selection. */
-static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, const void *q,
-		       void *out, uint32_t i)
+static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32_t h,
+		       const void *q, void *out, uint32_t i)
 {
 	const uint32_t d = c->d, G = c->group;
 	int32_t *pos = (int32_t *)c->work; /* scores and work are free again here */
@@ -277,7 +280,8 @@ static int attend_head(kvt_cache *c, const struct kvt_layer *l, uint32_t h, cons
 	c->st.rows_fetched += n;
 	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;
 	c->st.ns_attend += kvt_now_ns() - t0;
-	return 0;
+	return kvt_corr_record(c, l, layer, h, l->corr_step + 1, q,
+			       ((size_t)i * c->cfg.n_q_heads + h * G) * d, n, pos, c->rows);
 }
 
 /*
@@ -307,13 +311,15 @@ static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 		KVT_TRY(prefetch(c, n_seqs, ls));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		for (uint32_t h = 0; out && h < H; h++) {
-			int rc = attend_head(c, ls[i], h, q, out, i);
+			int rc = attend_head(c, layer, ls[i], h, q, out, i);
 			if (rc < 0)
 				return kvt_err_entry(c, i, rc);
 		}
 		for (uint32_t h = 0; sel_n && h < H; h++)
 			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
+	for (uint32_t i = 0; i < n_seqs; i++)
+		ls[i]->corr_step++; /* the selection made: corrections recorded now count from here */
 	return 0;
 }
 

@@ -185,6 +185,9 @@ struct kvt_layer {
 	uint64_t bc_round;  /* the block cache's round of its last step or gather (lib/bcache.c) */
 	uint32_t index;     /* this layer's number */
 	void *dev;          /* backend-owned per-layer state */
+	/* score corrections (lib/correct.c): [n_kv_heads, correction_steps + 1] entries, or NULL */
+	struct kvt_corr_entry *corr;
+	uint64_t corr_step; /* selections made on this layer that succeeded (kvt_attend, kvt_select) */
 };
 
 /* A host-tier block that lives on NVMe: blocks[i] is NULL and loc.bytes != 0. `uid` is the
@@ -541,6 +544,22 @@ int kvt_config_load(const kvt_config *cfg, kvt_config *out);
  */
 int kvt_out_size_check(kvt_cache *c, const char *what, size_t size, size_t min);
 void kvt_out_fill(void *dst, const void *src, size_t src_size);
+
+/* ---- score corrections from exact logits (lib/correct.c) ------------------------------------ */
+
+/* Add to the scores of query head g of KV head h (its rotated residual x) for the selection number
+ * `now` the corrections recorded in the last correction_steps selections before it, the most
+ * recent for each token; only index positions below ni. scratch: ni floats. */
+void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
+		    uint64_t now, const float *x, float *scores, float *scratch);
+/* Record, for selection number `now`, what attending the n tokens at pos (rows as kvt_rows_get
+ * gives them) with the group's queries (query g at element at + g d of q, in dtype) showed: each
+ * indexed token's exact logit minus its estimate, per query head. -ENOMEM. */
+int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
+		    const void *q, size_t at, uint32_t n, const int32_t *pos, const void *const *rows);
+/* Forget every correction of the layer (its index changed under them: a truncate). */
+void kvt_corr_forget(kvt_cache *c, struct kvt_layer *l);
+void kvt_corr_free(kvt_cache *c, struct kvt_layer *l);
 
 /* ---- the NVMe tier (lib/nvme_tier.c) ------------------------------------------------------- */
 

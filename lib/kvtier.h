@@ -174,7 +174,13 @@ typedef struct kvt_config {
 				     from it as well as from host_bytes (doc/multi-gpu.md) */
 	uint64_t host_pool_bytes; /* the pool's size when this cache creates it; 0: it must exist; a
 				     different size than the existing pool's is -EINVAL */
-	uint64_t reserved[3]; /* must be zero: where later minor versions add fields */
+	uint32_t correction_steps; /* CPU backend: score corrections from exact logits (doc/selection.md):
+				      a token attended in one of the last correction_steps decode
+				      steps is scored with the error of its estimate measured then,
+				      scaled by how alike the two queries are; in [0, 64]; 0 (default):
+				      off. The CUDA backend refuses a nonzero value (-EOPNOTSUPP) */
+	uint32_t pad2;        /* must be zero (explicit padding) */
+	uint64_t reserved[2]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
 /*

@@ -278,5 +278,6 @@ void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)
 	kvt_mem_free(KVT_MEM_HOST, l->sel_n, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->c_k, 0);
 	kvt_mem_free(KVT_MEM_HOST, l->c_q, 0);
+	kvt_corr_free(c, l);
 	memset(l, 0, sizeof *l);
 }

@@ -161,6 +161,7 @@ static void truncate_layer(kvt_cache *c, struct kvt_layer *l, uint32_t n, uint32
 	l->n_tokens = keep;
 	l->n_indexed = ni;
 	l->sel_epoch = 0;
+	kvt_corr_forget(c, l);
 }
 
 int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n, void *stream)

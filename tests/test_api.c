@@ -53,7 +53,9 @@ EDIT(e_none, (void)cfg)
 EDIT(e_size0, cfg->size = 0)
 EDIT(e_size_small, cfg->size = KVT_CONFIG_SIZE_VER0 - 8)
 EDIT(e_res0, cfg->reserved[0] = 1)
-EDIT(e_res2, cfg->reserved[2] = 5)
+EDIT(e_res1, cfg->reserved[1] = 5)
+EDIT(e_pad2, cfg->pad2 = 3)
+EDIT(e_corr65, cfg->correction_steps = 65)
 EDIT(e_layers0, cfg->n_layers = 0)
 EDIT(e_q0, cfg->n_q_heads = 0)
 EDIT(e_kv0, cfg->n_kv_heads = 0)
@@ -96,7 +98,9 @@ static void test_create_errors(void **state)
 		{"size 0", -EINVAL, {"size", "0"}, e_size0, 0, 0},
 		{"size too small", -EINVAL, {"size"}, e_size_small, 0, 0},
 		{"reserved[0] = 1", -EINVAL, {"reserved", "1"}, e_res0, 0, 0},
-		{"reserved[2] = 5", -EINVAL, {"reserved", "5"}, e_res2, 0, 0},
+		{"reserved[1] = 5", -EINVAL, {"reserved", "5"}, e_res1, 0, 0},
+		{"pad2 = 3", -EINVAL, {"pad2", "3"}, e_pad2, 0, 0},
+		{"correction_steps = 65", -EINVAL, {"correction_steps", "65", "64"}, e_corr65, 0, 0},
 		{"n_layers 0", -EINVAL, {"n_layers", "0"}, e_layers0, 0, 0},
 		{"n_q_heads 0", -EINVAL, {"n_q_heads"}, e_q0, 0, 0},
 		{"n_kv_heads 0", -EINVAL, {"n_kv_heads"}, e_kv0, 0, 0},

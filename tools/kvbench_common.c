@@ -192,6 +192,7 @@ void cache_config(const opts *o, const kb_shape *sh, uint64_t host_bytes,
 	cfg->flush_batch = o->flush;
 	cfg->budget_min = KVT_EXACT(o->budget_min);
 	cfg->budget_max = o->budget_max;
+	cfg->correction_steps = o->correction;
 	cfg->seed = KVT_EXACT64(o->seed);
 	cfg->gpu_cache_bytes = KVT_EXACT64(o->gpu_cache);
 	cfg->host_bytes = host_bytes;

@@ -93,6 +93,8 @@ static void usage(FILE *f, const opts *d)
 		"  --flush N        flush batch B, >= 1 (%u)\n"
 		"  --budget-min N   min indexed tokens per query head per step (%u)\n"
 		"  --budget-max N   max indexed tokens per query head per step, 0 = none (%u)\n"
+		"  --correction N   score corrections from the exact logits of the last N steps,\n"
+		"                   0-64 (CPU backend; 0 = off, the default)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
@@ -243,7 +245,7 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 		{"--budget-max", &o->budget_max, 0, big}, {"--chunk", &o->chunk, 1, 1u << 20},
 		{"--nvme-qd", &o->nvme_qd, 1, 1024}, {"--model-layers", &o->model_layers, 1, 4096},
 		{"--topk", &o->topk, 1, big}, {"--stress", &o->stress_s, 1, 86400},
-		{"--stress-budget", &o->stress_budget, 1, big},
+		{"--stress-budget", &o->stress_budget, 1, big}, {"--correction", &o->correction, 0, 64},
 	};
 	for (size_t i = 0; i < sizeof(u32) / sizeof(u32[0]); i++)
 		if (!strcmp(flag, u32[i].name)) {
@@ -279,7 +281,7 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache"};
+		"--nvme-cache", "--correction"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
@@ -432,7 +434,7 @@ static void finish(opts *o)
 	if (o->trace_dir && o->not_trace[0]) {
 		fprintf(stderr, "kvbench: %s does not apply to --trace: the trace gives the shape, and "
 			"the replay takes --p, --sinks, --window, --flush, --budget-min, --budget-max, "
-			"--chunk, --dtype, --backend, --gpu-cache, --nvme (with --nvme-bytes, --nvme-qd "
+			"--correction, --chunk, --dtype, --backend, --gpu-cache, --nvme (with --nvme-bytes, --nvme-qd "
 			"and --nvme-cache), --seed, --layers LIST, --json and --quiet\n", o->not_trace);
 		exit(2);
 	}

@@ -163,10 +163,10 @@ void trace_print_json(kb_trace *t, double wall)
 	const opts *o = t->o;
 	print_json_meta(t);
 	printf(" \"config\": {\"backend\": \"%s\", \"dtype\": \"%s\", \"p\": %.6g, \"sinks\": %u, "
-	       "\"window\": %u, \"flush\": %u, \"budget_min\": %u, \"budget_max\": %u, \"chunk\": "
-	       "%u, \"seed\": %" PRIu64 "},\n",
+	       "\"window\": %u, \"flush\": %u, \"budget_min\": %u, \"budget_max\": %u, "
+	       "\"correction\": %u, \"chunk\": %u, \"seed\": %" PRIu64 "},\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
-	       o->window, o->flush, o->budget_min, o->budget_max, t->chunk, o->seed);
+	       o->window, o->flush, o->budget_min, o->budget_max, o->correction, t->chunk, o->seed);
 	printf(" \"layers\": [");
 	bool first = true;
 	for (uint32_t l = 0; l < m->n_layers; l++) {
@@ -246,10 +246,10 @@ void trace_print_text(kb_trace *t, double wall)
 	       m->head_dim, m->dtype == TRACE_F16 ? "float16" : "float32", m->prefill_tokens,
 	       m->decode_steps);
 	printf("kvtier: %s backend, %s, p %g, sinks %u, window %u, flush %u, budget %u..%u%s, "
-	       "scale %.6g\n\n",
+	       "correction %u, scale %.6g\n\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
 	       o->window, o->flush, o->budget_min, o->budget_max, o->budget_max ? "" : " (no cap)",
-	       t->scale);
+	       o->correction, t->scale);
 	printf("%6s %6s %4s  %11s %10s %11s %9s %9s %9s\n", "layer", "head", "kv", "recall_mean",
 	       "recall_min", "budget_mean", "out_err", "recall_p5", "recall_p1");
 	for (uint32_t l = 0; l < m->n_layers; l++) {

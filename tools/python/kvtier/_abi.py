@@ -65,7 +65,8 @@ class KvtConfig(ctypes.Structure):
         ("device_busid", c_char_p),
         ("host_pool", c_char_p),
         ("host_pool_bytes", u64),
-        ("reserved", u64 * 3),
+        ("correction_steps", u32), ("pad2", u32),
+        ("reserved", u64 * 2),
     ]
 
 

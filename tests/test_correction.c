@@ -1,0 +1,283 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Score corrections from exact logits (kvt_config.correction_steps, lib/correct.c), CPU backend.
+ * Each decode step's selection is checked against a reference built here from the stated rule:
+ * a token attended in one of the last R steps is scored estimate + beta * (exact - estimate), the
+ * exact logit and estimate of the most recent such step, beta = <x_now, x_then> / <x_then, x_then>
+ * of the query heads' rotated residuals. Also: correction off and at p = 1 changes nothing, a
+ * truncate forgets every correction and a fork's child starts without, a step that fails under an
+ * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them.
+ */
+#include "common.h"
+#include "half.h"
+
+enum { HQ = 4, HKV = 2, G = HQ / HKV, D = 64, CTX = 700, STEPS = 6 };
+#define KROW (HKV * D)
+#define QROW (HQ * D)
+
+static uint16_t g_k[(CTX + 8) * KROW], g_v[(CTX + 8) * KROW], g_q[STEPS][QROW];
+
+static void make_data(uint64_t seed)
+{
+	t_rng r;
+	t_rng_seed(&r, seed);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)(CTX + 8) * KROW, 0.1, 1.0, g_k, NULL);
+	t_fill(&r, KVT_DTYPE_F16, (size_t)(CTX + 8) * KROW, -0.2, 1.0, g_v, NULL);
+	/* a persistent query per head plus a little of a fresh one each step: consecutive queries
+	 * alike, as a head's are, so beta is near 1 but never exactly */
+	float base[QROW];
+	for (uint32_t j = 0; j < QROW; j++)
+		base[j] = (float)t_normal(&r) * 2.5f;
+	for (uint32_t s = 0; s < STEPS; s++)
+		for (uint32_t j = 0; j < QROW; j++)
+			g_q[s][j] = t_f2h(base[j] + (float)t_normal(&r) * 0.8f);
+}
+
+static kvt_config config(uint32_t R, float p)
+{
+	kvt_config cfg = t_config(1, HQ, HKV, D, KVT_DTYPE_F16);
+	cfg.p = p;
+	cfg.budget_min = KVT_NONE; /* the selection follows the scores alone */
+	cfg.correction_steps = R;
+	return cfg;
+}
+
+static kvt_cache *make(uint32_t R, float p, uint32_t *seq)
+{
+	kvt_config cfg = config(R, p);
+	kvt_cache *c = t_create(&cfg);
+	T_CHECK(kvt_seq_open(c, seq) == 0, "open");
+	T_CHECK(kvt_prefill(c, *seq, 0, NULL, g_k, g_v, CTX, NULL) == 0, "prefill: %s",
+		kvt_last_error(c));
+	return c;
+}
+
+/* ---- the reference --------------------------------------------------------------------------- */
+
+/* What the reference remembers per (KV head, query head): each index position's last exact-minus-
+ * estimate and the step that measured it, and each step's rotated query residual. */
+struct ref {
+	uint32_t R;
+	float delta[HKV][G][CTX];
+	uint32_t stamp[HKV][G][CTX]; /* 1-based step, 0: never */
+	float x[STEPS + 1][HKV][G][D];
+};
+
+static float exact_logit(const float *q, uint32_t pos, uint32_t h)
+{
+	float e = 0.0f;
+	for (uint32_t j = 0; j < D; j++)
+		e += q[j] * t_h2f(g_k[(size_t)pos * KROW + h * D + j]);
+	return e;
+}
+
+/* The indexed part of step `step`'s selection (1-based) of KV head h as the rule gives it: mask
+ * [ni]. Records what attending it teaches the reference. */
+static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t *q, uint32_t h,
+		     uint8_t *mask, uint32_t *changed)
+{
+	const struct kvt_layer *l = &c->seqs[0].layers[0];
+	const uint32_t ni = l->n_indexed, S = c->cfg.n_sink, cap = l->idx_cap;
+	static float sc[CTX], raw[G][CTX], work[4 * CTX];
+	static uint8_t plain[CTX];
+	memset(mask, 0, ni);
+	memset(plain, 0, ni);
+	for (uint32_t g = 0; g < G; g++) {
+		float qf[D];
+		kvt_qcode qc;
+		for (uint32_t j = 0; j < D; j++)
+			qf[j] = t_h2f(q[(h * G + g) * D + j]);
+		kvt_query_prepare(D, c->rot, l->c_q + h * D, l->c_k + h * D, qf, &qc);
+		kvt_score(D, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
+			  l->beta + (size_t)h * cap, raw[g]);
+		memcpy(rf->x[step][h][g], qc.x, sizeof qc.x[0] * D);
+		memcpy(sc, raw[g], sizeof sc[0] * ni);
+		int clamped;
+		uint32_t bad;
+		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, plain, &clamped, &bad) >=
+				0, "reference Top-p");
+		for (uint32_t t = 0; t < ni; t++) {
+			const uint32_t then = rf->stamp[h][g][t];
+			if (!then || step - then > rf->R)
+				continue;
+			double xy = 0.0, yy = 0.0;
+			for (uint32_t j = 0; j < D; j++) {
+				xy += (double)qc.x[j] * rf->x[then][h][g][j];
+				yy += (double)rf->x[then][h][g][j] * rf->x[then][h][g][j];
+			}
+			float s = sc[t] + (float)(xy / yy * rf->delta[h][g][t]);
+			sc[t] = isfinite(s) ? s : sc[t];
+		}
+		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, mask, &clamped, &bad) >= 0,
+			"reference Top-p");
+	}
+	for (uint32_t t = 0; t < ni; t++)
+		*changed += mask[t] != plain[t];
+	/* the step attends the union: every query head of the group learns each of its tokens */
+	for (uint32_t g = 0; g < G; g++) {
+		float qf[D];
+		for (uint32_t j = 0; j < D; j++)
+			qf[j] = t_h2f(q[(h * G + g) * D + j]);
+		for (uint32_t t = 0; t < ni; t++)
+			if (mask[t]) {
+				const float d = exact_logit(qf, S + t, h) - raw[g][t];
+				rf->delta[h][g][t] = isfinite(d) ? d : 0.0f;
+				rf->stamp[h][g][t] = step;
+			}
+	}
+}
+
+/* Attend step s's query and compare each KV head's selected index positions with the reference. */
+static void check_step(kvt_cache *c, uint32_t seq, struct ref *rf, uint32_t step, const char *what,
+		       uint32_t *changed)
+{
+	static float out[QROW];
+	static int32_t pos[HKV * (CTX + 8)];
+	int32_t counts[HKV];
+	static uint8_t mask[CTX];
+	T_CHECK(kvt_attend(c, 0, 1, &seq, g_q[step - 1], out, NULL) == 0, "%s step %u: %s", what,
+		step, kvt_last_error(c));
+	T_CHECK(kvt_gather(c, 0, 1, &seq, CTX + 8, counts, pos, NULL, NULL, NULL) >= 0, "gather");
+	const uint32_t S = c->cfg.n_sink, ni = c->seqs[seq].layers[0].n_indexed;
+	for (uint32_t h = 0; h < HKV; h++) {
+		ref_step(c, rf, step, g_q[step - 1], h, mask, changed);
+		uint32_t got = 0, want = 0;
+		for (int32_t i = 0; i < counts[h]; i++) {
+			int32_t p = pos[(size_t)h * (CTX + 8) + i];
+			if (p < (int32_t)S || (uint32_t)p - S >= ni)
+				continue;
+			T_CHECK(mask[p - S], "%s step %u KV head %u: position %d selected, the rule does "
+				"not select it", what, step, h, p);
+			got++;
+		}
+		for (uint32_t t = 0; t < ni; t++)
+			want += mask[t];
+		T_CHECK(got == want, "%s step %u KV head %u: %u indexed tokens selected, the rule "
+			"selects %u", what, step, h, got, want);
+	}
+}
+
+/* Every step's selection is the rule's, for R = 1, 2 and 64, and the corrections change it. */
+static void test_rule(void **state)
+{
+	(void)state;
+	make_data(11);
+	const uint32_t Rs[] = {1, 2, 64};
+	for (size_t k = 0; k < sizeof Rs / sizeof Rs[0]; k++) {
+		uint32_t seq, changed = 0;
+		kvt_cache *c = make(Rs[k], 0.8f, &seq);
+		static struct ref rf;
+		memset(&rf, 0, sizeof rf);
+		rf.R = Rs[k];
+		char what[32];
+		snprintf(what, sizeof what, "R = %u", Rs[k]);
+		for (uint32_t s = 1; s <= STEPS; s++)
+			check_step(c, seq, &rf, s, what, &changed);
+		print_message("%s: %u indexed tokens chosen differently from the uncorrected scores\n",
+			      what, changed);
+		T_CHECK(changed > 0, "%s: the corrections never changed a selection", what);
+		kvt_cache_destroy(c);
+	}
+}
+
+/* The outputs of STEPS steps of a cache. */
+static void run_steps(kvt_cache *c, uint32_t seq, uint32_t from, uint32_t to, float *out)
+{
+	for (uint32_t s = from; s < to; s++)
+		T_CHECK(kvt_attend(c, 0, 1, &seq, g_q[s], out + (size_t)s * QROW, NULL) == 0,
+			"attend: %s", kvt_last_error(c));
+}
+
+/* Off, and at p = 1 (everything selected), the outputs are those of a cache without corrections. */
+static void test_neutral(void **state)
+{
+	(void)state;
+	make_data(12);
+	static float a[STEPS * QROW], b[STEPS * QROW];
+	uint32_t sa, sb;
+	kvt_cache *ca = make(0, 1.0f, &sa), *cb = make(8, 1.0f, &sb);
+	run_steps(ca, sa, 0, STEPS, a);
+	run_steps(cb, sb, 0, STEPS, b);
+	T_CHECK(!memcmp(a, b, sizeof a), "p = 1: corrections changed an output");
+	kvt_cache_destroy(ca);
+	kvt_cache_destroy(cb);
+}
+
+/* A truncate forgets every correction of the sequence, and a fork's child starts without: their
+ * next steps equal a cache that never corrected. */
+static void test_forget(void **state)
+{
+	(void)state;
+	make_data(13);
+	static float a[STEPS * QROW], b[STEPS * QROW];
+	uint32_t sa, sb;
+	kvt_cache *ca = make(4, 0.8f, &sa), *cb = make(0, 0.8f, &sb);
+	run_steps(ca, sa, 0, 3, a);
+	run_steps(cb, sb, 0, 3, b);
+	T_CHECK(memcmp(a, b, 3 * QROW * sizeof(float)), "the corrections changed nothing: no test");
+	uint32_t child, twin;
+	T_CHECK(kvt_seq_fork(ca, sa, &child, NULL) == 0, "fork: %s", kvt_last_error(ca));
+	T_CHECK(kvt_seq_fork(cb, sb, &twin, NULL) == 0, "fork: %s", kvt_last_error(cb));
+	float x[QROW], y[QROW];
+	T_CHECK(kvt_attend(ca, 0, 1, &child, g_q[3], x, NULL) == 0, "attend child");
+	T_CHECK(kvt_attend(cb, 0, 1, &twin, g_q[3], y, NULL) == 0, "attend twin");
+	T_CHECK(!memcmp(x, y, sizeof x), "a fork's first step used its parent's corrections");
+	T_CHECK(kvt_seq_truncate(ca, sa, 1, NULL) == 0, "truncate: %s", kvt_last_error(ca));
+	T_CHECK(kvt_seq_truncate(cb, sb, 1, NULL) == 0, "truncate: %s", kvt_last_error(cb));
+	T_CHECK(kvt_attend(ca, 0, 1, &sa, g_q[4], x, NULL) == 0, "attend");
+	T_CHECK(kvt_attend(cb, 0, 1, &sb, g_q[4], y, NULL) == 0, "attend");
+	T_CHECK(!memcmp(x, y, sizeof x), "the first step after a truncate used corrections");
+	kvt_cache_destroy(ca);
+	kvt_cache_destroy(cb);
+}
+
+/* A step failing under allocation fault n changes no correction: retried, it and the steps after
+ * give a fault-free twin's outputs bit for bit. */
+static void test_faults(void **state)
+{
+	(void)state;
+	make_data(14);
+	static float want[STEPS * QROW], got[STEPS * QROW];
+	uint32_t s;
+	kvt_cache *c = make(3, 0.8f, &s);
+	run_steps(c, s, 0, STEPS, want);
+	kvt_cache_destroy(c);
+	const int64_t live0 = kvt_mem_live();
+	uint64_t n = 1, failed = 0;
+	for (;; n++) {
+		c = make(3, 0.8f, &s);
+		run_steps(c, s, 0, 2, got);
+		kvt_mem_fail_at(n);
+		int rc = kvt_attend(c, 0, 1, &s, g_q[2], got + 2 * QROW, NULL);
+		int fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		T_CHECK(rc == 0 || (fired && rc == -ENOMEM), "N=%llu: got %d (%s)",
+			(unsigned long long)n, rc, kvt_last_error(c));
+		if (rc < 0) {
+			failed++;
+			run_steps(c, s, 2, 3, got);
+		}
+		run_steps(c, s, 3, STEPS, got);
+		T_CHECK(!memcmp(got, want, sizeof got), "N=%llu: outputs differ from the fault-free run",
+			(unsigned long long)n);
+		kvt_cache_destroy(c);
+		T_CHECK(kvt_mem_live() == live0, "N=%llu: %lld allocations live after destroy, wanted "
+			"%lld", (unsigned long long)n, (long long)kvt_mem_live(), (long long)live0);
+		if (!fired)
+			break;
+	}
+	T_CHECK(failed > 0, "no allocation of the step failed");
+	print_message("%llu allocation faults in a corrected step, each changed nothing\n",
+		      (unsigned long long)failed);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_rule),
+		cmocka_unit_test(test_neutral),
+		cmocka_unit_test(test_forget),
+		cmocka_unit_test(test_faults),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
