@@ -17,7 +17,9 @@
  * attended: the index positions of the indexed tokens it attended, their delta per query head of
  * the group, and the group's x. A step applies the entries of the last correction_steps steps,
  * the most recent one for each token. The extra slot means that recording never overwrites an entry
- * that is still in use, so a step that fails part way loses none.
+ * that is still in use, so a step that fails part way loses none; what it recorded carries its
+ * selection number, which counts only once a step with that number succeeds, and that step either
+ * records over it (kvt_attend) or empties its slot (kvt_select).
  *
  * Every sum runs in a fixed order (j ascending, float for the logit as the estimate's terms,
  * double for beta), so the corrected scores are a function of the inputs alone.
@@ -63,6 +65,19 @@ void kvt_corr_forget(kvt_cache *c, struct kvt_layer *l)
 	for (size_t i = 0; i < n; i++) {
 		l->corr[i].step = 0;
 		l->corr[i].n = 0;
+	}
+}
+
+void kvt_corr_commit(kvt_cache *c, struct kvt_layer *l, bool recorded)
+{
+	const uint32_t RL = ring_len(c);
+	const uint64_t now = ++l->corr_step;
+	if (recorded || !l->corr)
+		return;
+	/* a selection that read no rows: what a failed step left in its slot must not count */
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++) {
+		l->corr[(size_t)h * RL + now % RL].step = 0;
+		l->corr[(size_t)h * RL + now % RL].n = 0;
 	}
 }
 

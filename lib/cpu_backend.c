@@ -319,7 +319,7 @@ static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
 	for (uint32_t i = 0; i < n_seqs; i++)
-		ls[i]->corr_step++; /* the selection made: corrections recorded now count from here */
+		kvt_corr_commit(c, ls[i], out != NULL);
 	return 0;
 }
 

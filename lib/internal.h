@@ -557,6 +557,10 @@ void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_
  * indexed token's exact logit minus its estimate, per query head. -ENOMEM. */
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
 		    const void *q, size_t at, uint32_t n, const int32_t *pos, const void *const *rows);
+/* A selection of the layer succeeded: the next one counts from it. `recorded`: it attended (every
+ * KV head recorded); else (kvt_select) its slot is emptied, so that what a failed step recorded
+ * there never counts. */
+void kvt_corr_commit(kvt_cache *c, struct kvt_layer *l, bool recorded);
 /* Forget every correction of the layer (its index changed under them: a truncate). */
 void kvt_corr_forget(kvt_cache *c, struct kvt_layer *l);
 void kvt_corr_free(kvt_cache *c, struct kvt_layer *l);

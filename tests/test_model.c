@@ -6,7 +6,8 @@
  * rows at the end) run on a tiered cache T (CPU backend, an NVMe tier) and on a reference R of the
  * same configuration without NVMe and with ample host memory. Every other pair of seeds runs T with
  * KVT_SPILL_LRU and a host tier of HOST_BLOCKS blocks, too small for the seed's sequences: calls
- * spill others to NVMe on their own (automatic spills, undone when the call fails). The tier does
+ * spill others to NVMe on their own (automatic spills, undone when the call fails). Every third
+ * seed corrects its scores from exact logits (correction_steps 1-8, on both caches). The tier does
  * not change the math, so every result must match bit for bit: return codes, sequence ids,
  * lengths, attention and extend outputs, selection sizes, gathered counts, positions and rows, rows
  * read. At p = 1 every indexed token is selected, so attention must also equal exact
@@ -208,7 +209,7 @@ static int judge(struct model *m, const struct fault *f, enum op op, int64_t rc)
 
 /* ---- the caches ------------------------------------------------------------------------------ */
 
-static kvt_config base_config(uint32_t dtype, float p)
+static kvt_config base_config(uint32_t dtype, float p, uint32_t correction)
 {
 	kvt_config cfg = t_config(NL, NQ, NKV, D, dtype);
 	cfg.max_seqs = MAXS;
@@ -218,6 +219,7 @@ static kvt_config base_config(uint32_t dtype, float p)
 	cfg.flush_batch = 8;
 	cfg.window = 16;
 	cfg.n_sink = 4;
+	cfg.correction_steps = correction;
 	return cfg;
 }
 
@@ -228,7 +230,8 @@ static void model_open(struct model *m, uint64_t seed)
 	t_rng_seed(&m->r, seed * 0x9e3779b97f4a7c15ull + 1);
 	m->dtype = t_below(&m->r, 2) ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
 	m->p = seed % 4 == 3 ? 1.0f : (float)(0.5 + 0.45 * t_unif(&m->r));
-	kvt_config cfg = base_config(m->dtype, m->p);
+	/* every third seed corrects its scores from exact logits (both caches: the same rule) */
+	kvt_config cfg = base_config(m->dtype, m->p, seed % 3 == 1 ? 1 + (uint32_t)(seed / 3 % 8) : 0);
 	m->ref = t_create(&cfg);
 	nv_make_files(&m->f, nv_dir(), 1, (uint64_t)16 << 20);
 	cfg.nvme_paths = m->f.ptrs;
