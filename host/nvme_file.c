@@ -87,13 +87,33 @@ static int lock_holder(dev_t dev, ino_t ino)
 	return pid;
 }
 
+/* Whether pid is a live process: it exists (or is another user's) and has not exited. A process
+ * that has exited but is not yet reaped (a zombie) still answers kill(pid, 0); its files, the lock
+ * among them, are being released, so it counts as dead. */
+static bool pid_alive(int pid)
+{
+	if (kill(pid, 0) != 0 && errno == ESRCH)
+		return false;
+	char path[32], buf[512];
+	snprintf(path, sizeof path, "/proc/%d/stat", pid);
+	FILE *f = fopen(path, "re");
+	if (!f)
+		return true;
+	size_t n = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	const char *end = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold ')' or spaces */
+	return !end || end[1] != ' ' || (end[2] != 'Z' && end[2] != 'X');
+}
+
 /*
  * flock(LOCK_EX | LOCK_NB), waiting up to 2 s while the holder is not a live process: a dead
  * process's io_uring is torn down asynchronously, and its registered files (with the lock) are
  * released some milliseconds after its exit. Once the dead holder is reaped, /proc/locks shows
  * its pid as 0 (no such pid in this namespace), which is also how a holder in another pid
- * namespace shows: both are waited for, and a holder still there after 2 s is refused. A live
- * holder this process can see is refused at once.
+ * namespace shows: both are waited for, as is a holder that has exited but is not yet reaped (a
+ * zombie), and a holder still there after 2 s is refused. A live holder this process can see is
+ * refused at once.
  */
 static int lock_file(int fd, const struct stat *sb)
 {
@@ -103,7 +123,7 @@ static int lock_file(int fd, const struct stat *sb)
 		if (errno != EWOULDBLOCK || tries == 200)
 			return -1;
 		int pid = lock_holder(sb->st_dev, sb->st_ino);
-		if (pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH)) {
+		if (pid > 0 && pid_alive(pid)) {
 			errno = EWOULDBLOCK;
 			return -1;
 		}

@@ -634,8 +634,9 @@ typedef struct kvt_io_layout {
  * nothing; any other is gathered into a dense scratch of the cache (grown as needed, kept until
  * kvt_cache_destroy), the dense call runs on it, and its out is scattered into the caller's view:
  * the outputs and the cache's state are bit for bit those of the dense call on the same values.
- * Nothing of out is written outside its (token, head) rows, and a failed strided call writes
- * nothing of out at all.
+ * Nothing of out is written outside its (token, head) rows, and a failed call whose out view is
+ * not dense writes nothing of out at all (a dense out is written in place, as by the plain call,
+ * which may leave it partly written on failure even when q, k or v are strided).
  * Errors: the plain call's, and -EINVAL for the layout, checked before anything changes (size too
  * small, unknown flags, a stride below its minimum or past the address range: the text names the
  * field, its value and the limit, e.g. "layout->q.head_stride = 64, must be 0 or in [head_dim =

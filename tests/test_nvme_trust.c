@@ -322,6 +322,50 @@ static void test_killed_leftover(void **state)
 }
 
 /*
+ * A holder killed but not yet reaped (a zombie: kill(pid, 0) still succeeds) releases its lock a
+ * few milliseconds after its exit, as a reaped one does: create waits for it instead of refusing
+ * at once (it used to refuse with -EBUSY "locked by pid" every time).
+ */
+static void test_zombie_holder(void **state)
+{
+	(void)state;
+	nv_skip_unless_available();
+	char path[4096];
+	scratch_path(path, sizeof path, "zombie");
+	const char *paths[1] = {path};
+	uint64_t bytes[1] = {(uint64_t)4 << 20};
+	struct kvt_nvme_config cfg = {paths, bytes, 1, 4, 0, 0};
+	for (int it = 0; it < 3; it++) {
+		int up[2];
+		T_CHECK(pipe(up) == 0, "pipe: %s", strerror(errno));
+		pid_t child = fork();
+		T_CHECK(child >= 0, "fork: %s", strerror(errno));
+		if (child == 0) {
+			struct kvt_nvme *st = NULL;
+			int rc = kvt_nvme_open(&cfg, &st, NULL);
+			(void)!write(up[1], &rc, sizeof rc);
+			raise(SIGKILL); /* no close: the kernel drops the lock */
+			_exit(1);
+		}
+		int crc = -1;
+		T_CHECK(read(up[0], &crc, sizeof crc) == sizeof crc && crc == 0,
+			"the child could not open %s: %d", path, crc);
+		siginfo_t si;
+		T_CHECK(waitid(P_PID, (id_t)child, &si, WEXITED | WNOWAIT) == 0, "waitid: %s",
+			strerror(errno));
+		struct kvt_nvme *st = NULL;
+		int rc = kvt_nvme_open(&cfg, &st, &nv_err);
+		waitpid(child, NULL, 0);
+		T_CHECK(rc == 0, "round %d: opening %s while its killed holder is not yet reaped: got %d "
+			"(%s), wanted 0", it, path, rc, nv_err.msg);
+		kvt_nvme_close(st);
+		close(up[0]);
+		close(up[1]);
+	}
+	unlink(path);
+}
+
+/*
  * Close releases the file at once: the ring's registered files are unregistered before the files
  * are closed, so a store reopened right after close (on the same path) is never -EBUSY.
  */
@@ -567,6 +611,7 @@ int main(void)
 		cmocka_unit_test(test_two_processes_one_path),
 		cmocka_unit_test(test_foreign_block),
 		cmocka_unit_test(test_killed_leftover),
+		cmocka_unit_test(test_zombie_holder),
 		cmocka_unit_test(test_reopen_after_close),
 		cmocka_unit_test(test_fd_exhaustion),
 		cmocka_unit_test(test_failed_create_cleans_up),
