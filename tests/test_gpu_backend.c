@@ -757,6 +757,51 @@ static void test_lifecycle(void **state)
 	pair_fini(&p);
 }
 
+/*
+ * What the CUDA backend does not offer yet is refused by name and changes nothing: score
+ * corrections at create, a strided kvt_io_layout, kvt_extend with or without Top-p; a dense
+ * kvt_io_layout runs as the plain call, bit for bit.
+ */
+static void test_unsupported(void **state)
+{
+	(void)state;
+	kvt_config cfg = config(64u << 20);
+	cfg.backend = KVT_BACKEND_CUDA;
+	cfg.correction_steps = 4;
+	kvt_cache *c = NULL;
+	int rc = kvt_cache_create(&cfg, &c);
+	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "correction_steps"),
+		"correction_steps on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
+		kvt_last_error(NULL));
+	struct pair p;
+	pair_init(&p, 512, 8, 64u << 20);
+	const uint32_t a = p.sg[0];
+	const size_t ob = sizeof(float) * HQ * D;
+	make(&p, 0, 0, 512, 1, 0);
+	upload(&p, 1);
+	OK(p.gpu, kvt_attend(p.gpu, 0, 1, &a, p.dq, p.dout, NULL));
+	CU(cudaMemcpy(p.out_c, p.dout, ob, cudaMemcpyDeviceToHost));
+	kvt_io_layout dense = {.size = sizeof dense};
+	OK(p.gpu, kvt_attend_at(p.gpu, 0, 1, &a, p.dq, p.dout, &dense, NULL));
+	CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
+	T_CHECK(!memcmp(p.out_c, p.out_g, ob), "a dense kvt_io_layout changed kvt_attend's output");
+	const int64_t len0 = kvt_seq_length(p.gpu, a, 0);
+	kvt_io_layout strided = {.size = sizeof strided};
+	strided.q.head_stride = 2 * D;
+	rc = kvt_attend_at(p.gpu, 0, 1, &a, p.dq, p.dout, &strided, NULL);
+	T_CHECK(rc == -EOPNOTSUPP && strstr(kvt_last_error(p.gpu), "strided"),
+		"strided q on CUDA: got %d (%s), wanted -EOPNOTSUPP", rc, kvt_last_error(p.gpu));
+	const uint32_t cu[2] = {0, 1};
+	for (uint32_t flags = 0; flags <= KVT_EXTEND_TOPP; flags++) {
+		rc = kvt_extend(p.gpu, 0, 1, &a, cu, p.dq, p.dk, p.dv, p.dout, flags, NULL);
+		T_CHECK(rc == -EOPNOTSUPP, "kvt_extend (flags %u) on CUDA: got %d (%s)", flags, rc,
+			kvt_last_error(p.gpu));
+	}
+	T_CHECK(kvt_seq_length(p.gpu, a, 0) == len0, "a refused call changed the sequence: %lld "
+		"tokens, wanted %lld", (long long)kvt_seq_length(p.gpu, a, 0), (long long)len0);
+	pair_fini(&p);
+}
+
 int main(void)
 {
 	int count = 0;
@@ -771,6 +816,7 @@ int main(void)
 		cmocka_unit_test(test_graph),
 		cmocka_unit_test(test_bad_key_batch),
 		cmocka_unit_test(test_lifecycle),
+		cmocka_unit_test(test_unsupported),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
 		cmocka_unit_test(test_spilled),
 		cmocka_unit_test(test_lru_undo),

@@ -197,7 +197,9 @@ typedef struct kb_run {
 typedef struct kb_result {
 	uint32_t context, seqs, layers, topk;
 	float p;
-	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s, hit_rate, pcie_step;
+	uint32_t correction;
+	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s;
+	double hit_rate, pcie_step;
 	double stage_ms[5];     /* index, store, score, select, attend per (step, layer) */
 	double base_recall[KB_N_BASE], base_budget[KB_N_BASE], base_err[KB_N_BASE];
 	uint64_t host_used, index_bytes;

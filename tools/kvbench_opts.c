@@ -127,7 +127,8 @@ static void usage(FILE *f, const opts *d)
 		"  --baselines      also evaluate the exact Top-p oracle, the oracle and Quest pages at\n"
 		"                   kvtier's budget\n"
 		"  --topk K         Top-k by kvtier's estimate: p = 1, budget min = max = K\n"
-		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max\n"
+		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max,\n"
+		"                   correction\n"
 		"                   (repeatable, crossed; topk points take the first p)\n"
 		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it\n"
 		"Fetch-path stress:\n"
@@ -258,7 +259,8 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 /* --sweep NAME=V1,V2,...: the name is checked here, each value when its point is set up. */
 static void add_sweep(opts *o, const char *flag, const char *val)
 {
-	static const char *const axes[] = {"context", "seqs", "p", "topk", "layers", "budget-max"};
+	static const char *const axes[] = {"context", "seqs", "p", "topk", "layers", "budget-max",
+					   "correction"};
 	const char *eq = strchr(val, '=');
 	size_t n = eq ? (size_t)(eq - val) : 0;
 	bool known = false;
@@ -266,7 +268,7 @@ static void add_sweep(opts *o, const char *flag, const char *val)
 		known |= eq && strlen(axes[i]) == n && !strncmp(val, axes[i], n);
 	if (!known || !eq[1])
 		bad_value(flag, val, "expected NAME=V1,V2,... with NAME context, seqs, p, topk, "
-			  "layers or budget-max");
+			  "layers, budget-max or correction");
 	if (o->n_sweep == 4)
 		bad_value(flag, val, "at most 4 --sweep axes");
 	if (!(o->sweep[o->n_sweep++] = strdup(val)))

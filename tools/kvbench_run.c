@@ -350,6 +350,7 @@ static void result_of(const kb_run *b, kb_result *r)
 			 .topk = o->topk, .p = o->p};
 	r->recall = ratio(a->recall_sum, (double)a->recall_n);
 	r->recall_min = a->recall_min;
+	r->correction = o->correction;
 	run_percentiles(b, &r->recall_p5, &r->recall_p1);
 	r->budget = ratio(a->budget_sum, (double)a->kv_n);
 	r->oracle_budget = ratio(a->oracle_sum, (double)a->kv_n);

@@ -125,6 +125,9 @@ static void label_of(const opts *po, char *out, size_t n)
 {
 	if (po->topk)
 		snprintf(out, n, "context=%u seqs=%u topk=%u", po->context, po->seqs, po->topk);
+	else if (po->correction)
+		snprintf(out, n, "context=%u seqs=%u p=%.3g corr=%u", po->context, po->seqs,
+			 (double)po->p, po->correction);
 	else
 		snprintf(out, n, "context=%u seqs=%u p=%.3g", po->context, po->seqs, (double)po->p);
 }
@@ -132,7 +135,7 @@ static void label_of(const opts *po, char *out, size_t n)
 /* ---- output ------------------------------------------------------------------------------ */
 
 static const char *const csv_cols[] = {
-	"context", "seqs", "layers", "p", "topk", "budget", "oracle_budget", "recall", "recall_min",
+	"context", "seqs", "layers", "p", "topk", "correction", "budget", "oracle_budget", "recall", "recall_min",
 	"recall_p5", "recall_p1",
 	"output_rel_err", "step_ms_per_layer", "tokens_per_s", "hot_hit_rate", "pcie_bytes_per_step",
 	"ms_index", "ms_store", "ms_score", "ms_select", "ms_attend", "host_bytes_used",
@@ -145,7 +148,7 @@ enum { N_COLS = sizeof(csv_cols) / sizeof(csv_cols[0]) };
 static void values(const kb_result *r, double v[N_COLS])
 {
 	const double x[N_COLS] = {
-		r->context, r->seqs, r->layers, r->p, r->topk, r->budget, r->oracle_budget,
+		r->context, r->seqs, r->layers, r->p, r->topk, r->correction, r->budget, r->oracle_budget,
 		r->recall, r->recall_min, r->recall_p5, r->recall_p1, r->err, r->step_ms, r->tok_s, r->hit_rate, r->pcie_step,
 		r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4],
 		(double)r->host_used, (double)r->index_bytes,
