@@ -486,12 +486,18 @@ KVT_API int kvt_attend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	return kvt_attend_at(c, layer, n_seqs, seqs, q, out, NULL, stream);
 }
 
-KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-		       const void *q, void *stream)
+KVT_API int kvt_select_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *q, const kvt_io_layout *layout, void *stream)
 {
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!q, c, -EINVAL, "q is NULL");
-	return attend_common(c, "kvt_select", layer, n_seqs, seqs, q, NULL, NULL, stream);
+	return attend_common(c, "kvt_select_at", layer, n_seqs, seqs, q, NULL, layout, stream);
+}
+
+KVT_API int kvt_select(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		       const void *q, void *stream)
+{
+	return kvt_select_at(c, layer, n_seqs, seqs, q, NULL, stream);
 }
 
 KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,

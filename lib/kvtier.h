@@ -618,7 +618,8 @@ typedef struct kvt_io_view {
 } kvt_io_view;
 
 /*
- * Strided q, k, v and out for kvt_prefill_at, kvt_append_at, kvt_attend_at and kvt_extend_at.
+ * Strided q, k, v and out for kvt_prefill_at, kvt_append_at, kvt_attend_at, kvt_select_at and
+ * kvt_extend_at.
  * `{ sizeof(kvt_io_layout) }` (or a NULL pointer) is the dense layout of the plain calls. A view of
  * a tensor the call does not take (kvt_prefill's out, a NULL q) is not read.
  */
@@ -629,7 +630,8 @@ typedef struct kvt_io_layout {
 } kvt_io_layout;
 
 /*
- * kvt_prefill, kvt_append, kvt_attend and kvt_extend with their tensors placed as `layout` says
+ * kvt_prefill, kvt_append, kvt_attend, kvt_select and kvt_extend with their tensors placed as
+ * `layout` says
  * (NULL: dense, the same call). A layout whose views all resolve to the dense placement costs
  * nothing; any other is gathered into a dense scratch of the cache (grown as needed, kept until
  * kvt_cache_destroy), the dense call runs on it, and its out is scattered into the caller's view:
@@ -651,6 +653,8 @@ KVT_API int kvt_append_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, con
 			  const void *k, const void *v, const kvt_io_layout *layout, void *stream);
 KVT_API int kvt_attend_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 			  const void *q, void *out, const kvt_io_layout *layout, void *stream);
+KVT_API int kvt_select_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+			  const void *q, const kvt_io_layout *layout, void *stream);
 KVT_API int kvt_extend_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 			  const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
 			  void *out, uint32_t flags, const kvt_io_layout *layout, void *stream);

@@ -235,6 +235,24 @@ static void test_append(void **state)
 	}
 }
 
+/* kvt_select_at of the strided q against kvt_select of the dense one: the same count, then the
+ * same gathered positions. */
+static void select_same(struct twin *w, uint32_t l, uint32_t n, const void *q,
+			const kvt_io_layout *lo, const char *what)
+{
+	static int32_t pc[NSEQ * NKV * MAXT], pr[NSEQ * NKV * MAXT];
+	int32_t cc[NSEQ * NKV], cr[NSEQ * NKV];
+	int mc = kvt_select_at(w->c, l, n, w->sc, q, lo, NULL);
+	int mr = kvt_select(w->r, l, n, w->sr, g_q, NULL);
+	T_CHECK(mc == mr && mc > 0, "%s: select_at %d (%s), select %d", what, mc,
+		kvt_last_error(w->c), mr);
+	int gc = kvt_gather(w->c, l, n, w->sc, MAXT, cc, pc, NULL, NULL, NULL);
+	int gr = kvt_gather(w->r, l, n, w->sr, MAXT, cr, pr, NULL, NULL, NULL);
+	T_CHECK(gc == gr && gc > 0 && !memcmp(cc, cr, sizeof(int32_t) * n * NKV) &&
+			!memcmp(pc, pr, sizeof(int32_t) * n * NKV * MAXT),
+		"%s: select_at's selection differs from select's (%d and %d tokens)", what, gc, gr);
+}
+
 static void test_attend(void **state)
 {
 	(void)state;
@@ -261,6 +279,7 @@ static void test_attend(void **state)
 					rc = kvt_attend(w.r, l, n, w.sr, g_q, g_dense_out, NULL);
 					T_CHECK(rc == 0, "reference attend: %s", kvt_last_error(w.r));
 					out_expect(what, &lo, n, elem);
+					select_same(&w, l, n, q, &lo, what);
 				}
 			twin_check(&w, kind_name[kind]);
 		}

@@ -208,6 +208,8 @@ _PROTOTYPES = {
                                       ctypes.POINTER(KvtIoLayout), _P]),
     "kvt_attend_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P, _P,
                                       ctypes.POINTER(KvtIoLayout), _P]),
+    "kvt_select_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), _P,
+                                      ctypes.POINTER(KvtIoLayout), _P]),
     "kvt_extend_at": (ctypes.c_int, [_P, u32, u32, ctypes.POINTER(u32), ctypes.POINTER(u32), _P,
                                       _P, _P, _P, u32, ctypes.POINTER(KvtIoLayout), _P]),
     "kvt_get_stats": (ctypes.c_int, [_P, ctypes.POINTER(KvtStats)]),

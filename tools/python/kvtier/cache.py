@@ -677,9 +677,11 @@ class Cache:
         """kvt_select: the selection of attend without the attention. q as attend's. Returns the
         largest token count of any (sequence, KV head): the max_tokens gather needs."""
         ids, layer = self._seq_array(seqs), self._layer(layer)
-        pq = self._ptr("q", q, (len(ids), self.n_q_heads, self.head_dim))
-        return self._check(_abi.lib().kvt_select(self._handle(), layer, len(ids), ids, pq,
-                                                 stream_of([q], self.backend)), "kvt_select")
+        pq, sq = self._sptr("q", q, (len(ids), self.n_q_heads, self.head_dim))
+        return self._check(_abi.lib().kvt_select_at(self._handle(), layer, len(ids), ids, pq,
+                                                    self._layout(q=sq),
+                                                    stream_of([q], self.backend)),
+                           "kvt_select_at")
 
     def gather(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], max_tokens: int,
                positions: bool = True, kv: bool = True) -> Gathered:

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: MIT
-"""Strided numpy views through kvt_prefill_at, kvt_append_at, kvt_attend_at and kvt_extend_at on
-the CPU backend: a fused qkv projection split three ways and [B, H, T, D] transposes are passed as
-they are (no copy in Python) and give, bit for bit, what contiguous copies of them give; a strided
-out is written in its rows only. numpy only."""
+"""Strided numpy views through kvt_prefill_at, kvt_append_at, kvt_attend_at, kvt_select_at and
+kvt_extend_at on the CPU backend: a fused qkv projection split three ways and [B, H, T, D]
+transposes are passed as they are (no copy in Python) and give, bit for bit, what contiguous copies
+of them give; a strided out is written in its rows only. numpy only."""
 
 import errno
 import os
@@ -63,6 +63,14 @@ def test_strided_views_equal_contiguous_copies(rng):
             want = b.attend(layer, sb, np.ascontiguousarray(q))
             assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), layer
             assert np.isnan(buf[:, :, D:]).all(), "attend wrote outside out's rows"
+        q = transposed(rng, 3, HQ)
+        assert a.select(0, sa, q) == b.select(0, sb, np.ascontiguousarray(q))
+        ga, gb = a.gather(0, sa, 1024, kv=False), b.gather(0, sb, 1024, kv=False)
+        assert ga.total == gb.total and np.array_equal(ga.counts, gb.counts)
+        for i in range(len(sa)):
+            for h in range(HKV):
+                c = ga.counts[i, h]
+                assert np.array_equal(ga.pos[i, h, :c], gb.pos[i, h, :c]), (i, h)
         q, k, v = fused(rng, 9)
         out, buf = padded_out(9, np.float32)
         a.extend(1, sa, [4, 0, 5], q, k, v, out=out)
