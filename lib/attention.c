@@ -20,14 +20,15 @@ void kvt_attention_begin(uint32_t d, uint32_t g, float *m, float *l, float *acc)
 		acc[j] = 0.0f;
 }
 
-/* One query takes one row (k and v converted): the running maximum, sum and accumulators. */
-static void take_row(uint32_t d, float scale, const float *q, const float *k, const float *v,
-		     float *m, float *l, float *acc)
+/* One query takes one row (k and v converted): the running maximum, sum and accumulators. Returns
+ * the logit q.k before the scale. */
+static float take_row(uint32_t d, float scale, const float *q, const float *k, const float *v,
+		      float *m, float *l, float *acc)
 {
-	float s = 0.0f;
+	float raw = 0.0f;
 	for (uint32_t j = 0; j < d; j++)
-		s += q[j] * k[j];
-	s *= scale;
+		raw += q[j] * k[j];
+	float s = raw * scale;
 	if (s > *m) {
 		/* rescale what was accumulated under the old maximum */
 		float f = expf(*m - s);
@@ -40,11 +41,14 @@ static void take_row(uint32_t d, float scale, const float *q, const float *k, co
 	*l += w;
 	for (uint32_t j = 0; j < d; j++)
 		acc[j] += w * v[j];
+	return raw;
 }
 
-void kvt_attention_feed(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
-			const uint32_t *end, uint32_t first, uint32_t n, const void *const *rows,
-			float *m, float *l, float *acc)
+/* kvt_attention_feed, query h's logit of row i also into logits[h * lstride + i] (logits NULL:
+ * not kept). */
+static void feed(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
+		 const uint32_t *end, uint32_t first, uint32_t n, const void *const *rows, float *m,
+		 float *l, float *acc, float *logits, size_t lstride)
 {
 	float k[KVT_MAX_HEAD_DIM], v[KVT_MAX_HEAD_DIM];
 	for (uint32_t i = 0; i < n; i++) {
@@ -54,10 +58,20 @@ void kvt_attention_feed(uint32_t d, uint32_t dtype, float scale, uint32_t g, con
 			v[j] = kvt_load(rows[i], d + j, dtype);
 		}
 		for (uint32_t h = 0; h < g; h++)
-			if (!end || first + i < end[h])
-				take_row(d, scale, q + (size_t)h * d, k, v, &m[h], &l[h],
-					 acc + (size_t)h * d);
+			if (!end || first + i < end[h]) {
+				float raw = take_row(d, scale, q + (size_t)h * d, k, v, &m[h], &l[h],
+						     acc + (size_t)h * d);
+				if (logits)
+					logits[h * lstride + i] = raw;
+			}
 	}
+}
+
+void kvt_attention_feed(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
+			const uint32_t *end, uint32_t first, uint32_t n, const void *const *rows,
+			float *m, float *l, float *acc)
+{
+	feed(d, dtype, scale, g, q, end, first, n, rows, m, l, acc, NULL, 0);
 }
 
 void kvt_attention_finish(uint32_t d, uint32_t g, const float *l, const float *acc, float *out)
@@ -70,15 +84,15 @@ void kvt_attention_finish(uint32_t d, uint32_t g, const float *l, const float *a
 }
 
 void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
-			 uint32_t n, const void *const *rows, float *out)
+			 uint32_t n, const void *const *rows, float *out, float *logits)
 {
 	float acc[KVT_ATTENTION_GROUP * KVT_MAX_HEAD_DIM];
 	float m[KVT_ATTENTION_GROUP], l[KVT_ATTENTION_GROUP];
 	for (uint32_t g0 = 0; g0 < g; g0 += KVT_ATTENTION_GROUP) {
 		const uint32_t gn = g - g0 < KVT_ATTENTION_GROUP ? g - g0 : KVT_ATTENTION_GROUP;
 		kvt_attention_begin(d, gn, m, l, acc);
-		kvt_attention_feed(d, dtype, scale, gn, q + (size_t)g0 * d, NULL, 0, n, rows, m, l,
-				   acc);
+		feed(d, dtype, scale, gn, q + (size_t)g0 * d, NULL, 0, n, rows, m, l, acc,
+		     logits ? logits + (size_t)g0 * n : NULL, n);
 		kvt_attention_finish(d, gn, l, acc, out + (size_t)g0 * d);
 	}
 }
@@ -86,5 +100,5 @@ void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, co
 void kvt_attention(uint32_t d, uint32_t dtype, float scale, const float *q, uint32_t n,
 		   const void *const *rows, float *out)
 {
-	kvt_attention_group(d, dtype, scale, 1, q, n, rows, out);
+	kvt_attention_group(d, dtype, scale, 1, q, n, rows, out, NULL);
 }

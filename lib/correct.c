@@ -146,8 +146,34 @@ static int entry_room(kvt_cache *c, struct kvt_corr_entry *e, uint32_t n)
 	return 0;
 }
 
+float *kvt_corr_logits(kvt_cache *c, uint32_t n, int *rc)
+{
+	const size_t need = (size_t)c->group * n;
+	*rc = 0;
+	if (!c->cfg.correction_steps)
+		return NULL;
+	if (need > c->corr_logits_n) {
+		float *p = kvt_mem_alloc(KVT_MEM_HOST, sizeof *p * need);
+		if (!p) {
+			*rc = kvt_seterr(c, -ENOMEM, "out of memory for the logits of %u rows", n);
+			return NULL;
+		}
+		kvt_mem_free(KVT_MEM_HOST, c->corr_logits, 0);
+		c->corr_logits = p;
+		c->corr_logits_n = need;
+	}
+	return c->corr_logits;
+}
+
+void kvt_corr_fini(kvt_cache *c)
+{
+	kvt_mem_free(KVT_MEM_HOST, c->corr_logits, 0);
+	c->corr_logits = NULL;
+	c->corr_logits_n = 0;
+}
+
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
-		    const void *q, size_t at, uint32_t n, const int32_t *pos, const void *const *rows)
+		    const void *q, size_t at, uint32_t n, const int32_t *pos, const float *logits)
 {
 	const uint32_t R = c->cfg.correction_steps, RL = ring_len(c), d = c->d, G = c->group;
 	const uint32_t S = c->cfg.n_sink, ni = l->n_indexed;
@@ -184,12 +210,10 @@ int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t 
 			if (pos[k] < (int32_t)S || (uint32_t)pos[k] - S >= ni)
 				continue;
 			const uint32_t t = (uint32_t)pos[k] - S;
-			float est, exact = 0.0f;
+			float est;
 			kvt_score(d, &qc, 1, l->codes + ((size_t)h * cap + t) * c->words,
 				  l->sigma + (size_t)h * cap + t, l->beta + (size_t)h * cap + t, &est);
-			for (uint32_t j = 0; j < d; j++)
-				exact += qf[j] * kvt_load(rows[k], j, c->cfg.dtype);
-			const float delta = exact - est;
+			const float delta = logits[(size_t)g * n + k] - est;
 			e->pos[r] = t;
 			e->delta[(size_t)r * G + g] = isfinite(delta) ? delta : 0.0f;
 			r++;

@@ -264,6 +264,9 @@ static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32
 	int32_t *pos = (int32_t *)c->work; /* scores and work are free again here */
 	uint64_t t0 = kvt_now_ns();
 	uint32_t n = positions(c, l, h, pos);
+	int rc = 0;
+	float *logits = kvt_corr_logits(c, n, &rc);
+	KVT_TRY(rc);
 	KVT_TRY(kvt_rows_get(c, l, h, n, pos, c->rows));
 	/* the group's queries together, so that each row is converted once per pass */
 	for (uint32_t g0 = 0; g0 < G; g0 += KVT_ATTENTION_GROUP) {
@@ -273,15 +276,21 @@ static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32
 		const size_t at = ((size_t)i * c->cfg.n_q_heads + h * G + g0) * d;
 		for (uint32_t g = 0; g < gn; g++)
 			load_vec(c, q, at + (size_t)g * d, qd + (size_t)g * d);
-		kvt_attention_group(d, c->cfg.dtype, c->scale, gn, qd, n, c->rows, od);
+		kvt_attention_group(d, c->cfg.dtype, c->scale, gn, qd, n, c->rows, od,
+				    logits ? logits + (size_t)g0 * n : NULL);
 		for (uint32_t g = 0; g < gn; g++)
 			store_out(c, out, at + (size_t)g * d, od + (size_t)g * d);
 	}
 	c->st.rows_fetched += n;
 	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;
-	c->st.ns_attend += kvt_now_ns() - t0;
-	return kvt_corr_record(c, l, layer, h, l->corr_step + 1, q,
-			       ((size_t)i * c->cfg.n_q_heads + h * G) * d, n, pos, c->rows);
+	const uint64_t t1 = kvt_now_ns();
+	c->st.ns_attend += t1 - t0;
+	if (!logits)
+		return 0;
+	rc = kvt_corr_record(c, l, layer, h, l->corr_step + 1, q,
+			     ((size_t)i * c->cfg.n_q_heads + h * G) * d, n, pos, logits);
+	c->st.ns_score += kvt_now_ns() - t1; /* the corrections' estimates: scoring's share */
+	return rc;
 }
 
 /*

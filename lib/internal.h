@@ -123,10 +123,11 @@ void kvt_attention(uint32_t d, uint32_t dtype, float scale, const float *q, uint
 /*
  * The same for g queries over the same rows (q and out: g x d floats), each row's elements
  * converted once for the group: every query's result is bit for bit what kvt_attention gives it
- * alone (the same operations in the same order).
+ * alone (the same operations in the same order). logits: g x n floats receiving each query's q.k
+ * of each row before the scale (a float sum over j ascending), or NULL.
  */
 void kvt_attention_group(uint32_t d, uint32_t dtype, float scale, uint32_t g, const float *q,
-			 uint32_t n, const void *const *rows, float *out);
+			 uint32_t n, const void *const *rows, float *out, float *logits);
 
 /*
  * The same pass in pieces, for g queries (q: g x d floats) of any number: kvt_attention_begin sets
@@ -304,6 +305,8 @@ struct kvt_cache {
 	const void **rows;        /* [rows_cap] */
 	void *io_scratch;         /* dense copies of the strided tensors of the _at calls */
 	size_t io_scratch_bytes;
+	float *corr_logits;       /* a KV head's attended logits for the score corrections */
+	size_t corr_logits_n;
 	char err[512];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
 };
@@ -552,11 +555,15 @@ void kvt_out_fill(void *dst, const void *src, size_t src_size);
  * recent for each token; only index positions below ni. scratch: ni floats. */
 void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
 		    uint64_t now, const float *x, float *scores, float *scratch);
-/* Record, for selection number `now`, what attending the n tokens at pos (rows as kvt_rows_get
- * gives them) with the group's queries (query g at element at + g d of q, in dtype) showed: each
- * indexed token's exact logit minus its estimate, per query head. -ENOMEM. */
+/* Room for the logits of G queries over n attended rows (G x n floats), or NULL when corrections
+ * are off. -ENOMEM (in *rc). */
+float *kvt_corr_logits(kvt_cache *c, uint32_t n, int *rc);
+/* Record, for selection number `now`, what attending the n tokens at pos with the group's queries
+ * (query g at element at + g d of q, in dtype; their logits [G, n] as the attention computed them)
+ * showed: each indexed token's exact logit minus its estimate, per query head. -ENOMEM. */
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
-		    const void *q, size_t at, uint32_t n, const int32_t *pos, const void *const *rows);
+		    const void *q, size_t at, uint32_t n, const int32_t *pos, const float *logits);
+void kvt_corr_fini(kvt_cache *c);
 /* A selection of the layer succeeded: the next one counts from it. `recorded`: it attended (every
  * KV head recorded); else (kvt_select) its slot is emptied, so that what a failed step recorded
  * there never counts. */

@@ -134,7 +134,7 @@ static void test_attention_group(void **state)
 			}
 			for (uint32_t j = 0; j < G * d; j++)
 				q[j] = (float)(2.0 * t_normal(&rng));
-			kvt_attention_group(d, dt, scale, G, q, N, rp, got);
+			kvt_attention_group(d, dt, scale, G, q, N, rp, got, NULL);
 			for (uint32_t g = 0; g < G; g++) {
 				kvt_attention(d, dt, scale, q + (size_t)g * d, N, rp, want);
 				T_CHECK(!memcmp(got + (size_t)g * d, want, 4 * d),
