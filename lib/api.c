@@ -460,11 +460,9 @@ static int attend_common(kvt_cache *c, const char *call, uint32_t layer, uint32_
 	struct kvt_layer **ls;
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
 	for (uint32_t i = 0; i < n_seqs; i++)
-		if (ls[i]->n_tokens == 0) {
-			batch_use(c, n_seqs, seqs);
+		if (ls[i]->n_tokens == 0)
 			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
 					"seq %u holds no tokens on layer %u", seqs[i], layer));
-		}
 	struct kvt_io io = {.q = q, .out = out};
 	KVT_TRY(kvt_io_begin(c, call, lo, n_seqs, &io, stream));
 	batch_use(c, n_seqs, seqs);
