@@ -173,7 +173,8 @@ void kvt_corr_fini(kvt_cache *c)
 }
 
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
-		    const void *q, size_t at, uint32_t n, const int32_t *pos, const float *logits)
+		    uint32_t g0, uint32_t gn, const float *qf, uint32_t n, const int32_t *pos,
+		    const float *logits)
 {
 	const uint32_t R = c->cfg.correction_steps, RL = ring_len(c), d = c->d, G = c->group;
 	const uint32_t S = c->cfg.n_sink, ni = l->n_indexed;
@@ -191,19 +192,20 @@ int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t 
 	uint32_t m = 0;
 	for (uint32_t k = 0; k < n; k++)
 		m += pos[k] >= (int32_t)S && (uint32_t)pos[k] - S < ni;
-	e->step = 0; /* not valid until filled */
-	e->n = 0;
+	if (g0 == 0) {
+		e->step = 0; /* not valid until every query head is filled */
+		e->n = 0;
+		if (m)
+			KVT_TRY(entry_room(c, e, m));
+	}
 	if (!m)
 		return 0;
-	KVT_TRY(entry_room(c, e, m));
 	const float *rot = c->rot + (size_t)layer * d * d;
 	const size_t cap = l->idx_cap;
-	for (uint32_t g = 0; g < G; g++) {
-		float qf[KVT_MAX_HEAD_DIM];
+	for (uint32_t g = g0; g < g0 + gn; g++) {
 		kvt_qcode qc;
-		for (uint32_t j = 0; j < d; j++)
-			qf[j] = kvt_load(q, at + (size_t)g * d + j, c->cfg.dtype);
-		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
+		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d,
+				  qf + (size_t)(g - g0) * d, &qc);
 		memcpy(e->x + (size_t)g * d, qc.x, sizeof *qc.x * d);
 		uint32_t r = 0;
 		for (uint32_t k = 0; k < n; k++) {
@@ -219,7 +221,9 @@ int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t 
 			r++;
 		}
 	}
-	e->n = m;
-	e->step = now;
+	if (g0 + gn == G) {
+		e->n = m;
+		e->step = now;
+	}
 	return 0;
 }

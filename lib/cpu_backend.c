@@ -256,13 +256,15 @@ static void store_out(const kvt_cache *c, void *out, size_t at, const float *o)
 	}
 }
 
-/* Exact attention of KV head h's query group of batch entry i over its selection. */
+/* Exact attention of KV head h's query group of batch entry i over its selection. Each query
+ * chunk's corrections are recorded before its out is stored, so that an out that aliases q (the
+ * same buffer, attention in place) never feeds an output to the record as a query. */
 static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32_t h,
 		       const void *q, void *out, uint32_t i)
 {
 	const uint32_t d = c->d, G = c->group;
 	int32_t *pos = (int32_t *)c->work; /* scores and work are free again here */
-	uint64_t t0 = kvt_now_ns();
+	uint64_t t0 = kvt_now_ns(), t_rec = 0;
 	uint32_t n = positions(c, l, h, pos);
 	int rc = 0;
 	float *logits = kvt_corr_logits(c, n, &rc);
@@ -278,19 +280,22 @@ static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32
 			load_vec(c, q, at + (size_t)g * d, qd + (size_t)g * d);
 		kvt_attention_group(d, c->cfg.dtype, c->scale, gn, qd, n, c->rows, od,
 				    logits ? logits + (size_t)g0 * n : NULL);
+		if (logits) {
+			const uint64_t t1 = kvt_now_ns();
+			rc = kvt_corr_record(c, l, layer, h, l->corr_step + 1, g0, gn, qd, n, pos,
+					     logits);
+			t_rec += kvt_now_ns() - t1;
+			if (rc < 0)
+				return rc;
+		}
 		for (uint32_t g = 0; g < gn; g++)
 			store_out(c, out, at + (size_t)g * d, od + (size_t)g * d);
 	}
 	c->st.rows_fetched += n;
 	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;
-	const uint64_t t1 = kvt_now_ns();
-	c->st.ns_attend += t1 - t0;
-	if (!logits)
-		return 0;
-	rc = kvt_corr_record(c, l, layer, h, l->corr_step + 1, q,
-			     ((size_t)i * c->cfg.n_q_heads + h * G) * d, n, pos, logits);
-	c->st.ns_score += kvt_now_ns() - t1; /* the corrections' estimates: scoring's share */
-	return rc;
+	c->st.ns_attend += kvt_now_ns() - t0 - t_rec;
+	c->st.ns_score += t_rec; /* the corrections' estimates: scoring's share */
+	return 0;
 }
 
 /*

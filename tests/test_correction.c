@@ -6,7 +6,8 @@
  * exact logit and estimate of the most recent such step, beta = <x_now, x_then> / <x_then, x_then>
  * of the query heads' rotated residuals. Also: correction off and at p = 1 changes nothing, a
  * truncate forgets every correction and a fork's child starts without, a step that fails under an
- * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them.
+ * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them,
+ * an attend in place (out the same buffer as q) records what a separate out records.
  */
 #include "common.h"
 #include "half.h"
@@ -231,6 +232,33 @@ static void test_forget(void **state)
 	kvt_cache_destroy(cb);
 }
 
+/* An attend whose out is its q (in place: out_dtype = dtype) corrects as one with a separate out:
+ * the corrections record the queries, never the outputs written over them. */
+static void test_in_place(void **state)
+{
+	(void)state;
+	make_data(15);
+	kvt_config cfg = config(4, 0.8f);
+	cfg.out_dtype = KVT_DTYPE_F16;
+	kvt_cache *a = t_create(&cfg), *b = t_create(&cfg);
+	uint32_t sa, sb;
+	T_CHECK(kvt_seq_open(a, &sa) == 0 && kvt_seq_open(b, &sb) == 0, "open");
+	T_CHECK(kvt_prefill(a, sa, 0, NULL, g_k, g_v, CTX, NULL) == 0, "prefill");
+	T_CHECK(kvt_prefill(b, sb, 0, NULL, g_k, g_v, CTX, NULL) == 0, "prefill");
+	for (uint32_t s = 0; s < STEPS; s++) {
+		uint16_t want[QROW], got[QROW];
+		memcpy(got, g_q[s], sizeof got);
+		T_CHECK(kvt_attend(a, 0, 1, &sa, g_q[s], want, NULL) == 0, "attend: %s",
+			kvt_last_error(a));
+		T_CHECK(kvt_attend(b, 0, 1, &sb, got, got, NULL) == 0, "attend in place: %s",
+			kvt_last_error(b));
+		T_CHECK(!memcmp(got, want, sizeof got), "step %u: the attend in place differs from "
+			"one with a separate out", s);
+	}
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
 /* Step 2 of a run: attended, or (select) only selected, which records nothing. */
 static void step2(kvt_cache *c, uint32_t s, bool select, float *out)
 {
@@ -302,6 +330,7 @@ int main(void)
 		cmocka_unit_test(test_rule),
 		cmocka_unit_test(test_neutral),
 		cmocka_unit_test(test_forget),
+		cmocka_unit_test(test_in_place),
 		cmocka_unit_test(test_faults),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

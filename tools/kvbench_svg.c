@@ -188,6 +188,8 @@ static void bar_label(const kb_result *x, char *out, size_t n)
 {
 	if (x->topk)
 		snprintf(out, n, "%u/%u/k%u", x->context, x->seqs, x->topk);
+	else if (x->correction)
+		snprintf(out, n, "%u/%u/p%.3g/c%u", x->context, x->seqs, (double)x->p, x->correction);
 	else
 		snprintf(out, n, "%u/%u/p%.3g", x->context, x->seqs, (double)x->p);
 }

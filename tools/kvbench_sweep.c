@@ -213,7 +213,7 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 
 static void print_point_columns(void)
 {
-	printf("context seqs layers      p  topk  budget  oracle  recall    r_p5   r_min  rel_err  ms/layer"
+	printf("context seqs layers      p  topk  corr  budget  oracle  recall    r_p5   r_min  rel_err  ms/layer"
 	       "    tok/s  hit   PCIe MiB/step\n");
 }
 
@@ -227,7 +227,8 @@ static void cellf(double v, int w, int prec)
 
 static void print_point(const kb_result *r)
 {
-	printf("%7u %4u %6u %6.3g %5u", r->context, r->seqs, r->layers, (double)r->p, r->topk);
+	printf("%7u %4u %6u %6.3g %5u %5u", r->context, r->seqs, r->layers, (double)r->p, r->topk,
+	       r->correction);
 	cellf(r->budget, 7, 4);
 	cellf(r->oracle_budget, 7, 4);
 	cellf(r->recall, 7, 4);
@@ -253,6 +254,8 @@ static void print_base_table(const kb_result *r, uint32_t n)
 		char m[48];
 		if (x->topk)
 			snprintf(m, sizeof m, "topk k=%u (kvtier estimate)", x->topk);
+		else if (x->correction)
+			snprintf(m, sizeof m, "kvtier p=%.3g corr=%u", (double)x->p, x->correction);
 		else
 			snprintf(m, sizeof m, "kvtier p=%.3g", (double)x->p);
 		printf("%7u %4u  %-30s", x->context, x->seqs, m);
