@@ -178,7 +178,8 @@ typedef struct kvt_config {
 				      a token attended in one of the last correction_steps decode
 				      steps is scored with the error of its estimate measured then,
 				      scaled by how alike the two queries are; in [0, 64]; 0 (default):
-				      off. The CUDA backend refuses a nonzero value (-EOPNOTSUPP) */
+				      off. The CUDA backend refuses a nonzero value (-EOPNOTSUPP), and
+				      so does AUTO where it picks CUDA: ask for the CPU backend */
 	uint32_t pad2;        /* must be zero (explicit padding) */
 	uint64_t reserved[2]; /* must be zero: where later minor versions add fields */
 } kvt_config;
