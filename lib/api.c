@@ -62,6 +62,7 @@ static void cache_free(kvt_cache *c)
 	kvt_mem_free(KVT_MEM_HOST, c->seqs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->batch_tokens, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->lru_saved, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->sel_counts, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->store_jobs, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->index_jobs, 0);
@@ -106,13 +107,14 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	c->seqs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->seqs * cfg->max_seqs);
 	c->batch = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch * cfg->max_seqs);
 	c->batch_tokens = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->batch_tokens * cfg->max_seqs);
+	c->lru_saved = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->lru_saved * cfg->max_seqs);
 	c->sel_counts = kvt_mem_alloc(KVT_MEM_HOST,
 				      sizeof *c->sel_counts * cfg->max_seqs * cfg->n_kv_heads);
 	c->store_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->store_jobs * cfg->max_seqs);
 	c->index_jobs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *c->index_jobs * cfg->max_seqs);
 	rc = kvt_extents_init(&c->host, cfg->host_bytes, KVT_BLOCK_TOKENS * c->row_bytes,
 			      busid[0] ? busid : NULL, &c->mem, NULL);
-	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || !c->sel_counts ||
+	if (!c->rot || !c->seqs || !c->batch || !c->batch_tokens || !c->lru_saved || !c->sel_counts ||
 	    !c->store_jobs || !c->index_jobs || rc < 0) {
 		cache_free(c);
 		return kvt_seterr(NULL, -ENOMEM, "out of memory allocating rotations (%zu bytes) or "
@@ -222,6 +224,42 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 	return 0;
 }
 
+/*
+ * The LRU clock (which sequence an automatic spill takes first) as a call found it. A call stamps
+ * the sequences it uses once its arguments are checked (so that its own automatic spills never
+ * take them), and puts their stamps back if it fails: a failed call changes nothing, the spill
+ * order included. The clock itself only moves on.
+ */
+struct lru_mark {
+	uint64_t call_start;
+};
+
+/* Stamp the n sequences of seqs that take part (all, or those with new rows in cu), saving their
+ * stamps in c->lru_saved. */
+static void lru_use(kvt_cache *c, struct lru_mark *m, uint32_t n, const uint32_t *seqs,
+		    const uint32_t *cu)
+{
+	m->call_start = c->call_start;
+	c->call_start = c->clock + 1;
+	for (uint32_t i = 0; i < n; i++) {
+		c->lru_saved[i] = c->seqs[seqs[i]].last_use;
+		if (!cu || cu[i + 1] > cu[i])
+			c->seqs[seqs[i]].last_use = ++c->clock;
+	}
+}
+
+/* rc, after putting the stamps of lru_use back when it is a failure. */
+static int64_t lru_done(kvt_cache *c, const struct lru_mark *m, uint32_t n, const uint32_t *seqs,
+			int64_t rc)
+{
+	if (rc >= 0)
+		return rc;
+	for (uint32_t i = 0; i < n; i++)
+		c->seqs[seqs[i]].last_use = c->lru_saved[i];
+	c->call_start = m->call_start;
+	return rc;
+}
+
 KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)
 {
 	struct kvt_seq *s = NULL;
@@ -235,9 +273,9 @@ KVT_API int64_t kvt_seq_restore(kvt_cache *c, uint32_t seq)
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	return kvt_tier_restore(c, s, seq);
+	struct lru_mark m;
+	lru_use(c, &m, 1, &seq, NULL);
+	return lru_done(c, &m, 1, &seq, kvt_tier_restore(c, s, seq));
 }
 
 KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
@@ -254,9 +292,9 @@ KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(lookup(c, seq, &s));
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	return kvt_pipe_truncate(c, s, seq, n_tokens, stream);
+	struct lru_mark m;
+	lru_use(c, &m, 1, &seq, NULL);
+	return (int)lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
 }
 
 KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *stream)
@@ -267,9 +305,9 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
 	KVT_TRY(lookup(c, parent, &s));
 	KVT_TRY(free_slot(c, &slot));
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	KVT_TRY(kvt_pipe_fork(c, s, &c->seqs[slot], stream));
+	struct lru_mark m;
+	lru_use(c, &m, 1, &parent, NULL);
+	KVT_TRY(lru_done(c, &m, 1, &parent, kvt_pipe_fork(c, s, &c->seqs[slot], stream)));
 	*child = slot;
 	return 0;
 }
@@ -298,9 +336,11 @@ static int read_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t laye
 	int dense = kvt_rows_map_check(c, call, lo, to - from, false, &m);
 	if (dense < 0)
 		return dense;
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	return kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, dense ? NULL : &m, stream);
+	struct lru_mark lm;
+	lru_use(c, &lm, 1, &seq, NULL);
+	return (int)lru_done(c, &lm, 1, &seq,
+			     kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, dense ? NULL : &m,
+						stream));
 }
 
 KVT_API int kvt_seq_read_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
@@ -342,9 +382,11 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 		k = buf;
 		v = (char *)buf + bytes / 2;
 	}
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	int rc = kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from, stream);
+	struct lru_mark lm;
+	lru_use(c, &lm, 1, &seq, NULL);
+	int rc = (int)lru_done(c, &lm, 1, &seq,
+			       kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from,
+						stream));
 	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
 	return rc < 0 ? rc : (int)(to - from);
 }
@@ -378,9 +420,10 @@ KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const voi
 		      INT32_MAX);
 	struct kvt_io io = {.q = q, .k = k, .v = v};
 	KVT_TRY(kvt_io_begin(c, "kvt_prefill_at", layout, n_tokens, &io, stream));
-	c->call_start = c->clock + 1;
-	s->last_use = ++c->clock;
-	return kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream);
+	struct lru_mark m;
+	lru_use(c, &m, 1, &seq, NULL);
+	return (int)lru_done(c, &m, 1, &seq,
+			     kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream));
 }
 
 KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
@@ -421,13 +464,6 @@ static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint3
 	return batch(c, layer, n_seqs, seqs, *ls);
 }
 
-/* The batch is used by this call (the LRU clock), once every argument has been checked. */
-static void batch_use(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs)
-{
-	c->call_start = c->clock + 1;
-	for (uint32_t i = 0; i < n_seqs; i++)
-		c->seqs[seqs[i]].last_use = ++c->clock;
-}
 
 KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 			  const void *k, const void *v, const kvt_io_layout *layout, void *stream)
@@ -443,8 +479,10 @@ KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 					INT32_MAX));
 	struct kvt_io io = {.k = k, .v = v};
 	KVT_TRY(kvt_io_begin(c, "kvt_append_at", layout, n_seqs, &io, stream));
-	batch_use(c, n_seqs, seqs);
-	return kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream);
+	struct lru_mark m;
+	lru_use(c, &m, n_seqs, seqs, NULL);
+	return (int)lru_done(c, &m, n_seqs, seqs,
+			     kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream));
 }
 
 KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -465,9 +503,10 @@ static int attend_common(kvt_cache *c, const char *call, uint32_t layer, uint32_
 					"seq %u holds no tokens on layer %u", seqs[i], layer));
 	struct kvt_io io = {.q = q, .out = out};
 	KVT_TRY(kvt_io_begin(c, call, lo, n_seqs, &io, stream));
-	batch_use(c, n_seqs, seqs);
+	struct lru_mark m;
+	lru_use(c, &m, n_seqs, seqs, NULL);
 	int rc = kvt_pipe_step(c, layer, n_seqs, ls, io.q, io.out, stream);
-	return kvt_io_end(c, &io, rc, stream);
+	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }
 
 KVT_API int kvt_attend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -509,9 +548,11 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
-	batch_use(c, n_seqs, seqs);
-	return kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos, k_out, v_out,
-			       stream);
+	struct lru_mark m;
+	lru_use(c, &m, n_seqs, seqs, NULL);
+	return (int)lru_done(c, &m, n_seqs, seqs,
+			     kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos,
+					     k_out, v_out, stream));
 }
 
 /* cu_seqlens [n_seqs + 1] of kvt_extend: from 0, never decreasing, a total of at least one row. */
@@ -558,13 +599,11 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	struct kvt_io io = {.q = q, .k = k, .v = v, .out = out};
 	KVT_TRY(kvt_io_begin(c, "kvt_extend_at", layout, cu_seqlens[n_seqs], &io, stream));
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
-	c->call_start = c->clock + 1;
-	for (uint32_t i = 0; i < n_seqs; i++)
-		if (cu_seqlens[i + 1] > cu_seqlens[i])
-			c->seqs[seqs[i]].last_use = ++c->clock;
+	struct lru_mark m;
+	lru_use(c, &m, n_seqs, seqs, cu_seqlens);
 	int rc = kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out, flags,
 				 stream);
-	return kvt_io_end(c, &io, rc, stream);
+	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }
 
 KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,

@@ -280,6 +280,7 @@ struct kvt_cache {
 	struct kvt_seq *seqs;     /* [max_seqs] */
 	struct kvt_layer **batch; /* [max_seqs], the layers of the batch being served */
 	uint32_t *batch_tokens;   /* [max_seqs], their token counts after an append */
+	uint64_t *lru_saved;      /* [max_seqs], the stamps a call put on its batch (lib/api.c) */
 	uint32_t *sel_counts;     /* [max_seqs, n_kv_heads], selected counts of a step or gather;
 				     the index counts of a Top-p extend's entries */
 	struct kvt_store_job *store_jobs; /* [max_seqs] */

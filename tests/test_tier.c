@@ -723,6 +723,38 @@ static void test_lru_whole_batch(void **state)
 }
 
 /*
+ * A refused call leaves the spill order as it was: a kvt_attend of the least recently used
+ * sequence refused for a non-finite query does not make it recently used, so the next automatic
+ * spill still takes it (before, the refused call's stamp moved the spill to the next sequence).
+ */
+static void test_lru_refused_call(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	struct world *w = (struct world *)t_alloc(sizeof *w);
+	kvt_config cfg = cap_config(KVT_SPILL_LRU);
+	cfg.host_bytes = 24 * BLOCK_BYTES; /* full after the three prefills */
+	w_open(w, "LRU order after a refused call", cfg, 1, (uint64_t)32 << 20, 3, 600, 0x71e40014u,
+	       0);
+	for (uint32_t s = 0; s < 3; s++)
+		w_prefill_ok(w, s, 2 * KVT_BLOCK_TOKENS);
+	w_query(w, 0, 0);
+	w->q[3] = t_enc(cfg.dtype, NAN);
+	int rc = kvt_attend(w->c, 0, 1, &w->seqs[0], w->q, w->out, NULL);
+	T_CHECK(rc == -EINVAL, "%s: attend with a NaN query got %d (%s), wanted -EINVAL", w->name, rc,
+		kvt_last_error(w->c));
+	const uint32_t idx[1] = {2};
+	w_append_ok(w, 1, idx); /* sequence 2 needs a new block per layer and head: one spill */
+	T_CHECK(w_blocks_on_nvme(w, 0) > 0 && w_blocks_on_nvme(w, 1) == 0,
+		"%s: the automatic spill took %u blocks of sequence 0 and %u of sequence 1; wanted "
+		"sequence 0, the least recently used (the refused attend must not count as a use)",
+		w->name, w_blocks_on_nvme(w, 0), w_blocks_on_nvme(w, 1));
+	w_check_all(w, "after the refused attend and the automatic spill");
+	w_close(w);
+	free(w);
+}
+
+/*
  * Restoring a sequence never spills that same sequence to make room: with only its own indexed
  * blocks left to spill, the restore fails with -ENOSPC and nothing changes.
  */
@@ -1254,6 +1286,7 @@ int main(void)
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_auto_spill_lru),
 		cmocka_unit_test(test_lru_whole_batch),
+		cmocka_unit_test(test_lru_refused_call),
 		cmocka_unit_test(test_restore_keeps_itself),
 		cmocka_unit_test(test_no_spill_enospc),
 		cmocka_unit_test(test_nvme_full),
