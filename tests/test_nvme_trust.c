@@ -260,6 +260,38 @@ static void test_foreign_block(void **state)
 }
 
 /*
+ * A child process that opens a store on cfg's file, writes blk into it when given (its place in
+ * *loc, zero without a block), tells the parent, and is killed while it holds the file: no close,
+ * so the kernel drops the lock when the process is gone. Returns its pid, not yet waited for.
+ */
+static pid_t killed_holder(const struct kvt_nvme_config *cfg, const struct kvt_nvme_block *blk,
+			   struct kvt_nvme_loc *loc)
+{
+	int up[2];
+	T_CHECK(pipe(up) == 0, "pipe: %s", strerror(errno));
+	pid_t child = fork();
+	T_CHECK(child >= 0, "fork: %s", strerror(errno));
+	if (child == 0) {
+		struct kvt_nvme *st = NULL;
+		struct kvt_nvme_loc at = {0, 0, 0};
+		int rc = kvt_nvme_open(cfg, &st, NULL);
+		if (rc == 0 && blk)
+			kvt_nvme_write_blocks(st, 1, blk, &at, NULL);
+		(void)!write(up[1], &rc, sizeof rc);
+		(void)!write(up[1], &at, sizeof at);
+		raise(SIGKILL);
+		_exit(1);
+	}
+	int rc = -1;
+	T_CHECK(read(up[0], &rc, sizeof rc) == sizeof rc && rc == 0 &&
+			read(up[0], loc, sizeof *loc) == sizeof *loc,
+		"the child could not open %s: %d", cfg->paths[0], rc);
+	close(up[0]);
+	close(up[1]);
+	return child;
+}
+
+/*
  * A process killed while it holds a file: the kernel releases its lock, and the next store reuses
  * the file. The dead store's blocks are refused (another store id), new blocks work.
  */
@@ -278,23 +310,10 @@ static void test_killed_leftover(void **state)
 	uint32_t p = kvt_nvme_payload_bytes(&id);
 	unsigned char *old = nv_random_payload(&g, p), *fresh = nv_random_payload(&g, p),
 		      *out = t_alloc(p);
-	int up[2];
-	T_CHECK(pipe(up) == 0, "pipe: %s", strerror(errno));
-	pid_t child = fork();
-	T_CHECK(child >= 0, "fork: %s", strerror(errno));
-	if (child == 0) {
-		struct kvt_nvme *st = NULL;
-		struct kvt_nvme_loc loc = {0, 0, 0};
-		struct kvt_nvme_block blk = {id, old};
-		if (kvt_nvme_open(&cfg, &st, NULL) == 0)
-			kvt_nvme_write_blocks(st, 1, &blk, &loc, NULL);
-		(void)!write(up[1], &loc, sizeof loc);
-		raise(SIGKILL); /* no close: the kernel drops the lock, the file stays */
-		_exit(1);
-	}
+	const struct kvt_nvme_block blk = {id, old};
 	struct kvt_nvme_loc loc;
-	T_CHECK(read(up[0], &loc, sizeof loc) == sizeof loc && loc.bytes,
-		"the child wrote no block");
+	pid_t child = killed_holder(&cfg, &blk, &loc);
+	T_CHECK(loc.bytes, "the child wrote no block");
 	int status = 0;
 	waitpid(child, &status, 0);
 	T_CHECK(WIFSIGNALED(status), "child: got status 0x%x, wanted killed", status);
@@ -314,8 +333,6 @@ static void test_killed_leftover(void **state)
 		nv_err.msg, memcmp(out, fresh, p) ? "differ" : "equal");
 	kvt_nvme_close(st);
 	unlink(path);
-	close(up[0]);
-	close(up[1]);
 	free(old);
 	free(fresh);
 	free(out);
@@ -336,20 +353,8 @@ static void test_zombie_holder(void **state)
 	uint64_t bytes[1] = {(uint64_t)4 << 20};
 	struct kvt_nvme_config cfg = {paths, bytes, 1, 4, 0, 0};
 	for (int it = 0; it < 3; it++) {
-		int up[2];
-		T_CHECK(pipe(up) == 0, "pipe: %s", strerror(errno));
-		pid_t child = fork();
-		T_CHECK(child >= 0, "fork: %s", strerror(errno));
-		if (child == 0) {
-			struct kvt_nvme *st = NULL;
-			int rc = kvt_nvme_open(&cfg, &st, NULL);
-			(void)!write(up[1], &rc, sizeof rc);
-			raise(SIGKILL); /* no close: the kernel drops the lock */
-			_exit(1);
-		}
-		int crc = -1;
-		T_CHECK(read(up[0], &crc, sizeof crc) == sizeof crc && crc == 0,
-			"the child could not open %s: %d", path, crc);
+		struct kvt_nvme_loc loc;
+		pid_t child = killed_holder(&cfg, NULL, &loc);
 		siginfo_t si;
 		T_CHECK(waitid(P_PID, (id_t)child, &si, WEXITED | WNOWAIT) == 0, "waitid: %s",
 			strerror(errno));
@@ -359,8 +364,6 @@ static void test_zombie_holder(void **state)
 		T_CHECK(rc == 0, "round %d: opening %s while its killed holder is not yet reaped: got %d "
 			"(%s), wanted 0", it, path, rc, nv_err.msg);
 		kvt_nvme_close(st);
-		close(up[0]);
-		close(up[1]);
 	}
 	unlink(path);
 }
