@@ -5,15 +5,17 @@
 # a version node of lib/kvtier.map. Catches a glob in the version script, an internal symbol made
 # visible (target_clones makes an exported ifunc and its resolver), and a declaration without a
 # definition.
-# Usage: abi_symbols.sh LIBKVTIER.SO KVTIER.H
+# Usage: abi_symbols.sh LIBKVTIER.SO KVTIER.H [PART.H ...] (kvtier.h and the headers it includes)
 set -eu
 lib=$1
-header=$2
+shift
+header="$*"
 tmp=${TMPDIR:-/tmp}/kvt-abi-symbols.$$
 trap 'rm -f "$tmp".*' EXIT
 
 # declared: the name before the first '(' of each line that starts with KVT_API
-sed -n 's/^KVT_API [^(]*[^a-z0-9_]\(kvt_[a-z0-9_]*\)(.*/\1/p' "$header" | sort -u >"$tmp.want"
+# shellcheck disable=SC2086
+sed -n 's/^KVT_API [^(]*[^a-z0-9_]\(kvt_[a-z0-9_]*\)(.*/\1/p' $header | sort -u >"$tmp.want"
 # exported: defined dynamic symbols, without the version suffix; the version nodes themselves are
 # absolute symbols (type A) and are left out
 nm -D --defined-only "$lib" | awk '$2 != "A" { print $3 }' | sed 's/@.*//' | sort -u >"$tmp.got"

@@ -11,6 +11,17 @@ import kvtier
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 HEADER = os.path.join(ROOT, "lib", "kvtier.h")
+# kvtier.h and the part headers it includes (their text, in order, is the public header's)
+HEADERS = [HEADER, os.path.join(ROOT, "lib", "kvtier_lifecycle.h")]
+
+
+def header_text():
+    """The public header's declarations: kvtier.h and the headers it includes."""
+    text = []
+    for h in HEADERS:
+        with open(h, encoding="utf-8") as f:
+            text.append(f.read())
+    return "\n".join(text)
 
 # a small GQA shape: 2 layers, 4 query heads over 2 KV heads, head_dim 64
 SHAPE = dict(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=64)

@@ -11,7 +11,7 @@ import pytest
 import kvtier
 from kvtier import _abi
 
-from conftest import HEADER
+from conftest import HEADER, header_text
 
 
 def header_fields(text, name):
@@ -33,8 +33,7 @@ def header_fields(text, name):
 @pytest.mark.skipif(not os.path.exists(HEADER), reason="lib/kvtier.h not beside the package")
 @pytest.mark.parametrize("name", sorted(_abi.STRUCTS))
 def test_mirror_fields_match_header(name):
-    with open(HEADER, encoding="utf-8") as f:
-        want = header_fields(f.read(), name)
+    want = header_fields(header_text(), name)
     got = [f[0] for f in _abi.STRUCTS[name]._fields_]
     assert got == want, "%s: mirror %s, header %s" % (name, got, want)
 
