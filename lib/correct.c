@@ -173,11 +173,9 @@ void kvt_corr_fini(kvt_cache *c)
 }
 
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
-		    uint32_t g0, uint32_t gn, const float *qf, uint32_t n, const int32_t *pos,
-		    const float *logits)
+		    uint32_t g0, uint32_t gn, const float *qf, uint32_t n, const float *logits)
 {
 	const uint32_t R = c->cfg.correction_steps, RL = ring_len(c), d = c->d, G = c->group;
-	const uint32_t S = c->cfg.n_sink, ni = l->n_indexed;
 	if (!R)
 		return 0;
 	if (!l->corr) {
@@ -189,36 +187,33 @@ int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t 
 		memset(l->corr, 0, bytes);
 	}
 	struct kvt_corr_entry *e = &l->corr[(size_t)h * RL + now % RL];
-	uint32_t m = 0;
-	for (uint32_t k = 0; k < n; k++)
-		m += pos[k] >= (int32_t)S && (uint32_t)pos[k] - S < ni;
+	const size_t cap = l->idx_cap;
+	/* the attended rows are the sinks, then the selection, then the window (positions()) */
+	const uint32_t m = l->sel_n[h], first = kvt_sinks_of(c, l->sel_tokens);
+	const uint32_t *sel = l->sel + (size_t)h * cap;
 	if (g0 == 0) {
 		e->step = 0; /* not valid until every query head is filled */
 		e->n = 0;
-		if (m)
-			KVT_TRY(entry_room(c, e, m));
+		if (!m)
+			return 0;
+		KVT_TRY(entry_room(c, e, m));
+		memcpy(e->pos, sel, sizeof *sel * m);
 	}
-	if (!m)
+	if (!m || first + m > n)
 		return 0;
 	const float *rot = c->rot + (size_t)layer * d * d;
-	const size_t cap = l->idx_cap;
 	for (uint32_t g = g0; g < g0 + gn; g++) {
 		kvt_qcode qc;
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d,
 				  qf + (size_t)(g - g0) * d, &qc);
 		memcpy(e->x + (size_t)g * d, qc.x, sizeof *qc.x * d);
-		uint32_t r = 0;
-		for (uint32_t k = 0; k < n; k++) {
-			if (pos[k] < (int32_t)S || (uint32_t)pos[k] - S >= ni)
-				continue;
-			const uint32_t t = (uint32_t)pos[k] - S;
+		for (uint32_t r = 0; r < m; r++) {
+			const uint32_t t = sel[r];
 			float est;
 			kvt_score(d, &qc, 1, l->codes + ((size_t)h * cap + t) * c->words,
 				  l->sigma + (size_t)h * cap + t, l->beta + (size_t)h * cap + t, &est);
-			const float delta = logits[(size_t)g * n + k] - est;
-			e->pos[r] = t;
+			const float delta = logits[(size_t)g * n + first + r] - est;
 			e->delta[(size_t)r * G + g] = isfinite(delta) ? delta : 0.0f;
-			r++;
 		}
 	}
 	if (g0 + gn == G) {

@@ -282,8 +282,7 @@ static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32
 				    logits ? logits + (size_t)g0 * n : NULL);
 		if (logits) {
 			const uint64_t t1 = kvt_now_ns();
-			rc = kvt_corr_record(c, l, layer, h, l->corr_step + 1, g0, gn, qd, n, pos,
-					     logits);
+			rc = kvt_corr_record(c, l, layer, h, l->corr_step + 1, g0, gn, qd, n, logits);
 			t_rec += kvt_now_ns() - t1;
 			if (rc < 0)
 				return rc;

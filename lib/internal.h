@@ -559,14 +559,14 @@ void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_
 /* Room for the logits of G queries over n attended rows (G x n floats), or NULL when corrections
  * are off. -ENOMEM (in *rc). */
 float *kvt_corr_logits(kvt_cache *c, uint32_t n, int *rc);
-/* Record, for selection number `now`, what attending the n tokens at pos with the group's queries
- * g0 .. g0 + gn showed (qf: those queries as floats, gn x d; logits [G, n] as the attention
- * computed them, rows g0 .. g0 + gn filled): each indexed token's exact logit minus its estimate,
- * per query head. Called for the chunks of a group in order from g0 = 0 (which empties the entry
- * and makes its room); the entry counts once the last chunk is in. -ENOMEM. */
+/* Record, for selection number `now`, what attending KV head h's n rows (sinks, the selection
+ * l->sel, window, in that order) with the group's queries g0 .. g0 + gn showed (qf: those queries
+ * as floats, gn x d; logits [G, n] as the attention computed them, rows g0 .. g0 + gn filled):
+ * each selected token's exact logit minus its estimate, per query head. Called for the chunks of
+ * a group in order from g0 = 0 (which empties the entry and makes its room); the entry counts
+ * once the last chunk is in. -ENOMEM. */
 int kvt_corr_record(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t h, uint64_t now,
-		    uint32_t g0, uint32_t gn, const float *qf, uint32_t n, const int32_t *pos,
-		    const float *logits);
+		    uint32_t g0, uint32_t gn, const float *qf, uint32_t n, const float *logits);
 void kvt_corr_fini(kvt_cache *c);
 /* A selection of the layer succeeded: the next one counts from it. `recorded`: it attended (every
  * KV head recorded); else (kvt_select) its slot is emptied, so that what a failed step recorded

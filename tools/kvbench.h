@@ -230,6 +230,8 @@ _Noreturn void bad_value(const char *flag, const char *val, const char *want);
 _Noreturn void lib_fail(const kvt_cache *c, int64_t rc, const char *what);
 _Noreturn void fail(const char *what, const char *detail);
 void *xcalloc(size_t n, size_t size);
+/* qsort's comparison of doubles, ascending. */
+int kb_cmp_double(const void *a, const void *b);
 /* The 5th (pct[0]) and 1st (pct[1]) percentiles of v[0..n) by nearest rank: the smallest value that
  * at least q % of the values are at or below. Sorts v; NAN for n == 0. */
 void low_percentiles(double *v, size_t n, double pct[2]);

@@ -68,7 +68,7 @@ void *xcalloc(size_t n, size_t size)
 	return p;
 }
 
-static int cmp_dbl(const void *a, const void *b)
+int kb_cmp_double(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;
 	return (x > y) - (x < y);
@@ -78,7 +78,7 @@ void low_percentiles(double *v, size_t n, double pct[2])
 {
 	const double q[2] = {0.05, 0.01};
 	if (n)
-		qsort(v, n, sizeof(double), cmp_dbl);
+		qsort(v, n, sizeof(double), kb_cmp_double);
 	for (int i = 0; i < 2; i++) {
 		double r = ceil(q[i] * (double)n);
 		pct[i] = n ? v[r < 1 ? 0 : (size_t)r - 1] : NAN;

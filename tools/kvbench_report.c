@@ -90,12 +90,6 @@ void print_phase_line(const phase *ph)
 
 /* ---- spread over heads ------------------------------------------------------------------- */
 
-static int cmp_dbl(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
-}
-
 /* min, median, max over (layer, query head) of a per-head mean over sequences and steps */
 static void spread(const kb_run *b, const double *sum, double out[3])
 {
@@ -103,7 +97,7 @@ static void spread(const kb_run *b, const double *sum, double out[3])
 	double *v = xcalloc(n, sizeof(double));
 	for (size_t i = 0; i < n; i++)
 		v[i] = sum[i] / ((double)b->o.seqs * b->steps_total);
-	qsort(v, n, sizeof(double), cmp_dbl);
+	qsort(v, n, sizeof(double), kb_cmp_double);
 	out[0] = v[0];
 	out[1] = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 	out[2] = v[n - 1];
