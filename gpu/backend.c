@@ -136,7 +136,7 @@ static void cu_fini(kvt_cache *c)
 		struct gpu_layer *y = &b->lay[i];
 		if (y->indexed)
 			cudaEventDestroy(y->indexed);
-		gpu_dfree(c, y->sel);
+		gpu_dfree(c, y->sel_mem);
 		gpu_dfree(c, y->jobs);
 	}
 	kvt_mem_free(KVT_MEM_HOST, b->lay, 0);

@@ -77,6 +77,19 @@ static __device__ __forceinline__ void kvt_d_raise(unsigned long long *err, uint
 		atomicCAS(err, 0ull, KVT_GPU_ERR_MAKE(code, where, index));
 }
 
+/* Order-preserving unsigned key of a finite float, -0 taken as +0 (they compare equal on the
+ * CPU): the selection orders scores by it (select.cu, union.cu). */
+static __device__ __forceinline__ uint32_t kvt_d_fkey(float f)
+{
+	uint32_t u = __float_as_uint(__fadd_rn(f, 0.0f));
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static __device__ __forceinline__ float kvt_d_keyf(uint32_t k)
+{
+	return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 /* ---- fp16 / bf16, ported from lib/half.h -------------------------------------------------- */
 
 static __device__ __forceinline__ float kvt_d_f16_to_f32(uint16_t h)

@@ -6,8 +6,8 @@
  * read and write it directly). Per (sequence, layer) the device holds a mirror (struct
  * gpu_seq_layer): the index in the CPU layout, the centroids, a block table mirroring the host one,
  * and the window ring (the last W..W+B tokens, W + 2B slots). Per layer number (struct gpu_layer):
- * a hot-token cache, the selection of the last step, the index jobs of the last flush and an event
- * marking the end of the last index build. Per cache (struct gpu_cache): the rotations, per-step
+ * a hot-token cache, the selection of the last step (as bits), the index jobs of the last flush
+ * and an event marking the end of the last index build. Per cache (struct gpu_cache): the rotations, per-step
  * scratch (grown at a new batch or context size, never in a steady state), and a staging buffer for
  * prefill keys.
  *
@@ -73,10 +73,11 @@ struct gpu_layer {
 	bool pending;           /* recorded since the last wait on `waited` */
 	void *waited;           /* the stream that waited (NULL is a stream too: the default one) */
 	uint64_t stamp;         /* of the last selection made */
-	uint32_t *sel;          /* [seqs][H][sel_ld] */
-	uint32_t *sel_n;        /* [seqs][H] */
+	kvt_gpu_selbits bits;   /* the last selection, as bits (item slot H + h); its list of
+				   positions is step scratch, rebuilt from the bits by a gather */
+	uint32_t *sel_n;        /* [seqs][H]: its counts */
+	void *sel_mem;          /* bits and counts, one allocation */
 	size_t sel_bytes;
-	size_t sel_ld;
 	void *jobs;             /* index jobs and views of one build, device */
 	uint64_t steps, selected;
 };

@@ -77,8 +77,6 @@ struct sel_scratch {
 	unsigned long long *hlo; /* [segs][SEL_BINS]: sums of the 2^-80 halves */
 	u64 *cand;               /* [segs][cand_cap]: candidates (see ckey) */
 	uint32_t cand_cap;
-	uint32_t *mask;          /* [items][mwords]: union bitmaps */
-	uint32_t *ccount;        /* [items][uchunks]: selected per union chunk */
 	size_t bytes;
 };
 
@@ -89,9 +87,8 @@ static size_t align256(size_t x)
 
 static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv, uint32_t max_n)
 {
-	const size_t segs = (size_t)n_seqs * hq, items = (size_t)n_seqs * hkv;
-	const size_t mwords = ((size_t)max_n + 31) / 32,
-		     uchunks = ((size_t)max_n + SEL_CHUNK - 1) / SEL_CHUNK;
+	(void)hkv;
+	const size_t segs = (size_t)n_seqs * hq;
 	sel_scratch s;
 	char *p = (char *)base;
 	size_t off = 0;
@@ -110,27 +107,11 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	off += align256(segs * SEL_BINS * 8);
 	s.cand = (u64 *)(p + off);
 	off += align256(segs * s.cand_cap * 8);
-	s.mask = (uint32_t *)(p + off);
-	off += align256(items * mwords * 4);
-	s.ccount = (uint32_t *)(p + off);
-	off += align256(items * uchunks * 4);
 	s.bytes = off;
 	return s;
 }
 
 /* ---- keys and numbers -------------------------------------------------------------------- */
-
-/* Order-preserving unsigned key of a finite float, -0 taken as +0 (they compare equal on the CPU). */
-static __device__ __forceinline__ uint32_t fkey(float f)
-{
-	uint32_t u = __float_as_uint(__fadd_rn(f, 0.0f));
-	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-static __device__ __forceinline__ float keyf(uint32_t k)
-{
-	return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
 
 /* A candidate: its key above the complement of its position (56 bits), so that a larger ckey is a
  * larger score or, among equal scores, a lower position: the order kvt_topp_mark takes ties in. */
@@ -460,7 +441,7 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 			bad = max(bad, 0xffffffffu - i);
 			return;
 		}
-		const uint32_t key = fkey(f);
+		const uint32_t key = kvt_d_fkey(f);
 		kmax = max(kmax, key);
 		nmin = max(nmin, ~key);
 	});
@@ -492,7 +473,7 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 		return;
 	st->done = 0;
 	kvt_gpu_topp *o = out + seg;
-	const float lo = keyf(~__ldcg(&st->nmin_key)), hi = keyf(__ldcg(&st->max_key));
+	const float lo = kvt_d_keyf(~__ldcg(&st->nmin_key)), hi = kvt_d_keyf(__ldcg(&st->max_key));
 	int clamped = 0;
 	if (p >= 1.0f && n <= max_n)
 		clamp_want(n, n, bmin, bmax, &clamped); /* everything, unless bmax cuts it */
@@ -505,7 +486,7 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 		kvt_d_raise(err, KVT_GPU_ERR_NONFINITE, seg, 0xffffffffu - __ldcg(&st->bad));
 		finalize(st, o, 0.0f, 0, 0, 0, ~0ull);
 	} else if (p >= 1.0f && !clamped) {
-		finalize(st, o, lo, n, n, 0, (unsigned long long)fkey(lo) << 32);
+		finalize(st, o, lo, n, n, 0, (unsigned long long)kvt_d_fkey(lo) << 32);
 	} else {
 		/* bins over [max - span, max], span the range or SEL_SPAN_NATS, the lesser */
 		const float span = fminf(__fsub_rn(hi, lo), __fdiv_rn(SEL_SPAN_NATS, scale));
@@ -600,7 +581,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	if (__ldcg(&st->phase) != PH_HIST)
 		return;
 	const uint32_t n = n_tok[seq];
-	const float mx = keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
 	const bool mass = p < 1.0f;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
 	{
@@ -653,14 +634,14 @@ static __device__ void each_of(const source &src, F f)
 	if (src.listed) {
 		for (uint32_t i = threadIdx.x; i < src.ncand; i += SEL_THREADS) {
 			const u64 c = __ldcg(src.cand + i);
-			f(c, keyf((uint32_t)(c >> 24)));
+			f(c, kvt_d_keyf((uint32_t)(c >> 24)));
 		}
 		return;
 	}
 	for (uint32_t c0 = 0; c0 < src.n; c0 += SEL_CHUNK)
 		each_in_chunk(src.s, c0, src.n, [&](uint32_t i, float x) {
 			if (i < src.n)
-				f(ckey(fkey(x), i), x);
+				f(ckey(kvt_d_fkey(x), i), x);
 		});
 }
 
@@ -770,7 +751,7 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float 
 		lo = SEL_NONE;
 	__syncthreads();
 	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
-		if (lbin(keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b)
+		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b)
 			atomicMin(&lo, i);
 	__syncthreads();
 	const uint32_t r = lo;
@@ -797,7 +778,7 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, flo
 		hi = end = 0;
 	}
 	auto mass_of = [&](uint32_t i, u128 *t) {
-		const float x = keyf((uint32_t)(a[i] >> 24));
+		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
 		if (lbin(x, mx, inv_w) != b)
 			return false;
 		unsigned long long th, tl;
@@ -844,12 +825,12 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	__shared__ resolve_state rs;
 	uint32_t *smem = (uint32_t *)smem64;
 	const uint32_t tid = threadIdx.x;
-	const float mx = keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
 	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
 	const bool listed = __ldcg(&st->listed);
 	const uint32_t m = __ldcg(&st->ncand);
 	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
-	float thresh = keyf(~__ldcg(&st->nmin_key));
+	float thresh = kvt_d_keyf(~__ldcg(&st->nmin_key));
 	uint32_t count = n;
 	u64 *a = smem64;
 	const bool sorted = listed && m <= SEL_SORT;
@@ -867,7 +848,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		const uint32_t key = mass_sorted(
 			a, m, b0, mx, inv_w, scale,
 			(u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo), __ldcg(&st->target), &ge);
-		thresh = keyf(key);
+		thresh = kvt_d_keyf(key);
 		count = __ldcg(&st->above[NEED_MASS]) + ge;
 	} else if (p < 1.0f) {
 		if (tid == 0) {
@@ -881,12 +862,12 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		rlevel<true, 45, 11>(src, b0, mx, inv_w, scale, smem, &rs);
 		rlevel<true, 34, 11>(src, b0, mx, inv_w, scale, smem, &rs);
 		rlevel<true, 24, 10>(src, b0, mx, inv_w, scale, smem, &rs);
-		thresh = keyf((uint32_t)(rs.prefix >> 24));
+		thresh = kvt_d_keyf((uint32_t)(rs.prefix >> 24));
 		count = rs.above + rs.cnt;
 	}
 	int clamped;
 	const uint32_t want = clamp_want(count, n, bmin, bmax, &clamped);
-	u64 cut = (u64)fkey(thresh) << 32;
+	u64 cut = (u64)kvt_d_fkey(thresh) << 32;
 	if (clamped) {
 		const int k = clamped > 0 ? NEED_MIN : NEED_MAX;
 		const uint32_t bw = __ldcg(&st->bin[k]), above = __ldcg(&st->above[k]);
@@ -910,7 +891,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	if (__ldcg(&st->phase) != PH_CAND)
 		return;
 	const uint32_t n = n_tok[seq];
-	const float mx = keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
 	const uint32_t b0 = __ldcg(&st->bin[0]), b1 = __ldcg(&st->bin[1]), b2 = __ldcg(&st->bin[2]);
 	const bool listed = __ldcg(&st->listed);
 	const float *s = scores + (size_t)seg * ld;
@@ -927,121 +908,12 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 				base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
 			base = __shfl_sync(0xffffffffu, base, __ffs(vote) - 1);
 			if (in)
-				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(fkey(f), i);
+				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(f), i);
 		});
 	if (!last_block(st))
 		return;
 
 	resolve(st, s, n, cand, scale, p, bmin, bmax, out + seg);
-}
-
-/* ---- union over the query group and compaction ------------------------------------------- */
-
-#define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
-
-static __global__ void __launch_bounds__(SEL_THREADS)
-	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,
-		     uint32_t hkv, const kvt_gpu_topp *topp, sel_scratch sc, uint32_t mwords)
-{
-	__shared__ unsigned long long cut[KVT_GPU_MAX_GROUP];
-	__shared__ uint32_t cnt[SEL_THREADS / 32];
-	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
-	const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n = n_tok[seq];
-	const size_t seg0 = (size_t)seq * hq + (size_t)h * G;
-	for (uint32_t g = tid; g < G; g += SEL_THREADS) {
-		const kvt_gpu_topp o = topp[seg0 + g];
-		cut[g] = o.marked ? o.cut : ~0ull; /* ~0: nothing marked (no real cut has it) */
-	}
-	__syncthreads();
-	const uint32_t t0 = blockIdx.x * SEL_CHUNK + warp * UN_WARP_TOKENS;
-	/* bit k of sel: token t0 + 32 k + lane; each head's 32 loads are issued together */
-	uint32_t sel = 0;
-	for (uint32_t g = 0; g < G; g++) {
-		if (cut[g] == ~0ull)
-			continue;
-		const float *row = scores + (seg0 + g) * ld;
-		float x[32];
-#pragma unroll
-		for (int k = 0; k < 32; k++) {
-			const uint32_t t = t0 + 32 * k + lane;
-			x[k] = t < n ? row[t] : 0.0f;
-		}
-#pragma unroll
-		for (int k = 0; k < 32; k++) {
-			const uint32_t t = t0 + 32 * k + lane;
-			const unsigned long long ck =
-				(unsigned long long)fkey(x[k]) << 32 | (0xffffffffu - t);
-			sel |= (t < n && ck >= cut[g] ? 1u : 0u) << k;
-		}
-	}
-	uint32_t mine = 0;
-#pragma unroll
-	for (int k = 0; k < 32; k++) {
-		const uint32_t w = __ballot_sync(0xffffffffu, (sel >> k) & 1u);
-		if (lane == (uint32_t)k)
-			mine = w;
-	}
-	const uint32_t wi = t0 / 32 + lane;
-	if (wi < mwords)
-		sc.mask[(size_t)item * mwords + wi] = mine;
-	uint32_t c = __popc(mine);
-	for (int o = 16; o; o >>= 1)
-		c += __shfl_xor_sync(0xffffffffu, c, o);
-	if (lane == 0)
-		cnt[warp] = c;
-	__syncthreads();
-	if (tid == 0) {
-		uint32_t total = 0;
-		for (int w = 0; w < SEL_THREADS / 32; w++)
-			total += cnt[w];
-		sc.ccount[(size_t)item * gridDim.x + blockIdx.x] = total;
-	}
-}
-
-static __global__ void __launch_bounds__(SEL_THREADS)
-	k_union_write(const uint32_t *n_tok, uint32_t hkv, sel_scratch sc, uint32_t mwords,
-		      uint32_t *sel, size_t sel_ld, uint32_t *sel_n)
-{
-	__shared__ uint32_t wsum[SEL_THREADS / 32];
-	__shared__ uint32_t before;
-	const uint32_t item = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-	(void)n_tok;
-	(void)hkv;
-	/* selected tokens of the earlier chunks */
-	uint32_t b = 0;
-	for (uint32_t c = tid; c < blockIdx.x; c += SEL_THREADS)
-		b += sc.ccount[(size_t)item * gridDim.x + c];
-	for (int o = 16; o; o >>= 1)
-		b += __shfl_xor_sync(0xffffffffu, b, o);
-	if (lane == 0)
-		wsum[warp] = b;
-	__syncthreads();
-	if (tid == 0) {
-		uint32_t t = 0;
-		for (int w = 0; w < SEL_THREADS / 32; w++)
-			t += wsum[w];
-		before = t;
-	}
-	__syncthreads();
-	const uint32_t wi = blockIdx.x * (SEL_CHUNK / 32) + tid;
-	const uint32_t word = wi < mwords ? sc.mask[(size_t)item * mwords + wi] : 0u;
-	uint32_t c = __popc(word), inc = c;
-	for (int o = 1; o < 32; o <<= 1) {
-		const uint32_t v = __shfl_up_sync(0xffffffffu, inc, o);
-		if (lane >= (uint32_t)o)
-			inc += v;
-	}
-	if (lane == 31)
-		wsum[warp] = inc;
-	__syncthreads();
-	uint32_t off = before + inc - c;
-	for (uint32_t w = 0; w < warp; w++)
-		off += wsum[w];
-	uint32_t *dst = sel + (size_t)item * sel_ld;
-	for (uint32_t bits = word; bits; bits &= bits - 1)
-		dst[off++] = wi * 32 + (uint32_t)__ffs(bits) - 1;
-	if (blockIdx.x == gridDim.x - 1 && tid == SEL_THREADS - 1)
-		sel_n[item] = off;
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
@@ -1064,7 +936,10 @@ static uint32_t sel_blocks(uint32_t max_n, uint32_t segs)
 extern "C" size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads,
 					       uint32_t n_kv_heads, uint32_t max_n)
 {
-	return carve(NULL, n_seqs, n_q_heads, n_kv_heads, max_n).bytes;
+	/* kvt_gpu_topp_union keeps its bits at the start of the same scratch, after the threshold */
+	const size_t t = carve(NULL, n_seqs, n_q_heads, n_kv_heads, max_n).bytes,
+		     u = kvt_gpu_selbits_bytes((size_t)n_seqs * n_kv_heads, max_n);
+	return t > u ? t : u;
 }
 
 static bool aligned16(const void *p)
@@ -1103,36 +978,6 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 	KVT_CU_LAUNCHED();
 	k_cand<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 					    sc, out);
-	KVT_CU_LAUNCHED();
-	return 0;
-}
-
-extern "C" int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
-				  const float *scores, size_t ld, const uint32_t *n_tokens,
-				  uint32_t max_n, const kvt_gpu_topp *topp, uint32_t *sel,
-				  size_t sel_ld, uint32_t *sel_n, void *scratch,
-				  size_t scratch_bytes, void *stream)
-{
-	if (!scores || !n_tokens || !topp || !sel || !sel_n || !scratch || n_kv_heads == 0 ||
-	    n_q_heads % n_kv_heads || n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
-		return -EINVAL;
-	if (ld % 4 || max_n > ld || max_n > KVT_GPU_SELECT_MAX_N || sel_ld < max_n || !aligned16(scratch))
-		return -EINVAL;
-	if ((uint64_t)n_seqs * n_q_heads > 65535)
-		return -EINVAL;
-	const sel_scratch sc = carve(scratch, n_seqs, n_q_heads, n_kv_heads, max_n);
-	if (scratch_bytes < sc.bytes)
-		return -EINVAL;
-	if (n_seqs == 0)
-		return 0;
-	cudaStream_t s = KVT_STREAM(stream);
-	const uint32_t mwords = (max_n + 31) / 32;
-	const dim3 grid(max_n ? (max_n + SEL_CHUNK - 1) / SEL_CHUNK : 1, n_seqs * n_kv_heads);
-	k_union_mark<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, n_q_heads, n_kv_heads, topp,
-						  sc, mwords);
-	KVT_CU_LAUNCHED();
-	k_union_write<<<grid, SEL_THREADS, 0, s>>>(n_tokens, n_kv_heads, sc, mwords, sel, sel_ld,
-						   sel_n);
 	KVT_CU_LAUNCHED();
 	return 0;
 }

@@ -65,7 +65,8 @@ int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *sco
 
 /*
  * The union of the marked sets of each KV head's query group (query heads h * G .. h * G + G - 1,
- * G = n_q_heads / n_kv_heads), compacted into ascending index positions.
+ * G = n_q_heads / n_kv_heads), compacted into ascending index positions: kvt_gpu_topp_union_bits
+ * then kvt_gpu_selbits_list, with the bits in scratch.
  *   scores, ld, n_tokens, max_n: as given to kvt_gpu_topp_threshold; topp: its output
  *   sel:   device [n_seqs][n_kv_heads][sel_ld] uint32, sel_ld >= max_n; entries past the count
  *          are not written
@@ -77,6 +78,45 @@ int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 		       const float *scores, size_t ld, const uint32_t *n_tokens, uint32_t max_n,
 		       const kvt_gpu_topp *topp, uint32_t *sel, size_t sel_ld, uint32_t *sel_n,
 		       void *scratch, size_t scratch_bytes, void *stream);
+
+/*
+ * A selection kept as bits: what a layer holds between a step and a later kvt_gather (1 bit per
+ * indexed token and KV head, plus one count per 8192 tokens), instead of a list of positions (32
+ * bits per token and KV head). Item i (sequence s, KV head h: i = s n_kv_heads + h) has
+ * mask[i * words ..] (bit t % 32 of word t / 32: token t selected) and ccount[i * chunks ..] (the
+ * selected tokens of each 8192-token chunk), words and chunks fixed by the max_n it was made for.
+ */
+typedef struct kvt_gpu_selbits {
+	uint32_t *mask;   /* device [items][words] */
+	uint32_t *ccount; /* device [items][chunks] */
+	uint32_t words;   /* (max_n + 31) / 32 */
+	uint32_t chunks;  /* (max_n + 8191) / 8192, at least 1 */
+} kvt_gpu_selbits;
+
+/* Bytes of the bits of n_items items for max_n tokens (a multiple of 256). */
+size_t kvt_gpu_selbits_bytes(size_t n_items, uint32_t max_n);
+
+/* The bits laid out at base (device, 256-byte aligned, kvt_gpu_selbits_bytes long). */
+kvt_gpu_selbits kvt_gpu_selbits_at(void *base, size_t n_items, uint32_t max_n);
+
+/*
+ * The first half of kvt_gpu_topp_union: the union's bits of every (sequence, KV head) into `bits`
+ * (made for at least max_n tokens; item s n_kv_heads + h). Same arguments otherwise. Returns 0,
+ * -EINVAL or -EIO. Asynchronous, allocation-free.
+ */
+int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+			    const float *scores, size_t ld, const uint32_t *n_tokens,
+			    uint32_t max_n, const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
+			    void *stream);
+
+/*
+ * The second half: the positions of n_items items of `bits` (as kvt_gpu_selbits_at lays them out,
+ * or a view starting at a later item) in ascending order into sel[i * sel_ld ..] and their counts
+ * into sel_n[i]. sel_ld >= the largest count (32 * words always is). Returns 0, -EINVAL or
+ * -EIO. Asynchronous, allocation-free.
+ */
+int kvt_gpu_selbits_list(uint32_t n_items, kvt_gpu_selbits bits, uint32_t *sel, size_t sel_ld,
+			 uint32_t *sel_n, void *stream);
 
 #ifdef __cplusplus
 }

@@ -19,6 +19,8 @@ struct step_scratch {
 	kvt_gpu_qcode *qc;
 	float *scores;
 	kvt_gpu_topp *topp;
+	uint32_t *sel; /* [n][H][ld]: the selection's positions, from the layer's bits */
+	uint32_t ld;
 	void *sscratch;
 	size_t sbytes;
 	const void **rows;
@@ -60,6 +62,8 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 	PIECE(qc, kvt_gpu_qcode *, sizeof(kvt_gpu_qcode) * n * Hq);
 	PIECE(scores, float *, sizeof(float) * n * Hq * ld);
 	PIECE(topp, kvt_gpu_topp *, sizeof(kvt_gpu_topp) * n * Hq);
+	PIECE(sel, uint32_t *, sizeof(uint32_t) * n * H * ld);
+	s.ld = ld;
 	s.sbytes = kvt_gpu_select_scratch_bytes(n, Hq, H, ld);
 	PIECE(sscratch, void *, s.sbytes);
 	PIECE(rows, const void **, sizeof(void *) * n * H * max_rows);
@@ -114,17 +118,17 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct kvt_layer *l = ls[i];
 		const struct gpu_seq_layer *g = l->dev;
-		uint32_t slot = reread ? g->sel_slot : i;
+		const uint32_t slot = reread ? g->sel_slot : i;
 		views[i] = gpu_mirror_view(g);
 		ntok[i] = l->sel_indexed;
 		ck[i] = g->cent;
 		cq[i] = g->cent + (size_t)H * c->d;
 		f[i] = (kvt_gpu_fetch_seq){.blocks = (void *const *)g->blk,
-					   .sel = y->sel + (size_t)slot * H * y->sel_ld,
+					   .sel = s->sel + (size_t)i * H * s->ld,
 					   .sel_n = y->sel_n + (size_t)slot * H,
 					   .ring = g->ring,
 					   .uid = l->seq_uid,
-					   .sel_ld = y->sel_ld,
+					   .sel_ld = s->ld,
 					   .blk_cap = g->blk_cap,
 					   .wcap = g->wcap,
 					   .n_sink = kvt_sinks_of(c, l->sel_tokens),
@@ -139,8 +143,30 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	return 0;
 }
 
-/* Make room for a step's scratch and (unless reread: a gather of the last selection) its
- * selection, and upload its descriptors. */
+/* The positions of a gather's batch from the bits of the layer's last selection, into the step
+ * scratch: one launch per run of consecutive slots, so the step's own batch takes one. */
+static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
+			  struct kvt_layer *const *ls, const struct step_scratch *s, void *stream)
+{
+	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads;
+	for (uint32_t i = 0, run; i < n_seqs; i += run) {
+		const uint32_t slot = ((const struct gpu_seq_layer *)ls[i]->dev)->sel_slot;
+		for (run = 1; i + run < n_seqs; run++)
+			if (((const struct gpu_seq_layer *)ls[i + run]->dev)->sel_slot != slot + run)
+				break;
+		kvt_gpu_selbits v = y->bits;
+		v.mask += (size_t)slot * H * v.words;
+		v.ccount += (size_t)slot * H * v.chunks;
+		/* the counts are those of the step: rewritten with the same values */
+		LAUNCH(c, kvt_gpu_selbits_list(run * H, v, s->sel + (size_t)i * H * s->ld, s->ld,
+					       y->sel_n + (size_t)slot * H, stream));
+	}
+	return 0;
+}
+
+/* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
+ * its selection, and upload its descriptors; a reread lists the last selection's positions. */
 static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
 		      uint32_t *max_rows)
@@ -159,12 +185,15 @@ static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	KVT_TRY(gpu_grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));
 	*s = carve(c, b->arena, n_seqs, ld, rows);
 	if (!reread) {
-		size_t need = sizeof(uint32_t) * n_seqs * H * ((size_t)ld + 1);
-		KVT_TRY(gpu_grow(c, (void **)&y->sel, &y->sel_bytes, need, stream, "the selection"));
-		y->sel_ld = ld;
-		y->sel_n = y->sel + (size_t)n_seqs * H * y->sel_ld;
+		const size_t items = (size_t)n_seqs * H,
+			     bits = kvt_gpu_selbits_bytes(items, *max_ni);
+		KVT_TRY(gpu_grow(c, &y->sel_mem, &y->sel_bytes, bits + sizeof(uint32_t) * items,
+				 stream, "the selection"));
+		y->bits = kvt_gpu_selbits_at(y->sel_mem, items, *max_ni);
+		y->sel_n = (uint32_t *)((char *)y->sel_mem + bits);
 	}
-	return upload_descriptors(c, layer, n_seqs, ls, reread, s, stream);
+	KVT_TRY(upload_descriptors(c, layer, n_seqs, ls, reread, s, stream));
+	return reread && *max_ni ? list_selection(c, layer, n_seqs, ls, s, stream) : 0;
 }
 
 /* Score and select into the layer's selection. */
@@ -175,7 +204,6 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
-	const size_t ld = y->sel_ld;
 	if (!max_ni) {
 		gpu_mark(t, 1, stream);
 		CU(c, cudaMemsetAsync(y->sel_n, 0, sizeof(uint32_t) * n_seqs * H,
@@ -185,14 +213,15 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	LAUNCH(c, kvt_gpu_query_prepare(d, c->cfg.dtype, n_seqs, Hq, H,
 					b->rot + (size_t)layer * d * d, q, s->cq, s->ck, s->qc,
 					stream));
-	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores, ld,
-				b->err, stream));
+	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
+				s->ld, b->err, stream));
 	gpu_mark(t, 1, stream);
-	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, ld, s->ntok, max_ni, c->scale,
+	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni, c->scale,
 					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max, s->topp,
 					 s->sscratch, s->sbytes, b->err, stream));
-	LAUNCH(c, kvt_gpu_topp_union(n_seqs, Hq, H, s->scores, ld, s->ntok, max_ni, s->topp, y->sel,
-				     ld, y->sel_n, s->sscratch, s->sbytes, stream));
+	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
+					  y->bits, stream));
+	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, y->bits, s->sel, s->ld, y->sel_n, stream));
 	return 0;
 }
 

@@ -664,9 +664,10 @@ typedef struct kvt_footprint {
 	uint64_t hbm_centroid_bytes; /* key and query centroids: 8 head_dim n_kv_heads n_layers */
 	uint64_t hbm_window_bytes;  /* the window ring: (window + 2 flush_batch) rows per layer and KV
 				       head (a flush reads its oldest B rows while B more arrive) */
-	uint64_t hbm_selection_bytes; /* its part of each layer's last selection, counted as if the
-					 sequence decoded in a batch: 4 (round_up(index_tokens, 4)
-					 + 1) n_kv_heads n_layers, the rounded count at least 4 */
+	uint64_t hbm_selection_bytes; /* its part of each layer's last selection, kept as bits:
+					 4 (ceil(index_tokens / 32) + max(1, ceil(index_tokens /
+					 8192)) + 1) n_kv_heads n_layers (a bit per token, a count
+					 per 8192 tokens and the count, per KV head and layer) */
 	uint64_t hbm_block_table_bytes; /* device copy of its host-tier block table: 8 bytes per block */
 	uint64_t hbm_seq_bytes;     /* the five hbm_* figures above together */
 	/* once per cache */

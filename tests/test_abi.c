@@ -309,19 +309,20 @@ static void test_footprint_llama(void **state)
 	EQ("hbm_index_bytes", f.hbm_index_bytes, 32700ull * 5120);
 	EQ("hbm_centroid_bytes", f.hbm_centroid_bytes, 262144);
 	EQ("hbm_window_bytes", f.hbm_window_bytes, 25165824);
-	EQ("hbm_selection_bytes", f.hbm_selection_bytes, 33485824);
+	EQ("hbm_selection_bytes", f.hbm_selection_bytes, 4ull * (1022 + 4 + 1) * 256);
 	EQ("hbm_block_table_bytes", f.hbm_block_table_bytes, 262144);
 	EQ("hbm_seq_bytes", f.hbm_seq_bytes,
-	   32700ull * 5120 + 262144 + 25165824 + 33485824 + 262144);
+	   32700ull * 5120 + 262144 + 25165824 + 4ull * (1022 + 4 + 1) * 256 + 262144);
 	EQ("hbm_rotation_bytes", f.hbm_rotation_bytes, 2097152);
 	EQ("hbm_hot_rows", f.hbm_hot_rows, 504576);
 	EQ("hbm_hot_bytes", f.hbm_hot_bytes, 268434432);
 	EQ("hbm_cache_bytes", f.hbm_cache_bytes, 2097152 + 268434432);
-	/* short: nothing indexed, the selection at its smallest (4 + 1 words), the table at 4 */
+	/* short: nothing indexed, the selection at its smallest (a chunk count and the count), the
+	 * table at 4 */
 	rc = kvt_footprint_of(&cfg, 10, &f);
 	T_CHECK(rc == 0, "%s, 10 tokens: got %d", name, rc);
 	EQ("index_tokens (10)", f.index_tokens, 0);
-	EQ("hbm_selection_bytes (10)", f.hbm_selection_bytes, 4 * 5 * 256);
+	EQ("hbm_selection_bytes (10)", f.hbm_selection_bytes, 4 * 2 * 256);
 	EQ("hbm_block_table_bytes (10)", f.hbm_block_table_bytes, 8 * 4 * 256);
 	EQ("seq_blocks (10)", f.seq_blocks, 256);
 	cfg.gpu_cache_bytes = KVT_NONE64;

@@ -221,8 +221,16 @@ static void test_pipeline(void **state)
 			int mg = kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL);
 			T_CHECK(mc > 0 && mg > 0, "select: cpu %d gpu %d: %s / %s", mc, mg,
 				kvt_last_error(p.cpu), kvt_last_error(p.gpu));
-			OK(p.cpu, kvt_gather(p.cpu, layer, NSEQ, p.sc, T, cnt_c, pos_c, NULL, NULL, NULL));
-			OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt_g, dpos, NULL, NULL, NULL));
+			/* every other step the gather takes the batch in reverse: slots out of order,
+			 * so the layer's bits are listed one sequence at a time */
+			uint32_t rc_[NSEQ], rg_[NSEQ];
+			const bool rev = step % 2 == 1;
+			for (uint32_t i = 0; i < NSEQ; i++) {
+				rc_[i] = rev ? p.sc[NSEQ - 1 - i] : p.sc[i];
+				rg_[i] = rev ? p.sg[NSEQ - 1 - i] : p.sg[i];
+			}
+			OK(p.cpu, kvt_gather(p.cpu, layer, NSEQ, rc_, T, cnt_c, pos_c, NULL, NULL, NULL));
+			OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, rg_, T, cnt_g, dpos, NULL, NULL, NULL));
 			CU(cudaMemcpy(pos_g, dpos, sizeof(int32_t) * NSEQ * HKV * T,
 				      cudaMemcpyDeviceToHost));
 			for (uint32_t it = 0; it < NSEQ * HKV; it++) {

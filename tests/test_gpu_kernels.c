@@ -467,6 +467,38 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 			       "entry %u",
 			       what, s, h, m, seln[s * Hkv + h], first_diff);
 		}
+	/* the union's bits alone, listed again from a view that starts at the second item: what a
+	 * gather of a later run of a step's slots does; the same positions and counts */
+	const size_t items = (size_t)S * Hkv;
+	if (items > 1 && max_n) {
+		void *bm = dpoison(kvt_gpu_selbits_bytes(items, max_n));
+		kvt_gpu_selbits bits = kvt_gpu_selbits_at(bm, items, max_n);
+		rc = kvt_gpu_topp_union_bits(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout,
+					     bits, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
+		bits.mask += bits.words;
+		bits.ccount += bits.chunks;
+		uint32_t *dsel2 = (uint32_t *)dpoison(4 * (items - 1) * max_n),
+			 *dseln2 = (uint32_t *)dpoison(4 * (items - 1));
+		rc = kvt_gpu_selbits_list((uint32_t)(items - 1), bits, dsel2, max_n, dseln2, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_selbits_list %d", what, rc);
+		uint32_t *sel2 = (uint32_t *)t_alloc(4 * (items - 1) * max_n),
+			 *seln2 = (uint32_t *)t_alloc(4 * (items - 1));
+		fetch(sel2, dsel2, 4 * (items - 1) * max_n);
+		fetch(seln2, dseln2, 4 * (items - 1));
+		for (size_t it = 1; it < items; it++)
+			T_SOFT(bad,
+			       seln2[it - 1] == seln[it] &&
+				       !memcmp(sel2 + (it - 1) * max_n, sel + it * max_n,
+					       4 * (size_t)seln[it]),
+			       "%s item %zu listed from a view of the bits: %u tokens, the union %u",
+			       what, it, seln2[it - 1], seln[it]);
+		free(sel2);
+		free(seln2);
+		cudaFree(bm);
+		cudaFree(dsel2);
+		cudaFree(dseln2);
+	}
 	free(scr_h);
 	free(mask);
 	free(out);
@@ -782,6 +814,27 @@ static void test_arguments(void **state)
 		"unaligned scores");
 	T_CHECK(kvt_gpu_topp_union(1, 4, 2, p, 8, p, 8, p, p, 4, p, p, 1 << 20, NULL) == -EINVAL,
 		"sel_ld below max_n");
+	{
+		kvt_gpu_selbits bits = kvt_gpu_selbits_at(p, 2, 8);
+		T_CHECK(bits.words == 1 && bits.chunks == 1, "bits for 8 tokens: %u words, %u chunks",
+			bits.words, bits.chunks);
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 40, p, 40, p, bits, NULL) == -EINVAL,
+			"bits made for fewer tokens than max_n");
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 3, p, 8, p, 8, p, bits, NULL) == -EINVAL,
+			"query heads not a multiple of KV heads");
+		kvt_gpu_selbits none = bits;
+		none.mask = NULL;
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 8, p, 8, p, none, NULL) == -EINVAL,
+			"NULL mask");
+		T_CHECK(kvt_gpu_selbits_list(2, none, p, 8, p, NULL) == -EINVAL, "list: NULL mask");
+		kvt_gpu_selbits wide = bits;
+		wide.words = 257; /* more than one chunk of 8192 tokens holds */
+		T_CHECK(kvt_gpu_selbits_list(2, wide, p, 8, p, NULL) == -EINVAL,
+			"list: words beyond the chunks");
+		T_CHECK(kvt_gpu_selbits_list(65536, bits, p, 8, p, NULL) == -EINVAL,
+			"list: 65536 items");
+		CU(cudaDeviceSynchronize());
+	}
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, p, p,
 				       1 << 20, NULL, NULL) == -EINVAL,
 		"max_n 2^24");

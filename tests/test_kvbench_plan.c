@@ -29,12 +29,12 @@ static kb_plan_in llama8b(void)
  * Full K/V: 4 * 128 * 8 * 32 = 131072 B per token; 68719476736 / 131072 = 524288 tokens;
  *   524288 / 32768 = 16 sequences.
  * kvtier HBM: index (128/8 + 4) * 8 * 32 = 5120 B per token; indexed tokens 32768 - 4 - 64 = 32700;
- *   window ring (64 + 2 * 64) * 512 * 256 = 25165824; selections 4 * (32700 + 1) * 256 = 33485824
- *   (32700 is a multiple of 4); per sequence 32700 * 5120 + 25165824 + 33485824 = 226075648; HBM
- *   left after the hot cache 68719476736 - 268435456 = 68451041280;
- *   68451041280 / 226075648 = 302.8 -> 302 sequences.
+ *   window ring (64 + 2 * 64) * 512 * 256 = 25165824; selections as bits 4 * (ceil(32700 / 32) +
+ *   ceil(32700 / 8192) + 1) * 256 = 4 * (1022 + 4 + 1) * 256 = 1051648; per sequence
+ *   32700 * 5120 + 25165824 + 1051648 = 193641472; HBM left after the hot cache
+ *   68719476736 - 268435456 = 68451041280; 68451041280 / 193641472 = 353.5 -> 353 sequences.
  * Host: block 256 * 512 = 131072 B; 512 GiB / 131072 = 4194304 blocks; a sequence is
- *   32768 / 256 * 8 * 32 = 32768 blocks -> 128 sequences. No NVMe: kvtier holds min(302, 128) =
+ *   32768 / 256 * 8 * 32 = 32768 blocks -> 128 sequences. No NVMe: kvtier holds min(353, 128) =
  *   128 sequences, 128 * 32768 = 4194304 tokens, limited by the host tier.
  */
 static void test_host_bound(void **state)
@@ -51,9 +51,9 @@ static void test_host_bound(void **state)
 	EQ(index_token_bytes, 5120);
 	EQ(index_tokens, 32700);
 	EQ(window_seq_bytes, 25165824);
-	EQ(sel_seq_bytes, 33485824);
-	EQ(hbm_seq_bytes, 226075648);
-	EQ(hbm_seqs, 302);
+	EQ(sel_seq_bytes, 1051648);
+	EQ(hbm_seq_bytes, 193641472);
+	EQ(hbm_seqs, 353);
 	EQ(block_bytes, 131072);
 	EQ(seq_blocks, 32768);
 	EQ(host_seqs, 128);
@@ -66,11 +66,11 @@ static void test_host_bound(void **state)
 /*
  * The same with 2 TiB of NVMe. An NVMe block: header 64 + 4 * (131072 / 4096) = 192 B, rounded
  * to 4096, plus the 131072 B payload = 135168 B; 2^41 / 135168 = 16268815 blocks.
- * Host + NVMe: (4194304 + 16268815) / 32768 = 624.5 -> 624 sequences; HBM allows 302, so kvtier
- * holds 302 sequences (302 * 32768 = 9895936 tokens), limited by HBM: 18.9 x the 16 of full K/V.
- * The GPU alone (hbm_*): the same 302 sequences, 302 * 32768 = 9895936 blocks, of which the host
- * tier takes 4194304 (512 GiB = 549755813888 B) and NVMe the other 5701632 at 135168 B each =
- * 770678194176 B (717.8 GiB).
+ * Host + NVMe: (4194304 + 16268815) / 32768 = 624.5 -> 624 sequences; HBM allows 353, so kvtier
+ * holds 353 sequences (353 * 32768 = 11567104 tokens), limited by HBM: 22.1 x the 16 of full K/V.
+ * The GPU alone (hbm_*): the same 353 sequences, 353 * 32768 = 11567104 blocks, of which the host
+ * tier takes 4194304 (512 GiB = 549755813888 B) and NVMe the other 7372800 at 135168 B each =
+ * 996566630400 B (928.1 GiB).
  */
 static void test_hbm_bound(void **state)
 {
@@ -82,13 +82,13 @@ static void test_hbm_bound(void **state)
 	T_CHECK(kb_plan_compute(&in, &p) == 0, "%s: rejected", name);
 	EQ(nvme_block_bytes, 135168);
 	EQ(tier_seqs, 624);
-	EQ(hbm_seqs, 302);
-	EQ(kvt_seqs, 302);
-	EQ(kvt_tokens, 9895936);
+	EQ(hbm_seqs, 353);
+	EQ(kvt_seqs, 353);
+	EQ(kvt_tokens, 11567104);
 	EQ(full_seqs, 16);
-	EQ(hbm_tokens, 9895936);
+	EQ(hbm_tokens, 11567104);
 	EQ(hbm_host_bytes, 549755813888ull);
-	EQ(hbm_nvme_bytes, 770678194176ull);
+	EQ(hbm_nvme_bytes, 996566630400ull);
 	T_CHECK(!strcmp(p.limit, "HBM"), "%s: limit got %s, wanted HBM", name, p.limit);
 }
 
@@ -115,7 +115,7 @@ static void test_no_room(void **state)
  * weights or hot cache, 1 MiB of host tier.
  * Full K/V: 256 B per token; 1048576 / 256 = 4096 tokens; 4096 / 50 = 81 sequences.
  * kvtier: nothing indexed; window ring (64 + 2 * 64) * 256 = 49152 B, the (empty) selection
- * 4 * (4 + 1) = 20 B; 1048576 / 49172 = 21.3 -> 21 by HBM. Host: block 256 * 256 = 65536 B, 16 blocks, one per sequence -> 16. kvtier:
+ * 4 * (0 + 1 + 1) = 8 B; 1048576 / 49160 = 21.3 -> 21 by HBM. Host: block 256 * 256 = 65536 B, 16 blocks, one per sequence -> 16. kvtier:
  * min(21, 16) = 16 sequences, 800 tokens, by the host tier: fewer than full K/V, since a short
  * context gains nothing from an index and pays for a whole block.
  */
@@ -132,8 +132,8 @@ static void test_short_context(void **state)
 	EQ(full_seqs, 81);
 	EQ(index_tokens, 0);
 	EQ(window_seq_bytes, 49152);
-	EQ(sel_seq_bytes, 20);
-	EQ(hbm_seq_bytes, 49172);
+	EQ(sel_seq_bytes, 8);
+	EQ(hbm_seq_bytes, 49160);
 	EQ(hbm_seqs, 21);
 	EQ(block_bytes, 65536);
 	EQ(seq_blocks, 1);

@@ -7,9 +7,9 @@
  *   kvtier in HBM     D/8 + 4 bytes per indexed token (the index: code, sigma, beta), the window
  *                     ring of window + 2 flush full rows per sequence (the CUDA backend's: a flush
  *                     reads its oldest B rows while B more arrive), each layer's last selection
- *                     (4 bytes per indexed token, the count rounded up to 4 and at least 4, plus
- *                     one for its length; sized by the batch, so counted as if every sequence held
- *                     decodes in one batch), and the hot-token cache once
+ *                     (kept as bits: 1 bit per indexed token, 4 bytes per 8192 tokens and 4 for its
+ *                     length; sized by the batch, so counted as if every sequence held decodes in
+ *                     one batch), and the hot-token cache once
  *   host tier         every token's row, in whole 256-token blocks
  *   NVMe              the same blocks, each with its header, 4 KiB aligned
  * It leaves out the rotations (once per cache), the centroids and the device block table (per

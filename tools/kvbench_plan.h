@@ -32,8 +32,8 @@ typedef struct kb_plan {
 	uint64_t index_token_bytes; /* (D/8 + 4) KV L */
 	uint64_t index_tokens;      /* indexed tokens of a sequence: context - sinks - window (>= 0) */
 	uint64_t window_seq_bytes;  /* the window ring: (window + 2 flush) rows of 4 D bytes, KV L */
-	uint64_t sel_seq_bytes;     /* the last selection: 4 (round4(index_tokens) + 1) KV L, the
-				       count at least 4 */
+	uint64_t sel_seq_bytes;     /* the last selection, as bits: kvt_footprint's
+				       hbm_selection_bytes */
 	uint64_t hbm_seq_bytes;     /* index_tokens * index_token_bytes + window + selection */
 	uint64_t hbm_seqs;          /* (kv_free - hot_bytes) / hbm_seq_bytes */
 	uint64_t block_bytes;       /* 256 rows of 4 D bytes */

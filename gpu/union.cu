@@ -1,0 +1,205 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The union over a KV head's query group of the tokens kvt_gpu_topp_threshold marked, as bits
+ * (k_union_mark: a warp reads 1024 scores of every query head of the group and writes 32 words of
+ * bits and, per block, the count of its 8192 tokens), and their compaction into ascending positions
+ * (k_union_write: each block adds up the counts of the chunks before it, then each warp prefix-sums
+ * its words' population counts). The bits are what a layer keeps between steps (select.cuh); the
+ * list is per-step scratch.
+ */
+#include "common.cuh"
+#include "score.cuh"
+#include "select.cuh"
+
+#define UN_THREADS 256
+#define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
+#define UN_CHUNK (UN_THREADS / 32 * UN_WARP_TOKENS) /* tokens per block: 8192 */
+
+static __global__ void __launch_bounds__(UN_THREADS)
+	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,
+		     uint32_t hkv, const kvt_gpu_topp *topp, kvt_gpu_selbits bits)
+{
+	__shared__ unsigned long long cut[KVT_GPU_MAX_GROUP];
+	__shared__ uint32_t cnt[UN_THREADS / 32];
+	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
+	const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n = n_tok[seq];
+	const size_t seg0 = (size_t)seq * hq + (size_t)h * G;
+	for (uint32_t g = tid; g < G; g += UN_THREADS) {
+		const kvt_gpu_topp o = topp[seg0 + g];
+		cut[g] = o.marked ? o.cut : ~0ull; /* ~0: nothing marked (no real cut has it) */
+	}
+	__syncthreads();
+	const uint32_t t0 = blockIdx.x * UN_CHUNK + warp * UN_WARP_TOKENS;
+	/* bit k of sel: token t0 + 32 k + lane; each head's 32 loads are issued together */
+	uint32_t sel = 0;
+	for (uint32_t g = 0; g < G; g++) {
+		if (cut[g] == ~0ull)
+			continue;
+		const float *row = scores + (seg0 + g) * ld;
+		float x[32];
+#pragma unroll
+		for (int k = 0; k < 32; k++) {
+			const uint32_t t = t0 + 32 * k + lane;
+			x[k] = t < n ? row[t] : 0.0f;
+		}
+#pragma unroll
+		for (int k = 0; k < 32; k++) {
+			const uint32_t t = t0 + 32 * k + lane;
+			const unsigned long long ck =
+				(unsigned long long)kvt_d_fkey(x[k]) << 32 | (0xffffffffu - t);
+			sel |= (t < n && ck >= cut[g] ? 1u : 0u) << k;
+		}
+	}
+	uint32_t mine = 0;
+#pragma unroll
+	for (int k = 0; k < 32; k++) {
+		const uint32_t w = __ballot_sync(0xffffffffu, (sel >> k) & 1u);
+		if (lane == (uint32_t)k)
+			mine = w;
+	}
+	const uint32_t wi = t0 / 32 + lane;
+	if (wi < bits.words)
+		bits.mask[(size_t)item * bits.words + wi] = mine;
+	uint32_t c = __popc(mine);
+	for (int o = 16; o; o >>= 1)
+		c += __shfl_xor_sync(0xffffffffu, c, o);
+	if (lane == 0)
+		cnt[warp] = c;
+	__syncthreads();
+	if (tid == 0) {
+		uint32_t total = 0;
+		for (int w = 0; w < UN_THREADS / 32; w++)
+			total += cnt[w];
+		bits.ccount[(size_t)item * bits.chunks + blockIdx.x] = total;
+	}
+}
+
+static __global__ void __launch_bounds__(UN_THREADS)
+	k_union_write(kvt_gpu_selbits bits, uint32_t *sel, size_t sel_ld, uint32_t *sel_n)
+{
+	__shared__ uint32_t wsum[UN_THREADS / 32];
+	__shared__ uint32_t before;
+	const uint32_t item = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+	/* selected tokens of the earlier chunks */
+	uint32_t b = 0;
+	for (uint32_t c = tid; c < blockIdx.x; c += UN_THREADS)
+		b += bits.ccount[(size_t)item * bits.chunks + c];
+	for (int o = 16; o; o >>= 1)
+		b += __shfl_xor_sync(0xffffffffu, b, o);
+	if (lane == 0)
+		wsum[warp] = b;
+	__syncthreads();
+	if (tid == 0) {
+		uint32_t t = 0;
+		for (int w = 0; w < UN_THREADS / 32; w++)
+			t += wsum[w];
+		before = t;
+	}
+	__syncthreads();
+	const uint32_t wi = blockIdx.x * (UN_CHUNK / 32) + tid;
+	const uint32_t word = wi < bits.words ? bits.mask[(size_t)item * bits.words + wi] : 0u;
+	uint32_t c = __popc(word), inc = c;
+	for (int o = 1; o < 32; o <<= 1) {
+		const uint32_t v = __shfl_up_sync(0xffffffffu, inc, o);
+		if (lane >= (uint32_t)o)
+			inc += v;
+	}
+	if (lane == 31)
+		wsum[warp] = inc;
+	__syncthreads();
+	uint32_t off = before + inc - c;
+	for (uint32_t w = 0; w < warp; w++)
+		off += wsum[w];
+	uint32_t *dst = sel + (size_t)item * sel_ld;
+	for (uint32_t m = word; m; m &= m - 1)
+		dst[off++] = wi * 32 + (uint32_t)__ffs(m) - 1;
+	if (blockIdx.x == gridDim.x - 1 && tid == UN_THREADS - 1)
+		sel_n[item] = off;
+}
+
+/* ---- launchers --------------------------------------------------------------------------- */
+
+static size_t up256(size_t x)
+{
+	return (x + 255) & ~(size_t)255;
+}
+
+static uint32_t words_of(uint32_t max_n)
+{
+	return (uint32_t)(((uint64_t)max_n + 31) / 32);
+}
+
+static uint32_t chunks_of(uint32_t max_n)
+{
+	return max_n ? (uint32_t)(((uint64_t)max_n + UN_CHUNK - 1) / UN_CHUNK) : 1;
+}
+
+extern "C" size_t kvt_gpu_selbits_bytes(size_t n_items, uint32_t max_n)
+{
+	return up256(n_items * words_of(max_n) * 4) + up256(n_items * chunks_of(max_n) * 4);
+}
+
+extern "C" kvt_gpu_selbits kvt_gpu_selbits_at(void *base, size_t n_items, uint32_t max_n)
+{
+	kvt_gpu_selbits b;
+	b.words = words_of(max_n);
+	b.chunks = chunks_of(max_n);
+	b.mask = (uint32_t *)base;
+	b.ccount = (uint32_t *)((char *)base + up256(n_items * b.words * 4));
+	return b;
+}
+
+extern "C" int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				       const float *scores, size_t ld, const uint32_t *n_tokens,
+				       uint32_t max_n, const kvt_gpu_topp *topp,
+				       kvt_gpu_selbits bits, void *stream)
+{
+	if (!scores || !n_tokens || !topp || !bits.mask || !bits.ccount || n_kv_heads == 0 ||
+	    n_q_heads % n_kv_heads || n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
+		return -EINVAL;
+	if (ld % 4 || max_n > ld || max_n > KVT_GPU_SELECT_MAX_N || bits.words < words_of(max_n) ||
+	    bits.chunks != chunks_of(max_n))
+		return -EINVAL;
+	if ((uint64_t)n_seqs * n_kv_heads > 65535)
+		return -EINVAL;
+	if (n_seqs == 0)
+		return 0;
+	const dim3 grid(chunks_of(max_n), n_seqs * n_kv_heads);
+	k_union_mark<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(scores, ld, n_tokens, n_q_heads,
+								  n_kv_heads, topp, bits);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_selbits_list(uint32_t n_items, kvt_gpu_selbits bits, uint32_t *sel,
+				    size_t sel_ld, uint32_t *sel_n, void *stream)
+{
+	if (!bits.mask || !bits.ccount || !sel || !sel_n || bits.chunks == 0 ||
+	    (uint64_t)bits.chunks * UN_CHUNK < (uint64_t)bits.words * 32 || n_items > 65535)
+		return -EINVAL;
+	if (n_items == 0)
+		return 0;
+	const dim3 grid(bits.chunks, n_items);
+	k_union_write<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(bits, sel, sel_ld, sel_n);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				  const float *scores, size_t ld, const uint32_t *n_tokens,
+				  uint32_t max_n, const kvt_gpu_topp *topp, uint32_t *sel,
+				  size_t sel_ld, uint32_t *sel_n, void *scratch,
+				  size_t scratch_bytes, void *stream)
+{
+	const size_t items = (size_t)n_seqs * n_kv_heads;
+	if (!sel || !sel_n || !scratch || ((uintptr_t)scratch & 3) || sel_ld < max_n ||
+	    n_kv_heads == 0 || n_q_heads % n_kv_heads ||
+	    scratch_bytes < kvt_gpu_select_scratch_bytes(n_seqs, n_q_heads, n_kv_heads, max_n))
+		return -EINVAL;
+	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(scratch, items, max_n);
+	const int rc = kvt_gpu_topp_union_bits(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens,
+					       max_n, topp, bits, stream);
+	if (rc < 0 || n_seqs == 0)
+		return rc;
+	return kvt_gpu_selbits_list((uint32_t)items, bits, sel, sel_ld, sel_n, stream);
+}
