@@ -132,6 +132,7 @@ static void cu_fini(kvt_cache *c)
 	if (!b)
 		return;
 	cudaDeviceSynchronize();
+	gpu_hot_fini(c);
 	for (uint32_t i = 0; b->lay && i < c->cfg.n_layers; i++) {
 		struct gpu_layer *y = &b->lay[i];
 		if (y->indexed)
@@ -160,7 +161,6 @@ static void cu_fini(kvt_cache *c)
 	gpu_dfree(c, b->counters);
 	gpu_dfree(c, b->arena);
 	gpu_dfree(c, b->staging);
-	gpu_dfree(c, b->hot_mem);
 	kvt_mem_free(KVT_MEM_HOST, b->cnt_host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b->host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b, 0);
@@ -223,29 +223,12 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 		      "out of memory for the CUDA backend's host state");
 	b->jobs_bytes = gpu_up(sizeof(kvt_gpu_index_job) * (2 * M + 2)) +
 			sizeof(kvt_gpu_index_view) * (M + 1);
-	/* the hot caches: one allocation, split evenly over the layers */
-	const size_t way = c->row_bytes + KVT_GPU_HOT_TAG_BYTES;
-	const uint64_t sets = c->cfg.gpu_cache_bytes / L / (way * KVT_GPU_HOT_WAYS);
-	const uint64_t slots = sets * KVT_GPU_HOT_WAYS;
-	if (sets) {
-		b->hot_bytes = (size_t)(slots * way * L);
-		KVT_TRY(gpu_dalloc(c, &b->hot_mem, b->hot_bytes, "the hot-token cache"));
-	}
-	char *hm = b->hot_mem;
 	for (uint32_t i = 0; i < L; i++) {
 		struct gpu_layer *y = &b->lay[i];
 		CU(c, cudaEventCreateWithFlags(&y->indexed, cudaEventDisableTiming));
 		KVT_TRY(gpu_dalloc(c, &y->jobs, b->jobs_bytes, "index jobs"));
-		if (sets) {
-			y->hot.sets = (uint32_t)sets;
-			y->hot.tag_hi = (unsigned long long *)hm;
-			y->hot.tag_lo = y->hot.tag_hi + slots;
-			y->hot.rows = y->hot.tag_lo + slots;
-			y->hot.last_use = (uint32_t *)((char *)y->hot.rows + slots * c->row_bytes);
-			hm += slots * way;
-		}
 	}
-	return 0;
+	return gpu_hot_init(c);
 }
 
 static int cu_init(kvt_cache *c)

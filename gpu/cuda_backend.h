@@ -18,7 +18,7 @@
  * first, so the caller may reuse its buffers in stream order as with any stream-ordered call.
  *
  * The files: backend.c (set-up, tear-down, entry, errors, stats, the verb table), timing.c (CUDA
- * event sets timing the stages), devmem.c (device buffers), mirror.c (the per (sequence, layer)
+ * event sets timing the stages), devmem.c (device buffers), hot.c (the hot cache's memory), mirror.c (the per (sequence, layer)
  * mirror), store.c (reserve, centroids, store, index: the verbs of prefill and append), step.c (the
  * verbs of a decode step and a gather), life.c (truncate, fork, row ranges). The pipeline that
  * calls them is lib/pipeline.c (lib/lifecycle.c for life.c's).
@@ -80,6 +80,14 @@ struct gpu_layer {
 	size_t sel_bytes;
 	void *jobs;             /* index jobs and views of one build, device */
 	uint64_t steps, selected;
+	/* the hot cache's memory and, self-sized (hot.c), its measure: the selected-token counter
+	 * copied after a step (snap_ev), with the host-counted selections and the step calls then */
+	void *hot_mem;
+	size_t hot_bytes;
+	uint64_t calls, hot_grown;
+	cudaEvent_t snap_ev;
+	bool snap_pending;
+	uint64_t snap_host_sel, snap_calls, seen_sel, seen_calls;
 };
 
 /* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
@@ -106,8 +114,9 @@ struct gpu_cache {
 	size_t staging_bytes;
 	cudaEvent_t staging_ev, ready;
 	bool staging_pending;
-	void *hot_mem;
-	size_t hot_bytes;
+	bool hot_auto;                /* the hot cache sizes itself (hot.c) */
+	uint64_t hot_cap_layer;       /* its bound per layer, bytes */
+	uint64_t *hot_snap;           /* [L] pinned: the layers' selected counters after a step */
 	uint64_t stamp;
 	void *host;                   /* host scratch for descriptors, max_seqs entries */
 	size_t jobs_bytes;
@@ -143,6 +152,12 @@ void gpu_mark(struct gpu_timing *t, int i, void *stream);
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream);
 int gpu_spilled_done(kvt_cache *c, void *stream);
+
+/* hot.c: the hot cache's memory, fixed or self-sized (around each step of a layer) */
+int gpu_hot_init(kvt_cache *c);
+void gpu_hot_fini(kvt_cache *c);
+int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *stream);
+int gpu_hot_after_step(kvt_cache *c, uint32_t layer, void *stream);
 
 /* devmem.c */
 /* Host pages pinned (and mapped) through the cache's allocation context: *p, or -ENOMEM naming

@@ -297,6 +297,7 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 		KVT_TRY(gpu_mirror_get(c, ls[i], &g));
 		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], g, stream));
 	}
+	KVT_TRY(gpu_hot_before_step(c, layer, n_seqs, stream));
 	/* the layer's selection buffer is regrown or rewritten from here: no earlier selection in it
 	 * stays readable */
 	y->stamp = ++b->stamp;
@@ -329,13 +330,13 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 		g->sel_slot = i;
 	}
 	y->steps += n_seqs;
-	if (!sel_n)
-		return 0;
-	/* kvt_select: the caller needs the counts now; the fetch did not count this selection */
-	KVT_TRY(read_counts(c, layer, n_seqs, ls, sel_n, stream));
-	for (size_t i = 0; i < (size_t)n_seqs * H; i++)
-		y->selected += sel_n[i];
-	return 0;
+	if (sel_n) {
+		/* kvt_select: the caller needs the counts now; the fetch did not count them */
+		KVT_TRY(read_counts(c, layer, n_seqs, ls, sel_n, stream));
+		for (size_t i = 0; i < (size_t)n_seqs * H; i++)
+			y->selected += sel_n[i];
+	}
+	return gpu_hot_after_step(c, layer, stream);
 }
 
 int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,

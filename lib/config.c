@@ -65,7 +65,8 @@ static void resolve(kvt_config *c)
 	c->budget_min = or32(c->budget_min, KVT_DEFAULT_BUDGET_MIN);
 	c->budget_max = c->budget_max == KVT_NONE ? 0 : c->budget_max;
 	c->seed = or64(c->seed, KVT_DEFAULT_SEED);
-	c->gpu_cache_bytes = or64(c->gpu_cache_bytes, KVT_DEFAULT_GPU_CACHE_BYTES);
+	/* gpu_cache_bytes and gpu_cache_max_bytes stay as given: 0 is the self-sized cache, and
+	 * KVT_NONE64 none */
 }
 
 static int check_shape(const kvt_config *cfg)
@@ -119,8 +120,17 @@ static int check_tiers(const kvt_config *cfg)
 	      "spill_policy = LRU (1) needs an NVMe tier, but n_nvme = 0");
 	CHECK(cfg->host_pool || cfg->host_pool_bytes == 0,
 	      "host_pool_bytes = %llu but host_pool is NULL", (unsigned long long)cfg->host_pool_bytes);
-	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40),
-	      "gpu_cache_bytes = %llu, must be <= 1 TiB (KVT_NONE64: no hot cache)",
+	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40) || cfg->gpu_cache_bytes == KVT_NONE64,
+	      "gpu_cache_bytes = %llu, must be <= 1 TiB (0: self-sized, KVT_NONE64: no hot cache)",
+	      (unsigned long long)cfg->gpu_cache_bytes);
+	CHECK(cfg->gpu_cache_max_bytes <= ((uint64_t)1 << 40),
+	      "gpu_cache_max_bytes = %llu, must be <= 1 TiB (0: a quarter of the free device "
+	      "memory)",
+	      (unsigned long long)cfg->gpu_cache_max_bytes);
+	CHECK(cfg->gpu_cache_bytes == 0 || cfg->gpu_cache_max_bytes == 0,
+	      "gpu_cache_max_bytes = %llu bounds the self-sized hot cache, but gpu_cache_bytes = "
+	      "%llu fixes its size: give one of them",
+	      (unsigned long long)cfg->gpu_cache_max_bytes,
 	      (unsigned long long)cfg->gpu_cache_bytes);
 	return 0;
 }

@@ -102,7 +102,6 @@ typedef enum kvt_backend_kind {
 #define KVT_DEFAULT_FLUSH_BATCH 64u
 #define KVT_DEFAULT_BUDGET_MIN 64u
 #define KVT_DEFAULT_SEED ((uint64_t)0x6b767469u)
-#define KVT_DEFAULT_GPU_CACHE_BYTES ((uint64_t)256 << 20)
 
 /*
  * Cache configuration. Initialize with KVT_CONFIG_INIT (size set, every other field 0 = its
@@ -159,9 +158,13 @@ typedef struct kvt_config {
 	uint32_t pad0;        /* must be zero (explicit padding) */
 	uint64_t seed;        /* seeds the per-layer rotations; 0 (default): 0x6b767469; KVT_NONE64:
 				 seed 0 (so seed 2^64 - 1 cannot be asked for) */
-	uint64_t gpu_cache_bytes; /* CUDA backend: device memory for the hot-token cache, split evenly
-				     over the layers, <= 1 TiB; 0 (default): 256 MiB; KVT_NONE64: no hot
-				     cache (every selected row is read from the host tier each step) */
+	uint64_t gpu_cache_bytes; /* CUDA backend: the hot-token cache. 0 (default): self-sized, each
+				     layer's growing between steps to about twice the rows a step of
+				     that layer reads (selected rows and sinks of the batch), within
+				     gpu_cache_max_bytes; never shrunk (doc/cuda-backend.md). A value
+				     <= 1 TiB: that much device memory from the start, split evenly
+				     over the layers, never resized. KVT_NONE64: no hot cache (every
+				     selected row is read from the host tier each step) */
 	uint32_t nvme_flags;  /* kvt_nvme_flags; 0 (default): files the cache created are removed at
 				 kvt_cache_destroy (and by a failed kvt_cache_create) */
 	uint32_t pad1;        /* must be zero (explicit padding) */
@@ -181,7 +184,12 @@ typedef struct kvt_config {
 				      off. The CUDA backend refuses a nonzero value (-EOPNOTSUPP), and
 				      so does AUTO where it picks CUDA: ask for the CPU backend */
 	uint32_t pad2;        /* must be zero (explicit padding) */
-	uint64_t reserved[2]; /* must be zero: where later minor versions add fields */
+	uint64_t gpu_cache_max_bytes; /* CUDA backend, self-sized hot cache: the most it takes, all
+					 layers together (each layer at most its n_layers-th part),
+					 <= 1 TiB; 0 (default): a quarter of the device memory free
+					 at kvt_cache_create. A growth also leaves half of the memory
+					 then free. Must be 0 when gpu_cache_bytes is given */
+	uint64_t reserved[1]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
 /*
@@ -673,7 +681,10 @@ typedef struct kvt_footprint {
 	/* once per cache */
 	uint64_t hbm_rotation_bytes; /* the per-layer rotations: 4 head_dim^2 n_layers */
 	uint64_t hbm_hot_bytes;     /* the hot-token cache as allocated: gpu_cache_bytes rounded down
-				       to whole 8-way sets of a row and its tags per layer */
+				       to whole 8-way sets of a row and its tags per layer; for the
+				       self-sized cache (gpu_cache_bytes 0) the same of its bound
+				       gpu_cache_max_bytes, or 0 when that is left to the device's
+				       free memory */
 	uint64_t hbm_hot_rows;      /* rows the hot cache holds, all layers together */
 	uint64_t hbm_cache_bytes;   /* rotations and hot cache */
 } kvt_footprint;

@@ -148,7 +148,11 @@ static void footprint_hbm(const kvt_config *c, uint64_t n_tokens, kvt_footprint 
 			   f->hbm_selection_bytes + f->hbm_block_table_bytes;
 	f->hbm_rotation_bytes = sizeof(float) * d * d * c->n_layers;
 	const uint64_t way = f->row_bytes + KVT_GPU_HOT_TAG_BYTES;
-	const uint64_t sets = c->gpu_cache_bytes / c->n_layers / (way * KVT_GPU_HOT_WAYS);
+	/* fixed: as allocated; self-sized: at its bound when one is given, else not counted */
+	const uint64_t hot = c->gpu_cache_bytes == KVT_NONE64 ? 0
+			     : c->gpu_cache_bytes           ? c->gpu_cache_bytes
+							    : c->gpu_cache_max_bytes;
+	const uint64_t sets = hot / c->n_layers / (way * KVT_GPU_HOT_WAYS);
 	f->hbm_hot_rows = sets * KVT_GPU_HOT_WAYS * c->n_layers;
 	f->hbm_hot_bytes = f->hbm_hot_rows * way;
 	f->hbm_cache_bytes = f->hbm_rotation_bytes + f->hbm_hot_bytes;

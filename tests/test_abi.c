@@ -46,7 +46,8 @@ static void check_defaults(const char *name, const kvt_config *r)
 	EQ("budget_min", r->budget_min, 64);
 	EQ("budget_max", r->budget_max, 0);
 	EQ("seed", r->seed, 0x6b767469u);
-	EQ("gpu_cache_bytes", r->gpu_cache_bytes, 256 * MiB);
+	EQ("gpu_cache_bytes", r->gpu_cache_bytes, 0); /* self-sized: stays 0 */
+	EQ("gpu_cache_max_bytes", r->gpu_cache_max_bytes, 0);
 	T_CHECK(r->p == 0.9f, "%s: p got %g, wanted 0.9", name, (double)r->p);
 	T_CHECK(r->scale == 1.0f / sqrtf((float)D), "%s: scale got %g, wanted 1/sqrt(%d) = %g", name,
 		(double)r->scale, D, (double)(1.0f / sqrtf((float)D)));
@@ -90,7 +91,8 @@ static void check_none(const char *name, const kvt_config *r)
 	EQ("budget_min", r->budget_min, 0);
 	EQ("budget_max", r->budget_max, 0);
 	EQ("seed", r->seed, 0);
-	EQ("gpu_cache_bytes", r->gpu_cache_bytes, 0);
+	/* 0 is the self-sized cache: none stays KVT_NONE64 */
+	EQ("gpu_cache_bytes", r->gpu_cache_bytes, KVT_NONE64);
 }
 
 static void check_exact(const char *name, const kvt_config *r)
@@ -282,9 +284,10 @@ static void test_probe(void **state)
  *   selection 4 * (32700 + 1) * 256 = 33485824; block table 8 * 128 blocks * 256 = 262144
  *   host: 128 blocks of 131072 B per layer and head, 32768 blocks = 4 GiB; NVMe: 64 + 4 * 32
  *   header bytes rounded to 4096, plus 131072 = 135168 B a block
- *   rotations 4 * 128 * 128 * 32 = 2097152; hot cache: a way is 512 + 8 + 8 + 4 = 532 B, sets per
- *   layer 268435456 / 32 / (532 * 8) = 1971, rows 1971 * 8 * 32 = 504576, bytes 504576 * 532
- *   = 268434432
+ *   rotations 4 * 128 * 128 * 32 = 2097152; hot cache fixed at 256 MiB: a way is 512 + 8 + 8 + 4 =
+ *   532 B, sets per layer 268435456 / 32 / (532 * 8) = 1971, rows 1971 * 8 * 32 = 504576, bytes
+ *   504576 * 532 = 268434432; the self-sized cache counts its bound when given (the same for
+ *   256 MiB), else nothing
  */
 static void test_footprint_llama(void **state)
 {
@@ -295,6 +298,7 @@ static void test_footprint_llama(void **state)
 	cfg.n_q_heads = 32;
 	cfg.n_kv_heads = 8;
 	cfg.head_dim = 128;
+	cfg.gpu_cache_bytes = 256 * MiB;
 	kvt_footprint f = {.size = sizeof f};
 	int rc = kvt_footprint_of(&cfg, 32768, &f);
 	T_CHECK(rc == 0, "%s: got %d (%s)", name, rc, kvt_last_error(NULL));
@@ -325,6 +329,13 @@ static void test_footprint_llama(void **state)
 	EQ("hbm_selection_bytes (10)", f.hbm_selection_bytes, 4 * 2 * 256);
 	EQ("hbm_block_table_bytes (10)", f.hbm_block_table_bytes, 8 * 4 * 256);
 	EQ("seq_blocks (10)", f.seq_blocks, 256);
+	cfg.gpu_cache_bytes = 0;
+	cfg.gpu_cache_max_bytes = 256 * MiB;
+	T_CHECK(kvt_footprint_of(&cfg, 10, &f) == 0, "%s, self-sized within 256 MiB", name);
+	EQ("hbm_hot_bytes (self-sized, bound)", f.hbm_hot_bytes, 268434432);
+	cfg.gpu_cache_max_bytes = 0;
+	T_CHECK(kvt_footprint_of(&cfg, 10, &f) == 0, "%s, self-sized", name);
+	EQ("hbm_hot_bytes (self-sized)", f.hbm_hot_bytes, 0);
 	cfg.gpu_cache_bytes = KVT_NONE64;
 	T_CHECK(kvt_footprint_of(&cfg, 10, &f) == 0, "%s, no hot cache", name);
 	EQ("hbm_hot_bytes (none)", f.hbm_hot_bytes, 0);

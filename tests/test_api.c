@@ -53,7 +53,9 @@ EDIT(e_none, (void)cfg)
 EDIT(e_size0, cfg->size = 0)
 EDIT(e_size_small, cfg->size = KVT_CONFIG_SIZE_VER0 - 8)
 EDIT(e_res0, cfg->reserved[0] = 1)
-EDIT(e_res1, cfg->reserved[1] = 5)
+EDIT(e_hotmax, cfg->gpu_cache_max_bytes = (2ull << 40))
+EDIT(e_hotboth, (cfg->gpu_cache_bytes = 1ull << 30, cfg->gpu_cache_max_bytes = 1ull << 31))
+EDIT(e_hotbig, cfg->gpu_cache_bytes = (1ull << 40) + 1)
 EDIT(e_pad2, cfg->pad2 = 3)
 EDIT(e_corr65, cfg->correction_steps = 65)
 EDIT(e_layers0, cfg->n_layers = 0)
@@ -98,7 +100,12 @@ static void test_create_errors(void **state)
 		{"size 0", -EINVAL, {"size", "0"}, e_size0, 0, 0},
 		{"size too small", -EINVAL, {"size"}, e_size_small, 0, 0},
 		{"reserved[0] = 1", -EINVAL, {"reserved", "1"}, e_res0, 0, 0},
-		{"reserved[1] = 5", -EINVAL, {"reserved", "5"}, e_res1, 0, 0},
+		{"gpu_cache_max_bytes 2 TiB", -EINVAL, {"gpu_cache_max_bytes", "2199023255552", "1 TiB"},
+		 e_hotmax, 0, 0},
+		{"gpu_cache_bytes and gpu_cache_max_bytes", -EINVAL,
+		 {"gpu_cache_max_bytes = 2147483648", "gpu_cache_bytes = 1073741824"}, e_hotboth, 0, 0},
+		{"gpu_cache_bytes 1 TiB + 1", -EINVAL, {"gpu_cache_bytes", "1099511627777", "1 TiB"},
+		 e_hotbig, 0, 0},
 		{"pad2 = 3", -EINVAL, {"pad2", "3"}, e_pad2, 0, 0},
 		{"correction_steps = 65", -EINVAL, {"correction_steps", "65", "64"}, e_corr65, 0, 0},
 		{"n_layers 0", -EINVAL, {"n_layers", "0"}, e_layers0, 0, 0},

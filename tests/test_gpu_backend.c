@@ -96,6 +96,9 @@ static void upload(struct pair *p, uint32_t n)
 	CU(cudaMemcpy(p->dq, p->hq, (size_t)n * HQ * D * 2, cudaMemcpyHostToDevice));
 }
 
+/* config()'s gpu_cache_max_bytes (a test that bounds the self-sized hot cache sets it) */
+static uint64_t g_hot_max;
+
 static kvt_config config(uint64_t gpu_cache_bytes)
 {
 	kvt_config cfg = t_config(LAYERS, HQ, HKV, D, KVT_DTYPE_F16); /* each test sets backend */
@@ -105,6 +108,7 @@ static kvt_config config(uint64_t gpu_cache_bytes)
 	cfg.flush_batch = 16;
 	cfg.budget_min = 16;
 	cfg.gpu_cache_bytes = gpu_cache_bytes;
+	cfg.gpu_cache_max_bytes = g_hot_max;
 	return cfg;
 }
 
@@ -199,6 +203,27 @@ static void decode_inputs(struct pair *p, uint32_t layer, uint32_t step)
 	free(q);
 }
 
+/* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
+ * head (the worst seen in *worst). */
+static void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)
+{
+	OK(p->cpu, kvt_attend(p->cpu, layer, NSEQ, p->sc, p->hq, p->out_c, NULL));
+	OK(p->gpu, kvt_attend(p->gpu, layer, NSEQ, p->sg, p->dq, p->dout, NULL));
+	CU(cudaMemcpy(p->out_g, p->dout, sizeof(float) * NSEQ * HQ * D, cudaMemcpyDeviceToHost));
+	for (uint32_t hd = 0; hd < NSEQ * HQ; hd++) {
+		double num = 0, den = 0;
+		for (uint32_t j = 0; j < D; j++) {
+			double a = p->out_c[hd * D + j], b = p->out_g[hd * D + j];
+			num += (a - b) * (a - b);
+			den += a * a;
+		}
+		double rel = sqrt(num / (den > 0 ? den : 1));
+		*worst = rel > *worst ? rel : *worst;
+		T_CHECK(rel <= 1e-3, "step %u layer %u head %u: relative error %g", step, layer, hd,
+			rel);
+	}
+}
+
 static void test_pipeline(void **state)
 {
 	(void)state;
@@ -244,22 +269,7 @@ static void test_pipeline(void **state)
 						    step, layer, it, cnt_c[it], cnt_g[it]);
 				}
 			}
-			OK(p.cpu, kvt_attend(p.cpu, layer, NSEQ, p.sc, p.hq, p.out_c, NULL));
-			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
-			CU(cudaMemcpy(p.out_g, p.dout, sizeof(float) * NSEQ * HQ * D,
-				      cudaMemcpyDeviceToHost));
-			for (uint32_t hd = 0; hd < NSEQ * HQ; hd++) {
-				double num = 0, den = 0;
-				for (uint32_t j = 0; j < D; j++) {
-					double a = p.out_c[hd * D + j], b = p.out_g[hd * D + j];
-					num += (a - b) * (a - b);
-					den += a * a;
-				}
-				double rel = sqrt(num / (den > 0 ? den : 1));
-				worst = rel > worst ? rel : worst;
-				T_CHECK(rel <= 1e-3, "step %u layer %u head %u: relative error %g", step,
-					layer, hd, rel);
-			}
+			attend_both(&p, layer, step, &worst);
 		}
 	kvt_stats sc = {.size = sizeof sc}, sg = {.size = sizeof sg};
 	OK(p.cpu, kvt_get_stats(p.cpu, &sc));
@@ -345,6 +355,57 @@ static void test_hot_cache(void **state)
 	cudaFree(dvo);
 	cudaFree(dpos);
 	pair_fini(&p);
+}
+
+/*
+ * The self-sized hot cache (gpu_cache_bytes 0): empty at first, grown from the measured selections
+ * within a few steps to about twice a step's rows, the outputs those of the CPU throughout; with
+ * gpu_cache_max_bytes set, it stays within its layer's share of it.
+ */
+static void test_hot_auto(void **state)
+{
+	(void)state;
+	const uint32_t steps = g_quick ? 12 : 40;
+	for (int bounded = 0; bounded < 2; bounded++) {
+		struct pair p;
+		g_hot_max = bounded ? (uint64_t)LAYERS * 65536 : 0;
+		pair_init(&p, 4096, steps, 0);
+		g_hot_max = 0;
+		kvt_layer_stats first = {.size = sizeof first};
+		double worst = 0.0;
+		for (uint32_t step = 0; step < steps; step++)
+			for (uint32_t layer = 0; layer < LAYERS; layer++) {
+				decode_inputs(&p, layer, step);
+				OK(p.cpu, kvt_append(p.cpu, layer, NSEQ, p.sc, p.hk, p.hv, NULL));
+				OK(p.gpu, kvt_append(p.gpu, layer, NSEQ, p.sg, p.dk, p.dv, NULL));
+				attend_both(&p, layer, step, &worst);
+				if (step == 0 && layer == 0)
+					OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &first));
+			}
+		kvt_layer_stats ls = {.size = sizeof ls};
+		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &ls));
+		const double per_step = (double)(ls.selected_tokens - first.selected_tokens) /
+					(steps - 1);
+		printf("hot cache, self-sized%s: %llu rows after %u steps (%.0f selected per step, "
+		       "first step %llu rows); %llu hits, %llu misses; worst output error %.3g\n",
+		       bounded ? " within 64 KiB per layer" : "", (unsigned long long)ls.hot_rows,
+		       steps, per_step, (unsigned long long)first.hot_rows,
+		       (unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses, worst);
+		T_CHECK(first.hot_rows == 0, "the cache starts empty, has %llu rows",
+			(unsigned long long)first.hot_rows);
+		if (bounded) {
+			T_CHECK(ls.hot_rows > 0 && ls.hot_rows * (512 + 20) <= 65536,
+				"bounded: %llu rows", (unsigned long long)ls.hot_rows);
+		} else {
+			T_CHECK((double)ls.hot_rows >= 1.5 * per_step &&
+					(double)ls.hot_rows <= 8.0 * per_step + 1024,
+				"%llu rows for %.0f selected per step", (unsigned long long)ls.hot_rows,
+				per_step);
+			T_CHECK(ls.hot_hits > ls.hot_misses, "hits %llu misses %llu",
+				(unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
+		}
+		pair_fini(&p);
+	}
 }
 
 static void test_graph(void **state)
@@ -821,6 +882,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_pipeline),
 		cmocka_unit_test(test_hot_cache),
+		cmocka_unit_test(test_hot_auto),
 		cmocka_unit_test(test_graph),
 		cmocka_unit_test(test_bad_key_batch),
 		cmocka_unit_test(test_lifecycle),

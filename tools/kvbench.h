@@ -43,6 +43,8 @@
 #define KB_NVME_DEFAULT "kvbench-nvme.img"
 /* The library's limit on NVMe files (kvt_config.n_nvme). */
 #define KB_MAX_NVME 64u
+/* --gpu-cache auto (the default): the library's self-sized hot cache (gpu_cache_bytes 0) */
+#define KB_GPU_CACHE_AUTO UINT64_MAX
 
 typedef struct opts {
 	uint32_t context, steps, layers, seqs, q_heads, kv_heads, head_dim, chunk;
@@ -63,7 +65,7 @@ typedef struct opts {
 	uint32_t nvme_qd;       /* kvt_config.nvme_queue_depth (0: the library's default) */
 	uint32_t spill;         /* kvt_spill_policy */
 	const char *nvme_only;  /* an option given that needs an NVMe tier, for the check there is one */
-	uint64_t gpu_cache;     /* kvt_config.gpu_cache_bytes */
+	uint64_t gpu_cache;     /* kvt_config.gpu_cache_bytes, or KB_GPU_CACHE_AUTO (the default) */
 	/* --plan: the capacity arithmetic for a whole model, then a scaled run */
 	bool plan;
 	uint32_t model_layers;  /* the model's layers (the run uses --layers) */

@@ -30,7 +30,7 @@ static void opts_default(opts *o)
 		    .sinks = KVT_DEFAULT_N_SINK, .window = KVT_DEFAULT_WINDOW,
 		    .flush = KVT_DEFAULT_FLUSH_BATCH, .budget_min = KVT_DEFAULT_BUDGET_MIN,
 		    .budget_max = 0, .nvme_cache = KVT_DEFAULT_NVME_CACHE_BYTES, .nvme_qd = 0,
-		    .spill = KVT_SPILL_NONE, .gpu_cache = KVT_DEFAULT_GPU_CACHE_BYTES,
+		    .spill = KVT_SPILL_NONE, .gpu_cache = KB_GPU_CACHE_AUTO,
 		    .model_layers = 32, .gpu_bytes = 80ull << 30,
 		    .weights_bytes = 15ull << 30, .stress_modes = "all", .stress_budget = 1024};
 }
@@ -119,7 +119,9 @@ static void usage(FILE *f, const opts *d)
 		"                   planned sequences at --context on --layers layers (scaled)\n"
 		"  --model-layers N the model's layers for the arithmetic (%u)\n"
 		"  --gpu-bytes N    HBM of the GPU (80G)   --weights-bytes N  model weights (15G)\n"
-		"  --gpu-cache N    kvt_config.gpu_cache_bytes, the hot cache (%s)\n"
+		"  --gpu-cache N    kvt_config.gpu_cache_bytes, the hot cache, or auto (%s: the\n"
+		"                   library sizes it; --plan counts a quarter of the HBM left after\n"
+		"                   the weights, its bound)\n"
 		"  --plan-host-bytes N, --plan-nvme-bytes N  host memory and NVMe of the deployment\n"
 		"                   (256G and the --nvme files, or 0)\n"
 		"  --run-fraction X share of the planned sequences to run (default: at most 4)\n"
@@ -135,7 +137,9 @@ static void usage(FILE *f, const opts *d)
 		"  --stress S       S seconds per mode, every fetched row verified\n"
 		"  --stress-mode M  many, adversarial, qd, spill or all, comma-separated (all)\n"
 		"  --stress-budget N  tokens per query head of adversarial selections (%u)\n",
-		d->model_layers, fmt_bytes(d->gpu_cache, nc, sizeof nc), d->stress_budget);
+		d->model_layers,
+		d->gpu_cache == KB_GPU_CACHE_AUTO ? "auto" : fmt_bytes(d->gpu_cache, nc, sizeof nc),
+		d->stress_budget);
 	fprintf(f,
 		"Trace replay (doc/trace-format.md): the shape comes from the trace\n"
 		"  --trace DIR      replay a captured trace; takes --p, --sinks, --window, --flush,\n"
@@ -344,7 +348,8 @@ static void set_option(opts *o, const char *flag, const char *val)
 	} else if (!strcmp(flag, "--weights-bytes")) {
 		o->weights_bytes = parse_size(flag, val, 0, UINT64_MAX);
 	} else if (!strcmp(flag, "--gpu-cache")) {
-		o->gpu_cache = parse_size(flag, val, 0, UINT64_MAX);
+		o->gpu_cache = !strcmp(val, "auto") ? KB_GPU_CACHE_AUTO
+						    : parse_size(flag, val, 0, UINT64_MAX - 1);
 	} else if (!strcmp(flag, "--plan-host-bytes")) {
 		o->plan_host = parse_size(flag, val, 1, UINT64_MAX);
 	} else if (!strcmp(flag, "--plan-nvme-bytes")) {
@@ -492,6 +497,15 @@ void opts_set(opts *o, const char *flag, const char *val)
 	finish(o);
 }
 
+/* The hot cache the plan counts: the fixed size given, or the self-sized cache's default bound (a
+ * quarter of the device memory free at kvt_cache_create: here, of the HBM the weights leave). */
+static uint64_t plan_hot(const opts *o)
+{
+	if (o->gpu_cache != KB_GPU_CACHE_AUTO)
+		return o->gpu_cache;
+	return o->gpu_bytes > o->weights_bytes ? (o->gpu_bytes - o->weights_bytes) / 4 : 0;
+}
+
 void opts_plan_in(const opts *o, uint32_t context, kb_plan_in *in)
 {
 	uint64_t nvme = o->plan_nvme;
@@ -500,7 +514,7 @@ void opts_plan_in(const opts *o, uint32_t context, kb_plan_in *in)
 	*in = (kb_plan_in){.layers = o->model_layers, .kv_heads = o->kv_heads,
 			   .head_dim = o->head_dim, .context = context, .sinks = o->sinks,
 			   .window = o->window, .flush = o->flush, .gpu_bytes = o->gpu_bytes,
-			   .weights_bytes = o->weights_bytes, .hot_bytes = o->gpu_cache,
+			   .weights_bytes = o->weights_bytes, .hot_bytes = plan_hot(o),
 			   .host_bytes = o->plan_host ? o->plan_host : 256ull << 30,
 			   .nvme_bytes = nvme};
 }

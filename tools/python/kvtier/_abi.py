@@ -38,7 +38,6 @@ DEFAULT_WINDOW = 64
 DEFAULT_FLUSH_BATCH = 64
 DEFAULT_BUDGET_MIN = 64
 DEFAULT_SEED = 0x6B767469
-DEFAULT_GPU_CACHE_BYTES = 256 << 20
 
 u32, i32, u64, f32 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_float
 size_t, c_char_p = ctypes.c_size_t, ctypes.c_char_p
@@ -66,7 +65,8 @@ class KvtConfig(ctypes.Structure):
         ("host_pool", c_char_p),
         ("host_pool_bytes", u64),
         ("correction_steps", u32), ("pad2", u32),
-        ("reserved", u64 * 2),
+        ("gpu_cache_max_bytes", u64),
+        ("reserved", u64 * 1),
     ]
 
 

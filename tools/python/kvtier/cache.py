@@ -60,7 +60,8 @@ class Config:
     """kvt_config. None (or 0) means the library's default, as in C; for the fields where zero is
     a value of its own (n_sink, window, budget_min, budget_max, seed, gpu_cache_bytes) a 0 given
     here means that zero (no sinks, no window, no floor, no cap, seed 0, no hot cache) and is sent
-    as KVT_NONE / KVT_NONE64. Strings are accepted for the enums: dtype "float16"/"bfloat16",
+    as KVT_NONE / KVT_NONE64. gpu_cache_bytes None is the self-sized hot cache, bounded by
+    gpu_cache_max_bytes (None: a quarter of the device memory free at creation). Strings are accepted for the enums: dtype "float16"/"bfloat16",
     out_dtype also "float32", backend "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes
     are accepted too."""
     n_layers: int = 0
@@ -92,6 +93,7 @@ class Config:
     host_pool: Optional[str] = None
     host_pool_bytes: Optional[int] = None
     correction_steps: Optional[int] = None
+    gpu_cache_max_bytes: Optional[int] = None
 
     def to_c(self) -> "tuple[_abi.KvtConfig, list]":
         """The kvt_config (size = the mirror's sizeof) and the objects it points into, which must
@@ -101,7 +103,7 @@ class Config:
         keep: list = []
         for f in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim", "host_bytes",
                   "nvme_cache_bytes", "max_seqs", "nvme_queue_depth", "flush_batch",
-                  "correction_steps"):
+                  "correction_steps", "gpu_cache_max_bytes"):
             v = getattr(self, f)
             setattr(c, f, 0 if v is None else int(v))
         c.device = 0 if self.device is None else int(self.device)

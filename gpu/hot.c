@@ -1,0 +1,180 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The hot-token cache's memory (gpu/fetch.cuh has its policy): one device allocation per layer,
+ * either fixed at set-up (gpu_cache_bytes given: split evenly over the layers) or self-sized
+ * (gpu_cache_bytes 0, the default): each layer's cache starts empty and grows, between steps, to
+ * about twice the rows a step of that layer reads through it (sinks and selected rows of the batch,
+ * measured), within its share of gpu_cache_max_bytes (default: a quarter of the device memory free
+ * at set-up) and half of the memory free at the time. It never shrinks.
+ *
+ * The measure never synchronizes: after each step the layer's selected-token counter is copied to
+ * pinned memory behind an event; the next step of that layer reads it if the event has completed
+ * (else it waits for a later step). A growth allocates the larger cache and frees the old one after
+ * a device synchronization, so it happens a few times over a sequence's life (each at least 1.5x
+ * the last); the rows it held are read again from the host tier once. A step being captured into a
+ * CUDA graph neither measures nor grows: size the cache with eager steps first.
+ */
+#include "cuda_backend.h"
+
+/* Rows a growth takes beyond twice the measured demand, so that slow growth does not resize each
+ * step: the new size is at least 1.5x the old. */
+#define HOT_GROWTH_NUM 3u
+#define HOT_GROWTH_DEN 2u
+
+static size_t way_bytes(const kvt_cache *c)
+{
+	return c->row_bytes + KVT_GPU_HOT_TAG_BYTES;
+}
+
+/* Point the layer's cache at mem (sets sets, zeroed: every way empty). */
+static void lay_out(const kvt_cache *c, struct gpu_layer *y, void *mem, uint64_t sets)
+{
+	const uint64_t slots = sets * KVT_GPU_HOT_WAYS;
+	y->hot.sets = (uint32_t)sets;
+	y->hot.tag_hi = (unsigned long long *)mem;
+	y->hot.tag_lo = sets ? y->hot.tag_hi + slots : NULL;
+	y->hot.rows = sets ? (void *)(y->hot.tag_lo + slots) : NULL;
+	y->hot.last_use = sets ? (uint32_t *)((char *)y->hot.rows + slots * c->row_bytes) : NULL;
+	if (!sets)
+		y->hot.tag_hi = NULL;
+}
+
+/* A cache of `sets` sets for the layer, replacing its old one. quiet: a growth, where no device
+ * memory is not an error (-ENOMEM returned, nothing recorded, the old cache kept). */
+static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool quiet)
+{
+	const size_t bytes = (size_t)(sets * KVT_GPU_HOT_WAYS * way_bytes(c));
+	void *mem = NULL;
+	if (quiet) {
+		mem = kvt_mem_device_alloc(&c->mem, bytes);
+		if (!mem)
+			return -ENOMEM;
+		if (cudaMemset(mem, 0, bytes) != cudaSuccess) {
+			gpu_dfree(c, mem);
+			return kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
+		}
+	} else {
+		KVT_TRY(gpu_dalloc(c, &mem, bytes, "the hot-token cache"));
+	}
+	if (y->hot_mem) {
+		CU(c, cudaDeviceSynchronize()); /* the old cache may still be read */
+		gpu_dfree(c, y->hot_mem);
+	}
+	y->hot_mem = mem;
+	y->hot_bytes = bytes;
+	lay_out(c, y, mem, sets);
+	return 0;
+}
+
+int gpu_hot_init(kvt_cache *c)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const uint32_t L = c->cfg.n_layers;
+	const uint64_t want = c->cfg.gpu_cache_bytes;
+	if (want == KVT_NONE64)
+		return 0;
+	if (want) { /* fixed: split evenly, whole sets of KVT_GPU_HOT_WAYS ways */
+		const uint64_t sets = want / L / (way_bytes(c) * KVT_GPU_HOT_WAYS);
+		for (uint32_t i = 0; sets && i < L; i++)
+			KVT_TRY(alloc_sets(c, &b->lay[i], sets, false));
+		return 0;
+	}
+	b->hot_auto = true;
+	uint64_t cap = c->cfg.gpu_cache_max_bytes;
+	if (!cap) {
+		size_t free_b = 0, total = 0;
+		CU(c, cudaMemGetInfo(&free_b, &total));
+		cap = free_b / 4;
+	}
+	b->hot_cap_layer = cap / L;
+	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, sizeof(uint64_t) * L,
+				 "the hot cache's measures"));
+	for (uint32_t i = 0; i < L; i++)
+		CU(c, cudaEventCreateWithFlags(&b->lay[i].snap_ev, cudaEventDisableTiming));
+	return 0;
+}
+
+void gpu_hot_fini(kvt_cache *c)
+{
+	struct gpu_cache *b = gpu_of(c);
+	for (uint32_t i = 0; b->lay && i < c->cfg.n_layers; i++) {
+		struct gpu_layer *y = &b->lay[i];
+		gpu_dfree(c, y->hot_mem);
+		if (y->snap_ev)
+			cudaEventDestroy(y->snap_ev);
+	}
+	gpu_pinned_free(c, b->hot_snap, sizeof(uint64_t) * c->cfg.n_layers);
+}
+
+static bool capturing(void *stream)
+{
+	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return true; /* unknown: do nothing that a capture forbids */
+	}
+	return st != cudaStreamCaptureStatusNone;
+}
+
+int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	if (!b->hot_auto || !y->snap_pending || capturing(stream))
+		return 0;
+	const cudaError_t q = cudaEventQuery(y->snap_ev);
+	if (q == cudaErrorNotReady)
+		return 0; /* a later step reads it */
+	CU(c, q);
+	y->snap_pending = false;
+	/* the counters start at zero with the cache: the first measure is one too */
+	const uint64_t sel = b->hot_snap[layer] + y->snap_host_sel, calls = y->snap_calls;
+	const uint64_t dsel = sel - y->seen_sel, dcalls = calls - y->seen_calls;
+	y->seen_sel = sel;
+	y->seen_calls = calls;
+	if (!dcalls)
+		return 0;
+	/* rows a step reads through the cache: its selected rows and the batch's sinks */
+	const uint64_t demand =
+		dsel / dcalls + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * n_seqs;
+	const uint64_t have = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
+	if (have >= 2 * demand)
+		return 0;
+	uint64_t rows = 2 * demand;
+	if (rows < have * HOT_GROWTH_NUM / HOT_GROWTH_DEN)
+		rows = have * HOT_GROWTH_NUM / HOT_GROWTH_DEN;
+	const uint64_t way = way_bytes(c);
+	size_t free_b = 0, total = 0;
+	CU(c, cudaMemGetInfo(&free_b, &total));
+	/* the old cache is freed after the new one is made: both must fit */
+	uint64_t limit = b->hot_cap_layer;
+	limit = limit < (uint64_t)free_b / 2 ? limit : (uint64_t)free_b / 2;
+	if (rows * way > limit)
+		rows = limit / way;
+	uint64_t sets = rows / KVT_GPU_HOT_WAYS;
+	sets = sets < UINT32_MAX ? sets : UINT32_MAX;
+	if (sets <= y->hot.sets)
+		return 0; /* at its bound */
+	const int rc = alloc_sets(c, y, sets, true);
+	if (rc == -ENOMEM)
+		return 0; /* the cache stays as it was */
+	y->hot_grown += rc == 0;
+	return rc;
+}
+
+int gpu_hot_after_step(kvt_cache *c, uint32_t layer, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	y->calls++;
+	if (!b->hot_auto || y->snap_pending || capturing(stream))
+		return 0;
+	CU(c, cudaMemcpyAsync(&b->hot_snap[layer],
+			      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SELECTED,
+			      sizeof(uint64_t), cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+	CU(c, cudaEventRecord(y->snap_ev, (cudaStream_t)stream));
+	y->snap_host_sel = y->selected;
+	y->snap_calls = y->calls;
+	y->snap_pending = true;
+	return 0;
+}
