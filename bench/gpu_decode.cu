@@ -39,13 +39,13 @@ enum { D = 128, HKV = 8, HQ = 32, G = HQ / HKV, ROW = 4 * D, THREADS = 256 };
 
 #include "gpu_decode_workload.cuh"
 #include "gpu_decode_resident.cuh"
+#include "gpu_decode_kvtier.cuh"
 
 struct options {
 	std::vector<uint32_t> contexts = {32768, 131072, 524288, 1048576};
 	std::vector<uint32_t> batches = {1, 8};
-	int steps = 40, warmup = 8, reps = 30;
-	uint32_t budget_max = 0;
-	long gpu_cache_mib = -1; /* -1: the library's default */
+	int reps = 30;
+	kvt_run run; /* steps, warm-up, budget_max, hot cache */
 	/* K/V bytes of one (context, batch) at most: naive offload pins that much and kvtier's host
 	 * tier as much again, at once; 0.3 of the machine's memory keeps both within 60% of it */
 	double max_host_gib = 0.3 * (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE) /
@@ -66,15 +66,15 @@ static options parse(int argc, char **argv)
 		else if (!strcmp(a, "--batches"))
 			o.batches = parse_u32_list(a, val);
 		else if (!strcmp(a, "--steps"))
-			o.steps = std::max(1, atoi(val));
+			o.run.steps = std::max(1, atoi(val));
 		else if (!strcmp(a, "--warmup"))
-			o.warmup = std::max(1, atoi(val));
+			o.run.warmup = std::max(1, atoi(val));
 		else if (!strcmp(a, "--reps"))
 			o.reps = std::max(20, atoi(val));
 		else if (!strcmp(a, "--budget-max"))
-			o.budget_max = (uint32_t)strtoul(val, NULL, 0);
+			o.run.budget_max = (uint32_t)strtoul(val, NULL, 0);
 		else if (!strcmp(a, "--gpu-cache-mib"))
-			o.gpu_cache_mib = atol(val);
+			o.run.gpu_cache_mib = atol(val);
 		else if (!strcmp(a, "--max-host-gib"))
 			o.max_host_gib = atof(val);
 		else {
@@ -140,175 +140,6 @@ static void verify(const std::vector<variant> &vs, int sms, const gen_tables &g,
 	CK(cudaFree(sc.acc));
 }
 
-/* What the kvtier run of one (context, batch) found; ok == false when the library failed. */
-struct kvt_result {
-	bool ok = false;
-	float ms = 0, wall_ms = 0;
-	double sel_frac = 0, hit_rate = 0, pcie_per_step = 0, hbm_bytes = 0, err_vs_exact = -1;
-	double ns[5] = {0, 0, 0, 0, 0};
-	uint64_t budget_max_hits = 0, flushes = 0;
-};
-
-#define KVT_OR_FAIL(call)                                                                          \
-	do {                                                                                       \
-		const int rc_ = (call);                                                            \
-		if (rc_ < 0) {                                                                     \
-			printf("  kvtier: %s returned %d (%s): %s\n", #call, rc_,                  \
-			       kvt_strerror(rc_), kvt_last_error(cache));                          \
-			goto out;                                                                  \
-		}                                                                                  \
-	} while (0)
-
-/*
- * Prefill n tokens into n_seqs sequences, compare one kvt_attend with the resident result on the
- * same query, then time warm-up + steps decode steps (kvt_append + kvt_attend).
- * res_out: the resident kernel's fp32 output for the query of step 0 (the compare).
- */
-static kvt_result run_kvtier(const options &o, const gen_tables &g, uint32_t n_seqs, uint32_t n,
-			     const uint16_t *q0, const float *res_out, cudaStream_t st)
-{
-	kvt_result r;
-	kvt_cache *cache = NULL;
-	kvt_config cfg = KVT_CONFIG_INIT;
-	const uint32_t chunk_max = 65536, total_steps = (uint32_t)(o.warmup + o.steps);
-	uint16_t *ck = NULL, *cv = NULL, *cq = NULL, *sk = NULL, *sv = NULL, *sq = NULL, *out = NULL;
-	std::vector<uint32_t> seqs(n_seqs);
-	std::vector<float> tms, twall;
-	kvt_stats s0, s1;
-	kvt_layer_stats l0, l1;
-	cudaEvent_t e0, e1;
-	CK(cudaEventCreate(&e0));
-	CK(cudaEventCreate(&e1));
-	const size_t step_kv = (size_t)n_seqs * HKV * D, step_q = (size_t)n_seqs * HQ * D;
-
-	cfg.n_layers = 1;
-	cfg.n_q_heads = HQ;
-	cfg.n_kv_heads = HKV;
-	cfg.head_dim = D;
-	cfg.backend = KVT_BACKEND_CUDA;
-	{
-		/* rows of every block the tokens fill, with the decode steps and a spare block */
-		const uint64_t blocks = (n + total_steps + 255) / 256 + 1;
-		cfg.host_bytes = (uint64_t)n_seqs * HKV * blocks * 256 * ROW;
-		cfg.host_bytes += cfg.host_bytes / 32 + ((uint64_t)64 << 20);
-	}
-	cfg.budget_max = o.budget_max;
-	if (o.gpu_cache_mib >= 0)
-		cfg.gpu_cache_bytes = KVT_EXACT64((uint64_t)o.gpu_cache_mib << 20); /* 0: none */
-	{
-		const int rc = kvt_cache_create(&cfg, &cache);
-		if (rc < 0) {
-			printf("  kvtier: kvt_cache_create returned %d (%s): %s\n", rc,
-			       kvt_strerror(rc), kvt_last_error(NULL));
-			return r;
-		}
-	}
-	CK(cudaMalloc((void **)&ck, (size_t)chunk_max * HKV * D * 2));
-	CK(cudaMalloc((void **)&cv, (size_t)chunk_max * HKV * D * 2));
-	CK(cudaMalloc((void **)&cq, (size_t)chunk_max * HQ * D * 2));
-	CK(cudaMalloc((void **)&sk, step_kv * total_steps * 2));
-	CK(cudaMalloc((void **)&sv, step_kv * total_steps * 2));
-	CK(cudaMalloc((void **)&sq, step_q * total_steps * 2));
-	CK(cudaMalloc((void **)&out, step_q * 2));
-	for (uint32_t s = 0; s < n_seqs; s++)
-		KVT_OR_FAIL(kvt_seq_open(cache, &seqs[s]));
-
-	/* prefill, in chunks of at most 64K tokens */
-	{
-		const auto t0 = std::chrono::steady_clock::now();
-		for (uint32_t s = 0; s < n_seqs; s++)
-			for (uint32_t p0 = 0; p0 < n; p0 += chunk_max) {
-				const uint32_t c = std::min(chunk_max, n - p0);
-				launch_fill_kv(g, ck, cv, s, 1, p0, c, 0, st);
-				launch_fill_q(g, cq, c, 0, 1, 1, p0, st);
-				KVT_OR_FAIL(kvt_prefill(cache, seqs[s], 0, cq, ck, cv, c, st));
-			}
-		CK(cudaStreamSynchronize(st));
-		const double sec =
-			std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-		printf("  kvtier prefill: %u x %u tokens in %.2f s (%.1f M tokens/s, generation "
-		       "included)\n",
-		       n_seqs, n, sec, n_seqs * (double)n / sec / 1e6);
-	}
-
-	/* the same query as the resident run, over the same tokens: how far Top-p is from exact */
-	{
-		KVT_OR_FAIL(kvt_attend(cache, 0, n_seqs, seqs.data(), q0, out, st));
-		std::vector<uint16_t> ho(step_q);
-		std::vector<float> hr(step_q);
-		CK(cudaMemcpyAsync(ho.data(), out, step_q * 2, cudaMemcpyDeviceToHost, st));
-		CK(cudaMemcpyAsync(hr.data(), res_out, step_q * 4, cudaMemcpyDeviceToHost, st));
-		CK(cudaStreamSynchronize(st));
-		std::vector<double> ref(hr.begin(), hr.end());
-		std::vector<float> got(step_q);
-		for (size_t i = 0; i < step_q; i++)
-			got[i] = h2f(ho[i]);
-		r.err_vs_exact = rel_error(got.data(), ref.data(), (size_t)n_seqs * HQ);
-	}
-
-	/* the decode steps' inputs: token n + i of every sequence, the query of step i + 1 */
-	for (uint32_t i = 0; i < total_steps; i++) {
-		launch_fill_kv(g, sk + i * step_kv, sv + i * step_kv, 0, n_seqs, n + i, 1, 0, st);
-		launch_fill_q(g, sq + i * step_q, n_seqs, i + 1, n, 0, 0, st);
-	}
-	CK(cudaStreamSynchronize(st));
-
-	s0.size = s1.size = sizeof(kvt_stats);
-	l0.size = l1.size = sizeof(kvt_layer_stats);
-	for (uint32_t i = 0; i < total_steps; i++) {
-		if (i == (uint32_t)o.warmup) {
-			KVT_OR_FAIL(kvt_get_stats(cache, &s0));
-			KVT_OR_FAIL(kvt_get_layer_stats(cache, 0, &l0));
-		}
-		const auto t0 = std::chrono::steady_clock::now();
-		CK(cudaEventRecord(e0, st));
-		KVT_OR_FAIL(kvt_append(cache, 0, n_seqs, seqs.data(), sk + i * step_kv,
-				       sv + i * step_kv, st));
-		KVT_OR_FAIL(kvt_attend(cache, 0, n_seqs, seqs.data(), sq + i * step_q, out, st));
-		CK(cudaEventRecord(e1, st));
-		CK(cudaEventSynchronize(e1));
-		const double wall =
-			std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-		float ms;
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		if (i >= (uint32_t)o.warmup) {
-			tms.push_back(ms);
-			twall.push_back((float)(wall * 1e3));
-		}
-	}
-	KVT_OR_FAIL(kvt_get_stats(cache, &s1));
-	KVT_OR_FAIL(kvt_get_layer_stats(cache, 0, &l1));
-	{
-		const double steps = o.steps;
-		r.ms = median(tms);
-		r.wall_ms = median(twall);
-		const uint64_t cand = s1.candidate_tokens - s0.candidate_tokens;
-		r.sel_frac = cand ? (double)(s1.selected_tokens - s0.selected_tokens) / cand : 0;
-		const uint64_t hits = l1.hot_hits - l0.hot_hits, miss = l1.hot_misses - l0.hot_misses;
-		r.hit_rate = hits + miss ? (double)hits / (hits + miss) : 0;
-		r.pcie_per_step = (double)(l1.pcie_bytes - l0.pcie_bytes) / steps;
-		r.hbm_bytes = (double)s1.index_bytes + (double)l1.hot_rows * ROW +
-			      (double)n_seqs * HKV * (KVT_DEFAULT_WINDOW + KVT_DEFAULT_FLUSH_BATCH) * ROW;
-		r.ns[0] = (double)(s1.ns_index - s0.ns_index) / steps;
-		r.ns[1] = (double)(s1.ns_store - s0.ns_store) / steps;
-		r.ns[2] = (double)(s1.ns_score - s0.ns_score) / steps;
-		r.ns[3] = (double)(s1.ns_select - s0.ns_select) / steps;
-		r.ns[4] = (double)(s1.ns_attend - s0.ns_attend) / steps;
-		r.budget_max_hits = s1.budget_max_hits - s0.budget_max_hits;
-		r.flushes = s1.flushes - s0.flushes;
-		r.ok = true;
-	}
-out:
-	CK(cudaStreamSynchronize(st));
-	kvt_cache_destroy(cache);
-	for (void *p : {(void *)ck, (void *)cv, (void *)cq, (void *)sk, (void *)sv, (void *)sq,
-			(void *)out})
-		CK(cudaFree(p));
-	CK(cudaEventDestroy(e0));
-	CK(cudaEventDestroy(e1));
-	return r;
-}
-
 static const char *goal(bool met)
 {
 	return met ? "met" : "MISSED";
@@ -339,12 +170,7 @@ int main(int argc, char **argv)
 	init_tables<<<(HKV * NTOPIC * D + 255) / 256, 256, 0, st>>>(g);
 	CK(cudaGetLastError());
 
-	std::vector<variant> vs = {make_variant<32, 4>("tile 32 x 4 stages"),
-				   make_variant<32, 6>("tile 32 x 6 stages"),
-				   make_variant<64, 3>("tile 64 x 3 stages"),
-				   make_variant<16, 8>("tile 16 x 8 stages"),
-				   make_variant<32, 8>("tile 32 x 8 stages"),
-				   make_variant<64, 4>("tile 64 x 4 stages")};
+	const std::vector<variant> vs = resident_variants();
 	verify(vs, sms, g, st);
 
 	/* the configurations that fit --max-host-gib of pinned host memory per approach */
@@ -396,17 +222,7 @@ int main(int argc, char **argv)
 		CK(cudaStreamSynchronize(st));
 
 		/* (a) resident: the fastest plan for this shape, then its median */
-		res_plan best = plan_for(vs[0], 1, sms, B * HKV, n);
-		float best_ms = INFINITY;
-		for (const variant &v : vs)
-			for (int waves : {1, 2, 4}) {
-				const res_plan p = plan_for(v, waves, sms, B * HKV, n);
-				const float t = resident_time(p, sc, dk, dv, dq, B, n, dout, st, 5);
-				if (t < best_ms) {
-					best_ms = t;
-					best = p;
-				}
-			}
+		const res_plan best = best_plan(vs, sms, sc, dk, dv, dq, B, n, dout, st);
 		const float res_ms =
 			resident_time(best, sc, dk, dv, dq, B, n, dout, st, o.reps);
 		const double res_bw = 2.0 * half / (res_ms * 1e-3);
@@ -436,7 +252,7 @@ int main(int argc, char **argv)
 		       n, B, best.v->name, best.chunk, best.chunks, best.waves);
 		/* the resident output of this query stays in dout for kvtier's compare */
 		resident_launch(best, sc, dk, dv, dq, B, n, dout, st);
-		const kvt_result k = run_kvtier(o, g, B, n, dq, dout, st);
+		const kvt_result k = run_kvtier(o.run, g, B, n, dq, dout, st);
 		if (k.ok) {
 			printf("  kvtier: Top-p selected %.2f%% of indexed tokens (selected_tokens / "
 			       "candidate_tokens over the timed steps); hot-cache hit rate %.1f%%; "

@@ -255,6 +255,14 @@ template <int TR, int ST> static variant make_variant(const char *name)
 	return v;
 }
 
+/* The variants a benchmark picks the fastest of. */
+static std::vector<variant> resident_variants(void)
+{
+	return {make_variant<32, 4>("tile 32 x 4 stages"), make_variant<32, 6>("tile 32 x 6 stages"),
+		make_variant<64, 3>("tile 64 x 3 stages"), make_variant<16, 8>("tile 16 x 8 stages"),
+		make_variant<32, 8>("tile 32 x 8 stages"), make_variant<64, 4>("tile 64 x 4 stages")};
+}
+
 /* How one resident launch is cut: a variant and a number of chunks per item. */
 struct res_plan {
 	const variant *v;
@@ -312,13 +320,32 @@ static float resident_time(const res_plan &p, res_scratch &sc, const uint16_t *K
 			 [&](int) { resident_launch(p, sc, K, V, q, n_seqs, n, out, st); });
 }
 
+/* The fastest plan for this shape among the variants and 1, 2 or 4 waves (5 launches each). */
+static res_plan best_plan(const std::vector<variant> &vs, int sms, res_scratch &sc,
+			  const uint16_t *K, const uint16_t *V, const uint16_t *q, uint32_t n_seqs,
+			  uint32_t n, float *out, cudaStream_t st)
+{
+	res_plan best = plan_for(vs[0], 1, sms, n_seqs * HKV, n);
+	float best_ms = INFINITY;
+	for (const variant &v : vs)
+		for (int waves : {1, 2, 4}) {
+			const res_plan p = plan_for(v, waves, sms, n_seqs * HKV, n);
+			const float t = resident_time(p, sc, K, V, q, n_seqs, n, out, st, 5);
+			if (t < best_ms) {
+				best_ms = t;
+				best = p;
+			}
+		}
+	return best;
+}
+
 static float h2f(uint16_t x)
 {
 	return __half2float(__ushort_as_half(x));
 }
 
 /* fp64 reference of one (sequence, query head) over K/V in the resident layout (host copies). */
-static void reference(const std::vector<uint16_t> &k, const std::vector<uint16_t> &v,
+static inline void reference(const std::vector<uint16_t> &k, const std::vector<uint16_t> &v,
 		      const std::vector<uint16_t> &q, uint32_t n, uint32_t s, uint32_t j, double *o)
 {
 	const uint32_t h = j / G;

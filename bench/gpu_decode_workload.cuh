@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The synthetic decode workload of bench/gpu_decode.cu (included by it alone, after its shape
- * constants D, HKV, HQ, G): generated K/V and queries whose attention is concentrated the way real
+ * The synthetic decode workload of bench/gpu_decode.cu and bench/gpu_throughput.cu (included
+ * after their shape constants D, HKV, HQ, G): generated K/V and queries whose attention is concentrated the way real
  * attention is, so that Top-p selects a few percent of the tokens.
  */
 #ifndef KVT_BENCH_GPU_DECODE_WORKLOAD_CUH

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
-# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the four GPU
+# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the five GPU
 # benchmarks. Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
 # most. The build directory is $BUILD (default /tmp/b), configured once. Usage, on the GPU
 # machine, from the repository root:
@@ -37,7 +37,7 @@ if [ $sanitize = 1 ]; then
 	done
 fi
 if [ $bench = 1 ]; then
-	for x in gpu_scan gpu_select gpu_gather gpu_decode; do
+	for x in gpu_scan gpu_select gpu_gather gpu_decode gpu_throughput; do
 		step bench "$x" "$b/bench/$x"
 	done
 fi
