@@ -240,6 +240,26 @@ static int cu_init(kvt_cache *c)
 	return cu_init_inner(c, b);
 }
 
+/* A dense tensor to or from a strided view (lib/io_layout.c): one 2D copy per head, its n rows
+ * token_pitch apart in the view and heads * width apart in the dense tensor, in stream order. */
+static int cu_copy_strided(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
+			   bool to_view, void *stream)
+{
+	const size_t dense_pitch = (size_t)s->heads * s->width;
+	for (uint32_t h = 0; h < s->heads; h++) {
+		const size_t v = h * s->head_pitch, d = h * s->width;
+		if (to_view)
+			CU(c, cudaMemcpy2DAsync((char *)dst + v, s->token_pitch, (const char *)src + d,
+						dense_pitch, s->width, s->n, cudaMemcpyDefault,
+						(cudaStream_t)stream));
+		else
+			CU(c, cudaMemcpy2DAsync((char *)dst + d, dense_pitch, (const char *)src + v,
+						s->token_pitch, s->width, s->n, cudaMemcpyDefault,
+						(cudaStream_t)stream));
+	}
+	return 0;
+}
+
 static const struct kvt_backend_ops ops = {
 	.name = "cuda",
 	.probe = gpu_probe,
@@ -265,9 +285,8 @@ static const struct kvt_backend_ops ops = {
 	.read_rows = gpu_read_rows,
 	/* no multi-token attention kernel yet: the pipeline refuses kvt_extend with -EOPNOTSUPP */
 	.extend = NULL,
-	/* no strided copy yet (cudaMemcpy2DAsync per token would do, into a device scratch): the
-	 * compute calls' _at forms refuse a non-dense layout with -EOPNOTSUPP, a dense one runs */
-	.copy_strided = NULL,
+	.copy_strided = cu_copy_strided,
+	.device_tensors = true,
 };
 
 const struct kvt_backend_ops *const kvt_cuda_backend_ops = &ops;

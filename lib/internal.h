@@ -454,6 +454,9 @@ struct kvt_backend_ops {
 	 * NULL: the compute calls' _at forms refuse any layout but the dense one (-EOPNOTSUPP). */
 	int (*copy_strided)(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
 			    bool to_view, void *stream);
+	/* the compute calls' tensors are device memory: the dense copies of strided ones are made in
+	 * device memory too (lib/io_layout.c) */
+	bool device_tensors;
 	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
 	 * restores the sequence first */
 	bool read_rows_spilled;

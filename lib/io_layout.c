@@ -9,8 +9,9 @@
  * call gives bit for bit what the dense call gives on the same values, and a backend supports
  * strides by supplying one copy (cudaMemcpy2DAsync on a device), not a variant of every kernel.
  *
- * The scratch is heap memory, where the CPU backend's tensors live: a backend with device tensors
- * that supplies copy_strided needs it in device memory (scratch_grow is the one place).
+ * The scratch lives where the backend's tensors do: heap memory on the CPU backend, device memory
+ * (through the cache's allocation hooks) on a backend with device_tensors; scratch_grow is the one
+ * place that knows.
  */
 #include <errno.h>
 #include <stddef.h>
@@ -64,15 +65,35 @@ static size_t dense_bytes(const struct kvt_strided *s)
 	return (b + IO_ALIGN - 1) / IO_ALIGN * IO_ALIGN;
 }
 
-/* The scratch of at least `bytes`; the old one is kept on failure (its contents are not). */
-static int scratch_grow(kvt_cache *c, const char *call, size_t bytes)
+static void scratch_free(kvt_cache *c, void *p, size_t bytes)
+{
+	if (c->ops->device_tensors)
+		kvt_mem_device_free(&c->mem, p, bytes);
+	else
+		kvt_mem_free(KVT_MEM_HOST, p, bytes);
+}
+
+/* The scratch of at least `bytes`, in the memory the backend's tensors live in; the old one is
+ * kept on failure (its contents are not). On a device, growing synchronizes it (work queued may
+ * still read the old scratch), so it is refused while `stream` is captured into a graph. */
+static int scratch_grow(kvt_cache *c, const char *call, size_t bytes, void *stream)
 {
 	if (bytes <= c->io_scratch_bytes)
 		return 0;
-	void *p = kvt_mem_alloc(KVT_MEM_HOST, bytes);
-	KVT_RETURN_IF(!p, c, -ENOMEM, "%s: out of memory for the dense copies of strided tensors "
-		      "(%zu bytes)", call, bytes);
-	kvt_mem_free(KVT_MEM_HOST, c->io_scratch, c->io_scratch_bytes);
+	const bool dev = c->ops->device_tensors;
+	if (dev && c->ops->may_block)
+		KVT_TRY(c->ops->may_block(c, stream, "growing the dense copies of strided tensors"));
+	void *p = dev ? kvt_mem_device_alloc(&c->mem, bytes) : kvt_mem_alloc(KVT_MEM_HOST, bytes);
+	KVT_RETURN_IF(!p, c, -ENOMEM, "%s: out of %s memory for the dense copies of strided tensors "
+		      "(%zu bytes)", call, dev ? "device" : "host", bytes);
+	if (c->io_scratch && dev && c->ops->quiesce) {
+		int rc = c->ops->quiesce(c);
+		if (rc < 0) {
+			scratch_free(c, p, bytes);
+			return rc;
+		}
+	}
+	scratch_free(c, c->io_scratch, c->io_scratch_bytes);
 	c->io_scratch = p;
 	c->io_scratch_bytes = bytes;
 	return 0;
@@ -118,7 +139,7 @@ int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32
 		      "dense tensors or a NULL layout", call, c->ops->name,
 		      io_name[strided[IO_Q] ? IO_Q : strided[IO_K] ? IO_K : strided[IO_V] ? IO_V
 										 : IO_OUT]);
-	KVT_TRY(scratch_grow(c, call, bytes));
+	KVT_TRY(scratch_grow(c, call, bytes, stream));
 	char *at = c->io_scratch;
 	for (int i = 0; i < IO_N; i++) {
 		if (!strided[i])
@@ -146,7 +167,9 @@ int kvt_io_end(kvt_cache *c, struct kvt_io *io, int rc, void *stream)
 
 void kvt_io_fini(kvt_cache *c)
 {
-	kvt_mem_free(KVT_MEM_HOST, c->io_scratch, c->io_scratch_bytes);
+	if (c->io_scratch && c->ops->device_tensors && c->ops->quiesce)
+		(void)c->ops->quiesce(c); /* queued work may still read it */
+	scratch_free(c, c->io_scratch, c->io_scratch_bytes);
 	c->io_scratch = NULL;
 	c->io_scratch_bytes = 0;
 }
