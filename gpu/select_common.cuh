@@ -1,0 +1,371 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the three passes of the Top-p threshold share (select.cu has the design; C++ only,
+ * included by select.cu and select_resolve.cu alone): the sizes, a segment's state and the
+ * scratch, keys and the fixed-point mass, the chunk iteration, and the block's decision over a
+ * histogram. Everything here is static: each file compiles its own copy.
+ */
+#ifndef KVT_GPU_SELECT_COMMON_CUH
+#define KVT_GPU_SELECT_COMMON_CUH
+
+#include "common.cuh"
+#include "score.cuh"
+#include "select.cuh"
+
+#define SEL_THREADS 256
+#define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
+#define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
+#define SEL_CNT_BINS 4096u /* the position radix's digit: 12 bits */
+/* Bins span at most this many nats below the max: a term exp(-56.2) is already below the fixed
+ * point's unit, so the bins past it carry counts only. */
+#define SEL_SPAN_NATS 64.0f
+/* Candidate list per segment, at most (see carve). A boundary bin holds a few hundred scores at
+ * 128K tokens on realistic attention; more (flat scores) take the whole-segment path. */
+#define SEL_CAND 16384u
+/* Candidates resolved by sorting them in shared memory; more take the radix select. */
+#define SEL_SORT 4096u
+#define SEL_MAX_N (KVT_GPU_SELECT_MAX_N + 1) /* positions take 24 bits of a ckey */
+#define SEL_NONE 0xffffffffu
+
+typedef unsigned __int128 u128;
+typedef unsigned long long u64;
+
+/* The phases of a segment (a segment not in a launch's phase skips it). */
+enum { PH_INIT = 0, PH_HIST, PH_CAND, PH_DONE };
+
+/* What the histogram's last block hands to the resolution: one boundary bin per need. */
+enum { NEED_MASS, NEED_MIN, NEED_MAX, NEEDS };
+
+struct seg_state {
+	uint32_t phase, done;
+	uint32_t max_key, nmin_key; /* order-preserving keys of the max and (complemented) min */
+	uint32_t bad;               /* 0xffffffff - position of the first non-finite score, or 0 */
+	float inv_w;                /* bin(s) = (max - s) * inv_w, clamped to the last bin */
+	uint32_t ncand;             /* candidates appended */
+	uint32_t listed;            /* whether the bins' candidates fit the list */
+	uint32_t bin[NEEDS];        /* the bin of each need, or SEL_NONE */
+	uint32_t above[NEEDS];      /* scores in earlier bins (larger) */
+	uint64_t acc_lo, acc_hi;    /* mass of the bins before bin[NEED_MASS] */
+	double target;              /* p * f(total mass) */
+};
+
+struct sel_scratch {
+	seg_state *st;
+	uint32_t *hcnt;          /* [segs][SEL_BINS] */
+	unsigned long long *hhi; /* [segs][SEL_BINS]: sums of the 2^-40 halves */
+	unsigned long long *hlo; /* [segs][SEL_BINS]: sums of the 2^-80 halves */
+	u64 *cand;               /* [segs][cand_cap]: candidates (see ckey) */
+	uint32_t cand_cap;
+	size_t bytes;
+};
+
+
+/* ---- keys and numbers -------------------------------------------------------------------- */
+
+/* A candidate: its key above the complement of its position (56 bits), so that a larger ckey is a
+ * larger score or, among equal scores, a lower position: the order kvt_topp_mark takes ties in. */
+static __device__ __forceinline__ u64 ckey(uint32_t key, uint32_t pos)
+{
+	return (u64)key << 24 | ((SEL_MAX_N - 1) - pos);
+}
+
+/* The union's cut (select.cuh) of a ckey prefix. */
+static __device__ __forceinline__ u64 cut_of(u64 c)
+{
+	return (c >> 24) << 32 | (0xffffffffu - ((SEL_MAX_N - 1) - (uint32_t)(c & (SEL_MAX_N - 1))));
+}
+
+/*
+ * The log-mass bin of a score: monotone non-increasing in s (each step rounds monotonically), so
+ * bins are ordered like the scores, largest first, and equal scores share one.
+ */
+static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w)
+{
+	if (!(inv_w > 0.0f)) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
+		return 0;
+	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
+}
+
+static __device__ __forceinline__ double mass_d(u128 x)
+{
+	/* exact high part (< 2^53) plus the rounded low part, then one rounding: monotone in x */
+	const double hi = (double)(unsigned long long)(x >> 64), lo = (double)(unsigned long long)x;
+	return (hi * 18446744073709551616.0 + lo) * 0x1p-80;
+}
+
+static __device__ __forceinline__ u128 mk128(unsigned long long hi40, unsigned long long lo40)
+{
+	return ((u128)hi40 << 40) + lo40;
+}
+
+/* The CPU's mass term, split into its 2^-40 and 2^-80 parts (truncated below 2^-80). */
+static __device__ __forceinline__ void term(float s, float max, float scale, unsigned long long *hi,
+					    unsigned long long *lo)
+{
+	const double x = (double)__fsub_rn(s, max) * (double)scale;
+	*hi = *lo = 0;
+	if (x < -56.2) /* exp(x) < 2^-81: below the unit */
+		return;
+	const double t = exp(x) * 0x1p40, h = floor(t);
+	*hi = (unsigned long long)h;
+	*lo = (unsigned long long)((t - h) * 0x1p40);
+}
+
+/*
+ * A 64-bit add into two 32-bit shared words, exact once all adds are done: the low word's carry
+ * is read back from its atomic. Shared-memory 64-bit atomics compile to compare-and-swap loops,
+ * which stall badly when many lanes hit the same bin.
+ */
+static __device__ __forceinline__ void smem_add64(uint32_t *lo_w, uint32_t *hi_w, unsigned long long x)
+{
+	const uint32_t lo = (uint32_t)x, old = atomicAdd(lo_w, lo);
+	const uint32_t hi = (uint32_t)(x >> 32) + (old + lo < old ? 1u : 0u);
+	if (hi)
+		atomicAdd(hi_w, hi);
+}
+
+/*
+ * A shared histogram of masses: per bin the sums of the terms' 2^-40 and 2^-80 halves, each in
+ * two 32-bit words, the four words in separate rows so that lanes on distinct bins hit distinct
+ * banks.
+ */
+struct mhist {
+	uint32_t *w; /* [4][bins] */
+	uint32_t bins;
+	__device__ void zero(uint32_t b)
+	{
+		w[b] = w[bins + b] = w[2 * bins + b] = w[3 * bins + b] = 0;
+	}
+	__device__ void add(uint32_t b, float s, float mx, float scale)
+	{
+		unsigned long long th, tl;
+		term(s, mx, scale, &th, &tl);
+		if (th)
+			smem_add64(w + b, w + bins + b, th);
+		if (tl)
+			smem_add64(w + 2 * bins + b, w + 3 * bins + b, tl);
+	}
+	__device__ u64 hi(uint32_t b) const
+	{
+		return (u64)w[bins + b] << 32 | w[b];
+	}
+	__device__ u64 lo(uint32_t b) const
+	{
+		return (u64)w[3 * bins + b] << 32 | w[2 * bins + b];
+	}
+};
+
+/* ---- the segment's end ------------------------------------------------------------------- */
+
+static __device__ void finalize(seg_state *st, kvt_gpu_topp *o, float thresh, uint32_t count,
+				uint32_t marked, int clamped, unsigned long long cut)
+{
+	o->thresh = thresh;
+	o->count = count;
+	o->marked = marked;
+	o->clamped = clamped;
+	o->cut = cut;
+	st->phase = PH_DONE;
+}
+
+/* kvt_topp_mark's clamp of a Top-p count: the tokens wanted, and the sign of the clamp. */
+static __device__ uint32_t clamp_want(uint32_t count, uint32_t n, uint32_t bmin, uint32_t bmax,
+				      int *clamped)
+{
+	*clamped = 0;
+	if (bmax && count > bmax) {
+		*clamped = -1;
+		return bmax;
+	}
+	if (count < bmin) {
+		const uint32_t want = bmin < n ? bmin : n;
+		*clamped = want > count ? 1 : 0;
+		return want;
+	}
+	return count;
+}
+
+/* Whether this block is the last of its segment's blocks to finish the pass (then it sees the
+ * other blocks' atomics). */
+static __device__ bool last_block(seg_state *st)
+{
+	__shared__ bool last;
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		__threadfence();
+		last = atomicAdd(&st->done, 1u) == gridDim.x - 1;
+	}
+	__syncthreads();
+	if (last)
+		__threadfence();
+	return last;
+}
+
+#define SEL_VEC (SEL_CHUNK / (4 * SEL_THREADS)) /* float4 per thread per chunk */
+
+/* A thread's share of a chunk, every load issued before any is used (the passes are otherwise
+ * bound by one L2 round trip per float4). */
+static __device__ __forceinline__ void load_chunk(float4 (&v)[SEL_VEC], const float *s, uint32_t c0,
+						  uint32_t n)
+{
+#pragma unroll
+	for (int k = 0; k < SEL_VEC; k++) {
+		const uint32_t i = c0 + 4 * (threadIdx.x + k * SEL_THREADS);
+		v[k] = i < n ? *(const float4 *)(s + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+	}
+}
+
+/* f(position, score) for each score of this thread's share of the chunk. */
+template <class F>
+static __device__ __forceinline__ void each_in_chunk(const float *s, uint32_t c0, uint32_t n, F f)
+{
+	float4 v[SEL_VEC];
+	load_chunk(v, s, c0, n);
+#pragma unroll
+	for (int k = 0; k < SEL_VEC; k++) {
+		const uint32_t i = c0 + 4 * (threadIdx.x + k * SEL_THREADS);
+		const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+		for (int e = 0; e < 4; e++)
+			f(i + e, x[e]); /* past n: f checks */
+	}
+}
+
+/* The same over the chunks of the segment that fall to this block (grid-stride: a segment has at
+ * most sel_blocks() blocks, so that the per-block flush of the histograms does not grow with n). */
+template <class F>
+static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n, F f)
+{
+	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK)
+		each_in_chunk(s, c0, n, f);
+}
+
+/* ---- the block's decision over a histogram ----------------------------------------------- */
+
+/* Block-wide exclusive prefix over threads in index order of a count and a 128-bit mass. */
+static __device__ void scan_excl(uint32_t &c, u128 &m, uint32_t *tc, u128 *tm)
+{
+	__shared__ uint32_t wc[SEL_THREADS / 32];
+	__shared__ u128 wm[SEL_THREADS / 32];
+	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+	uint32_t ic = c;
+	u128 im = m;
+	for (int o = 1; o < 32; o <<= 1) {
+		const uint32_t oc = __shfl_up_sync(0xffffffffu, ic, o);
+		const unsigned long long mh =
+			__shfl_up_sync(0xffffffffu, (unsigned long long)(im >> 64), o);
+		const unsigned long long ml =
+			__shfl_up_sync(0xffffffffu, (unsigned long long)im, o);
+		if (lane >= (uint32_t)o) {
+			ic += oc;
+			im += ((u128)mh << 64) | ml;
+		}
+	}
+	if (lane == 31) {
+		wc[warp] = ic;
+		wm[warp] = im;
+	}
+	__syncthreads();
+	uint32_t bc = 0;
+	u128 bm = 0;
+	for (uint32_t w = 0; w < warp; w++) {
+		bc += wc[w];
+		bm += wm[w];
+	}
+	*tc = 0;
+	*tm = 0;
+	for (uint32_t w = 0; w < SEL_THREADS / 32; w++) {
+		*tc += wc[w];
+		*tm += wm[w];
+	}
+	c = bc + ic - c;
+	m = bm + im - m;
+	__syncthreads();
+}
+
+/* The bin a decision picks: j in the walk from the largest scores down. */
+struct pick {
+	uint32_t j, above, cnt;
+	u128 acc;   /* mass before j */
+	u128 total; /* mass of all bins (the first level's target comes from it) */
+};
+
+/*
+ * Walks BINS bins from the largest scores down (get(j, &count, &mass)) and picks, with `above`
+ * scores and `acc` mass before the first: by mass (MASS), the bin where f(acc) < target <=
+ * f(acc + its mass), or when rounding left p Z above the total, the last nonempty one (the CPU
+ * then takes the smallest value); by count, the bin holding the want-th largest. target < 0: the
+ * first level, whose target is p * f(total). Every thread of the block calls it; all get the pick.
+ */
+template <uint32_t BINS, bool MASS, class Get>
+static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target, float p,
+			      uint32_t want)
+{
+	constexpr uint32_t per = BINS / SEL_THREADS;
+	static_assert(BINS % SEL_THREADS == 0, "the decision gives each thread whole bins");
+	__shared__ pick win;
+	__shared__ uint32_t last;
+	/* bins are read twice rather than held: the kernels' streaming passes want few registers */
+	uint32_t c = 0, bc;
+	u128 m = 0, bm;
+#pragma unroll 1
+	for (uint32_t k = 0; k < per; k++) {
+		get(threadIdx.x * per + k, &bc, &bm);
+		c += bc;
+		m += bm;
+	}
+	if (threadIdx.x == 0) {
+		win.j = SEL_NONE;
+		last = 0;
+	}
+	uint32_t tc;
+	u128 tm;
+	scan_excl(c, m, &tc, &tm); /* also a barrier for win and last */
+	if (MASS && target < 0.0)
+		target = (double)p * mass_d(acc0 + tm);
+	uint32_t above = above0 + c;
+	u128 am = acc0 + m;
+#pragma unroll 1
+	for (uint32_t k = 0; k < per; k++) {
+		const uint32_t j = threadIdx.x * per + k;
+		get(j, &bc, &bm);
+		bool hit;
+		if (MASS)
+			hit = bc && mass_d(am) < target && target <= mass_d(am + bm);
+		else
+			hit = bc && above < want && want <= above + bc;
+		if (hit)
+			win = pick{.j = j, .above = above, .cnt = bc, .acc = am, .total = tm};
+		if (bc)
+			atomicMax(&last, j);
+		above += bc;
+		am += bm;
+	}
+	__syncthreads();
+	if (win.j == SEL_NONE) { /* only by mass */
+		above = above0 + c;
+		am = acc0 + m;
+#pragma unroll 1
+		for (uint32_t k = 0; k < per; k++) {
+			const uint32_t j = threadIdx.x * per + k;
+			get(j, &bc, &bm);
+			if (j == last)
+				win = pick{.j = j, .above = above, .cnt = bc, .acc = am,
+					   .total = tm};
+			above += bc;
+			am += bm;
+		}
+		__syncthreads();
+	}
+	const pick r = win;
+	__syncthreads(); /* before a next decision writes win */
+	return r;
+}
+
+/* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block.
+ * Launched by kvt_gpu_topp_threshold after passes 1 and 2. */
+cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
+				const uint32_t *n_tok, uint32_t hq, float scale, float p,
+				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out);
+
+#endif

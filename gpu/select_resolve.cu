@@ -1,0 +1,316 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Pass 3 of the Top-p threshold (select.cu has the design): the scores of the boundary bins pass 2
+ * picked are appended to the segment's candidate list, and the segment's last block resolves the
+ * exact threshold and clamp among them: sorted in shared memory when they are few, else by a radix
+ * select (over the whole segment when the list overflowed).
+ */
+#include "select_common.cuh"
+
+/* ---- pass 3: candidates, and the exact resolution ---------------------------------------- */
+
+/* Where the resolution reads its scores: the candidate list, or the whole segment. */
+struct source {
+	const u64 *cand;
+	uint32_t ncand;
+	bool listed;
+	const float *s;
+	uint32_t n;
+};
+
+/* f(ckey, score) for each score of the source in this thread's share. */
+template <class F>
+static __device__ void each_of(const source &src, F f)
+{
+	if (src.listed) {
+		for (uint32_t i = threadIdx.x; i < src.ncand; i += SEL_THREADS) {
+			const u64 c = __ldcg(src.cand + i);
+			f(c, kvt_d_keyf((uint32_t)(c >> 24)));
+		}
+		return;
+	}
+	for (uint32_t c0 = 0; c0 < src.n; c0 += SEL_CHUNK)
+		each_in_chunk(src.s, c0, src.n, [&](uint32_t i, float x) {
+			if (i < src.n)
+				f(ckey(kvt_d_fkey(x), i), x);
+		});
+}
+
+/* The resolution's state, in shared memory: the ckey digits fixed so far and what lies above. */
+struct resolve_state {
+	u64 prefix;
+	uint32_t above, cnt;
+	u128 acc;
+	double target;
+	uint32_t want;
+};
+
+/*
+ * One level of the in-block radix select: histogram the digit at SHIFT of the candidates of bin
+ * `bin` whose higher digits equal the prefix, pick the digit (by mass or by rank), fix it.
+ */
+template <bool MASS, int SHIFT, int WIDTH>
+static __device__ void rlevel(const source &src, uint32_t bin, float mx, float inv_w, float scale,
+			      uint32_t *smem, resolve_state *rs)
+{
+	constexpr uint32_t bins = 1u << WIDTH;
+	constexpr int top = SHIFT + WIDTH;
+	static_assert(MASS ? bins <= SEL_BINS : bins <= SEL_CNT_BINS, "digits fit the histogram");
+	/* counts of up to SEL_CNT_BINS digits; masses (of at most SEL_BINS) after the first SEL_BINS */
+	uint32_t *hc = smem;
+	mhist hm{smem + SEL_BINS, bins};
+	const u64 prefix = rs->prefix;
+	for (uint32_t b = threadIdx.x; b < bins; b += SEL_THREADS) {
+		hc[b] = 0;
+		if (MASS)
+			hm.zero(b);
+	}
+	__syncthreads();
+	each_of(src, [&](u64 c, float x) {
+		if ((c >> top) != (prefix >> top) || lbin(x, mx, inv_w) != bin)
+			return;
+		const uint32_t d = (uint32_t)(c >> SHIFT) & (bins - 1);
+		atomicAdd(&hc[d], 1u);
+		if (MASS)
+			hm.add(d, x, mx, scale);
+	});
+	__syncthreads();
+	/* digits from the largest down */
+	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
+		const uint32_t d = bins - 1 - j;
+		*c = hc[d];
+		*m = MASS ? mk128(hm.hi(d), hm.lo(d)) : 0;
+	};
+	const pick w = decide<bins, MASS>(get, rs->above, rs->acc, rs->target, 1.0f, rs->want);
+	if (threadIdx.x == 0) {
+		rs->prefix = prefix | (u64)(bins - 1 - w.j) << SHIFT;
+		rs->above = w.above;
+		rs->cnt = w.cnt;
+		rs->acc = w.acc;
+	}
+	__syncthreads();
+}
+
+/* The want-th largest ckey among the candidates of `bin`: the cut that marks exactly want. */
+static __device__ u64 rank_cut(const source &src, uint32_t bin, uint32_t above, uint32_t want,
+			       float mx, float inv_w, uint32_t *smem, resolve_state *rs)
+{
+	__syncthreads(); /* every thread has read what the mass levels left in rs */
+	if (threadIdx.x == 0) {
+		rs->prefix = 0;
+		rs->above = above;
+		rs->acc = 0;
+		rs->target = 0.0;
+		rs->want = want;
+	}
+	__syncthreads();
+	rlevel<false, 45, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 34, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 24, 10>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	if (rs->above + rs->cnt == want) /* the ties fit whole */
+		return (rs->prefix >> 24) << 32;
+	rlevel<false, 12, 12>(src, bin, mx, inv_w, 0.0f, smem, rs); /* lowest positions first */
+	rlevel<false, 0, 12>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	return cut_of(rs->prefix);
+}
+
+/* ---- the resolution of a short list: sorted in shared memory ----------------------------- */
+
+static __device__ void sort_desc(u64 *a, uint32_t P) /* bitonic, P a power of two */
+{
+	for (uint32_t k = 2; k <= P; k <<= 1)
+		for (uint32_t j = k >> 1; j > 0; j >>= 1) {
+			for (uint32_t i = threadIdx.x; i < P; i += SEL_THREADS) {
+				const uint32_t l = i ^ j;
+				if (l > i) {
+					const u64 x = a[i], y = a[l];
+					if ((i & k) == 0 ? x < y : x > y) {
+						a[i] = y;
+						a[l] = x;
+					}
+				}
+			}
+			__syncthreads();
+		}
+}
+
+/* The index of the first candidate of bin b in the sorted list (a bin's candidates are adjacent). */
+static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w)
+{
+	__shared__ uint32_t lo;
+	if (threadIdx.x == 0)
+		lo = SEL_NONE;
+	__syncthreads();
+	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
+		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b)
+			atomicMin(&lo, i);
+	__syncthreads();
+	const uint32_t r = lo;
+	__syncthreads();
+	return r;
+}
+
+/*
+ * The Top-p value among the sorted candidates of bin b, with `acc` the mass of the larger bins:
+ * the first candidate i where f(acc + mass of b's candidates up to i) reaches the target gives it
+ * (every larger value's mass, ties included, ends before i, and the bin's decision guarantees
+ * f(acc) < target); when rounding left the target above the total, the bin's last (smallest).
+ * Returns its key; *ge is the number of b's candidates at or above it.
+ */
+static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w,
+				       float scale, u128 acc, double target, uint32_t *ge)
+{
+	__shared__ uint32_t istar, hi, end;
+	const uint32_t E = (m + SEL_THREADS - 1) / SEL_THREADS, i0 = threadIdx.x * E,
+		       i1 = min(i0 + E, m);
+	const uint32_t lo = first_of(a, m, b, mx, inv_w);
+	if (threadIdx.x == 0) {
+		istar = SEL_NONE;
+		hi = end = 0;
+	}
+	auto mass_of = [&](uint32_t i, u128 *t) {
+		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
+		if (lbin(x, mx, inv_w) != b)
+			return false;
+		unsigned long long th, tl;
+		term(x, mx, scale, &th, &tl);
+		*t = mk128(th, tl);
+		return true;
+	};
+	uint32_t c = 0, tc;
+	u128 run = 0, t, tm;
+	for (uint32_t i = i0; i < i1; i++)
+		if (mass_of(i, &t))
+			run += t;
+	scan_excl(c, run, &tc, &tm); /* also the barrier for istar, hi, end */
+	run += acc;
+	for (uint32_t i = i0; i < i1; i++)
+		if (mass_of(i, &t)) {
+			run += t;
+			atomicMax(&hi, i);
+			if (mass_d(run) >= target) {
+				atomicMin(&istar, i);
+				break;
+			}
+		}
+	__syncthreads();
+	const uint32_t key = (uint32_t)(a[istar != SEL_NONE ? istar : hi] >> 24);
+	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
+		if ((uint32_t)(a[i] >> 24) == key)
+			atomicMax(&end, i);
+	__syncthreads();
+	*ge = end - lo + 1;
+	__syncthreads();
+	return key;
+}
+
+/*
+ * The last block's exact resolution of a segment: the Top-p value in bin[NEED_MASS], then the
+ * clamp. Out of line, so that its registers do not weigh on the streaming pass before it.
+ */
+static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint32_t n,
+					    const u64 *cand, float scale, float p, uint32_t bmin,
+					    uint32_t bmax, kvt_gpu_topp *out)
+{
+	__shared__ u64 smem64[5 * SEL_BINS / 2]; /* the sorted list, or rlevel's histograms */
+	__shared__ resolve_state rs;
+	uint32_t *smem = (uint32_t *)smem64;
+	const uint32_t tid = threadIdx.x;
+	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
+	const bool listed = __ldcg(&st->listed);
+	const uint32_t m = __ldcg(&st->ncand);
+	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
+	float thresh = kvt_d_keyf(~__ldcg(&st->nmin_key));
+	uint32_t count = n;
+	u64 *a = smem64;
+	const bool sorted = listed && m <= SEL_SORT;
+	if (sorted) {
+		uint32_t P = 1;
+		while (P < m)
+			P <<= 1;
+		for (uint32_t i = tid; i < P; i += SEL_THREADS)
+			a[i] = i < m ? __ldcg(cand + i) : 0; /* 0: below every candidate */
+		__syncthreads();
+		sort_desc(a, P);
+	}
+	if (p < 1.0f && sorted) {
+		uint32_t ge;
+		const uint32_t key = mass_sorted(
+			a, m, b0, mx, inv_w, scale,
+			(u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo), __ldcg(&st->target), &ge);
+		thresh = kvt_d_keyf(key);
+		count = __ldcg(&st->above[NEED_MASS]) + ge;
+	} else if (p < 1.0f) {
+		if (tid == 0) {
+			rs.prefix = 0;
+			rs.above = __ldcg(&st->above[NEED_MASS]);
+			rs.acc = (u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo);
+			rs.target = __ldcg(&st->target);
+			rs.want = 0;
+		}
+		__syncthreads();
+		rlevel<true, 45, 11>(src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 34, 11>(src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 24, 10>(src, b0, mx, inv_w, scale, smem, &rs);
+		thresh = kvt_d_keyf((uint32_t)(rs.prefix >> 24));
+		count = rs.above + rs.cnt;
+	}
+	int clamped;
+	const uint32_t want = clamp_want(count, n, bmin, bmax, &clamped);
+	u64 cut = (u64)kvt_d_fkey(thresh) << 32;
+	if (clamped) {
+		const int k = clamped > 0 ? NEED_MIN : NEED_MAX;
+		const uint32_t bw = __ldcg(&st->bin[k]), above = __ldcg(&st->above[k]);
+		if (sorted) /* the want-th largest: its bin's (want - above)-th */
+			cut = cut_of(a[first_of(a, m, bw, mx, inv_w) + (want - above) - 1]);
+		else
+			cut = rank_cut(src, bw, above, want, mx, inv_w, smem, &rs);
+	}
+	if (tid == 0) {
+		st->done = 0;
+		finalize(st, out, thresh, count, want, clamped, cut);
+	}
+}
+
+static __global__ void __launch_bounds__(SEL_THREADS, 4)
+	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
+	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
+{
+	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
+	seg_state *st = sc.st + seg;
+	if (__ldcg(&st->phase) != PH_CAND)
+		return;
+	const uint32_t n = n_tok[seq];
+	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const uint32_t b0 = __ldcg(&st->bin[0]), b1 = __ldcg(&st->bin[1]), b2 = __ldcg(&st->bin[2]);
+	const bool listed = __ldcg(&st->listed);
+	const float *s = scores + (size_t)seg * ld;
+	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
+	if (listed)
+		each_of_block(s, n, [&](uint32_t i, float f) {
+			uint32_t b = lbin(f, mx, inv_w);
+			const bool in = i < n && (b == b0 || b == b1 || b == b2);
+			const uint32_t vote = __ballot_sync(0xffffffffu, in);
+			if (!vote)
+				return;
+			uint32_t base = 0;
+			if (lane == (uint32_t)__ffs(vote) - 1)
+				base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
+			base = __shfl_sync(0xffffffffu, base, __ffs(vote) - 1);
+			if (in)
+				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(f), i);
+		});
+	if (!last_block(st))
+		return;
+
+	resolve(st, s, n, cand, scale, p, bmin, bmax, out + seg);
+}
+
+cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
+				const uint32_t *n_tok, uint32_t hq, float scale, float p,
+				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
+{
+	k_cand<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
+	return cudaGetLastError();
+}
