@@ -58,17 +58,19 @@ def pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: 
         backend: "cpu" or "cuda".
         device: the CUDA device ordinal of the cache.
         writable: the C function writes into x.
-        strided: a numpy array may be a strided view with contiguous rows (row_strides); the
-            caller passes its strides on (strided_pointer).
+        strided: x may be a strided view with contiguous rows (row_strides,
+            torch_row_strides); the caller passes its strides on (strided_pointer).
     """
     if is_torch(x):
         if not _torch_dtype_ok(x, kvt_dtype):
             raise refuse("%s: dtype %s, want torch.%s" % (name, x.dtype, DTYPE_NAMES[kvt_dtype]))
         if tuple(x.shape) != tuple(shape):
             raise refuse("%s: shape %s, want %s" % (name, tuple(x.shape), tuple(shape)))
-        if not x.is_contiguous():
-            raise refuse("%s: not contiguous (strides %s): pass a dense row-major tensor "
-                         "(.contiguous() copies)" % (name, tuple(x.stride())))
+        if not x.is_contiguous() and (not strided or torch_row_strides(x) is None):
+            raise refuse("%s: not contiguous (strides %s)%s: pass a dense row-major tensor "
+                         "(.contiguous() copies)"
+                         % (name, tuple(x.stride()), ", nor rows of contiguous head_dim elements "
+                            "at positive token and head strides" if strided else ""))
         if backend == "cuda":
             if x.device.type != "cuda" or x.device.index != device:
                 raise refuse("%s: on device %s, the cache is on cuda:%d"
@@ -123,15 +125,33 @@ def row_strides(x: Any) -> Optional[Tuple[int, int]]:
     return out[0], out[1]
 
 
+def torch_row_strides(x: Any) -> Optional[Tuple[int, int]]:
+    """row_strides for a torch [n, heads, head_dim] tensor (its strides are in elements)."""
+    if x.dim() != 3 or (x.shape[2] > 1 and x.stride(2) != 1):
+        return None
+    out = []
+    for n, s in zip(x.shape[:2], x.stride()[:2]):
+        if n == 1:
+            out.append(0)
+        elif s <= 0:
+            return None
+        else:
+            out.append(s)
+    return out[0], out[1]
+
+
 def strided_pointer(name: str, x: Any, shape: Tuple[int, ...], kvt_dtype: int, backend: str,
                     device: int, writable: bool = False) -> Tuple[int, Optional[Tuple[int, int]]]:
     """pointer() for a q, k, v or out of the calls that take a kvt_io_layout: a numpy array may
     also be a strided view whose head_dim elements are contiguous (a fused qkv projection split
-    three ways, a [B, H, T, D] transpose), passed as it is, not copied. Returns the address and
-    None (dense) or the (token_stride, head_stride) of its kvt_io_view in elements. torch tensors
-    must be dense, as for pointer()."""
+    three ways, a [B, H, T, D] transpose), passed as it is, not copied; so may a torch tensor (on
+    either backend: the CUDA backend copies strided device tensors with cudaMemcpy2DAsync).
+    Returns the address and None (dense) or the (token_stride, head_stride) of its kvt_io_view in
+    elements."""
     addr = pointer(name, x, shape, kvt_dtype, backend, device, writable, strided=True)
-    if is_torch(x) or x.flags.c_contiguous:
+    if is_torch(x):
+        return addr, None if x.is_contiguous() else torch_row_strides(x)
+    if x.flags.c_contiguous:
         return addr, None
     return addr, row_strides(x)
 

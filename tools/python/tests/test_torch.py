@@ -29,7 +29,7 @@ def test_cpu_tensors_round_trip():
             v.repeat_interleave(2, 1).transpose(0, 1).float()).transpose(0, 1)
         assert (out.float() - ref).abs().max().item() < 4e-3
         with pytest.raises(kvtier.Error, match="not contiguous") as ei:
-            c.prefill(s, 0, q, k.transpose(0, 1).contiguous().transpose(0, 1), v)
+            c.prefill(s, 0, q, torch.randn(90, 64, 2, generator=g).half().transpose(1, 2), v)
         assert ei.value.errno == errno.EINVAL
         with pytest.raises(kvtier.Error, match="dtype torch.bfloat16"):
             c.prefill(s, 0, q, k.bfloat16(), v)
@@ -61,3 +61,33 @@ def test_cuda_tensors_round_trip():
             c.prefill(s, 0, q.cpu(), k.cpu(), v.cpu())
         with pytest.raises(kvtier.Error, match="numpy array"):
             c.prefill(s, 0, None, np.zeros((1, 2, 64), np.uint16), np.zeros((1, 2, 64), np.uint16))
+
+
+def _strided_round_trip(c, dev):
+    """A fused qkv projection split three ways and a [B, H, T, D] transpose, as torch views (no
+    copy), give bit for bit what contiguous copies give, in a second cache of the same config."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    dt = torch.float16
+    qkv = torch.randn(120, 8, 64, generator=g, device=dev, dtype=dt)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    assert not (q.is_contiguous() or k.is_contiguous())
+    s = c[0].open()
+    t = c[1].open()
+    c[0].prefill(s, 0, q, k, v)
+    c[1].prefill(t, 0, q.contiguous(), k.contiguous(), v.contiguous())
+    qt = torch.randn(4, 1, 64, generator=g, device=dev, dtype=dt).transpose(0, 1)
+    assert not qt.is_contiguous()
+    a = c[0].attend(0, [s], qt)
+    b = c[1].attend(0, [t], qt.contiguous())
+    assert torch.equal(a, b)
+
+
+def test_cpu_strided_tensors():
+    with kvtier.Cache(backend="cpu", p=0.9, **SHAPE) as a, \
+            kvtier.Cache(backend="cpu", p=0.9, **SHAPE) as b:
+        _strided_round_trip((a, b), torch.device("cpu"))
+
+
+def test_cuda_strided_tensors():
+    with _cuda_cache(p=0.9) as a, _cuda_cache(p=0.9) as b:
+        _strided_round_trip((a, b), torch.device("cuda", 0))
