@@ -71,14 +71,15 @@ def _strided_round_trip(c, dev):
     qkv = torch.randn(120, 8, 64, generator=g, device=dev, dtype=dt)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
     assert not (q.is_contiguous() or k.is_contiguous())
-    s = c[0].open()
-    t = c[1].open()
-    c[0].prefill(s, 0, q, k, v)
-    c[1].prefill(t, 0, q.contiguous(), k.contiguous(), v.contiguous())
-    qt = torch.randn(4, 1, 64, generator=g, device=dev, dtype=dt).transpose(0, 1)
+    s = [c[0].open() for _ in range(2)]
+    t = [c[1].open() for _ in range(2)]
+    for i in range(2):
+        c[0].prefill(s[i], 0, q, k, v)
+        c[1].prefill(t[i], 0, q.contiguous(), k.contiguous(), v.contiguous())
+    qt = torch.randn(4, 2, 64, generator=g, device=dev, dtype=dt).transpose(0, 1)
     assert not qt.is_contiguous()
-    a = c[0].attend(0, [s], qt)
-    b = c[1].attend(0, [t], qt.contiguous())
+    a = c[0].attend(0, s, qt)
+    b = c[1].attend(0, t, qt.contiguous())
     assert torch.equal(a, b)
 
 
