@@ -8,6 +8,8 @@
 #ifndef KVT_BENCH_GPU_DECODE_KVTIER_CUH
 #define KVT_BENCH_GPU_DECODE_KVTIER_CUH
 
+#include "constants.h" /* KVT_GPU_HOT_TAG_BYTES */
+
 /* How a kvtier run goes. */
 struct kvt_run {
 	int steps = 40, warmup = 8;
@@ -22,6 +24,7 @@ struct kvt_result {
 	bool ok = false;
 	float ms = 0, wall_ms = 0;
 	double sel_frac = 0, hit_rate = 0, pcie_per_step = 0, hbm_bytes = 0, err_vs_exact = -1;
+	double hot_bytes = 0; /* the hot cache at the end: rows and their tags */
 	double ns[5] = {0, 0, 0, 0, 0};
 	uint64_t budget_max_hits = 0, flushes = 0;
 };
@@ -167,6 +170,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		const uint64_t hits = l1.hot_hits - l0.hot_hits, miss = l1.hot_misses - l0.hot_misses;
 		r.hit_rate = hits + miss ? (double)hits / (hits + miss) : 0;
 		r.pcie_per_step = (double)(l1.pcie_bytes - l0.pcie_bytes) / steps;
+		r.hot_bytes = (double)l1.hot_rows * (ROW + KVT_GPU_HOT_TAG_BYTES);
 		r.hbm_bytes = (double)s1.index_bytes + (double)l1.hot_rows * ROW +
 			      (double)n_seqs * HKV * (KVT_DEFAULT_WINDOW + KVT_DEFAULT_FLUSH_BATCH) * ROW;
 		r.ns[0] = (double)(s1.ns_index - s0.ns_index) / steps;

@@ -240,22 +240,57 @@ static int cu_init(kvt_cache *c)
 	return cu_init_inner(c, b);
 }
 
-/* A dense tensor to or from a strided view (lib/io_layout.c): one 2D copy per head, its n rows
- * token_pitch apart in the view and heads * width apart in the dense tensor, in stream order. */
+/* One 2D copy of `rows` rows of `width` bytes between the view (rows `vpitch` apart) and the dense
+ * tensor (rows `dpitch` apart), as copy_strided's direction says; rows one by one (plain copies)
+ * when there is one, or a pitch is past what the device's 2D copy takes. */
+static cudaError_t copy_rows(char *view, size_t vpitch, char *dense, size_t dpitch, size_t width,
+			     size_t rows, bool to_view, cudaStream_t st)
+{
+	const size_t max_pitch = (size_t)1 << 31; /* cudaDevAttrMaxPitch on every device so far */
+	if (rows > 1 && vpitch < max_pitch && dpitch < max_pitch)
+		return to_view ? cudaMemcpy2DAsync(view, vpitch, dense, dpitch, width, rows,
+						   cudaMemcpyDefault, st)
+			       : cudaMemcpy2DAsync(dense, dpitch, view, vpitch, width, rows,
+						   cudaMemcpyDefault, st);
+	for (size_t r = 0; r < rows; r++) {
+		cudaError_t e = to_view ? cudaMemcpyAsync(view + r * vpitch, dense + r * dpitch, width,
+							  cudaMemcpyDefault, st)
+					: cudaMemcpyAsync(dense + r * dpitch, view + r * vpitch, width,
+							  cudaMemcpyDefault, st);
+		if (e != cudaSuccess)
+			return e;
+	}
+	return cudaSuccess;
+}
+
+/*
+ * A dense tensor to or from a strided view (lib/io_layout.c), in stream order, in as few copies as
+ * the view allows: one when a token's heads are contiguous (rows of heads * width bytes) or there
+ * is one token (rows of one head), else one per head or one per token, whichever is fewer.
+ */
 static int cu_copy_strided(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
 			   bool to_view, void *stream)
 {
-	const size_t dense_pitch = (size_t)s->heads * s->width;
-	for (uint32_t h = 0; h < s->heads; h++) {
-		const size_t v = h * s->head_pitch, d = h * s->width;
-		if (to_view)
-			CU(c, cudaMemcpy2DAsync((char *)dst + v, s->token_pitch, (const char *)src + d,
-						dense_pitch, s->width, s->n, cudaMemcpyDefault,
-						(cudaStream_t)stream));
-		else
-			CU(c, cudaMemcpy2DAsync((char *)dst + d, dense_pitch, (const char *)src + v,
-						s->token_pitch, s->width, s->n, cudaMemcpyDefault,
-						(cudaStream_t)stream));
+	char *view = to_view ? (char *)dst : (char *)src, *dense = to_view ? (char *)src : (char *)dst;
+	const cudaStream_t st = (cudaStream_t)stream;
+	const size_t w = s->width, H = s->heads, n = s->n, row = H * w;
+	cudaError_t e = cudaSuccess;
+	if (H == 1 || s->head_pitch == w) /* a token's heads contiguous */
+		e = copy_rows(view, s->token_pitch, dense, row, row, n, to_view, st);
+	else if (n == 1)
+		e = copy_rows(view, s->head_pitch, dense, w, w, H, to_view, st);
+	else if (H <= n)
+		for (size_t h = 0; h < H && e == cudaSuccess; h++)
+			e = copy_rows(view + h * s->head_pitch, s->token_pitch, dense + h * w, row, w,
+				      n, to_view, st);
+	else
+		for (size_t t = 0; t < n && e == cudaSuccess; t++)
+			e = copy_rows(view + t * s->token_pitch, s->head_pitch, dense + t * row, w, w,
+				      H, to_view, st);
+	if (e != cudaSuccess) {
+		(void)cudaGetLastError(); /* not sticky: the next launch must not see it */
+		return kvt_seterr(c, -EIO, "copying a strided %s (%zu rows of %zu heads): %s",
+				  to_view ? "out" : "input", n, H, cudaGetErrorString(e));
 	}
 	return 0;
 }

@@ -80,14 +80,16 @@ struct gpu_layer {
 	size_t sel_bytes;
 	void *jobs;             /* index jobs and views of one build, device */
 	uint64_t steps, selected;
-	/* the hot cache's memory and, self-sized (hot.c), its measure: the selected-token counter
-	 * copied after a step (snap_ev), with the host-counted selections and the step calls then */
+	/* the hot cache's memory and, self-sized (hot.c), the measure of one step: the
+	 * selected-token counter copied before and after it (the second behind snap_ev), the
+	 * selections the host counted in it and its batch size */
 	void *hot_mem;
 	size_t hot_bytes;
-	uint64_t calls, hot_grown;
 	cudaEvent_t snap_ev;
-	bool snap_pending;
-	uint64_t snap_host_sel, snap_calls, seen_sel, seen_calls;
+	bool measuring, snap_pending;
+	bool hot_frozen;        /* a step was captured: the cache is never replaced */
+	uint64_t snap_host_sel;
+	uint32_t snap_seqs;
 };
 
 /* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
@@ -116,7 +118,8 @@ struct gpu_cache {
 	bool staging_pending;
 	bool hot_auto;                /* the hot cache sizes itself (hot.c) */
 	uint64_t hot_cap_layer;       /* its bound per layer, bytes */
-	uint64_t *hot_snap;           /* [L] pinned: the layers' selected counters after a step */
+	uint64_t *hot_snap;           /* [L][2] pinned: a layer's selected counter before and after a
+					 step */
 	uint64_t stamp;
 	void *host;                   /* host scratch for descriptors, max_seqs entries */
 	size_t jobs_bytes;

@@ -34,6 +34,8 @@ void gpu_dfree(kvt_cache *c, void *p)
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 {
 	*p = kvt_mem_device_alloc(&c->mem, bytes ? bytes : 1);
+	if (!*p)
+		(void)cudaGetLastError(); /* not sticky: a later launch must not report it */
 	KVT_RETURN_IF(!*p, c, -ENOMEM, "out of device memory allocating %zu bytes for %s", bytes,
 		      what);
 	if (cudaMemset(*p, 0, bytes) != cudaSuccess) {

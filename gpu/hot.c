@@ -7,12 +7,14 @@
  * measured), within its share of gpu_cache_max_bytes (default: a quarter of the device memory free
  * at set-up) and half of the memory free at the time. It never shrinks.
  *
- * The measure never synchronizes: after each step the layer's selected-token counter is copied to
- * pinned memory behind an event; the next step of that layer reads it if the event has completed
- * (else it waits for a later step). A growth allocates the larger cache and frees the old one after
- * a device synchronization, so it happens a few times over a sequence's life (each at least 1.5x
- * the last); the rows it held are read again from the host tier once. A step being captured into a
- * CUDA graph neither measures nor grows: size the cache with eager steps first.
+ * The measure never synchronizes: the layer's selected-token counter is copied to pinned memory
+ * before and after an eager step, the second copy behind an event, so the difference is that one
+ * step's selection whatever graph replays ran between steps; a later step of the layer reads it if
+ * the event has completed (else a later one does). A growth allocates the larger cache and frees
+ * the old one after a device synchronization, so it happens a few times over a sequence's life
+ * (each at least 1.5x the last); the rows it held are read again from the host tier once. The
+ * first step of a layer captured into a CUDA graph freezes that layer's cache for good (a growth
+ * would free memory the graph's kernels keep reading): size it with eager steps first.
  */
 #include "cuda_backend.h"
 
@@ -47,8 +49,10 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 	void *mem = NULL;
 	if (quiet) {
 		mem = kvt_mem_device_alloc(&c->mem, bytes);
-		if (!mem)
+		if (!mem) {
+			(void)cudaGetLastError(); /* not sticky: the step's launches must not see it */
 			return -ENOMEM;
+		}
 		if (cudaMemset(mem, 0, bytes) != cudaSuccess) {
 			gpu_dfree(c, mem);
 			return kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
@@ -57,7 +61,12 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 		KVT_TRY(gpu_dalloc(c, &mem, bytes, "the hot-token cache"));
 	}
 	if (y->hot_mem) {
-		CU(c, cudaDeviceSynchronize()); /* the old cache may still be read */
+		const cudaError_t e = cudaDeviceSynchronize(); /* the old cache may still be read */
+		if (e != cudaSuccess) {
+			gpu_dfree(c, mem);
+			return kvt_seterr(c, -EIO, "cudaDeviceSynchronize before replacing the hot "
+					  "cache: %s", cudaGetErrorString(e));
+		}
 		gpu_dfree(c, y->hot_mem);
 	}
 	y->hot_mem = mem;
@@ -87,7 +96,7 @@ int gpu_hot_init(kvt_cache *c)
 		cap = free_b / 4;
 	}
 	b->hot_cap_layer = cap / L;
-	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, sizeof(uint64_t) * L,
+	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, 2 * sizeof(uint64_t) * L,
 				 "the hot cache's measures"));
 	for (uint32_t i = 0; i < L; i++)
 		CU(c, cudaEventCreateWithFlags(&b->lay[i].snap_ev, cudaEventDisableTiming));
@@ -103,7 +112,7 @@ void gpu_hot_fini(kvt_cache *c)
 		if (y->snap_ev)
 			cudaEventDestroy(y->snap_ev);
 	}
-	gpu_pinned_free(c, b->hot_snap, sizeof(uint64_t) * c->cfg.n_layers);
+	gpu_pinned_free(c, b->hot_snap, 2 * sizeof(uint64_t) * c->cfg.n_layers);
 }
 
 static bool capturing(void *stream)
@@ -116,27 +125,21 @@ static bool capturing(void *stream)
 	return st != cudaStreamCaptureStatusNone;
 }
 
-int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *stream)
+/* Queue the copy of the layer's selected-token counter into its pinned slot i (0: before a step,
+ * 1: after it). */
+static int snap(kvt_cache *c, uint32_t layer, int i, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	struct gpu_layer *y = &b->lay[layer];
-	if (!b->hot_auto || !y->snap_pending || capturing(stream))
-		return 0;
-	const cudaError_t q = cudaEventQuery(y->snap_ev);
-	if (q == cudaErrorNotReady)
-		return 0; /* a later step reads it */
-	CU(c, q);
-	y->snap_pending = false;
-	/* the counters start at zero with the cache: the first measure is one too */
-	const uint64_t sel = b->hot_snap[layer] + y->snap_host_sel, calls = y->snap_calls;
-	const uint64_t dsel = sel - y->seen_sel, dcalls = calls - y->seen_calls;
-	y->seen_sel = sel;
-	y->seen_calls = calls;
-	if (!dcalls)
-		return 0;
-	/* rows a step reads through the cache: its selected rows and the batch's sinks */
-	const uint64_t demand =
-		dsel / dcalls + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * n_seqs;
+	CU(c, cudaMemcpyAsync(&b->hot_snap[2 * (size_t)layer + i],
+			      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SELECTED,
+			      sizeof(uint64_t), cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+	return 0;
+}
+
+/* Grow the layer's cache to hold twice `demand` rows, within its bounds. */
+static int grow(kvt_cache *c, struct gpu_layer *y, uint64_t demand)
+{
+	struct gpu_cache *b = gpu_of(c);
 	const uint64_t have = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
 	if (have >= 2 * demand)
 		return 0;
@@ -156,25 +159,54 @@ int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *str
 	if (sets <= y->hot.sets)
 		return 0; /* at its bound */
 	const int rc = alloc_sets(c, y, sets, true);
-	if (rc == -ENOMEM)
-		return 0; /* the cache stays as it was */
-	y->hot_grown += rc == 0;
-	return rc;
+	return rc == -ENOMEM ? 0 : rc; /* out of memory: the cache stays as it was */
 }
 
+/*
+ * Before a step of the layer: read the last measure if it has landed (never waiting) and grow on
+ * it, then start measuring this step. A step being captured freezes the layer's cache for good: a
+ * growth frees memory that a captured graph's kernels keep reading.
+ */
+int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	if (!b->hot_auto || y->hot_frozen)
+		return 0;
+	if (capturing(stream)) {
+		y->hot_frozen = true;
+		return 0;
+	}
+	if (y->snap_pending) {
+		const cudaError_t q = cudaEventQuery(y->snap_ev);
+		if (q == cudaErrorNotReady)
+			return 0; /* a later step reads it */
+		CU(c, q);
+		y->snap_pending = false;
+		/* rows the measured step read through the cache: its selected rows (counted on the
+		 * device by an attend, on the host by a select) and its batch's sinks */
+		const uint64_t sel = b->hot_snap[2 * (size_t)layer + 1] - b->hot_snap[2 * (size_t)layer] +
+				     y->snap_host_sel;
+		KVT_TRY(grow(c, y, sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs));
+	}
+	KVT_TRY(snap(c, layer, 0, stream));
+	y->snap_host_sel = y->selected;
+	y->snap_seqs = n_seqs;
+	y->measuring = true;
+	return 0;
+}
+
+/* After a step of the layer: end the measure begun before it. */
 int gpu_hot_after_step(kvt_cache *c, uint32_t layer, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
-	y->calls++;
-	if (!b->hot_auto || y->snap_pending || capturing(stream))
+	if (!b->hot_auto || !y->measuring)
 		return 0;
-	CU(c, cudaMemcpyAsync(&b->hot_snap[layer],
-			      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SELECTED,
-			      sizeof(uint64_t), cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+	y->measuring = false;
+	KVT_TRY(snap(c, layer, 1, stream));
 	CU(c, cudaEventRecord(y->snap_ev, (cudaStream_t)stream));
-	y->snap_host_sel = y->selected;
-	y->snap_calls = y->calls;
+	y->snap_host_sel = y->selected - y->snap_host_sel;
 	y->snap_pending = true;
 	return 0;
 }

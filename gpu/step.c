@@ -4,8 +4,9 @@
  * arena, its descriptors uploaded in one piece, then query preparation, scoring, the Top-p
  * threshold and union into the layer's selection, and (kvt_attend) the fetch of the selected rows
  * through the hot cache and exact attention. The step enqueues kernels, parameter uploads and one
- * small copy of the error word: no allocation once the scratch fits and no host synchronization,
- * so it can be captured in a CUDA graph after one warm-up step at the same shape.
+ * small copy of the error word (and, with the self-sized hot cache, two of a counter): no
+ * allocation once the scratch fits and the hot cache stops growing, and no host synchronization,
+ * so it can be captured in a CUDA graph after warm-up steps at the same shape (gpu/hot.c).
  */
 #include "cuda_backend.h"
 
@@ -143,6 +144,18 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	return 0;
 }
 
+/* The run of batch entries from i on whose selections lie in consecutive slots of the layer's
+ * last selection (the step's own batch is one run); *slot: the first's. */
+static uint32_t slot_run(struct kvt_layer *const *ls, uint32_t n_seqs, uint32_t i, uint32_t *slot)
+{
+	uint32_t run = 1;
+	*slot = ((const struct gpu_seq_layer *)ls[i]->dev)->sel_slot;
+	while (i + run < n_seqs &&
+	       ((const struct gpu_seq_layer *)ls[i + run]->dev)->sel_slot == *slot + run)
+		run++;
+	return run;
+}
+
 /* The positions of a gather's batch from the bits of the layer's last selection, into the step
  * scratch: one launch per run of consecutive slots, so the step's own batch takes one. */
 static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
@@ -150,11 +163,8 @@ static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 {
 	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
-	for (uint32_t i = 0, run; i < n_seqs; i += run) {
-		const uint32_t slot = ((const struct gpu_seq_layer *)ls[i]->dev)->sel_slot;
-		for (run = 1; i + run < n_seqs; run++)
-			if (((const struct gpu_seq_layer *)ls[i + run]->dev)->sel_slot != slot + run)
-				break;
+	for (uint32_t i = 0, run, slot; i < n_seqs; i += run) {
+		run = slot_run(ls, n_seqs, i, &slot);
 		kvt_gpu_selbits v = y->bits;
 		v.mask += (size_t)slot * H * v.words;
 		v.ccount += (size_t)slot * H * v.chunks;
@@ -273,11 +283,8 @@ static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 {
 	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
-	for (uint32_t i = 0, run; i < n_seqs; i += run) {
-		const uint32_t slot = ((const struct gpu_seq_layer *)ls[i]->dev)->sel_slot;
-		for (run = 1; i + run < n_seqs; run++)
-			if (((const struct gpu_seq_layer *)ls[i + run]->dev)->sel_slot != slot + run)
-				break;
+	for (uint32_t i = 0, run, slot; i < n_seqs; i += run) {
+		run = slot_run(ls, n_seqs, i, &slot);
 		CU(c, cudaMemcpyAsync(sel_n + (size_t)i * H, y->sel_n + (size_t)slot * H,
 				      sizeof(uint32_t) * H * run, cudaMemcpyDeviceToHost,
 				      (cudaStream_t)stream));

@@ -127,7 +127,8 @@ static int check_tiers(const kvt_config *cfg)
 	      "gpu_cache_max_bytes = %llu, must be <= 1 TiB (0: a quarter of the free device "
 	      "memory)",
 	      (unsigned long long)cfg->gpu_cache_max_bytes);
-	CHECK(cfg->gpu_cache_bytes == 0 || cfg->gpu_cache_max_bytes == 0,
+	CHECK(cfg->gpu_cache_bytes == 0 || cfg->gpu_cache_bytes == KVT_NONE64 ||
+		      cfg->gpu_cache_max_bytes == 0,
 	      "gpu_cache_max_bytes = %llu bounds the self-sized hot cache, but gpu_cache_bytes = "
 	      "%llu fixes its size: give one of them",
 	      (unsigned long long)cfg->gpu_cache_max_bytes,

@@ -80,6 +80,7 @@ static int scratch_grow(kvt_cache *c, const char *call, size_t bytes, void *stre
 {
 	if (bytes <= c->io_scratch_bytes)
 		return 0;
+	bytes += bytes / 4; /* headroom: a batch that grows by one does not regrow it each call */
 	const bool dev = c->ops->device_tensors;
 	if (dev && c->ops->may_block)
 		KVT_TRY(c->ops->may_block(c, stream, "growing the dense copies of strided tensors"));
@@ -139,6 +140,10 @@ int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32
 		      "dense tensors or a NULL layout", call, c->ops->name,
 		      io_name[strided[IO_Q] ? IO_Q : strided[IO_K] ? IO_K : strided[IO_V] ? IO_V
 										 : IO_OUT]);
+	/* the cache's device current before its scratch is made or filled (the call's enter comes
+	 * later, in the pipeline) */
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
 	KVT_TRY(scratch_grow(c, call, bytes, stream));
 	char *at = c->io_scratch;
 	for (int i = 0; i < IO_N; i++) {
@@ -167,8 +172,13 @@ int kvt_io_end(kvt_cache *c, struct kvt_io *io, int rc, void *stream)
 
 void kvt_io_fini(kvt_cache *c)
 {
-	if (c->io_scratch && c->ops->device_tensors && c->ops->quiesce)
-		(void)c->ops->quiesce(c); /* queued work may still read it */
+	if (c->io_scratch && c->ops->device_tensors) {
+		/* on the cache's device: queued work may still read it */
+		if (c->ops->enter)
+			(void)c->ops->enter(c);
+		if (c->ops->quiesce)
+			(void)c->ops->quiesce(c);
+	}
 	scratch_free(c, c->io_scratch, c->io_scratch_bytes);
 	c->io_scratch = NULL;
 	c->io_scratch_bytes = 0;

@@ -188,7 +188,8 @@ typedef struct kvt_config {
 					 layers together (each layer at most its n_layers-th part),
 					 <= 1 TiB; 0 (default): a quarter of the device memory free
 					 at kvt_cache_create. A growth also leaves half of the memory
-					 then free. Must be 0 when gpu_cache_bytes is given */
+					 then free. Must be 0 when gpu_cache_bytes fixes a size
+					 (with KVT_NONE64, no cache, it is ignored) */
 	uint64_t reserved[1]; /* must be zero: where later minor versions add fields */
 } kvt_config;
 
@@ -382,7 +383,8 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On any error the batch's
  * selections are dropped and `out` may be partly written.
  * CUDA backend: asynchronous on `stream` (no host synchronization, no allocation once a step of
- * the same batch and context size has run, so the call can be captured in a CUDA graph). Errors
+ * the same batch and context size has run, except a growth of the self-sized hot cache, so the
+ * call can be captured in a CUDA graph after warm-up steps: doc/cuda-backend.md). Errors
  * the kernels find (a non-finite query or score) are returned by the next call on the cache. A
  * spilled sequence is served in place: the call synchronizes once (the selection comes to the host,
  * the missed rows of spilled blocks are read from NVMe and staged in pinned memory), so it cannot

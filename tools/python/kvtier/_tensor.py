@@ -2,8 +2,8 @@
 """Checking numpy arrays and torch tensors before their pointers are handed to C.
 
 Nothing here copies or converts: an argument that is not exactly what the C function reads (dtype,
-shape, device, dense row-major layout, or for the calls taking a kvt_io_layout a numpy view with
-contiguous rows) is refused with an Error naming it.
+shape, device, dense row-major layout, or for the calls taking a kvt_io_layout a numpy or torch
+view with contiguous rows) is refused with an Error naming it.
 """
 
 from __future__ import annotations

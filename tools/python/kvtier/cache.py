@@ -2,10 +2,10 @@
 """Pythonic objects over kvtier's C interface: Config, Cache, Sequence, stats, probe, footprint.
 
 Conventions (lib/kvtier.h): tensors are dense row-major in the cache's dtype (prefill, append,
-attend and extend also take numpy views with contiguous head rows, kvt_io_layout); host memory
-(numpy arrays or CPU torch tensors) for the CPU backend, torch CUDA tensors on the cache's device
-for the CUDA backend, where every call is queued on torch's current stream of that device. Calls on
-one Cache must be serialized by the caller (one thread at a time), as in C.
+attend and extend also take numpy or torch views with contiguous head rows, kvt_io_layout); host
+memory (numpy arrays or CPU torch tensors) for the CPU backend, torch CUDA tensors on the cache's
+device for the CUDA backend, where every call is queued on torch's current stream of that device.
+Calls on one Cache must be serialized by the caller (one thread at a time), as in C.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ class Config:
     a value of its own (n_sink, window, budget_min, budget_max, seed, gpu_cache_bytes) a 0 given
     here means that zero (no sinks, no window, no floor, no cap, seed 0, no hot cache) and is sent
     as KVT_NONE / KVT_NONE64. gpu_cache_bytes None is the self-sized hot cache, bounded by
-    gpu_cache_max_bytes (None: a quarter of the device memory free at creation). Strings are accepted for the enums: dtype "float16"/"bfloat16",
-    out_dtype also "float32", backend "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes
-    are accepted too."""
+    gpu_cache_max_bytes (None: a quarter of the device memory free at creation). Strings are
+    accepted for the enums: dtype "float16"/"bfloat16", out_dtype also "float32", backend
+    "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes are accepted too."""
     n_layers: int = 0
     n_q_heads: int = 0
     n_kv_heads: int = 0
@@ -580,9 +580,9 @@ class Cache:
 
         q: [n_tokens, n_q_heads, head_dim] in dtype, or None (the query centroid is then zero)
         k, v: [n_tokens, n_kv_heads, head_dim] in dtype
-        numpy q, k, v may be strided views with contiguous head rows (a fused qkv split, a
-        [B, H, T, D] transpose): passed with their strides (kvt_prefill_at), not copied. So may
-        the tensors of append, attend (out too) and extend.
+        q, k, v (numpy or torch) may be strided views with contiguous head rows (a fused qkv
+        split, a [B, H, T, D] transpose): passed with their strides (kvt_prefill_at), not
+        copied. So may the tensors of append, attend (out too) and extend.
         CUDA backend: queued on torch's current stream.
         """
         sid, layer = self._seq_id(seq), self._layer(layer)
