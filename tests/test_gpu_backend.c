@@ -408,42 +408,66 @@ static void test_hot_auto(void **state)
 	}
 }
 
+/*
+ * A step captured into a CUDA graph replays bit for bit what the eager step gives, with a fixed hot
+ * cache and with the self-sized one; the latter is frozen by the capture: eager steps after it do
+ * not grow it (a growth would free memory the graph reads), and the graph still replays right.
+ */
 static void test_graph(void **state)
 {
 	(void)state;
-	struct pair p;
-	pair_init(&p, 3000, 8, 64u << 20);
-	cudaStream_t st;
-	CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-	const size_t ob = sizeof(float) * NSEQ * HQ * D;
-	float *eager = malloc(ob);
-	decode_inputs(&p, 0, 0);
-	OK(p.gpu, kvt_append(p.gpu, 0, NSEQ, p.sg, p.dk, p.dv, st));
-	/* warm-up at this shape, then the eager reference */
-	OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
-	OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
-	CU(cudaStreamSynchronize(st));
-	CU(cudaMemcpy(eager, p.dout, ob, cudaMemcpyDeviceToHost));
-	CU(cudaMemset(p.dout, 0xff, ob));
-	cudaGraph_t graph;
-	cudaGraphExec_t exec;
-	CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-	int rc = kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st);
-	CU(cudaStreamEndCapture(st, &graph));
-	T_CHECK(rc == 0, "kvt_attend while capturing: %d: %s", rc, kvt_last_error(p.gpu));
-	CU(cudaGraphInstantiate(&exec, graph, 0));
-	for (int rep = 0; rep < 3; rep++) {
-		CU(cudaMemset(p.dout, 0xff, ob));
-		CU(cudaGraphLaunch(exec, st));
+	for (int self_sized = 0; self_sized < 2; self_sized++) {
+		struct pair p;
+		pair_init(&p, 3000, 8, self_sized ? 0 : 64u << 20);
+		cudaStream_t st;
+		CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+		const size_t ob = sizeof(float) * NSEQ * HQ * D;
+		float *eager = malloc(ob);
+		decode_inputs(&p, 0, 0);
+		OK(p.gpu, kvt_append(p.gpu, 0, NSEQ, p.sg, p.dk, p.dv, st));
+		/* warm-up at this shape (the self-sized cache grows in its first steps), then the
+		 * eager reference */
+		for (int w = 0; w < (self_sized ? 4 : 1); w++) {
+			OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
+			CU(cudaStreamSynchronize(st));
+		}
+		OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
 		CU(cudaStreamSynchronize(st));
-		CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
-		T_CHECK(!memcmp(p.out_g, eager, ob), "replay %d differs from the eager step", rep);
+		CU(cudaMemcpy(eager, p.dout, ob, cudaMemcpyDeviceToHost));
+		CU(cudaMemset(p.dout, 0xff, ob));
+		kvt_layer_stats l0 = {.size = sizeof l0}, l1 = {.size = sizeof l1};
+		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &l0));
+		cudaGraph_t graph;
+		cudaGraphExec_t exec;
+		CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+		int rc = kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st);
+		CU(cudaStreamEndCapture(st, &graph));
+		T_CHECK(rc == 0, "kvt_attend while capturing: %d: %s", rc, kvt_last_error(p.gpu));
+		CU(cudaGraphInstantiate(&exec, graph, 0));
+		for (int rep = 0; rep < 6; rep++) {
+			if (rep == 3) /* eager steps between replays: the cache must not move */
+				for (int e = 0; e < 3; e++) {
+					OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, st));
+					CU(cudaStreamSynchronize(st));
+				}
+			CU(cudaMemset(p.dout, 0xff, ob));
+			CU(cudaGraphLaunch(exec, st));
+			CU(cudaStreamSynchronize(st));
+			CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
+			T_CHECK(!memcmp(p.out_g, eager, ob), "%s cache: replay %d differs from the "
+				"eager step", self_sized ? "self-sized" : "fixed", rep);
+		}
+		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &l1));
+		T_CHECK(l1.hot_rows == l0.hot_rows && l0.hot_rows > 0,
+			"%s cache: %llu rows at capture, %llu after replays and eager steps",
+			self_sized ? "self-sized" : "fixed", (unsigned long long)l0.hot_rows,
+			(unsigned long long)l1.hot_rows);
+		cudaGraphExecDestroy(exec);
+		cudaGraphDestroy(graph);
+		cudaStreamDestroy(st);
+		free(eager);
+		pair_fini(&p);
 	}
-	cudaGraphExecDestroy(exec);
-	cudaGraphDestroy(graph);
-	cudaStreamDestroy(st);
-	free(eager);
-	pair_fini(&p);
 }
 
 #if KVT_HAVE_LIBURING
@@ -831,76 +855,134 @@ static void test_lifecycle(void **state)
  * corrections at create, a strided kvt_io_layout, kvt_extend with or without Top-p; a dense
  * kvt_io_layout runs as the plain call, bit for bit.
  */
-/* A device copy of a dense host tensor of `rows` rows of D fp16 elements, each row 2 D elements
- * after the last (head_stride 2 D), the gaps poisoned. */
-static void *spread(const uint16_t *h, size_t rows)
+/* A strided view of the fp16 rows [n][heads][D] of dense host memory h: token t, head j at element
+ * t * ts + j * hs of a device buffer of `elems` elements, everything else poisoned. */
+static void *view_of(const uint16_t *h, uint32_t n, uint32_t heads, uint64_t ts, uint64_t hs,
+		     size_t elems)
 {
-	void *d = NULL;
-	CU(cudaMalloc(&d, rows * 2 * D * 2));
-	CU(cudaMemset(d, 0xff, rows * 2 * D * 2));
-	CU(cudaMemcpy2D(d, 2 * D * 2, h, D * 2, D * 2, rows, cudaMemcpyHostToDevice));
+	uint16_t *d = NULL;
+	CU(cudaMalloc((void **)&d, elems * 2));
+	CU(cudaMemset(d, 0xff, elems * 2));
+	for (uint32_t t = 0; t < n; t++)
+		for (uint32_t j = 0; j < heads; j++)
+			CU(cudaMemcpy(d + t * ts + j * hs, h + ((size_t)t * heads + j) * D, D * 2,
+				      cudaMemcpyHostToDevice));
 	return d;
 }
 
+/* The rows of a strided float out view back into dense host memory; false when an element outside
+ * the rows was written (the poison changed). */
+static bool rows_of(const float *d, uint32_t n, uint32_t heads, uint64_t ts, uint64_t hs,
+		    size_t elems, float *out)
+{
+	uint32_t *all = malloc(elems * 4);
+	uint8_t *mine = calloc(elems, 1);
+	CU(cudaMemcpy(all, d, elems * 4, cudaMemcpyDeviceToHost));
+	for (uint32_t t = 0; t < n; t++)
+		for (uint32_t j = 0; j < heads; j++) {
+			memcpy(out + ((size_t)t * heads + j) * D, all + t * ts + j * hs, D * 4);
+			memset(mine + t * ts + j * hs, 1, D);
+		}
+	bool clean = true;
+	for (size_t i = 0; i < elems; i++)
+		clean &= mine[i] || all[i] == 0xffffffffu;
+	free(all);
+	free(mine);
+	return clean;
+}
+
+/* One strided layout of a step's tensors: q/out and k/v views (elements), and their extents. */
+struct lay {
+	const char *name;
+	uint64_t qts, qhs, kts, khs;
+};
+
 /*
- * Strided tensors on the CUDA backend (head_stride 2 D for q, k, v and out): appends and attends
- * through kvt_append_at / kvt_attend_at give the CPU's dense results, and an attend gives bit for
- * bit what the dense call gives; the out view's gaps stay untouched.
+ * Strided tensors on the CUDA backend, three layouts in turn (each takes another copy shape): rows
+ * 2 D apart (head stride 2 D); head-major, as a [B, H, T, D] transpose (token stride D, head stride
+ * n D); a fused qkv projection split three ways (token stride (HQ + 2 HKV) D, head stride D: a
+ * token's heads contiguous). Appends and attends through kvt_append_at / kvt_attend_at give the
+ * CPU's dense results, an attend gives bit for bit what the dense call gives, and nothing of the
+ * out view outside its rows is written; then a one-sequence attend (n = 1).
  */
 static void test_strided(void **state)
 {
 	(void)state;
 	struct pair p;
 	pair_init(&p, 1024, 6, 64u << 20);
-	kvt_io_layout lo = {.size = sizeof lo};
-	lo.q.head_stride = lo.k.head_stride = lo.v.head_stride = lo.out.head_stride = 2 * D;
+	const uint32_t F = HQ + 2 * HKV;
+	const struct lay lays[3] = {
+		{"head stride 2D", 2 * HQ * D, 2 * D, 2 * HKV * D, 2 * D},
+		{"head-major", D, NSEQ * D, D, NSEQ * D},
+		{"fused qkv", (uint64_t)F * D, D, (uint64_t)F * D, D},
+	};
 	const size_t orows = (size_t)NSEQ * HQ, ob = sizeof(float) * orows * D;
-	float *so = NULL, *dense = malloc(ob), *wide = malloc(2 * ob);
-	CU(cudaMalloc((void **)&so, 2 * ob));
+	float *dense = malloc(ob);
 	double worst = 0.0;
 	for (uint32_t step = 0; step < 6; step++)
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			const struct lay *y = &lays[step % 3];
+			kvt_io_layout lo = {.size = sizeof lo};
+			lo.q = lo.out = (kvt_io_view){y->qts, y->qhs};
+			lo.k = lo.v = (kvt_io_view){y->kts, y->khs};
+			const size_t qe = (NSEQ - 1) * y->qts + (HQ - 1) * y->qhs + D,
+				     ke = (NSEQ - 1) * y->kts + (HKV - 1) * y->khs + D;
 			decode_inputs(&p, layer, step);
-			void *sk = spread(p.hk, (size_t)NSEQ * HKV), *sv = spread(p.hv, (size_t)NSEQ * HKV);
-			void *sq = spread(p.hq, orows);
-			CU(cudaMemset(so, 0xff, 2 * ob));
+			void *sk = view_of(p.hk, NSEQ, HKV, y->kts, y->khs, ke);
+			void *sv = view_of(p.hv, NSEQ, HKV, y->kts, y->khs, ke);
+			void *sq = view_of(p.hq, NSEQ, HQ, y->qts, y->qhs, qe);
+			float *so = NULL;
+			CU(cudaMalloc((void **)&so, qe * 4));
+			CU(cudaMemset(so, 0xff, qe * 4));
 			OK(p.cpu, kvt_append(p.cpu, layer, NSEQ, p.sc, p.hk, p.hv, NULL));
 			OK(p.gpu, kvt_append_at(p.gpu, layer, NSEQ, p.sg, sk, sv, &lo, NULL));
 			OK(p.cpu, kvt_attend(p.cpu, layer, NSEQ, p.sc, p.hq, p.out_c, NULL));
 			OK(p.gpu, kvt_attend_at(p.gpu, layer, NSEQ, p.sg, sq, so, &lo, NULL));
-			CU(cudaMemcpy(wide, so, 2 * ob, cudaMemcpyDeviceToHost));
-			for (size_t r = 0; r < orows; r++) {
-				memcpy(p.out_g + r * D, wide + r * 2 * D, sizeof(float) * D);
-				const uint32_t *gap = (const uint32_t *)(wide + r * 2 * D + D);
-				for (uint32_t j = 0; j < D; j++)
-					T_CHECK(gap[j] == 0xffffffffu, "step %u layer %u row %zu: the "
-						"out view's gap was written at %u", step, layer, r, j);
-			}
+			T_CHECK(rows_of(so, NSEQ, HQ, y->qts, y->qhs, qe, p.out_g),
+				"%s, step %u layer %u: out written outside its rows", y->name, step,
+				layer);
 			for (uint32_t hd = 0; hd < orows; hd++) {
 				double num = 0, den = 0;
 				for (uint32_t j = 0; j < D; j++) {
-					const double x = p.out_c[hd * D + j], y = p.out_g[hd * D + j];
-					num += (x - y) * (x - y);
+					const double x = p.out_c[hd * D + j], z = p.out_g[hd * D + j];
+					num += (x - z) * (x - z);
 					den += x * x;
 				}
 				const double rel = sqrt(num / (den > 0 ? den : 1));
 				worst = rel > worst ? rel : worst;
-				T_CHECK(rel <= 1e-3, "step %u layer %u head %u: strided GPU vs dense CPU "
-					"relative error %g", step, layer, hd, rel);
+				T_CHECK(rel <= 1e-3, "%s, step %u layer %u head %u: strided GPU vs dense "
+					"CPU relative error %g", y->name, step, layer, hd, rel);
 			}
 			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
 			CU(cudaMemcpy(dense, p.dout, ob, cudaMemcpyDeviceToHost));
-			T_CHECK(!memcmp(dense, p.out_g, ob), "step %u layer %u: the strided attend's "
-				"output differs from the dense one's", step, layer);
+			T_CHECK(!memcmp(dense, p.out_g, ob), "%s, step %u layer %u: the strided "
+				"attend's output differs from the dense one's", y->name, step, layer);
 			cudaFree(sk);
 			cudaFree(sv);
 			cudaFree(sq);
+			cudaFree(so);
 		}
-	printf("strided: 6 steps x %u layers through kvt_append_at / kvt_attend_at; worst error "
-	       "against the CPU %.3g\n", LAYERS, worst);
+	/* one sequence (n = 1): its heads 2 D apart, copied as rows of one head */
+	{
+		const uint32_t a = p.sg[0];
+		kvt_io_layout lo = {.size = sizeof lo};
+		lo.q.head_stride = lo.out.head_stride = 2 * D;
+		const size_t qe = (HQ - 1) * 2 * D + D, one = sizeof(float) * HQ * D;
+		void *sq = view_of(p.hq, 1, HQ, 0, 2 * D, qe);
+		float *so = NULL;
+		CU(cudaMalloc((void **)&so, qe * 4));
+		CU(cudaMemset(so, 0xff, qe * 4));
+		OK(p.gpu, kvt_attend_at(p.gpu, 0, 1, &a, sq, so, &lo, NULL));
+		T_CHECK(rows_of(so, 1, HQ, 0, 2 * D, qe, p.out_g), "n = 1: out written outside its rows");
+		OK(p.gpu, kvt_attend(p.gpu, 0, 1, &a, p.dq, p.dout, NULL));
+		CU(cudaMemcpy(dense, p.dout, one, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(dense, p.out_g, one), "n = 1: the strided attend differs from the dense");
+		cudaFree(sq);
+		cudaFree(so);
+	}
+	printf("strided: 6 steps x %u layers in three layouts through kvt_append_at / "
+	       "kvt_attend_at, then n = 1; worst error against the CPU %.3g\n", LAYERS, worst);
 	free(dense);
-	free(wide);
-	cudaFree(so);
 	pair_fini(&p);
 }
 
