@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
-# compute-sanitizer memcheck and racecheck on both gpu tests, then (with --bench) the five GPU
+# compute-sanitizer memcheck and racecheck on the three gpu tests, then (with --bench) the five GPU
 # benchmarks. Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
 # most. The build directory is $BUILD (default /tmp/b), configured once. Usage, on the GPU
 # machine, from the repository root:
@@ -30,7 +30,7 @@ step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
 step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
 if [ $sanitize = 1 ]; then
 	for tool in memcheck racecheck; do
-		for t in test_gpu_kernels test_gpu_backend; do
+		for t in test_gpu_kernels test_gpu_backend test_gpu_calls; do
 			KVT_TEST_QUICK=1 step sanitizer "$tool $t" compute-sanitizer --tool $tool --error-exitcode 9 "$b/tests/$t"
 			tail -2 "$out/sanitizer.log" >>"$out/summary.txt"
 		done
