@@ -30,9 +30,7 @@ static int load_sized(const kvt_config *cfg, kvt_config *out)
 	CHECK(out->pad0 == 0, "cfg->pad0 = %u, must be 0", out->pad0);
 	CHECK(out->pad1 == 0, "cfg->pad1 = %u, must be 0", out->pad1);
 	CHECK(out->pad2 == 0, "cfg->pad2 = %u, must be 0", out->pad2);
-	for (unsigned i = 0; i < sizeof out->reserved / sizeof out->reserved[0]; i++)
-		CHECK(out->reserved[i] == 0, "cfg->reserved[%u] = %llu, must be 0", i,
-		      (unsigned long long)out->reserved[i]);
+	CHECK(out->pad3 == 0, "cfg->pad3 = %u, must be 0", out->pad3);
 	return 0;
 }
 
@@ -148,6 +146,9 @@ static int check_selection(const kvt_config *cfg)
 	      cfg->flush_batch);
 	CHECK(cfg->correction_steps <= 64, "correction_steps = %u, must be in [0, 64] (0: off)",
 	      cfg->correction_steps);
+	CHECK(cfg->rescore_p == 0.0f || (cfg->rescore_p > cfg->p && cfg->rescore_p <= 1.0f),
+	      "rescore_p = %g, must be 0 (off) or in (p = %g, 1]", (double)cfg->rescore_p,
+	      (double)cfg->p);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
 	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too, "
 	      "KVT_NONE for no floor)",

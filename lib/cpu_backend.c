@@ -175,7 +175,7 @@ static int score_error(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 /* Selection counters of kvt_stats, added to c->st by the caller once its call can no longer fail
  * (a Top-p extend) or at once (a step, as before). */
 struct sel_tally {
-	uint64_t selected, max_hits, min_hits;
+	uint64_t selected, max_hits, min_hits, rescored, rescored_unselected;
 };
 
 static void tally_add(kvt_cache *c, const struct sel_tally *t)
@@ -183,6 +183,8 @@ static void tally_add(kvt_cache *c, const struct sel_tally *t)
 	c->st.selected_tokens += t->selected;
 	c->st.budget_max_hits += t->max_hits;
 	c->st.budget_min_hits += t->min_hits;
+	c->st.rescored_tokens += t->rescored;
+	c->st.rescored_unselected += t->rescored_unselected;
 }
 
 /*
@@ -193,6 +195,46 @@ static void tally_add(kvt_cache *c, const struct sel_tally *t)
  * layer's next selection (a step commits it, a Top-p extend row only looks). Errors name batch
  * entry i.
  */
+#define RESCORE_PIECE 256u /* rows per kvt_rows_get of the second stage */
+
+/*
+ * The second stage (rescore_p): the tokens of Top-p(rescore_p) on the estimate in scores (with
+ * budget_min and budget_max as the step's) get their exact logits <q, k>, computed from the K half
+ * of their rows (through the block cache for a spilled sequence), in place of the estimate; the
+ * candidates join the group's union in cand + ni. qf: the query head's query as floats.
+ */
+static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t ni,
+		   const float *qf)
+{
+	const uint32_t d = c->d;
+	uint8_t *cm = c->cand, *un = c->cand + ni;
+	int clamped;
+	uint32_t bad = 0, m = 0;
+	memset(cm, 0, ni);
+	if (kvt_topp_mark(c->scores, ni, c->scale, c->cfg.rescore_p, c->cfg.budget_min,
+			  c->cfg.budget_max, c->work, cm, &clamped, &bad) < 0)
+		return 0; /* a non-finite score: the step's own Top-p reports it */
+	for (uint32_t k = 0; k < ni; k++)
+		if (cm[k]) {
+			c->cand_pos[m++] = (int32_t)(c->cfg.n_sink + k);
+			un[k] = 1;
+		}
+	if (!m)
+		return 0;
+	/* in pieces, so that a spilled sequence's reads fit the block cache whatever m is */
+	for (uint32_t r0 = 0; r0 < m; r0 += RESCORE_PIECE) {
+		const uint32_t k = m - r0 < RESCORE_PIECE ? m - r0 : RESCORE_PIECE;
+		KVT_TRY(kvt_rows_get(c, l, h, k, c->cand_pos + r0, c->rows));
+		for (uint32_t r = 0; r < k; r++) {
+			float e = 0.0f;
+			for (uint32_t j = 0; j < d; j++)
+				e += qf[j] * kvt_load(c->rows[r], j, c->cfg.dtype);
+			c->scores[c->cand_pos[r0 + r] - c->cfg.n_sink] = e;
+		}
+	}
+	return 0;
+}
+
 static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
 		     uint32_t ni, const void *q, size_t row, uint32_t i, struct sel_tally *t)
 {
@@ -201,6 +243,9 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 	if (ni == 0)
 		return 0;
 	memset(c->mask, 0, ni);
+	const bool rs = c->cfg.rescore_p != 0.0f;
+	if (rs)
+		memset(c->cand + ni, 0, ni);
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM];
 		kvt_qcode qc;
@@ -210,6 +255,8 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
 		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores, c->work);
+		if (rs)
+			KVT_TRY(rescore(c, l, h, ni, qf));
 		uint64_t t1 = kvt_now_ns();
 		int clamped;
 		uint32_t bad = 0;
@@ -221,6 +268,10 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, &qc));
 		t->max_hits += clamped < 0;
 		t->min_hits += clamped > 0;
+	}
+	for (uint32_t k = 0; rs && k < ni; k++) {
+		t->rescored += c->cand[ni + k];
+		t->rescored_unselected += c->cand[ni + k] && !c->mask[k];
 	}
 	return 0;
 }

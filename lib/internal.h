@@ -304,6 +304,9 @@ struct kvt_cache {
 	uint8_t *mask;            /* [scratch_cap] */
 	uint32_t rows_cap;        /* row pointers: sinks + scratch_cap + window + flush_batch */
 	const void **rows;        /* [rows_cap] */
+	uint8_t *cand;            /* [2][scratch_cap] with rescore_p: a query head's candidates, then
+				     their union over the group (NULL without) */
+	int32_t *cand_pos;        /* [scratch_cap] with rescore_p: the candidates' token positions */
 	void *io_scratch;         /* dense copies of the strided tensors of the _at calls */
 	size_t io_scratch_bytes;
 	float *corr_logits;       /* a KV head's attended logits for the score corrections */

@@ -111,7 +111,7 @@ typedef enum kvt_backend_kind {
  * size from KVT_CONFIG_SIZE_VER0 to sizeof(kvt_config) is accepted: fields past `size` are not read
  * and take their defaults. A size larger than this library's sizeof(kvt_config) (a caller built
  * against a later version) is accepted when every byte past sizeof(kvt_config) is zero, i.e. the
- * caller left the fields this library does not know at their defaults. `pad0` and `reserved` must be
+ * caller left the fields this library does not know at their defaults. `pad0` to `pad3` must be
  * zero. Anything else is -EINVAL naming the size and the limits.
  */
 typedef struct kvt_config {
@@ -190,12 +190,19 @@ typedef struct kvt_config {
 					 at kvt_cache_create. A growth also leaves half of the memory
 					 then free. Must be 0 when gpu_cache_bytes fixes a size
 					 (with KVT_NONE64, no cache, it is ignored) */
-	uint64_t reserved[1]; /* must be zero: where later minor versions add fields */
+	float rescore_p;      /* CPU backend: a second stage of the selection (doc/selection.md): the
+				 tokens of each query head's Top-p(rescore_p) on the estimate are
+				 scored exactly from their keys (the K half of their rows is read),
+				 then Top-p(p) runs on those exact logits and the others' estimates;
+				 0 (default): off, else in (p, 1]. The CUDA backend refuses a nonzero
+				 value (-EOPNOTSUPP), and so does AUTO where it picks CUDA */
+	uint32_t pad3;        /* must be zero (explicit padding); the reserved words are used up:
+				 later fields go past the end (doc/abi.md) */
 } kvt_config;
 
 /*
  * The smallest kvt_config size accepted: the fields of the first release (0.1), `size` through
- * `gpu_cache_bytes` (136 bytes on LP64). A caller may stop there; the reserved tail reads as zero.
+ * `gpu_cache_bytes` (136 bytes on LP64). A caller may stop there; the later fields read as zero.
  */
 #define KVT_CONFIG_SIZE_VER0 (offsetof(kvt_config, gpu_cache_bytes) + sizeof(uint64_t))
 
@@ -276,6 +283,11 @@ typedef struct kvt_stats {
 	uint64_t host_pool_bytes;     /* the shared host pool's size (kvt_config.host_pool), 0: none */
 	uint64_t host_pool_used;      /* bytes of it charged by all the caches sharing it */
 	uint64_t host_pool_mine;      /* of which by this cache (the extents it mapped) */
+	/* the second selection stage (kvt_config.rescore_p), summed over steps and KV heads */
+	uint64_t rescored_tokens;     /* indexed tokens whose key it read: the union over the query
+					 group of each head's candidates */
+	uint64_t rescored_unselected; /* of those, the ones the step did not select: rows whose K half
+					 was read but not their V (the stage's extra reads) */
 } kvt_stats;
 
 /* The size of the first release's kvt_stats: the smallest kvt_get_stats accepts. */
@@ -288,7 +300,7 @@ typedef struct kvt_cache kvt_cache;
  * kvt_config) and the cache keeps a copy with every default resolved. On success *out receives the
  * cache and 0 is returned; on failure *out is untouched and kvt_last_error(NULL) gives the detail on
  * this thread. Errors: -EINVAL (NULL pointer, a size outside the rule or a nonzero byte past this
- * library's struct, pad0 or a reserved field set, any field out of range: the text names it),
+ * library's struct, a pad field set, any field out of range: the text names it),
  * -ENOMEM, -EOPNOTSUPP (CUDA backend requested but not built), -ENODEV (CUDA requested, no GPU).
  * Thread safety: may be called from any thread.
  */

@@ -28,21 +28,31 @@ static int reserve_scratch(kvt_cache *c, uint32_t tokens)
 	float *w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * rows);
 	uint8_t *m = kvt_mem_alloc(KVT_MEM_HOST, tokens);
 	const void **r = kvt_mem_alloc(KVT_MEM_HOST, sizeof(void *) * rows);
-	if (!s || !w || !m || !r) {
+	/* the second stage's (rescore_p): candidates of a query head and their union, positions */
+	const bool rs = c->cfg.rescore_p != 0.0f;
+	uint8_t *cm = rs ? kvt_mem_alloc(KVT_MEM_HOST, 2 * (size_t)tokens) : NULL;
+	int32_t *cp = rs ? kvt_mem_alloc(KVT_MEM_HOST, sizeof(int32_t) * tokens) : NULL;
+	if (!s || !w || !m || !r || (rs && (!cm || !cp))) {
 		kvt_mem_free(KVT_MEM_HOST, s, 0);
 		kvt_mem_free(KVT_MEM_HOST, w, 0);
 		kvt_mem_free(KVT_MEM_HOST, m, 0);
 		kvt_mem_free(KVT_MEM_HOST, r, 0);
+		kvt_mem_free(KVT_MEM_HOST, cm, 0);
+		kvt_mem_free(KVT_MEM_HOST, cp, 0);
 		return kvt_seterr(c, -ENOMEM, "out of memory growing scratch to %u tokens", tokens);
 	}
 	kvt_mem_free(KVT_MEM_HOST, c->scores, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->work, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->mask, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->rows, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->cand, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->cand_pos, 0);
 	c->scores = s;
 	c->work = w;
 	c->mask = m;
 	c->rows = r;
+	c->cand = cm;
+	c->cand_pos = cp;
 	c->scratch_cap = tokens;
 	c->rows_cap = rows;
 	return 0;

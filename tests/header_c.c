@@ -5,7 +5,7 @@
 int main(void)
 {
 	kvt_config cfg = KVT_CONFIG_INIT;
-	if (cfg.size != sizeof(kvt_config) || cfg.dtype != 0 || cfg.reserved[0] != 0 || cfg.nvme_flags != 0 ||
+	if (cfg.size != sizeof(kvt_config) || cfg.dtype != 0 || cfg.pad3 != 0 || cfg.nvme_flags != 0 ||
 	    KVT_CONFIG_SIZE_VER0 > sizeof(kvt_config))
 		return 1;
 	/* linked against the installed library: the exported names resolve */

@@ -52,7 +52,9 @@ struct create_case {
 EDIT(e_none, (void)cfg)
 EDIT(e_size0, cfg->size = 0)
 EDIT(e_size_small, cfg->size = KVT_CONFIG_SIZE_VER0 - 8)
-EDIT(e_res0, cfg->reserved[0] = 1)
+EDIT(e_pad3, cfg->pad3 = 1)
+EDIT(e_resc_low, (cfg->p = 0.9f, cfg->rescore_p = 0.5f))
+EDIT(e_resc_high, cfg->rescore_p = 1.5f)
 EDIT(e_hotmax, cfg->gpu_cache_max_bytes = (2ull << 40))
 EDIT(e_hotboth, (cfg->gpu_cache_bytes = 1ull << 30, cfg->gpu_cache_max_bytes = 1ull << 31))
 EDIT(e_hotbig, cfg->gpu_cache_bytes = (1ull << 40) + 1)
@@ -99,7 +101,9 @@ static void test_create_errors(void **state)
 		{"out NULL", -EINVAL, {"out"}, e_none, 0, 1},
 		{"size 0", -EINVAL, {"size", "0"}, e_size0, 0, 0},
 		{"size too small", -EINVAL, {"size"}, e_size_small, 0, 0},
-		{"reserved[0] = 1", -EINVAL, {"reserved", "1"}, e_res0, 0, 0},
+		{"pad3 = 1", -EINVAL, {"pad3", "1"}, e_pad3, 0, 0},
+		{"rescore_p below p", -EINVAL, {"rescore_p = 0.5", "p = 0.9"}, e_resc_low, 0, 0},
+		{"rescore_p above 1", -EINVAL, {"rescore_p = 1.5", "1]"}, e_resc_high, 0, 0},
 		{"gpu_cache_max_bytes 2 TiB", -EINVAL, {"gpu_cache_max_bytes", "2199023255552", "1 TiB"},
 		 e_hotmax, 0, 0},
 		{"gpu_cache_bytes and gpu_cache_max_bytes", -EINVAL,

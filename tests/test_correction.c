@@ -7,7 +7,8 @@
  * of the query heads' rotated residuals. Also: correction off and at p = 1 changes nothing, a
  * truncate forgets every correction and a fork's child starts without, a step that fails under an
  * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them,
- * an attend in place (out the same buffer as q) records what a separate out records.
+ * an attend in place (out the same buffer as q) records what a separate out records. And the
+ * second selection stage (rescore_p), against the same reference extended by its rule.
  */
 #include "common.h"
 #include "half.h"
@@ -34,12 +35,15 @@ static void make_data(uint64_t seed)
 			g_q[s][j] = t_f2h(base[j] + (float)t_normal(&r) * 0.8f);
 }
 
+static float g_rescore; /* config()'s rescore_p (test_rescore sets it) */
+
 static kvt_config config(uint32_t R, float p)
 {
 	kvt_config cfg = t_config(1, HQ, HKV, D, KVT_DTYPE_F16);
 	cfg.p = p;
 	cfg.budget_min = KVT_NONE; /* the selection follows the scores alone */
 	cfg.correction_steps = R;
+	cfg.rescore_p = g_rescore;
 	return cfg;
 }
 
@@ -59,6 +63,8 @@ static kvt_cache *make(uint32_t R, float p, uint32_t *seq)
  * estimate and the step that measured it, and each step's rotated query residual. */
 struct ref {
 	uint32_t R;
+	float rp;                      /* rescore_p: the second stage (0: off) */
+	uint64_t rescored, unselected; /* what it read, what of that the step did not select */
 	float delta[HKV][G][CTX];
 	uint32_t stamp[HKV][G][CTX]; /* 1-based step, 0: never */
 	float x[STEPS + 1][HKV][G][D];
@@ -80,9 +86,10 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 	const struct kvt_layer *l = &c->seqs[0].layers[0];
 	const uint32_t ni = l->n_indexed, S = c->cfg.n_sink, cap = l->idx_cap;
 	static float sc[CTX], raw[G][CTX], work[4 * CTX];
-	static uint8_t plain[CTX];
+	static uint8_t plain[CTX], cand[CTX], cand_union[CTX];
 	memset(mask, 0, ni);
 	memset(plain, 0, ni);
+	memset(cand_union, 0, ni);
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[D];
 		kvt_qcode qc;
@@ -109,8 +116,22 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 			float s = sc[t] + (float)(xy / yy * rf->delta[h][g][t]);
 			sc[t] = isfinite(s) ? s : sc[t];
 		}
+		if (rf->rp != 0.0f) { /* the second stage: Top-p(rp) of these scores, made exact */
+			memset(cand, 0, ni);
+			T_CHECK(kvt_topp_mark(sc, ni, c->scale, rf->rp, 0, 0, work, cand, &clamped,
+					      &bad) >= 0, "reference candidates");
+			for (uint32_t t = 0; t < ni; t++)
+				if (cand[t]) {
+					sc[t] = exact_logit(qf, S + t, h);
+					cand_union[t] = 1;
+				}
+		}
 		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, mask, &clamped, &bad) >= 0,
 			"reference Top-p");
+	}
+	for (uint32_t t = 0; rf->rp != 0.0f && t < ni; t++) {
+		rf->rescored += cand_union[t];
+		rf->unselected += cand_union[t] && !mask[t];
 	}
 	for (uint32_t t = 0; t < ni; t++)
 		*changed += mask[t] != plain[t];
@@ -177,6 +198,46 @@ static void test_rule(void **state)
 		print_message("%s: %u indexed tokens chosen differently from the uncorrected scores\n",
 			      what, changed);
 		T_CHECK(changed > 0, "%s: the corrections never changed a selection", what);
+		kvt_cache_destroy(c);
+	}
+}
+
+/*
+ * The second stage (rescore_p): every step's selection is the rule's (the corrected estimate's
+ * Top-p(rescore_p) candidates scored exactly, then Top-p(p)), alone and with corrections, and at
+ * rescore_p = 1 (every token exact: the exact Top-p); the stats count the keys it read and those
+ * the step did not select, as the rule does.
+ */
+static void test_rescore(void **state)
+{
+	(void)state;
+	make_data(17);
+	const struct { uint32_t R; float rp; } cases[] = {{0, 0.95f}, {0, 1.0f}, {8, 0.9f}};
+	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+		uint32_t seq, changed = 0;
+		g_rescore = cases[k].rp;
+		kvt_cache *c = make(cases[k].R, 0.8f, &seq);
+		g_rescore = 0.0f;
+		static struct ref rf;
+		memset(&rf, 0, sizeof rf);
+		rf.R = cases[k].R;
+		rf.rp = cases[k].rp;
+		char what[48];
+		snprintf(what, sizeof what, "rescore_p %.2f, R = %u", (double)rf.rp, rf.R);
+		for (uint32_t s = 1; s <= STEPS; s++)
+			check_step(c, seq, &rf, s, what, &changed);
+		kvt_stats st = {.size = sizeof st};
+		T_CHECK(kvt_get_stats(c, &st) == 0, "stats");
+		print_message("%s: %u indexed tokens chosen differently from the plain estimate; keys "
+			      "read %llu, not selected %llu\n", what, changed,
+			      (unsigned long long)st.rescored_tokens,
+			      (unsigned long long)st.rescored_unselected);
+		T_CHECK(changed > 0, "%s: the second stage never changed a selection", what);
+		T_CHECK(st.rescored_tokens == rf.rescored && st.rescored_unselected == rf.unselected,
+			"%s: keys read %llu (rule %llu), not selected %llu (rule %llu)", what,
+			(unsigned long long)st.rescored_tokens, (unsigned long long)rf.rescored,
+			(unsigned long long)st.rescored_unselected,
+			(unsigned long long)rf.unselected);
 		kvt_cache_destroy(c);
 	}
 }
@@ -332,6 +393,7 @@ int main(void)
 		cmocka_unit_test(test_forget),
 		cmocka_unit_test(test_in_place),
 		cmocka_unit_test(test_faults),
+		cmocka_unit_test(test_rescore),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -9,8 +9,8 @@
  *   rows written;
  * - strided: the _at calls with strided q, k, v and out in three layouts (and one sequence) give
  *   the CPU's dense results and the dense call's bit for bit, writing nothing outside out's rows;
- * - unsupported: what the CUDA backend refuses (score corrections, kvt_extend) is refused with
- *   -EOPNOTSUPP and changes nothing.
+ * - unsupported: what the CUDA backend refuses (score corrections, the second selection stage,
+ *   kvt_extend) is refused with -EOPNOTSUPP and changes nothing.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include "gpu_pair.h"
@@ -244,6 +244,12 @@ static void test_unsupported(void **state)
 	int rc = kvt_cache_create(&cfg, &c);
 	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "correction_steps"),
 		"correction_steps on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
+		kvt_last_error(NULL));
+	cfg.correction_steps = 0;
+	cfg.rescore_p = 0.95f;
+	rc = kvt_cache_create(&cfg, &c);
+	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "rescore_p"),
+		"rescore_p on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
 		kvt_last_error(NULL));
 	struct pair p;
 	pair_init(&p, 512, 8, 64u << 20);

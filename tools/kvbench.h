@@ -50,6 +50,7 @@ typedef struct opts {
 	uint32_t context, steps, layers, seqs, q_heads, kv_heads, head_dim, chunk;
 	uint32_t sinks, window, flush, budget_min, budget_max, dtype, backend;
 	uint32_t correction;    /* kvt_config.correction_steps (CPU backend; 0: off) */
+	float rescore;          /* kvt_config.rescore_p (CPU backend; 0: off) */
 	uint64_t seed;
 	float p;
 	bool json, quiet;

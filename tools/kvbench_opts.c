@@ -95,6 +95,8 @@ static void usage(FILE *f, const opts *d)
 		"  --budget-max N   max indexed tokens per query head per step, 0 = none (%u)\n"
 		"  --correction N   score corrections from the exact logits of the last N steps,\n"
 		"                   0-64 (CPU backend; 0 = off, the default)\n"
+		"  --rescore P      second selection stage: the Top-P candidates on the estimate are\n"
+		"                   scored exactly from their keys, P in (p, 1] (CPU backend; off)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
@@ -287,11 +289,22 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache", "--correction"};
+		"--nvme-cache", "--correction", "--rescore"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
 	return false;
+}
+
+/* A number in (0, 1], or exit naming the flag and `want`. */
+static float parse_share(const char *flag, const char *val, const char *want)
+{
+	char *end;
+	errno = 0;
+	double x = strtod(val, &end);
+	if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
+		bad_value(flag, val, want);
+	return (float)x;
 }
 
 static void set_option(opts *o, const char *flag, const char *val)
@@ -322,13 +335,10 @@ static void set_option(opts *o, const char *flag, const char *val)
 		o->head_dim = (uint32_t)parse_uint(flag, val, 64, 256);
 		if (o->head_dim != 64 && o->head_dim != 128 && o->head_dim != 256)
 			bad_value(flag, val, "expected 64, 128 or 256");
+	} else if (!strcmp(flag, "--rescore")) {
+		o->rescore = parse_share(flag, val, "expected a number in (p, 1]");
 	} else if (!strcmp(flag, "--p")) {
-		char *end;
-		errno = 0;
-		double x = strtod(val, &end);
-		if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
-			bad_value(flag, val, "expected a number in (0, 1]");
-		o->p = (float)x;
+		o->p = parse_share(flag, val, "expected a number in (0, 1]");
 	} else if (!strcmp(flag, "--dtype")) {
 		o->dtype = parse_enum(flag, val, dt_names, dt_codes, "expected f16 or bf16");
 	} else if (!strcmp(flag, "--backend")) {

@@ -224,6 +224,14 @@ static void json_tiers(const kb_run *b)
 }
 
 /* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
+/* The second stage's extra reads over the decode steps (e minus s): keys of indexed tokens it read
+ * and the step did not select, per indexed token scored. */
+static double rescore_k_frac(const kvt_stats *e, const kvt_stats *s)
+{
+	const uint64_t n = e->candidate_tokens - s->candidate_tokens;
+	return n ? (double)(e->rescored_unselected - s->rescored_unselected) / (double)n : 0.0;
+}
+
 static double hit_rate(const kvt_stats *e, const kvt_stats *s)
 {
 	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
@@ -340,6 +348,7 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	     {"budget_mean", mean(a->budget_sum, a->kv_n), NULL},
 	     {"oracle_budget_mean", mean(a->oracle_sum, a->kv_n), NULL},
 	     {"budget_over_oracle", a->oracle_sum > 0 ? a->budget_sum / a->oracle_sum : NAN, NULL},
+	     {"rescore_k_frac", rescore_k_frac(e, s0), NULL},
 	     {"output_rel_err", sqrt(a->err2 / a->full2), NULL},
 	     {"needles_asked", (double)a->needles, NULL},
 	     {"needles_found", (double)a->needles_found, NULL},
@@ -375,7 +384,7 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	     {"backend", 0, e->backend ? e->backend : "?"}, {"chunk", o->chunk, NULL},
 	     {"sinks", o->sinks, NULL}, {"window", o->window, NULL}, {"flush", o->flush, NULL},
 	     {"budget_min", o->budget_min, NULL}, {"budget_max", o->budget_max, NULL},
-	     {"correction", o->correction, NULL});
+	     {"correction", o->correction, NULL}, {"rescore", o->rescore, NULL});
 	JOBJ("heads", true, {"count", (double)o->layers * o->q_heads, NULL},
 	     {"oracle_budget_min", ho[0], NULL}, {"oracle_budget_median", ho[1], NULL},
 	     {"oracle_budget_max", ho[2], NULL}, {"eff_tokens_min", he[0], NULL},
@@ -504,6 +513,10 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	if (a->kv_n)
 		printf("budget   %.4f of the indexed tokens fetched; exact Top-%.3g oracle %.4f "
 		       "(x%.2f)\n", bud, (double)b->o.p, orc, bud / orc);
+	if (b->o.rescore != 0.0f)
+		printf("rescore  second stage at Top-%.3g: keys read of %.4f of the indexed tokens "
+		       "beyond those fetched (K half only)\n",
+		       (double)b->o.rescore, rescore_k_frac(e, &b->st_prefill));
 	else
 		printf("budget   no token was indexed (context within sinks + window)\n");
 	printf("output   relative L2 error %.3e; needles found %" PRIu64 " of %" PRIu64 "\n",

@@ -66,7 +66,7 @@ class KvtConfig(ctypes.Structure):
         ("host_pool_bytes", u64),
         ("correction_steps", u32), ("pad2", u32),
         ("gpu_cache_max_bytes", u64),
-        ("reserved", u64 * 1),
+        ("rescore_p", f32), ("pad3", u32),
     ]
 
 
@@ -85,7 +85,8 @@ class KvtStats(ctypes.Structure):
             "nvme_lat_ns_sum", "nvme_lat_ns_max", "nvme_cache_hits", "nvme_cache_misses",
             "ns_nvme", "ns_index", "ns_store", "ns_score", "ns_select", "ns_attend")
     ] + [("device", i32), ("pad0", u32)] + [
-        (n, u64) for n in ("host_pool_bytes", "host_pool_used", "host_pool_mine")
+        (n, u64) for n in ("host_pool_bytes", "host_pool_used", "host_pool_mine",
+                           "rescored_tokens", "rescored_unselected")
     ]
 
 

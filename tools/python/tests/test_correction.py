@@ -2,7 +2,8 @@
 """Score corrections from exact logits (Config.correction_steps, doc/selection.md) through the
 package on the CPU backend: the field reaches C (a value past 64 is refused naming it), at p = 1
 the outputs are those of a cache without corrections, at p < 1 they change what is selected and
-repeat bit for bit in a twin. numpy only."""
+repeat bit for bit in a twin. The second selection stage (Config.rescore_p) likewise: refused at
+or below p naming both, counted in the stats, changing the selection. numpy only."""
 
 import errno
 
@@ -52,3 +53,24 @@ def test_changes_the_selection_and_repeats():
         "corrections changed no output after the first step"
     assert np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32)), \
         "the first step has no correction to apply"
+
+
+def test_rescore():
+    with pytest.raises(kvtier.Error, match="rescore_p = 0.5") as ei:
+        kvtier.Cache(backend="cpu", p=0.9, rescore_p=0.5, **SHAPE)
+    assert ei.value.code == -errno.EINVAL
+    rng = np.random.default_rng(5)
+    k, v = rand(rng, 600, HKV, D), rand(rng, 600, HKV, D)
+    q = (rng.standard_normal((1, HQ, D)) * 2.5).astype(np.float16)
+    sel = []
+    for rp in (None, 0.97):
+        with kvtier.Cache(backend="cpu", p=0.8, budget_min=0, rescore_p=rp, **SHAPE) as c:
+            s = c.open()
+            for layer in range(SHAPE["n_layers"]):
+                c.prefill(s, layer, None, k, v)
+            c.attend(0, [s], q)
+            st = c.stats()
+            assert (st.rescored_tokens > 0) == (rp is not None)
+            assert st.rescored_unselected <= st.rescored_tokens
+            sel.append(st.selected_tokens)
+    assert sel[0] != sel[1]
