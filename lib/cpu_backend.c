@@ -229,7 +229,9 @@ static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t
 			float e = 0.0f;
 			for (uint32_t j = 0; j < d; j++)
 				e += qf[j] * kvt_load(c->rows[r], j, c->cfg.dtype);
-			c->scores[c->cand_pos[r0 + r] - c->cfg.n_sink] = e;
+			/* an exact logit past float's range keeps its (saturated) estimate */
+			if (isfinite(e))
+				c->scores[c->cand_pos[r0 + r] - c->cfg.n_sink] = e;
 		}
 	}
 	return 0;
@@ -255,9 +257,12 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
 		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores, c->work);
-		if (rs)
-			KVT_TRY(rescore(c, l, h, ni, qf));
-		uint64_t t1 = kvt_now_ns();
+		uint64_t t1 = kvt_now_ns(); /* the second stage is selection time */
+		if (rs) {
+			int rr = rescore(c, l, h, ni, qf);
+			if (rr < 0)
+				return kvt_err_entry(c, i, rr);
+		}
 		int clamped;
 		uint32_t bad = 0;
 		int rc = kvt_topp_mark(c->scores, ni, c->scale, c->cfg.p, c->cfg.budget_min,

@@ -317,7 +317,7 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	uint32_t *sel_n = out ? NULL : c->sel_counts;
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads, NULL, false));
-	if (out)
+	if (out || c->cfg.rescore_p != 0.0f) /* the second stage reads rows too */
 		kvt_rows_round(c, n_seqs, ls);
 	/* the selections are rewritten from here: a failure leaves none half made */
 	for (uint32_t i = 0; i < n_seqs; i++) {

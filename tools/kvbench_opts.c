@@ -445,13 +445,19 @@ static void finish(opts *o)
 {
 	char v[32];
 	if (o->topk) {
+		if (o->rescore != 0.0f) {
+			fprintf(stderr, "kvbench: --topk runs p = 1, where --rescore has nothing to do "
+				"(it needs p < rescore <= 1): leave one out\n");
+			exit(2);
+		}
 		o->p = 1.0f;
 		o->budget_min = o->budget_max = o->topk;
 	}
 	if (o->trace_dir && o->not_trace[0]) {
 		fprintf(stderr, "kvbench: %s does not apply to --trace: the trace gives the shape, and "
 			"the replay takes --p, --sinks, --window, --flush, --budget-min, --budget-max, "
-			"--correction, --chunk, --dtype, --backend, --gpu-cache, --nvme (with --nvme-bytes, --nvme-qd "
+			"--correction, --rescore, --chunk, --dtype, --backend, --gpu-cache, --nvme (with "
+			"--nvme-bytes, --nvme-qd "
 			"and --nvme-cache), --seed, --layers LIST, --json and --quiet\n", o->not_trace);
 		exit(2);
 	}

@@ -223,7 +223,6 @@ static void json_tiers(const kb_run *b)
 	printf("}, ");
 }
 
-/* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
 /* The second stage's extra reads over the decode steps (e minus s): keys of indexed tokens it read
  * and the step did not select, per indexed token scored. */
 static double rescore_k_frac(const kvt_stats *e, const kvt_stats *s)
@@ -232,6 +231,7 @@ static double rescore_k_frac(const kvt_stats *e, const kvt_stats *s)
 	return n ? (double)(e->rescored_unselected - s->rescored_unselected) / (double)n : 0.0;
 }
 
+/* Hot-cache hit rate of the decode steps (NAN when nothing was looked up: the CPU backend). */
 static double hit_rate(const kvt_stats *e, const kvt_stats *s)
 {
 	double h = (double)(e->hot_hits - s->hot_hits), m = (double)(e->hot_misses - s->hot_misses);
@@ -513,12 +513,12 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	if (a->kv_n)
 		printf("budget   %.4f of the indexed tokens fetched; exact Top-%.3g oracle %.4f "
 		       "(x%.2f)\n", bud, (double)b->o.p, orc, bud / orc);
-	if (b->o.rescore != 0.0f)
-		printf("rescore  second stage at Top-%.3g: keys read of %.4f of the indexed tokens "
-		       "beyond those fetched (K half only)\n",
-		       (double)b->o.rescore, rescore_k_frac(e, &b->st_prefill));
 	else
 		printf("budget   no token was indexed (context within sinks + window)\n");
+	if (b->o.rescore != 0.0f)
+		printf("rescore  second stage at Top-%.3g: keys read of %.4f of the indexed tokens "
+		       "beyond those fetched\n",
+		       (double)b->o.rescore, rescore_k_frac(e, &b->st_prefill));
 	printf("output   relative L2 error %.3e; needles found %" PRIu64 " of %" PRIu64 "\n",
 	       sqrt(a->err2 / a->full2), a->needles_found, a->needles);
 	printf("heads    oracle share min %.4f, median %.4f, max %.4f; effective tokens "

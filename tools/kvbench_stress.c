@@ -174,6 +174,7 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 		b->o.seqs = 16;
 	if (adv) {
 		b->o.p = 1.0f;
+		b->o.rescore = 0.0f; /* nothing to rescore at p = 1 (and refused there) */
 		b->o.budget_min = b->o.budget_max = o->stress_budget;
 	}
 	if ((nv || mix) && !b->o.n_nvme) {
