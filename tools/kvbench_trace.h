@@ -25,6 +25,8 @@ typedef struct kacc {
  * over those steps, and the time of kvt_append + kvt_attend. */
 typedef struct tfetch {
 	uint64_t steps, hot_hits, hot_misses, pcie_bytes, nvme_bytes;
+	uint64_t candidates, rescored_unselected; /* indexed tokens scored; the second stage's key
+						     reads of tokens not selected */
 	double step_ms;         /* summed over the steps */
 } tfetch;
 

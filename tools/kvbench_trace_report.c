@@ -71,6 +71,8 @@ static void fetch_add(tfetch *to, const tfetch *x)
 	to->hot_misses += x->hot_misses;
 	to->pcie_bytes += x->pcie_bytes;
 	to->nvme_bytes += x->nvme_bytes;
+	to->candidates += x->candidates;
+	to->rescored_unselected += x->rescored_unselected;
 	to->step_ms += x->step_ms;
 }
 
@@ -134,6 +136,9 @@ static void print_json_fetch(const tfetch *f)
 	jnum("pcie_bytes_per_step", per_step((double)f->pcie_bytes, f));
 	jnum("nvme_bytes_per_step", per_step((double)f->nvme_bytes, f));
 	jnum("step_ms", per_step(f->step_ms, f));
+	/* the second stage's extra key reads per indexed token (0 without --rescore) */
+	jnum("rescore_k_frac",
+	     f->candidates ? (double)f->rescored_unselected / (double)f->candidates : 0.0);
 }
 
 static void print_json_fig(const fig *f)
