@@ -96,7 +96,8 @@ static void usage(FILE *f, const opts *d)
 		"  --correction N   score corrections from the exact logits of the last N steps,\n"
 		"                   0-64 (CPU backend; 0 = off, the default)\n"
 		"  --rescore P      second selection stage: the Top-P candidates on the estimate are\n"
-		"                   scored exactly from their keys, P in (p, 1] (CPU backend; off)\n"
+		"                   scored exactly from their keys, P in (p, 1] (CPU backend; 0 = off,\n"
+		"                   the default)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
@@ -336,7 +337,9 @@ static void set_option(opts *o, const char *flag, const char *val)
 		if (o->head_dim != 64 && o->head_dim != 128 && o->head_dim != 256)
 			bad_value(flag, val, "expected 64, 128 or 256");
 	} else if (!strcmp(flag, "--rescore")) {
-		o->rescore = parse_share(flag, val, "expected a number in (p, 1]");
+		o->rescore = strcmp(val, "0") ? parse_share(flag, val, "expected 0 (off) or a number in "
+								 "(p, 1]")
+					      : 0.0f;
 	} else if (!strcmp(flag, "--p")) {
 		o->p = parse_share(flag, val, "expected a number in (0, 1]");
 	} else if (!strcmp(flag, "--dtype")) {
