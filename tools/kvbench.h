@@ -201,6 +201,8 @@ typedef struct kb_result {
 	uint32_t context, seqs, layers, topk;
 	float p;
 	uint32_t correction;
+	float rescore;          /* kvt_config.rescore_p (0: off) */
+	double rescore_k;       /* its extra key reads per indexed token */
 	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s;
 	double hit_rate, pcie_step;
 	double stage_ms[5];     /* index, store, score, select, attend per (step, layer) */

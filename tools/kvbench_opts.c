@@ -133,7 +133,7 @@ static void usage(FILE *f, const opts *d)
 		"                   kvtier's budget\n"
 		"  --topk K         Top-k by kvtier's estimate: p = 1, budget min = max = K\n"
 		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max,\n"
-		"                   correction\n"
+		"                   correction, rescore\n"
 		"                   (repeatable, crossed; topk points take the first p)\n"
 		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it\n"
 		"Fetch-path stress:\n"
@@ -267,7 +267,7 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 static void add_sweep(opts *o, const char *flag, const char *val)
 {
 	static const char *const axes[] = {"context", "seqs", "p", "topk", "layers", "budget-max",
-					   "correction"};
+					   "correction", "rescore"};
 	const char *eq = strchr(val, '=');
 	size_t n = eq ? (size_t)(eq - val) : 0;
 	bool known = false;
@@ -275,7 +275,7 @@ static void add_sweep(opts *o, const char *flag, const char *val)
 		known |= eq && strlen(axes[i]) == n && !strncmp(val, axes[i], n);
 	if (!known || !eq[1])
 		bad_value(flag, val, "expected NAME=V1,V2,... with NAME context, seqs, p, topk, "
-			  "layers, budget-max or correction");
+			  "layers, budget-max, correction or rescore");
 	if (o->n_sweep == 4)
 		bad_value(flag, val, "at most 4 --sweep axes");
 	if (!(o->sweep[o->n_sweep++] = strdup(val)))

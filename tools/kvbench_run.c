@@ -351,6 +351,9 @@ static void result_of(const kb_run *b, kb_result *r)
 	r->recall = ratio(a->recall_sum, (double)a->recall_n);
 	r->recall_min = a->recall_min;
 	r->correction = o->correction;
+	r->rescore = o->rescore;
+	r->rescore_k = ratio((double)(e->rescored_unselected - s->rescored_unselected),
+			     (double)(e->candidate_tokens - s->candidate_tokens));
 	run_percentiles(b, &r->recall_p5, &r->recall_p1);
 	r->budget = ratio(a->budget_sum, (double)a->kv_n);
 	r->oracle_budget = ratio(a->oracle_sum, (double)a->kv_n);

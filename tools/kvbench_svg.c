@@ -188,8 +188,9 @@ static void bar_label(const kb_result *x, char *out, size_t n)
 {
 	if (x->topk)
 		snprintf(out, n, "%u/%u/k%u", x->context, x->seqs, x->topk);
-	else if (x->correction)
-		snprintf(out, n, "%u/%u/p%.3g/c%u", x->context, x->seqs, (double)x->p, x->correction);
+	else if (x->correction || x->rescore != 0.0f)
+		snprintf(out, n, "%u/%u/p%.3g/c%u/r%.3g", x->context, x->seqs, (double)x->p,
+			 x->correction, (double)x->rescore);
 	else
 		snprintf(out, n, "%u/%u/p%.3g", x->context, x->seqs, (double)x->p);
 }

@@ -98,15 +98,25 @@ static uint32_t parse_axes(const opts *o, axis *ax)
 }
 
 /* The options of point `idx` (mixed radix over the axes); false for a point to skip: a Top-k
- * point ignores p, so it runs only with p's first value. */
+ * point ignores p, so it runs only with p's first value, and never with the second stage. */
 static bool point_opts(const opts *o, const axis *ax, uint32_t na, uint32_t idx, opts *po)
 {
 	*po = *o;
 	po->n_sweep = 0;
 	po->point = true;
 	po->baselines = true;
-	bool topk = false, p_later = false;
+	bool topk = false, p_later = false, rs = po->rescore != 0.0f;
 	char flag[32];
+	/* a Top-k point runs p = 1, where the second stage has nothing to do (and kvbench refuses
+	 * the pair): such a point is skipped before its options are set */
+	for (uint32_t a = 0, i = idx; a < na; i /= ax[a].n, a++) {
+		const char *val = ax[a].vals[i % ax[a].n];
+		topk |= !strcmp(ax[a].name, "topk") && strcmp(val, "0");
+		rs = !strcmp(ax[a].name, "rescore") ? strcmp(val, "0") != 0 : rs;
+	}
+	if (topk && rs)
+		return false;
+	topk = false;
 	for (uint32_t a = 0; a < na; a++) {
 		uint32_t v = idx % ax[a].n;
 		idx /= ax[a].n;
@@ -125,9 +135,9 @@ static void label_of(const opts *po, char *out, size_t n)
 {
 	if (po->topk)
 		snprintf(out, n, "context=%u seqs=%u topk=%u", po->context, po->seqs, po->topk);
-	else if (po->correction)
-		snprintf(out, n, "context=%u seqs=%u p=%.3g corr=%u", po->context, po->seqs,
-			 (double)po->p, po->correction);
+	else if (po->correction || po->rescore != 0.0f)
+		snprintf(out, n, "context=%u seqs=%u p=%.3g corr=%u rescore=%.3g", po->context,
+			 po->seqs, (double)po->p, po->correction, (double)po->rescore);
 	else
 		snprintf(out, n, "context=%u seqs=%u p=%.3g", po->context, po->seqs, (double)po->p);
 }
@@ -135,7 +145,7 @@ static void label_of(const opts *po, char *out, size_t n)
 /* ---- output ------------------------------------------------------------------------------ */
 
 static const char *const csv_cols[] = {
-	"context", "seqs", "layers", "p", "topk", "correction", "budget", "oracle_budget", "recall", "recall_min",
+	"context", "seqs", "layers", "p", "topk", "correction", "rescore", "rescore_k_frac", "budget", "oracle_budget", "recall", "recall_min",
 	"recall_p5", "recall_p1",
 	"output_rel_err", "step_ms_per_layer", "tokens_per_s", "hot_hit_rate", "pcie_bytes_per_step",
 	"ms_index", "ms_store", "ms_score", "ms_select", "ms_attend", "host_bytes_used",
@@ -148,7 +158,8 @@ enum { N_COLS = sizeof(csv_cols) / sizeof(csv_cols[0]) };
 static void values(const kb_result *r, double v[N_COLS])
 {
 	const double x[N_COLS] = {
-		r->context, r->seqs, r->layers, r->p, r->topk, r->correction, r->budget, r->oracle_budget,
+		r->context, r->seqs, r->layers, r->p, r->topk, r->correction, r->rescore, r->rescore_k,
+		r->budget, r->oracle_budget,
 		r->recall, r->recall_min, r->recall_p5, r->recall_p1, r->err, r->step_ms, r->tok_s, r->hit_rate, r->pcie_step,
 		r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4],
 		(double)r->host_used, (double)r->index_bytes,
@@ -213,8 +224,8 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 
 static void print_point_columns(void)
 {
-	printf("context seqs layers      p  topk  corr  budget  oracle  recall    r_p5   r_min  rel_err  ms/layer"
-	       "    tok/s  hit   PCIe MiB/step\n");
+	printf("context seqs layers      p  topk  corr rescore  budget  oracle  recall    r_p5   r_min  "
+	       "rel_err  ms/layer    tok/s  hit   PCIe MiB/step\n");
 }
 
 static void cellf(double v, int w, int prec)
@@ -227,8 +238,8 @@ static void cellf(double v, int w, int prec)
 
 static void print_point(const kb_result *r)
 {
-	printf("%7u %4u %6u %6.3g %5u %5u", r->context, r->seqs, r->layers, (double)r->p, r->topk,
-	       r->correction);
+	printf("%7u %4u %6u %6.3g %5u %5u %7.3g", r->context, r->seqs, r->layers, (double)r->p,
+	       r->topk, r->correction, (double)r->rescore);
 	cellf(r->budget, 7, 4);
 	cellf(r->oracle_budget, 7, 4);
 	cellf(r->recall, 7, 4);
@@ -254,8 +265,9 @@ static void print_base_table(const kb_result *r, uint32_t n)
 		char m[48];
 		if (x->topk)
 			snprintf(m, sizeof m, "topk k=%u (kvtier estimate)", x->topk);
-		else if (x->correction)
-			snprintf(m, sizeof m, "kvtier p=%.3g corr=%u", (double)x->p, x->correction);
+		else if (x->correction || x->rescore != 0.0f)
+			snprintf(m, sizeof m, "kvtier p=%.3g corr=%u rs=%.3g", (double)x->p,
+				 x->correction, (double)x->rescore);
 		else
 			snprintf(m, sizeof m, "kvtier p=%.3g", (double)x->p);
 		printf("%7u %4u  %-30s", x->context, x->seqs, m);
