@@ -126,6 +126,13 @@ static double weights_read_s(double bytes, int sms, cudaStream_t st)
 	return ms * 1e-3;
 }
 
+/* A step's scratch, once per cache, for B sequences of n tokens: scores (4 B per query head), the
+ * selection's positions (4 B per KV head) and the row lists (12 B per KV head) per token. */
+static double scratch_bytes(uint32_t B, uint32_t n)
+{
+	return (double)B * n * (4.0 * HQ + 16.0 * HKV);
+}
+
 int main(int argc, char **argv)
 {
 	const options o = parse(argc, argv);
@@ -208,7 +215,7 @@ int main(int argc, char **argv)
 	/* the largest batch both tiers hold, tried too */
 	std::vector<uint32_t> batches = o.batches;
 	{
-		const double per = (double)f.hbm_seq_bytes + (double)n * (4.0 * HQ + 16.0 * HKV);
+		const double per = (double)f.hbm_seq_bytes + scratch_bytes(1, n);
 		const double hb = (hbm - weights - reserve - (double)f.hbm_rotation_bytes) / per,
 			     hh = o.host_gib * 1073741824.0 / (double)f.host_bytes;
 		const uint32_t bm = (uint32_t)std::max(0.0, std::min(std::min(hb, hh), 4096.0));
@@ -219,8 +226,7 @@ int main(int argc, char **argv)
 	double best_tps = 0;
 	uint32_t best_b = 0;
 	for (uint32_t B : batches) {
-		/* per-step scratch, once per cache: scores, the selection's list, row lists */
-		const double scratch = (double)B * n * (4.0 * HQ + 16.0 * HKV);
+		const double scratch = scratch_bytes(B, n);
 		const double left = hbm - weights - reserve - scratch - B * (double)f.hbm_seq_bytes -
 				    (double)f.hbm_rotation_bytes;
 		const double host = B * (double)f.host_bytes;

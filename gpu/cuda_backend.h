@@ -167,6 +167,8 @@ int gpu_hot_after_step(kvt_cache *c, uint32_t layer, void *stream);
  * `what`; freed (NULL accepted) with the same size. */
 int gpu_pinned_alloc(kvt_cache *c, void **p, size_t bytes, const char *what);
 void gpu_pinned_free(kvt_cache *c, void *p, size_t bytes);
+/* Whether `stream` is being captured into a graph (true when that cannot be told). */
+bool gpu_capturing(void *stream);
 /* -EINVAL with the text `why` when `stream` is being captured into a graph. */
 int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why);
 /* The same for `what`, which needs device memory. */

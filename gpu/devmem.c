@@ -8,6 +8,16 @@
 
 #include "cuda_backend.h"
 
+bool gpu_capturing(void *stream)
+{
+	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return true; /* unknown: do nothing that a capture forbids */
+	}
+	return st != cudaStreamCaptureStatusNone;
+}
+
 int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why)
 {
 	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;

@@ -93,7 +93,7 @@ int gpu_hot_init(kvt_cache *c)
 	if (!cap) {
 		size_t free_b = 0, total = 0;
 		CU(c, cudaMemGetInfo(&free_b, &total));
-		cap = free_b / 4;
+		cap = free_b / KVT_GPU_HOT_AUTO_SHARE;
 	}
 	b->hot_cap_layer = cap / L;
 	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, 2 * sizeof(uint64_t) * L,
@@ -113,16 +113,6 @@ void gpu_hot_fini(kvt_cache *c)
 			cudaEventDestroy(y->snap_ev);
 	}
 	gpu_pinned_free(c, b->hot_snap, 2 * sizeof(uint64_t) * c->cfg.n_layers);
-}
-
-static bool capturing(void *stream)
-{
-	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
-		(void)cudaGetLastError();
-		return true; /* unknown: do nothing that a capture forbids */
-	}
-	return st != cudaStreamCaptureStatusNone;
 }
 
 /* Queue the copy of the layer's selected-token counter into its pinned slot i (0: before a step,
@@ -173,7 +163,7 @@ int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *str
 	struct gpu_layer *y = &b->lay[layer];
 	if (!b->hot_auto || y->hot_frozen)
 		return 0;
-	if (capturing(stream)) {
+	if (gpu_capturing(stream)) {
 		y->hot_frozen = true;
 		return 0;
 	}

@@ -30,9 +30,7 @@ void gpu_harvest(kvt_cache *c, struct gpu_timing *t)
 struct gpu_timing *gpu_timing(kvt_cache *c, void *stream, int kind)
 {
 	struct gpu_cache *b = gpu_of(c);
-	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess ||
-	    st != cudaStreamCaptureStatusNone || !b->t[0].ev[0])
+	if (gpu_capturing(stream) || !b->t[0].ev[0])
 		return NULL;
 	struct gpu_timing *t = &b->t[b->t_next];
 	if (t->kind != T_NONE) {

@@ -13,7 +13,8 @@
 
 #define UN_THREADS 256
 #define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
-#define UN_CHUNK (UN_THREADS / 32 * UN_WARP_TOKENS) /* tokens per block: 8192 */
+#define UN_CHUNK KVT_GPU_SEL_CHUNK /* tokens per block */
+static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cover its chunk");
 
 static __global__ void __launch_bounds__(UN_THREADS)
 	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,

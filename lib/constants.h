@@ -15,6 +15,11 @@
  * 64-bit tag words and a 32-bit last-use epoch (gpu/fetch.cuh; lib/probe.c sizes it from these). */
 #define KVT_GPU_HOT_WAYS 8u
 #define KVT_GPU_HOT_TAG_BYTES (2 * 8u + 4u)
+/* The self-sized hot cache's default bound: this share (1 / n) of the device memory free at
+ * kvt_cache_create (gpu/hot.c; kvbench --plan counts it). */
+#define KVT_GPU_HOT_AUTO_SHARE 4u
+/* Tokens per count of a selection kept as bits (gpu/union.cu's chunk; kvt_footprint counts it). */
+#define KVT_GPU_SEL_CHUNK 8192u
 /* |<q - c_q, c_k>| of a prepared query is saturated here (and a NaN made 0), on the CPU and in
  * gpu/score.cu alike: keys or centroids of a magnitude no model produces (bf16 above ~1e36) then
  * give a finite, dominant score instead of failing every batch their sequence joins. */

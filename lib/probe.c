@@ -137,9 +137,10 @@ static void footprint_hbm(const kvt_config *c, uint64_t n_tokens, kvt_footprint 
 	f->hbm_index_bytes = f->index_tokens * f->index_token_bytes;
 	f->hbm_centroid_bytes = 2 * sizeof(float) * d * kl;
 	f->hbm_window_bytes = ((uint64_t)c->window + 2ull * c->flush_batch) * f->row_bytes * kl;
-	/* gpu/select.cuh's kvt_gpu_selbits: a bit per token, a count per 8192 tokens (at least one),
-	 * and the selected count */
-	const uint64_t n = f->index_tokens, chunks = n ? (n + 8191) / 8192 : 1;
+	/* gpu/select.cuh's kvt_gpu_selbits: a bit per token, a count per KVT_GPU_SEL_CHUNK tokens (at
+	 * least one), and the selected count */
+	const uint64_t n = f->index_tokens,
+		       chunks = n ? (n + KVT_GPU_SEL_CHUNK - 1) / KVT_GPU_SEL_CHUNK : 1;
 	f->hbm_selection_bytes = sizeof(uint32_t) * ((n + 31) / 32 + chunks + 1) * kl;
 	uint64_t blocks = (n_tokens + KVT_BLOCK_TOKENS - 1) / KVT_BLOCK_TOKENS;
 	blocks = blocks > KVT_TABLE_MIN_BLOCKS ? blocks : KVT_TABLE_MIN_BLOCKS;

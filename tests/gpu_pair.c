@@ -155,6 +155,13 @@ void decode_inputs(struct pair *p, uint32_t layer, uint32_t step)
 
 /* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
  * head (the worst seen in *worst). */
+void append_both(struct pair *p, uint32_t layer, uint32_t step)
+{
+	decode_inputs(p, layer, step);
+	OK(p->cpu, kvt_append(p->cpu, layer, NSEQ, p->sc, p->hk, p->hv, NULL));
+	OK(p->gpu, kvt_append(p->gpu, layer, NSEQ, p->sg, p->dk, p->dv, NULL));
+}
+
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)
 {
 	OK(p->cpu, kvt_attend(p->cpu, layer, NSEQ, p->sc, p->hq, p->out_c, NULL));

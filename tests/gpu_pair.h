@@ -61,6 +61,8 @@ void pair_init(struct pair *p, uint32_t ctx, uint32_t steps, uint64_t gpu_cache_
 void pair_fini(struct pair *p);
 /* One decode token for both sequences on `layer`, then the queries of `step` in hq/dq. */
 void decode_inputs(struct pair *p, uint32_t layer, uint32_t step);
+/* decode_inputs, then their token appended to both caches */
+void append_both(struct pair *p, uint32_t layer, uint32_t step);
 /* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
  * head (the worst seen in *worst). */
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst);

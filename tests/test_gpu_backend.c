@@ -41,9 +41,7 @@ static void test_pipeline(void **state)
 	double worst = 0.0;
 	for (uint32_t step = 0; step < steps; step++)
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			decode_inputs(&p, layer, step);
-			OK(p.cpu, kvt_append(p.cpu, layer, NSEQ, p.sc, p.hk, p.hv, NULL));
-			OK(p.gpu, kvt_append(p.gpu, layer, NSEQ, p.sg, p.dk, p.dv, NULL));
+			append_both(&p, layer, step);
 			int mc = kvt_select(p.cpu, layer, NSEQ, p.sc, p.hq, NULL);
 			int mg = kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL);
 			T_CHECK(mc > 0 && mg > 0, "select: cpu %d gpu %d: %s / %s", mc, mg,
@@ -177,9 +175,7 @@ static void test_hot_auto(void **state)
 		double worst = 0.0;
 		for (uint32_t step = 0; step < steps; step++)
 			for (uint32_t layer = 0; layer < LAYERS; layer++) {
-				decode_inputs(&p, layer, step);
-				OK(p.cpu, kvt_append(p.cpu, layer, NSEQ, p.sc, p.hk, p.hv, NULL));
-				OK(p.gpu, kvt_append(p.gpu, layer, NSEQ, p.sg, p.dk, p.dv, NULL));
+				append_both(&p, layer, step);
 				attend_both(&p, layer, step, &worst);
 				if (step == 0 && layer == 0)
 					OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &first));

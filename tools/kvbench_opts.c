@@ -6,6 +6,8 @@
  */
 #include "kvbench.h"
 
+#include "constants.h" /* KVT_GPU_HOT_AUTO_SHARE */
+
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -522,7 +524,9 @@ static uint64_t plan_hot(const opts *o)
 {
 	if (o->gpu_cache != KB_GPU_CACHE_AUTO)
 		return o->gpu_cache;
-	return o->gpu_bytes > o->weights_bytes ? (o->gpu_bytes - o->weights_bytes) / 4 : 0;
+	return o->gpu_bytes > o->weights_bytes
+		       ? (o->gpu_bytes - o->weights_bytes) / KVT_GPU_HOT_AUTO_SHARE
+		       : 0;
 }
 
 void opts_plan_in(const opts *o, uint32_t context, kb_plan_in *in)
