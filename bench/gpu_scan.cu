@@ -56,6 +56,7 @@ struct setup {
 	uint32_t *n_tok;
 	kvt_gpu_qcode *qc;
 	float *scores;
+	kvt_gpu_segstats *stats; /* gathered as the step's scan gathers them (zeroed once) */
 	std::vector<void *> mem;
 };
 
@@ -87,7 +88,9 @@ static setup make(uint32_t n, size_t min_bytes, const float *drot, const float *
 	CK(cudaMalloc((void **)&s.qc, sizeof(kvt_gpu_qcode) * HQ));
 	RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq, dck, s.qc, NULL));
 	CK(cudaMalloc((void **)&s.scores, (size_t)HQ * n * 4));
-	s.mem.insert(s.mem.end(), {(void *)s.n_tok, (void *)s.qc, (void *)s.scores});
+	CK(cudaMalloc((void **)&s.stats, HQ * sizeof(kvt_gpu_segstats)));
+	CK(cudaMemset(s.stats, 0, HQ * sizeof(kvt_gpu_segstats)));
+	s.mem.insert(s.mem.end(), {(void *)s.n_tok, (void *)s.qc, (void *)s.scores, (void *)s.stats});
 	CK(cudaDeviceSynchronize());
 	return s;
 }
@@ -107,7 +110,7 @@ static float time_scan(setup &s, bool prep, const float *drot, const float *cons
 			       RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq,
 							dck, s.qc, NULL));
 		       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n,
-					s.scores, s.n, NULL, NULL));
+					s.scores, s.n, s.stats, NULL, NULL));
 	       });
 }
 
@@ -119,7 +122,7 @@ static float time_burst(setup &s, int burst)
 		       for (int b = 0; b < burst; b++)
 			       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc,
 						s.views[(i * burst + b) % s.copies], s.n_tok, s.n,
-						s.scores, s.n, NULL, NULL));
+						s.scores, s.n, s.stats, NULL, NULL));
 	       });
 }
 

@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "score.cuh"
+#include "segstats.cuh"
 
 /*
  * The coordinate order along k: at k-step s, lane t of a quad works on code word word(t, s) at bit
@@ -206,10 +207,11 @@ static __device__ __forceinline__ void load_tile(tile_in<WPL> &x, const uint32_t
 	x.bb = rb < n ? __ldg(bet + rb) : 0u;
 }
 
-/* The scores of one tile for n-tile nt (accumulators c) into out, rows ra and ra + 8. */
+/* The scores of one tile for n-tile nt (accumulators c) into out, rows ra and ra + 8, and into
+ * the running statistics of their query head. */
 static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &kq, const float *sg,
 					      const float *bt, const float *pbf, float *outq,
-					      uint32_t ra, uint32_t n)
+					      uint32_t ra, uint32_t n, uint32_t (&st)[3])
 {
 #pragma unroll
 	for (int r = 0; r < 2; r++) {
@@ -219,7 +221,9 @@ static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &k
 		const float bu = small_u2f((uint32_t)c[2 * r] >> 4);
 		const float E =
 			__fadd_rn(__fadd_rn(__fmul_rn(kq.x, bu), __fmul_rn(kq.y, pbf[r])), kq.z);
-		outq[row] = __fadd_rn(__fadd_rn(__fmul_rn(sg[r], E), bt[r]), kq.w);
+		const float v = __fadd_rn(__fadd_rn(__fmul_rn(sg[r], E), bt[r]), kq.w);
+		outq[row] = v;
+		kvt_d_stat(v, row, &st[0], &st[1], &st[2]);
 	}
 }
 
@@ -228,11 +232,12 @@ template <int D, bool ONE>
 static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 	k_score(const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views, const uint32_t *n_tokens,
 		uint32_t max_n, uint32_t hq, uint32_t hkv, float *scores, size_t ld,
-		unsigned long long *err)
+		kvt_gpu_segstats *stats, unsigned long long *err)
 {
 	constexpr int S = D / 32, W = D / 32, WPL = D == 256 ? 2 : 1;
 	__shared__ uint2 bfrag[ONE ? 1 : SC_MAX_NT][ONE ? 1 : S][32];
 	__shared__ float4 qk[ONE ? 1 : KVT_GPU_MAX_GROUP];
+	__shared__ kvt_gpu_segstats sst[ONE ? 1 : KVT_GPU_MAX_GROUP]; /* the block's, per query */
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t NT = ONE ? 1 : (G + 3) / 4;
 	const uint32_t n = n_tokens[seq];
@@ -260,10 +265,13 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 		for (uint32_t e = threadIdx.x; e < NT * S * 32; e += blockDim.x)
 			bfrag[e / (32 * S)][(e / 32) % S][e % 32] =
 				b_frag<D>(q0, G, e / (32 * S), (int)((e / 32) % S), e % 32);
-		for (uint32_t c = threadIdx.x; c < G; c += blockDim.x)
+		for (uint32_t c = threadIdx.x; c < G; c += blockDim.x) {
 			qk[c] = make_float4(q0[c].A, q0[c].B, q0[c].C, q0[c].qc_ck);
+			sst[c] = kvt_gpu_segstats{0, 0, 0, 0};
+		}
 		__syncthreads();
 	}
+	uint32_t st[3] = {0, 0, 0}; /* ONE: the statistics of this lane's query head, q = t */
 	uint32_t mask[S];
 #pragma unroll
 	for (int s = 0; s < S; s++)
@@ -320,14 +328,37 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 					pbf[1] = small_u2f((uint32_t)pb >> 4);
 				}
 				const uint32_t q = nt * 4 + t;
-				if (q < G)
-					finish(c, ONE ? kreg : qk[ONE ? 0 : q], sg, bt, pbf,
-					       out + (size_t)q * ld, ra, n);
+				if (ONE) {
+					if (q < G)
+						finish(c, kreg, sg, bt, pbf, out + (size_t)q * ld,
+						       ra, n, st);
+				} else {
+					uint32_t tst[3] = {0, 0, 0};
+					if (q < G)
+						finish(c, qk[q], sg, bt, pbf, out + (size_t)q * ld,
+						       ra, n, tst);
+					kvt_d_stat_flush(tst[0], tst[1], tst[2], 4,
+							 q < G ? &sst[q] : NULL);
+				}
 			}
 		}
 #pragma unroll
 		for (int k = 0; k < SC_TILES; k++)
 			cur[k] = nxt[k];
+	}
+	kvt_gpu_segstats *gs = stats ? stats + (size_t)seq * hq + (size_t)h * G : NULL;
+	if (ONE) {
+		kvt_d_stat_flush(st[0], st[1], st[2], 4, gs && t < G ? gs + t : NULL);
+		return;
+	}
+	__syncthreads();
+	for (uint32_t c = threadIdx.x; gs && c < G; c += blockDim.x) {
+		if (sst[c].max_key)
+			atomicMax(&gs[c].max_key, sst[c].max_key);
+		if (sst[c].nmin_key)
+			atomicMax(&gs[c].nmin_key, sst[c].nmin_key);
+		if (sst[c].bad)
+			atomicMax(&gs[c].bad, sst[c].bad);
 	}
 }
 
@@ -366,7 +397,8 @@ extern "C" int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs
 template <int D, bool ONE>
 static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
 		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
-		   float *scores, size_t ld, unsigned long long *err, cudaStream_t s)
+		   float *scores, size_t ld, kvt_gpu_segstats *stats, unsigned long long *err,
+		   cudaStream_t s)
 {
 	/* one wave of resident blocks, each looping over its share of the chunks, so that the
 	 * per-block setup (the B fragments) is paid once per block rather than once per chunk */
@@ -385,7 +417,7 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 	const uint32_t fill = (wave + items - 1) / items;
 	const dim3 grid(chunks < fill ? chunks : fill, items);
 	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores,
-						       ld, err);
+						       ld, stats, err);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -393,18 +425,20 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 template <int D>
 static int score_d(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
 		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
-		   float *scores, size_t ld, unsigned long long *err, cudaStream_t s)
+		   float *scores, size_t ld, kvt_gpu_segstats *stats, unsigned long long *err,
+		   cudaStream_t s)
 {
 	if (hq / hkv <= 4)
 		return score_g<D, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld,
-					err, s);
-	return score_g<D, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, err, s);
+					stats, err, s);
+	return score_g<D, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, stats,
+				 err, s);
 }
 
 extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 			     const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views,
 			     const uint32_t *n_tokens, uint32_t max_n, float *scores, size_t ld,
-			     unsigned long long *err, void *stream)
+			     kvt_gpu_segstats *stats, unsigned long long *err, void *stream)
 {
 	if (!qc || !views || !n_tokens || !scores || n_kv_heads == 0 || n_q_heads % n_kv_heads)
 		return -EINVAL;
@@ -419,6 +453,6 @@ extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, ui
 	cudaStream_t s = KVT_STREAM(stream);
 	KVT_DISPATCH_HEAD_DIM(d, D, {
 		return score_d<D>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores,
-				  ld, err, s);
+				  ld, stats, err, s);
 	});
 }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "index.cuh"
+#include "select.cuh"
 
 #ifdef __cplusplus
 extern "C" {
@@ -52,6 +53,8 @@ int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs, uint32_t 
  *   max_n:    host-side bound (sizes the grid), <= ld
  *   scores:   device [n_seqs][n_q_heads][ld] floats; ld a multiple of 4 (16-byte rows for the
  *             selection); entries from n_tokens[s] on are not written
+ *   stats:    device [n_seqs][n_q_heads] or NULL: each head's max, min and first non-finite
+ *             score are merged in (atomics), for kvt_gpu_topp_threshold; zero them before
  *   err:      device error word or NULL: KVT_GPU_ERR_RANGE when n_tokens[s] > max_n or > cap
  *             (that sequence is not scored)
  * The group n_q_heads / n_kv_heads is at most KVT_GPU_MAX_GROUP. Returns 0, -EINVAL (NULL
@@ -60,7 +63,7 @@ int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs, uint32_t 
 int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 		  const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views,
 		  const uint32_t *n_tokens, uint32_t max_n, float *scores, size_t ld,
-		  unsigned long long *err, void *stream);
+		  kvt_gpu_segstats *stats, unsigned long long *err, void *stream);
 
 #ifdef __cplusplus
 }

@@ -4,16 +4,18 @@
  * each segment split into chunks of SEL_CHUNK scores, one block per chunk (or several chunks per
  * block, so that all segments together take about four blocks per multiprocessor):
  *
- *   1. k_stats: max, min, finiteness.
- *   2. k_hist: a histogram of count and probability mass over SEL_BINS bins of equal width in
+ *   1. k_stats: max, min, finiteness; skipped when the scan gathered them (kvt_gpu_score's stats),
+ *      so that on a decode step the scores are read twice, not three times.
+ *   2. k_hist: every block derives the segment's start from the statistics (the trivial cases end
+ *      there), then a histogram of count and probability mass over SEL_BINS bins of equal width in
  *      (max - s) * scale (a log-mass scale: bin 0 holds the largest scores), spanning the scores'
  *      range or the top SEL_SPAN_NATS nats, whatever is less. Its last block picks the bin holding
  *      the Top-p boundary, and the bins holding the bmin-th and bmax-th largest (the clamp).
  *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
- *      list; the last block resolves the exact threshold, and the clamp, in shared memory by a
- *      radix select over the candidates (three levels on the score's key, two more on positions
- *      among ties). When the bins hold more than SEL_CAND candidates, it runs the same select
- *      over the whole segment instead: slower, the same result.
+ *      list; the last block resolves the threshold, and the clamp, in shared memory by a radix
+ *      select over the candidates (three levels on the score's key, two more on positions among
+ *      ties). When the bins hold more than SEL_CAND candidates, it runs the same select over the
+ *      whole segment instead: slower, the same result.
  *
  * In every pass blocks build shared-memory histograms and add their nonzero bins into the
  * segment's with integer atomics; the last block of a segment to finish (a counter in the
@@ -23,14 +25,20 @@
  * Files: select_common.cuh (what the passes share), this file (passes 1 and 2, the launcher),
  * select_resolve.cu (pass 3).
  *
- * The mass of a score s is exp((double)(s - max) * scale), the CPU's expression. It is summed in
- * unsigned 128-bit fixed point with unit 2^-80 (terms are at most 1; a term is truncated below
- * 2^-80, so n terms lose under n * 2^-80, far below the double rounding the CPU's own sums carry),
- * carried as two 40-bit halves so that 64-bit sums cannot overflow below 2^24 scores per segment.
+ * The mass. The CPU's term of a score s is exp((double)(s - max) * scale), summed in double. Here
+ * the term is computed in float (term(): the product split exactly by an FMA, expf, one rounding;
+ * relative error below 2^-21) and truncated to a multiple of 2^-40 (each term loses under 2^-40),
+ * and the truncated terms are summed exactly as integers: n < 2^24 terms of at most 2^40 units fit
+ * 64 bits. Counts and ranks are exact. So the mass M~(S) of any set of tokens is within
+ * E = 2^-21 M(S) + |S| 2^-40 of its exact value M(S), the total Z~ within 2^-21 Z + n 2^-40 of Z.
  * A bin is chosen where f(mass above) < target <= f(mass above + bin), f the monotone conversion
- * to double and target = p * f(total); refining a bin re-partitions exactly the same terms, so
- * each level finds exactly one such bin, and the last level yields the CPU's definition: the
- * largest score v with mass(> v) < p Z <= mass(>= v).
+ * to double and target = p * f(total); refining a bin re-partitions exactly the same integers, so
+ * the last level yields the set {tokens t: M~(scores > s_t) < p Z~}. The exact set is {t:
+ * M(scores > s_t) < p Z}; a token in one and not the other has |M(> s_t) - p Z| <= 2 E plus the
+ * double roundings, below tol = 2^-19 Z + n 2^-38 (the bound doc/selection.md states and
+ * test_gpu_kernels asserts, against sums in long double), and the set covers at least p Z - tol.
+ * The double exp and the 128-bit sums of 2^-80 units this replaced made the set equal to the
+ * CPU's but cost half of the threshold's time.
  */
 #include "select_common.cuh"
 
@@ -57,8 +65,10 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	off += align256(segs * SEL_BINS * sizeof(uint32_t));
 	s.hhi = (unsigned long long *)(p + off);
 	off += align256(segs * SEL_BINS * 8);
-	s.hlo = (unsigned long long *)(p + off);
-	off += align256(segs * SEL_BINS * 8);
+	s.zero_bytes = off; /* the state and the histograms: zeroed by one memset per call */
+	s.stats = (kvt_gpu_segstats *)(p + off);
+	off += align256(segs * sizeof(kvt_gpu_segstats));
+	s.zero_all = off; /* and the statistics, when the threshold gathers them itself */
 	s.cand = (u64 *)(p + off);
 	off += align256(segs * s.cand_cap * 8);
 	s.bytes = off;
@@ -66,87 +76,57 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 }
 
 
-/* ---- pass 1: max, min, finiteness -------------------------------------------------------- */
+/* ---- pass 1: max, min, finiteness (when the scan did not gather them) ------------------ */
 
 static __global__ void __launch_bounds__(SEL_THREADS)
 	k_stats(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
-		float scale, float p, uint32_t bmin, uint32_t bmax, sel_scratch sc,
-		kvt_gpu_topp *out, unsigned long long *err)
+		kvt_gpu_segstats *stats)
 {
-	__shared__ uint32_t red[3][SEL_THREADS / 32];
-	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;
-	seg_state *st = sc.st + seg;
+	const uint32_t seg = blockIdx.y, seq = seg / hq;
 	const uint32_t n = n_tok[seq], nn = n > max_n ? 0 : n;
-	const float *s = scores + (size_t)seg * ld;
-
-	/* the histogram starts at zero */
-	for (uint32_t e = blockIdx.x * SEL_THREADS + tid; e < SEL_BINS;
-	     e += gridDim.x * SEL_THREADS) {
-		const size_t b = (size_t)seg * SEL_BINS + e;
-		sc.hcnt[b] = 0;
-		sc.hhi[b] = sc.hlo[b] = 0;
-	}
 	uint32_t kmax = 0, nmin = 0, bad = 0;
-	each_of_block(s, nn, [&](uint32_t i, float f) {
-		if (i >= nn)
-			return;
-		if (!isfinite(f)) {
-			bad = max(bad, 0xffffffffu - i);
-			return;
-		}
-		const uint32_t key = kvt_d_fkey(f);
-		kmax = max(kmax, key);
-		nmin = max(nmin, ~key);
+	each_of_block(scores + (size_t)seg * ld, nn, [&](uint32_t i, float f) {
+		if (i < nn)
+			kvt_d_stat(f, i, &kmax, &nmin, &bad);
 	});
-	for (int o = 16; o; o >>= 1) {
-		kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
-		nmin = max(nmin, __shfl_xor_sync(0xffffffffu, nmin, o));
-		bad = max(bad, __shfl_xor_sync(0xffffffffu, bad, o));
-	}
-	if (tid % 32 == 0) {
-		red[0][tid / 32] = kmax;
-		red[1][tid / 32] = nmin;
-		red[2][tid / 32] = bad;
-	}
-	__syncthreads();
-	if (tid == 0) {
-		for (int w = 1; w < SEL_THREADS / 32; w++) {
-			kmax = max(kmax, red[0][w]);
-			nmin = max(nmin, red[1][w]);
-			bad = max(bad, red[2][w]);
-		}
-		if (kmax)
-			atomicMax(&st->max_key, kmax);
-		if (nmin)
-			atomicMax(&st->nmin_key, nmin);
-		if (bad)
-			atomicMax(&st->bad, bad);
-	}
-	if (!last_block(st) || tid != 0)
-		return;
-	st->done = 0;
-	kvt_gpu_topp *o = out + seg;
-	const float lo = kvt_d_keyf(~__ldcg(&st->nmin_key)), hi = kvt_d_keyf(__ldcg(&st->max_key));
+	kvt_d_stat_flush(kmax, nmin, bad, 1, stats + seg);
+}
+
+/*
+ * A segment's start, as every block of pass 2 sees it (each computes the same from the same
+ * statistics): the trivial cases (no token, a non-finite score, a count out of range, p >= 1
+ * unclamped) are finalized by block 0 and return false; otherwise *inv_w gets the bins' scale:
+ * bins over [max - span, max], span the range or SEL_SPAN_NATS / scale, the lesser (0: one bin).
+ */
+static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint32_t n,
+				 uint32_t max_n, float scale, float p, uint32_t bmin, uint32_t bmax,
+				 kvt_gpu_topp *o, unsigned long long *err, float *inv_w)
+{
+	const uint32_t kmax = __ldcg(&gs->max_key), nmin = __ldcg(&gs->nmin_key),
+		       bad = __ldcg(&gs->bad);
+	const bool first = blockIdx.x == 0 && threadIdx.x == 0;
+	const float lo = kvt_d_keyf(~nmin), hi = kvt_d_keyf(kmax);
 	int clamped = 0;
 	if (p >= 1.0f && n <= max_n)
 		clamp_want(n, n, bmin, bmax, &clamped); /* everything, unless bmax cuts it */
-	if (n > max_n) {
-		kvt_d_raise(err, KVT_GPU_ERR_RANGE, seg, n);
-		finalize(st, o, 0.0f, 0, 0, 0, ~0ull);
-	} else if (n == 0) {
-		finalize(st, o, 0.0f, 0, 0, 0, ~0ull);
-	} else if (__ldcg(&st->bad)) {
-		kvt_d_raise(err, KVT_GPU_ERR_NONFINITE, seg, 0xffffffffu - __ldcg(&st->bad));
-		finalize(st, o, 0.0f, 0, 0, 0, ~0ull);
-	} else if (p >= 1.0f && !clamped) {
-		finalize(st, o, lo, n, n, 0, (unsigned long long)kvt_d_fkey(lo) << 32);
-	} else {
-		/* bins over [max - span, max], span the range or SEL_SPAN_NATS, the lesser */
-		const float span = fminf(__fsub_rn(hi, lo), __fdiv_rn(SEL_SPAN_NATS, scale));
-		const float inv = __fdiv_rn((float)SEL_BINS, span);
-		st->inv_w = span > 0.0f && isfinite(inv) ? inv : 0.0f; /* 0: one bin */
-		st->phase = PH_HIST;
+	if (n > max_n || n == 0 || bad || (p >= 1.0f && !clamped)) {
+		if (!first)
+			return false;
+		if (n > max_n)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, seg, n);
+		else if (n && bad)
+			kvt_d_raise(err, KVT_GPU_ERR_NONFINITE, seg, 0xffffffffu - bad);
+		const bool all = n && n <= max_n && !bad;
+		o->thresh = all ? lo : 0.0f;
+		o->count = o->marked = all ? n : 0;
+		o->clamped = 0;
+		o->cut = all ? (unsigned long long)kvt_d_fkey(lo) << 32 : ~0ull;
+		return false;
 	}
+	const float span = fminf(__fsub_rn(hi, lo), __fdiv_rn(SEL_SPAN_NATS, scale));
+	const float inv = __fdiv_rn((float)SEL_BINS, span);
+	*inv_w = span > 0.0f && isfinite(inv) ? inv : 0.0f;
+	return true;
 }
 
 /* ---- pass 2: the log-mass histogram and its boundary bins -------------------------------- */
@@ -156,8 +136,7 @@ static __global__ void __launch_bounds__(SEL_THREADS)
  * Out of line, so that its registers do not weigh on the streaming pass before it.
  */
 static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *gc,
-						const unsigned long long *gh,
-						const unsigned long long *gl, uint32_t *hc,
+						const unsigned long long *gh, uint32_t *hc,
 						uint32_t *hw, uint32_t n, float p, uint32_t bmin,
 						uint32_t bmax, uint32_t cand_cap)
 {
@@ -170,18 +149,16 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 	for (uint32_t k = 0; k < SEL_BINS / SEL_THREADS; k++) {
 		const uint32_t b = tid + k * SEL_THREADS;
 		const uint32_t c = __ldcg(gc + b);
-		const u64 xh = mass ? __ldcg(gh + b) : 0, xl = mass ? __ldcg(gl + b) : 0;
+		const u64 xh = mass ? __ldcg(gh + b) : 0;
 		hc[b] = c;
 		hw[b] = (uint32_t)xh;
 		hw[SEL_BINS + b] = (uint32_t)(xh >> 32);
-		hw[2 * SEL_BINS + b] = (uint32_t)xl;
-		hw[3 * SEL_BINS + b] = (uint32_t)(xl >> 32);
 	}
 	__syncthreads();
 	/* the decisions; bin j holds the j-th largest band of scores */
 	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
 		*c = hc[j];
-		*m = mk128(hm.hi(j), hm.lo(j));
+		*m = mk128(hm.sum(j));
 	};
 	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
 		 cnt[NEEDS] = {0, 0, 0};
@@ -224,17 +201,19 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 }
 
 static __global__ void __launch_bounds__(SEL_THREADS, 4)
-	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
-	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc)
+	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
+	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
+	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
 {
-	__shared__ uint32_t hc[SEL_BINS], hw[4 * SEL_BINS];
+	__shared__ uint32_t hc[SEL_BINS], hw[2 * SEL_BINS];
 	mhist hm{hw, SEL_BINS};
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;
 	seg_state *st = sc.st + seg;
-	if (__ldcg(&st->phase) != PH_HIST)
-		return;
 	const uint32_t n = n_tok[seq];
-	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	float inv_w;
+	if (!seg_begin(stats + seg, seg, n, max_n, scale, p, bmin, bmax, out + seg, err, &inv_w))
+		return;
+	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
 	const bool mass = p < 1.0f;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
 	{
@@ -252,21 +231,23 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	});
 	__syncthreads();
 	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_BINS;
-	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS, *gl = sc.hlo + (size_t)seg * SEL_BINS;
+	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS) {
 		if (!hc[b])
 			continue;
 		atomicAdd(&gc[b], hc[b]);
-		const u64 xh = hm.hi(b), xl = hm.lo(b);
+		const u64 xh = hm.sum(b);
 		if (xh)
 			atomicAdd(&gh[b], xh);
-		if (xl)
-			atomicAdd(&gl[b], xl);
 	}
 	if (!last_block(st))
 		return;
-
-	hist_decide(st, gc, gh, gl, hc, hw, n, p, bmin, bmax, sc.cand_cap);
+	if (tid == 0) { /* what pass 3 reads */
+		st->max_key = __ldcg(&stats[seg].max_key);
+		st->nmin_key = __ldcg(&stats[seg].nmin_key);
+		st->inv_w = inv_w;
+	}
+	hist_decide(st, gc, gh, hc, hw, n, p, bmin, bmax, sc.cand_cap);
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
@@ -303,7 +284,8 @@ static bool aligned16(const void *p)
 extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores,
 				      size_t ld, const uint32_t *n_tokens, uint32_t max_n,
 				      float scale, float p, uint32_t bmin, uint32_t bmax,
-				      kvt_gpu_topp *out, void *scratch, size_t scratch_bytes,
+				      const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
+				      void *scratch, size_t scratch_bytes,
 				      unsigned long long *err, void *stream)
 {
 	if (!scores || !n_tokens || !out || !scratch || n_q_heads == 0)
@@ -321,13 +303,17 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
 	const uint32_t segs = n_seqs * n_q_heads;
-	KVT_CU(cudaMemsetAsync(sc.st, 0, segs * sizeof(seg_state), s));
+	/* the state and the histograms, and the statistics when this call gathers them */
+	KVT_CU(cudaMemsetAsync(sc.st, 0, stats ? sc.zero_bytes : sc.zero_all, s));
 	const dim3 grid(sel_blocks(max_n, segs), segs);
-	k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads, scale, p, bmin,
-					     bmax, sc, out, err);
-	KVT_CU_LAUNCHED();
-	k_hist<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
-					    sc);
+	if (!stats) {
+		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
+						     sc.stats);
+		KVT_CU_LAUNCHED();
+		stats = sc.stats;
+	}
+	k_hist<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads, scale, p, bmin,
+					    bmax, stats, sc, out, err);
 	KVT_CU_LAUNCHED();
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 				   sc, out));

@@ -30,6 +30,18 @@ typedef struct kvt_gpu_topp {
 				   bits of s (-0 taken as +0): ties at the boundary by lowest position */
 } kvt_gpu_topp;
 
+/*
+ * A segment's score statistics (16 bytes, device memory), gathered by kvt_gpu_score as it writes
+ * the scores so that the threshold need not read them once more for them. Zeroed before they are
+ * gathered.
+ */
+typedef struct kvt_gpu_segstats {
+	uint32_t max_key;  /* the largest order-preserving key (-0 taken as +0) of a finite score */
+	uint32_t nmin_key; /* the complement of the smallest */
+	uint32_t bad;      /* 0xffffffff - the position of the first non-finite score, or 0 */
+	uint32_t pad;
+} kvt_gpu_segstats;
+
 /* Bytes of scratch that kvt_gpu_topp_threshold and kvt_gpu_topp_union need for these shapes. */
 size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 				    uint32_t max_n);
@@ -37,17 +49,22 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
 /*
  * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
  * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time and three
- * launches (select.cu): a max/min pass; a histogram of count and probability mass (in double, as the
- * CPU, summed exactly in 128-bit fixed point of 2^-80) over 2048 log-mass bins, which picks the bin
- * holding the boundary and those holding the bmin-th and bmax-th largest; then those bins' scores
- * are gathered and the last block resolves the exact threshold and clamp among them (sorted in
- * shared memory, or by a radix select when there are many), ties at a clamped boundary going to the
- * lowest positions. The result equals the CPU's on the same scores, except where the cumulative
- * mass at the boundary is within double rounding of p times the total.
+ * launches (select.cu): max, min and finiteness (skipped when `stats` gives them); a histogram of
+ * count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
+ * integers of 2^-40), which picks the bin holding the boundary and those holding the bmin-th and
+ * bmax-th largest; then those bins' scores are gathered and the last block resolves the threshold
+ * and clamp among them (sorted in shared memory, or by a radix select when there are many), ties
+ * at a clamped boundary going to the lowest positions. Counts, ranks and the clamp are exact; the
+ * mass is within a stated tolerance (doc/selection.md): with Z the total mass and n the scored
+ * tokens, the set differs from the exact definition's only in tokens whose cumulative mass (of the
+ * tokens ranked above them) lies within tol = 2^-19 Z + n 2^-38 of p Z, and never covers less
+ * than p Z - tol. The same inputs give the same result on every run.
  *   scores:   device [n_seqs][n_q_heads][ld] floats (16-byte aligned), ld a multiple of 4
  *   n_tokens: device [n_seqs]: scored tokens per head, each <= max_n (host bound, <= ld,
  *             <= KVT_GPU_SELECT_MAX_N)
  *   scale > 0 and finite; p > 0 (p >= 1 selects all)
+ *   stats:    device [n_seqs][n_q_heads], the scores' statistics as kvt_gpu_score gathered them,
+ *             or NULL (then a first pass gathers them)
  *   out:      device [n_seqs][n_q_heads]
  *   scratch:  device, scratch_bytes >= kvt_gpu_select_scratch_bytes(...), 16-byte aligned;
  *             no initial contents needed
@@ -60,8 +77,9 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  */
 int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores, size_t ld,
 			   const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
-			   uint32_t bmin, uint32_t bmax, kvt_gpu_topp *out, void *scratch,
-			   size_t scratch_bytes, unsigned long long *err, void *stream);
+			   uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
+			   kvt_gpu_topp *out, void *scratch, size_t scratch_bytes,
+			   unsigned long long *err, void *stream);
 
 /*
  * The union of the marked sets of each KV head's query group (query heads h * G .. h * G + G - 1,

@@ -10,14 +10,15 @@
 
 #include "common.cuh"
 #include "score.cuh"
+#include "segstats.cuh"
 #include "select.cuh"
 
 #define SEL_THREADS 256
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
 #define SEL_CNT_BINS 4096u /* the position radix's digit: 12 bits */
-/* Bins span at most this many nats below the max: a term exp(-56.2) is already below the fixed
- * point's unit, so the bins past it carry counts only. */
+/* Bins span at most this many nats below the max: a term below exp(-27.7) is already below the
+ * fixed point's unit (2^-40), so the bins past it carry counts only. */
 #define SEL_SPAN_NATS 64.0f
 /* Candidate list per segment, at most (see carve). A boundary bin holds a few hundred scores at
  * 128K tokens on realistic attention; more (flat scores) take the whole-segment path. */
@@ -52,10 +53,11 @@ struct seg_state {
 struct sel_scratch {
 	seg_state *st;
 	uint32_t *hcnt;          /* [segs][SEL_BINS] */
-	unsigned long long *hhi; /* [segs][SEL_BINS]: sums of the 2^-40 halves */
-	unsigned long long *hlo; /* [segs][SEL_BINS]: sums of the 2^-80 halves */
+	unsigned long long *hhi; /* [segs][SEL_BINS]: sums of the terms, unit 2^-40 */
+	kvt_gpu_segstats *stats; /* [segs]: when the caller gives none */
 	u64 *cand;               /* [segs][cand_cap]: candidates (see ckey) */
 	uint32_t cand_cap;
+	size_t zero_bytes, zero_all; /* from st: through the histograms, through the statistics */
 	size_t bytes;
 };
 
@@ -93,22 +95,25 @@ static __device__ __forceinline__ double mass_d(u128 x)
 	return (hi * 18446744073709551616.0 + lo) * 0x1p-80;
 }
 
-static __device__ __forceinline__ u128 mk128(unsigned long long hi40, unsigned long long lo40)
+/* A term's or a sum's mass in the unit of the 128-bit sums (2^-80). */
+static __device__ __forceinline__ u128 mk128(unsigned long long t40)
 {
-	return ((u128)hi40 << 40) + lo40;
+	return (u128)t40 << 40;
 }
 
-/* The CPU's mass term, split into its 2^-40 and 2^-80 parts (truncated below 2^-80). */
-static __device__ __forceinline__ void term(float s, float max, float scale, unsigned long long *hi,
-					    unsigned long long *lo)
+/*
+ * The mass term exp((s - max) * scale) in float, truncated to a multiple of 2^-40 (select.cu:
+ * the error bound). s - max is rounded as the CPU rounds it; its product with scale, exact in the
+ * CPU's double, is split exactly into h + l (an FMA), and exp(h + l) = expf(h) (1 + l) to far
+ * below a float's rounding, since |l| <= 2^-24 |h|. Terms below 2^-40 (h < -27.7) are 0.
+ */
+static __device__ __forceinline__ unsigned long long term(float s, float max, float scale)
 {
-	const double x = (double)__fsub_rn(s, max) * (double)scale;
-	*hi = *lo = 0;
-	if (x < -56.2) /* exp(x) < 2^-81: below the unit */
-		return;
-	const double t = exp(x) * 0x1p40, h = floor(t);
-	*hi = (unsigned long long)h;
-	*lo = (unsigned long long)((t - h) * 0x1p40);
+	const float d = __fsub_rn(s, max), h = __fmul_rn(d, scale);
+	if (!(h >= -28.0f)) /* also an infinite d, whose l would be NaN */
+		return 0;
+	const float l = __fmaf_rn(d, scale, -h), e = expf(h);
+	return __float2ull_rz(__fmul_rn(__fmaf_rn(e, l, e), 0x1p40f));
 }
 
 /*
@@ -125,33 +130,25 @@ static __device__ __forceinline__ void smem_add64(uint32_t *lo_w, uint32_t *hi_w
 }
 
 /*
- * A shared histogram of masses: per bin the sums of the terms' 2^-40 and 2^-80 halves, each in
- * two 32-bit words, the four words in separate rows so that lanes on distinct bins hit distinct
- * banks.
+ * A shared histogram of masses: per bin the sum of the terms (unit 2^-40) in two 32-bit words, in
+ * separate rows so that lanes on distinct bins hit distinct banks.
  */
 struct mhist {
-	uint32_t *w; /* [4][bins] */
+	uint32_t *w; /* [2][bins] */
 	uint32_t bins;
 	__device__ void zero(uint32_t b)
 	{
-		w[b] = w[bins + b] = w[2 * bins + b] = w[3 * bins + b] = 0;
+		w[b] = w[bins + b] = 0;
 	}
 	__device__ void add(uint32_t b, float s, float mx, float scale)
 	{
-		unsigned long long th, tl;
-		term(s, mx, scale, &th, &tl);
-		if (th)
-			smem_add64(w + b, w + bins + b, th);
-		if (tl)
-			smem_add64(w + 2 * bins + b, w + 3 * bins + b, tl);
+		const unsigned long long t = term(s, mx, scale);
+		if (t)
+			smem_add64(w + b, w + bins + b, t);
 	}
-	__device__ u64 hi(uint32_t b) const
+	__device__ u64 sum(uint32_t b) const
 	{
 		return (u64)w[bins + b] << 32 | w[b];
-	}
-	__device__ u64 lo(uint32_t b) const
-	{
-		return (u64)w[3 * bins + b] << 32 | w[2 * bins + b];
 	}
 };
 

@@ -79,7 +79,7 @@ static __device__ void rlevel(const source &src, uint32_t bin, float mx, float i
 	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
 		const uint32_t d = bins - 1 - j;
 		*c = hc[d];
-		*m = MASS ? mk128(hm.hi(d), hm.lo(d)) : 0;
+		*m = MASS ? mk128(hm.sum(d)) : 0;
 	};
 	const pick w = decide<bins, MASS>(get, rs->above, rs->acc, rs->target, 1.0f, rs->want);
 	if (threadIdx.x == 0) {
@@ -172,9 +172,7 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, flo
 		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
 		if (lbin(x, mx, inv_w) != b)
 			return false;
-		unsigned long long th, tl;
-		term(x, mx, scale, &th, &tl);
-		*t = mk128(th, tl);
+		*t = mk128(term(x, mx, scale));
 		return true;
 	};
 	uint32_t c = 0, tc;

@@ -20,6 +20,7 @@ struct step_scratch {
 	kvt_gpu_qcode *qc;
 	float *scores;
 	kvt_gpu_topp *topp;
+	kvt_gpu_segstats *stats; /* [n][Hq]: the scan's, for the threshold */
 	uint32_t *sel; /* [n][H][ld]: the selection's positions, from the layer's bits */
 	uint32_t ld;
 	void *sscratch;
@@ -63,6 +64,7 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 	PIECE(qc, kvt_gpu_qcode *, sizeof(kvt_gpu_qcode) * n * Hq);
 	PIECE(scores, float *, sizeof(float) * n * Hq * ld);
 	PIECE(topp, kvt_gpu_topp *, sizeof(kvt_gpu_topp) * n * Hq);
+	PIECE(stats, kvt_gpu_segstats *, sizeof(kvt_gpu_segstats) * n * Hq);
 	PIECE(sel, uint32_t *, sizeof(uint32_t) * n * H * ld);
 	s.ld = ld;
 	s.sbytes = kvt_gpu_select_scratch_bytes(n, Hq, H, ld);
@@ -223,12 +225,14 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	LAUNCH(c, kvt_gpu_query_prepare(d, c->cfg.dtype, n_seqs, Hq, H,
 					b->rot + (size_t)layer * d * d, q, s->cq, s->ck, s->qc,
 					stream));
+	CU(c, cudaMemsetAsync(s->stats, 0, sizeof(kvt_gpu_segstats) * n_seqs * Hq,
+			      (cudaStream_t)stream));
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
-				s->ld, b->err, stream));
+				s->ld, s->stats, b->err, stream));
 	gpu_mark(t, 1, stream);
 	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni, c->scale,
-					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max, s->topp,
-					 s->sscratch, s->sbytes, b->err, stream));
+					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max, s->stats,
+					 s->topp, s->sscratch, s->sbytes, b->err, stream));
 	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
 					  y->bits, stream));
 	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, y->bits, s->sel, s->ld, y->sel_n, stream));

@@ -4,9 +4,11 @@
  * (tools/workload.c: sinks, recency, heavy hitters, needles; fp16):
  * - pipeline: two sequences prefilled in two chunks each (the second chunk indexes the first one's
  *   window from the ring), then many decode steps with lazy flushes; at every step the selected
- *   token positions of every (sequence, KV head) equal the CPU's (the scores are bit-equal, so only
- *   an exact tie at the Top-p boundary could differ: none is allowed to pass silently, each
- *   difference is printed), and the attention outputs are within 1e-3 relative error (L2 per query
+ *   token positions of every (sequence, KV head) equal the CPU's, or differ at the Top-p boundary
+ *   only (the scores are bit-equal; the GPU's mass sums may move the boundary by the tokens whose
+ *   cumulative mass lies within the tolerance gpu/select.cuh states, which test_gpu_kernels
+ *   checks exactly: here a set may differ by at most 2 G tokens, in at most 2 % of the sets, each
+ *   difference printed), and the attention outputs are within 1e-3 relative error (L2 per query
  *   head) of the CPU's;
  * - hot cache: with a cache far smaller than a step's selection, hundreds of steps of kvt_gather
  *   return K and V rows byte-equal to the rows that were written, while the layer's counters show
@@ -26,6 +28,26 @@
  */
 #include "gpu_pair.h"
 
+/* Tokens in one of two ascending position lists and not in the other. */
+static uint32_t sym_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb)
+{
+	uint32_t d = 0;
+	int32_t i = 0, j = 0;
+	while (i < na || j < nb) {
+		if (j == nb || (i < na && a[i] < b[j])) {
+			d++;
+			i++;
+		} else if (i == na || b[j] < a[i]) {
+			d++;
+			j++;
+		} else {
+			i++;
+			j++;
+		}
+	}
+	return d;
+}
+
 static void test_pipeline(void **state)
 {
 	(void)state;
@@ -37,7 +59,7 @@ static void test_pipeline(void **state)
 	int32_t *pos_g = malloc(sizeof(int32_t) * NSEQ * HKV * T);
 	int32_t *dpos;
 	CU(cudaMalloc((void **)&dpos, sizeof(int32_t) * NSEQ * HKV * T));
-	uint32_t diff_sets = 0, compared = 0;
+	uint32_t diff_sets = 0, compared = 0, worst_diff = 0;
 	double worst = 0.0;
 	for (uint32_t step = 0; step < steps; step++)
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
@@ -60,13 +82,14 @@ static void test_pipeline(void **state)
 				      cudaMemcpyDeviceToHost));
 			for (uint32_t it = 0; it < NSEQ * HKV; it++) {
 				compared++;
-				bool same = cnt_c[it] == cnt_g[it] &&
-					    !memcmp(pos_c + (size_t)it * T, pos_g + (size_t)it * T,
-						    sizeof(int32_t) * cnt_c[it]);
-				if (!same) {
+				const uint32_t d = sym_diff(pos_c + (size_t)it * T, cnt_c[it],
+							    pos_g + (size_t)it * T, cnt_g[it]);
+				if (d) {
 					diff_sets++;
-					print_error("step %u layer %u item %u: cpu %d tokens, gpu %d\n",
-						    step, layer, it, cnt_c[it], cnt_g[it]);
+					worst_diff = d > worst_diff ? d : worst_diff;
+					print_error("step %u layer %u item %u: cpu %d tokens, gpu %d, "
+						    "%u differ\n",
+						    step, layer, it, cnt_c[it], cnt_g[it], d);
 				}
 			}
 			attend_both(&p, layer, step, &worst);
@@ -74,13 +97,16 @@ static void test_pipeline(void **state)
 	kvt_stats sc = {.size = sizeof sc}, sg = {.size = sizeof sg};
 	OK(p.cpu, kvt_get_stats(p.cpu, &sc));
 	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
-	printf("pipeline: %u of %u selected sets differ; worst output error %.3g; flushes cpu %llu "
+	printf("pipeline: %u of %u selected sets differ (at most %u tokens); worst output error %.3g; "
+	       "flushes cpu %llu "
 	       "gpu %llu; selected cpu %llu gpu %llu; hot hits %llu misses %llu\n",
-	       diff_sets, compared, worst, (unsigned long long)sc.flushes,
+	       diff_sets, compared, worst_diff, worst, (unsigned long long)sc.flushes,
 	       (unsigned long long)sg.flushes, (unsigned long long)sc.selected_tokens,
 	       (unsigned long long)sg.selected_tokens, (unsigned long long)sg.hot_hits,
 	       (unsigned long long)sg.hot_misses);
-	T_CHECK(diff_sets == 0, "%u of %u selected sets differ from the CPU's", diff_sets, compared);
+	T_CHECK(worst_diff <= 2 * HQ / HKV && diff_sets * 50 <= compared,
+		"%u of %u selected sets differ from the CPU's, by up to %u tokens", diff_sets, compared,
+		worst_diff);
 	T_CHECK(sc.flushes == sg.flushes && sc.flushes > 0, "flushes cpu %llu gpu %llu",
 		(unsigned long long)sc.flushes, (unsigned long long)sg.flushes);
 	T_CHECK(sc.tokens == sg.tokens && sc.tokens_indexed == sg.tokens_indexed, "token counts");

@@ -74,6 +74,17 @@ static void fill_f(t_rng *r, float *x, size_t n, double mean, double sd)
 
 static const uint32_t dims[3] = {64, 128, 256};
 
+/* The selection's order key of a score (-0 taken as +0) above the complement of its position, as
+ * the GPU's cut reads it. */
+static uint64_t sel_key(float x, uint32_t t)
+{
+	uint32_t u;
+	x += 0.0f;
+	memcpy(&u, &x, 4);
+	u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+	return (uint64_t)u << 32 | (0xffffffffu - t);
+}
+
 /* ---- index build ------------------------------------------------------------------------- */
 
 static void test_index_build(void **state)
@@ -331,14 +342,18 @@ static void test_prepare_and_score(void **state)
 			float *dsc = (float *)dpoison(4 * (size_t)S * Hq * ld);
 			unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
 			CU(cudaMemset(derr, 0, 8));
+			kvt_gpu_segstats *dstat = (kvt_gpu_segstats *)dpoison(sizeof(kvt_gpu_segstats) * S * Hq),
+					 *gstat = (kvt_gpu_segstats *)t_alloc(sizeof(kvt_gpu_segstats) * S * Hq);
+			CU(cudaMemset(dstat, 0, sizeof(kvt_gpu_segstats) * S * Hq));
 			rc = kvt_gpu_score(d, S, Hq, Hkv, dqc, (const kvt_gpu_index_view *)dviews,
-					   (const uint32_t *)dn, 4099, dsc, ld, derr, NULL);
+					   (const uint32_t *)dn, 4099, dsc, ld, dstat, derr, NULL);
 			T_CHECK(rc == 0, "kvt_gpu_score: %d", rc);
 			float *gs = (float *)t_alloc(4 * (size_t)S * Hq * ld),
 			      *ws = (float *)t_alloc(4 * 4100);
 			fetch(gs, dsc, 4 * (size_t)S * Hq * ld);
 			fetch(&herr, derr, 8);
 			T_CHECK(herr == 0, "score error word 0x%llx", herr);
+			fetch(gstat, dstat, sizeof(kvt_gpu_segstats) * S * Hq);
 			int bad = 0;
 			for (uint32_t s = 0; s < S; s++)
 				for (uint32_t j = 0; j < Hq; j++) {
@@ -363,8 +378,30 @@ static void test_prepare_and_score(void **state)
 						if (bad > 5)
 							fail();
 					}
+					/* the statistics the scan gathered for the threshold */
+					kvt_gpu_segstats w = {0, 0, 0, 0};
+					for (uint32_t t = 0; t < ns[s]; t++) {
+						if (!isfinite(ws[t])) {
+							if (!w.bad)
+								w.bad = 0xffffffffu - t;
+							continue;
+						}
+						const uint32_t k = (uint32_t)(sel_key(ws[t], 0) >> 32);
+						w.max_key = k > w.max_key ? k : w.max_key;
+						w.nmin_key = ~k > w.nmin_key ? ~k : w.nmin_key;
+					}
+					const kvt_gpu_segstats *gt = &gstat[s * Hq + j];
+					T_SOFT(&bad,
+					       gt->max_key == w.max_key && gt->nmin_key == w.nmin_key &&
+						       gt->bad == w.bad,
+					       "scan statistics d=%u G=%u seq %u head %u: max key 0x%x/0x%x "
+					       "min 0x%x/0x%x bad 0x%x/0x%x (got/wanted)",
+					       d, G, s, j, gt->max_key, w.max_key, gt->nmin_key,
+					       w.nmin_key, gt->bad, w.bad);
 				}
 			T_CHECK(bad == 0, "%d scores differ", bad);
+			cudaFree(dstat);
+			free(gstat);
 			for (uint32_t s = 0; s < S; s++) {
 				cudaFree(hv[s].codes);
 				cudaFree(hv[s].sigma);
@@ -399,6 +436,83 @@ static void test_prepare_and_score(void **state)
 
 /* ---- Top-p selection --------------------------------------------------------------------- */
 
+static int cmp_desc(const void *a, const void *b)
+{
+	const float x = *(const float *)a, y = *(const float *)b;
+	return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Segments checked, and those whose set equals the CPU's double-precision one. */
+static uint32_t g_segs, g_exact;
+
+/*
+ * The GPU's threshold of one segment against the exact definition, as gpu/select.cuh states it:
+ * a token is in the Top-p set iff the mass of the scores strictly above its own is < p Z; the GPU's
+ * set (scores >= thresh) may differ only in tokens where that mass lies within
+ * tol = 2^-19 Z + n 2^-38 of p Z, and covers at least p Z - tol; its count is the tokens at or
+ * above its threshold, and the clamp follows kvt_topp_mark's rule from that count. Masses in long
+ * double over the sorted terms (the test's own error is far below tol). Where the count equals the
+ * CPU's, the threshold must too. Returns whether it does.
+ */
+static bool check_window(const char *what, uint32_t seg, const float *x, uint32_t n, float scale,
+			 float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, float cpu_thr,
+			 int cpu_cnt, float *sorted, int *bad)
+{
+	if (n == 0 || p >= 1.0f) {
+		T_SOFT(bad, (int)o->count == cpu_cnt && (n == 0 || o->thresh == cpu_thr),
+		       "%s segment %u: count %u/%d thresh %.9g/%.9g (got/wanted)", what, seg,
+		       o->count, cpu_cnt, (double)o->thresh, (double)cpu_thr);
+	} else {
+		memcpy(sorted, x, 4 * (size_t)n);
+		qsort(sorted, n, 4, cmp_desc);
+		const float mx = sorted[0];
+		long double Z = 0.0L;
+		for (uint32_t i = 0; i < n; i++)
+			Z += expl((long double)((double)(sorted[i] - mx) * (double)scale));
+		const long double pz = (long double)p * Z, tol = Z * 0x1p-19L + n * 0x1p-38L;
+		uint32_t ge = 0, outside = 0;
+		long double above = 0.0L, covered = 0.0L;
+		for (uint32_t i = 0; i < n;) {
+			uint32_t j = i;
+			long double m = 0.0L;
+			while (j < n && sorted[j] == sorted[i])
+				m += expl((long double)((double)(sorted[j++] - mx) * (double)scale));
+			const bool exact_in = above < pz, gpu_in = sorted[i] >= o->thresh;
+			if (gpu_in) {
+				ge = j;
+				covered = above + m;
+			}
+			if (exact_in != gpu_in && fabsl(above - pz) > tol)
+				outside++;
+			above += m;
+			i = j;
+		}
+		T_SOFT(bad, outside == 0 && o->count == ge && covered >= pz - tol,
+		       "%s segment %u (n %u, seed %llu): %u values differ from the exact set outside "
+		       "the window; count %u, tokens >= thresh %u; covered %.12Lg of p Z %.12Lg (tol "
+		       "%.3Lg)",
+		       what, seg, n, (unsigned long long)g_seed, outside, o->count, ge, covered, pz,
+		       tol);
+	}
+	int clamped = 0;
+	uint32_t want = o->count;
+	if (bmax && want > bmax) {
+		want = bmax;
+		clamped = -1;
+	} else if (want < bmin) {
+		want = bmin < n ? bmin : n;
+		clamped = want > o->count ? 1 : 0;
+	}
+	T_SOFT(bad, o->marked == want && o->clamped == clamped,
+	       "%s segment %u: marked %u clamped %d from count %u, wanted %u %d", what, seg,
+	       o->marked, o->clamped, o->count, want, clamped);
+	if ((int)o->count != cpu_cnt)
+		return false;
+	T_SOFT(bad, o->thresh == cpu_thr, "%s segment %u: the CPU's count %u, thresh %.9g/%.9g",
+	       what, seg, o->count, (double)o->thresh, (double)cpu_thr);
+	return true;
+}
+
 /* One configuration of the threshold and union against the CPU on the same scores. */
 static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
 			 uint32_t max_n, const float *hs, size_t ld, float scale, float p,
@@ -414,8 +528,28 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 		 *dseln = (uint32_t *)dpoison(4 * S * Hkv);
 	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
 	CU(cudaMemset(derr, 0, 8));
+	/* first with the statistics given, as the scan gathers them, then gathering them itself:
+	 * the same result */
+	kvt_gpu_segstats *hst = (kvt_gpu_segstats *)t_alloc(sizeof(kvt_gpu_segstats) * segs);
+	memset(hst, 0, sizeof(kvt_gpu_segstats) * segs);
+	for (uint32_t g = 0; g < segs; g++)
+		for (uint32_t t = 0; t < n[g / Hq]; t++) {
+			const float x = hs[(size_t)g * ld + t];
+			if (!isfinite(x))
+				continue;
+			const uint32_t k = (uint32_t)(sel_key(x, 0) >> 32);
+			hst[g].max_key = k > hst[g].max_key ? k : hst[g].max_key;
+			hst[g].nmin_key = ~k > hst[g].nmin_key ? ~k : hst[g].nmin_key;
+		}
+	void *dst = dcopy(hst, sizeof(kvt_gpu_segstats) * segs);
+	kvt_gpu_topp *given = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
 	int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
-					bmax, dout, scr, sb, derr, NULL);
+					bmax, (const kvt_gpu_segstats *)dst, dout, scr, sb, derr,
+					NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
+	fetch(given, dout, sizeof(kvt_gpu_topp) * segs);
+	rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
+				    bmax, NULL, dout, scr, sb, derr, NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
 	rc = kvt_gpu_topp_union(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout, dsel, max_n,
 				dseln, scr, sb, NULL);
@@ -428,7 +562,11 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	fetch(seln, dseln, 4 * S * Hkv);
 	fetch(&herr, derr, 8);
 	T_SOFT(bad, herr == 0, "%s: error word 0x%llx", what, herr);
+	T_SOFT(bad, !memcmp(given, out, sizeof(kvt_gpu_topp) * segs),
+	       "%s: the threshold with the scan's statistics differs from the one gathering them",
+	       what);
 	float *scr_h = (float *)t_alloc(4 * (max_n + 1));
+	float *sorted = (float *)t_alloc(4 * (max_n + 1));
 	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
 	for (uint32_t s = 0; s < S; s++)
 		for (uint32_t h = 0; h < Hkv; h++) {
@@ -438,20 +576,23 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 				const float *x = hs + (size_t)seg * ld;
 				float thr = 0.0f;
 				uint32_t b = 0;
-				int clamped = 0;
 				const int cnt =
 					kvt_topp_threshold(x, n[s], scale, p, scr_h, &thr, &b);
-				const int mk = kvt_topp_mark(x, n[s], scale, p, bmin, bmax, scr_h,
-							     mask, &clamped, &b);
 				const kvt_gpu_topp *o = &out[seg];
-				T_SOFT(bad,
-				       (int)o->count == cnt && (n[s] == 0 || o->thresh == thr) &&
-					       (int)o->marked == mk && o->clamped == clamped,
-				       "%s seq %u head %u (n %u, seed %llu): count %u/%d thresh %.9g/%.9g "
-				       "marked %u/%d clamped %d/%d (got/wanted)",
-				       what, s, h * G + g, n[s], (unsigned long long)g_seed,
-				       o->count, cnt, (double)o->thresh, (double)thr, o->marked, mk,
-				       o->clamped, clamped);
+				if (check_window(what, seg, x, n[s], scale, p, bmin, bmax, o, thr, cnt,
+						 sorted, bad))
+					g_exact++;
+				g_segs++;
+				/* the union's expected set: the GPU's marks by its cut */
+				uint32_t mk = 0;
+				for (uint32_t t = 0; o->marked && t < n[s]; t++)
+					if (sel_key(x[t], t) >= o->cut) {
+						mask[t] = 1;
+						mk++;
+					}
+				T_SOFT(bad, mk == o->marked,
+				       "%s segment %u: the cut marks %u tokens, marked says %u", what,
+				       seg, mk, o->marked);
 			}
 			uint32_t m = 0, first_diff = UINT32_MAX;
 			const uint32_t *gsel = sel + ((size_t)s * Hkv + h) * max_n;
@@ -500,6 +641,10 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 		cudaFree(dseln2);
 	}
 	free(scr_h);
+	free(sorted);
+	free(hst);
+	free(given);
+	cudaFree(dst);
 	free(mask);
 	free(out);
 	free(sel);
@@ -568,7 +713,8 @@ static void test_select(void **state)
 		T_CHECK(bad == 0, "%d differences", bad);
 		free(h2);
 	}
-	printf("selection: %d configurations equal to the CPU (seed %llu)\n", cases,
+	printf("selection: %d configurations within the window of the exact sets; %u of %u "
+	       "segments equal to the CPU's double sums (seed %llu)\n", cases, g_exact, g_segs,
 	       (unsigned long long)g_seed);
 }
 
@@ -594,7 +740,7 @@ static void test_select_nonfinite(void **state)
 		unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 0;
 		CU(cudaMemset(derr, 0, 8));
 		int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, n[0], 0.125f,
-						0.9f, 0, 0, dout, scr, sb, derr, NULL);
+						0.9f, 0, 0, NULL, dout, scr, sb, derr, NULL);
 		fetch(&herr, derr, 8);
 		fetch(out, dout, sizeof out);
 		T_CHECK(rc == 0 && KVT_GPU_ERR_CODE(herr) == KVT_GPU_ERR_NONFINITE &&
@@ -795,22 +941,22 @@ static void test_arguments(void **state)
 		"prepare f32");
 	T_CHECK(kvt_gpu_query_prepare(128, KVT_DTYPE_F16, 1, 5, 2, p, p, p, p, p, NULL) == -EINVAL,
 		"prepare 5 heads over 2");
-	T_CHECK(kvt_gpu_score(80, 1, 4, 2, p, p, p, 8, p, 8, NULL, NULL) == -EOPNOTSUPP,
+	T_CHECK(kvt_gpu_score(80, 1, 4, 2, p, p, p, 8, p, 8, NULL, NULL, NULL) == -EOPNOTSUPP,
 		"score d=80");
-	T_CHECK(kvt_gpu_score(128, 1, 4, 2, p, p, p, 8, p, 6, NULL, NULL) == -EINVAL, "score ld 6");
-	T_CHECK(kvt_gpu_score(128, 1, 128, 1, p, p, p, 8, p, 8, NULL, NULL) == -EINVAL,
+	T_CHECK(kvt_gpu_score(128, 1, 4, 2, p, p, p, 8, p, 6, NULL, NULL, NULL) == -EINVAL, "score ld 6");
+	T_CHECK(kvt_gpu_score(128, 1, 128, 1, p, p, p, 8, p, 8, NULL, NULL, NULL) == -EINVAL,
 		"group 128");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 0.0f, 0.9f, 0, 0, p, p, 1 << 20, NULL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, p, p, 1 << 20, NULL,
 				       NULL) == -EINVAL,
 		"scale 0");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.0f, 0, 0, p, p, 1 << 20, NULL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.0f, 0, 0, NULL, p, p, 1 << 20, NULL,
 				       NULL) == -EINVAL,
 		"p 0");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.9f, 0, 0, p, p, 16, NULL, NULL) ==
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, p, 16, NULL, NULL) ==
 			-EINVAL,
 		"scratch too small");
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, (const float *)((char *)p + 4), 8, p, 8, 1.0f, 0.9f, 0,
-				       0, p, p, 1 << 20, NULL, NULL) == -EINVAL,
+				       0, NULL, p, p, 1 << 20, NULL, NULL) == -EINVAL,
 		"unaligned scores");
 	T_CHECK(kvt_gpu_topp_union(1, 4, 2, p, 8, p, 8, p, p, 4, p, p, 1 << 20, NULL) == -EINVAL,
 		"sel_ld below max_n");
@@ -835,8 +981,8 @@ static void test_arguments(void **state)
 			"list: 65536 items");
 		CU(cudaDeviceSynchronize());
 	}
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, p, p,
-				       1 << 20, NULL, NULL) == -EINVAL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, NULL, p,
+				       p, 1 << 20, NULL, NULL) == -EINVAL,
 		"max_n 2^24");
 	T_CHECK(kvt_gpu_attend(128, KVT_DTYPE_F32, KVT_DTYPE_F32, 1, 4, 2, 1.0f, p, p, 8, p, p,
 			       1 << 20, NULL, NULL) == -EOPNOTSUPP,

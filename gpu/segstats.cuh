@@ -1,0 +1,49 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A segment's score statistics (kvt_gpu_segstats, select.cuh) gathered where scores pass: by the
+ * scan as it writes them (score.cu), or by the threshold's first pass when no scan gave them
+ * (select.cu). C++ only.
+ */
+#ifndef KVT_GPU_SEGSTATS_CUH
+#define KVT_GPU_SEGSTATS_CUH
+
+#include "common.cuh"
+#include "select.cuh"
+
+/* One score at position i into a thread's running statistics. */
+static __device__ __forceinline__ void kvt_d_stat(float f, uint32_t i, uint32_t *kmax,
+						  uint32_t *nmin, uint32_t *bad)
+{
+	if (!isfinite(f)) {
+		*bad = max(*bad, 0xffffffffu - i);
+		return;
+	}
+	const uint32_t key = kvt_d_fkey(f);
+	*kmax = max(*kmax, key);
+	*nmin = max(*nmin, ~key);
+}
+
+/*
+ * The running statistics of a warp's lanes into device statistics: lanes l and l ^ m for every
+ * m >= lo (a power of two) are combined, and each lane below lo adds the result into its dst
+ * (NULL: none) with atomics. Every lane of the warp calls it.
+ */
+static __device__ __forceinline__ void kvt_d_stat_flush(uint32_t kmax, uint32_t nmin, uint32_t bad,
+							uint32_t lo, kvt_gpu_segstats *dst)
+{
+	for (uint32_t o = 16; o >= lo; o >>= 1) {
+		kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, (int)o));
+		nmin = max(nmin, __shfl_xor_sync(0xffffffffu, nmin, (int)o));
+		bad = max(bad, __shfl_xor_sync(0xffffffffu, bad, (int)o));
+	}
+	if (threadIdx.x % 32 >= lo || !dst)
+		return;
+	if (kmax)
+		atomicMax(&dst->max_key, kmax);
+	if (nmin)
+		atomicMax(&dst->nmin_key, nmin);
+	if (bad)
+		atomicMax(&dst->bad, bad);
+}
+
+#endif
