@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* Shared by the cache-level NVMe tests (test_tier.c, test_tier_fault.c). */
+/* Shared by the cache-level NVMe tests (tier_world.c and its tests, test_tier_fault.c). */
 #ifndef KVT_TEST_TIER_UTIL_H
 #define KVT_TEST_TIER_UTIL_H
 
@@ -8,7 +8,7 @@
 /* Scratch files, descriptor counts and the skip come from the NVMe store tests' helpers. */
 typedef nv_files tt_files;
 
-static void tt_make_files(tt_files *f, uint32_t n, uint64_t bytes)
+static inline void tt_make_files(tt_files *f, uint32_t n, uint64_t bytes)
 {
 	nv_make_files(f, nv_dir(), n, bytes);
 }
