@@ -1,0 +1,47 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the GPU kernel tests share (test_gpu_kernels.c, which holds main and these helpers, and
+ * test_gpu_select.c): the run's seed and mode, device buffers poisoned with 0xff bytes, and the
+ * selection's order key.
+ */
+#ifndef KVT_TESTS_GPU_KERNELS_H
+#define KVT_TESTS_GPU_KERNELS_H
+
+#include <cuda_runtime.h>
+
+#include "common.h"
+#include "half.h"
+#include "gpu/score.cuh"
+#include "gpu/select.cuh"
+
+#define CU(x)                                                                                      \
+	do {                                                                                       \
+		cudaError_t e_ = (x);                                                              \
+		T_CHECK(e_ == cudaSuccess, "%s: %s", #x, cudaGetErrorString(e_));                  \
+	} while (0)
+
+extern uint64_t g_seed;
+extern int g_quick; /* KVT_TEST_QUICK: a subset, for the slow sanitizer runs */
+extern const uint32_t dims[3]; /* the head dims: 64, 128, 256 */
+
+/* Device memory filled with 0xff bytes (NaN floats, fp16 NaN, all-ones words). */
+void *dpoison(size_t bytes);
+/* A poisoned device copy of h. */
+void *dcopy(const void *h, size_t bytes);
+/* h = d after the device has finished. */
+void fetch(void *h, const void *d, size_t bytes);
+/* r seeded from the run's seed and a salt. */
+void seeded(t_rng *r, uint64_t salt);
+/* A d x d rotation from the run's seed (kvt_rotation_generate). */
+float *rotation(uint32_t d);
+/* n draws of N(mean, sd^2). */
+void fill_f(t_rng *r, float *x, size_t n, double mean, double sd);
+/* The selection's order key of a score (-0 taken as +0) above the complement of its position, as
+ * the GPU's cut reads it. */
+uint64_t sel_key(float x, uint32_t t);
+
+/* test_gpu_select.c */
+void test_select(void **state);
+void test_select_nonfinite(void **state);
+
+#endif

@@ -1,0 +1,336 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The GPU's Top-p selection against the exact definition and the CPU's (part of test_gpu_kernels,
+ * whose main runs it): on each configuration the threshold with the scan's statistics given equals
+ * the one that gathers them; every segment's set lies within the tolerance gpu/select.cuh states of
+ * the exact set (masses in long double) and, where its count is the CPU's, its threshold is the
+ * CPU's; the clamp follows the count; the union of each KV head's group is the GPU's marks, in
+ * order, also listed from a view of the bits; non-finite scores raise the error word.
+ */
+#include <math.h>
+
+#include "gpu_kernels.h"
+
+/* ---- Top-p selection --------------------------------------------------------------------- */
+
+static int cmp_desc(const void *a, const void *b)
+{
+	const float x = *(const float *)a, y = *(const float *)b;
+	return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Segments checked, and those whose set equals the CPU's double-precision one. */
+static uint32_t g_segs, g_exact;
+
+/*
+ * The GPU's threshold of one segment against the exact definition, as gpu/select.cuh states it:
+ * a token is in the Top-p set iff the mass of the scores strictly above its own is < p Z; the GPU's
+ * set (scores >= thresh) may differ only in tokens where that mass lies within
+ * tol = 2^-19 Z + n 2^-38 of p Z, and covers at least p Z - tol; its count is the tokens at or
+ * above its threshold, and the clamp follows kvt_topp_mark's rule from that count. Masses in long
+ * double over the sorted terms (the test's own error is far below tol). Where the count equals the
+ * CPU's, the threshold must too. Returns whether it does.
+ */
+static bool check_window(const char *what, uint32_t seg, const float *x, uint32_t n, float scale,
+			 float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, float cpu_thr,
+			 int cpu_cnt, float *sorted, int *bad)
+{
+	if (n == 0 || p >= 1.0f) {
+		T_SOFT(bad, (int)o->count == cpu_cnt && (n == 0 || o->thresh == cpu_thr),
+		       "%s segment %u: count %u/%d thresh %.9g/%.9g (got/wanted)", what, seg,
+		       o->count, cpu_cnt, (double)o->thresh, (double)cpu_thr);
+	} else {
+		memcpy(sorted, x, 4 * (size_t)n);
+		qsort(sorted, n, 4, cmp_desc);
+		const float mx = sorted[0];
+		long double Z = 0.0L;
+		for (uint32_t i = 0; i < n; i++)
+			Z += expl((long double)((double)(sorted[i] - mx) * (double)scale));
+		const long double pz = (long double)p * Z, tol = Z * 0x1p-19L + n * 0x1p-38L;
+		uint32_t ge = 0, outside = 0;
+		long double above = 0.0L, covered = 0.0L;
+		for (uint32_t i = 0; i < n;) {
+			uint32_t j = i;
+			long double m = 0.0L;
+			while (j < n && sorted[j] == sorted[i])
+				m += expl((long double)((double)(sorted[j++] - mx) * (double)scale));
+			const bool exact_in = above < pz, gpu_in = sorted[i] >= o->thresh;
+			if (gpu_in) {
+				ge = j;
+				covered = above + m;
+			}
+			if (exact_in != gpu_in && fabsl(above - pz) > tol)
+				outside++;
+			above += m;
+			i = j;
+		}
+		T_SOFT(bad, outside == 0 && o->count == ge && covered >= pz - tol,
+		       "%s segment %u (n %u, seed %llu): %u values differ from the exact set outside "
+		       "the window; count %u, tokens >= thresh %u; covered %.12Lg of p Z %.12Lg (tol "
+		       "%.3Lg)",
+		       what, seg, n, (unsigned long long)g_seed, outside, o->count, ge, covered, pz,
+		       tol);
+	}
+	int clamped = 0;
+	uint32_t want = o->count;
+	if (bmax && want > bmax) {
+		want = bmax;
+		clamped = -1;
+	} else if (want < bmin) {
+		want = bmin < n ? bmin : n;
+		clamped = want > o->count ? 1 : 0;
+	}
+	T_SOFT(bad, o->marked == want && o->clamped == clamped,
+	       "%s segment %u: marked %u clamped %d from count %u, wanted %u %d", what, seg,
+	       o->marked, o->clamped, o->count, want, clamped);
+	if ((int)o->count != cpu_cnt)
+		return false;
+	T_SOFT(bad, o->thresh == cpu_thr, "%s segment %u: the CPU's count %u, thresh %.9g/%.9g",
+	       what, seg, o->count, (double)o->thresh, (double)cpu_thr);
+	return true;
+}
+
+/* One configuration of the threshold and union against the CPU on the same scores. */
+static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
+			 uint32_t max_n, const float *hs, size_t ld, float scale, float p,
+			 uint32_t bmin, uint32_t bmax, int *bad)
+{
+	const uint32_t G = Hq / Hkv, segs = S * Hq;
+	float *ds = (float *)dcopy(hs, 4 * (size_t)segs * ld);
+	void *dn = dcopy(n, 4 * S);
+	const size_t sb = kvt_gpu_select_scratch_bytes(S, Hq, Hkv, max_n);
+	void *scr = dpoison(sb);
+	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
+	uint32_t *dsel = (uint32_t *)dpoison(4 * (size_t)S * Hkv * max_n),
+		 *dseln = (uint32_t *)dpoison(4 * S * Hkv);
+	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
+	CU(cudaMemset(derr, 0, 8));
+	/* first with the statistics given, as the scan gathers them, then gathering them itself:
+	 * the same result */
+	kvt_gpu_segstats *hst = (kvt_gpu_segstats *)t_alloc(sizeof(kvt_gpu_segstats) * segs);
+	memset(hst, 0, sizeof(kvt_gpu_segstats) * segs);
+	for (uint32_t g = 0; g < segs; g++)
+		for (uint32_t t = 0; t < n[g / Hq]; t++) {
+			const float x = hs[(size_t)g * ld + t];
+			if (!isfinite(x))
+				continue;
+			const uint32_t k = (uint32_t)(sel_key(x, 0) >> 32);
+			hst[g].max_key = k > hst[g].max_key ? k : hst[g].max_key;
+			hst[g].nmin_key = ~k > hst[g].nmin_key ? ~k : hst[g].nmin_key;
+		}
+	void *dst = dcopy(hst, sizeof(kvt_gpu_segstats) * segs);
+	kvt_gpu_topp *given = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
+	int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
+					bmax, (const kvt_gpu_segstats *)dst, dout, scr, sb, derr,
+					NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
+	fetch(given, dout, sizeof(kvt_gpu_topp) * segs);
+	rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
+				    bmax, NULL, dout, scr, sb, derr, NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
+	rc = kvt_gpu_topp_union(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout, dsel, max_n,
+				dseln, scr, sb, NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_union %d", what, rc);
+	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
+	uint32_t *sel = (uint32_t *)t_alloc(4 * (size_t)S * Hkv * max_n),
+		 *seln = (uint32_t *)t_alloc(4 * S * Hkv);
+	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
+	fetch(sel, dsel, 4 * (size_t)S * Hkv * max_n);
+	fetch(seln, dseln, 4 * S * Hkv);
+	fetch(&herr, derr, 8);
+	T_SOFT(bad, herr == 0, "%s: error word 0x%llx", what, herr);
+	T_SOFT(bad, !memcmp(given, out, sizeof(kvt_gpu_topp) * segs),
+	       "%s: the threshold with the scan's statistics differs from the one gathering them",
+	       what);
+	float *scr_h = (float *)t_alloc(4 * (max_n + 1));
+	float *sorted = (float *)t_alloc(4 * (max_n + 1));
+	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
+	for (uint32_t s = 0; s < S; s++)
+		for (uint32_t h = 0; h < Hkv; h++) {
+			memset(mask, 0, max_n + 1);
+			for (uint32_t g = 0; g < G; g++) {
+				const uint32_t seg = s * Hq + h * G + g;
+				const float *x = hs + (size_t)seg * ld;
+				float thr = 0.0f;
+				uint32_t b = 0;
+				const int cnt =
+					kvt_topp_threshold(x, n[s], scale, p, scr_h, &thr, &b);
+				const kvt_gpu_topp *o = &out[seg];
+				if (check_window(what, seg, x, n[s], scale, p, bmin, bmax, o, thr, cnt,
+						 sorted, bad))
+					g_exact++;
+				g_segs++;
+				/* the union's expected set: the GPU's marks by its cut */
+				uint32_t mk = 0;
+				for (uint32_t t = 0; o->marked && t < n[s]; t++)
+					if (sel_key(x[t], t) >= o->cut) {
+						mask[t] = 1;
+						mk++;
+					}
+				T_SOFT(bad, mk == o->marked,
+				       "%s segment %u: the cut marks %u tokens, marked says %u", what,
+				       seg, mk, o->marked);
+			}
+			uint32_t m = 0, first_diff = UINT32_MAX;
+			const uint32_t *gsel = sel + ((size_t)s * Hkv + h) * max_n;
+			for (uint32_t t = 0; t < n[s]; t++)
+				if (mask[t]) {
+					if (first_diff == UINT32_MAX &&
+					    (m >= seln[s * Hkv + h] || gsel[m] != t))
+						first_diff = m;
+					m++;
+				}
+			T_SOFT(bad, seln[s * Hkv + h] == m && first_diff == UINT32_MAX,
+			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference at "
+			       "entry %u",
+			       what, s, h, m, seln[s * Hkv + h], first_diff);
+		}
+	/* the union's bits alone, listed again from a view that starts at the second item: what a
+	 * gather of a later run of a step's slots does; the same positions and counts */
+	const size_t items = (size_t)S * Hkv;
+	if (items > 1 && max_n) {
+		void *bm = dpoison(kvt_gpu_selbits_bytes(items, max_n));
+		kvt_gpu_selbits bits = kvt_gpu_selbits_at(bm, items, max_n);
+		rc = kvt_gpu_topp_union_bits(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout,
+					     bits, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
+		bits.mask += bits.words;
+		bits.ccount += bits.chunks;
+		uint32_t *dsel2 = (uint32_t *)dpoison(4 * (items - 1) * max_n),
+			 *dseln2 = (uint32_t *)dpoison(4 * (items - 1));
+		rc = kvt_gpu_selbits_list((uint32_t)(items - 1), bits, dsel2, max_n, dseln2, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_selbits_list %d", what, rc);
+		uint32_t *sel2 = (uint32_t *)t_alloc(4 * (items - 1) * max_n),
+			 *seln2 = (uint32_t *)t_alloc(4 * (items - 1));
+		fetch(sel2, dsel2, 4 * (items - 1) * max_n);
+		fetch(seln2, dseln2, 4 * (items - 1));
+		for (size_t it = 1; it < items; it++)
+			T_SOFT(bad,
+			       seln2[it - 1] == seln[it] &&
+				       !memcmp(sel2 + (it - 1) * max_n, sel + it * max_n,
+					       4 * (size_t)seln[it]),
+			       "%s item %zu listed from a view of the bits: %u tokens, the union %u",
+			       what, it, seln2[it - 1], seln[it]);
+		free(sel2);
+		free(seln2);
+		cudaFree(bm);
+		cudaFree(dsel2);
+		cudaFree(dseln2);
+	}
+	free(scr_h);
+	free(sorted);
+	free(hst);
+	free(given);
+	cudaFree(dst);
+	free(mask);
+	free(out);
+	free(sel);
+	free(seln);
+	cudaFree(ds);
+	cudaFree(dn);
+	cudaFree(scr);
+	cudaFree(dout);
+	cudaFree(dsel);
+	cudaFree(dseln);
+	cudaFree(derr);
+}
+
+void test_select(void **state)
+{
+	(void)state;
+	const uint32_t S = 3, Hq = 8, Hkv = 2, n[3] = {1, 20000, 3001}, max_n = 20000;
+	const size_t ld = 20000;
+	const float ps[5] = {1e-6f, 0.5f, 0.9f, 0.999f, 1.0f};
+	const uint32_t budgets[4][2] = {{0, 0}, {5, 0}, {0, 40}, {700, 900}};
+	float *hs = (float *)t_alloc(4 * (size_t)S * Hq * ld);
+	int bad = 0, cases = 0;
+	for (int kind = 0; kind < D_NDIST; kind++) {
+		/* uniform scores overflow the candidate list: the whole-segment resolution */
+		if (g_quick && kind != D_NORMAL && kind != D_TIED && kind != D_UNIFORM)
+			continue;
+		t_rng rng;
+		seeded(&rng, 300 + kind);
+		memset(hs, 0xff, 4 * (size_t)S * Hq * ld); /* past n: NaN, which must be ignored */
+		for (uint32_t s = 0; s < S; s++)
+			for (uint32_t j = 0; j < Hq; j++)
+				t_scores(&rng, (enum t_dist)(j % 3 == 2 ? D_TIED : kind), n[s],
+				    hs + ((size_t)s * Hq + j) * ld);
+		for (int pi = g_quick ? 2 : 0; pi < 5; pi += g_quick ? 2 : 1)
+			for (int bi = 0; bi < 4; bi += g_quick ? 3 : 1) {
+				char what[96];
+				const float scale = kind == D_WIDE ? 1.0f : 0.0883883476f;
+				snprintf(what, sizeof what, "%s p=%g budget [%u, %u]",
+					 t_dist_name[kind], (double)ps[pi], budgets[bi][0],
+					 budgets[bi][1]);
+				check_select(what, S, Hq, Hkv, n, max_n, hs, ld, scale, ps[pi],
+					     budgets[bi][0], budgets[bi][1], &bad);
+				cases++;
+				T_CHECK(bad == 0, "%d differences", bad);
+			}
+	}
+	free(hs);
+	/* many segments of many chunks: each block of the threshold takes several chunks */
+	{
+		enum { S2 = 8, H2 = 8, N2 = 70000 };
+		uint32_t n2[S2];
+		float *h2 = (float *)t_alloc(4 * (size_t)S2 * H2 * N2);
+		t_rng rng;
+		seeded(&rng, 399);
+		for (uint32_t s = 0; s < S2; s++) {
+			n2[s] = N2 - 1000 * s;
+			for (uint32_t j = 0; j < H2; j++)
+				t_scores(&rng, j % 3 == 2 ? D_TIED : D_NORMAL, n2[s],
+				    h2 + ((size_t)s * H2 + j) * N2);
+		}
+		check_select("strided p=0.9", S2, H2, 2, n2, N2, h2, N2, 0.0883883476f, 0.9f, 0,
+			     0, &bad);
+		check_select("strided p=0.5 budget [700, 900]", S2, H2, 2, n2, N2, h2, N2,
+			     0.0883883476f, 0.5f, 700, 900, &bad);
+		cases += 2;
+		T_CHECK(bad == 0, "%d differences", bad);
+		free(h2);
+	}
+	printf("selection: %d configurations within the window of the exact sets; %u of %u "
+	       "segments equal to the CPU's double sums (seed %llu)\n", cases, g_exact, g_segs,
+	       (unsigned long long)g_seed);
+}
+
+void test_select_nonfinite(void **state)
+{
+	(void)state;
+	const uint32_t S = 1, Hq = 4, n[1] = {5000};
+	const size_t ld = 5000;
+	const float bads[3] = {NAN, INFINITY, -INFINITY};
+	float *hs = (float *)t_alloc(4 * (size_t)Hq * ld);
+	t_rng rng;
+	seeded(&rng, 400);
+	for (int b = 0; b < 3; b++) {
+		for (uint32_t j = 0; j < Hq; j++)
+			t_scores(&rng, D_NORMAL, n[0], hs + (size_t)j * ld);
+		const uint32_t at = 17 + 1000 * (uint32_t)b;
+		hs[2 * ld + at] = bads[b];
+		float *ds = (float *)dcopy(hs, 4 * (size_t)Hq * ld);
+		void *dn = dcopy(n, 4);
+		const size_t sb = kvt_gpu_select_scratch_bytes(S, Hq, 1, n[0]);
+		void *scr = dpoison(sb);
+		kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * Hq), out[4];
+		unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 0;
+		CU(cudaMemset(derr, 0, 8));
+		int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, n[0], 0.125f,
+						0.9f, 0, 0, NULL, dout, scr, sb, derr, NULL);
+		fetch(&herr, derr, 8);
+		fetch(out, dout, sizeof out);
+		T_CHECK(rc == 0 && KVT_GPU_ERR_CODE(herr) == KVT_GPU_ERR_NONFINITE &&
+				KVT_GPU_ERR_WHERE(herr) == 2 && KVT_GPU_ERR_INDEX(herr) == at &&
+				out[2].marked == 0 && out[1].marked > 0,
+			"non-finite %g at segment 2 position %u: rc %d, error word 0x%llx, marked %u",
+			(double)bads[b], at, rc, herr, out[2].marked);
+		cudaFree(ds);
+		cudaFree(dn);
+		cudaFree(scr);
+		cudaFree(dout);
+		cudaFree(derr);
+	}
+	free(hs);
+}
+
