@@ -49,7 +49,7 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
 /*
  * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
  * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time and three
- * launches (select.cu): max, min and finiteness (skipped when `stats` gives them); a histogram of
+ * kernels, two when `stats` is given (select.cu): max, min and finiteness; a histogram of
  * count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
  * integers of 2^-40), which picks the bin holding the boundary and those holding the bmin-th and
  * bmax-th largest; then those bins' scores are gathered and the last block resolves the threshold

@@ -304,11 +304,29 @@ void test_select_nonfinite(void **state)
 	float *hs = (float *)t_alloc(4 * (size_t)Hq * ld);
 	t_rng rng;
 	seeded(&rng, 400);
-	for (int b = 0; b < 3; b++) {
+	/* the threshold gathering the statistics itself, and given them as the scan gathers them
+	 * (bad: the first non-finite position, complemented) */
+	for (int b = 0; b < 6; b++) {
+		const bool given = b >= 3;
 		for (uint32_t j = 0; j < Hq; j++)
 			t_scores(&rng, D_NORMAL, n[0], hs + (size_t)j * ld);
-		const uint32_t at = 17 + 1000 * (uint32_t)b;
-		hs[2 * ld + at] = bads[b];
+		const uint32_t at = 17 + 1000 * (uint32_t)(b % 3);
+		hs[2 * ld + at] = bads[b % 3];
+		kvt_gpu_segstats hst[4];
+		memset(hst, 0, sizeof hst);
+		for (uint32_t j = 0; j < Hq; j++)
+			for (uint32_t t = 0; t < n[0]; t++) {
+				const float x = hs[(size_t)j * ld + t];
+				if (!isfinite(x)) {
+					if (!hst[j].bad)
+						hst[j].bad = 0xffffffffu - t;
+					continue;
+				}
+				const uint32_t k = (uint32_t)(sel_key(x, 0) >> 32);
+				hst[j].max_key = k > hst[j].max_key ? k : hst[j].max_key;
+				hst[j].nmin_key = ~k > hst[j].nmin_key ? ~k : hst[j].nmin_key;
+			}
+		void *dst = dcopy(hst, sizeof hst);
 		float *ds = (float *)dcopy(hs, 4 * (size_t)Hq * ld);
 		void *dn = dcopy(n, 4);
 		const size_t sb = kvt_gpu_select_scratch_bytes(S, Hq, 1, n[0]);
@@ -317,14 +335,19 @@ void test_select_nonfinite(void **state)
 		unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 0;
 		CU(cudaMemset(derr, 0, 8));
 		int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, n[0], 0.125f,
-						0.9f, 0, 0, NULL, dout, scr, sb, derr, NULL);
+						0.9f, 0, 0,
+						given ? (const kvt_gpu_segstats *)dst : NULL, dout,
+						scr, sb, derr, NULL);
 		fetch(&herr, derr, 8);
 		fetch(out, dout, sizeof out);
 		T_CHECK(rc == 0 && KVT_GPU_ERR_CODE(herr) == KVT_GPU_ERR_NONFINITE &&
 				KVT_GPU_ERR_WHERE(herr) == 2 && KVT_GPU_ERR_INDEX(herr) == at &&
 				out[2].marked == 0 && out[1].marked > 0,
-			"non-finite %g at segment 2 position %u: rc %d, error word 0x%llx, marked %u",
-			(double)bads[b], at, rc, herr, out[2].marked);
+			"non-finite %g at segment 2 position %u (statistics %s): rc %d, error word "
+			"0x%llx, marked %u",
+			(double)bads[b % 3], at, given ? "given" : "gathered", rc, herr,
+			out[2].marked);
+		cudaFree(dst);
 		cudaFree(ds);
 		cudaFree(dn);
 		cudaFree(scr);
