@@ -48,6 +48,7 @@ void upload(struct pair *p, uint32_t n)
 }
 
 uint64_t g_hot_max;
+float g_bound_delta;
 
 kvt_config config(uint64_t gpu_cache_bytes)
 {
@@ -82,9 +83,21 @@ void pair_init(struct pair *p, uint32_t ctx, uint32_t steps, uint64_t gpu_cache_
 	OK(NULL, kvt_cache_create(&cfg, &p->cpu));
 	cfg.backend = KVT_BACKEND_CUDA;
 	OK(NULL, kvt_cache_create(&cfg, &p->gpu));
+	if (g_bound_delta > 0.0f) {
+		kvt_config b = config(gpu_cache_bytes);
+		b.backend = KVT_BACKEND_CPU;
+		b.p = cfg.p - g_bound_delta;
+		OK(NULL, kvt_cache_create(&b, &p->lo));
+		b.p = cfg.p + g_bound_delta;
+		OK(NULL, kvt_cache_create(&b, &p->hi));
+	}
 	for (int s = 0; s < NSEQ; s++) {
 		OK(p->cpu, kvt_seq_open(p->cpu, &p->sc[s]));
 		OK(p->gpu, kvt_seq_open(p->gpu, &p->sg[s]));
+		if (p->lo) {
+			OK(p->lo, kvt_seq_open(p->lo, &p->sl[s]));
+			OK(p->hi, kvt_seq_open(p->hi, &p->sh[s]));
+		}
 	}
 	const size_t big = (size_t)ctx * HQ * D;
 	p->hk = malloc(big * 2);
@@ -112,6 +125,12 @@ void pair_init(struct pair *p, uint32_t ctx, uint32_t steps, uint64_t gpu_cache_
 						       NULL));
 				OK(p->gpu, kvt_prefill(p->gpu, p->sg[s], layer, p->dq, p->dk, p->dv, n,
 						       NULL));
+				if (!p->lo)
+					continue;
+				OK(p->lo, kvt_prefill(p->lo, p->sl[s], layer, p->hq, p->hk, p->hv, n,
+						      NULL));
+				OK(p->hi, kvt_prefill(p->hi, p->sh[s], layer, p->hq, p->hk, p->hv, n,
+						      NULL));
 			}
 }
 
@@ -119,6 +138,8 @@ void pair_fini(struct pair *p)
 {
 	kvt_cache_destroy(p->cpu);
 	kvt_cache_destroy(p->gpu);
+	kvt_cache_destroy(p->lo);
+	kvt_cache_destroy(p->hi);
 	wl_destroy(p->w);
 	free(p->hk);
 	free(p->hv);
@@ -160,6 +181,10 @@ void append_both(struct pair *p, uint32_t layer, uint32_t step)
 	decode_inputs(p, layer, step);
 	OK(p->cpu, kvt_append(p->cpu, layer, NSEQ, p->sc, p->hk, p->hv, NULL));
 	OK(p->gpu, kvt_append(p->gpu, layer, NSEQ, p->sg, p->dk, p->dv, NULL));
+	if (p->lo) {
+		OK(p->lo, kvt_append(p->lo, layer, NSEQ, p->sl, p->hk, p->hv, NULL));
+		OK(p->hi, kvt_append(p->hi, layer, NSEQ, p->sh, p->hk, p->hv, NULL));
+	}
 }
 
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)

@@ -37,6 +37,8 @@ bool gpu_tests_start(void);
 struct pair {
 	kvt_cache *cpu, *gpu;
 	uint32_t sc[NSEQ], sg[NSEQ];
+	kvt_cache *lo, *hi; /* with g_bound_delta: CPU caches at p - delta and p + delta, or NULL */
+	uint32_t sl[NSEQ], sh[NSEQ];
 	wl *w;
 	uint32_t ctx;
 	uint16_t *hk, *hv, *hq; /* host staging, [n][heads][D] */
@@ -53,6 +55,9 @@ size_t row_at(const struct pair *p, uint32_t layer, uint32_t s, uint32_t h, uint
 void make(struct pair *p, uint32_t s, uint32_t layer, uint32_t pos, uint32_t n, int32_t step);
 /* The staging's first n tokens to the device copies. */
 void upload(struct pair *p, uint32_t n);
+/* When > 0, pair_init also makes the CPU caches lo and hi at p -/+ this, fed like the others
+ * (append_both feeds them too): the GPU's selection must lie between theirs. */
+extern float g_bound_delta;
 /* config()'s gpu_cache_max_bytes (a test that bounds the self-sized hot cache sets it) */
 extern uint64_t g_hot_max;
 kvt_config config(uint64_t gpu_cache_bytes);
