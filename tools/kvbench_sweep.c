@@ -5,6 +5,7 @@
  * (--baselines). Each point is a standard run of its own cache (kvbench.c run_point).
  */
 #include "kvbench.h"
+#include "constants.h" /* KVT_GPU_HOT_AUTO_SHARE */
 
 #include <inttypes.h>
 #include <math.h>
@@ -398,12 +399,17 @@ static void plan_table(const opts *o, const kb_plan_in *in, const kb_plan *p)
 	(void)o;
 }
 
-/* What one H200 serves on its HBM alone, with the rows in the host tier and the rest on NVMe. */
-static void plan_h200(const kb_plan_in *in)
+/* What one H200 serves on its HBM alone, with the rows in the host tier and the rest on NVMe; a
+ * self-sized hot cache counts its bound from the H200's HBM, not from --gpu-bytes. */
+static void plan_h200(const opts *o, const kb_plan_in *in)
 {
 	kb_plan_in h = *in;
 	kb_plan p;
 	h.gpu_bytes = KB_H200_HBM_BYTES;
+	if (o->gpu_cache == KB_GPU_CACHE_AUTO)
+		h.hot_bytes = h.gpu_bytes > h.weights_bytes
+				      ? (h.gpu_bytes - h.weights_bytes) / KVT_GPU_HOT_AUTO_SHARE
+				      : 0;
 	if (kb_plan_compute(&h, &p) < 0)
 		fail("capacity plan", "bad shape");
 	char w[32], hb[32], nb[32];
@@ -422,7 +428,7 @@ int plan_main(opts *o)
 		fail("capacity plan", "bad shape");
 	if (!o->json) {
 		plan_table(o, &in, &p);
-		plan_h200(&in);
+		plan_h200(o, &in);
 	}
 	if (!p.kvt_seqs) {
 		fprintf(stderr, "kvbench: the plan holds no sequence: nothing to run\n");
