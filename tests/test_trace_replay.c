@@ -1,0 +1,286 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * `kvbench --trace` end to end (part of test_trace, whose main runs these): a small trace replayed
+ * on the CPU backend (recall 1 at p = 1), a corrupted one failing with the file's name, counts that
+ * would overflow refused, and valid JSON whatever the bytes of the trace's name.
+ */
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "trace_testutil.h"
+
+/* ---- the replay ----------------------------------------------------------------------------- */
+
+/* Run kvbench's entry point (kvbench_main, as the executable does) in a child process, since
+ * kvbench exits on errors, with stdout and stderr captured into out and errs (NUL-terminated).
+ * Returns the exit status. */
+static int run_replay(char **argv, char **out, char **errs)
+{
+	int argc = 0;
+	while (argv[argc])
+		argc++;
+	char po[] = "/tmp/kvt_trace_out_XXXXXX", pe[] = "/tmp/kvt_trace_err_XXXXXX";
+	int fo = mkstemp(po), fe = mkstemp(pe);
+	T_CHECK(fo >= 0 && fe >= 0, "mkstemp failed");
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	T_CHECK(pid >= 0, "fork failed");
+	if (pid == 0) {
+		dup2(fo, 1);
+		dup2(fe, 2);
+		int st = kvbench_main(argc, argv);
+		fflush(stdout);
+		fflush(stderr);
+		_exit(st);
+	}
+	int ws = 0;
+	T_CHECK(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws), "kvbench did not exit normally");
+	int rc = WEXITSTATUS(ws);
+	close(fo);
+	close(fe);
+	size_t n;
+	*out = (char *)read_bytes(po, &n);
+	(*out)[n] = 0;
+	*errs = (char *)read_bytes(pe, &n);
+	(*errs)[n] = 0;
+	unlink(po);
+	unlink(pe);
+	return rc;
+}
+
+static double jnum(const trace_json *j, const trace_json_node *o, const char *key)
+{
+	const trace_json_node *x = trace_json_get(j, o, key);
+	T_CHECK(x && x->type == TJ_NUMBER, "the JSON has no number '%s'", key);
+	return x->num;
+}
+
+void test_replay(void **state)
+{
+	(void)state;
+	tdir t;
+	char *out, *errs, err[ERRLEN];
+	trace_json j;
+	make_trace(&t, TRACE_F16, 2, 300, 24, 3);
+	char *argv[] = {"kvbench", "--trace", t.path,	 "--backend", "cpu", "--p",
+			"1",	   "--json",  "--quiet", "--window",  "16",  "--flush",
+			"8",	   "--sinks", "4",	 "--chunk",   "128", NULL};
+	int rc = run_replay(argv, &out, &errs);
+	T_CHECK(rc == 0, "replay at p = 1: exit %d, stderr: %s", rc, errs);
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
+		"--json output: %s\n%s", err, out);
+	const trace_json_node *root = &j.nodes[1];
+	double rmin = jnum(&j, root, "recall_min"), bud = jnum(&j, root, "budget_mean"),
+	       oe = jnum(&j, root, "output_error");
+	T_CHECK(rmin > 1 - 1e-5, "p = 1: recall_min got %.9f, want 1", rmin);
+	T_CHECK(bud == 1.0, "p = 1: budget_mean got %.9f, want 1", bud);
+	T_CHECK(oe < 1e-4, "p = 1: output_error got %g, want < 1e-4", oe);
+	const trace_json_node *layers = trace_json_get(&j, root, "layers");
+	T_CHECK(layers && layers->count == 2, "want 2 layers in the JSON");
+	const trace_json_node *l0 = &j.nodes[layers->child],
+			      *heads = trace_json_get(&j, l0, "heads");
+	T_CHECK(heads && heads->count == 4, "want 4 heads in layer 0");
+	T_CHECK(errs[0] == 0, "--quiet: stderr not empty: %s", errs);
+	/* the percentiles of one head: with 24 steps the 1st is the minimum (nearest rank), the 5th
+	 * the second lowest, so at least the minimum and at most the largest recall, 1 */
+	const trace_json_node *h0 = &j.nodes[heads->child];
+	double p5 = jnum(&j, h0, "recall_p5"), p1 = jnum(&j, h0, "recall_p1"),
+	       hmin = jnum(&j, h0, "recall_min");
+	T_CHECK(p1 == hmin && p5 >= hmin && p5 <= 1 + 1e-6,
+		"head 0: recall_p1 %.9g (want the minimum %.9g), recall_p5 %.9g (want in [min, 1])",
+		p1, hmin, p5);
+	free(out);
+	free(errs);
+
+	/* the same replay with each layer's sequence spilled to an NVMe file after its prefill: the
+	 * decode steps read their rows from the file, and every figure is the same */
+	char img[] = "/tmp/kvt_trace_nvme_XXXXXX";
+	int fd = mkstemp(img);
+	T_CHECK(fd >= 0, "mkstemp failed");
+	close(fd);
+	unlink(img); /* the library creates and sizes the file */
+	char *argv_nv[] = {"kvbench", "--trace", t.path, "--backend", "cpu", "--p", "1", "--json",
+			   "--quiet", "--window", "16", "--flush", "8", "--sinks", "4", "--chunk",
+			   "128", "--nvme", img, NULL};
+	char *out_nv, *errs_nv;
+	rc = run_replay(argv_nv, &out_nv, &errs_nv);
+	unlink(img);
+	if (rc != 0 && strstr(errs_nv, "(-95)")) {
+		printf("# --nvme replay skipped: no NVMe tier in this build or kernel\n");
+	} else {
+		trace_json jn;
+		T_CHECK(rc == 0, "replay with --nvme: exit %d, stderr: %s", rc, errs_nv);
+		T_CHECK(trace_json_parse(out_nv, strlen(out_nv), "stdout", &jn, err, sizeof(err)) == 0,
+			"--nvme --json output: %s\n%s", err, out_nv);
+		static const char *const same[] = {"recall_mean", "recall_min", "budget_mean",
+						   "output_error", "recall_p5_worst_head"};
+		for (size_t i = 0; i < sizeof(same) / sizeof(same[0]); i++)
+			T_CHECK(jnum(&jn, &jn.nodes[1], same[i]) == jnum(&j, root, same[i]),
+				"--nvme: %s got %.9g, want %.9g as without", same[i],
+				jnum(&jn, &jn.nodes[1], same[i]), jnum(&j, root, same[i]));
+		double nb = jnum(&jn, &jn.nodes[1], "nvme_bytes_per_step");
+		T_CHECK(nb > 0, "--nvme: nvme_bytes_per_step got %g, want > 0", nb);
+		T_CHECK(jnum(&j, root, "nvme_bytes_per_step") == 0,
+			"no NVMe tier: nvme_bytes_per_step got %g, want 0",
+			jnum(&j, root, "nvme_bytes_per_step"));
+		trace_json_free(&jn);
+	}
+	free(out_nv);
+	free(errs_nv);
+	trace_json_free(&j);
+
+	/* p = 0.5 on one layer: a subset, recall below 1, budget below 1; the text table */
+	char *argv2[] = {"kvbench", "--trace",	t.path, "--backend=cpu", "--p=0.5", "--layers",
+			 "1",	    "--window", "16",	"--budget-min",	 "0",	    NULL};
+	rc = run_replay(argv2, &out, &errs);
+	T_CHECK(rc == 0, "replay at p = 0.5: exit %d, stderr: %s", rc, errs);
+	T_CHECK(strstr(out, "recall mean") && strstr(out, "budget_mean"), "text output: %s", out);
+	free(out);
+	free(errs);
+	char *argv3[] = {"kvbench", "--trace",	    t.path,	"--backend", "cpu",
+			 "--p",	    "0.5",	    "--layers", "1",	     "--window",
+			 "16",	    "--budget-min", "0",	"--json",    NULL};
+	rc = run_replay(argv3, &out, &errs);
+	T_CHECK(rc == 0, "replay at p = 0.5 --json: exit %d, stderr: %s", rc, errs);
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	double rm = jnum(&j, &j.nodes[1], "recall_mean");
+	bud = jnum(&j, &j.nodes[1], "budget_mean");
+	/* the 1-bit estimate of random vectors is rough: recall may fall short of p, but some mass
+	 * is found with part of the budget */
+	T_CHECK(rm > 0.1 && rm < 1 && bud > 0 && bud < 1,
+		"p = 0.5: recall_mean %g (want in (0.1, 1)), budget_mean %g (want in (0, 1))", rm,
+		bud);
+	T_CHECK(jnum(&j, &j.nodes[1], "layers_replayed") == 1, "--layers 1: want one layer");
+	trace_json_free(&j);
+	free(out);
+	free(errs);
+
+	/* bad options: exit 2 naming the option */
+	static const char *bad_opts[][3] = {{"--frobnicate", NULL, "--frobnicate"},
+					    {"--p", "1.5", "--p"},
+					    {"--backend", "tpu", "tpu"},
+					    {"--layers", "7", "--layers"},
+					    {"--layers", "1-0", "--layers"},
+					    {"--window", "-3", "--window"},
+					    {"stray", NULL, "stray"}};
+	for (size_t i = 0; i < sizeof(bad_opts) / sizeof(bad_opts[0]); i++) {
+		char *av[] = {"kvbench",
+			      "--trace",
+			      t.path,
+			      (char *)bad_opts[i][0],
+			      (char *)bad_opts[i][1],
+			      NULL};
+		rc = run_replay(av, &out, &errs);
+		T_CHECK(rc == 2 && strstr(errs, bad_opts[i][2]),
+			"option %s %s: exit %d, stderr '%s', want 2 naming '%s'", bad_opts[i][0],
+			bad_opts[i][1] ? bad_opts[i][1] : "", rc, errs, bad_opts[i][2]);
+		free(out);
+		free(errs);
+	}
+	char *av_none[] = {"kvbench", "--json", "--trace", NULL};
+	rc = run_replay(av_none, &out, &errs);
+	T_CHECK(rc == 2 && strstr(errs, "--trace"), "no trace directory: exit %d, '%s'", rc, errs);
+	free(out);
+	free(errs);
+	/* an option of the synthetic runs: refused, naming it */
+	char *av_shape[] = {"kvbench", "--trace", t.path, "--context", "100", NULL};
+	rc = run_replay(av_shape, &out, &errs);
+	T_CHECK(rc == 2 && strstr(errs, "--context"), "--trace with --context: exit %d, '%s'", rc,
+		errs);
+	free(out);
+	free(errs);
+
+	/* a corrupted file: exit 1, the file named */
+	poke(&t, "layer1.decode.k.npy", -1, 0x7e);
+	rc = run_replay(argv, &out, &errs);
+	T_CHECK(rc == 1 && strstr(errs, "layer1.decode.k.npy") && strstr(errs, "NaN"),
+		"corrupted trace: exit %d, stderr '%s', want 1 naming layer1.decode.k.npy", rc,
+		errs);
+	free(out);
+	free(errs);
+	truncate_file(&t, "layer0.prefill.q.npy", 1);
+	rc = run_replay(argv, &out, &errs);
+	T_CHECK(rc == 1 && strstr(errs, "layer0.prefill.q.npy"),
+		"truncated trace: exit %d, stderr '%s'", rc, errs);
+	free(out);
+	free(errs);
+	remove_trace(&t);
+}
+
+/* float32 trace with a value float16 cannot hold: named, and bf16 replays it */
+void test_replay_overflow(void **state)
+{
+	(void)state;
+	tdir t;
+	char err[ERRLEN], p[256], *out, *errs;
+	make_trace(&t, TRACE_F32, 1, 40, 4, 9);
+	trace_layer tl;
+	T_CHECK(trace_load_layer(t.path, &t.m, 0, &tl, err, sizeof(err)) == 0, "%s", err);
+	tl.prefill_v[5] = 1e6f;
+	T_CHECK(trace_write_layer(t.path, &t.m, 0, &tl, err, sizeof(err)) == 0, "%s", err);
+	trace_layer_free(&tl);
+	char *argv[] = {"kvbench", "--trace", t.path,	  "--backend", "cpu",
+			"--quiet", "--json",  "--window", "8",	       NULL};
+	int rc = run_replay(argv, &out, &errs);
+	T_CHECK(rc == 1 && strstr(errs, "layer0.prefill.v.npy") && strstr(errs, "bf16"),
+		"overflow: exit %d, stderr '%s'", rc, errs);
+	free(out);
+	free(errs);
+	char *argv2[] = {"kvbench", "--trace",	t.path, "--backend", "cpu",  "--quiet",
+			 "--json",  "--window", "8",	"--dtype",   "bf16", NULL};
+	rc = run_replay(argv2, &out, &errs);
+	T_CHECK(rc == 0, "bf16: exit %d, stderr '%s'", rc, errs);
+	free(out);
+	free(errs);
+	path_of(&t, "meta.json", p, sizeof(p));
+	remove_trace(&t);
+}
+
+
+/*
+ * kvbench --json prints valid JSON whatever the bytes: a trace directory whose name is not UTF-8
+ * (any bytes but '/' and NUL are a valid Linux name) comes out with U+FFFD in their place, and a
+ * meta.json whose model name holds a surrogate is refused, naming the byte offset.
+ */
+void test_replay_utf8(void **state)
+{
+	(void)state;
+	tdir t;
+	char *out, *errs;
+	make_trace(&t, TRACE_F16, 1, 40, 2, 9);
+	char odd[sizeof t.path + 16];
+	snprintf(odd, sizeof odd, "%s-\xff\xc0\xaf-\xc3\xa9", t.path);
+	T_CHECK(rename(t.path, odd) == 0, "rename %s failed", t.path);
+	char *argv[] = {"kvbench", "--trace", odd,  "--backend", "cpu", "--json",
+			"--quiet", "--window", "8", NULL};
+	int rc = run_replay(argv, &out, &errs);
+	T_CHECK(rename(odd, t.path) == 0, "rename back failed");
+	size_t n = strlen(out), at = t_utf8_bad_at(out, n);
+	T_CHECK(rc == 0 && at == n, "replay from a non-UTF-8 directory name: exit %d, stdout invalid "
+		"UTF-8 at byte %zu of %zu (got 0x%02x, wanted none), stderr '%s'", rc, at, n,
+		at < n ? (unsigned char)out[at] : 0, errs);
+	trace_json j;
+	char err[ERRLEN];
+	T_CHECK(trace_json_parse(out, n, "stdout", &j, err, sizeof err) == 0, "--json: %s", err);
+	const trace_json_node *dir =
+		trace_json_get(&j, trace_json_get(&j, &j.nodes[1], "trace"), "dir");
+	char want[sizeof odd + 16];
+	snprintf(want, sizeof want, "%s-\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd-\xc3\xa9", t.path);
+	T_CHECK(dir && dir->type == TJ_STRING && !strcmp(dir->str, want),
+		"trace in the JSON: got '%s', wanted '%s'", dir && dir->str ? dir->str : "(none)",
+		want);
+	trace_json_free(&j);
+	free(out);
+	free(errs);
+
+	edit_meta(&t, "random", "rand\xed\xa0\x80om");
+	trace_meta m;
+	rc = trace_open(t.path, &m, err, sizeof err);
+	T_CHECK(rc == -EINVAL && strstr(err, "meta.json") && strstr(err, "invalid UTF-8 at byte offset"),
+		"meta.json with a surrogate in the model name: rc %d, message '%s', wanted -EINVAL "
+		"naming meta.json and the byte offset", rc, err);
+	remove_trace(&t);
+}
