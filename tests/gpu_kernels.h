@@ -39,6 +39,9 @@ void fill_f(t_rng *r, float *x, size_t n, double mean, double sd);
 /* The selection's order key of a score (-0 taken as +0) above the complement of its position, as
  * the GPU's cut reads it. */
 uint64_t sel_key(float x, uint32_t t);
+/* The statistics kvt_gpu_score gathers, of n scores: the largest and the complemented smallest key
+ * of a finite score, the complement of the first non-finite position. */
+kvt_gpu_segstats host_segstats(const float *x, uint32_t n);
 
 /* test_gpu_select.c */
 void test_select(void **state);

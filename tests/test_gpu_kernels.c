@@ -77,6 +77,22 @@ uint64_t sel_key(float x, uint32_t t)
 	return (uint64_t)u << 32 | (0xffffffffu - t);
 }
 
+kvt_gpu_segstats host_segstats(const float *x, uint32_t n)
+{
+	kvt_gpu_segstats w = {0, 0, 0, 0};
+	for (uint32_t t = 0; t < n; t++) {
+		if (!isfinite(x[t])) {
+			if (!w.bad)
+				w.bad = 0xffffffffu - t;
+			continue;
+		}
+		const uint32_t k = (uint32_t)(sel_key(x[t], 0) >> 32);
+		w.max_key = k > w.max_key ? k : w.max_key;
+		w.nmin_key = ~k > w.nmin_key ? ~k : w.nmin_key;
+	}
+	return w;
+}
+
 /* ---- index build ------------------------------------------------------------------------- */
 
 static void test_index_build(void **state)
@@ -371,17 +387,7 @@ static void test_prepare_and_score(void **state)
 							fail();
 					}
 					/* the statistics the scan gathered for the threshold */
-					kvt_gpu_segstats w = {0, 0, 0, 0};
-					for (uint32_t t = 0; t < ns[s]; t++) {
-						if (!isfinite(ws[t])) {
-							if (!w.bad)
-								w.bad = 0xffffffffu - t;
-							continue;
-						}
-						const uint32_t k = (uint32_t)(sel_key(ws[t], 0) >> 32);
-						w.max_key = k > w.max_key ? k : w.max_key;
-						w.nmin_key = ~k > w.nmin_key ? ~k : w.nmin_key;
-					}
+					const kvt_gpu_segstats w = host_segstats(ws, ns[s]);
 					const kvt_gpu_segstats *gt = &gstat[s * Hq + j];
 					T_SOFT(&bad,
 					       gt->max_key == w.max_key && gt->nmin_key == w.nmin_key &&

@@ -108,16 +108,8 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	/* first with the statistics given, as the scan gathers them, then gathering them itself:
 	 * the same result */
 	kvt_gpu_segstats *hst = (kvt_gpu_segstats *)t_alloc(sizeof(kvt_gpu_segstats) * segs);
-	memset(hst, 0, sizeof(kvt_gpu_segstats) * segs);
 	for (uint32_t g = 0; g < segs; g++)
-		for (uint32_t t = 0; t < n[g / Hq]; t++) {
-			const float x = hs[(size_t)g * ld + t];
-			if (!isfinite(x))
-				continue;
-			const uint32_t k = (uint32_t)(sel_key(x, 0) >> 32);
-			hst[g].max_key = k > hst[g].max_key ? k : hst[g].max_key;
-			hst[g].nmin_key = ~k > hst[g].nmin_key ? ~k : hst[g].nmin_key;
-		}
+		hst[g] = host_segstats(hs + (size_t)g * ld, n[g / Hq]);
 	void *dst = dcopy(hst, sizeof(kvt_gpu_segstats) * segs);
 	kvt_gpu_topp *given = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
 	int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
@@ -313,19 +305,8 @@ void test_select_nonfinite(void **state)
 		const uint32_t at = 17 + 1000 * (uint32_t)(b % 3);
 		hs[2 * ld + at] = bads[b % 3];
 		kvt_gpu_segstats hst[4];
-		memset(hst, 0, sizeof hst);
 		for (uint32_t j = 0; j < Hq; j++)
-			for (uint32_t t = 0; t < n[0]; t++) {
-				const float x = hs[(size_t)j * ld + t];
-				if (!isfinite(x)) {
-					if (!hst[j].bad)
-						hst[j].bad = 0xffffffffu - t;
-					continue;
-				}
-				const uint32_t k = (uint32_t)(sel_key(x, 0) >> 32);
-				hst[j].max_key = k > hst[j].max_key ? k : hst[j].max_key;
-				hst[j].nmin_key = ~k > hst[j].nmin_key ? ~k : hst[j].nmin_key;
-			}
+			hst[j] = host_segstats(hs + (size_t)j * ld, n[0]);
 		void *dst = dcopy(hst, sizeof hst);
 		float *ds = (float *)dcopy(hs, 4 * (size_t)Hq * ld);
 		void *dn = dcopy(n, 4);
