@@ -1,0 +1,399 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The NVMe tier's allocation faults and the LRU undo (suite fault; part of test_tier_fault, whose
+ * main runs these): the script with the N-th allocation failed (store open, block cache, spill, the
+ * row reads of direct serving, restore), automatic spills under failing allocations, and a call
+ * that fails under KVT_SPILL_LRU giving back what it spilled (issue 11, defect 3).
+ */
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "tier_fault.h"
+
+/* What a call that failed for want of memory must leave as it was. */
+struct tier_state {
+	uint64_t host_used, nvme_used, tokens;
+	uint32_t on_nvme;
+};
+
+static void tier_observe(struct run *r, struct tier_state *o)
+{
+	kvt_stats st = t_stats(r->c);
+	uint32_t spilled = r->c->seqs[r->seq].open ? on_nvme(r) : 0;
+	memset(o, 0, sizeof *o); /* the padding too: states are compared with memcmp */
+	o->host_used = st.host_bytes_used;
+	o->nvme_used = st.nvme_bytes_used;
+	o->tokens = st.tokens;
+	o->on_nvme = spilled;
+}
+
+/* One run of the allocation-fault loop: the allocation failed, and what it met. */
+struct afail {
+	uint64_t n;
+	int fired;  /* the injected failure fired (returned as -ENOMEM or absorbed) */
+	int enomem; /* calls that returned -ENOMEM */
+};
+
+/*
+ * Run a call with injection on, its result into rc; on -ENOMEM check that the state is unchanged,
+ * turn injection off and run it again.
+ */
+#define UNDER_FAULT(r, a, what, rc, expr)                                                           \
+	do {                                                                                        \
+		struct tier_state b_, f_;                                                           \
+		if ((r)->c)                                                                         \
+			tier_observe((r), &b_);                                                     \
+		int64_t rc_ = (expr);                                                               \
+		if (rc_ == -ENOMEM) {                                                               \
+			(a)->enomem++;                                                              \
+			(a)->fired |= kvt_mem_fired();                                              \
+			kvt_mem_fail_at(0);                                                         \
+			if ((r)->c) {                                                               \
+				tier_observe((r), &f_);                                             \
+				T_CHECK(memcmp(&b_, &f_, sizeof b_) == 0,                           \
+					"N=%llu %s: -ENOMEM (%s) changed host bytes %llu -> %llu, "  \
+					"NVMe bytes %llu -> %llu, blocks on NVMe %u -> %u",           \
+					(unsigned long long)(a)->n, what, kvt_last_error((r)->c),    \
+					(unsigned long long)b_.host_used,                            \
+					(unsigned long long)f_.host_used,                            \
+					(unsigned long long)b_.nvme_used,                            \
+					(unsigned long long)f_.nvme_used, b_.on_nvme, f_.on_nvme);   \
+			}                                                                           \
+			rc_ = (expr);                                                               \
+		}                                                                                   \
+		(rc) = rc_;                                                                         \
+	} while (0)
+
+/* The create of run_open_cfg under injection: -ENOMEM is retried, anything else fails the test. */
+static void afail_create(struct run *r, struct afail *a)
+{
+	memset(r, 0, sizeof *r);
+	snprintf(r->name, sizeof r->name, "allocation %llu", (unsigned long long)a->n);
+	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+	cfg.p = 1.0f;
+	cfg.nvme_queue_depth = 8;
+	cfg.nvme_cache_bytes = (uint64_t)1 << 20;
+	cfg.host_bytes = (uint64_t)64 << 20;
+	tt_make_files(&r->f, 2, (uint64_t)4 << 20);
+	cfg.n_nvme = 2;
+	cfg.nvme_paths = r->f.ptrs;
+	cfg.nvme_bytes = r->f.bytes;
+	int64_t rc;
+	UNDER_FAULT(r, a, "create", rc, kvt_cache_create(&cfg, &r->c));
+	tt_unlink(&r->f);
+	T_CHECK(rc == 0, "%s: create got %lld (%s), wanted 0 or -ENOMEM then 0", r->name,
+		(long long)rc, kvt_last_error(NULL));
+	UNDER_FAULT(r, a, "seq_open", rc, kvt_seq_open(r->c, &r->seq));
+	T_CHECK(rc == 0, "%s: seq_open got %lld (%s)", r->name, (long long)rc, kvt_last_error(r->c));
+	r->sk = &g_k;
+	r->sv = &g_v;
+}
+
+/* Select and gather every layer under injection; the rows must be the rows given. */
+static void afail_gather_all(struct run *r, struct afail *a, const char *what)
+{
+	for (int l = 0; l < LAYERS; l++) {
+		int64_t rc;
+		UNDER_FAULT(r, a, "select", rc, kvt_select(r->c, (uint32_t)l, 1, &r->seq, g_q, NULL));
+		T_CHECK(rc == TOKENS, "%s %s: select layer %d got %lld (%s)", r->name, what, l,
+			(long long)rc, kvt_last_error(r->c));
+		UNDER_FAULT(r, a, what, rc, do_gather(r, l));
+		expect_rows(r, l, (int)rc, what);
+	}
+}
+
+/* One run of the script with the n-th allocation failing; returns whether it fired. */
+static int afail_script(struct afail *a)
+{
+	struct run run, *r = &run;
+	int64_t live = kvt_mem_live();
+	int fds = tt_fd_count();
+	kvt_mem_fail_at(a->n);
+	afail_create(r, a);
+	int64_t rc;
+	for (int l = 0; l < LAYERS; l++) {
+		/* the two chunks of prefill_layer, each a call of its own */
+		UNDER_FAULT(r, a, "prefill", rc,
+			    kvt_prefill(r->c, r->seq, (uint32_t)l, NULL, g_k[l], g_v[l], FIRST, NULL));
+		T_CHECK(rc == 0, "%s: prefill layer %d got %lld (%s)", r->name, l, (long long)rc,
+			kvt_last_error(r->c));
+		UNDER_FAULT(r, a, "prefill", rc,
+			    kvt_prefill(r->c, r->seq, (uint32_t)l, NULL, g_k[l] + FIRST * NKV * D,
+					g_v[l] + FIRST * NKV * D, TOKENS - FIRST, NULL));
+		T_CHECK(rc == 0, "%s: prefill layer %d got %lld (%s)", r->name, l, (long long)rc,
+			kvt_last_error(r->c));
+	}
+	UNDER_FAULT(r, a, "spill", rc, kvt_seq_spill(r->c, r->seq));
+	T_CHECK(rc == DUE && on_nvme(r) == SPILL_BLOCKS, "%s: spill got %lld (%s), %u blocks on NVMe; "
+		"wanted %lld, %d", r->name, (long long)rc, kvt_last_error(r->c), on_nvme(r),
+		(long long)DUE, SPILL_BLOCKS);
+	afail_gather_all(r, a, "direct gather");
+	UNDER_FAULT(r, a, "restore", rc, kvt_seq_restore(r->c, r->seq));
+	T_CHECK(rc == DUE && on_nvme(r) == 0, "%s: restore got %lld (%s), %u blocks on NVMe; wanted "
+		"%lld, 0", r->name, (long long)rc, kvt_last_error(r->c), on_nvme(r), (long long)DUE);
+	afail_gather_all(r, a, "gather after restore");
+	kvt_cache_destroy(r->c);
+	a->fired |= kvt_mem_fired();
+	kvt_mem_fail_at(0);
+	TT_CHECK_RELEASED(r->name, live, fds);
+	return a->fired;
+}
+
+/*
+ * Allocation failures through the NVMe tier: for N = 1, 2, ... the N-th allocation of the script
+ *     create (store open: files, ring, bounce pool, free lists; block cache) -> prefill -> spill
+ *     -> direct gather of every layer (row reads: header prefetch, header cache) -> restore
+ *     -> gather of every layer
+ * fails, until a run no longer reaches it. Every call succeeds or returns -ENOMEM, and a failed
+ * call changes nothing and succeeds when retried without the fault; a failure the store absorbs
+ * (the header prefetch and the header cache are optimizations) still delivers the right rows.
+ * The rows gathered are the rows given, byte for byte; nothing leaks.
+ */
+void test_alloc_faults(void **state)
+{
+	(void)state;
+	struct afail a = {0};
+	uint64_t runs = 0, enomem = 0, absorbed = 0;
+	for (a.n = 1; a.n < 100000; a.n++) {
+		int e0 = a.enomem = 0;
+		a.fired = 0;
+		if (!afail_script(&a))
+			break;
+		runs++;
+		enomem += a.enomem > e0;
+		absorbed += a.enomem == 0;
+	}
+	print_message("tier allocation faults: allocations 1..%llu failed in turn, %llu returned "
+		      "-ENOMEM (and succeeded on retry), %llu absorbed\n",
+		      (unsigned long long)runs, (unsigned long long)enomem,
+		      (unsigned long long)absorbed);
+	T_CHECK(runs >= 40 && absorbed > 0,
+		"allocations failed got %llu (wanted >= 40), absorbed %llu (wanted > 0: the header "
+		"cache and prefetch)", (unsigned long long)runs, (unsigned long long)absorbed);
+}
+
+/*
+ * Allocation failures inside an automatic spill: as test_auto_spill_faults, B's second layer needs
+ * A's blocks spilled first, but now the N-th allocation of that prefill fails (spill tables, block
+ * lists, the store's free lists, B's own index and blocks). The prefill returns -ENOMEM with B's
+ * layer unchanged and A on the host (a spill done before the failure is read back, the spill
+ * counters as before), or succeeds; A reads back byte for byte; the retry succeeds; nothing leaks.
+ */
+void test_auto_spill_alloc_faults(void **state)
+{
+	(void)state;
+	uint64_t n = 1, failed = 0;
+	for (; n < 1000; n++) {
+		struct run run, *r = &run;
+		char name[160];
+		snprintf(name, sizeof name, "auto spill in a prefill: allocation %llu failed",
+			 (unsigned long long)n);
+		int64_t live = kvt_mem_live();
+		int fds = tt_fd_count();
+		run_open_cfg(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
+		uint32_t b = 0;
+		T_CHECK(kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
+		int rc = prefill_layer(r, b, 0, &g_k2, &g_v2);
+		T_CHECK(rc == 0, "%s: prefill of B's layer 0 got %d (%s)", name, rc, kvt_last_error(r->c));
+		kvt_stats a = t_stats(r->c);
+		kvt_mem_fail_at(n);
+		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		int fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		T_CHECK(rc == 0 || rc == -ENOMEM, "%s: prefill got %d (%s), wanted 0 or -ENOMEM", name,
+			rc, kvt_last_error(r->c));
+		if (rc) {
+			failed++;
+			kvt_stats f = t_stats(r->c);
+			int64_t len = kvt_seq_length(r->c, b, 1);
+			T_CHECK(len == 0 && f.tokens == a.tokens, "%s: the failed prefill changed B: layer 1 "
+				"length %lld (wanted 0), tokens %llu -> %llu", name, (long long)len,
+				(unsigned long long)a.tokens, (unsigned long long)f.tokens);
+			T_CHECK(on_nvme(r) == 0 && f.spills == a.spills &&
+					f.auto_spills == a.auto_spills &&
+					f.nvme_bytes_used == a.nvme_bytes_used,
+				"%s: the failed prefill left A's blocks on NVMe %u (wanted 0), spills %llu "
+				"-> %llu, auto_spills %llu -> %llu, nvme_bytes_used %llu -> %llu (wanted "
+				"unchanged)", name, on_nvme(r), (unsigned long long)a.spills,
+				(unsigned long long)f.spills, (unsigned long long)a.auto_spills,
+				(unsigned long long)f.auto_spills, (unsigned long long)a.nvme_bytes_used,
+				(unsigned long long)f.nvme_bytes_used);
+			check_all_layers(r, "A after the failed prefill");
+			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+			T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc, kvt_last_error(r->c));
+		}
+		T_CHECK(on_nvme(r) == SPILL_BLOCKS, "%s: A's blocks on NVMe %u, wanted %d", name,
+			on_nvme(r), SPILL_BLOCKS);
+		check_all_layers(r, "A spilled by LRU (direct serving)");
+		r->seq = b;
+		r->sk = &g_k2;
+		r->sv = &g_v2;
+		check_all_layers(r, "B");
+		kvt_cache_destroy(r->c);
+		TT_CHECK_RELEASED(name, live, fds);
+		if (!fired)
+			break;
+	}
+	print_message("auto spill: allocations 1..%llu of the prefill failed in turn, %llu prefills "
+		      "returned -ENOMEM\n", (unsigned long long)(n - 1), (unsigned long long)failed);
+	T_CHECK(n - 1 >= 8 && failed > 0, "auto spill: %llu allocations failed (wanted >= 8), %llu "
+		"prefills failed (wanted > 0)", (unsigned long long)(n - 1), (unsigned long long)failed);
+}
+
+/* ---- a failed call under KVT_SPILL_LRU changes nothing (issue 11, defect 3) ------------------ */
+
+/* Blocks of `seq` on NVMe. */
+static uint32_t seq_on_nvme(struct run *r, uint32_t seq)
+{
+	uint32_t keep = r->seq;
+	r->seq = seq;
+	uint32_t n = on_nvme(r);
+	r->seq = keep;
+	return n;
+}
+
+/* Layer 0 of `seq` reads back byte for byte the rows `k`, `v` given. */
+static void check_layer0(struct run *r, uint32_t seq, rows_t *k, rows_t *v, const char *what)
+{
+	struct run view = *r;
+	view.seq = seq;
+	view.sk = k;
+	view.sv = v;
+	do_select(&view, 0);
+	expect_rows(&view, 0, do_gather(&view, 0), what);
+}
+
+/*
+ * Two victims: sequences A and C hold layer 0 only (4 blocks each, 2 of them spillable), B layer 0,
+ * in a host tier of 12 blocks; B's layer 1 needs 4 blocks, so the LRU spills A, then C. Each
+ * completion of those spills fails in turn (-EIO): the prefill returns -EIO, and afterwards A and C
+ * are both on the host again (a fault in C's spill reads A back), the NVMe bytes and the spill
+ * counters are as before, and their rows read back byte for byte. The retry spills both.
+ */
+void test_lru_failed_call_unspills(void **state)
+{
+	(void)state;
+	uint64_t n = 1, failed = 0;
+	for (; n < 1000; n++) {
+		struct run run, *r = &run;
+		char name[160];
+		snprintf(name, sizeof name, "two LRU victims, -EIO at completion %llu",
+			 (unsigned long long)n);
+		int64_t live = kvt_mem_live();
+		int fds = tt_fd_count();
+		memset(r, 0, sizeof *r);
+		snprintf(r->name, sizeof r->name, "%s", name);
+		kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+		cfg.p = 1.0f;
+		cfg.nvme_queue_depth = 8;
+		cfg.nvme_cache_bytes = (uint64_t)1 << 20;
+		cfg.host_bytes = 12 * BLOCK_BYTES;
+		cfg.spill_policy = KVT_SPILL_LRU;
+		tt_make_files(&r->f, 2, (uint64_t)4 << 20);
+		cfg.n_nvme = 2;
+		cfg.nvme_paths = r->f.ptrs;
+		cfg.nvme_bytes = r->f.bytes;
+		int rc = kvt_cache_create(&cfg, &r->c);
+		tt_unlink(&r->f);
+		T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
+		uint32_t a = 0, cs = 0, b = 0;
+		T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &cs) == 0 &&
+				kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
+		T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
+				kvt_prefill(r->c, cs, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0 &&
+				kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0,
+			"%s: prefills of layer 0 (%s)", name, kvt_last_error(r->c));
+		struct hook_state h = {.n = n, .kind = K_EIO};
+		kvt_nvme_set_cqe_hook(r->c->nvme, hook, &h);
+		kvt_stats st0 = t_stats(r->c);
+		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		kvt_nvme_set_cqe_hook(r->c->nvme, NULL, NULL);
+		if (rc) {
+			T_CHECK(rc == -EIO, "%s: prefill got %d (%s), wanted -EIO", name, rc,
+				kvt_last_error(r->c));
+			failed++;
+			kvt_stats st = t_stats(r->c);
+			T_CHECK(seq_on_nvme(r, a) == 0 && seq_on_nvme(r, cs) == 0 &&
+					st.spills == st0.spills && st.auto_spills == st0.auto_spills &&
+					st.nvme_bytes_used == st0.nvme_bytes_used &&
+					st.host_bytes_used == st0.host_bytes_used,
+				"%s: the failed prefill left: A's blocks on NVMe %u, C's %u (wanted 0 0), "
+				"spills %llu -> %llu, auto_spills %llu -> %llu, nvme_bytes_used %llu -> "
+				"%llu, host_bytes_used %llu -> %llu (wanted unchanged)", name,
+				seq_on_nvme(r, a), seq_on_nvme(r, cs), (unsigned long long)st0.spills,
+				(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
+				(unsigned long long)st.auto_spills, (unsigned long long)st0.nvme_bytes_used,
+				(unsigned long long)st.nvme_bytes_used,
+				(unsigned long long)st0.host_bytes_used,
+				(unsigned long long)st.host_bytes_used);
+			check_layer0(r, a, &g_k, &g_v, "A after the failed call");
+			check_layer0(r, cs, &g_k2, &g_v2, "C after the failed call");
+			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+			T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc,
+				kvt_last_error(r->c));
+		}
+		kvt_stats st = t_stats(r->c);
+		T_CHECK(st.auto_spills == 2 && seq_on_nvme(r, a) == NKV && seq_on_nvme(r, cs) == NKV,
+			"%s: after the prefill auto_spills %llu (wanted 2), blocks on NVMe A %u C %u "
+			"(wanted %d each)", name, (unsigned long long)st.auto_spills,
+			seq_on_nvme(r, a), seq_on_nvme(r, cs), NKV);
+		check_layer0(r, a, &g_k, &g_v, "A spilled");
+		check_layer0(r, cs, &g_k2, &g_v2, "C spilled");
+		kvt_cache_destroy(r->c);
+		TT_CHECK_RELEASED(name, live, fds);
+		if (!h.fired)
+			break;
+	}
+	print_message("two LRU victims: completions 1..%llu failed in turn, %llu prefills failed "
+		      "and changed nothing\n", (unsigned long long)(n - 1), (unsigned long long)failed);
+	T_CHECK(failed == n - 1 && failed >= 2 * NKV, "two LRU victims: %llu of %llu faults failed "
+		"the prefill, wanted all and >= %d", (unsigned long long)failed,
+		(unsigned long long)(n - 1), 2 * NKV);
+}
+
+/*
+ * Checked before spilling: A (layer 0, 2 spillable blocks) and B (a 180-token layer 0, nothing
+ * spillable) in a host tier of 7 blocks leave 1 free; B's 300-token layer 1 needs 4, and spilling A
+ * would free only 2 more. The prefill returns -ENOSPC, naming the bytes, and spills nothing.
+ */
+void test_lru_no_room_spills_nothing(void **state)
+{
+	(void)state;
+	struct run run, *r = &run;
+	int64_t live = kvt_mem_live();
+	int fds = tt_fd_count();
+	memset(r, 0, sizeof *r);
+	snprintf(r->name, sizeof r->name, "LRU without enough to spill");
+	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
+	cfg.p = 1.0f;
+	cfg.nvme_cache_bytes = (uint64_t)1 << 20;
+	cfg.host_bytes = 7 * BLOCK_BYTES;
+	cfg.spill_policy = KVT_SPILL_LRU;
+	tt_make_files(&r->f, 2, (uint64_t)4 << 20);
+	cfg.n_nvme = 2;
+	cfg.nvme_paths = r->f.ptrs;
+	cfg.nvme_bytes = r->f.bytes;
+	int rc = kvt_cache_create(&cfg, &r->c);
+	tt_unlink(&r->f);
+	T_CHECK(rc == 0, "%s: create got %d (%s)", r->name, rc, kvt_last_error(NULL));
+	uint32_t a = 0, b = 0;
+	T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &b) == 0, "seq_open");
+	T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
+			kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], FIRST, NULL) == 0,
+		"%s: prefills of layer 0 (%s)", r->name, kvt_last_error(r->c));
+	kvt_stats st0 = t_stats(r->c);
+	rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+	kvt_stats st = t_stats(r->c);
+	T_CHECK(rc == -ENOSPC && seq_on_nvme(r, a) == 0 && st.spills == st0.spills &&
+			st.auto_spills == st0.auto_spills && st.nvme_bytes_used == 0,
+		"%s: prefill got %d (%s), A's blocks on NVMe %u, spills %llu -> %llu, auto_spills "
+		"%llu -> %llu, nvme_bytes_used %llu; wanted -ENOSPC, 0, unchanged, 0", r->name, rc,
+		kvt_last_error(r->c), seq_on_nvme(r, a), (unsigned long long)st0.spills,
+		(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
+		(unsigned long long)st.auto_spills, (unsigned long long)st.nvme_bytes_used);
+	check_layer0(r, a, &g_k, &g_v, "A after the refused prefill");
+	kvt_cache_destroy(r->c);
+	TT_CHECK_RELEASED(r->name, live, fds);
+}
+
