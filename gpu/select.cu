@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Top-p selection without sorting, in three launches over all (sequence, query head) segments,
+ * Top-p selection without sorting, in three launches (two after a scan that gathered the
+ * statistics) over all (sequence, query head) segments,
  * each segment split into chunks of SEL_CHUNK scores, one block per chunk (or several chunks per
  * block, so that all segments together take about four blocks per multiprocessor):
  *
