@@ -321,11 +321,7 @@ static void test_auto_spill_faults(void **state)
 				"%s: after the prefill auto_spills %llu (wanted 1), A's blocks on NVMe %u "
 				"(wanted %d)", name, (unsigned long long)f.auto_spills, on_nvme(r),
 				SPILL_BLOCKS);
-			check_all_layers(r, "A spilled by LRU (direct serving)");
-			r->seq = b;
-			r->sk = &g_k2;
-			r->sv = &g_v2;
-			check_all_layers(r, "B");
+			check_a_spilled_then_b(r, b);
 			kvt_cache_destroy(r->c);
 			TT_CHECK_RELEASED(name, live, fds);
 			if (!h.fired)

@@ -68,17 +68,9 @@ struct afail {
 /* The create of run_open_cfg under injection: -ENOMEM is retried, anything else fails the test. */
 static void afail_create(struct run *r, struct afail *a)
 {
-	memset(r, 0, sizeof *r);
-	snprintf(r->name, sizeof r->name, "allocation %llu", (unsigned long long)a->n);
-	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
-	cfg.p = 1.0f;
-	cfg.nvme_queue_depth = 8;
-	cfg.nvme_cache_bytes = (uint64_t)1 << 20;
-	cfg.host_bytes = (uint64_t)64 << 20;
-	tt_make_files(&r->f, 2, (uint64_t)4 << 20);
-	cfg.n_nvme = 2;
-	cfg.nvme_paths = r->f.ptrs;
-	cfg.nvme_bytes = r->f.bytes;
+	char name[64];
+	snprintf(name, sizeof name, "allocation %llu", (unsigned long long)a->n);
+	const kvt_config cfg = run_config(r, name, 8, (uint64_t)64 << 20, KVT_SPILL_NONE);
 	int64_t rc;
 	UNDER_FAULT(r, a, "create", rc, kvt_cache_create(&cfg, &r->c));
 	tt_unlink(&r->f);
@@ -225,11 +217,7 @@ void test_auto_spill_alloc_faults(void **state)
 		}
 		T_CHECK(on_nvme(r) == SPILL_BLOCKS, "%s: A's blocks on NVMe %u, wanted %d", name,
 			on_nvme(r), SPILL_BLOCKS);
-		check_all_layers(r, "A spilled by LRU (direct serving)");
-		r->seq = b;
-		r->sk = &g_k2;
-		r->sv = &g_v2;
-		check_all_layers(r, "B");
+		check_a_spilled_then_b(r, b);
 		kvt_cache_destroy(r->c);
 		TT_CHECK_RELEASED(name, live, fds);
 		if (!fired)
@@ -282,18 +270,7 @@ void test_lru_failed_call_unspills(void **state)
 			 (unsigned long long)n);
 		int64_t live = kvt_mem_live();
 		int fds = tt_fd_count();
-		memset(r, 0, sizeof *r);
-		snprintf(r->name, sizeof r->name, "%s", name);
-		kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
-		cfg.p = 1.0f;
-		cfg.nvme_queue_depth = 8;
-		cfg.nvme_cache_bytes = (uint64_t)1 << 20;
-		cfg.host_bytes = 12 * BLOCK_BYTES;
-		cfg.spill_policy = KVT_SPILL_LRU;
-		tt_make_files(&r->f, 2, (uint64_t)4 << 20);
-		cfg.n_nvme = 2;
-		cfg.nvme_paths = r->f.ptrs;
-		cfg.nvme_bytes = r->f.bytes;
+		const kvt_config cfg = run_config(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
 		int rc = kvt_cache_create(&cfg, &r->c);
 		tt_unlink(&r->f);
 		T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
@@ -363,17 +340,8 @@ void test_lru_no_room_spills_nothing(void **state)
 	struct run run, *r = &run;
 	int64_t live = kvt_mem_live();
 	int fds = tt_fd_count();
-	memset(r, 0, sizeof *r);
-	snprintf(r->name, sizeof r->name, "LRU without enough to spill");
-	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
-	cfg.p = 1.0f;
-	cfg.nvme_cache_bytes = (uint64_t)1 << 20;
-	cfg.host_bytes = 7 * BLOCK_BYTES;
-	cfg.spill_policy = KVT_SPILL_LRU;
-	tt_make_files(&r->f, 2, (uint64_t)4 << 20);
-	cfg.n_nvme = 2;
-	cfg.nvme_paths = r->f.ptrs;
-	cfg.nvme_bytes = r->f.bytes;
+	const kvt_config cfg =
+		run_config(r, "LRU without enough to spill", 0, 7 * BLOCK_BYTES, KVT_SPILL_LRU);
 	int rc = kvt_cache_create(&cfg, &r->c);
 	tt_unlink(&r->f);
 	T_CHECK(rc == 0, "%s: create got %d (%s)", r->name, rc, kvt_last_error(NULL));

@@ -32,9 +32,8 @@ int prefill_layer(struct run *r, uint32_t seq, int l, rows_t *k, rows_t *v)
 	return rc;
 }
 
-/* A fresh cache with one sequence of TOKENS tokens on every layer. */
-void run_open_cfg(struct run *r, const char *name, uint32_t qd, uint64_t host_bytes,
-			 uint32_t policy)
+kvt_config run_config(struct run *r, const char *name, uint32_t qd, uint64_t host_bytes,
+		      uint32_t policy)
 {
 	memset(r, 0, sizeof *r);
 	snprintf(r->name, sizeof r->name, "%s", name);
@@ -48,6 +47,14 @@ void run_open_cfg(struct run *r, const char *name, uint32_t qd, uint64_t host_by
 	cfg.n_nvme = 2;
 	cfg.nvme_paths = r->f.ptrs;
 	cfg.nvme_bytes = r->f.bytes;
+	return cfg;
+}
+
+/* A fresh cache with one sequence of TOKENS tokens on every layer. */
+void run_open_cfg(struct run *r, const char *name, uint32_t qd, uint64_t host_bytes,
+		  uint32_t policy)
+{
+	const kvt_config cfg = run_config(r, name, qd, host_bytes, policy);
 	int rc = kvt_cache_create(&cfg, &r->c);
 	tt_unlink(&r->f);
 	T_CHECK(rc == 0, "%s: kvt_cache_create got %d (%s: %s)", r->name, rc, kvt_strerror(rc),
@@ -155,4 +162,13 @@ int hook(void *ctx, uint64_t nth, int res)
 	case K_ZERO: return 0;
 	default: return res;
 	}
+}
+
+void check_a_spilled_then_b(struct run *r, uint32_t b)
+{
+	check_all_layers(r, "A spilled by LRU (direct serving)");
+	r->seq = b;
+	r->sk = &g_k2;
+	r->sv = &g_v2;
+	check_all_layers(r, "B");
 }

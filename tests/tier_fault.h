@@ -37,9 +37,15 @@ void make_data(uint64_t seed);
 
 int prefill_layer(struct run *r, uint32_t seq, int l, rows_t *k, rows_t *v);
 
+/* The run's configuration (r cleared, named): p = 1, queue depth qd (0: the library's), a 1 MiB
+ * block cache, host_bytes of host tier, spill policy, and two fresh 4 MiB NVMe files the caller
+ * unlinks (tt_unlink) once the cache is created. */
+kvt_config run_config(struct run *r, const char *name, uint32_t qd, uint64_t host_bytes,
+		      uint32_t policy);
+
 /* A fresh cache with one sequence of TOKENS tokens on every layer. */
 void run_open_cfg(struct run *r, const char *name, uint32_t qd, uint64_t host_bytes,
-			 uint32_t policy);
+		  uint32_t policy);
 
 void run_open(struct run *r, const char *name, uint32_t qd);
 
@@ -54,6 +60,10 @@ int do_gather(struct run *r, int l);
 void expect_rows(struct run *r, int l, int rc, const char *what);
 
 void check_all_layers(struct run *r, const char *what);
+
+/* After an automatic spill: every layer of the run's sequence A (spilled, served in place), then of
+ * sequence b, whose rows are g_k2 / g_v2 (the run now checks b). */
+void check_a_spilled_then_b(struct run *r, uint32_t b);
 
 /* The rewrites of a completion's result, and what the call meeting each returns (nvme_store.h): 0
  * where the store recovers. */
