@@ -109,14 +109,18 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 		out->hot_rows = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
 		return gpu_check_err(c);
 	}
-	uint64_t hits = 0, misses = 0, bytes = 0, sel = 0;
+	uint64_t hits = 0, misses = 0, bytes = 0, sel = 0, rescored = 0, unsel = 0;
 	for (uint32_t i = 0; i < L; i++) {
 		const unsigned long long *k = b->cnt_host + (size_t)i * KVT_GPU_CNT_N;
 		hits += k[KVT_GPU_CNT_HITS];
 		misses += k[KVT_GPU_CNT_MISSES];
 		bytes += k[KVT_GPU_CNT_PCIE];
 		sel += k[KVT_GPU_CNT_SELECTED] + b->lay[i].selected;
+		rescored += k[KVT_GPU_CNT_RESCORED];
+		unsel += k[KVT_GPU_CNT_RESCORED_UNSEL];
 	}
+	c->st.rescored_tokens = rescored;
+	c->st.rescored_unselected = unsel;
 	c->st.hot_hits = hits;
 	c->st.hot_misses = misses;
 	c->st.pcie_bytes = bytes;
@@ -188,9 +192,6 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	KVT_RETURN_IF(c->cfg.correction_steps, c, -EOPNOTSUPP,
 		      "correction_steps = %u: the CUDA backend has no score correction yet (0, "
 		      "the default, turns it off)", c->cfg.correction_steps);
-	KVT_RETURN_IF(c->cfg.rescore_p != 0.0f, c, -EOPNOTSUPP,
-		      "rescore_p = %g: the CUDA backend has no second (exact) selection stage yet "
-		      "(0, the default, turns it off)", (double)c->cfg.rescore_p);
 	KVT_RETURN_IF(c->group > KVT_GPU_MAX_GROUP, c, -EOPNOTSUPP,
 		      "n_q_heads / n_kv_heads = %u, the CUDA backend serves at most %u", c->group,
 		      KVT_GPU_MAX_GROUP);

@@ -33,6 +33,7 @@
 #include "fetch.cuh"
 #include "index.cuh"
 #include "score.cuh"
+#include "rescore.cuh"
 #include "select.cuh"
 
 /* A CUDA runtime call that must succeed, else -EIO naming it. */

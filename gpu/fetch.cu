@@ -8,25 +8,9 @@
 
 #include "common.cuh"
 #include "fetch.cuh"
+#include "fetch_rows.cuh"
 
 #define FT_THREADS 256u
-
-static __device__ __forceinline__ char *host_row(void *const *blocks, uint32_t blk_cap, uint32_t h,
-						 uint32_t pos, uint32_t row_bytes)
-{
-	char *b = (char *)blocks[(size_t)h * blk_cap + pos / KVT_BLOCK_TOKENS];
-	return b ? b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes : NULL;
-}
-
-static __device__ __forceinline__ uint32_t set_of(unsigned long long uid, uint32_t h, uint32_t pos,
-						  uint32_t sets)
-{
-	unsigned long long x = uid * 0x9e3779b97f4a7c15ull ^ ((unsigned long long)h << 17);
-	x ^= x >> 29;
-	x *= 0xbf58476d1ce4e5b9ull;
-	x ^= x >> 32;
-	return (uint32_t)((x + pos) % sets);
-}
 
 /* Warp-aggregated add to a 64-bit counter. */
 static __device__ __forceinline__ void count(unsigned long long *ctr, unsigned long long v)
@@ -71,18 +55,11 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			if (k < S + m) {
 				at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
 				p = NULL; /* a miss until found: the fill kernel reads the host row */
-				if (hot.sets) {
-					const uint32_t set = set_of(q.uid, h, at, hot.sets);
-					const unsigned long long lo = (unsigned long long)h << 32 | at;
-					for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-						const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
-						if (hot.tag_hi[slot] == q.uid && hot.tag_lo[slot] == lo) {
-							hot.last_use[slot] = epoch;
-							p = (const char *)hot.rows + slot * row_bytes;
-							hit = true;
-							break;
-						}
-					}
+				const long long slot = hot_slot(hot, q.uid, h, at);
+				if (slot >= 0) {
+					hot.last_use[slot] = epoch;
+					p = (const char *)hot.rows + (size_t)slot * row_bytes;
+					hit = true;
 				}
 				if (!p && !(q.flags & KVT_GPU_FETCH_SPILLED) &&
 				    !host_row(q.blocks, q.blk_cap, h, at, row_bytes))

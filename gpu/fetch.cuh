@@ -52,7 +52,9 @@ enum {
 	KVT_GPU_CNT_PCIE = 2,     /* bytes read from the host tier */
 	KVT_GPU_CNT_SELECTED = 3, /* indexed tokens selected, summed over KV heads */
 	KVT_GPU_CNT_ROWS = 4,     /* rows attended (sinks + selected + window) */
-	KVT_GPU_CNT_N = 5
+	KVT_GPU_CNT_RESCORED = 5, /* the second stage's candidates (union per KV head) */
+	KVT_GPU_CNT_RESCORED_UNSEL = 6, /* of them, not selected by the step */
+	KVT_GPU_CNT_N = 7
 };
 
 /* The hot cache of one layer (device memory; sets == 0: no cache, every row read from host). */

@@ -21,6 +21,8 @@ struct step_scratch {
 	float *scores;
 	kvt_gpu_topp *topp;
 	kvt_gpu_segstats *stats; /* [n][Hq]: the scan's, for the threshold */
+	kvt_gpu_topp *topp_r;    /* [n][Hq]: the threshold at rescore_p (the second stage) */
+	void *rbits;             /* the candidates' union bits (the second stage's counts) */
 	uint32_t *sel; /* [n][H][ld]: the selection's positions, from the layer's bits */
 	uint32_t ld;
 	void *sscratch;
@@ -65,6 +67,9 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 	PIECE(scores, float *, sizeof(float) * n * Hq * ld);
 	PIECE(topp, kvt_gpu_topp *, sizeof(kvt_gpu_topp) * n * Hq);
 	PIECE(stats, kvt_gpu_segstats *, sizeof(kvt_gpu_segstats) * n * Hq);
+	const bool rs = c->cfg.rescore_p != 0.0f;
+	PIECE(topp_r, kvt_gpu_topp *, rs ? sizeof(kvt_gpu_topp) * n * Hq : 0);
+	PIECE(rbits, void *, rs ? kvt_gpu_selbits_bytes((size_t)n * H, ld) : 0);
 	PIECE(sel, uint32_t *, sizeof(uint32_t) * n * H * ld);
 	s.ld = ld;
 	s.sbytes = kvt_gpu_select_scratch_bytes(n, Hq, H, ld);
@@ -208,6 +213,16 @@ static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	return reread && *max_ni ? list_selection(c, layer, n_seqs, ls, s, stream) : 0;
 }
 
+/* The hot cache of a layer with its counters. */
+static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
+{
+	struct gpu_cache *b = gpu_of(c);
+	kvt_gpu_hot hot = b->lay[layer].hot;
+	hot.counters = b->counters + (size_t)layer * KVT_GPU_CNT_N;
+	hot.flags = flags;
+	return hot;
+}
+
 /* Score and select into the layer's selection. */
 static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void *q,
 		       const struct step_scratch *s, uint32_t max_ni, struct gpu_timing *t,
@@ -230,24 +245,37 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
 				s->ld, s->stats, b->err, stream));
 	gpu_mark(t, 1, stream);
+	const bool rs = c->cfg.rescore_p != 0.0f;
+	kvt_gpu_selbits rbits = {0};
+	if (rs) {
+		/* the second stage: the candidates of Top-p(rescore_p) get their exact logits, then
+		 * the threshold at p runs on them (its statistics gathered anew) */
+		const kvt_gpu_hot hot = hot_of(c, layer, 0);
+		rbits = kvt_gpu_selbits_at(s->rbits, (size_t)n_seqs * H, max_ni);
+		LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni,
+						 c->scale, c->cfg.rescore_p, c->cfg.budget_min,
+						 c->cfg.budget_max, s->stats, s->topp_r, s->sscratch,
+						 s->sbytes, b->err, stream));
+		LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
+						  s->topp_r, rbits, stream));
+		LAUNCH(c, kvt_gpu_rescore(d, c->cfg.dtype, n_seqs, Hq, H, s->fetch, hot, q,
+					  s->topp_r, s->scores, s->ld, max_ni, stream));
+	}
 	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni, c->scale,
-					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max, s->stats,
-					 s->topp, s->sscratch, s->sbytes, b->err, stream));
+					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
+					 rs ? NULL : s->stats, s->topp, s->sscratch, s->sbytes,
+					 b->err, stream));
 	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
 					  y->bits, stream));
+	if (rs)
+		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, y->bits,
+						b->counters + (size_t)layer * KVT_GPU_CNT_N +
+							KVT_GPU_CNT_RESCORED,
+						stream));
 	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, y->bits, s->sel, s->ld, y->sel_n, stream));
 	return 0;
 }
 
-/* The hot cache of a layer with its counters. */
-static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
-{
-	struct gpu_cache *b = gpu_of(c);
-	kvt_gpu_hot hot = b->lay[layer].hot;
-	hot.counters = b->counters + (size_t)layer * KVT_GPU_CNT_N;
-	hot.flags = flags;
-	return hot;
-}
 
 /*
  * The rows of the batch's selections through the hot cache (flags: hot_of's; pos: positions out, or

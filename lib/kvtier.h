@@ -190,12 +190,13 @@ typedef struct kvt_config {
 					 at kvt_cache_create. A growth also leaves half of the memory
 					 then free. Must be 0 when gpu_cache_bytes fixes a size
 					 (with KVT_NONE64, no cache, it is ignored) */
-	float rescore_p;      /* CPU backend: a second stage of the selection (doc/selection.md): the
-				 tokens of each query head's Top-p(rescore_p) on the estimate are
-				 scored exactly from their keys (the K half of their rows is read),
-				 then Top-p(p) runs on those exact logits and the others' estimates;
-				 0 (default): off, else in (p, 1]. The CUDA backend refuses a nonzero
-				 value (-EOPNOTSUPP), and so does AUTO where it picks CUDA */
+	float rescore_p;      /* a second stage of the selection (doc/selection.md): the tokens of
+				 each query head's Top-p(rescore_p) on the estimate are scored
+				 exactly from their keys (the K half of their rows is read), then
+				 Top-p(p) runs on those exact logits and the others' estimates;
+				 0 (default): off, else in (p, 1]. The CUDA backend reads the keys
+				 from its hot cache or the host tier; a spilled row keeps its
+				 estimate there (the CPU backend reads it from NVMe) */
 	uint32_t pad3;        /* must be zero (explicit padding); the reserved words are used up:
 				 later fields go past the end (doc/abi.md) */
 } kvt_config;

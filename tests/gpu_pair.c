@@ -49,6 +49,7 @@ void upload(struct pair *p, uint32_t n)
 
 uint64_t g_hot_max;
 float g_bound_delta;
+float g_rescore_p;
 
 kvt_config config(uint64_t gpu_cache_bytes)
 {
@@ -60,6 +61,7 @@ kvt_config config(uint64_t gpu_cache_bytes)
 	cfg.budget_min = 16;
 	cfg.gpu_cache_bytes = gpu_cache_bytes;
 	cfg.gpu_cache_max_bytes = g_hot_max;
+	cfg.rescore_p = g_rescore_p;
 	return cfg;
 }
 
@@ -204,4 +206,38 @@ void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)
 		T_CHECK(rel <= 1e-3, "step %u layer %u head %u: relative error %g", step, layer, hd,
 			rel);
 	}
+}
+
+/* Tokens in one of two ascending position lists and not in the other; *a_in_b: every one of a's
+ * is in b. */
+uint32_t pos_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, bool *a_in_b)
+{
+	uint32_t d = 0;
+	int32_t i = 0, j = 0;
+	*a_in_b = true;
+	while (i < na || j < nb) {
+		if (j == nb || (i < na && a[i] < b[j])) {
+			*a_in_b = false;
+			d++;
+			i++;
+		} else if (i == na || b[j] < a[i]) {
+			d++;
+			j++;
+		} else {
+			i++;
+			j++;
+		}
+	}
+	return d;
+}
+
+/* The positions kvt_select then kvt_gather give on a CPU cache (counts and pos [NSEQ * HKV][T]). */
+void cpu_positions(kvt_cache *c, uint32_t layer, const uint32_t *seqs, const uint16_t *q,
+		    const uint32_t *order, uint32_t T, int32_t *cnt, int32_t *pos)
+{
+	uint32_t s[NSEQ];
+	for (uint32_t i = 0; i < NSEQ; i++)
+		s[i] = seqs[order[i]];
+	OK(c, kvt_select(c, layer, NSEQ, seqs, q, NULL));
+	OK(c, kvt_gather(c, layer, NSEQ, s, T, cnt, pos, NULL, NULL, NULL));
 }

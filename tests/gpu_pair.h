@@ -58,6 +58,8 @@ void upload(struct pair *p, uint32_t n);
 /* When > 0, pair_init also makes the CPU caches lo and hi at p -/+ this, fed like the others
  * (append_both feeds them too): the GPU's selection must lie between theirs. */
 extern float g_bound_delta;
+/* config()'s rescore_p (0: off; a test of the second stage sets it) */
+extern float g_rescore_p;
 /* config()'s gpu_cache_max_bytes (a test that bounds the self-sized hot cache sets it) */
 extern uint64_t g_hot_max;
 kvt_config config(uint64_t gpu_cache_bytes);
@@ -71,5 +73,12 @@ void append_both(struct pair *p, uint32_t layer, uint32_t step);
 /* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
  * head (the worst seen in *worst). */
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst);
+/* Tokens in one of two ascending position lists and not in the other; *a_in_b: every one of a's
+ * is in b. */
+uint32_t pos_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, bool *a_in_b);
+/* kvt_select (queries q, host) then kvt_gather of positions on a CPU cache, the batch seqs in the
+ * given order: counts and pos [NSEQ * HKV][T]. */
+void cpu_positions(kvt_cache *c, uint32_t layer, const uint32_t *seqs, const uint16_t *q,
+		   const uint32_t *order, uint32_t T, int32_t *cnt, int32_t *pos);
 
 #endif

@@ -28,40 +28,6 @@
  */
 #include "gpu_pair.h"
 
-/* Tokens in one of two ascending position lists and not in the other; *a_in_b: every one of a's
- * is in b. */
-static uint32_t sym_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, bool *a_in_b)
-{
-	uint32_t d = 0;
-	int32_t i = 0, j = 0;
-	*a_in_b = true;
-	while (i < na || j < nb) {
-		if (j == nb || (i < na && a[i] < b[j])) {
-			*a_in_b = false;
-			d++;
-			i++;
-		} else if (i == na || b[j] < a[i]) {
-			d++;
-			j++;
-		} else {
-			i++;
-			j++;
-		}
-	}
-	return d;
-}
-
-/* The positions kvt_select then kvt_gather give on a CPU cache (counts and pos [NSEQ * HKV][T]). */
-static void cpu_sel(kvt_cache *c, uint32_t layer, const uint32_t *seqs, const uint16_t *q,
-		    const uint32_t *order, uint32_t T, int32_t *cnt, int32_t *pos)
-{
-	uint32_t s[NSEQ];
-	for (uint32_t i = 0; i < NSEQ; i++)
-		s[i] = seqs[order[i]];
-	OK(c, kvt_select(c, layer, NSEQ, seqs, q, NULL));
-	OK(c, kvt_gather(c, layer, NSEQ, s, T, cnt, pos, NULL, NULL, NULL));
-}
-
 static void test_pipeline(void **state)
 {
 	(void)state;
@@ -95,8 +61,8 @@ static void test_pipeline(void **state)
 				rc_[i] = p.sc[order[i]];
 				rg_[i] = p.sg[order[i]];
 			}
-			cpu_sel(p.lo, layer, p.sl, p.hq, order, T, cnt_b, pos_b);
-			cpu_sel(p.hi, layer, p.sh, p.hq, order, T, cnt_b + NSEQ * HKV,
+			cpu_positions(p.lo, layer, p.sl, p.hq, order, T, cnt_b, pos_b);
+			cpu_positions(p.hi, layer, p.sh, p.hq, order, T, cnt_b + NSEQ * HKV,
 				pos_b + (size_t)NSEQ * HKV * T);
 			OK(p.cpu, kvt_gather(p.cpu, layer, NSEQ, rc_, T, cnt_c, pos_c, NULL, NULL, NULL));
 			OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, rg_, T, cnt_g, dpos, NULL, NULL, NULL));
@@ -106,10 +72,10 @@ static void test_pipeline(void **state)
 				compared++;
 				const int32_t *pg = pos_g + (size_t)it * T;
 				bool sub, lo_in, in_hi;
-				const uint32_t d = sym_diff(pos_c + (size_t)it * T, cnt_c[it], pg,
+				const uint32_t d = pos_diff(pos_c + (size_t)it * T, cnt_c[it], pg,
 							    cnt_g[it], &sub);
-				(void)sym_diff(pos_b + (size_t)it * T, cnt_b[it], pg, cnt_g[it], &lo_in);
-				(void)sym_diff(pg, cnt_g[it], pos_b + ((size_t)NSEQ * HKV + it) * T,
+				(void)pos_diff(pos_b + (size_t)it * T, cnt_b[it], pg, cnt_g[it], &lo_in);
+				(void)pos_diff(pg, cnt_g[it], pos_b + ((size_t)NSEQ * HKV + it) * T,
 					       cnt_b[NSEQ * HKV + it], &in_hi);
 				if (!lo_in || !in_hi) {
 					outside++;

@@ -245,12 +245,6 @@ static void test_unsupported(void **state)
 	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "correction_steps"),
 		"correction_steps on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
 		kvt_last_error(NULL));
-	cfg.correction_steps = 0;
-	cfg.rescore_p = 0.95f;
-	rc = kvt_cache_create(&cfg, &c);
-	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "rescore_p"),
-		"rescore_p on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
-		kvt_last_error(NULL));
 	struct pair p;
 	pair_init(&p, 512, 8, 64u << 20);
 	const uint32_t a = p.sg[0];
@@ -275,6 +269,92 @@ static void test_unsupported(void **state)
 	pair_fini(&p);
 }
 
+/*
+ * The second selection stage (rescore_p) on CUDA against the CPU's. At rescore_p = 1 every indexed
+ * token is a candidate and gets its exact logit, bit-equal on both backends, so the selection of
+ * every (sequence, KV head) must lie between those of CPU caches at p -/+ delta (the threshold's
+ * tolerance, as in test_gpu_backend's pipeline), and both count the same keys read; at
+ * rescore_p = 0.95 the candidate sets themselves come from the tolerant threshold, so the steps
+ * are compared by their outputs (within 1e-3 of the CPU's) and the sets that differ are counted.
+ */
+static void test_rescore(void **state)
+{
+	(void)state;
+	const float rps[2] = {1.0f, 0.95f};
+	for (int k = 0; k < 2; k++) {
+		struct pair p;
+		const uint32_t steps = g_quick ? 4 : 16, T = 2048 + steps + 8;
+		g_rescore_p = rps[k];
+		g_bound_delta = k == 0 ? (float)(0x1p-19 + T * 0x1p-38) : 0.0f;
+		pair_init(&p, 2048, steps, 64u << 20);
+		g_rescore_p = 0.0f;
+		g_bound_delta = 0.0f;
+		int32_t *cnt = malloc(sizeof(int32_t) * 4 * NSEQ * HKV);
+		int32_t *pos = malloc(sizeof(int32_t) * 4 * NSEQ * HKV * T), *dpos;
+		CU(cudaMalloc((void **)&dpos, sizeof(int32_t) * NSEQ * HKV * T));
+		const uint32_t order[NSEQ] = {0, 1};
+		const size_t I = NSEQ * HKV;
+		uint32_t differ = 0, outside = 0, compared = 0;
+		double worst = 0.0;
+		for (uint32_t step = 0; step < steps; step++)
+			for (uint32_t layer = 0; layer < LAYERS; layer++) {
+				append_both(&p, layer, step);
+				/* 0: CPU at p, 1: CUDA, 2 and 3: CPU at p -/+ delta */
+				cpu_positions(p.cpu, layer, p.sc, p.hq, order, T, cnt, pos);
+				OK(p.gpu, kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL));
+				OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt + I, dpos, NULL,
+						     NULL, NULL));
+				CU(cudaMemcpy(pos + I * T, dpos, sizeof(int32_t) * I * T,
+					      cudaMemcpyDeviceToHost));
+				if (p.lo) {
+					cpu_positions(p.lo, layer, p.sl, p.hq, order, T, cnt + 2 * I,
+						      pos + 2 * I * T);
+					cpu_positions(p.hi, layer, p.sh, p.hq, order, T, cnt + 3 * I,
+						      pos + 3 * I * T);
+				}
+				for (size_t it = 0; it < I; it++) {
+					const int32_t *pg = pos + (I + it) * T;
+					bool sub, lo_in = true, in_hi = true;
+					compared++;
+					differ += pos_diff(pos + it * T, cnt[it], pg, cnt[I + it], &sub) != 0;
+					if (p.lo) {
+						(void)pos_diff(pos + (2 * I + it) * T, cnt[2 * I + it], pg,
+							       cnt[I + it], &lo_in);
+						(void)pos_diff(pg, cnt[I + it], pos + (3 * I + it) * T,
+							       cnt[3 * I + it], &in_hi);
+					}
+					outside += !lo_in || !in_hi;
+				}
+				attend_both(&p, layer, step, &worst);
+			}
+		kvt_stats sc = {.size = sizeof sc}, sg = {.size = sizeof sg};
+		OK(p.cpu, kvt_get_stats(p.cpu, &sc));
+		OK(p.gpu, kvt_get_stats(p.gpu, &sg));
+		printf("rescore_p %.2f: %u of %u selected sets differ from the CPU's, %u outside the "
+		       "window; keys read cpu %llu gpu %llu (unselected %llu / %llu); worst output "
+		       "error %.3g\n",
+		       (double)rps[k], differ, compared, outside,
+		       (unsigned long long)sc.rescored_tokens, (unsigned long long)sg.rescored_tokens,
+		       (unsigned long long)sc.rescored_unselected,
+		       (unsigned long long)sg.rescored_unselected, worst);
+		T_CHECK(outside == 0, "rescore_p %.2f: %u sets outside the window", (double)rps[k],
+			outside);
+		T_CHECK(sg.rescored_tokens > 0 && sg.rescored_unselected < sg.rescored_tokens,
+			"rescore_p %.2f: the GPU read %llu keys, %llu of them unselected",
+			(double)rps[k], (unsigned long long)sg.rescored_tokens,
+			(unsigned long long)sg.rescored_unselected);
+		if (k == 0)
+			T_CHECK(sc.rescored_tokens == sg.rescored_tokens,
+				"rescore_p 1: keys read cpu %llu gpu %llu (every indexed token, both)",
+				(unsigned long long)sc.rescored_tokens,
+				(unsigned long long)sg.rescored_tokens);
+		free(cnt);
+		free(pos);
+		cudaFree(dpos);
+		pair_fini(&p);
+	}
+}
+
 int main(void)
 {
 	if (!gpu_tests_start())
@@ -283,6 +363,7 @@ int main(void)
 		cmocka_unit_test(test_lifecycle),
 		cmocka_unit_test(test_unsupported),
 		cmocka_unit_test(test_strided),
+		cmocka_unit_test(test_rescore),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -98,8 +98,8 @@ static void usage(FILE *f, const opts *d)
 		"  --correction N   score corrections from the exact logits of the last N steps,\n"
 		"                   0-64 (CPU backend; 0 = off, the default)\n"
 		"  --rescore P      second selection stage: the Top-P candidates on the estimate are\n"
-		"                   scored exactly from their keys, P in (p, 1] (CPU backend; 0 = off,\n"
-		"                   the default)\n"
+		"                   scored exactly from their keys, P in (p, 1] (0 = off, the\n"
+		"                   default)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);

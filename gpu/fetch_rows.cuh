@@ -1,0 +1,48 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Where a row lives, as the fetch kernels (fetch.cu) and the second selection stage (rescore.cu)
+ * find it: in the host tier through the block table, or in the layer's hot cache. C++ only.
+ */
+#ifndef KVT_GPU_FETCH_ROWS_CUH
+#define KVT_GPU_FETCH_ROWS_CUH
+
+#include "common.cuh"
+#include "fetch.cuh"
+
+/* The host-tier row of KV head h at token position pos, or NULL when its block is not in host
+ * memory (spilled). */
+static __device__ __forceinline__ char *host_row(void *const *blocks, uint32_t blk_cap, uint32_t h,
+						 uint32_t pos, uint32_t row_bytes)
+{
+	char *b = (char *)blocks[(size_t)h * blk_cap + pos / KVT_BLOCK_TOKENS];
+	return b ? b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes : NULL;
+}
+
+/* The hot cache's set of (sequence uid, KV head h, token position pos). */
+static __device__ __forceinline__ uint32_t set_of(unsigned long long uid, uint32_t h, uint32_t pos,
+						  uint32_t sets)
+{
+	unsigned long long x = uid * 0x9e3779b97f4a7c15ull ^ ((unsigned long long)h << 17);
+	x ^= x >> 29;
+	x *= 0xbf58476d1ce4e5b9ull;
+	x ^= x >> 32;
+	return (uint32_t)((x + pos) % sets);
+}
+
+/* The way of the hot cache holding that row, or -1. */
+static __device__ __forceinline__ long long hot_slot(const kvt_gpu_hot &hot, unsigned long long uid,
+						     uint32_t h, uint32_t pos)
+{
+	if (!hot.sets)
+		return -1;
+	const uint32_t set = set_of(uid, h, pos, hot.sets);
+	const unsigned long long lo = (unsigned long long)h << 32 | pos;
+	for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+		const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
+		if (hot.tag_hi[slot] == uid && hot.tag_lo[slot] == lo)
+			return (long long)slot;
+	}
+	return -1;
+}
+
+#endif
