@@ -3,7 +3,8 @@
  * The second selection stage on the GPU (rescore.cuh): one thread per (query head, index position)
  * tests the candidate rule, and each candidate's thread reads its key (16 bytes at a time, from the
  * hot cache or over PCIe) and forms the exact logit in the CPU's order. Candidates are a few
- * percent of the tokens, so most threads only read their score.
+ * percent of the tokens, so most threads only read their score. Keys read over PCIe (the K half of
+ * a row, 2 d bytes) count in the layer's PCIe bytes.
  */
 #include "common.cuh"
 #include "fetch_rows.cuh"
@@ -27,6 +28,7 @@ static __global__ void __launch_bounds__(RS_THREADS)
 		qs[e] = kvt_d_load<DT>(q, (size_t)seg * D + e);
 	__syncthreads();
 	float *row = scores + (size_t)seg * ld;
+	unsigned long long host_reads = 0; /* keys read over PCIe: the layer's PCIe counter */
 	for (uint32_t t = blockIdx.x * RS_THREADS + threadIdx.x; t < f.n_indexed;
 	     t += gridDim.x * RS_THREADS) {
 		const float x = row[t];
@@ -38,6 +40,7 @@ static __global__ void __launch_bounds__(RS_THREADS)
 					  : host_row(f.blocks, f.blk_cap, h, at, row_bytes);
 		if (!k)
 			continue; /* a spilled block: the estimate stays */
+		host_reads += slot < 0;
 		float e = 0.0f;
 #pragma unroll 4
 		for (int c = 0; c < D / 8; c++) {
@@ -50,6 +53,11 @@ static __global__ void __launch_bounds__(RS_THREADS)
 		if (isfinite(e))
 			row[t] = e;
 	}
+	/* every lane reaches here (the loop's bound is the block's): warp sums, one add each */
+	for (int o = 16; o; o >>= 1)
+		host_reads += __shfl_xor_sync(0xffffffffu, host_reads, o);
+	if ((threadIdx.x & 31) == 0 && host_reads && hot.counters)
+		atomicAdd(&hot.counters[KVT_GPU_CNT_PCIE], host_reads * (D * 2));
 }
 
 template <int D, int DT>
