@@ -237,7 +237,9 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 	constexpr int S = D / 32, W = D / 32, WPL = D == 256 ? 2 : 1;
 	__shared__ uint2 bfrag[ONE ? 1 : SC_MAX_NT][ONE ? 1 : S][32];
 	__shared__ float4 qk[ONE ? 1 : KVT_GPU_MAX_GROUP];
-	__shared__ kvt_gpu_segstats sst[ONE ? 1 : KVT_GPU_MAX_GROUP]; /* the block's, per query */
+	/* the block's statistics per query head, merged in shared memory so that a block adds each
+	 * head's once to the device's (all blocks of a segment end together, on the same words) */
+	__shared__ kvt_gpu_segstats sst[ONE ? 4 : KVT_GPU_MAX_GROUP];
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t NT = ONE ? 1 : (G + 3) / 4;
 	const uint32_t n = n_tokens[seq];
@@ -265,12 +267,12 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 		for (uint32_t e = threadIdx.x; e < NT * S * 32; e += blockDim.x)
 			bfrag[e / (32 * S)][(e / 32) % S][e % 32] =
 				b_frag<D>(q0, G, e / (32 * S), (int)((e / 32) % S), e % 32);
-		for (uint32_t c = threadIdx.x; c < G; c += blockDim.x) {
+		for (uint32_t c = threadIdx.x; c < G; c += blockDim.x)
 			qk[c] = make_float4(q0[c].A, q0[c].B, q0[c].C, q0[c].qc_ck);
-			sst[c] = kvt_gpu_segstats{0, 0, 0, 0};
-		}
-		__syncthreads();
 	}
+	for (uint32_t c = threadIdx.x; c < (ONE ? 4u : G); c += blockDim.x)
+		sst[c] = kvt_gpu_segstats{0, 0, 0, 0};
+	__syncthreads();
 	uint32_t st[3] = {0, 0, 0}; /* ONE: the statistics of this lane's query head, q = t */
 	uint32_t mask[S];
 #pragma unroll
@@ -347,19 +349,11 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 			cur[k] = nxt[k];
 	}
 	kvt_gpu_segstats *gs = stats ? stats + (size_t)seq * hq + (size_t)h * G : NULL;
-	if (ONE) {
-		kvt_d_stat_flush(st[0], st[1], st[2], 4, gs && t < G ? gs + t : NULL);
-		return;
-	}
+	if (ONE) /* lanes 0-3 (t = lane) hold their query head's, after the reduction */
+		kvt_d_stat_flush(st[0], st[1], st[2], 4, t < G ? &sst[t] : NULL);
 	__syncthreads();
-	for (uint32_t c = threadIdx.x; gs && c < G; c += blockDim.x) {
-		if (sst[c].max_key)
-			atomicMax(&gs[c].max_key, sst[c].max_key);
-		if (sst[c].nmin_key)
-			atomicMax(&gs[c].nmin_key, sst[c].nmin_key);
-		if (sst[c].bad)
-			atomicMax(&gs[c].bad, sst[c].bad);
-	}
+	for (uint32_t c = threadIdx.x; gs && c < G; c += blockDim.x)
+		kvt_d_stat_add(sst[c].max_key, sst[c].nmin_key, sst[c].bad, &gs[c]);
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */

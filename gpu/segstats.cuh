@@ -23,27 +23,40 @@ static __device__ __forceinline__ void kvt_d_stat(float f, uint32_t i, uint32_t 
 	*nmin = max(*nmin, ~key);
 }
 
-/*
- * The running statistics of a warp's lanes into device statistics: lanes l and l ^ m for every
- * m >= lo (a power of two) are combined, and each lane below lo adds the result into its dst
- * (NULL: none) with atomics. Every lane of the warp calls it.
- */
-static __device__ __forceinline__ void kvt_d_stat_flush(uint32_t kmax, uint32_t nmin, uint32_t bad,
-							uint32_t lo, kvt_gpu_segstats *dst)
+/* Lanes l and l ^ m for every m >= lo (a power of two) combine their running statistics: every
+ * lane ends with its group's. Every lane of the warp calls it. */
+static __device__ __forceinline__ void kvt_d_stat_reduce(uint32_t *kmax, uint32_t *nmin,
+							 uint32_t *bad, uint32_t lo)
 {
 	for (uint32_t o = 16; o >= lo; o >>= 1) {
-		kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, (int)o));
-		nmin = max(nmin, __shfl_xor_sync(0xffffffffu, nmin, (int)o));
-		bad = max(bad, __shfl_xor_sync(0xffffffffu, bad, (int)o));
+		*kmax = max(*kmax, __shfl_xor_sync(0xffffffffu, *kmax, (int)o));
+		*nmin = max(*nmin, __shfl_xor_sync(0xffffffffu, *nmin, (int)o));
+		*bad = max(*bad, __shfl_xor_sync(0xffffffffu, *bad, (int)o));
 	}
-	if (threadIdx.x % 32 >= lo || !dst)
-		return;
+}
+
+/* Statistics merged into dst (device or shared memory) with atomics; zero fields add nothing. */
+static __device__ __forceinline__ void kvt_d_stat_add(uint32_t kmax, uint32_t nmin, uint32_t bad,
+						      kvt_gpu_segstats *dst)
+{
 	if (kmax)
 		atomicMax(&dst->max_key, kmax);
 	if (nmin)
 		atomicMax(&dst->nmin_key, nmin);
 	if (bad)
 		atomicMax(&dst->bad, bad);
+}
+
+/*
+ * The running statistics of a warp's lanes into statistics elsewhere: kvt_d_stat_reduce, then each
+ * lane below lo adds the result into its dst (NULL: none).
+ */
+static __device__ __forceinline__ void kvt_d_stat_flush(uint32_t kmax, uint32_t nmin, uint32_t bad,
+							uint32_t lo, kvt_gpu_segstats *dst)
+{
+	kvt_d_stat_reduce(&kmax, &nmin, &bad, lo);
+	if (threadIdx.x % 32 < lo && dst)
+		kvt_d_stat_add(kmax, nmin, bad, dst);
 }
 
 #endif
