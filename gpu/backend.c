@@ -123,9 +123,9 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 	c->st.rescored_unselected = unsel;
 	c->st.hot_hits = hits;
 	c->st.hot_misses = misses;
-	c->st.pcie_bytes = bytes;
-	c->st.rows_fetched = misses;
-	c->st.bytes_fetched = bytes;
+	c->st.rows_fetched = misses + b->ext_rows;
+	c->st.bytes_fetched = bytes + b->ext_bytes_read;
+	c->st.pcie_bytes = bytes + b->ext_bytes_read;
 	c->st.selected_tokens = sel;
 	return gpu_check_err(c);
 }
@@ -165,6 +165,7 @@ static void cu_fini(kvt_cache *c)
 	gpu_dfree(c, b->counters);
 	gpu_dfree(c, b->arena);
 	gpu_dfree(c, b->staging);
+	gpu_dfree(c, b->ext_mem);
 	kvt_mem_free(KVT_MEM_HOST, b->cnt_host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b->host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b, 0);
@@ -322,8 +323,7 @@ static const struct kvt_backend_ops ops = {
 	.truncate = gpu_truncate,
 	.fork = gpu_fork,
 	.read_rows = gpu_read_rows,
-	/* no multi-token attention kernel yet: the pipeline refuses kvt_extend with -EOPNOTSUPP */
-	.extend = NULL,
+	.extend = gpu_extend,
 	.copy_strided = cu_copy_strided,
 	.device_tensors = true,
 };

@@ -20,7 +20,7 @@
  * The files: backend.c (set-up, tear-down, entry, errors, stats, the verb table), timing.c (CUDA
  * event sets timing the stages), devmem.c (device buffers), hot.c (the hot cache's memory), mirror.c (the per (sequence, layer)
  * mirror), store.c (reserve, centroids, store, index: the verbs of prefill and append), step.c (the
- * verbs of a decode step and a gather), life.c (truncate, fork, row ranges). The pipeline that
+ * verbs of a decode step and a gather), life.c (truncate, fork, row ranges), extend.c (kvt_extend). The pipeline that
  * calls them is lib/pipeline.c (lib/lifecycle.c for life.c's).
  */
 #ifndef KVT_GPU_CUDA_BACKEND_H
@@ -132,6 +132,11 @@ struct gpu_cache {
 	size_t sp_meta_bytes, sp_rows_bytes;
 	cudaEvent_t sp_ev;
 	bool sp_pending, sp_used;
+	/* kvt_extend (extend.c): the staged rows of a range and the query rows' running state, and
+	 * what it read from the host tier */
+	void *ext_mem;
+	size_t ext_bytes;
+	uint64_t ext_rows, ext_bytes_read;
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)
@@ -227,5 +232,11 @@ int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_
 	     void *stream);
 int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k, void *v,
 		  void *stream);
+
+/* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
+ * bound on its staging buffer (256 MiB) */
+extern uint64_t gpu_extend_stage_bytes;
+int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out, void *stream);
 
 #endif /* KVT_GPU_CUDA_BACKEND_H */

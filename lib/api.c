@@ -584,6 +584,12 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	KVT_RETURN_IF(flags & ~(uint32_t)KVT_EXTEND_TOPP, c, -EINVAL,
 		      "flags = 0x%x, unknown bits 0x%x (defined: KVT_EXTEND_TOPP = 0x%x)", flags,
 		      flags & ~(uint32_t)KVT_EXTEND_TOPP, (unsigned)KVT_EXTEND_TOPP);
+	KVT_RETURN_IF(!c->ops->extend, c, -EOPNOTSUPP,
+		      "the %s backend has no multi-token attention (kvt_extend): store the chunks "
+		      "with kvt_prefill and attend them with the runtime's own kernel", c->ops->name);
+	KVT_RETURN_IF((flags & KVT_EXTEND_TOPP) && !c->ops->extend_topp, c, -EOPNOTSUPP,
+		      "flags = KVT_EXTEND_TOPP: the %s backend attends kvt_extend's rows exactly only "
+		      "(flags 0); Top-p per query row is the cpu backend's", c->ops->name);
 	KVT_TRY(check_layer(c, layer));
 	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
@@ -603,7 +609,9 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
 	struct lru_mark m;
 	lru_use(c, &m, n_seqs, seqs, cu_seqlens);
-	int rc = kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out, flags,
+	int rc = kvt_pipe_resident(c, n_seqs, seqs, cu_seqlens, layer, stream);
+	if (rc == 0)
+		rc = kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out, flags,
 				 stream);
 	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }

@@ -661,4 +661,5 @@ const struct kvt_backend_ops kvt_cpu_backend = {
 	.extend = cpu_extend,
 	.copy_strided = cpu_copy_strided,
 	.read_rows_spilled = true,
+	.extend_topp = true,
 };

@@ -441,8 +441,8 @@ struct kvt_backend_ops {
 	 * [0, ls[i]->n_tokens + j], rows of spilled blocks included. indexed NULL: all of them; else
 	 * (KVT_EXTEND_TOPP) indexed[i] is entry i's index count with its chunk in, and query j attends
 	 * the sinks and window among those positions and its group's Top-p selection of the indexed
-	 * ones. Counts rows_fetched and, with indexed, the selection counters of a step; the pipeline
-	 * counts steps and candidates. Entries with no queries are skipped. NULL: not supported (the
+	 * ones (only when extend_topp). Counts rows_fetched and, with indexed, the selection
+	 * counters of a step; the pipeline counts steps and candidates. Entries with no queries are skipped. NULL: not supported (the
 	 * pipeline refuses kvt_extend with -EOPNOTSUPP before anything changes). */
 	int (*extend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      const uint32_t *cu, const uint32_t *indexed, const void *q, void *out,
@@ -460,6 +460,8 @@ struct kvt_backend_ops {
 	/* the compute calls' tensors are device memory: the dense copies of strided ones are made in
 	 * device memory too (lib/io_layout.c) */
 	bool device_tensors;
+	/* extend serves KVT_EXTEND_TOPP (else the pipeline refuses it before anything changes) */
+	bool extend_topp;
 	/* read_rows reads rows of spilled blocks itself (through kvt_rows_get); false: the pipeline
 	 * restores the sequence first */
 	bool read_rows_spilled;
@@ -492,6 +494,10 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n, void *stream);
 /* Make child (a free slot) a copy of parent sharing its full blocks. */
 int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, void *stream);
+/* Restore the spilled sequences among seqs[i] with cu[i + 1] > cu[i] when the backend reads only
+ * the host tier (!ops->read_rows_spilled): all of them resident, or an error. */
+int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
+		      uint32_t layer, void *stream);
 /* m NULL: dense rows (ops->read_rows), else placed by m (ops->read_rows_at, which must exist). */
 int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,
 		       uint32_t from, uint32_t to, void *k, void *v, const struct kvt_rows_map *m,

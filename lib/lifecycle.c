@@ -379,6 +379,31 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 
 /* ---- row ranges ------------------------------------------------------------------------------ */
 
+int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
+		      uint32_t layer, void *stream)
+{
+	if (c->ops->read_rows_spilled)
+		return 0;
+	for (int pass = 0; pass < 2; pass++)
+		for (uint32_t i = 0; i < n_seqs; i++) {
+			struct kvt_seq *s = &c->seqs[seqs[i]];
+			if (cu[i + 1] == cu[i] || !kvt_layer_spilled(c, &s->layers[layer]))
+				continue;
+			/* the second pass finds one that restoring a later entry spilled again */
+			KVT_RETURN_IF(pass, c, -ENOSPC,
+				      "seqs[%u] = %u and the other sequences of the batch cannot all be "
+				      "in the host tier at once (host_bytes = %llu): the %s backend "
+				      "attends only rows in host memory",
+				      i, seqs[i], (unsigned long long)c->host.capacity, c->ops->name);
+			if (c->ops->may_block)
+				KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
+			int64_t rc = kvt_tier_restore(c, s, seqs[i]);
+			if (rc < 0)
+				return (int)rc;
+		}
+	return 0;
+}
+
 int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,
 		       uint32_t from, uint32_t to, void *k, void *v, const struct kvt_rows_map *m,
 		       void *stream)

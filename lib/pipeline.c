@@ -208,10 +208,6 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 {
 	const bool topp = flags & KVT_EXTEND_TOPP;
 	uint32_t *total = c->batch_tokens;
-	KVT_RETURN_IF(!c->ops->extend, c, -EOPNOTSUPP,
-		      "the %s backend has no multi-token attention yet (kvt_extend): store the "
-		      "chunks with kvt_prefill and attend them with the runtime's own kernel",
-		      c->ops->name);
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads, cu, false));
 	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads, cu, false));

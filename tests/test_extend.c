@@ -437,18 +437,23 @@ static void test_bad_arguments(void **state)
 				  seqs, cu};
 	check_bad(c, &query, call_bad(c, &query, q, k, v, out), &s0);
 	q[(size_t)5 * QROW + 2 * D + 7] = 0;
-	/* a backend without the verb (the CUDA backend today), with and without Top-p */
+	/* a backend without the verb, with and without Top-p; one without Top-p per query row (the
+	 * CUDA backend) */
 	const struct bad cuda[] = {{"no backend verb", -EOPNOTSUPP,
-				    "backend has no multi-token attention yet", LAYER, 3, 0, 0, seqs,
+				    "backend has no multi-token attention", LAYER, 3, 0, 0, seqs,
 				    cu},
 				   {"no backend verb, Top-p", -EOPNOTSUPP,
-				    "backend has no multi-token attention yet", LAYER, 3,
+				    "backend has no multi-token attention", LAYER, 3,
+				    KVT_EXTEND_TOPP, 0, seqs, cu},
+				   {"no Top-p per row", -EOPNOTSUPP,
+				    "Top-p per query row is the cpu backend's", LAYER, 3,
 				    KVT_EXTEND_TOPP, 0, seqs, cu}};
-	struct kvt_backend_ops no_extend = *c->ops;
+	struct kvt_backend_ops no_extend = *c->ops, no_topp = *c->ops;
 	const struct kvt_backend_ops *ops = c->ops;
 	no_extend.extend = NULL;
-	for (uint32_t i = 0; i < 2; i++) {
-		c->ops = &no_extend;
+	no_topp.extend_topp = false;
+	for (uint32_t i = 0; i < 3; i++) {
+		c->ops = i < 2 ? &no_extend : &no_topp;
 		rc = call_bad(c, &cuda[i], q, k, v, out);
 		c->ops = ops;
 		check_bad(c, &cuda[i], rc, &s0);

@@ -1,0 +1,70 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvt_extend on the CUDA backend (exact attention; Top-p per query row is the CPU backend's only):
+ * per entry, the sequence's rows up to its last query row are staged from the host tier into a
+ * device buffer a range at a time (at most gpu_extend_stage_bytes), and each range is attended by
+ * all of the entry's query rows (gpu/extend.cu); their running state carries over ranges. The
+ * chunk's own rows were stored by the pipeline just before, in stream order. Nothing is
+ * synchronized unless a buffer grows (refused under graph capture). Spilled sequences were restored
+ * by lib/api.c first (read_rows_spilled is false).
+ */
+#include "cuda_backend.h"
+#include "extend.cuh"
+
+/* The staging buffer's bound: rows of a longer sequence go through it in several ranges (a
+ * variable so that a test can make the ranges small). */
+uint64_t gpu_extend_stage_bytes = 256ull << 20;
+
+/* Positions staged per range for a sequence of `total` rows: all of them when they fit, else the
+ * bound's worth (a multiple of the kernel's 64 keys). */
+static uint32_t range_rows(const kvt_cache *c, uint32_t total)
+{
+	const uint64_t per = 2ull * c->cfg.n_kv_heads * c->d * c->elem;
+	uint64_t r = gpu_extend_stage_bytes / per;
+	r = r < 64 ? 64 : r & ~63ull;
+	return total <= r ? total : (uint32_t)r;
+}
+
+int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+	       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
+	const size_t q_row = (size_t)Hq * d * c->elem;
+	const size_t out_row = (size_t)Hq * d * c->out_elem;
+	(void)layer;
+	KVT_RETURN_IF(indexed, c, -EOPNOTSUPP,
+		      "KVT_EXTEND_TOPP on the cuda backend: Top-p per query row is not built "
+		      "there yet (exact attention, flags 0, is)");
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		const uint32_t nq = cu[i + 1] - cu[i];
+		if (!nq)
+			continue;
+		struct kvt_layer *l = ls[i];
+		struct gpu_seq_layer *g;
+		KVT_TRY(gpu_mirror_get(c, l, &g));
+		KVT_TRY(gpu_mirror_sync_blocks(c, l, g, stream));
+		const uint32_t first = l->n_tokens, total = first + nq, R = range_rows(c, total);
+		const bool ranges = R < total;
+		const size_t half = gpu_up((size_t)H * R * d * c->elem);
+		const size_t state = ranges ? gpu_up(kvt_gpu_extend_state_bytes(nq, Hq, d)) : 0;
+		KVT_TRY(gpu_grow(c, &b->ext_mem, &b->ext_bytes, 2 * half + state, stream,
+				 "the staging buffer of kvt_extend"));
+		char *kbuf = b->ext_mem, *vbuf = kbuf + half;
+		float *st = ranges ? (float *)(vbuf + half) : NULL;
+		const char *qi = (const char *)q + cu[i] * q_row;
+		char *oi = (char *)out + cu[i] * out_row;
+		for (uint32_t r0 = 0; r0 < total; r0 += R) {
+			const uint32_t r1 = total - r0 < R ? total : r0 + R;
+			LAUNCH(c, kvt_gpu_stage_rows(d, H, (void *const *)g->blk, g->blk_cap,
+						     (uint32_t)c->row_bytes, r0, r1, kbuf, vbuf, R,
+						     b->err, stream));
+			LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H,
+							c->scale, qi, nq, first, kbuf, vbuf, R, r0,
+							r1, st, r0 == 0, r1 == total, oi, stream));
+		}
+		b->ext_rows += (uint64_t)total * H;
+		b->ext_bytes_read += (uint64_t)total * H * c->row_bytes;
+	}
+	return gpu_err_copy(c, stream);
+}

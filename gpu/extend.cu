@@ -1,0 +1,301 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Multi-token causal attention over staged rows (extend.cuh).
+ *
+ * k_stage copies a range of a sequence's rows from the host tier into dense K and V buffers, 16
+ * bytes per lane, many rows in flight (the reads cross PCIe).
+ *
+ * k_extend: a block of 4 warps takes 64 query rows, the (query row, query head) pairs of one KV head
+ * laid out row-major (pair r: query row r / G, head r % G), so the query heads of a group share
+ * every K and V tile, and walks the staged keys 64 at a time up to its last row's position. Each
+ * warp owns 16 pairs: S = Q K^T on the tensor cores (16 x 16 x 16 fragments, fp32 accumulation)
+ * into shared memory; two lanes per pair mask, scale and take the online softmax step in fp32,
+ * rescale the pair's output row (kept in shared memory, where its layout is known) and write the
+ * probabilities in the input dtype; O += P V on the tensor cores. The state (maximum, sum, output)
+ * carries over ranges through global memory.
+ */
+#include <mma.h>
+
+#include "common.cuh"
+#include "extend.cuh"
+
+using namespace nvcuda;
+
+#define EX_THREADS 128
+#define EX_WARPS 4
+#define EX_TILE KVT_GPU_EXTEND_TILE /* pairs per block */
+#define EX_KEYS 64u                 /* keys per step */
+#define ST_THREADS 256
+
+static_assert(EX_WARPS * 16 == EX_TILE, "a warp per 16 pairs");
+
+/* ---- staging ----------------------------------------------------------------------------- */
+
+static __global__ void __launch_bounds__(ST_THREADS)
+	k_stage(uint32_t lanes_per_half, void *const *blocks, uint32_t blk_cap, uint32_t row_bytes,
+		uint32_t from, uint32_t to, uint4 *k, uint4 *v, size_t cap, unsigned long long *err)
+{
+	const uint32_t h = blockIdx.y, per_row = 2 * lanes_per_half;
+	const uint64_t n = (uint64_t)(to - from) * per_row;
+	for (uint64_t i = (uint64_t)blockIdx.x * ST_THREADS + threadIdx.x; i < n;
+	     i += (uint64_t)gridDim.x * ST_THREADS) {
+		const uint32_t r = (uint32_t)(i / per_row), e = (uint32_t)(i % per_row);
+		const uint32_t pos = from + r;
+		const char *b = (const char *)blocks[(size_t)h * blk_cap + pos / KVT_BLOCK_TOKENS];
+		uint4 x = make_uint4(0, 0, 0, 0);
+		if (b)
+			x = *(const uint4 *)(b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes + 16 * e);
+		else if (e == 0)
+			kvt_d_raise(err, KVT_GPU_ERR_RANGE, h, pos);
+		const size_t at = ((size_t)h * cap + r) * lanes_per_half;
+		if (e < lanes_per_half)
+			k[at + e] = x;
+		else
+			v[at + e - lanes_per_half] = x;
+	}
+}
+
+extern "C" int kvt_gpu_stage_rows(uint32_t d, uint32_t n_kv_heads, void *const *blocks,
+				  uint32_t blk_cap, uint32_t row_bytes, uint32_t from, uint32_t to,
+				  void *k, void *v, size_t cap, unsigned long long *err,
+				  void *stream)
+{
+	if (!blocks || !k || !v || d % 8 || row_bytes < 4 * d || row_bytes % 16 || to < from ||
+	    cap < to - from || n_kv_heads == 0 || n_kv_heads > 65535 || ((uintptr_t)k & 15) ||
+	    ((uintptr_t)v & 15))
+		return -EINVAL;
+	if (to == from)
+		return 0;
+	const uint64_t work = (uint64_t)(to - from) * (d / 4);
+	uint64_t blocks_x = (work + ST_THREADS - 1) / ST_THREADS;
+	if (blocks_x > 1024)
+		blocks_x = 1024;
+	k_stage<<<dim3((uint32_t)blocks_x, n_kv_heads), ST_THREADS, 0, KVT_STREAM(stream)>>>(
+		d / 8, blocks, blk_cap, row_bytes, from, to, (uint4 *)k, (uint4 *)v, cap, err);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+template <int DT> struct ex_type;
+template <> struct ex_type<KVT_DTYPE_F16> {
+	typedef __half T;
+	static __device__ __forceinline__ T of(float x) { return __float2half_rn(x); }
+};
+template <> struct ex_type<KVT_DTYPE_BF16> {
+	typedef __nv_bfloat16 T;
+	static __device__ __forceinline__ T of(float x) { return __float2bfloat16_rn(x); }
+};
+
+/* Shared memory of a block: Q, K and V tiles in the input type, then per warp S (fp32), P (input
+ * type) and the output rows (fp32). */
+template <int D>
+static constexpr size_t ex_smem()
+{
+	return (size_t)3 * EX_TILE * D * 2 + (size_t)EX_WARPS * 16 * EX_KEYS * (4 + 2) +
+	       (size_t)EX_WARPS * 16 * D * 4;
+}
+
+template <int D, int DT>
+static __global__ void __launch_bounds__(EX_THREADS)
+	k_extend(const void *q, uint32_t hq, uint32_t hkv, float scale, uint32_t n_rows,
+		 uint32_t first, const void *k, const void *v, size_t cap, uint32_t r0,
+		 uint32_t r1, float *state, int first_range, int last_range, uint32_t out_dtype,
+		 void *out)
+{
+	typedef typename ex_type<DT>::T T;
+	extern __shared__ __align__(128) unsigned char smem[];
+	T *sQ = (T *)smem, *sK = sQ + EX_TILE * D, *sV = sK + EX_KEYS * D;
+	float *sS = (float *)(sV + EX_KEYS * D);
+	T *sP = (T *)(sS + EX_WARPS * 16 * EX_KEYS);
+	float *sO = (float *)(sP + EX_WARPS * 16 * EX_KEYS);
+	const uint32_t G = hq / hkv, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32,
+		       lane = tid % 32;
+	const uint32_t pairs = n_rows * G, tile0 = blockIdx.x * EX_TILE;
+	constexpr uint32_t V8 = D / 8; /* 16-byte pieces of a row */
+
+	/* the tile's queries, zeros past the last pair */
+	for (uint32_t i = tid; i < EX_TILE * V8; i += EX_THREADS) {
+		const uint32_t r = tile0 + i / V8, e = i % V8;
+		uint4 x = make_uint4(0, 0, 0, 0);
+		if (r < pairs)
+			x = ((const uint4 *)q)[(((size_t)(r / G) * hq + h * G + r % G) * D) / 8 + e];
+		((uint4 *)sQ)[i] = x;
+	}
+	/* this lane's pair and half of the columns */
+	const uint32_t pr = lane / 2, half = lane % 2, pair = tile0 + warp * 16 + pr;
+	const bool live = pair < pairs;
+	const uint32_t P = live ? first + pair / G : 0; /* its last position */
+	float *orow = sO + ((size_t)warp * 16 + pr) * D;
+	float m = -INFINITY, l = 0.0f;
+	const size_t st = live ? ((size_t)(pair / G) * hq + h * G + pair % G) * (D + 2) : 0;
+	if (!first_range && live) {
+		m = state[st];
+		l = state[st + 1];
+	}
+	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
+		orow[c] = !first_range && live ? state[st + 2 + c] : 0.0f;
+
+	/* keys up to the block's last pair's position, within the range */
+	const uint32_t last_pair = min(tile0 + EX_TILE, pairs) - 1;
+	const uint32_t kend = min(r1, first + last_pair / G + 1);
+	const T *Kh = (const T *)k + (size_t)h * cap * D, *Vh = (const T *)v + (size_t)h * cap * D;
+	__syncthreads();
+
+	for (uint32_t kb = r0; kb < kend; kb += EX_KEYS) {
+		for (uint32_t i = tid; i < EX_KEYS * V8; i += EX_THREADS) {
+			const uint32_t r = i / V8, e = i % V8;
+			uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+			if (kb + r < kend) {
+				const size_t at = ((size_t)(kb - r0 + r) * D) / 8 + e;
+				kx = ((const uint4 *)Kh)[at];
+				vx = ((const uint4 *)Vh)[at];
+			}
+			((uint4 *)sK)[i] = kx;
+			((uint4 *)sV)[i] = vx;
+		}
+		__syncthreads();
+
+		/* S = Q K^T for this warp's 16 pairs */
+		float *S = sS + (size_t)warp * 16 * EX_KEYS;
+#pragma unroll
+		for (int n = 0; n < (int)(EX_KEYS / 16); n++) {
+			wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+			wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+			for (int kk = 0; kk < D / 16; kk++) {
+				wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+				wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+				wmma::load_matrix_sync(a, sQ + (size_t)warp * 16 * D + kk * 16, D);
+				wmma::load_matrix_sync(b, sK + (size_t)n * 16 * D + kk * 16, D);
+				wmma::mma_sync(acc, a, b, acc);
+			}
+			wmma::store_matrix_sync(S + n * 16, acc, EX_KEYS, wmma::mem_row_major);
+		}
+		__syncwarp();
+
+		/* the online softmax step of this lane's pair over its 32 columns */
+		const float *srow = S + (size_t)pr * EX_KEYS + half * 32;
+		float mx = -INFINITY;
+		for (int c = 0; c < 32; c++) {
+			const uint32_t kp = kb + half * 32 + c;
+			if (live && kp <= P && kp < kend)
+				mx = fmaxf(mx, srow[c] * scale);
+		}
+		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+		const float mn = fmaxf(m, mx);
+		const float alpha = mn == -INFINITY ? 1.0f : expf(m - mn);
+		T *prow = sP + ((size_t)warp * 16 + pr) * EX_KEYS + half * 32;
+		float sum = 0.0f;
+		for (int c = 0; c < 32; c++) {
+			const uint32_t kp = kb + half * 32 + c;
+			float w = 0.0f;
+			if (live && kp <= P && kp < kend)
+				w = expf(srow[c] * scale - mn);
+			const T wt = ex_type<DT>::of(w);
+			prow[c] = wt;
+			sum += (float)wt; /* the sum of the weights V is multiplied by */
+		}
+		sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+		l = l * alpha + sum;
+		m = mn;
+		if (alpha != 1.0f)
+			for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
+				orow[c] *= alpha;
+		__syncwarp();
+
+		/* O += P V */
+		float *O = sO + (size_t)warp * 16 * D;
+#pragma unroll
+		for (int n = 0; n < D / 16; n++) {
+			wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+			wmma::load_matrix_sync(acc, O + n * 16, D, wmma::mem_row_major);
+#pragma unroll
+			for (int kk = 0; kk < (int)(EX_KEYS / 16); kk++) {
+				wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+				wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+				wmma::load_matrix_sync(a, sP + (size_t)warp * 16 * EX_KEYS + kk * 16,
+						       EX_KEYS);
+				wmma::load_matrix_sync(b, sV + (size_t)kk * 16 * D + n * 16, D);
+				wmma::mma_sync(acc, a, b, acc);
+			}
+			wmma::store_matrix_sync(O + n * 16, acc, D, wmma::mem_row_major);
+		}
+		__syncthreads(); /* K and V are overwritten next */
+	}
+	__syncwarp();
+	if (!live)
+		return;
+	if (!last_range) {
+		if (half == 0) {
+			state[st] = m;
+			state[st + 1] = l;
+		}
+		for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
+			state[st + 2 + c] = orow[c];
+		return;
+	}
+	const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+	const size_t at = ((size_t)(pair / G) * hq + h * G + pair % G) * D;
+	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++) {
+		const float o = orow[c] * inv;
+		if (out_dtype == KVT_DTYPE_F32)
+			((float *)out)[at + c] = o;
+		else if (out_dtype == KVT_DTYPE_BF16)
+			((uint16_t *)out)[at + c] = kvt_d_f32_to_bf16(o);
+		else
+			((uint16_t *)out)[at + c] = kvt_d_f32_to_f16(o);
+	}
+}
+
+extern "C" size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t d)
+{
+	return (size_t)n_rows * n_q_heads * (d + 2) * sizeof(float);
+}
+
+template <int D, int DT>
+static int extend_launch(uint32_t out_dtype, uint32_t hq, uint32_t hkv, float scale,
+			 const void *q, uint32_t n_rows, uint32_t first, const void *k,
+			 const void *v, size_t cap, uint32_t r0, uint32_t r1, float *state,
+			 int first_range, int last_range, void *out, cudaStream_t s)
+{
+	constexpr size_t bytes = ex_smem<D>();
+	KVT_CU(cudaFuncSetAttribute(k_extend<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				    (int)bytes));
+	const uint64_t pairs = (uint64_t)n_rows * (hq / hkv);
+	const dim3 grid((uint32_t)((pairs + EX_TILE - 1) / EX_TILE), hkv);
+	k_extend<D, DT><<<grid, EX_THREADS, bytes, s>>>(q, hq, hkv, scale, n_rows, first, k, v, cap,
+							r0, r1, state, first_range, last_range,
+							out_dtype, out);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype,
+				     uint32_t n_q_heads, uint32_t n_kv_heads, float scale,
+				     const void *q, uint32_t n_rows, uint32_t first, const void *k,
+				     const void *v, size_t cap, uint32_t r0, uint32_t r1,
+				     float *state, int first_range, int last_range, void *out,
+				     void *stream)
+{
+	if (!q || !k || !v || !out || n_kv_heads == 0 || n_kv_heads > 65535 ||
+	    n_q_heads % n_kv_heads || !isfinite(scale) || r1 < r0 || cap < r1 - r0 ||
+	    ((uintptr_t)q & 15) || ((uintptr_t)k & 31) || ((uintptr_t)v & 31) ||
+	    (!(first_range && last_range) && (!state || ((uintptr_t)state & 15))))
+		return -EINVAL;
+	if (!kvt_is_pow2_dim(d) || (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16) ||
+	    (out_dtype != KVT_DTYPE_F32 && out_dtype != KVT_DTYPE_F16 &&
+	     out_dtype != KVT_DTYPE_BF16))
+		return -EOPNOTSUPP;
+	const uint64_t pairs = (uint64_t)n_rows * (n_q_heads / n_kv_heads);
+	if ((pairs + EX_TILE - 1) / EX_TILE > 0x7fffffffu)
+		return -EINVAL;
+	if (n_rows == 0)
+		return 0;
+	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
+		return extend_launch<D, DT>(out_dtype, n_q_heads, n_kv_heads, scale, q, n_rows,
+					    first, k, v, cap, r0, r1, state, first_range,
+					    last_range, out, KVT_STREAM(stream));
+	}));
+}
