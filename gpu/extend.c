@@ -48,10 +48,12 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 		const bool ranges = R < total;
 		const size_t half = gpu_up((size_t)H * R * d * c->elem);
 		const size_t state = ranges ? gpu_up(kvt_gpu_extend_state_bytes(nq, Hq, d)) : 0;
-		KVT_TRY(gpu_grow(c, &b->ext_mem, &b->ext_bytes, 2 * half + state, stream,
+		const size_t part = gpu_up(kvt_gpu_extend_part_bytes(nq, Hq, H, d, R));
+		KVT_TRY(gpu_grow(c, &b->ext_mem, &b->ext_bytes, 2 * half + state + part, stream,
 				 "the staging buffer of kvt_extend"));
 		char *kbuf = b->ext_mem, *vbuf = kbuf + half;
 		float *st = ranges ? (float *)(vbuf + half) : NULL;
+		float *pt = part ? (float *)(vbuf + half + state) : NULL;
 		const char *qi = (const char *)q + cu[i] * q_row;
 		char *oi = (char *)out + cu[i] * out_row;
 		for (uint32_t r0 = 0; r0 < total; r0 += R) {
@@ -61,7 +63,8 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 						     b->err, stream));
 			LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H,
 							c->scale, qi, nq, first, kbuf, vbuf, R, r0,
-							r1, st, r0 == 0, r1 == total, oi, stream));
+							r1, st, r0 == 0, r1 == total, oi, pt, part,
+							stream));
 		}
 		b->ext_rows += (uint64_t)total * H;
 		b->ext_bytes_read += (uint64_t)total * H * c->row_bytes;

@@ -88,13 +88,32 @@ template <> struct ex_type<KVT_DTYPE_BF16> {
 	static __device__ __forceinline__ T of(float x) { return __float2bfloat16_rn(x); }
 };
 
+/* Element i of out, of out_dtype. */
+static __device__ __forceinline__ void ex_store(uint32_t out_dtype, void *out, size_t i, float o)
+{
+	if (out_dtype == KVT_DTYPE_F32)
+		((float *)out)[i] = o;
+	else if (out_dtype == KVT_DTYPE_BF16)
+		((uint16_t *)out)[i] = kvt_d_f32_to_bf16(o);
+	else
+		((uint16_t *)out)[i] = kvt_d_f32_to_f16(o);
+}
+
 /* Shared memory of a block: Q, K and V tiles in the input type, then per warp S (fp32), P (input
- * type) and the output rows (fp32). */
+ * type) and the output rows (fp32). Rows are padded by 16 bytes so that the fragments' rows fall
+ * in different banks (a 256-byte stride would put all 16 in the same ones). */
+template <int D> struct ex_ld {
+	static constexpr uint32_t X = D + 8;        /* Q, K, V: elements */
+	static constexpr uint32_t S = EX_KEYS + 4;  /* S: floats */
+	static constexpr uint32_t P = EX_KEYS + 8;  /* P: elements */
+	static constexpr uint32_t O = D + 4;        /* O: floats */
+};
+
 template <int D>
 static constexpr size_t ex_smem()
 {
-	return (size_t)3 * EX_TILE * D * 2 + (size_t)EX_WARPS * 16 * EX_KEYS * (4 + 2) +
-	       (size_t)EX_WARPS * 16 * D * 4;
+	return (size_t)3 * EX_TILE * ex_ld<D>::X * 2 + (size_t)EX_WARPS * 16 * ex_ld<D>::S * 4 +
+	       (size_t)EX_WARPS * 16 * ex_ld<D>::P * 2 + (size_t)EX_WARPS * 16 * ex_ld<D>::O * 4;
 }
 
 template <int D, int DT>
@@ -102,18 +121,20 @@ static __global__ void __launch_bounds__(EX_THREADS)
 	k_extend(const void *q, uint32_t hq, uint32_t hkv, float scale, uint32_t n_rows,
 		 uint32_t first, const void *k, const void *v, size_t cap, uint32_t r0,
 		 uint32_t r1, float *state, int first_range, int last_range, uint32_t out_dtype,
-		 void *out)
+		 void *out, float *part, uint32_t span)
 {
 	typedef typename ex_type<DT>::T T;
+	typedef ex_ld<D> LD;
 	extern __shared__ __align__(128) unsigned char smem[];
-	T *sQ = (T *)smem, *sK = sQ + EX_TILE * D, *sV = sK + EX_KEYS * D;
-	float *sS = (float *)(sV + EX_KEYS * D);
-	T *sP = (T *)(sS + EX_WARPS * 16 * EX_KEYS);
-	float *sO = (float *)(sP + EX_WARPS * 16 * EX_KEYS);
+	T *sQ = (T *)smem, *sK = sQ + EX_TILE * LD::X, *sV = sK + EX_KEYS * LD::X;
+	float *sS = (float *)(sV + EX_KEYS * LD::X);
+	T *sP = (T *)(sS + EX_WARPS * 16 * LD::S);
+	float *sO = (float *)(sP + EX_WARPS * 16 * LD::P);
 	const uint32_t G = hq / hkv, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32,
 		       lane = tid % 32;
 	const uint32_t pairs = n_rows * G, tile0 = blockIdx.x * EX_TILE;
-	constexpr uint32_t V8 = D / 8; /* 16-byte pieces of a row */
+	const bool split = gridDim.z > 1; /* this block's share of the keys goes to part */
+	constexpr uint32_t V8 = D / 8;    /* 16-byte pieces of a row */
 
 	/* the tile's queries, zeros past the last pair */
 	for (uint32_t i = tid; i < EX_TILE * V8; i += EX_THREADS) {
@@ -121,29 +142,34 @@ static __global__ void __launch_bounds__(EX_THREADS)
 		uint4 x = make_uint4(0, 0, 0, 0);
 		if (r < pairs)
 			x = ((const uint4 *)q)[(((size_t)(r / G) * hq + h * G + r % G) * D) / 8 + e];
-		((uint4 *)sQ)[i] = x;
+		*(uint4 *)(sQ + (size_t)(i / V8) * LD::X + 8 * e) = x;
 	}
 	/* this lane's pair and half of the columns */
 	const uint32_t pr = lane / 2, half = lane % 2, pair = tile0 + warp * 16 + pr;
 	const bool live = pair < pairs;
 	const uint32_t P = live ? first + pair / G : 0; /* its last position */
-	float *orow = sO + ((size_t)warp * 16 + pr) * D;
+	float *orow = sO + ((size_t)warp * 16 + pr) * LD::O;
+	const bool resume = !first_range && !split;
 	float m = -INFINITY, l = 0.0f;
 	const size_t st = live ? ((size_t)(pair / G) * hq + h * G + pair % G) * (D + 2) : 0;
-	if (!first_range && live) {
+	if (resume && live) {
 		m = state[st];
 		l = state[st + 1];
 	}
 	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
-		orow[c] = !first_range && live ? state[st + 2 + c] : 0.0f;
+		orow[c] = resume && live ? state[st + 2 + c] : 0.0f;
 
-	/* keys up to the block's last pair's position, within the range */
+	/* keys up to the block's last pair's position, within the range and this block's share */
 	const uint32_t last_pair = min(tile0 + EX_TILE, pairs) - 1;
-	const uint32_t kend = min(r1, first + last_pair / G + 1);
+	uint32_t kbeg = r0, kend = min(r1, first + last_pair / G + 1);
+	if (split) {
+		kbeg = r0 + blockIdx.z * span;
+		kend = min(kend, kbeg + span);
+	}
 	const T *Kh = (const T *)k + (size_t)h * cap * D, *Vh = (const T *)v + (size_t)h * cap * D;
 	__syncthreads();
 
-	for (uint32_t kb = r0; kb < kend; kb += EX_KEYS) {
+	for (uint32_t kb = kbeg; kb < kend; kb += EX_KEYS) {
 		for (uint32_t i = tid; i < EX_KEYS * V8; i += EX_THREADS) {
 			const uint32_t r = i / V8, e = i % V8;
 			uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
@@ -152,13 +178,13 @@ static __global__ void __launch_bounds__(EX_THREADS)
 				kx = ((const uint4 *)Kh)[at];
 				vx = ((const uint4 *)Vh)[at];
 			}
-			((uint4 *)sK)[i] = kx;
-			((uint4 *)sV)[i] = vx;
+			*(uint4 *)(sK + (size_t)r * LD::X + 8 * e) = kx;
+			*(uint4 *)(sV + (size_t)r * LD::X + 8 * e) = vx;
 		}
 		__syncthreads();
 
 		/* S = Q K^T for this warp's 16 pairs */
-		float *S = sS + (size_t)warp * 16 * EX_KEYS;
+		float *S = sS + (size_t)warp * 16 * LD::S;
 #pragma unroll
 		for (int n = 0; n < (int)(EX_KEYS / 16); n++) {
 			wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
@@ -167,16 +193,17 @@ static __global__ void __launch_bounds__(EX_THREADS)
 			for (int kk = 0; kk < D / 16; kk++) {
 				wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
 				wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-				wmma::load_matrix_sync(a, sQ + (size_t)warp * 16 * D + kk * 16, D);
-				wmma::load_matrix_sync(b, sK + (size_t)n * 16 * D + kk * 16, D);
+				wmma::load_matrix_sync(a, sQ + (size_t)warp * 16 * LD::X + kk * 16,
+						       LD::X);
+				wmma::load_matrix_sync(b, sK + (size_t)n * 16 * LD::X + kk * 16, LD::X);
 				wmma::mma_sync(acc, a, b, acc);
 			}
-			wmma::store_matrix_sync(S + n * 16, acc, EX_KEYS, wmma::mem_row_major);
+			wmma::store_matrix_sync(S + n * 16, acc, LD::S, wmma::mem_row_major);
 		}
 		__syncwarp();
 
 		/* the online softmax step of this lane's pair over its 32 columns */
-		const float *srow = S + (size_t)pr * EX_KEYS + half * 32;
+		const float *srow = S + (size_t)pr * LD::S + half * 32;
 		float mx = -INFINITY;
 		for (int c = 0; c < 32; c++) {
 			const uint32_t kp = kb + half * 32 + c;
@@ -186,7 +213,7 @@ static __global__ void __launch_bounds__(EX_THREADS)
 		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
 		const float mn = fmaxf(m, mx);
 		const float alpha = mn == -INFINITY ? 1.0f : expf(m - mn);
-		T *prow = sP + ((size_t)warp * 16 + pr) * EX_KEYS + half * 32;
+		T *prow = sP + ((size_t)warp * 16 + pr) * LD::P + half * 32;
 		float sum = 0.0f;
 		for (int c = 0; c < 32; c++) {
 			const uint32_t kp = kb + half * 32 + c;
@@ -206,47 +233,81 @@ static __global__ void __launch_bounds__(EX_THREADS)
 		__syncwarp();
 
 		/* O += P V */
-		float *O = sO + (size_t)warp * 16 * D;
+		float *O = sO + (size_t)warp * 16 * LD::O;
 #pragma unroll
 		for (int n = 0; n < D / 16; n++) {
 			wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-			wmma::load_matrix_sync(acc, O + n * 16, D, wmma::mem_row_major);
+			wmma::load_matrix_sync(acc, O + n * 16, LD::O, wmma::mem_row_major);
 #pragma unroll
 			for (int kk = 0; kk < (int)(EX_KEYS / 16); kk++) {
 				wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
 				wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-				wmma::load_matrix_sync(a, sP + (size_t)warp * 16 * EX_KEYS + kk * 16,
-						       EX_KEYS);
-				wmma::load_matrix_sync(b, sV + (size_t)kk * 16 * D + n * 16, D);
+				wmma::load_matrix_sync(a, sP + (size_t)warp * 16 * LD::P + kk * 16,
+						       LD::P);
+				wmma::load_matrix_sync(b, sV + (size_t)kk * 16 * LD::X + n * 16, LD::X);
 				wmma::mma_sync(acc, a, b, acc);
 			}
-			wmma::store_matrix_sync(O + n * 16, acc, D, wmma::mem_row_major);
+			wmma::store_matrix_sync(O + n * 16, acc, LD::O, wmma::mem_row_major);
 		}
 		__syncthreads(); /* K and V are overwritten next */
 	}
 	__syncwarp();
 	if (!live)
 		return;
-	if (!last_range) {
+	if (split || !last_range) {
+		float *dst = split ? part + ((size_t)blockIdx.z * n_rows * hq) * (D + 2) + st
+				   : state + st;
 		if (half == 0) {
-			state[st] = m;
-			state[st + 1] = l;
+			dst[0] = m;
+			dst[1] = l;
 		}
 		for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
-			state[st + 2 + c] = orow[c];
+			dst[2 + c] = orow[c];
 		return;
 	}
 	const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 	const size_t at = ((size_t)(pair / G) * hq + h * G + pair % G) * D;
-	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++) {
-		const float o = orow[c] * inv;
-		if (out_dtype == KVT_DTYPE_F32)
-			((float *)out)[at + c] = o;
-		else if (out_dtype == KVT_DTYPE_BF16)
-			((uint16_t *)out)[at + c] = kvt_d_f32_to_bf16(o);
-		else
-			((uint16_t *)out)[at + c] = kvt_d_f32_to_f16(o);
+	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
+		ex_store(out_dtype, out, at + c, orow[c] * inv);
+}
+
+/* The splits of the keys (part) and, unless this is the first range, the state: into the state
+ * again, or out. A block per (query row, query head), a thread per dimension. */
+static __global__ void k_extend_merge(uint32_t d, uint32_t n_pairs, uint32_t splits,
+				      const float *part, float *state, int first_range,
+				      int last_range, uint32_t out_dtype, void *out)
+{
+	const size_t pi = blockIdx.x, w = d + 2;
+	const uint32_t c = threadIdx.x;
+	float M = -INFINITY, sm = -INFINITY;
+	if (!first_range)
+		M = sm = state[pi * w];
+	for (uint32_t z = 0; z < splits; z++)
+		M = fmaxf(M, part[(z * n_pairs + pi) * w]);
+	float L = 0.0f, a = 0.0f;
+	if (sm != -INFINITY) {
+		const float f = expf(sm - M);
+		L = f * state[pi * w + 1];
+		a = f * state[pi * w + 2 + c];
 	}
+	for (uint32_t z = 0; z < splits; z++) {
+		const float *p = part + (z * n_pairs + pi) * w;
+		if (p[0] == -INFINITY)
+			continue;
+		const float f = expf(p[0] - M);
+		L = fmaf(f, p[1], L);
+		a = fmaf(f, p[2 + c], a);
+	}
+	if (last_range) {
+		ex_store(out_dtype, out, pi * d + c, L > 0.0f ? a / L : 0.0f);
+		return;
+	}
+	__syncthreads(); /* every thread read the state's maximum and sum */
+	if (c == 0) {
+		state[pi * w] = M;
+		state[pi * w + 1] = L;
+	}
+	state[pi * w + 2 + c] = a;
 }
 
 extern "C" size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t d)
@@ -254,21 +315,58 @@ extern "C" size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads
 	return (size_t)n_rows * n_q_heads * (d + 2) * sizeof(float);
 }
 
+/* Splits of a range's keys: enough blocks for two per multiprocessor when the query tiles alone
+ * are fewer, at least 64 keys each, at most 64 splits. */
+static uint32_t splits_of(uint32_t n_rows, uint32_t hq, uint32_t hkv, uint32_t keys)
+{
+	int dev = 0, sms = 132;
+	if (cudaGetDevice(&dev) != cudaSuccess ||
+	    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+		sms = 132;
+	const uint64_t tiles = ((uint64_t)n_rows * (hq / hkv) + EX_TILE - 1) / EX_TILE * hkv;
+	const uint64_t want = 2ull * (uint64_t)sms;
+	if (tiles == 0 || tiles >= want)
+		return 1;
+	uint64_t s = (want + tiles - 1) / tiles;
+	const uint64_t most = (keys + EX_KEYS - 1) / EX_KEYS;
+	s = s < most ? s : most;
+	s = s < 64 ? s : 64;
+	return s ? (uint32_t)s : 1;
+}
+
+extern "C" size_t kvt_gpu_extend_part_bytes(uint32_t n_rows, uint32_t n_q_heads,
+					    uint32_t n_kv_heads, uint32_t d, uint32_t keys)
+{
+	if (n_kv_heads == 0 || n_q_heads % n_kv_heads)
+		return 0;
+	const uint32_t s = splits_of(n_rows, n_q_heads, n_kv_heads, keys);
+	return s > 1 ? (size_t)s * kvt_gpu_extend_state_bytes(n_rows, n_q_heads, d) : 0;
+}
+
 template <int D, int DT>
 static int extend_launch(uint32_t out_dtype, uint32_t hq, uint32_t hkv, float scale,
 			 const void *q, uint32_t n_rows, uint32_t first, const void *k,
 			 const void *v, size_t cap, uint32_t r0, uint32_t r1, float *state,
-			 int first_range, int last_range, void *out, cudaStream_t s)
+			 int first_range, int last_range, void *out, float *part,
+			 uint32_t splits, cudaStream_t s)
 {
 	constexpr size_t bytes = ex_smem<D>();
 	KVT_CU(cudaFuncSetAttribute(k_extend<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				    (int)bytes));
 	const uint64_t pairs = (uint64_t)n_rows * (hq / hkv);
-	const dim3 grid((uint32_t)((pairs + EX_TILE - 1) / EX_TILE), hkv);
+	/* keys per split: a multiple of the kernel's step */
+	const uint32_t keys = r1 - r0, per = (keys + splits - 1) / splits;
+	const uint32_t span = (per + EX_KEYS - 1) / EX_KEYS * EX_KEYS;
+	const dim3 grid((uint32_t)((pairs + EX_TILE - 1) / EX_TILE), hkv, splits);
 	k_extend<D, DT><<<grid, EX_THREADS, bytes, s>>>(q, hq, hkv, scale, n_rows, first, k, v, cap,
 							r0, r1, state, first_range, last_range,
-							out_dtype, out);
+							out_dtype, out, part, span);
 	KVT_CU_LAUNCHED();
+	if (splits > 1) {
+		k_extend_merge<<<n_rows * hq, D, 0, s>>>(D, n_rows * hq, splits, part, state,
+							 first_range, last_range, out_dtype, out);
+		KVT_CU_LAUNCHED();
+	}
 	return 0;
 }
 
@@ -277,7 +375,7 @@ extern "C" int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dt
 				     const void *q, uint32_t n_rows, uint32_t first, const void *k,
 				     const void *v, size_t cap, uint32_t r0, uint32_t r1,
 				     float *state, int first_range, int last_range, void *out,
-				     void *stream)
+				     float *part, size_t part_bytes, void *stream)
 {
 	if (!q || !k || !v || !out || n_kv_heads == 0 || n_kv_heads > 65535 ||
 	    n_q_heads % n_kv_heads || !isfinite(scale) || r1 < r0 || cap < r1 - r0 ||
@@ -289,13 +387,20 @@ extern "C" int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dt
 	     out_dtype != KVT_DTYPE_BF16))
 		return -EOPNOTSUPP;
 	const uint64_t pairs = (uint64_t)n_rows * (n_q_heads / n_kv_heads);
-	if ((pairs + EX_TILE - 1) / EX_TILE > 0x7fffffffu)
+	if ((pairs + EX_TILE - 1) / EX_TILE > 0x7fffffffu ||
+	    (uint64_t)n_rows * n_q_heads > 0x7fffffffu)
 		return -EINVAL;
 	if (n_rows == 0)
 		return 0;
+	/* the splits the scratch allows: as many as wanted when it holds them, else none */
+	uint32_t splits = splits_of(n_rows, n_q_heads, n_kv_heads, r1 - r0);
+	if (splits > 1 && (!part || ((uintptr_t)part & 15) ||
+			   part_bytes < kvt_gpu_extend_part_bytes(n_rows, n_q_heads, n_kv_heads,
+								  d, r1 - r0)))
+		splits = 1;
 	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
 		return extend_launch<D, DT>(out_dtype, n_q_heads, n_kv_heads, scale, q, n_rows,
 					    first, k, v, cap, r0, r1, state, first_range,
-					    last_range, out, KVT_STREAM(stream));
+					    last_range, out, part, splits, KVT_STREAM(stream));
 	}));
 }

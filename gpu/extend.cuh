@@ -38,6 +38,11 @@ int kvt_gpu_stage_rows(uint32_t d, uint32_t n_kv_heads, void *const *blocks, uin
 /* Bytes of the running state of n_rows query rows (kvt_gpu_extend_attend over several ranges). */
 size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t d);
 
+/* Bytes of the scratch that lets kvt_gpu_extend_attend split a range of `keys` staged rows over
+ * more blocks (0: it would not split). Depends on the current device's multiprocessor count. */
+size_t kvt_gpu_extend_part_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t n_kv_heads,
+				 uint32_t d, uint32_t keys);
+
 /*
  * One range of staged rows, positions [r0, r1), attended by n_rows query rows of one sequence:
  * query row j (q[j][n_q_heads][d]) sits at position first + j and attends the positions up to its
@@ -51,6 +56,9 @@ size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t 
  *               this range is both the first and the last
  *   first_range: the state starts empty (else it holds the earlier ranges')
  *   last_range:  write out (else the state): out[j][n_q_heads][d]
+ *   part:       device scratch of part_bytes (16-byte aligned) or NULL: with at least
+ *               kvt_gpu_extend_part_bytes(...), few query rows (speculative verification, short
+ *               chunks) split the keys over more blocks and merge their results (a second kernel)
  * Returns 0, -EINVAL (NULL, shapes, alignment), -EOPNOTSUPP (d, dtypes) or -EIO. Asynchronous,
  * allocation-free.
  */
@@ -58,7 +66,7 @@ int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32
 			  uint32_t n_kv_heads, float scale, const void *q, uint32_t n_rows,
 			  uint32_t first, const void *k, const void *v, size_t cap, uint32_t r0,
 			  uint32_t r1, float *state, int first_range, int last_range, void *out,
-			  void *stream);
+			  float *part, size_t part_bytes, void *stream);
 
 #ifdef __cplusplus
 }

@@ -480,10 +480,17 @@ typedef enum kvt_extend_flags {
  * value), -ENOENT (a sequence not open), -ENOSPC (host tier full) and -ENOMEM, with KVT_SPILL_LRU
  * the I/O errors of the automatic spill (undone on failure), as kvt_prefill; for spilled rows the
  * NVMe read's errors (-EIO, -EBADMSG naming the block) and -ENOSPC (nvme_cache_bytes smaller than
- * one block of rows). -EOPNOTSUPP on the CUDA backend, which has no multi-token attention yet
- * (with or without KVT_EXTEND_TOPP).
+ * one block of rows). -EOPNOTSUPP with KVT_EXTEND_TOPP on the CUDA backend (exact attention
+ * only there), before anything changes.
  * CPU backend: synchronous; the cost is about (stored + new tokens) x new tokens x n_q_heads x
- * head_dim per entry (with KVT_EXTEND_TOPP: a decode step's per new token). Counted in kvt_stats
+ * head_dim per entry (with KVT_EXTEND_TOPP: a decode step's per new token). CUDA backend:
+ * asynchronous on `stream`; each entry's rows (stored and new) cross PCIe once into a device
+ * staging buffer (up to 256 MiB, in ranges beyond that), then a tensor-core kernel attends them;
+ * the probabilities are rounded to the dtype before they weight V (as FlashAttention does), so
+ * outputs agree with the CPU's within the dtype's precision, not bit for bit. A spilled sequence
+ * is restored first (kvt_seq_restore's errors; -ENOSPC when the batch's sequences cannot all be
+ * in the host tier); growing the staging buffer synchronizes the device (-EINVAL while `stream`
+ * is being captured). Counted in kvt_stats
  * as tokens (and indexed tokens) like kvt_prefill, and as rows_fetched per KV head; not as steps
  * (except with KVT_EXTEND_TOPP, above).
  * Thread safety: as every call on the cache.

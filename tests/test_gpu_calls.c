@@ -274,8 +274,10 @@ extern uint64_t gpu_extend_stage_bytes;
 
 /*
  * kvt_extend (exact) on CUDA against the CPU backend: per layer, a batch of both sequences with
- * chunks of uneven lengths (37 and 130 rows, then 200 and none), the second round through staging
- * ranges of 64 rows (the query rows' running state carried over ranges); the outputs agree within
+ * chunks of uneven lengths (37 and 130 rows, then 200 and none, then 9 and 64), the first round in
+ * one staging range (its keys split over blocks: few query rows), the second through ranges of
+ * 256 rows (split, merged with the running state), the third through ranges of 64 rows (one block
+ * per tile, the state carried over ranges by the kernel); the outputs agree within
  * 1e-2 relative per (row, query head): the GPU rounds the probabilities to fp16 before they weight
  * V, as FlashAttention does. Then both caches hold the same lengths, and decode steps on them
  * agree as attend_both requires (the rows and index entries the extends stored).
@@ -284,7 +286,7 @@ static void test_extend(void **state)
 {
 	(void)state;
 	struct pair p;
-	const uint32_t ctx = 700, chunk[2][NSEQ] = {{37, 130}, {200, 0}}, most = 330;
+	const uint32_t ctx = 700, chunk[3][NSEQ] = {{37, 130}, {200, 0}, {9, 64}}, most = 330;
 	pair_init(&p, ctx, 400, 64u << 20);
 	const size_t qrow = (size_t)HQ * D, krow = (size_t)HKV * D;
 	uint16_t *q = malloc(most * qrow * 2), *k = malloc(most * krow * 2), *v = malloc(most * krow * 2);
@@ -298,8 +300,9 @@ static void test_extend(void **state)
 	const uint64_t stage0 = gpu_extend_stage_bytes;
 	uint32_t len[NSEQ] = {ctx, ctx};
 	double worst = 0.0;
-	for (int round = 0; round < 2; round++) {
-		gpu_extend_stage_bytes = round ? 64u * 2 * HKV * D * 2 : stage0;
+	const uint64_t stage[3] = {stage0, 256u * 2 * HKV * D * 2, 64u * 2 * HKV * D * 2};
+	for (int round = 0; round < 3; round++) {
+		gpu_extend_stage_bytes = stage[round];
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
 			uint32_t cu[NSEQ + 1] = {0};
 			for (uint32_t s = 0; s < NSEQ; s++) {
@@ -350,7 +353,7 @@ static void test_extend(void **state)
 		}
 	kvt_stats sg = {.size = sizeof sg};
 	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
-	printf("extend: 2 rounds x %u layers x %u sequences (one range, then ranges of 64 rows); "
+	printf("extend: 3 rounds x %u layers x %u sequences (one range, ranges of 256, of 64 rows); "
 	       "worst error against the CPU %.3g; decode after it %.3g; rows read %llu\n", LAYERS,
 	       NSEQ, worst, dworst, (unsigned long long)sg.rows_fetched);
 	free(q);

@@ -15,11 +15,15 @@ families ported to the attention interface) compute q, k, v (after RoPE), call
 - Prefill (the first forward pass, the cache empty): update() returns the chunk's own K/V, the
   attention function computes exact causal attention over them with transformers' SDPA path, then
   hands q, k, v of each sequence to kvt_prefill. Nothing of the chunk stays on the GPU.
-- Decode (one new token per sequence), and several new tokens over a non-empty cache (assisted
-  or speculative decoding's verification pass, a later prefill chunk): update() returns the new
-  tokens' K/V; the attention function stores and attends them one token at a time (kvt_append,
-  then kvt_attend: Top-p selection over the index, exact attention over sinks + selected +
-  window), so each query sees the tokens up to its own.
+- Decode (one new token per sequence): update() returns the new token's K/V; the attention
+  function stores and attends it (kvt_append, then kvt_attend: Top-p selection over the index,
+  exact attention over sinks + selected + window).
+- Several new tokens over a non-empty cache (a later prefill chunk, assisted or speculative
+  decoding's verification pass): by default (chunks="exact") one kvt_extend per layer stores them
+  and attends each query exactly to every stored token up to its own, as a prefill chunk is
+  attended (the rows are read from the host tier; nothing stays on the GPU); chunks="topp" asks
+  kvt_extend for each query's Top-p selection instead (the CPU backend only); chunks="steps"
+  stores and attends them one token at a time as decode does.
 The K/V of the context live in kvtier's host tier; the GPU holds only kvtier's index, window ring
 and hot cache.
 
@@ -173,6 +177,9 @@ class KvtierCache(_HFCache):
         scale: the attention scale the model uses; None: 1/sqrt(head_dim) (Llama-family). Every
             attention call checks that the model's `scaling` equals it.
         check_scale: False skips that check (for negative controls only).
+        chunks: how several new tokens over a non-empty cache are attended: "exact" (default,
+            one kvt_extend per layer, exact), "topp" (kvt_extend with Top-p per query row, CPU
+            backend only) or "steps" (one token at a time, as decode).
         **options: kvtier.Config fields (p, n_sink, window, flush_batch, budget_min, budget_max,
             host_bytes, gpu_cache_bytes, seed, nvme_paths, ...). dtype, backend and device come
             from the first key tensor: CUDA tensors -> CUDA backend on their device, CPU tensors
@@ -199,6 +206,10 @@ class KvtierCache(_HFCache):
                   "n_kv_heads", "head_dim", "scale"):
             if k in options:
                 raise TypeError("KvtierCache: %s is taken from the model and its tensors" % k)
+        self.chunks = options.pop("chunks", "exact")
+        if self.chunks not in ("exact", "topp", "steps"):
+            raise ValueError("KvtierCache: chunks = %r, must be 'exact', 'topp' or 'steps'"
+                             % (self.chunks,))
         self.options = options
         self._kv: Optional[_kc.Cache] = None
         self.seqs: List[_kc.Sequence] = []
@@ -369,8 +380,8 @@ class KvtierCache(_HFCache):
         attends over them and stores them with their queries (kvt_prefill). Over a non-empty
         layer (decode: one token; assisted decoding's verification or a later prefill chunk:
         several): returns them unchanged, and the attention function stores and attends them
-        one token at a time (kvt_append, kvt_attend), each query over the tokens up to its
-        own."""
+        (one token: kvt_append, kvt_attend; several: kvt_extend, or one token at a time with
+        chunks="steps"), each query over the tokens up to its own."""
         _active.cache = weakref.ref(self)
         b, h, n, d = key_states.shape
         if (h, d) != (self.n_kv_heads, self.head_dim):
@@ -392,8 +403,8 @@ class KvtierCache(_HFCache):
             self._lengths[layer_idx] = n
             return key_states, value_states
         # decode (n == 1) or several tokens over a non-empty cache (assisted decoding's
-        # verification, a later prefill chunk): the attention appends and attends them one
-        # token at a time, each query over the tokens up to its own (causal)
+        # verification, a later prefill chunk): the attention stores and attends them, each
+        # query over the tokens up to its own (causal)
         self._lengths[layer_idx] += n
         self._fresh[layer_idx] = ("extend", key_states, value_states)
         return key_states, value_states
@@ -428,6 +439,14 @@ class KvtierCache(_HFCache):
         if n != int(key.shape[2]):
             raise Unsupported("kvtier.hf: layer %d: %d queries for %d new tokens" % (layer, n,
                                                                                  key.shape[2]))
+        if n > 1 and self.chunks != "steps":
+            b, hq, _, d = query.shape
+            # [b, H, n, D] -> [b * n, H, D]: each sequence's rows in turn (copies made here)
+            rows = lambda x: x.transpose(1, 2).reshape(b * n, x.shape[1], d)  # noqa: E731
+            out = self._kv.extend(layer, self.seqs, [n] * b, rows(query).contiguous(),
+                                  rows(key).contiguous(), rows(value).contiguous(),
+                                  top_p=self.chunks == "topp")
+            return out.view(b, n, hq, d)
         outs = []
         for t in range(n):
             # [b, Hkv, D] and [b, Hq, D]: views of the token's slice, dense when the

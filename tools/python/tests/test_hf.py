@@ -169,6 +169,54 @@ def assert_logits_close(got, want, rel, what):
             "%s, pass %d: different top tokens" % (what, i))
 
 
+# bf16 is left out: on the H200 its logits agreed within 5e-2 of the largest but a top token
+# flipped where the reference's margin exceeds 0.1 (the kernel rounds the probabilities to bf16's
+# 8 bits before P V); the two-term split of branch next/extend-bf16-split is meant to close that
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+def test_chunked_prefill_matches_one_chunk(tiny, dtype):
+    """A 1024-token prompt (batch 2) prefilled in chunks of 256 (the first by kvt_prefill, the
+    others by one kvt_extend per layer: exact attention over the stored rows), then 16 tokens at
+    p = 1, fed as the one-chunk run chose them: the logits of every position equal those of a
+    one-chunk prefill within 5e-2 of the largest (as greedy generation against SDPA), and so do
+    their argmax wherever the reference's top two are not a near-tie. chunks="steps" (the chunks
+    attended one token at a time) likewise."""
+    model = tiny.to(dtype)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 512, (2, 1024), generator=g).cuda()
+
+    def run(chunk, toks=None, **kw):
+        logits, fed = [], []
+        with KvtierCache(model.config, **dict(OPTS, **kw)) as c, torch.no_grad():
+            for i in range(0, ids.shape[1], chunk):
+                logits.append(model(ids[:, i:i + chunk], past_key_values=c,
+                                    use_cache=True).logits.float())
+            for t in range(16):
+                nxt = logits[-1][:, -1:].argmax(-1) if toks is None else toks[:, t:t + 1]
+                fed.append(nxt)
+                logits.append(model(nxt, past_key_values=c, use_cache=True).logits.float())
+            assert c.get_seq_length() == ids.shape[1] + 16
+            st = c.stats()
+        return torch.cat(logits, 1), torch.cat(fed, 1), st
+
+    set_attn(model, "kvtier")
+    try:
+        want, toks, _ = run(ids.shape[1])
+        got, _, st = run(256, toks)
+        step, _, _ = run(256, toks, chunks="steps")
+    finally:
+        set_attn(model, "sdpa")
+    assert st.rows_fetched > 0
+    top = float(want.abs().max())
+    top2 = want.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > TIE[dtype]
+    for name, x in (("kvt_extend", got), ("steps", step)):
+        err = float((x - want).abs().max())
+        assert err <= 5e-2 * top, "%s chunks: logits differ by %g (max |logit| %g)" % (
+            name, err, top)
+        assert torch.equal(x.argmax(-1)[clear], want.argmax(-1)[clear]), \
+            "%s chunks: a different top token where the reference has a clear one" % name
+
+
 @pytest.mark.parametrize("p", [1.0, 0.9])
 def test_crop_then_decode_equals_never_having_the_tokens(tiny, p):
     """40 tokens one at a time (flushes included), crop(-37), 20 more tokens: the logits of the

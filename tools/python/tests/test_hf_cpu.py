@@ -5,7 +5,8 @@ transformers attention module would, against full attention over K/V kept here a
 the same operations (index the rows, slice the tokens): prefill, decode, several tokens over a
 non-empty cache, crop (negative, to a length, to 0), reorder_cache, batch_repeat_interleave,
 batch_select_indices; a fork refused (max_seqs) leaves the batch as it was. Needs torch and
-transformers (skips without); no CUDA."""
+transformers (skips without); no CUDA. Each run with the three ways of attending several tokens
+over a non-empty cache (chunks=)."""
 
 import types
 
@@ -74,8 +75,11 @@ class Driver:
         self.v = [x[:, :, :t] for x in self.v]
 
 
-def test_data_path_and_batch_operations():
-    d = Driver(3)
+@pytest.mark.parametrize("chunks", ["exact", "topp", "steps"])
+def test_data_path_and_batch_operations(chunks):
+    """Several tokens over a non-empty cache go through kvt_extend (exact, or Top-p per query
+    row, which at p = 1 is exact too) or one token at a time: all equal full attention."""
+    d = Driver(3, chunks=chunks)
     with d.cache:
         d.forward(300)
         d.forward(1)
@@ -120,3 +124,8 @@ def test_fork_refused_leaves_the_batch():
         d.cache.update(torch.zeros(3, HKV, 1, D).half(), torch.zeros(3, HKV, 1, D).half(), 0)
         with pytest.raises(hf.Unsupported, match="between a layer's update and its attention"):
             d.cache.crop(-1)
+
+
+def test_chunks_option_checked():
+    with pytest.raises(ValueError, match="chunks = 'fast'"):
+        hf.KvtierCache(CFG, chunks="fast")
