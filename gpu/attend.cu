@@ -192,13 +192,7 @@ static __global__ void __launch_bounds__(D)
 		a = fmaf(f, p[2 + j], a);
 	}
 	const float o = L > 0.0f ? a / L : 0.0f;
-	const size_t at = ((size_t)seq * hq + (size_t)h * G + g) * D + j;
-	if (out_dtype == KVT_DTYPE_F32)
-		((float *)out)[at] = o;
-	else if (out_dtype == KVT_DTYPE_BF16)
-		((uint16_t *)out)[at] = kvt_d_f32_to_bf16(o);
-	else
-		((uint16_t *)out)[at] = kvt_d_f32_to_f16(o);
+	kvt_d_store_out(out_dtype, out, ((size_t)seq * hq + (size_t)h * G + g) * D + j, o);
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */

@@ -143,6 +143,19 @@ static __device__ __forceinline__ uint16_t kvt_d_f32_to_bf16(float f)
 	return (uint16_t)(u >> 16);
 }
 
+/* Element i of an output tensor of kvt_dtype out_dtype (F32, F16 or BF16, rounded to nearest
+ * even) set to o. */
+static __device__ __forceinline__ void kvt_d_store_out(uint32_t out_dtype, void *out, size_t i,
+						      float o)
+{
+	if (out_dtype == KVT_DTYPE_F32)
+		((float *)out)[i] = o;
+	else if (out_dtype == KVT_DTYPE_BF16)
+		((uint16_t *)out)[i] = kvt_d_f32_to_bf16(o);
+	else
+		((uint16_t *)out)[i] = kvt_d_f32_to_f16(o);
+}
+
 /* Element i of a tensor of kvt_dtype DT (F16, BF16, or F32 where a launcher allows it). */
 template <int DT>
 static __device__ __forceinline__ float kvt_d_load(const void *base, size_t i)

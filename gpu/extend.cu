@@ -88,17 +88,6 @@ template <> struct ex_type<KVT_DTYPE_BF16> {
 	static __device__ __forceinline__ T of(float x) { return __float2bfloat16_rn(x); }
 };
 
-/* Element i of out, of out_dtype. */
-static __device__ __forceinline__ void ex_store(uint32_t out_dtype, void *out, size_t i, float o)
-{
-	if (out_dtype == KVT_DTYPE_F32)
-		((float *)out)[i] = o;
-	else if (out_dtype == KVT_DTYPE_BF16)
-		((uint16_t *)out)[i] = kvt_d_f32_to_bf16(o);
-	else
-		((uint16_t *)out)[i] = kvt_d_f32_to_f16(o);
-}
-
 /* Shared memory of a block: Q, K and V tiles in the input type, then per warp S (fp32), P (input
  * type) and the output rows (fp32). Rows are padded by 16 bytes so that the fragments' rows fall
  * in different banks (a 256-byte stride would put all 16 in the same ones). */
@@ -268,7 +257,7 @@ static __global__ void __launch_bounds__(EX_THREADS)
 	const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 	const size_t at = ((size_t)(pair / G) * hq + h * G + pair % G) * D;
 	for (uint32_t c = half * (D / 2); c < (half + 1) * (D / 2); c++)
-		ex_store(out_dtype, out, at + c, orow[c] * inv);
+		kvt_d_store_out(out_dtype, out, at + c, orow[c] * inv);
 }
 
 /* The splits of the keys (part) and, unless this is the first range, the state: into the state
@@ -299,7 +288,7 @@ static __global__ void k_extend_merge(uint32_t d, uint32_t n_pairs, uint32_t spl
 		a = fmaf(f, p[2 + c], a);
 	}
 	if (last_range) {
-		ex_store(out_dtype, out, pi * d + c, L > 0.0f ? a / L : 0.0f);
+		kvt_d_store_out(out_dtype, out, pi * d + c, L > 0.0f ? a / L : 0.0f);
 		return;
 	}
 	__syncthreads(); /* every thread read the state's maximum and sum */
