@@ -37,7 +37,8 @@ int gpu_check_err(kvt_cache *c)
 				  where / c->cfg.n_q_heads, where % c->cfg.n_q_heads, idx);
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): a count or "
-			  "position beyond what the launch was sized for",
+			  "position beyond what the launch was sized for, or a row of a spilled block "
+			  "met by kvt_extend's staging (item: KV head, value: position)",
 			  code, where, idx);
 }
 

@@ -33,9 +33,19 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	const size_t q_row = (size_t)Hq * d * c->elem;
 	const size_t out_row = (size_t)Hq * d * c->out_elem;
 	(void)layer;
+	uint64_t rows = 0, bytes = 0;
 	KVT_RETURN_IF(indexed, c, -EOPNOTSUPP,
 		      "KVT_EXTEND_TOPP on the cuda backend: Top-p per query row is not built "
 		      "there yet (exact attention, flags 0, is)");
+	/* the grow of this call's rows may have spilled one of its own sequences (KVT_SPILL_LRU
+	 * picks the batch's last when nothing else is left): refused before any launch, and the
+	 * pipeline reads the victims back */
+	for (uint32_t i = 0; i < n_seqs; i++)
+		KVT_RETURN_IF(cu[i + 1] > cu[i] && kvt_layer_spilled(c, ls[i]), c, -ENOSPC,
+			      "entry %u of kvt_extend: rows of its sequence were spilled to make room "
+			      "for the batch's new rows (host_bytes = %llu too small for the batch); "
+			      "the cuda backend attends only rows in host memory",
+			      i, (unsigned long long)c->host.capacity);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const uint32_t nq = cu[i + 1] - cu[i];
 		if (!nq)
@@ -66,8 +76,10 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 							r1, st, r0 == 0, r1 == total, oi, pt, part,
 							stream));
 		}
-		b->ext_rows += (uint64_t)total * H;
-		b->ext_bytes_read += (uint64_t)total * H * c->row_bytes;
+		rows += (uint64_t)total * H;
+		bytes += (uint64_t)total * H * c->row_bytes;
 	}
+	b->ext_rows += rows; /* counted once every entry is queued */
+	b->ext_bytes_read += bytes;
 	return gpu_err_copy(c, stream);
 }

@@ -272,7 +272,7 @@ static __global__ void k_extend_merge(uint32_t d, uint32_t n_pairs, uint32_t spl
 	if (!first_range)
 		M = sm = state[pi * w];
 	for (uint32_t z = 0; z < splits; z++)
-		M = fmaxf(M, part[(z * n_pairs + pi) * w]);
+		M = fmaxf(M, part[((size_t)z * n_pairs + pi) * w]);
 	float L = 0.0f, a = 0.0f;
 	if (sm != -INFINITY) {
 		const float f = expf(sm - M);
@@ -280,7 +280,7 @@ static __global__ void k_extend_merge(uint32_t d, uint32_t n_pairs, uint32_t spl
 		a = f * state[pi * w + 2 + c];
 	}
 	for (uint32_t z = 0; z < splits; z++) {
-		const float *p = part + (z * n_pairs + pi) * w;
+		const float *p = part + ((size_t)z * n_pairs + pi) * w;
 		if (p[0] == -INFINITY)
 			continue;
 		const float f = expf(p[0] - M);
@@ -340,6 +340,11 @@ static int extend_launch(uint32_t out_dtype, uint32_t hq, uint32_t hkv, float sc
 			 uint32_t splits, cudaStream_t s)
 {
 	constexpr size_t bytes = ex_smem<D>();
+	int dev = 0, most = 0;
+	KVT_CU(cudaGetDevice(&dev));
+	KVT_CU(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+	if ((size_t)most < bytes)
+		return -EOPNOTSUPP; /* this head_dim's tiles do not fit the device's shared memory */
 	KVT_CU(cudaFuncSetAttribute(k_extend<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				    (int)bytes));
 	const uint64_t pairs = (uint64_t)n_rows * (hq / hkv);
@@ -368,7 +373,7 @@ extern "C" int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dt
 {
 	if (!q || !k || !v || !out || n_kv_heads == 0 || n_kv_heads > 65535 ||
 	    n_q_heads % n_kv_heads || !isfinite(scale) || r1 < r0 || cap < r1 - r0 ||
-	    ((uintptr_t)q & 15) || ((uintptr_t)k & 31) || ((uintptr_t)v & 31) ||
+	    ((uintptr_t)q & 15) || ((uintptr_t)k & 15) || ((uintptr_t)v & 15) ||
 	    (!(first_range && last_range) && (!state || ((uintptr_t)state & 15))))
 		return -EINVAL;
 	if (!kvt_is_pow2_dim(d) || (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16) ||

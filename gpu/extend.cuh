@@ -51,7 +51,9 @@ size_t kvt_gpu_extend_part_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t n
  * the fp32 CPU twin by a few units of the dtype's precision (relative to the largest |V|).
  *   d:          64, 128 or 256; dtype KVT_DTYPE_F16 or KVT_DTYPE_BF16 (q, k, v); out_dtype F32,
  *               F16 or BF16
- *   k, v:       staged as kvt_gpu_stage_rows leaves them, with cap rows per head and row r0 first
+ *   q:          16-byte aligned
+ *   k, v:       staged as kvt_gpu_stage_rows leaves them (16-byte aligned), with cap rows per head
+ *               and row r0 first
  *   state:      device, kvt_gpu_extend_state_bytes(n_rows, ...) (16-byte aligned), or NULL when
  *               this range is both the first and the last
  *   first_range: the state starts empty (else it holds the earlier ranges')
@@ -59,8 +61,9 @@ size_t kvt_gpu_extend_part_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t n
  *   part:       device scratch of part_bytes (16-byte aligned) or NULL: with at least
  *               kvt_gpu_extend_part_bytes(...), few query rows (speculative verification, short
  *               chunks) split the keys over more blocks and merge their results (a second kernel)
- * Returns 0, -EINVAL (NULL, shapes, alignment), -EOPNOTSUPP (d, dtypes) or -EIO. Asynchronous,
- * allocation-free.
+ * Returns 0, -EINVAL (NULL, shapes, alignment), -EOPNOTSUPP (d, dtypes, or a device whose shared
+ * memory per block cannot hold the tiles: about 110 KB at d 128, 190 KB at d 256) or -EIO.
+ * Asynchronous, allocation-free.
  */
 int kvt_gpu_extend_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_q_heads,
 			  uint32_t n_kv_heads, float scale, const void *q, uint32_t n_rows,

@@ -609,10 +609,8 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
 	struct lru_mark m;
 	lru_use(c, &m, n_seqs, seqs, cu_seqlens);
-	int rc = kvt_pipe_resident(c, n_seqs, seqs, cu_seqlens, layer, stream);
-	if (rc == 0)
-		rc = kvt_pipe_extend(c, layer, n_seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out, flags,
-				 stream);
+	int rc = kvt_pipe_extend(c, layer, n_seqs, seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out,
+				 flags, stream);
 	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }
 

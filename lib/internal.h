@@ -480,10 +480,11 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 /* out == NULL: select only; returns the largest per-KV-head token count. */
 int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		  struct kvt_layer *const *ls, const void *q, void *out, void *stream);
-/* kvt_extend: cu [n_seqs + 1] checked (ascending from 0); entries may be empty. */
-int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
-		    uint32_t flags, void *stream);
+/* kvt_extend: cu [n_seqs + 1] checked (ascending from 0); entries may be empty; seqs the ids of
+ * ls (for restores). */
+int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		    struct kvt_layer *const *ls, const uint32_t *cu, const void *q, const void *k,
+		    const void *v, void *out, uint32_t flags, void *stream);
 int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		    struct kvt_layer *const *ls, uint32_t max_tokens, int32_t *counts, int32_t *pos,
 		    void *k_out, void *v_out, void *stream);

@@ -450,8 +450,9 @@ typedef enum kvt_extend_flags {
  * attends causally: the row of position P (the sequence's length before the call plus its offset in
  * the chunk) attends every token of its sequence at positions 0 .. P, the chunk's own rows up to
  * itself included, with exact attention: the scale, GQA groups, fp32 accumulation and out_dtype of
- * kvt_attend, whose output at p = 1 over the same tokens it equals bit for bit. Rows of spilled
- * blocks are read from NVMe in place (nothing is restored).
+ * kvt_attend, whose output at p = 1 over the same tokens it equals bit for bit on the CPU backend
+ * (the CUDA backend: below). Rows of spilled blocks are read from NVMe in place on the CPU backend
+ * (nothing is restored); the CUDA backend restores the sequence.
  * With KVT_EXTEND_TOPP in flags each query row attends, instead of every token up to it, what a
  * kvt_attend step would select for it (speculative verification at decode cost): the chunk is
  * stored and indexed first, as above; then for the row of position P, per KV head, the tokens
@@ -485,12 +486,18 @@ typedef enum kvt_extend_flags {
  * CPU backend: synchronous; the cost is about (stored + new tokens) x new tokens x n_q_heads x
  * head_dim per entry (with KVT_EXTEND_TOPP: a decode step's per new token). CUDA backend:
  * asynchronous on `stream`; each entry's rows (stored and new) cross PCIe once into a device
- * staging buffer (up to 256 MiB, in ranges beyond that), then a tensor-core kernel attends them;
- * the probabilities are rounded to the dtype before they weight V (as FlashAttention does), so
- * outputs agree with the CPU's within the dtype's precision, not bit for bit. A spilled sequence
- * is restored first (kvt_seq_restore's errors; -ENOSPC when the batch's sequences cannot all be
- * in the host tier); growing the staging buffer synchronizes the device (-EINVAL while `stream`
- * is being captured). Counted in kvt_stats
+ * staging buffer of at most 256 MiB (a longer sequence goes through it in ranges, its query rows
+ * then keeping a running state of n_q_heads (head_dim + 2) floats each; a chunk too short to fill
+ * the GPU splits its keys over blocks, with up to 64 times that state as scratch), then a
+ * tensor-core kernel attends them; the buffer grows to the largest call and is kept. The
+ * probabilities are rounded to the dtype before they weight V (as FlashAttention does), so
+ * outputs agree with the CPU's within the dtype's precision, not bit for bit, and a non-finite
+ * value in V reaches the outputs of earlier rows of its 64-row tile too. A spilled sequence is
+ * restored once the inputs are checked (kvt_seq_restore's errors; the restore, and sequences it
+ * spilled to make room, stay if the call then fails; -ENOSPC when the batch's sequences cannot
+ * all be in the host tier at once, or when making room for the new rows spilled one of them);
+ * growing the staging buffer synchronizes the device (-EINVAL while `stream` is being captured).
+ * Counted in kvt_stats
  * as tokens (and indexed tokens) like kvt_prefill, and as rows_fetched per KV head; not as steps
  * (except with KVT_EXTEND_TOPP, above).
  * Thread safety: as every call on the cache.

@@ -200,17 +200,20 @@ static void extend_count_steps(kvt_cache *c, const struct prefill_plan *p)
  * in flags: each over its Top-p selection). All or nothing over the batch: every reservation and
  * the host-tier rows of all the chunks come first; the chunks are stored past each layer's length
  * and attended there; only when all of that succeeded do the layers take them (prefill_commit),
- * and a failure gives the rows back.
+ * and a failure gives the rows back. A backend that reads only the host tier gets the spilled
+ * sequences restored once the inputs are checked (a restore, and what it spilled to make room,
+ * stay when a later part fails, as a step leaves them).
  */
-int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		    const uint32_t *cu, const void *q, const void *k, const void *v, void *out,
-		    uint32_t flags, void *stream)
+int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+		    struct kvt_layer *const *ls, const uint32_t *cu, const void *q, const void *k,
+		    const void *v, void *out, uint32_t flags, void *stream)
 {
 	const bool topp = flags & KVT_EXTEND_TOPP;
 	uint32_t *total = c->batch_tokens;
 	KVT_TRY(enter(c));
 	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads, cu, false));
 	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads, cu, false));
+	KVT_TRY(kvt_pipe_resident(c, n_seqs, seqs, cu, layer, stream));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
 		total[i] = p.total;

@@ -358,6 +358,9 @@ class KvtierCache(_HFCache):
                               % key.dtype)
         b = int(key.shape[0])
         cuda = key.device.type == "cuda"
+        if cuda and self.chunks == "topp":
+            raise Unsupported("kvtier.hf: chunks='topp' (Top-p per query row of a chunk) is "
+                              "served by the CPU backend only; use chunks='exact' or 'steps'")
         opts = dict(self.options)
         # room for the forks of reorder_cache (beam search forks before it closes: up to
         # 2b - 1 open) and batch_repeat_interleave; the CUDA backend serves at most
