@@ -52,20 +52,20 @@ def main():
     ap.add_argument("--chunks", default="16,512,4096")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("extend_vs_sdpa: no PyTorch here; nothing to compare")
-        return 0
-    if not torch.cuda.is_available():
-        print("extend_vs_sdpa: no CUDA device")
-        return 0
     r = subprocess.run([a.binary, "--contexts", a.contexts, "--chunks", a.chunks, "--reps",
                         str(a.reps)], capture_output=True, text=True)
     sys.stdout.write(r.stdout)
     if r.returncode != 0:
         sys.stderr.write(r.stderr)
         return r.returncode
+    try:
+        import torch
+    except ImportError:
+        print("extend_vs_sdpa: no PyTorch here: no SDPA to compare with")
+        return 0
+    if not torch.cuda.is_available():
+        print("extend_vs_sdpa: PyTorch sees no CUDA device: no SDPA to compare with")
+        return 0
     print("ratios to PyTorch SDPA (flash or efficient kernel, causal, GQA, all in HBM):")
     for line in r.stdout.splitlines():
         if not line.startswith("csv,"):

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
-# compute-sanitizer memcheck and racecheck on the three gpu tests, then (with --bench) the five GPU
-# benchmarks. Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
+# compute-sanitizer memcheck and racecheck on the three gpu tests, then (with --bench) the six GPU
+# benchmarks (gpu_extend through bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when
+# torch is there). Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
 # most. The build directory is $BUILD (default /tmp/b), configured once. Usage, on the GPU
 # machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
@@ -40,6 +41,7 @@ if [ $bench = 1 ]; then
 	for x in gpu_scan gpu_select gpu_gather gpu_decode gpu_throughput; do
 		step bench "$x" "$b/bench/$x"
 	done
+	step bench extend_vs_sdpa python3 bench/extend_vs_sdpa.py "$b/bench/gpu_extend"
 fi
 cat "$out/summary.txt"
 exit $rc
