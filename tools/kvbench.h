@@ -337,6 +337,26 @@ const bacc *base_acc(const kb_base *x, int i);
 int plan_main(opts *o);
 int sweep_main(opts *o);
 
+/* ---- kvbench_frontier.c: a sweep's methods against its p-sweep at equal budget ------------- */
+
+/* A recall tail: 5th and 1st percentiles and the minimum over (step, query head). */
+typedef struct kb_tail {
+	double p5, p1, min;
+} kb_tail;
+/* A plain point: p alone (no topk, no corrections, no second stage). */
+bool kb_is_plain(const kb_result *r);
+/* A point's budget in bytes, in rows: its budget plus half a row per extra key read. */
+double kb_bytes_budget(const kb_result *r);
+/* The p-sweep's tail at `budget`: linear between the two plain points of shape's context, seqs
+ * and layers whose budgets bracket it (NANs outside their range; one plain point: only at its own
+ * budget). Returns how many plain points that shape has. */
+uint32_t kb_sweep_at(const kb_result *r, uint32_t n, const kb_result *shape, double budget,
+		     kb_tail *out);
+/* Each point that is not plain, of a shape with two plain points or more, against the sweep at
+ * its budget in rows and in bytes: a table, or (json) comma-separated JSON objects. Returns the
+ * points shown. */
+uint32_t kb_print_vs_sweep(const kb_result *r, uint32_t n, bool json);
+
 /* ---- kvbench_svg.c ----------------------------------------------------------------------- */
 
 /* The three plots of a sweep, next to csv ("x.csv" -> "x-recall.svg" ...). Returns 0 or -1. */

@@ -216,6 +216,8 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 		}
 		printf(", \"plan_limit\": \"%s\"}", r[i].plan.limit ? r[i].plan.limit : "");
 	}
+	printf("], \"vs_p_sweep\": [");
+	kb_print_vs_sweep(r, n, true);
 	printf("]");
 	if (csv)
 		printf(", \"csv\": \"%s\", \"svg\": [\"%s\", \"%s\", \"%s\"]", csv, names[0], names[1],
@@ -356,6 +358,7 @@ int sweep_main(opts *o)
 	}
 	if (table) {
 		print_base_table(res, n);
+		kb_print_vs_sweep(res, n, false);
 		if (o->csv)
 			printf("\nwrote %s, %s, %s, %s\n", o->csv, names[0], names[1], names[2]);
 	} else if (na || o->csv) {
