@@ -38,7 +38,11 @@ static void test_interpolation(void **state)
 	r[4].rescore_k = 0.2;
 	r[5] = plain(0.3, 0.5, 0.4, 0.3);
 	r[5].topk = 64;
-	T_CHECK(kb_is_plain(&r[0]) && !kb_is_plain(&r[4]) && !kb_is_plain(&r[5]), "plain points");
+	kb_result capped = r[0];
+	capped.budget_max = 512;
+	T_CHECK(kb_is_plain(&r[0]) && !kb_is_plain(&r[4]) && !kb_is_plain(&r[5]) &&
+			!kb_is_plain(&capped),
+		"plain points");
 	NEAR(kb_bytes_budget(&r[4]), 0.35);
 	NEAR(kb_bytes_budget(&r[0]), 0.4);
 	kb_tail t;

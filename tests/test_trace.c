@@ -457,6 +457,7 @@ int main(void)
 		cmocka_unit_test(test_malformed),
 		cmocka_unit_test(test_replay),
 		cmocka_unit_test(test_replay_overflow),
+		cmocka_unit_test(test_replay_sweep),
 		cmocka_unit_test(test_utf8),
 		cmocka_unit_test(test_replay_utf8),
 	};

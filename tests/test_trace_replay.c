@@ -2,7 +2,9 @@
 /*
  * `kvbench --trace` end to end (part of test_trace, whose main runs these): a small trace replayed
  * on the CPU backend (recall 1 at p = 1), a corrupted one failing with the file's name, counts that
- * would overflow refused, and valid JSON whatever the bytes of the trace's name.
+ * would overflow refused, valid JSON whatever the bytes of the trace's name, and a sweep over the
+ * selection's options whose points are the single replays' and whose methods are compared with
+ * the p-sweep.
  */
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -282,5 +284,84 @@ void test_replay_utf8(void **state)
 	T_CHECK(rc == -EINVAL && strstr(err, "meta.json") && strstr(err, "invalid UTF-8 at byte offset"),
 		"meta.json with a surrogate in the model name: rc %d, message '%s', wanted -EINVAL "
 		"naming meta.json and the byte offset", rc, err);
+	remove_trace(&t);
+}
+
+/* ---- a sweep over the selection's options ---------------------------------------------------- */
+
+/* --trace with --sweep p=...,rescore=...: six points, each with the figures of the single replay
+ * at its options (checked for one plain and one second-stage point), plain points whose budget in
+ * bytes is their budget, and the three second-stage points against the p-sweep (two of them
+ * inside its budgets at least: the third may lie past its largest; budget_min 0, so that the
+ * short trace's budgets are the selection's, not the floor's). A shape axis is refused. */
+void test_replay_sweep(void **state)
+{
+	(void)state;
+	tdir t;
+	char *out, *errs, err[ERRLEN];
+	trace_json j;
+	make_trace(&t, TRACE_F16, 2, 300, 24, 3);
+	char *argv[] = {"kvbench", "--trace", t.path,	  "--backend",	      "cpu",
+			"--json",  "--quiet", "--window", "16",		      "--flush",
+			"8",	   "--sinks", "4",	  "--chunk",	      "128",
+			"--budget-min", "0",  "--sweep",  "p=0.5,0.7,0.9", "--sweep",
+			"rescore=0,0.95", NULL};
+	int rc = run_replay(argv, &out, &errs);
+	T_CHECK(rc == 0, "trace sweep: exit %d, stderr: %s", rc, errs);
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
+		"--json output: %s\n%s", err, out);
+	const trace_json_node *pts = trace_json_get(&j, &j.nodes[1], "points"),
+			      *vs = trace_json_get(&j, &j.nodes[1], "vs_p_sweep");
+	T_CHECK(pts && pts->count == 6 && vs && vs->count == 3,
+		"want 6 points and 3 compared, got %u and %u", pts ? pts->count : 0,
+		vs ? vs->count : 0);
+	double p5[6], bud[6];
+	uint32_t i = 0, inside = 0;
+	for (uint32_t c = pts->child; c; c = j.nodes[c].next, i++) {
+		p5[i] = jnum(&j, &j.nodes[c], "recall_p5");
+		bud[i] = jnum(&j, &j.nodes[c], "budget_mean");
+		if (jnum(&j, &j.nodes[c], "rescore") == 0)
+			T_CHECK(jnum(&j, &j.nodes[c], "budget_bytes") == bud[i],
+				"point %u: a plain point's bytes budget %g, its budget %g", i,
+				jnum(&j, &j.nodes[c], "budget_bytes"), bud[i]);
+	}
+	for (uint32_t c = vs->child; c; c = j.nodes[c].next) {
+		const trace_json_node *x = trace_json_get(&j, &j.nodes[c], "sweep_p5_at_rows");
+		inside += x && x->type == TJ_NUMBER;
+	}
+	T_CHECK(inside >= 2, "want at least 2 methods inside the sweep's budgets, got %u", inside);
+	free(out);
+	free(errs);
+	trace_json_free(&j);
+	/* points 1 (p 0.7) and 4 (p 0.7, rescore 0.95): the single replays' figures */
+	static char *const single[2][4] = {{"--p", "0.7", "--rescore", "0"},
+					   {"--p", "0.7", "--rescore", "0.95"}};
+	for (int k = 0; k < 2; k++) {
+		char *av[] = {"kvbench",    "--trace",	  t.path,	"--backend", "cpu",
+			      "--json",	    "--quiet",	  "--window",	"16",	     "--flush",
+			      "8",	    "--sinks",	  "4",		"--chunk",   "128",
+			      "--budget-min", "0",	  single[k][0], single[k][1], single[k][2],
+			      single[k][3], NULL};
+		rc = run_replay(av, &out, &errs);
+		T_CHECK(rc == 0, "single replay: exit %d, stderr: %s", rc, errs);
+		T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
+			"%s", err);
+		const uint32_t at = k ? 4 : 1;
+		T_CHECK(jnum(&j, &j.nodes[1], "recall_p5") == p5[at] &&
+				jnum(&j, &j.nodes[1], "budget_mean") == bud[at],
+			"p 0.7 rescore %s: the sweep's point has p5 %.9g budget %.9g, the single "
+			"replay %.9g and %.9g",
+			single[k][3], p5[at], bud[at], jnum(&j, &j.nodes[1], "recall_p5"),
+			jnum(&j, &j.nodes[1], "budget_mean"));
+		trace_json_free(&j);
+		free(out);
+		free(errs);
+	}
+	char *av_bad[] = {"kvbench", "--trace", t.path, "--sweep", "context=100,200", NULL};
+	rc = run_replay(av_bad, &out, &errs);
+	T_CHECK(rc == 2 && strstr(errs, "the axes are the selection's"),
+		"--trace with a shape axis: exit %d, '%s'", rc, errs);
+	free(out);
+	free(errs);
 	remove_trace(&t);
 }

@@ -59,6 +59,7 @@ size_t t_utf8_bad_at(const char *s, size_t n);
 /* test_trace_replay.c */
 void test_replay(void **state);
 void test_replay_overflow(void **state);
+void test_replay_sweep(void **state);
 void test_replay_utf8(void **state);
 
 #endif

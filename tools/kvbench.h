@@ -201,6 +201,7 @@ typedef struct kb_result {
 	uint32_t context, seqs, layers, topk;
 	float p;
 	uint32_t correction;
+	uint32_t budget_max;    /* the cap of a Top-p point (0: none; a topk point has its own) */
 	float rescore;          /* kvt_config.rescore_p (0: off) */
 	double rescore_k;       /* its extra key reads per indexed token */
 	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s;
@@ -336,6 +337,19 @@ const bacc *base_acc(const kb_base *x, int i);
 
 int plan_main(opts *o);
 int sweep_main(opts *o);
+/* A --sweep axis: its name and values (pointers into copy, which the caller frees). */
+typedef struct kb_axis {
+	char name[16];
+	char *vals[64];
+	uint32_t n;
+	char *copy;
+} kb_axis;
+/* The axes of o's --sweep options into ax[4]; returns how many. Exits 2 on an empty value. */
+uint32_t kb_parse_axes(const opts *o, kb_axis *ax);
+/* The options of point `idx` (mixed radix over the axes, the first fastest); false for a point
+ * to skip: a Top-k point ignores p, so it runs only with p's first value, and never with the
+ * second stage. */
+bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, opts *po);
 
 /* ---- kvbench_frontier.c: a sweep's methods against its p-sweep at equal budget ------------- */
 
@@ -343,7 +357,7 @@ int sweep_main(opts *o);
 typedef struct kb_tail {
 	double p5, p1, min;
 } kb_tail;
-/* A plain point: p alone (no topk, no corrections, no second stage). */
+/* A plain point: p alone (no topk, no corrections, no second stage, no budget cap). */
 bool kb_is_plain(const kb_result *r);
 /* A point's budget in bytes, in rows: its budget plus half a row per extra key read. */
 double kb_bytes_budget(const kb_result *r);

@@ -2,7 +2,7 @@
 /*
  * A sweep's methods against its p-sweep at equal budget (issue 15 point 5: a method must move the
  * curve, not slide along it). The plain points of a shape (p alone: no topk, no corrections, no
- * second stage; same context, seqs and layers) trace the p-sweep's tail as a function of the
+ * second stage, no budget cap; same context, seqs and layers) trace the p-sweep's tail as a function of the
  * budget; every other point of that shape is compared with that curve, linearly interpolated, at
  * its own budget counted two ways: rows (the budget: rows fetched per indexed token) and bytes
  * (the budget plus half a row per extra key the second stage read: a key is half a row).
@@ -19,7 +19,7 @@ static bool same_shape(const kb_result *a, const kb_result *b)
 
 bool kb_is_plain(const kb_result *r)
 {
-	return !r->topk && !r->correction && r->rescore == 0.0f;
+	return !r->topk && !r->correction && r->rescore == 0.0f && !r->budget_max;
 }
 
 double kb_bytes_budget(const kb_result *r)
@@ -86,9 +86,9 @@ uint32_t kb_print_vs_sweep(const kb_result *r, uint32_t n, bool json)
 		kb_sweep_at(r, n, &r[i], kb_bytes_budget(&r[i]), &bytes);
 		if (json) {
 			printf("%s{\"context\": %u, \"seqs\": %u, \"p\": %.6g, \"topk\": %u, "
-			       "\"correction\": %u, \"rescore\": %.6g, ",
+			       "\"correction\": %u, \"rescore\": %.6g, \"budget_max\": %u, ",
 			       shown ? ", " : "", r[i].context, r[i].seqs, (double)r[i].p, r[i].topk,
-			       r[i].correction, (double)r[i].rescore);
+			       r[i].correction, (double)r[i].rescore, r[i].budget_max);
 			jnum("budget_rows", r[i].budget, true);
 			jnum("budget_bytes", kb_bytes_budget(&r[i]), true);
 			jnum("recall_p5", r[i].recall_p5, true);
@@ -111,6 +111,9 @@ uint32_t kb_print_vs_sweep(const kb_result *r, uint32_t n, bool json)
 			char m[48];
 			if (r[i].topk)
 				snprintf(m, sizeof m, "topk k=%u", r[i].topk);
+			else if (r[i].budget_max)
+				snprintf(m, sizeof m, "p=%.3g corr=%u rs=%.3g bmax=%u", (double)r[i].p,
+					 r[i].correction, (double)r[i].rescore, r[i].budget_max);
 			else
 				snprintf(m, sizeof m, "p=%.3g corr=%u rescore=%.3g", (double)r[i].p,
 					 r[i].correction, (double)r[i].rescore);

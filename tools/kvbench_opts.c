@@ -152,7 +152,8 @@ static void usage(FILE *f, const opts *d)
 		"                   --seed (the library's, %" PRIu64 "), --json, --quiet, --nvme P[,P...]\n"
 		"                   (each layer's sequence spilled after its prefill, so the decode\n"
 		"                   steps read from NVMe) with --nvme-bytes, --nvme-qd, --nvme-cache,\n"
-		"                   and:\n"
+		"                   --sweep over p, correction, rescore, budget-max (each method\n"
+		"                   against the p-sweep at equal budget), and:\n"
 		"  --layers LIST    with --trace: the trace's layers to replay, e.g. 0,3,8-11 (all)\n"
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
@@ -292,7 +293,7 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache", "--correction", "--rescore"};
+		"--nvme-cache", "--correction", "--rescore", "--sweep"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
@@ -465,6 +466,16 @@ static void finish(opts *o)
 			"--nvme-bytes, --nvme-qd "
 			"and --nvme-cache), --seed, --layers LIST, --json and --quiet\n", o->not_trace);
 		exit(2);
+	}
+	for (uint32_t a = 0; o->trace_dir && a < o->n_sweep; a++) {
+		static const char *const ok[] = {"p=", "correction=", "rescore=", "budget-max="};
+		bool fine = false;
+		for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+			fine |= !strncmp(o->sweep[a], ok[i], strlen(ok[i]));
+		if (!fine)
+			bad_value("--sweep", o->sweep[a],
+				  "with --trace the axes are the selection's: p, correction, rescore "
+				  "or budget-max (the trace gives the shape)");
 	}
 	int modes = o->capacity + o->plan + (o->stress_s > 0);
 	if (modes > 1) {

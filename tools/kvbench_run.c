@@ -351,6 +351,7 @@ static void result_of(const kb_run *b, kb_result *r)
 	r->recall = ratio(a->recall_sum, (double)a->recall_n);
 	r->recall_min = a->recall_min;
 	r->correction = o->correction;
+	r->budget_max = o->topk ? 0 : o->budget_max;
 	r->rescore = o->rescore;
 	r->rescore_k = ratio((double)(e->rescored_unselected - s->rescored_unselected),
 			     (double)(e->candidate_tokens - s->candidate_tokens));

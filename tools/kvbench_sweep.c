@@ -67,14 +67,7 @@ static bool sweep_progress(void *ctx, const char *what, uint64_t done, uint64_t 
 
 /* ---- the points -------------------------------------------------------------------------- */
 
-typedef struct axis {
-	char name[16];
-	char *vals[64];
-	uint32_t n;
-	char *copy;
-} axis;
-
-static uint32_t parse_axes(const opts *o, axis *ax)
+uint32_t kb_parse_axes(const opts *o, kb_axis *ax)
 {
 	for (uint32_t a = 0; a < o->n_sweep; a++) {
 		const char *eq = strchr(o->sweep[a], '=');
@@ -98,9 +91,7 @@ static uint32_t parse_axes(const opts *o, axis *ax)
 	return o->n_sweep;
 }
 
-/* The options of point `idx` (mixed radix over the axes); false for a point to skip: a Top-k
- * point ignores p, so it runs only with p's first value, and never with the second stage. */
-static bool point_opts(const opts *o, const axis *ax, uint32_t na, uint32_t idx, opts *po)
+bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, opts *po)
 {
 	*po = *o;
 	po->n_sweep = 0;
@@ -303,15 +294,15 @@ static void svg_names(const char *csv, char names[3][512])
 
 int sweep_main(opts *o)
 {
-	axis ax[4];
-	uint32_t na = parse_axes(o, ax), total = 1;
+	kb_axis ax[4];
+	uint32_t na = kb_parse_axes(o, ax), total = 1;
 	for (uint32_t a = 0; a < na; a++)
 		total *= ax[a].n;
 	kb_result *res = xcalloc(total, sizeof(kb_result));
 	opts *po = xcalloc(total, sizeof(opts));
 	uint32_t n = 0;
 	for (uint32_t i = 0; i < total; i++)
-		if (point_opts(o, ax, na, i, &po[n]))
+		if (kb_point_opts(o, ax, na, i, &po[n]))
 			n++;
 	sweep_bar bar = {.on = !o->quiet && na > 0, .tty = isatty(STDERR_FILENO), .n = n,
 			 .t0 = now_ns(), .last_pct = -10};

@@ -366,8 +366,52 @@ static void trace_teardown(kb_trace *t)
 		free(p[i]);
 }
 
+/* --sweep with --trace: one replay per point of the selection's axes, then a table (or JSON) of
+ * the points and each method against the p-sweep at equal budget (kvbench_frontier.c). */
+static int trace_sweep(const opts *o)
+{
+	kb_axis ax[4];
+	uint32_t na = kb_parse_axes(o, ax), total = 1, n = 0;
+	for (uint32_t a = 0; a < na; a++)
+		total *= ax[a].n;
+	kb_result *res = xcalloc(total, sizeof *res);
+	opts *po = xcalloc(total, sizeof *po);
+	trace_meta meta = {0};
+	const char *backend = "";
+	for (uint32_t i = 0; i < total; i++) {
+		if (!kb_point_opts(o, ax, na, i, &po[n]))
+			continue;
+		kb_trace t = {.o = &po[n]};
+		if (!o->quiet)
+			fprintf(stderr, "kvbench: trace sweep point %u/%u: p %g, correction %u, "
+				"rescore %g, budget-max %u\n", n + 1, total, (double)po[n].p,
+				po[n].correction, (double)po[n].rescore, po[n].budget_max);
+		if (trace_open(o->trace_dir, &t.m, t.err, sizeof(t.err)) < 0)
+			trace_fail(&t);
+		trace_setup(&t);
+		for (uint32_t l = 0; l < t.m.n_layers; l++)
+			if (t.sel[l])
+				run_layer(&t, l);
+		trace_summary(&t, &res[n]);
+		meta = t.m;
+		backend = t.backend;
+		trace_teardown(&t);
+		n++;
+	}
+	fflush(stderr);
+	trace_print_sweep(o, &meta, backend, po, res, n);
+	fflush(stdout);
+	for (uint32_t a = 0; a < na; a++)
+		free(ax[a].copy);
+	free(res);
+	free(po);
+	return 0;
+}
+
 int trace_main(const opts *o)
 {
+	if (o->n_sweep)
+		return trace_sweep(o);
 	kb_trace t = {.o = o};
 	uint64_t t0 = now_ns();
 	if (trace_open(o->trace_dir, &t.m, t.err, sizeof(t.err)) < 0)

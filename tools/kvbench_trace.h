@@ -62,5 +62,11 @@ typedef struct kb_trace {
 /* The report: a table per layer and head, the fetch path per layer, and a summary; or JSON. */
 void trace_print_text(kb_trace *t, double wall);
 void trace_print_json(kb_trace *t, double wall);
+/* The summary of a replay over its layers as a sweep point (context: the prefill tokens). */
+void trace_summary(const kb_trace *t, kb_result *r);
+/* A trace sweep's points (po: their options) and each method against the p-sweep: a table, or
+ * JSON with --json. */
+void trace_print_sweep(const opts *o, const trace_meta *m, const char *backend, const opts *po,
+		       const kb_result *r, uint32_t n);
 
 #endif

@@ -303,3 +303,72 @@ void trace_print_text(kb_trace *t, double wall)
 	       all.kv_n ? all.budget_sum / all.kv_n : 0, rel_err(all.err2, all.full2), all.err_max,
 	       wall);
 }
+
+/* ---- a sweep over the selection's options ---------------------------------------------------- */
+
+void trace_summary(const kb_trace *t, kb_result *r)
+{
+	const fig f = figures(t, UINT32_MAX);
+	double pa[2];
+	pooled(t, UINT32_MAX, pa);
+	*r = (kb_result){.context = t->m.prefill_tokens, .seqs = 1, .layers = t->n_sel,
+			 .p = t->o->p, .correction = t->o->correction,
+			 .budget_max = t->o->budget_max, .rescore = t->o->rescore};
+	r->rescore_k = f.f.candidates ? (double)f.f.rescored_unselected / (double)f.f.candidates
+				      : 0.0;
+	r->recall = f.n ? f.recall_sum / f.n : NAN;
+	r->recall_min = f.n ? f.recall_min : NAN;
+	r->recall_p5 = pa[0];
+	r->recall_p1 = pa[1];
+	r->budget = f.kv_n ? f.budget_sum / f.kv_n : NAN;
+	r->oracle_budget = NAN;
+	r->err = rel_err(f.err2, f.full2);
+	r->step_ms = per_step(f.f.step_ms, &f.f);
+	r->hit_rate = hit_rate(&f.f);
+	r->pcie_step = per_step((double)f.f.pcie_bytes, &f.f);
+}
+
+void trace_print_sweep(const opts *o, const trace_meta *m, const char *backend, const opts *po,
+		       const kb_result *r, uint32_t n)
+{
+	if (o->json) {
+		printf("{\"trace\": {\"dir\": ");
+		jstr(o->trace_dir);
+		printf(", \"model\": ");
+		jstr(m->model);
+		printf(", \"prefill_tokens\": %u, \"decode_steps\": %u}, \"points\": [",
+		       m->prefill_tokens, m->decode_steps);
+		for (uint32_t i = 0; i < n; i++) {
+			printf("%s{\"p\": %.6g, \"correction\": %u, \"rescore\": %.6g, "
+			       "\"budget_max\": %u",
+			       i ? ", " : "", (double)r[i].p, r[i].correction, (double)r[i].rescore,
+			       r[i].budget_max);
+			jnum("budget_mean", r[i].budget);
+			jnum("budget_bytes", kb_bytes_budget(&r[i]));
+			jnum("rescore_k_frac", r[i].rescore_k);
+			jnum("recall_mean", r[i].recall);
+			jnum("recall_p5", r[i].recall_p5);
+			jnum("recall_p1", r[i].recall_p1);
+			jnum("recall_min", r[i].recall_min);
+			jnum("output_error", r[i].err);
+			jnum("step_ms", r[i].step_ms);
+			printf("}");
+		}
+		printf("], \"vs_p_sweep\": [");
+		kb_print_vs_sweep(r, n, true);
+		printf("]}\n");
+		return;
+	}
+	printf("trace %s: %s, %u prefill tokens, %u decode steps, %u layers replayed; %s backend, "
+	       "sinks %u, window %u, flush %u, budget_min %u\n",
+	       o->trace_dir, m->model, m->prefill_tokens, m->decode_steps, n ? r[0].layers : 0,
+	       backend, o->sinks, o->window, o->flush, o->budget_min);
+	printf("     p  corr rescore  bmax  budget   bytes  recall    r_p5    r_p1   r_min  "
+	       "out_err  ms/step\n");
+	for (uint32_t i = 0; i < n; i++)
+		printf("%6.3g %5u %7.3g %5u %7.4f %7.4f %7.4f %7.4f %7.4f %7.4f %8.2e %8.3f\n",
+		       (double)r[i].p, r[i].correction, (double)r[i].rescore, po[i].budget_max,
+		       r[i].budget, kb_bytes_budget(&r[i]), r[i].recall, r[i].recall_p5,
+		       r[i].recall_p1, r[i].recall_min, r[i].err, r[i].step_ms);
+	kb_print_vs_sweep(r, n, false);
+}
