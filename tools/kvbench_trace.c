@@ -366,6 +366,17 @@ static void trace_teardown(kb_trace *t)
 		free(p[i]);
 }
 
+/* Open the trace, set up and replay every selected layer (the report is the caller's). */
+static void replay(kb_trace *t)
+{
+	if (trace_open(t->o->trace_dir, &t->m, t->err, sizeof(t->err)) < 0)
+		trace_fail(t);
+	trace_setup(t);
+	for (uint32_t l = 0; l < t->m.n_layers; l++)
+		if (t->sel[l])
+			run_layer(t, l);
+}
+
 /* --sweep with --trace: one replay per point of the selection's axes, then a table (or JSON) of
  * the points and each method against the p-sweep at equal budget (kvbench_frontier.c). */
 static int trace_sweep(const opts *o)
@@ -386,12 +397,7 @@ static int trace_sweep(const opts *o)
 			fprintf(stderr, "kvbench: trace sweep point %u/%u: p %g, correction %u, "
 				"rescore %g, budget-max %u\n", n + 1, total, (double)po[n].p,
 				po[n].correction, (double)po[n].rescore, po[n].budget_max);
-		if (trace_open(o->trace_dir, &t.m, t.err, sizeof(t.err)) < 0)
-			trace_fail(&t);
-		trace_setup(&t);
-		for (uint32_t l = 0; l < t.m.n_layers; l++)
-			if (t.sel[l])
-				run_layer(&t, l);
+		replay(&t);
 		trace_summary(&t, &res[n]);
 		meta = t.m;
 		backend = t.backend;
@@ -414,12 +420,7 @@ int trace_main(const opts *o)
 		return trace_sweep(o);
 	kb_trace t = {.o = o};
 	uint64_t t0 = now_ns();
-	if (trace_open(o->trace_dir, &t.m, t.err, sizeof(t.err)) < 0)
-		trace_fail(&t);
-	trace_setup(&t);
-	for (uint32_t l = 0; l < t.m.n_layers; l++)
-		if (t.sel[l])
-			run_layer(&t, l);
+	replay(&t);
 	fflush(stderr);
 	double wall = (double)(now_ns() - t0) / 1e9;
 	if (o->json)
