@@ -11,7 +11,8 @@
  *   the CPU's dense results and the dense call's bit for bit, writing nothing outside out's rows;
  * - unsupported: what the CUDA backend refuses (score corrections, kvt_extend with Top-p per
  *   query row) is refused with -EOPNOTSUPP and changes nothing;
- * - extend: kvt_extend's exact attention against the CPU backend's, in one range and in many;
+ * - extend: kvt_extend's exact attention against the CPU backend's, in one range and in many, and
+ *   under allocation faults (each changes nothing);
  * - rescore: the second selection stage against the CPU's.
  * Exits 77 (skipped) when no CUDA device is present.
  */
@@ -369,6 +370,112 @@ static void test_extend(void **state)
 }
 
 /*
+ * kvt_extend on CUDA under allocation faults: the n-th allocation or pin of the call fails, for n
+ * = 1, 2, ... until the call succeeds (the first call grows the staging buffer, the chunk's host
+ * rows and the mirror's index); each failure leaves both sequences' lengths and the host tier's
+ * free bytes as they were, and the call that finally succeeds gives the CPU backend's outputs
+ * (within 1e-2, as test_extend), after which decode steps agree as attend_both requires.
+ */
+static void test_extend_faults(void **state)
+{
+	(void)state;
+	struct pair p;
+	const uint32_t ctx = 700, n[NSEQ] = {37, 130};
+	pair_init(&p, ctx, 200, 64u << 20);
+	const size_t qrow = (size_t)HQ * D, krow = (size_t)HKV * D, tot = n[0] + n[1];
+	uint16_t *q = malloc(tot * qrow * 2), *k = malloc(tot * krow * 2), *v = malloc(tot * krow * 2);
+	float *oc = malloc(sizeof(float) * tot * qrow), *og = malloc(sizeof(float) * tot * qrow);
+	void *dq, *dk, *dv, *dout;
+	T_CHECK(q && k && v && oc && og, "malloc");
+	CU(cudaMalloc(&dq, tot * qrow * 2));
+	CU(cudaMalloc(&dk, tot * krow * 2));
+	CU(cudaMalloc(&dv, tot * krow * 2));
+	CU(cudaMalloc(&dout, sizeof(float) * tot * qrow));
+	uint32_t cu[NSEQ + 1] = {0};
+	for (uint32_t s = 0; s < NSEQ; s++) {
+		make(&p, s, 0, ctx, n[s], -1);
+		memcpy(q + cu[s] * qrow, p.hq, n[s] * qrow * 2);
+		memcpy(k + cu[s] * krow, p.hk, n[s] * krow * 2);
+		memcpy(v + cu[s] * krow, p.hv, n[s] * krow * 2);
+		cu[s + 1] = cu[s] + n[s];
+	}
+	CU(cudaMemcpy(dq, q, tot * qrow * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(dk, k, tot * krow * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(dv, v, tot * krow * 2, cudaMemcpyHostToDevice));
+	kvt_capacity cap0 = {.size = sizeof cap0}, cap = {.size = sizeof cap};
+	OK(p.gpu, kvt_get_capacity(p.gpu, &cap0));
+	uint32_t failed = 0;
+	for (uint64_t f = 1;; f++) {
+		T_CHECK(f < 500, "the extend never succeeded");
+		kvt_mem_fail_at(f);
+		int rc = kvt_extend(p.gpu, 0, NSEQ, p.sg, cu, dq, dk, dv, dout, 0, NULL);
+		const bool fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(fired, "extend failed (%d: %s) with no fault injected", rc,
+			kvt_last_error(p.gpu));
+		failed++;
+		OK(p.gpu, kvt_get_capacity(p.gpu, &cap));
+		T_CHECK(cap.host_bytes_free == cap0.host_bytes_free,
+			"fault %llu (%s): %llu host bytes free, %llu before the call",
+			(unsigned long long)f, kvt_last_error(p.gpu),
+			(unsigned long long)cap.host_bytes_free,
+			(unsigned long long)cap0.host_bytes_free);
+		for (uint32_t s = 0; s < NSEQ; s++)
+			T_CHECK(kvt_seq_length(p.gpu, p.sg[s], 0) == ctx,
+				"fault %llu (%s): seq %u holds %lld tokens, %u before the call",
+				(unsigned long long)f, kvt_last_error(p.gpu), s,
+				(long long)kvt_seq_length(p.gpu, p.sg[s], 0), ctx);
+	}
+	T_CHECK(failed > 0, "no failure was injected");
+	OK(p.cpu, kvt_extend(p.cpu, 0, NSEQ, p.sc, cu, q, k, v, oc, 0, NULL));
+	CU(cudaMemcpy(og, dout, sizeof(float) * tot * qrow, cudaMemcpyDeviceToHost));
+	double worst = 0.0;
+	for (uint32_t rh = 0; rh < tot * HQ; rh++) {
+		double num = 0, den = 0;
+		for (uint32_t j = 0; j < D; j++) {
+			const double a = oc[(size_t)rh * D + j], b = og[(size_t)rh * D + j];
+			num += (a - b) * (a - b);
+			den += a * a;
+		}
+		const double rel = sqrt(num / (den > 0 ? den : 1));
+		worst = rel > worst ? rel : worst;
+	}
+	T_CHECK(worst <= 1e-2, "after the faults: relative error %g against the CPU", worst);
+	/* layer 1 takes the same chunk fault-free, so that both layers hold equal lengths */
+	for (uint32_t s = 0; s < NSEQ; s++) {
+		make(&p, s, 1, ctx, n[s], -1);
+		memcpy(q + cu[s] * qrow, p.hq, n[s] * qrow * 2);
+		memcpy(k + cu[s] * krow, p.hk, n[s] * krow * 2);
+		memcpy(v + cu[s] * krow, p.hv, n[s] * krow * 2);
+	}
+	CU(cudaMemcpy(dq, q, tot * qrow * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(dk, k, tot * krow * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(dv, v, tot * krow * 2, cudaMemcpyHostToDevice));
+	OK(p.cpu, kvt_extend(p.cpu, 1, NSEQ, p.sc, cu, q, k, v, oc, 0, NULL));
+	OK(p.gpu, kvt_extend(p.gpu, 1, NSEQ, p.sg, cu, dq, dk, dv, dout, 0, NULL));
+	double dworst = 0.0;
+	for (uint32_t step = 0; step < 2; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			append_both(&p, layer, step);
+			attend_both(&p, layer, step, &dworst);
+		}
+	printf("extend faults: %u injected failures changed nothing; then error %.3g against the "
+	       "CPU, decode %.3g\n", failed, worst, dworst);
+	free(q);
+	free(k);
+	free(v);
+	free(oc);
+	free(og);
+	cudaFree(dq);
+	cudaFree(dk);
+	cudaFree(dv);
+	cudaFree(dout);
+	pair_fini(&p);
+}
+
+/*
  * The second selection stage (rescore_p) on CUDA against the CPU's. At rescore_p = 1 every indexed
  * token is a candidate and gets its exact logit, bit-equal on both backends, so the selection of
  * every (sequence, KV head) must lie between those of CPU caches at p -/+ delta (the threshold's
@@ -463,6 +570,7 @@ int main(void)
 		cmocka_unit_test(test_unsupported),
 		cmocka_unit_test(test_strided),
 		cmocka_unit_test(test_extend),
+		cmocka_unit_test(test_extend_faults),
 		cmocka_unit_test(test_rescore),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
