@@ -173,16 +173,18 @@ def assert_logits_close(got, want, rel, what):
 # flipped where the reference's margin exceeds 0.1 (the kernel rounds the probabilities to bf16's
 # 8 bits before P V); the two-term split of branch next/extend-bf16-split is meant to close that
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
-def test_chunked_prefill_matches_one_chunk(tiny, dtype):
-    """A 1024-token prompt (batch 2) prefilled in chunks of 256 (the first by kvt_prefill, the
-    others by one kvt_extend per layer: exact attention over the stored rows), then 16 tokens at
-    p = 1, fed as the one-chunk run chose them: the logits of every position equal those of a
-    one-chunk prefill within 5e-2 of the largest (as greedy generation against SDPA), and so do
-    their argmax wherever the reference's top two are not a near-tie. chunks="steps" (the chunks
-    attended one token at a time) likewise."""
+@pytest.mark.parametrize("length,chunk,batch", [(1024, 256, 2), (32768, 4096, 1)],
+                         ids=["1K-in-256", "32K-in-4K"])
+def test_chunked_prefill_matches_one_chunk(tiny, dtype, length, chunk, batch):
+    """A prompt prefilled in chunks (1024 tokens in 256, batch 2; 32K in 4K, issue 13's case: the
+    first chunk by kvt_prefill, the others by one kvt_extend per layer, exact attention over the
+    stored rows), then 16 tokens at p = 1, fed as the one-chunk run chose them: the logits of every
+    position equal those of a one-chunk prefill within 5e-2 of the largest (as greedy generation
+    against SDPA), and so do their argmax wherever the reference's top two are not a near-tie.
+    chunks="steps" (the chunks attended one token at a time) likewise, at 1K."""
     model = tiny.to(dtype)
     g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, 512, (2, 1024), generator=g).cuda()
+    ids = torch.randint(0, 512, (batch, length), generator=g).cuda()
 
     def run(chunk, toks=None, **kw):
         logits, fed = [], []
@@ -201,17 +203,18 @@ def test_chunked_prefill_matches_one_chunk(tiny, dtype):
     set_attn(model, "kvtier")
     try:
         want, toks, _ = run(ids.shape[1])
-        got, _, st = run(256, toks)
-        step, _, _ = run(256, toks, chunks="steps")
+        got, _, st = run(chunk, toks)
+        other = [("steps", run(chunk, toks, chunks="steps")[0])] if length <= 1024 else []
     finally:
         set_attn(model, "sdpa")
-    # the three later chunks staged their sequence's rows so far: (512 + 768 + 1024) per KV head,
-    # layer and row of the batch
-    assert st.rows_fetched >= (512 + 768 + 1024) * 2 * 2 * 2
+    # each later chunk staged its sequence's rows so far (k chunks' worth for the k-th), per KV
+    # head (2), layer (2) and row of the batch
+    staged = sum(k * chunk for k in range(2, length // chunk + 1))
+    assert st.rows_fetched >= staged * 2 * 2 * batch
     top = float(want.abs().max())
     top2 = want.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > TIE[dtype]
-    for name, x in (("kvt_extend", got), ("steps", step)):
+    for name, x in [("kvt_extend", got)] + other:
         err = float((x - want).abs().max())
         assert err <= 5e-2 * top, "%s chunks: logits differ by %g (max |logit| %g)" % (
             name, err, top)
