@@ -77,11 +77,13 @@ static options parse(int argc, char **argv)
 			o.run.gpu_cache_mib = atol(val);
 		else if (!strcmp(a, "--max-host-gib"))
 			o.max_host_gib = atof(val);
+		else if (!strcmp(a, "--drift") && atof(val) >= 0.0 && atof(val) <= 1.0)
+			g_drift = (float)atof(val);
 		else {
 			fprintf(stderr,
 				"usage: gpu_decode [--contexts N,N..] [--batches N,N..] [--steps N] "
 				"[--warmup N] [--reps N>=20] [--budget-max N] [--gpu-cache-mib N] "
-				"[--max-host-gib X]\n");
+				"[--max-host-gib X] [--drift D in [0, 1]]\n");
 			exit(2);
 		}
 		i++;
@@ -153,8 +155,8 @@ int main(int argc, char **argv)
 		return 0;
 	const int sms = prop.multiProcessorCount;
 	printf("gpu_decode on %s (%d SMs): one layer, %d query heads, %d KV heads, head dim %d, fp16; "
-	       "kvtier %s\n",
-	       prop.name, sms, HQ, HKV, D, kvt_version_string());
+	       "kvtier %s; query drift %.2f (0: the same topic every step)\n",
+	       prop.name, sms, HQ, HKV, D, kvt_version_string(), (double)g_drift);
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 	cudaEvent_t e0, e1, em;
