@@ -273,6 +273,94 @@ static void test_unsupported(void **state)
 /* extend.c's bound on its staging buffer: lowered to make many ranges */
 extern uint64_t gpu_extend_stage_bytes;
 
+/* A batch of kvt_extend chunks of both sequences: host rows for the CPU cache, device copies for
+ * the CUDA one, and both backends' outputs; room for `most` rows in all. */
+struct chunk {
+	uint16_t *q, *k, *v;
+	float *oc, *og;
+	void *dq, *dk, *dv, *dout;
+	uint32_t cu[NSEQ + 1];
+};
+
+enum { QROW = HQ * D, KROW = HKV * D };
+
+static void chunk_init(struct chunk *b, uint32_t most)
+{
+	b->q = malloc((size_t)most * QROW * 2);
+	b->k = malloc((size_t)most * KROW * 2);
+	b->v = malloc((size_t)most * KROW * 2);
+	b->oc = malloc(sizeof(float) * most * QROW);
+	b->og = malloc(sizeof(float) * most * QROW);
+	T_CHECK(b->q && b->k && b->v && b->oc && b->og, "malloc");
+	CU(cudaMalloc(&b->dq, (size_t)most * QROW * 2));
+	CU(cudaMalloc(&b->dk, (size_t)most * KROW * 2));
+	CU(cudaMalloc(&b->dv, (size_t)most * KROW * 2));
+	CU(cudaMalloc(&b->dout, sizeof(float) * most * QROW));
+}
+
+static void chunk_fini(struct chunk *b)
+{
+	free(b->q);
+	free(b->k);
+	free(b->v);
+	free(b->oc);
+	free(b->og);
+	cudaFree(b->dq);
+	cudaFree(b->dk);
+	cudaFree(b->dv);
+	cudaFree(b->dout);
+}
+
+/* Workload sequence s's tokens [pos[s], pos[s] + n[s]) of `layer`, for each s in turn, into the
+ * host rows and their device copies; b->cu their offsets. */
+static void chunk_make(struct pair *p, struct chunk *b, uint32_t layer, const uint32_t *pos,
+		       const uint32_t *n)
+{
+	b->cu[0] = 0;
+	for (uint32_t s = 0; s < NSEQ; s++) {
+		make(p, s, layer, pos[s], n[s], -1);
+		memcpy(b->q + (size_t)b->cu[s] * QROW, p->hq, (size_t)n[s] * QROW * 2);
+		memcpy(b->k + (size_t)b->cu[s] * KROW, p->hk, (size_t)n[s] * KROW * 2);
+		memcpy(b->v + (size_t)b->cu[s] * KROW, p->hv, (size_t)n[s] * KROW * 2);
+		b->cu[s + 1] = b->cu[s] + n[s];
+	}
+	const size_t tot = b->cu[NSEQ];
+	CU(cudaMemcpy(b->dq, b->q, tot * QROW * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(b->dk, b->k, tot * KROW * 2, cudaMemcpyHostToDevice));
+	CU(cudaMemcpy(b->dv, b->v, tot * KROW * 2, cudaMemcpyHostToDevice));
+}
+
+/* The CUDA cache's outputs to the host, and the worst relative L2 error against the CPU's over
+ * every (row, query head), which must be at most `bound`; `what` names the call. */
+static double chunk_compare(struct chunk *b, double bound, const char *what)
+{
+	const uint32_t tot = b->cu[NSEQ];
+	double worst = 0.0;
+	CU(cudaMemcpy(b->og, b->dout, sizeof(float) * tot * QROW, cudaMemcpyDeviceToHost));
+	for (uint32_t rh = 0; rh < tot * HQ; rh++) {
+		double num = 0, den = 0;
+		for (uint32_t j = 0; j < D; j++) {
+			const double x = b->oc[(size_t)rh * D + j], y = b->og[(size_t)rh * D + j];
+			num += (x - y) * (x - y);
+			den += x * x;
+		}
+		const double rel = sqrt(num / (den > 0 ? den : 1));
+		worst = rel > worst ? rel : worst;
+		T_CHECK(rel <= bound, "%s, row %u head %u: relative error %g (first output %.6g, the "
+			"CPU's %.6g)", what, rh / HQ, rh % HQ, rel, b->og[(size_t)rh * D],
+			b->oc[(size_t)rh * D]);
+	}
+	return worst;
+}
+
+/* The chunk on `layer` of both caches (flags 0). */
+static void chunk_extend_both(struct pair *p, struct chunk *b, uint32_t layer)
+{
+	OK(p->cpu, kvt_extend(p->cpu, layer, NSEQ, p->sc, b->cu, b->q, b->k, b->v, b->oc, 0, NULL));
+	OK(p->gpu, kvt_extend(p->gpu, layer, NSEQ, p->sg, b->cu, b->dq, b->dk, b->dv, b->dout, 0,
+			      NULL));
+}
+
 /*
  * kvt_extend (exact) on CUDA against the CPU backend: per layer, a batch of both sequences with
  * chunks of uneven lengths (37 and 130 rows, then 200 and none, then 9 and 64), the first round in
@@ -287,53 +375,24 @@ static void test_extend(void **state)
 {
 	(void)state;
 	struct pair p;
-	const uint32_t ctx = 700, chunk[3][NSEQ] = {{37, 130}, {200, 0}, {9, 64}}, most = 330;
+	struct chunk b;
+	const uint32_t ctx = 700, chunk[3][NSEQ] = {{37, 130}, {200, 0}, {9, 64}};
 	pair_init(&p, ctx, 400, 64u << 20);
-	const size_t qrow = (size_t)HQ * D, krow = (size_t)HKV * D;
-	uint16_t *q = malloc(most * qrow * 2), *k = malloc(most * krow * 2), *v = malloc(most * krow * 2);
-	float *oc = malloc(sizeof(float) * most * qrow), *og = malloc(sizeof(float) * most * qrow);
-	void *dq, *dk, *dv, *dout;
-	T_CHECK(q && k && v && oc && og, "malloc");
-	CU(cudaMalloc(&dq, most * qrow * 2));
-	CU(cudaMalloc(&dk, most * krow * 2));
-	CU(cudaMalloc(&dv, most * krow * 2));
-	CU(cudaMalloc(&dout, sizeof(float) * most * qrow));
+	chunk_init(&b, 330);
 	const uint64_t stage0 = gpu_extend_stage_bytes;
+	/* ranges of 256 and 64 rows */
+	const uint64_t stage[3] = {stage0, 256u * 2 * HKV * D * 2, 64u * 2 * HKV * D * 2};
 	uint32_t len[NSEQ] = {ctx, ctx};
 	double worst = 0.0;
-	const uint64_t stage[3] = {stage0, 256u * 2 * HKV * D * 2, 64u * 2 * HKV * D * 2};
 	for (int round = 0; round < 3; round++) {
 		gpu_extend_stage_bytes = stage[round];
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			uint32_t cu[NSEQ + 1] = {0};
-			for (uint32_t s = 0; s < NSEQ; s++) {
-				const uint32_t n = chunk[round][s];
-				make(&p, s, layer, len[s], n, -1);
-				memcpy(q + cu[s] * qrow, p.hq, n * qrow * 2);
-				memcpy(k + cu[s] * krow, p.hk, n * krow * 2);
-				memcpy(v + cu[s] * krow, p.hv, n * krow * 2);
-				cu[s + 1] = cu[s] + n;
-			}
-			const uint32_t tot = cu[NSEQ];
-			CU(cudaMemcpy(dq, q, tot * qrow * 2, cudaMemcpyHostToDevice));
-			CU(cudaMemcpy(dk, k, tot * krow * 2, cudaMemcpyHostToDevice));
-			CU(cudaMemcpy(dv, v, tot * krow * 2, cudaMemcpyHostToDevice));
-			OK(p.cpu, kvt_extend(p.cpu, layer, NSEQ, p.sc, cu, q, k, v, oc, 0, NULL));
-			OK(p.gpu, kvt_extend(p.gpu, layer, NSEQ, p.sg, cu, dq, dk, dv, dout, 0, NULL));
-			CU(cudaMemcpy(og, dout, sizeof(float) * tot * qrow, cudaMemcpyDeviceToHost));
-			for (uint32_t rh = 0; rh < tot * HQ; rh++) {
-				double num = 0, den = 0;
-				for (uint32_t j = 0; j < D; j++) {
-					const double a = oc[(size_t)rh * D + j], b = og[(size_t)rh * D + j];
-					num += (a - b) * (a - b);
-					den += a * a;
-				}
-				const double rel = sqrt(num / (den > 0 ? den : 1));
-				worst = rel > worst ? rel : worst;
-				T_CHECK(rel <= 1e-2, "round %d layer %u row %u head %u: relative error %g "
-					"(first output %.6g, the CPU's %.6g)", round, layer, rh / HQ,
-					rh % HQ, rel, og[(size_t)rh * D], oc[(size_t)rh * D]);
-			}
+			char what[64];
+			snprintf(what, sizeof what, "round %d layer %u", round, layer);
+			chunk_make(&p, &b, layer, len, chunk[round]);
+			chunk_extend_both(&p, &b, layer);
+			const double w = chunk_compare(&b, 1e-2, what);
+			worst = w > worst ? w : worst;
 		}
 		for (uint32_t s = 0; s < NSEQ; s++)
 			len[s] += chunk[round][s];
@@ -357,15 +416,7 @@ static void test_extend(void **state)
 	printf("extend: 3 rounds x %u layers x %u sequences (one range, ranges of 256, of 64 rows); "
 	       "worst error against the CPU %.3g; decode after it %.3g; rows read %llu\n", LAYERS,
 	       NSEQ, worst, dworst, (unsigned long long)sg.rows_fetched);
-	free(q);
-	free(k);
-	free(v);
-	free(oc);
-	free(og);
-	cudaFree(dq);
-	cudaFree(dk);
-	cudaFree(dv);
-	cudaFree(dout);
+	chunk_fini(&b);
 	pair_fini(&p);
 }
 
@@ -380,35 +431,18 @@ static void test_extend_faults(void **state)
 {
 	(void)state;
 	struct pair p;
-	const uint32_t ctx = 700, n[NSEQ] = {37, 130};
+	struct chunk b;
+	const uint32_t ctx = 700, n[NSEQ] = {37, 130}, pos[NSEQ] = {ctx, ctx};
 	pair_init(&p, ctx, 200, 64u << 20);
-	const size_t qrow = (size_t)HQ * D, krow = (size_t)HKV * D, tot = n[0] + n[1];
-	uint16_t *q = malloc(tot * qrow * 2), *k = malloc(tot * krow * 2), *v = malloc(tot * krow * 2);
-	float *oc = malloc(sizeof(float) * tot * qrow), *og = malloc(sizeof(float) * tot * qrow);
-	void *dq, *dk, *dv, *dout;
-	T_CHECK(q && k && v && oc && og, "malloc");
-	CU(cudaMalloc(&dq, tot * qrow * 2));
-	CU(cudaMalloc(&dk, tot * krow * 2));
-	CU(cudaMalloc(&dv, tot * krow * 2));
-	CU(cudaMalloc(&dout, sizeof(float) * tot * qrow));
-	uint32_t cu[NSEQ + 1] = {0};
-	for (uint32_t s = 0; s < NSEQ; s++) {
-		make(&p, s, 0, ctx, n[s], -1);
-		memcpy(q + cu[s] * qrow, p.hq, n[s] * qrow * 2);
-		memcpy(k + cu[s] * krow, p.hk, n[s] * krow * 2);
-		memcpy(v + cu[s] * krow, p.hv, n[s] * krow * 2);
-		cu[s + 1] = cu[s] + n[s];
-	}
-	CU(cudaMemcpy(dq, q, tot * qrow * 2, cudaMemcpyHostToDevice));
-	CU(cudaMemcpy(dk, k, tot * krow * 2, cudaMemcpyHostToDevice));
-	CU(cudaMemcpy(dv, v, tot * krow * 2, cudaMemcpyHostToDevice));
+	chunk_init(&b, n[0] + n[1]);
+	chunk_make(&p, &b, 0, pos, n);
 	kvt_capacity cap0 = {.size = sizeof cap0}, cap = {.size = sizeof cap};
 	OK(p.gpu, kvt_get_capacity(p.gpu, &cap0));
 	uint32_t failed = 0;
 	for (uint64_t f = 1;; f++) {
 		T_CHECK(f < 500, "the extend never succeeded");
 		kvt_mem_fail_at(f);
-		int rc = kvt_extend(p.gpu, 0, NSEQ, p.sg, cu, dq, dk, dv, dout, 0, NULL);
+		int rc = kvt_extend(p.gpu, 0, NSEQ, p.sg, b.cu, b.dq, b.dk, b.dv, b.dout, 0, NULL);
 		const bool fired = kvt_mem_fired();
 		kvt_mem_fail_at(0);
 		if (rc == 0)
@@ -429,32 +463,11 @@ static void test_extend_faults(void **state)
 				(long long)kvt_seq_length(p.gpu, p.sg[s], 0), ctx);
 	}
 	T_CHECK(failed > 0, "no failure was injected");
-	OK(p.cpu, kvt_extend(p.cpu, 0, NSEQ, p.sc, cu, q, k, v, oc, 0, NULL));
-	CU(cudaMemcpy(og, dout, sizeof(float) * tot * qrow, cudaMemcpyDeviceToHost));
-	double worst = 0.0;
-	for (uint32_t rh = 0; rh < tot * HQ; rh++) {
-		double num = 0, den = 0;
-		for (uint32_t j = 0; j < D; j++) {
-			const double a = oc[(size_t)rh * D + j], b = og[(size_t)rh * D + j];
-			num += (a - b) * (a - b);
-			den += a * a;
-		}
-		const double rel = sqrt(num / (den > 0 ? den : 1));
-		worst = rel > worst ? rel : worst;
-	}
-	T_CHECK(worst <= 1e-2, "after the faults: relative error %g against the CPU", worst);
+	OK(p.cpu, kvt_extend(p.cpu, 0, NSEQ, p.sc, b.cu, b.q, b.k, b.v, b.oc, 0, NULL));
+	const double worst = chunk_compare(&b, 1e-2, "after the faults");
 	/* layer 1 takes the same chunk fault-free, so that both layers hold equal lengths */
-	for (uint32_t s = 0; s < NSEQ; s++) {
-		make(&p, s, 1, ctx, n[s], -1);
-		memcpy(q + cu[s] * qrow, p.hq, n[s] * qrow * 2);
-		memcpy(k + cu[s] * krow, p.hk, n[s] * krow * 2);
-		memcpy(v + cu[s] * krow, p.hv, n[s] * krow * 2);
-	}
-	CU(cudaMemcpy(dq, q, tot * qrow * 2, cudaMemcpyHostToDevice));
-	CU(cudaMemcpy(dk, k, tot * krow * 2, cudaMemcpyHostToDevice));
-	CU(cudaMemcpy(dv, v, tot * krow * 2, cudaMemcpyHostToDevice));
-	OK(p.cpu, kvt_extend(p.cpu, 1, NSEQ, p.sc, cu, q, k, v, oc, 0, NULL));
-	OK(p.gpu, kvt_extend(p.gpu, 1, NSEQ, p.sg, cu, dq, dk, dv, dout, 0, NULL));
+	chunk_make(&p, &b, 1, pos, n);
+	chunk_extend_both(&p, &b, 1);
 	double dworst = 0.0;
 	for (uint32_t step = 0; step < 2; step++)
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
@@ -463,15 +476,7 @@ static void test_extend_faults(void **state)
 		}
 	printf("extend faults: %u injected failures changed nothing; then error %.3g against the "
 	       "CPU, decode %.3g\n", failed, worst, dworst);
-	free(q);
-	free(k);
-	free(v);
-	free(oc);
-	free(og);
-	cudaFree(dq);
-	cudaFree(dk);
-	cudaFree(dv);
-	cudaFree(dout);
+	chunk_fini(&b);
 	pair_fini(&p);
 }
 
