@@ -496,7 +496,8 @@ int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n
 /* Make child (a free slot) a copy of parent sharing its full blocks. */
 int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, void *stream);
 /* Restore the spilled sequences among seqs[i] with cu[i + 1] > cu[i] when the backend reads only
- * the host tier (!ops->read_rows_spilled): all of them resident, or an error. */
+ * the host tier (!ops->read_rows_spilled): all of them resident, or an error. kvt_extend's batch
+ * and kvt_seq_read_rows' one sequence. */
 int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
 		      uint32_t layer, void *stream);
 /* m NULL: dense rows (ops->read_rows), else placed by m (ops->read_rows_at, which must exist). */

@@ -409,15 +409,10 @@ int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t 
 		       void *stream)
 {
 	struct kvt_layer *l = &s->layers[layer];
+	const uint32_t one[2] = {0, 1};
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c));
-	if (!c->ops->read_rows_spilled && kvt_layer_spilled(c, l)) {
-		if (c->ops->may_block)
-			KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
-		int64_t rc = kvt_tier_restore(c, s, slot);
-		if (rc < 0)
-			return (int)rc;
-	}
+	KVT_TRY(kvt_pipe_resident(c, 1, &slot, one, layer, stream));
 	if (m)
 		KVT_TRY(c->ops->read_rows_at(c, l, from, to, k, v, m, stream));
 	else
