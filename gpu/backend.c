@@ -322,6 +322,7 @@ static const struct kvt_backend_ops ops = {
 	.stats = cu_stats,
 	.quiesce = cu_quiesce,
 	.truncate = gpu_truncate,
+	.rewind = gpu_rewind,
 	.fork = gpu_fork,
 	.read_rows = gpu_read_rows,
 	.extend = gpu_extend,

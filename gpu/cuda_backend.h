@@ -228,6 +228,7 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 /* life.c: verbs of truncate, fork and row ranges */
 int gpu_truncate(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni, uint32_t n_tokens,
 		 void *stream);
+int gpu_rewind(kvt_cache *c, struct kvt_layer *l, void *stream);
 int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_t layer,
 	     void *stream);
 int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k, void *v,

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The CUDA backend's verbs of a sequence's lifecycle (lib/lifecycle.c calls them, after
- * synchronizing the device): a truncation's window ring refilled from the host tier, a forked
- * sequence's mirror copied on the device (never rebuilt from the host tier), and a row range copied
- * out of the host tier. Rows of one block are adjacent in the host tier, so each copy moves a run of
+ * synchronizing the device): a truncation's window ring refilled from the host tier (and so is a
+ * failed call's, gpu_rewind), a forked sequence's mirror copied on the device (never rebuilt from
+ * the host tier), and a row range copied out of the host tier. Rows of one block are adjacent in the host tier, so each copy moves a run of
  * rows of one KV head up to a block edge (and, into the ring, up to its wrap).
  */
 #include "cuda_backend.h"
@@ -45,6 +45,15 @@ int gpu_truncate(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni,
 	/* blocks past the new length go back: the next new ones are uploaded again */
 	g->blk_n = min_u32(g->blk_n, (n_tokens + KVT_BLOCK_TOKENS - 1) / KVT_BLOCK_TOKENS);
 	return 0;
+}
+
+int gpu_rewind(kvt_cache *c, struct kvt_layer *l, void *stream)
+{
+	struct gpu_seq_layer *g = l->dev;
+	const uint32_t S = c->cfg.n_sink;
+	if (!g || !g->ring || l->n_tokens <= S + l->n_indexed)
+		return 0;
+	return ring_fill(c, l, g, l->n_indexed, l->n_tokens - S, stream);
 }
 
 int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_t layer,

@@ -427,6 +427,12 @@ struct kvt_backend_ops {
 	 * leaves it as it was. NULL: the backend keeps no window of its own. */
 	int (*truncate)(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni,
 			uint32_t n_tokens, void *stream);
+	/* A verb of l's call failed after the backend wrote its own copy of l's window past what l
+	 * holds (a chunk's store writes the ring slots of its new window tokens, which may be those
+	 * of window tokens l still holds): bring that copy back to l as it is. Runs once queued
+	 * device work is drained (quiesce); l's window rows are resident (a block holding a
+	 * window token is never spilled). NULL: the backend keeps no window of its own. */
+	int (*rewind)(kvt_cache *c, struct kvt_layer *l, void *stream);
 	/* Give `to` (a fresh layer of a forked sequence, its host state already copied) the backend
 	 * state of `from`, copied on the device. All or nothing. NULL: none to copy. */
 	int (*fork)(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_t layer,

@@ -129,13 +129,16 @@ static void prefill_commit(kvt_cache *c, struct kvt_layer *l, const struct prefi
  * the call changes nothing (issue 11, defect 3).
  */
 static int undo_grow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
-		     const struct kvt_tier_mark *m, int rc)
+		     const struct kvt_tier_mark *m, int rc, void *stream)
 {
 	/* queued device work may still write the grown blocks: drained before they are reused
 	 * (its own error, on a device that failed already, adds nothing to rc) */
 	if (c->ops->quiesce)
 		(void)c->ops->quiesce(c);
 	kvt_layers_ungrow(c, n, ls);
+	/* and the backend's window copies (a stored chunk may have written over slots of theirs) */
+	for (uint32_t i = 0; i < n && c->ops->rewind; i++)
+		(void)c->ops->rewind(c, ls[i], stream);
 	return kvt_tier_undo(c, m, rc);
 }
 
@@ -153,7 +156,7 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 	KVT_TRY(kvt_layers_grow_rows(c, 1, &l, &p.total));
 	int rc = prefill_run(c, l, layer, q, k, v, &p, stream);
 	if (rc < 0)
-		return undo_grow(c, 1, &l, &m, rc);
+		return undo_grow(c, 1, &l, &m, rc, stream);
 	prefill_commit(c, l, &p);
 	return 0;
 }
@@ -225,7 +228,7 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
 	int rc = extend_run(c, layer, n_seqs, ls, cu, q, k, v, out, topp, stream);
 	if (rc < 0)
-		return undo_grow(c, n_seqs, ls, &m, rc);
+		return undo_grow(c, n_seqs, ls, &m, rc, stream);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const struct prefill_plan p = prefill_plan(c, ls[i], cu[i + 1] - cu[i]);
 		if (p.n && topp)
@@ -286,7 +289,7 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
 	int rc = append_run(c, layer, n_seqs, ls, k, v, jobs, nj, stream);
 	if (rc < 0)
-		return undo_grow(c, n_seqs, ls, &m, rc);
+		return undo_grow(c, n_seqs, ls, &m, rc, stream);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		ls[i]->n_tokens = total[i];
 		ls[i]->sel_epoch = 0;
