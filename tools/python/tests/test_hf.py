@@ -8,6 +8,8 @@ never having had the cropped tokens; reorder / repeat / select then decode equal
 under the same operations. What kvtier.hf cannot serve must raise. Skips without torch + CUDA +
 transformers or without a CUDA build of libkvtier."""
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -169,57 +171,76 @@ def assert_logits_close(got, want, rel, what):
             "%s, pass %d: different top tokens" % (what, i))
 
 
-# bf16 is left out: on the H200 its logits agreed within 5e-2 of the largest but a top token
-# flipped where the reference's margin exceeds 0.1 (the kernel rounds the probabilities to bf16's
-# 8 bits before P V); the two-term split of branch next/extend-bf16-split is meant to close that
-@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+def clear_flips(x, ref, dtype):
+    """Positions where x's top token differs from ref's and ref's top two are not a near-tie."""
+    top2 = ref.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > TIE[dtype]
+    return int(((x.argmax(-1) != ref.argmax(-1)) & clear).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("length,chunk,batch", [(1024, 256, 2), (32768, 4096, 1)],
                          ids=["1K-in-256", "32K-in-4K"])
 def test_chunked_prefill_matches_one_chunk(tiny, dtype, length, chunk, batch):
     """A prompt prefilled in chunks (1024 tokens in 256, batch 2; 32K in 4K, issue 13's case: the
     first chunk by kvt_prefill, the others by one kvt_extend per layer, exact attention over the
-    stored rows), then 16 tokens at p = 1, fed as the one-chunk run chose them: the logits of every
-    position equal those of a one-chunk prefill within 5e-2 of the largest (as greedy generation
-    against SDPA), and so do their argmax wherever the reference's top two are not a near-tie.
+    stored rows), then 16 greedy tokens at p = 1:
+    - the greedy tokens are those of a one-chunk prefill, up to the first step where the one-chunk
+      run's top two logits nearly tie;
+    - fed the same 16 tokens, every position's logits are as close to the same model's in fp32
+      (SDPA, one chunk) as transformers' own fp16/bf16 SDPA prefill is: the largest difference at
+      most 1.5x SDPA's, and top tokens that differ from fp32's where its top two are not a
+      near-tie at most 2x as many as SDPA's, plus 2.
+    A tighter test cannot hold: the kernel rounds P to the input dtype, as SDPA's flash kernel
+    does, at other points, and over 32K positions the two roundings flip some top tokens of margin
+    0.02 (fp16) or 0.2 (bf16) either way; on the H200 SDPA's own distance to fp32 was the same.
     chunks="steps" (the chunks attended one token at a time) likewise, at 1K."""
     model = tiny.to(dtype)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 512, (batch, length), generator=g).cuda()
 
-    def run(chunk, toks=None, **kw):
+    def run(m, chunk, toks=None, make=None, **kw):
         logits, fed = [], []
-        with KvtierCache(model.config, **dict(OPTS, **kw)) as c, torch.no_grad():
+        c = make() if make else KvtierCache(m.config, **dict(OPTS, **kw))
+        with torch.no_grad():
             for i in range(0, ids.shape[1], chunk):
-                logits.append(model(ids[:, i:i + chunk], past_key_values=c,
-                                    use_cache=True).logits.float())
+                logits.append(m(ids[:, i:i + chunk], past_key_values=c,
+                                use_cache=True).logits.float())
             for t in range(16):
                 nxt = logits[-1][:, -1:].argmax(-1) if toks is None else toks[:, t:t + 1]
                 fed.append(nxt)
-                logits.append(model(nxt, past_key_values=c, use_cache=True).logits.float())
+                logits.append(m(nxt, past_key_values=c, use_cache=True).logits.float())
             assert c.get_seq_length() == ids.shape[1] + 16
-            st = c.stats()
+            st = c.stats() if make is None else None
+        if make is None:
+            c.close()
         return torch.cat(logits, 1), torch.cat(fed, 1), st
 
     set_attn(model, "kvtier")
     try:
-        want, toks, _ = run(ids.shape[1])
-        got, _, st = run(chunk, toks)
-        other = [("steps", run(chunk, toks, chunks="steps")[0])] if length <= 1024 else []
+        want, toks, _ = run(model, ids.shape[1])
+        _, free, _ = run(model, chunk)
+        got, _, st = run(model, chunk, toks)
+        other = [("steps", run(model, chunk, toks, chunks="steps")[0])] if length <= 1024 else []
     finally:
         set_attn(model, "sdpa")
+    sdpa = run(model, ids.shape[1], toks, make=transformers.DynamicCache)[0]
+    ref = copy.deepcopy(model).float()
+    fp32 = run(ref, ids.shape[1], toks, make=transformers.DynamicCache)[0]
+    del ref
+    assert_same_tokens(free, toks, want[:, length - 1:length + 15], dtype, "chunked prefill")
     # each later chunk staged its sequence's rows so far (k chunks' worth for the k-th), per KV
     # head (2), layer (2) and row of the batch
     staged = sum(k * chunk for k in range(2, length // chunk + 1))
     assert st.rows_fetched >= staged * 2 * 2 * batch
-    top = float(want.abs().max())
-    top2 = want.topk(2, -1).values
-    clear = (top2[..., 0] - top2[..., 1]) > TIE[dtype]
+    e_sdpa, f_sdpa = float((sdpa - fp32).abs().max()), clear_flips(sdpa, fp32, dtype)
     for name, x in [("kvt_extend", got)] + other:
-        err = float((x - want).abs().max())
-        assert err <= 5e-2 * top, "%s chunks: logits differ by %g (max |logit| %g)" % (
-            name, err, top)
-        assert torch.equal(x.argmax(-1)[clear], want.argmax(-1)[clear]), \
-            "%s chunks: a different top token where the reference has a clear one" % name
+        err, flips = float((x - fp32).abs().max()), clear_flips(x, fp32, dtype)
+        assert err <= 1.5 * e_sdpa, (
+            "%s chunks: logits differ from fp32's by %g, SDPA's by %g" % (name, err, e_sdpa))
+        assert flips <= 2 * f_sdpa + 2, (
+            "%s chunks: %d clear top tokens differ from fp32's, SDPA's %d" % (name, flips,
+                                                                              f_sdpa))
 
 
 @pytest.mark.parametrize("p", [1.0, 0.9])
