@@ -110,7 +110,8 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 		out->hot_rows = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
 		return gpu_check_err(c);
 	}
-	uint64_t hits = 0, misses = 0, bytes = 0, sel = 0, rescored = 0, unsel = 0;
+	uint64_t hits = 0, misses = 0, bytes = 0, sel = 0, rescored = 0, unsel = 0, bmax = 0,
+		 bmin = 0;
 	for (uint32_t i = 0; i < L; i++) {
 		const unsigned long long *k = b->cnt_host + (size_t)i * KVT_GPU_CNT_N;
 		hits += k[KVT_GPU_CNT_HITS];
@@ -119,7 +120,11 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 		sel += k[KVT_GPU_CNT_SELECTED] + b->lay[i].selected;
 		rescored += k[KVT_GPU_CNT_RESCORED];
 		unsel += k[KVT_GPU_CNT_RESCORED_UNSEL];
+		bmax += k[KVT_GPU_CNT_BMAX];
+		bmin += k[KVT_GPU_CNT_BMIN];
 	}
+	c->st.budget_max_hits = bmax;
+	c->st.budget_min_hits = bmin;
 	c->st.rescored_tokens = rescored;
 	c->st.rescored_unselected = unsel;
 	c->st.hot_hits = hits;

@@ -54,7 +54,9 @@ enum {
 	KVT_GPU_CNT_ROWS = 4,     /* rows attended (sinks + selected + window) */
 	KVT_GPU_CNT_RESCORED = 5, /* the second stage's candidates (union per KV head) */
 	KVT_GPU_CNT_RESCORED_UNSEL = 6, /* of them, not selected by the step */
-	KVT_GPU_CNT_N = 7
+	KVT_GPU_CNT_BMAX = 7,     /* query-head selections cut to budget_max */
+	KVT_GPU_CNT_BMIN = 8,     /* query-head selections raised to budget_min */
+	KVT_GPU_CNT_N = 9
 };
 
 /* The hot cache of one layer (device memory; sets == 0: no cache, every row read from host). */

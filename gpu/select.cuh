@@ -119,13 +119,16 @@ kvt_gpu_selbits kvt_gpu_selbits_at(void *base, size_t n_items, uint32_t max_n);
 
 /*
  * The first half of kvt_gpu_topp_union: the union's bits of every (sequence, KV head) into `bits`
- * (made for at least max_n tokens; item s n_kv_heads + h). Same arguments otherwise. Returns 0,
- * -EINVAL or -EIO. Asynchronous, allocation-free.
+ * (made for at least max_n tokens; item s n_kv_heads + h). Same arguments otherwise, and clamps:
+ * device [2] or NULL, to which each query head whose selection the budget clamped adds one
+ * (clamps[0]: cut to bmax, clamped -1; clamps[1]: raised to bmin, +1), as kvt_stats counts
+ * budget_max_hits and budget_min_hits. Returns 0, -EINVAL or -EIO. Asynchronous,
+ * allocation-free.
  */
 int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 			    const float *scores, size_t ld, const uint32_t *n_tokens,
 			    uint32_t max_n, const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
-			    void *stream);
+			    unsigned long long *clamps, void *stream);
 
 /*
  * The second half: the positions of n_items items of `bits` (as kvt_gpu_selbits_at lays them out,

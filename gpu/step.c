@@ -257,7 +257,7 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 						 c->cfg.budget_max, s->stats, s->topp_r, s->sscratch,
 						 s->sbytes, b->err, stream));
 		LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
-						  s->topp_r, rbits, stream));
+						  s->topp_r, rbits, NULL, stream));
 		LAUNCH(c, kvt_gpu_rescore(d, c->cfg.dtype, n_seqs, Hq, H, s->fetch, hot, q,
 					  s->topp_r, s->scores, s->ld, max_ni, stream));
 	}
@@ -266,7 +266,9 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 					 rs ? NULL : s->stats, s->topp, s->sscratch, s->sbytes,
 					 b->err, stream));
 	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
-					  y->bits, stream));
+					  y->bits,
+					  b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
+					  stream));
 	if (rs)
 		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, y->bits,
 						b->counters + (size_t)layer * KVT_GPU_CNT_N +

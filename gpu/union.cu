@@ -18,7 +18,8 @@ static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cov
 
 static __global__ void __launch_bounds__(UN_THREADS)
 	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,
-		     uint32_t hkv, const kvt_gpu_topp *topp, kvt_gpu_selbits bits)
+		     uint32_t hkv, const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
+		     unsigned long long *clamps)
 {
 	__shared__ unsigned long long cut[KVT_GPU_MAX_GROUP];
 	__shared__ uint32_t cnt[UN_THREADS / 32];
@@ -28,6 +29,8 @@ static __global__ void __launch_bounds__(UN_THREADS)
 	for (uint32_t g = tid; g < G; g += UN_THREADS) {
 		const kvt_gpu_topp o = topp[seg0 + g];
 		cut[g] = o.marked ? o.cut : ~0ull; /* ~0: nothing marked (no real cut has it) */
+		if (clamps && blockIdx.x == 0 && o.clamped)
+			atomicAdd(&clamps[o.clamped < 0 ? 0 : 1], 1ull);
 	}
 	__syncthreads();
 	const uint32_t t0 = blockIdx.x * UN_CHUNK + warp * UN_WARP_TOKENS;
@@ -153,7 +156,8 @@ extern "C" kvt_gpu_selbits kvt_gpu_selbits_at(void *base, size_t n_items, uint32
 extern "C" int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 				       const float *scores, size_t ld, const uint32_t *n_tokens,
 				       uint32_t max_n, const kvt_gpu_topp *topp,
-				       kvt_gpu_selbits bits, void *stream)
+				       kvt_gpu_selbits bits, unsigned long long *clamps,
+				       void *stream)
 {
 	if (!scores || !n_tokens || !topp || !bits.mask || !bits.ccount || n_kv_heads == 0 ||
 	    n_q_heads % n_kv_heads || n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
@@ -167,7 +171,7 @@ extern "C" int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint
 		return 0;
 	const dim3 grid(chunks_of(max_n), n_seqs * n_kv_heads);
 	k_union_mark<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(scores, ld, n_tokens, n_q_heads,
-								  n_kv_heads, topp, bits);
+								  n_kv_heads, topp, bits, clamps);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -199,7 +203,7 @@ extern "C" int kvt_gpu_topp_union(uint32_t n_seqs, uint32_t n_q_heads, uint32_t 
 		return -EINVAL;
 	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(scratch, items, max_n);
 	const int rc = kvt_gpu_topp_union_bits(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens,
-					       max_n, topp, bits, stream);
+					       max_n, topp, bits, NULL, stream);
 	if (rc < 0 || n_seqs == 0)
 		return rc;
 	return kvt_gpu_selbits_list((uint32_t)items, bits, sel, sel_ld, sel_n, stream);

@@ -108,6 +108,20 @@ static void test_pipeline(void **state)
 		"%u of %u selected sets outside the window (differing from the CPU's: %u, by up to %u "
 		"tokens)",
 		outside, compared, diff_sets, worst_diff);
+	/* the budget clamps of each query head: the same wherever the sets are (each differing set
+	 * may differ in all G of its heads) */
+	const uint64_t bmin_d = sc.budget_min_hits > sg.budget_min_hits
+					? sc.budget_min_hits - sg.budget_min_hits
+					: sg.budget_min_hits - sc.budget_min_hits;
+	printf("pipeline: budget_min hits cpu %llu gpu %llu, budget_max hits cpu %llu gpu %llu\n",
+	       (unsigned long long)sc.budget_min_hits, (unsigned long long)sg.budget_min_hits,
+	       (unsigned long long)sc.budget_max_hits, (unsigned long long)sg.budget_max_hits);
+	T_CHECK(bmin_d <= (uint64_t)diff_sets * (HQ / HKV) && sc.budget_max_hits == 0 &&
+			sg.budget_max_hits == 0,
+		"budget hits: min cpu %llu gpu %llu (%u sets differ), max cpu %llu gpu %llu",
+		(unsigned long long)sc.budget_min_hits, (unsigned long long)sg.budget_min_hits,
+		diff_sets, (unsigned long long)sc.budget_max_hits,
+		(unsigned long long)sg.budget_max_hits);
 	T_CHECK(sc.flushes == sg.flushes && sc.flushes > 0, "flushes cpu %llu gpu %llu",
 		(unsigned long long)sc.flushes, (unsigned long long)sg.flushes);
 	T_CHECK(sc.tokens == sg.tokens && sc.tokens_indexed == sg.tokens_indexed, "token counts");

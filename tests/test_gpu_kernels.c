@@ -639,13 +639,13 @@ static void test_arguments(void **state)
 		kvt_gpu_selbits bits = kvt_gpu_selbits_at(p, 2, 8);
 		T_CHECK(bits.words == 1 && bits.chunks == 1, "bits for 8 tokens: %u words, %u chunks",
 			bits.words, bits.chunks);
-		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 40, p, 40, p, bits, NULL) == -EINVAL,
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 40, p, 40, p, bits, NULL, NULL) == -EINVAL,
 			"bits made for fewer tokens than max_n");
-		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 3, p, 8, p, 8, p, bits, NULL) == -EINVAL,
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 3, p, 8, p, 8, p, bits, NULL, NULL) == -EINVAL,
 			"query heads not a multiple of KV heads");
 		kvt_gpu_selbits none = bits;
 		none.mask = NULL;
-		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 8, p, 8, p, none, NULL) == -EINVAL,
+		T_CHECK(kvt_gpu_topp_union_bits(1, 4, 2, p, 8, p, 8, p, none, NULL, NULL) == -EINVAL,
 			"NULL mask");
 		T_CHECK(kvt_gpu_selbits_list(2, none, p, 8, p, NULL) == -EINVAL, "list: NULL mask");
 		kvt_gpu_selbits wide = bits;

@@ -178,14 +178,26 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 			       what, s, h, m, seln[s * Hkv + h], first_diff);
 		}
 	/* the union's bits alone, listed again from a view that starts at the second item: what a
-	 * gather of a later run of a step's slots does; the same positions and counts */
+	 * gather of a later run of a step's slots does; the same positions and counts; and the
+	 * clamps it counts, those of the segments' outputs */
 	const size_t items = (size_t)S * Hkv;
 	if (items > 1 && max_n) {
 		void *bm = dpoison(kvt_gpu_selbits_bytes(items, max_n));
 		kvt_gpu_selbits bits = kvt_gpu_selbits_at(bm, items, max_n);
+		unsigned long long *dcl = NULL, cl[2], want[2] = {0, 0};
+		CU(cudaMalloc((void **)&dcl, sizeof cl));
+		CU(cudaMemset(dcl, 0, sizeof cl));
 		rc = kvt_gpu_topp_union_bits(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout,
-					     bits, NULL);
+					     bits, dcl, NULL);
 		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
+		fetch(cl, dcl, sizeof cl);
+		for (uint32_t seg = 0; seg < segs; seg++)
+			if (out[seg].clamped)
+				want[out[seg].clamped < 0 ? 0 : 1]++;
+		T_SOFT(bad, cl[0] == want[0] && cl[1] == want[1],
+		       "%s: the union counted %llu cuts to bmax and %llu raises to bmin, the outputs "
+		       "hold %llu and %llu", what, cl[0], cl[1], want[0], want[1]);
+		cudaFree(dcl);
 		bits.mask += bits.words;
 		bits.ccount += bits.chunks;
 		uint32_t *dsel2 = (uint32_t *)dpoison(4 * (items - 1) * max_n),
