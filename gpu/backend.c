@@ -154,6 +154,11 @@ static void cu_fini(kvt_cache *c)
 		cudaStreamDestroy(b->idx);
 	if (b->staging_ev)
 		cudaEventDestroy(b->staging_ev);
+	if (b->ext_side)
+		cudaStreamDestroy(b->ext_side);
+	for (int e = 0; e < 5; e++)
+		if (b->ext_ev[e])
+			cudaEventDestroy(b->ext_ev[e]);
 	if (b->ready)
 		cudaEventDestroy(b->ready);
 	if (b->sp_ev)
@@ -205,6 +210,9 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	CU(c, cudaStreamCreateWithPriority(&b->idx, cudaStreamNonBlocking, lo));
 	CU(c, cudaEventCreateWithFlags(&b->staging_ev, cudaEventDisableTiming));
 	CU(c, cudaEventCreateWithFlags(&b->ready, cudaEventDisableTiming));
+	CU(c, cudaStreamCreateWithFlags(&b->ext_side, cudaStreamNonBlocking));
+	for (int e = 0; e < 5; e++)
+		CU(c, cudaEventCreateWithFlags(&b->ext_ev[e], cudaEventDisableTiming));
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
 		for (int e = 0; e < 4; e++)
 			CU(c, cudaEventCreate(&b->t[i].ev[e]));

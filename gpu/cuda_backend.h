@@ -137,6 +137,8 @@ struct gpu_cache {
 	void *ext_mem;
 	size_t ext_bytes;
 	uint64_t ext_rows, ext_bytes_read;
+	cudaStream_t ext_side;  /* stages range r + 1 while the caller's stream attends range r */
+	cudaEvent_t ext_ev[5];  /* the entry's start, staged[2], free[2] (per staging buffer) */
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)

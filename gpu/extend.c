@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * kvt_extend on the CUDA backend (exact attention; Top-p per query row is the CPU backend's only):
- * per entry, the sequence's rows up to its last query row are staged from the host tier into a
- * device buffer a range at a time (at most gpu_extend_stage_bytes), and each range is attended by
- * all of the entry's query rows (gpu/extend.cu); their running state carries over ranges. The
+ * per entry, the sequence's rows up to its last query row are staged from the host tier into
+ * device buffers a range at a time, and each range is attended by all of the entry's query rows
+ * (gpu/extend.cu); their running state carries over ranges. A sequence of more than 8192 rows goes
+ * through four ranges or more, the staging of each (on a side stream) overlapping the attention
+ * of the one before (on the caller's). The
  * chunk's own rows were stored by the pipeline just before, in stream order. Nothing is
  * synchronized unless a buffer grows (refused under graph capture). Spilled sequences were restored
  * by lib/api.c first (read_rows_spilled is false).
@@ -11,18 +13,61 @@
 #include "cuda_backend.h"
 #include "extend.cuh"
 
-/* The staging buffer's bound: rows of a longer sequence go through it in several ranges (a
- * variable so that a test can make the ranges small). */
+/* The staging buffers' bound, both together: rows of a longer sequence go through them in
+ * several ranges (a variable so that a test can make the ranges small). */
 uint64_t gpu_extend_stage_bytes = 256ull << 20;
 
-/* Positions staged per range for a sequence of `total` rows: all of them when they fit, else the
- * bound's worth (a multiple of the kernel's 64 keys). */
+/* Sequences of up to this many rows are staged and attended in one range; a longer one in ranges
+ * of a quarter of it (at least 4096 rows, at most what one of the two buffers holds), so that the
+ * staging of range r + 1 overlaps the attention of range r. */
+#define GPU_EXTEND_ONE_RANGE 8192u
+
+/* Positions staged per range for a sequence of `total` rows (a multiple of the kernel's 64 keys
+ * unless it is all of them). */
 static uint32_t range_rows(const kvt_cache *c, uint32_t total)
 {
 	const uint64_t per = 2ull * c->cfg.n_kv_heads * c->d * c->elem;
-	uint64_t r = gpu_extend_stage_bytes / per;
-	r = r < 64 ? 64 : r & ~63ull;
-	return total <= r ? total : (uint32_t)r;
+	uint64_t cap = gpu_extend_stage_bytes / 2 / per;
+	cap = cap < 64 ? 64 : cap & ~63ull;
+	uint64_t r = total;
+	if (total > GPU_EXTEND_ONE_RANGE) {
+		r = (((uint64_t)total + 3) / 4 + 63) & ~63ull;
+		r = r < 4096 ? 4096 : r;
+	}
+	return r <= cap ? (uint32_t)r : (uint32_t)cap;
+}
+
+/* The ranges of one entry: staged on the side stream into two buffers in turn, each attended on
+ * the caller's stream once staged; a buffer is staged again once the attention two ranges back is
+ * done with it. The side stream starts after everything the caller's stream holds (the chunk's
+ * rows just stored, the previous entry's attention), and the caller's stream waits for its last
+ * staging, so the call stays stream-ordered (and capturable: fork and join by events). */
+static int ranges_overlapped(kvt_cache *c, const struct gpu_seq_layer *g, uint32_t total,
+			     uint32_t R, char *buf, size_t half, const char *qi, uint32_t nq,
+			     uint32_t first, float *st, float *pt, size_t part, char *oi,
+			     void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
+	cudaStream_t ms = (cudaStream_t)stream, ss = b->ext_side;
+	CU(c, cudaEventRecord(b->ext_ev[0], ms));
+	CU(c, cudaStreamWaitEvent(ss, b->ext_ev[0], 0));
+	uint32_t r = 0;
+	for (uint32_t r0 = 0; r0 < total; r0 += R, r++) {
+		const uint32_t r1 = total - r0 < R ? total : r0 + R, i = r % 2;
+		char *kb = buf + (size_t)i * 2 * half, *vb = kb + half;
+		if (r >= 2)
+			CU(c, cudaStreamWaitEvent(ss, b->ext_ev[3 + i], 0));
+		LAUNCH(c, kvt_gpu_stage_rows(d, H, (void *const *)g->blk, g->blk_cap,
+					     (uint32_t)c->row_bytes, r0, r1, kb, vb, R, b->err, ss));
+		CU(c, cudaEventRecord(b->ext_ev[1 + i], ss));
+		CU(c, cudaStreamWaitEvent(ms, b->ext_ev[1 + i], 0));
+		LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H, c->scale, qi,
+						nq, first, kb, vb, R, r0, r1, st, r0 == 0,
+						r1 == total, oi, pt, part, stream));
+		CU(c, cudaEventRecord(b->ext_ev[3 + i], ms));
+	}
+	return 0;
 }
 
 int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -56,25 +101,26 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 		KVT_TRY(gpu_mirror_sync_blocks(c, l, g, stream));
 		const uint32_t first = l->n_tokens, total = first + nq, R = range_rows(c, total);
 		const bool ranges = R < total;
-		const size_t half = gpu_up((size_t)H * R * d * c->elem);
+		const size_t half = gpu_up((size_t)H * R * d * c->elem), bufs = ranges ? 2 : 1;
 		const size_t state = ranges ? gpu_up(kvt_gpu_extend_state_bytes(nq, Hq, d)) : 0;
 		const size_t part = gpu_up(kvt_gpu_extend_part_bytes(nq, Hq, H, d, R));
-		KVT_TRY(gpu_grow(c, &b->ext_mem, &b->ext_bytes, 2 * half + state + part, stream,
-				 "the staging buffer of kvt_extend"));
-		char *kbuf = b->ext_mem, *vbuf = kbuf + half;
-		float *st = ranges ? (float *)(vbuf + half) : NULL;
-		float *pt = part ? (float *)(vbuf + half + state) : NULL;
+		KVT_TRY(gpu_grow(c, &b->ext_mem, &b->ext_bytes, bufs * 2 * half + state + part,
+				 stream, "the staging buffers of kvt_extend"));
+		char *buf = b->ext_mem;
+		float *st = ranges ? (float *)(buf + bufs * 2 * half) : NULL;
+		float *pt = part ? (float *)(buf + bufs * 2 * half + state) : NULL;
 		const char *qi = (const char *)q + cu[i] * q_row;
 		char *oi = (char *)out + cu[i] * out_row;
-		for (uint32_t r0 = 0; r0 < total; r0 += R) {
-			const uint32_t r1 = total - r0 < R ? total : r0 + R;
+		if (ranges) {
+			KVT_TRY(ranges_overlapped(c, g, total, R, buf, half, qi, nq, first, st, pt,
+						  part, oi, stream));
+		} else {
 			LAUNCH(c, kvt_gpu_stage_rows(d, H, (void *const *)g->blk, g->blk_cap,
-						     (uint32_t)c->row_bytes, r0, r1, kbuf, vbuf, R,
-						     b->err, stream));
+						     (uint32_t)c->row_bytes, 0, total, buf,
+						     buf + half, R, b->err, stream));
 			LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H,
-							c->scale, qi, nq, first, kbuf, vbuf, R, r0,
-							r1, st, r0 == 0, r1 == total, oi, pt, part,
-							stream));
+							c->scale, qi, nq, first, buf, buf + half, R,
+							0, total, NULL, 1, 1, oi, pt, part, stream));
 		}
 		rows += (uint64_t)total * H;
 		bytes += (uint64_t)total * H * c->row_bytes;
