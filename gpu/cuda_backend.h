@@ -139,6 +139,7 @@ struct gpu_cache {
 	uint64_t ext_rows, ext_bytes_read;
 	cudaStream_t ext_side;  /* stages range r + 1 while the caller's stream attends range r */
 	cudaEvent_t ext_ev[5];  /* the entry's start, staged[2], free[2] (per staging buffer) */
+	uint32_t ext_stage_blocks; /* per KV head, of that staging: about one per SM in all */
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)

@@ -59,7 +59,8 @@ static int ranges_overlapped(kvt_cache *c, const struct gpu_seq_layer *g, uint32
 		if (r >= 2)
 			CU(c, cudaStreamWaitEvent(ss, b->ext_ev[3 + i], 0));
 		LAUNCH(c, kvt_gpu_stage_rows(d, H, (void *const *)g->blk, g->blk_cap,
-					     (uint32_t)c->row_bytes, r0, r1, kb, vb, R, b->err, ss));
+					     (uint32_t)c->row_bytes, r0, r1, kb, vb, R,
+					     b->ext_stage_blocks, b->err, ss));
 		CU(c, cudaEventRecord(b->ext_ev[1 + i], ss));
 		CU(c, cudaStreamWaitEvent(ms, b->ext_ev[1 + i], 0));
 		LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H, c->scale, qi,
@@ -117,7 +118,7 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 		} else {
 			LAUNCH(c, kvt_gpu_stage_rows(d, H, (void *const *)g->blk, g->blk_cap,
 						     (uint32_t)c->row_bytes, 0, total, buf,
-						     buf + half, R, b->err, stream));
+						     buf + half, R, 0, b->err, stream));
 			LAUNCH(c, kvt_gpu_extend_attend(d, c->cfg.dtype, c->cfg.out_dtype, Hq, H,
 							c->scale, qi, nq, first, buf, buf + half, R,
 							0, total, NULL, 1, 1, oi, pt, part, stream));
