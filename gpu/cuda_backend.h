@@ -239,6 +239,7 @@ int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to,
 /* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
  * bound on its staging buffer (256 MiB) */
 extern uint64_t gpu_extend_stage_bytes;
+extern uint32_t gpu_extend_one_range, gpu_extend_overlap_q;
 int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out, void *stream);
 
