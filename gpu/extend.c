@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * kvt_extend on the CUDA backend (exact attention; Top-p per query row is the CPU backend's only):
- * per entry, the sequence's rows up to its last query row are staged from the host tier into
- * device buffers a range at a time, and each range is attended by all of the entry's query rows
+ * per entry, the sequence's rows up to its last query row are staged from the host tier into device
+ * buffers a range at a time, and each range is attended by all of the entry's query rows
  * (gpu/extend.cu); their running state carries over ranges. A long chunk over more than 8192 rows
  * goes through four ranges or more, the staging of each (on a side stream) overlapping the
- * attention of the one before (on the caller's). The chunk's own rows were stored by the pipeline just before, in stream order. Nothing is
- * synchronized unless a buffer grows (refused under graph capture). Spilled sequences were restored
- * by lib/api.c first (read_rows_spilled is false).
+ * attention of the one before (on the caller's). The chunk's own rows were stored by the pipeline
+ * just before, in stream order. Nothing is synchronized unless a buffer grows (refused under graph
+ * capture). Spilled sequences were restored by lib/api.c first (read_rows_spilled is false).
  */
 #include "cuda_backend.h"
 #include "extend.cuh"
@@ -16,12 +16,12 @@
  * several ranges (a variable so that a test can make the ranges small). */
 uint64_t gpu_extend_stage_bytes = 256ull << 20;
 
-/* A chunk of at least gpu_extend_overlap_q query rows over more than gpu_extend_one_range rows
- * goes through ranges of a quarter of them (at least half the latter, at most what one of two
- * buffers holds), the staging of range r + 1 on a side stream overlapping the attention of range r. A
- * shorter chunk has little attention to hide the staging behind (on the H200 overlapping cost
- * 4-7 % at 16 query rows, since the side stream's staging takes few SMs): its rows are staged on
- * the caller's stream by the whole device, in one range when they fit the bound. */
+/* A chunk of at least gpu_extend_overlap_q query rows over more than gpu_extend_one_range rows goes
+ * through ranges of a quarter of them (at least half the latter, at most what one of two buffers
+ * holds), the staging of range r + 1 on a side stream overlapping the attention of range r. A
+ * shorter chunk has little attention to hide the staging behind (on the H200 overlapping cost 4-7 %
+ * at 16 query rows, since the side stream's staging takes few SMs): its rows are staged on the
+ * caller's stream by the whole device, in one range when they fit the bound. */
 uint32_t gpu_extend_one_range = 8192, gpu_extend_overlap_q = 256; /* variables for the tests */
 
 static bool overlapped(uint32_t total, uint32_t nq)
