@@ -129,7 +129,7 @@ static void time_parts(uint32_t N, uint32_t C, int reps, cudaStream_t st, shape_
 	fill_f16<<<1024, 256, 0, st>>>((uint16_t *)q, (size_t)C * HQ * D, 6, 1.0f);
 	CK(cudaGetLastError());
 	r->stage = median_ms(st, 3, reps, [&](int) {
-		RC(kvt_gpu_stage_rows(D, HKV, dtable, nblk, ROW, 0, total, k, v, total, err, st));
+		RC(kvt_gpu_stage_rows(D, HKV, dtable, nblk, ROW, 0, total, k, v, total, 0, err, st));
 	});
 	r->h2d = median_ms(st, 3, reps, [&](int) {
 		CK(cudaMemcpyAsync(copy, host, 2 * half, cudaMemcpyHostToDevice, st));

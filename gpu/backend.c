@@ -159,6 +159,11 @@ static void cu_fini(kvt_cache *c)
 		cudaStreamDestroy(b->idx);
 	if (b->staging_ev)
 		cudaEventDestroy(b->staging_ev);
+	if (b->ext_side)
+		cudaStreamDestroy(b->ext_side);
+	for (int e = 0; e < 5; e++)
+		if (b->ext_ev[e])
+			cudaEventDestroy(b->ext_ev[e]);
 	if (b->ready)
 		cudaEventDestroy(b->ready);
 	if (b->sp_ev)
@@ -210,6 +215,15 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	CU(c, cudaStreamCreateWithPriority(&b->idx, cudaStreamNonBlocking, lo));
 	CU(c, cudaEventCreateWithFlags(&b->staging_ev, cudaEventDisableTiming));
 	CU(c, cudaEventCreateWithFlags(&b->ready, cudaEventDisableTiming));
+	/* kvt_extend's staging overlaps its attention: first to take an SM that frees up, on a
+	 * grid of about one block per SM (enough loads in flight for PCIe, few SMs taken) */
+	CU(c, cudaStreamCreateWithPriority(&b->ext_side, cudaStreamNonBlocking, hi));
+	int dev = 0, sms = 0;
+	CU(c, cudaGetDevice(&dev));
+	CU(c, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+	b->ext_stage_blocks = (uint32_t)sms / c->cfg.n_kv_heads ? (uint32_t)sms / c->cfg.n_kv_heads : 1;
+	for (int e = 0; e < 5; e++)
+		CU(c, cudaEventCreateWithFlags(&b->ext_ev[e], cudaEventDisableTiming));
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
 		for (int e = 0; e < 4; e++)
 			CU(c, cudaEventCreate(&b->t[i].ev[e]));

@@ -137,6 +137,9 @@ struct gpu_cache {
 	void *ext_mem;
 	size_t ext_bytes;
 	uint64_t ext_rows, ext_bytes_read;
+	cudaStream_t ext_side;  /* stages range r + 1 while the caller's stream attends range r */
+	cudaEvent_t ext_ev[5];  /* the entry's start, staged[2], free[2] (per staging buffer) */
+	uint32_t ext_stage_blocks; /* per KV head, of that staging: about one per SM in all */
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)
@@ -237,6 +240,7 @@ int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to,
 /* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
  * bound on its staging buffer (256 MiB) */
 extern uint64_t gpu_extend_stage_bytes;
+extern uint32_t gpu_extend_one_range, gpu_extend_overlap_q;
 int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out, void *stream);
 

@@ -57,8 +57,8 @@ static __global__ void __launch_bounds__(ST_THREADS)
 
 extern "C" int kvt_gpu_stage_rows(uint32_t d, uint32_t n_kv_heads, void *const *blocks,
 				  uint32_t blk_cap, uint32_t row_bytes, uint32_t from, uint32_t to,
-				  void *k, void *v, size_t cap, unsigned long long *err,
-				  void *stream)
+				  void *k, void *v, size_t cap, uint32_t max_blocks,
+				  unsigned long long *err, void *stream)
 {
 	if (!blocks || !k || !v || d % 8 || row_bytes < 4 * d || row_bytes % 16 || to < from ||
 	    cap < to - from || n_kv_heads == 0 || n_kv_heads > 65535 || ((uintptr_t)k & 15) ||
@@ -68,8 +68,9 @@ extern "C" int kvt_gpu_stage_rows(uint32_t d, uint32_t n_kv_heads, void *const *
 		return 0;
 	const uint64_t work = (uint64_t)(to - from) * (d / 4);
 	uint64_t blocks_x = (work + ST_THREADS - 1) / ST_THREADS;
-	if (blocks_x > 1024)
-		blocks_x = 1024;
+	const uint32_t most = max_blocks ? max_blocks : 1024;
+	if (blocks_x > most)
+		blocks_x = most;
 	k_stage<<<dim3((uint32_t)blocks_x, n_kv_heads), ST_THREADS, 0, KVT_STREAM(stream)>>>(
 		d / 8, blocks, blk_cap, row_bytes, from, to, (uint4 *)k, (uint4 *)v, cap, err);
 	KVT_CU_LAUNCHED();

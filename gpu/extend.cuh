@@ -29,11 +29,13 @@ extern "C" {
  *              (spilled) gives zeros and KVT_GPU_ERR_RANGE (where = KV head, index = position)
  *   row_bytes: bytes of a stored row (4 d: K then V)
  *   cap >= to - from
+ *   max_blocks: thread blocks per KV head at most (0: as many as the rows need, up to 1024); a
+ *              staging that overlaps other kernels takes few, leaving them the SMs
  * Returns 0, -EINVAL or -EIO. Asynchronous, allocation-free.
  */
 int kvt_gpu_stage_rows(uint32_t d, uint32_t n_kv_heads, void *const *blocks, uint32_t blk_cap,
 		       uint32_t row_bytes, uint32_t from, uint32_t to, void *k, void *v, size_t cap,
-		       unsigned long long *err, void *stream);
+		       uint32_t max_blocks, unsigned long long *err, void *stream);
 
 /* Bytes of the running state of n_rows query rows (kvt_gpu_extend_attend over several ranges). */
 size_t kvt_gpu_extend_state_bytes(uint32_t n_rows, uint32_t n_q_heads, uint32_t d);

@@ -270,8 +270,10 @@ static void test_unsupported(void **state)
 	pair_fini(&p);
 }
 
-/* extend.c's bound on its staging buffer: lowered to make many ranges */
+/* extend.c's bound on its staging buffer (lowered to make many ranges) and the thresholds of its
+ * overlapped ranges */
 extern uint64_t gpu_extend_stage_bytes;
+extern uint32_t gpu_extend_one_range, gpu_extend_overlap_q;
 
 /* A batch of kvt_extend chunks of both sequences: host rows for the CPU cache, device copies for
  * the CUDA one, and both backends' outputs; room for `most` rows in all. */
@@ -363,29 +365,33 @@ static void chunk_extend_both(struct pair *p, struct chunk *b, uint32_t layer)
 
 /*
  * kvt_extend (exact) on CUDA against the CPU backend: per layer, a batch of both sequences with
- * chunks of uneven lengths (37 and 130 rows, then 200 and none, then 9 and 64), the first round in
- * one staging range (its keys split over blocks: few query rows), the second through ranges of
- * 256 rows (split, merged with the running state), the third through ranges of 64 rows (one block
- * per tile, the state carried over ranges by the kernel); the outputs agree within
- * 1e-2 relative per (row, query head): the GPU rounds the probabilities to fp16 before they weight
- * V, as FlashAttention does. Then both caches hold the same lengths, and decode steps on them
- * agree as attend_both requires (the rows and index entries the extends stored).
+ * chunks of uneven lengths (37 and 130 rows, then 200 and none, then 9 and 64, then 40 and 3), the
+ * first round in one staging range (its keys split over blocks: few query rows), the second
+ * through ranges of 256 rows (split, merged with the running state), the third through ranges of
+ * 64 rows (one block per tile, the state carried over ranges by the kernel), the fourth through
+ * four ranges staged on the side stream into two buffers in turn (the overlapped path, its
+ * thresholds lowered); the outputs agree within 1e-2 relative per (row, query head): the GPU
+ * rounds the probabilities to fp16 before they weight V, as FlashAttention does. Then both caches
+ * hold the same lengths, and decode steps on them agree as attend_both requires (the rows and
+ * index entries the extends stored).
  */
 static void test_extend(void **state)
 {
 	(void)state;
 	struct pair p;
 	struct chunk b;
-	const uint32_t ctx = 700, chunk[3][NSEQ] = {{37, 130}, {200, 0}, {9, 64}};
+	const uint32_t ctx = 700, chunk[4][NSEQ] = {{37, 130}, {200, 0}, {9, 64}, {40, 3}};
 	pair_init(&p, ctx, 400, 64u << 20);
 	chunk_init(&b, 330);
 	const uint64_t stage0 = gpu_extend_stage_bytes;
-	/* ranges of 256 and 64 rows */
-	const uint64_t stage[3] = {stage0, 256u * 2 * HKV * D * 2, 64u * 2 * HKV * D * 2};
+	const uint32_t one0 = gpu_extend_one_range, q0 = gpu_extend_overlap_q;
+	const uint64_t stage[4] = {stage0, 256u * 2 * HKV * D * 2, 64u * 2 * HKV * D * 2, stage0};
 	uint32_t len[NSEQ] = {ctx, ctx};
 	double worst = 0.0;
-	for (int round = 0; round < 3; round++) {
+	for (int round = 0; round < 4; round++) {
 		gpu_extend_stage_bytes = stage[round];
+		gpu_extend_one_range = round == 3 ? 128 : one0; /* ranges of 256 rows, four a sequence */
+		gpu_extend_overlap_q = round == 3 ? 1 : q0;
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
 			char what[64];
 			snprintf(what, sizeof what, "round %d layer %u", round, layer);
@@ -397,6 +403,8 @@ static void test_extend(void **state)
 		for (uint32_t s = 0; s < NSEQ; s++)
 			len[s] += chunk[round][s];
 	}
+	gpu_extend_one_range = one0;
+	gpu_extend_overlap_q = q0;
 	gpu_extend_stage_bytes = stage0;
 	for (uint32_t s = 0; s < NSEQ; s++)
 		for (uint32_t layer = 0; layer < LAYERS; layer++)
@@ -413,7 +421,8 @@ static void test_extend(void **state)
 		}
 	kvt_stats sg = {.size = sizeof sg};
 	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
-	printf("extend: 3 rounds x %u layers x %u sequences (one range, ranges of 256, of 64 rows); "
+	printf("extend: 4 rounds x %u layers x %u sequences (one range, ranges of 256, of 64, "
+	       "overlapped); "
 	       "worst error against the CPU %.3g; decode after it %.3g; rows read %llu\n", LAYERS,
 	       NSEQ, worst, dworst, (unsigned long long)sg.rows_fetched);
 	chunk_fini(&b);
