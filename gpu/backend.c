@@ -177,6 +177,7 @@ static void cu_fini(kvt_cache *c)
 	gpu_dfree(c, b->arena);
 	gpu_dfree(c, b->staging);
 	gpu_dfree(c, b->ext_mem);
+	gpu_dfree(c, b->rows_mem);
 	kvt_mem_free(KVT_MEM_HOST, b->cnt_host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b->host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b, 0);
@@ -344,6 +345,8 @@ static const struct kvt_backend_ops ops = {
 	.rewind = gpu_rewind,
 	.fork = gpu_fork,
 	.read_rows = gpu_read_rows,
+	.read_rows_at = gpu_read_rows_at,
+	.gather_rows = gpu_gather_rows,
 	.extend = gpu_extend,
 	.copy_strided = cu_copy_strided,
 	.device_tensors = true,

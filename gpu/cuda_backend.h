@@ -140,6 +140,9 @@ struct gpu_cache {
 	cudaStream_t ext_side;  /* stages range r + 1 while the caller's stream attends range r */
 	cudaEvent_t ext_ev[5];  /* the entry's start, staged[2], free[2] (per staging buffer) */
 	uint32_t ext_stage_blocks; /* per KV head, of that staging: about one per SM in all */
+	/* kvt_seq_read_rows_at / write_rows_at (life.c): dense rows and the slot mapping */
+	void *rows_mem;
+	size_t rows_bytes;
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)
@@ -236,6 +239,10 @@ int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_
 	     void *stream);
 int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k, void *v,
 		  void *stream);
+int gpu_read_rows_at(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+		     void *v, const struct kvt_rows_map *m, void *stream);
+int gpu_gather_rows(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
+		    const void *v, void **dk, void **dv, void *stream);
 
 /* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
  * bound on its staging buffer (256 MiB) */

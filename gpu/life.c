@@ -3,10 +3,12 @@
  * The CUDA backend's verbs of a sequence's lifecycle (lib/lifecycle.c calls them, after
  * synchronizing the device): a truncation's window ring refilled from the host tier (and so is a
  * failed call's, gpu_rewind), a forked sequence's mirror copied on the device (never rebuilt from
- * the host tier), and a row range copied out of the host tier. Rows of one block are adjacent in the host tier, so each copy moves a run of
+ * the host tier), and a row range copied out of the host tier (dense, or placed in a runtime's
+ * paged or strided buffer through a dense device scratch: rows.cu). Rows of one block are adjacent in the host tier, so each copy moves a run of
  * rows of one KV head up to a block edge (and, into the ring, up to its wrap).
  */
 #include "cuda_backend.h"
+#include "rows.cuh"
 
 static uint32_t min_u32(uint32_t a, uint32_t b)
 {
@@ -91,5 +93,53 @@ int gpu_read_rows(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to,
 			CU(c, cudaMemcpy2DAsync((char *)v + at, pitch, src + half, c->row_bytes, half, n,
 						cudaMemcpyHostToDevice, (cudaStream_t)stream));
 		}
+	return 0;
+}
+
+/* The dense rows of n tokens (K then V, [n, n_kv_heads, d] each) in the device scratch, and m's
+ * slot mapping after them (NULL without one), uploaded on the stream: a pageable copy, so the
+ * caller's array may change once this returns. */
+static int rows_scratch(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, char **dense,
+			const int64_t **slots, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const size_t one = gpu_up((size_t)n * c->cfg.n_kv_heads * c->d * c->elem);
+	const size_t map = m->slot ? sizeof(int64_t) * n : 0;
+	KVT_TRY(gpu_grow(c, &b->rows_mem, &b->rows_bytes, 2 * one + map, stream,
+			 "the dense rows of a paged or strided layout"));
+	*dense = b->rows_mem;
+	*slots = m->slot ? (const int64_t *)(*dense + 2 * one) : NULL;
+	if (m->slot)
+		CU(c, cudaMemcpyAsync((void *)*slots, m->slot, map, cudaMemcpyHostToDevice,
+				      (cudaStream_t)stream));
+	return 0;
+}
+
+int gpu_read_rows_at(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
+		     void *v, const struct kvt_rows_map *m, void *stream)
+{
+	const uint32_t n = to - from;
+	const size_t one = gpu_up((size_t)n * c->cfg.n_kv_heads * c->d * c->elem);
+	char *dense;
+	const int64_t *slots;
+	KVT_TRY(rows_scratch(c, m, n, &dense, &slots, stream));
+	KVT_TRY(gpu_read_rows(c, l, from, to, dense, dense + one, stream));
+	LAUNCH(c, kvt_gpu_rows_place(c->d, c->cfg.n_kv_heads, n, slots, m->slot_stride,
+				     m->head_stride, k, v, dense, dense + one, 1, stream));
+	return 0;
+}
+
+int gpu_gather_rows(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
+		    const void *v, void **dk, void **dv, void *stream)
+{
+	const size_t one = gpu_up((size_t)n * c->cfg.n_kv_heads * c->d * c->elem);
+	char *dense;
+	const int64_t *slots;
+	KVT_TRY(rows_scratch(c, m, n, &dense, &slots, stream));
+	LAUNCH(c, kvt_gpu_rows_place(c->d, c->cfg.n_kv_heads, n, slots, m->slot_stride,
+				     m->head_stride, (void *)k, (void *)v, dense, dense + one, 0,
+				     stream));
+	*dk = dense;
+	*dv = dense + one;
 	return 0;
 }

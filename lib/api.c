@@ -379,7 +379,12 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 		return dense;
 	void *buf = NULL;
 	size_t bytes = 0;
-	if (!dense) {
+	if (!dense && c->ops->gather_rows) {
+		void *dk = NULL, *dv = NULL;
+		KVT_TRY(c->ops->gather_rows(c, &m, to - from, k, v, &dk, &dv, stream));
+		k = dk;
+		v = dv;
+	} else if (!dense) {
 		KVT_TRY(kvt_rows_gather(c, &m, to - from, k, v, &buf, &bytes));
 		k = buf;
 		v = (char *)buf + bytes / 2;

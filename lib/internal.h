@@ -453,11 +453,15 @@ struct kvt_backend_ops {
 	int (*extend)(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      const uint32_t *cu, const uint32_t *indexed, const void *q, void *out,
 		      void *stream);
-	/* read_rows, each token's rows placed by m (lib/rows_layout.c). NULL: the backend's tensors
-	 * are device memory that the host can neither scatter into nor gather from, so the _at calls
-	 * refuse any layout but the dense one (-EOPNOTSUPP). */
+	/* read_rows, each token's rows placed by m (lib/rows_layout.c). NULL: the _at calls refuse
+	 * any layout but the dense one (-EOPNOTSUPP). */
 	int (*read_rows_at)(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t to, void *k,
 			    void *v, const struct kvt_rows_map *m, void *stream);
+	/* n tokens' rows placed by m in k and v gathered into dense [n, n_kv_heads, head_dim] buffers
+	 * of the backend's tensor memory, owned by the cache and valid until its next call (*dk,
+	 * *dv), for kvt_seq_write_rows_at. NULL: the host gathers them (kvt_rows_gather). */
+	int (*gather_rows)(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
+			   const void *v, void **dk, void **dv, void *stream);
 	/* Copy between a dense tensor and a strided view of it (lib/io_layout.c): to_view, dense src
 	 * into the view dst; else the view src into dense dst. Both in the backend's tensor memory.
 	 * NULL: the compute calls' _at forms refuse any layout but the dense one (-EOPNOTSUPP). */

@@ -122,8 +122,12 @@ typedef struct kvt_rows_layout {
  * of a strided slot are left as they were.
  * Errors: kvt_seq_read_rows's, and -EINVAL for the layout (size too small, unknown flags, a stride
  * below its minimum, a slot below -1 or out of range, two tokens on one slot: the text names the
- * field, the index and the value); -ENOMEM (the check for repeated slots needs n words);
- * -EOPNOTSUPP on the CUDA backend for any layout but the dense one (no kernel yet).
+ * field, the index and the value); -ENOMEM (the check for repeated slots needs n words; on the
+ * CUDA backend, device memory for a dense copy of the rows and the mapping).
+ * On the CUDA backend k and v are device memory: the rows are read densely into a device scratch
+ * of the cache, which a kernel scatters into the slots, on `stream`; the mapping is uploaded from
+ * the host array (a pageable copy: the array may change once the call returns), and growing the
+ * scratch synchronizes the device (refused while `stream` is captured into a graph).
  * A failed call writes nothing of k and v, except after a failed NVMe read as kvt_seq_read_rows.
  * Thread safety: as every call on the cache.
  */
@@ -134,11 +138,12 @@ KVT_API int kvt_seq_read_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer,
 /*
  * kvt_seq_write_rows, with the rows taken from k and v as `layout` says (NULL: dense, the same
  * call): ingest of new rows straight from a runtime's paged K/V buffer. The rows are gathered into
- * a dense host buffer of 2 (to - from) n_kv_heads head_dim elements first, then stored and indexed
- * exactly as kvt_seq_write_rows stores and indexes the same rows given dense (bit for bit).
- * Returns to - from. Errors: kvt_seq_write_rows's, -EINVAL for the layout (as kvt_seq_read_rows_at;
- * a slot of -1 is refused), -ENOMEM (the dense buffer), -EOPNOTSUPP on the CUDA backend for any
- * layout but the dense one. All or nothing.
+ * a dense buffer of 2 (to - from) n_kv_heads head_dim elements first (host memory on the CPU
+ * backend; on the CUDA backend a device scratch of the cache, by a kernel on `stream`, as
+ * kvt_seq_read_rows_at's), then stored and indexed exactly as kvt_seq_write_rows stores and indexes
+ * the same rows given dense (bit for bit). Returns to - from. Errors: kvt_seq_write_rows's, -EINVAL
+ * for the layout (as kvt_seq_read_rows_at; a slot of -1 is refused), -ENOMEM (the dense buffer).
+ * All or nothing.
  * Thread safety: as every call on the cache.
  */
 KVT_API int kvt_seq_write_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer, uint32_t from,

@@ -429,6 +429,102 @@ static void test_extend(void **state)
 	pair_fini(&p);
 }
 
+/* The expected contents of a placed buffer of `elems` elements (`fill` everywhere else): the rows
+ * of sequence s from position `from` on `layer`, token i at slot map[i] (skipped when -1). */
+static void placed_expect(const struct pair *p, uint32_t layer, uint32_t s, uint32_t from,
+			  uint32_t n, const int64_t *map, const kvt_rows_layout *lo, size_t elems,
+			  uint16_t fill, uint16_t *ek, uint16_t *ev)
+{
+	for (size_t e = 0; e < elems; e++)
+		ek[e] = ev[e] = fill;
+	for (uint32_t i = 0; i < n; i++)
+		for (uint32_t h = 0; h < HKV && map[i] >= 0; h++) {
+			const size_t at = (size_t)map[i] * lo->slot_stride + h * lo->head_stride;
+			memcpy(ek + at, p->rows_k + row_at(p, layer, s, h, from + i), 2 * D);
+			memcpy(ev + at, p->rows_v + row_at(p, layer, s, h, from + i), 2 * D);
+		}
+}
+
+/*
+ * kvt_seq_read_rows_at and kvt_seq_write_rows_at on CUDA (a dense device scratch and a kernel
+ * placing rows): rows [100, 420) of sequence 0 on layer 1 (indexed rows across a block edge)
+ * read into a paged device buffer whose slot mapping scatters them and skips every fifth token,
+ * once with strides that allow 16-byte moves and once with odd ones (2-byte moves): the buffer
+ * equals the rows written, bit for bit, and nothing else of it changed. Then the same buffer is
+ * written into a fresh sequence through the mapping with each skip replaced by the slot before it
+ * (a repeated slot): read back dense, the sequence holds exactly those rows.
+ */
+static void test_rows_at(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 700, 4, 64u << 20);
+	const uint32_t from = 100, n = 320, layer = 1, slots = 2 * n;
+	int64_t *map = malloc(sizeof(int64_t) * n), *wmap = malloc(sizeof(int64_t) * n);
+	T_CHECK(map && wmap, "malloc");
+	for (uint32_t i = 0; i < n; i++) {
+		map[i] = i % 5 == 4 ? -1 : (int64_t)((i * 7 + 3) % slots); /* 7 is prime to 640 */
+		wmap[i] = i % 5 == 4 ? map[i - 1] : map[i];
+	}
+	const kvt_rows_layout los[2] = {
+		{.size = sizeof(kvt_rows_layout), .slot_stride = HKV * D + 64, .head_stride = D + 32},
+		{.size = sizeof(kvt_rows_layout), .slot_stride = 2 * (D + 3) + 5, .head_stride = D + 3}};
+	for (int t = 0; t < 2; t++) {
+		kvt_rows_layout lo = los[t];
+		const size_t elems = (size_t)slots * lo.slot_stride, bytes = 2 * elems;
+		uint16_t *hk = malloc(bytes), *hv = malloc(bytes), *ek = malloc(bytes),
+			 *ev = malloc(bytes);
+		void *dk, *dv;
+		T_CHECK(hk && hv && ek && ev, "malloc");
+		CU(cudaMalloc(&dk, bytes));
+		CU(cudaMalloc(&dv, bytes));
+		CU(cudaMemset(dk, 0x5a, bytes));
+		CU(cudaMemset(dv, 0x5a, bytes));
+		lo.slot_mapping = map;
+		OK(p.gpu, kvt_seq_read_rows_at(p.gpu, p.sg[0], layer, from, from + n, dk, dv, &lo,
+					       NULL));
+		CU(cudaMemcpy(hk, dk, bytes, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(hv, dv, bytes, cudaMemcpyDeviceToHost));
+		placed_expect(&p, layer, 0, from, n, map, &lo, elems, 0x5a5a, ek, ev);
+		T_CHECK(!memcmp(hk, ek, bytes) && !memcmp(hv, ev, bytes),
+			"layout %d: the placed rows differ from those written", t);
+		/* back in through the mapping without skips: token i holds the rows of token i - 1
+		 * of the read where i was skipped */
+		uint32_t seq;
+		OK(p.gpu, kvt_seq_open(p.gpu, &seq));
+		lo.slot_mapping = wmap;
+		OK(p.gpu, kvt_seq_write_rows_at(p.gpu, seq, layer, 0, n, dk, dv, &lo, NULL));
+		T_CHECK(kvt_seq_length(p.gpu, seq, layer) == n, "written: %lld tokens, wanted %u",
+			(long long)kvt_seq_length(p.gpu, seq, layer), n);
+		const size_t dense = (size_t)n * HKV * D * 2;
+		OK(p.gpu, kvt_seq_read_rows(p.gpu, seq, layer, 0, n, dk, dv, NULL));
+		CU(cudaMemcpy(hk, dk, dense, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(hv, dv, dense, cudaMemcpyDeviceToHost));
+		for (uint32_t i = 0; i < n; i++)
+			for (uint32_t h = 0; h < HKV; h++) {
+				const uint32_t src = from + (i % 5 == 4 ? i - 1 : i);
+				const size_t at = ((size_t)i * HKV + h) * D;
+				T_CHECK(!memcmp(hk + at, p.rows_k + row_at(&p, layer, 0, h, src), 2 * D) &&
+						!memcmp(hv + at, p.rows_v + row_at(&p, layer, 0, h, src),
+							2 * D),
+					"layout %d: token %u head %u written through the mapping differs",
+					t, i, h);
+			}
+		OK(p.gpu, kvt_seq_close(p.gpu, seq));
+		CU(cudaFree(dk));
+		CU(cudaFree(dv));
+		free(hk);
+		free(hv);
+		free(ek);
+		free(ev);
+	}
+	printf("rows_at: %u rows read into and written from a paged device buffer (16-byte and 2-byte "
+	       "strides), every fifth slot skipped: bit for bit the rows written\n", n);
+	free(map);
+	free(wmap);
+	pair_fini(&p);
+}
+
 /*
  * kvt_extend on CUDA under allocation faults: the n-th allocation or pin of the call fails, for n
  * = 1, 2, ... until the call succeeds (the first call grows the staging buffer, the chunk's host
@@ -583,6 +679,7 @@ int main(void)
 		cmocka_unit_test(test_lifecycle),
 		cmocka_unit_test(test_unsupported),
 		cmocka_unit_test(test_strided),
+		cmocka_unit_test(test_rows_at),
 		cmocka_unit_test(test_extend),
 		cmocka_unit_test(test_extend_faults),
 		cmocka_unit_test(test_rescore),
