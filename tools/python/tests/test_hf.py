@@ -348,3 +348,46 @@ def test_beam_search_matches_at_p1(tiny, batch):
            out.sequences_scores.tolist(), ref.sequences_scores.tolist()))
     assert torch.allclose(out.sequences_scores.float(), ref.sequences_scores.float(),
                           atol=2e-3, rtol=0)
+
+
+def test_assisted_generation_matches_at_p1(tiny):
+    """Assisted (speculative) greedy generation with a draft model: each round the target model
+    verifies the draft's tokens in one forward pass over the cache (one kvt_extend per layer) and
+    crop drops the rejected ones (kvt_seq_truncate). At p = 1 the tokens are those of the same
+    assisted generation over transformers' own cache, up to a near-tie of the reference's top two;
+    the draft (another random model) is rejected often, so crop runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = tiny.to(torch.float16)
+    torch.manual_seed(5)
+    draft = LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=4096)).to(torch.float16).cuda().eval()
+    g = torch.Generator().manual_seed(31)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=g).cuda()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+              do_sample=False, assistant_model=draft, return_dict_in_generate=True,
+              output_scores=True, pad_token_id=0)
+    set_attn(model, "sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    set_attn(model, "kvtier")
+    crops = []
+    try:
+        with KvtierCache(model.config, **OPTS) as cache:
+            crop = cache.crop
+
+            def counting_crop(n):
+                held = cache.get_seq_length()
+                crops.append(held - (n if n >= 0 else held + n))   # tokens dropped
+                crop(n)
+            cache.crop = counting_crop
+            with torch.no_grad():
+                out = model.generate(ids, past_key_values=cache, **kw)
+            st = cache.stats()
+    finally:
+        set_attn(model, "sdpa")
+    assert any(d > 0 for d in crops), "assisted generation never dropped a rejected token"
+    assert st.rows_fetched > 0, "no verification pass attended the stored rows"
+    assert_same_tokens(out.sequences[:, PROMPT:], ref.sequences[:, PROMPT:],
+                       torch.stack(ref.scores, 1).float(), torch.float16, "assisted generation")
