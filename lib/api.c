@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The public interface: argument checks, sequence bookkeeping, dispatch to the backend. */
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -171,6 +172,62 @@ static int lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out)
 	return 0;
 }
 
+int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
+{
+	struct kvt_seq *s = &c->seqs[seq];
+	if (s->status)
+		return 0;
+	s->status = rc;
+	s->status_text = kvt_mem_alloc(KVT_MEM_HOST, KVT_STATUS_TEXT);
+	if (s->status_text) { /* without memory the code alone is kept */
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
+		va_end(ap);
+	}
+	return 0;
+}
+
+static void clear_status(struct kvt_seq *s)
+{
+	kvt_mem_free(KVT_MEM_HOST, s->status_text, KVT_STATUS_TEXT);
+	s->status_text = NULL;
+	s->status = 0;
+}
+
+uint32_t kvt_seq_of_uid(const kvt_cache *c, uint32_t layer, uint64_t uid)
+{
+	for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
+		if (c->seqs[s].open && c->seqs[s].layers[layer].seq_uid == uid)
+			return s;
+	return UINT32_MAX;
+}
+
+/* A sequence in error (kvt_seq_status) refuses calls that would compute with it. */
+static int check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s)
+{
+	KVT_RETURN_IF(s->status, c, s->status,
+		      "seq %u is in error since an earlier step (kvt_seq_status; kvt_seq_truncate "
+		      "clears it): %s", seq, s->status_text ? s->status_text : kvt_strerror(s->status));
+	return 0;
+}
+
+KVT_API int kvt_seq_status(kvt_cache *c, uint32_t seq, int *status, char *text, size_t text_size)
+{
+	struct kvt_seq *s = NULL;
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!status, c, -EINVAL, "status is NULL");
+	KVT_RETURN_IF(!text && text_size, c, -EINVAL, "text is NULL, text_size = %zu", text_size);
+	KVT_TRY(lookup(c, seq, &s));
+	/* errors the backend found since the last call are put on their sequences first */
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
+	*status = s->status;
+	if (text_size)
+		snprintf(text, text_size, "%s", s->status_text ? s->status_text : "");
+	return 0;
+}
+
 static int check_layer(kvt_cache *c, uint32_t layer)
 {
 	KVT_RETURN_IF(layer >= c->cfg.n_layers, c, -EINVAL, "layer = %u, must be < n_layers = %u",
@@ -221,6 +278,7 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 		kvt_layer_free(c, &s->layers[l]);
 	}
 	kvt_mem_free(KVT_MEM_HOST, s->layers, 0);
+	clear_status(s);
 	memset(s, 0, sizeof *s);
 	c->st.seqs_open--;
 	return 0;
@@ -296,7 +354,10 @@ KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void
 	KVT_TRY(lookup(c, seq, &s));
 	struct lru_mark m;
 	lru_use(c, &m, 1, &seq, NULL);
-	return (int)lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
+	int rc = (int)lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
+	if (rc >= 0 && n_tokens)
+		clear_status(s);
+	return rc;
 }
 
 KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *stream)
@@ -306,6 +367,7 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
 	KVT_TRY(lookup(c, parent, &s));
+	KVT_TRY(check_status(c, parent, s));
 	KVT_TRY(free_slot(c, &slot));
 	struct lru_mark m;
 	lru_use(c, &m, 1, &parent, NULL);
@@ -372,6 +434,9 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 	KVT_RETURN_IF(from != n, c, -EINVAL,
 		      "from = %u, must be %u: rows are written at the end of seq %u on layer %u", from,
 		      n, seq, layer);
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
+	KVT_TRY(check_status(c, seq, s));
 	KVT_RETURN_IF((uint64_t)to > INT32_MAX, c, -EINVAL,
 		      "to = %u would grow seq %u layer %u past %d tokens", to, seq, layer, INT32_MAX);
 	int dense = kvt_rows_map_check(c, call, lo, to - from, true, &m);
@@ -421,6 +486,9 @@ KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const voi
 	KVT_TRY(check_layer(c, layer));
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_RETURN_IF(n_tokens == 0, c, -EINVAL, "n_tokens = 0, must be >= 1");
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
+	KVT_TRY(check_status(c, seq, s));
 	struct kvt_layer *l = &s->layers[layer];
 	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
 		      "n_tokens = %u would grow seq %u layer %u past %d tokens", n_tokens, seq, layer,
@@ -454,6 +522,15 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 					"seqs[%u] = seqs[%u] = %u: a sequence appears twice in one batch",
 					j, i, seqs[i]));
 		ls[i] = &s->layers[layer];
+	}
+	/* errors the backend found since the last call go to their sequences (or fail this call
+	 * when they name none), then a sequence in error fails the call naming its entry */
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		int rc = check_status(c, seqs[i], &c->seqs[seqs[i]]);
+		if (rc < 0)
+			return kvt_err_entry(c, i, rc);
 	}
 	return 0;
 }

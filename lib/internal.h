@@ -204,7 +204,19 @@ struct kvt_seq {
 	uint64_t uid;       /* never reused, unlike the slot number */
 	uint64_t last_use;
 	struct kvt_layer *layers; /* [n_layers] */
+	/* kvt_seq_status: 0, or the error a backend found in a step after the call returned (the
+	 * CUDA kernels'), with its text; batch calls naming the sequence fail until a truncation */
+	int status;
+	char *status_text; /* [KVT_STATUS_TEXT] when status != 0, else NULL */
 };
+
+#define KVT_STATUS_TEXT 256u
+
+/* Put sequence slot `seq` in error (kvt_seq_status): the first error sticks. Returns 0. */
+int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+/* The open sequence slot whose layer `layer` carries seq_uid `uid`, or UINT32_MAX. */
+uint32_t kvt_seq_of_uid(const kvt_cache *c, uint32_t layer, uint64_t uid);
 
 struct kvt_backend_ops;
 

@@ -6,9 +6,12 @@
  * sequence twice, an empty sequence, a non-finite key (kvt_append) and query (kvt_attend,
  * kvt_select), a non-finite key and query in a varlen kvt_extend (the entry whose rows hold it),
  * kvt_gather's max_tokens and a missing selection; -1 for a bad layer, a prefill's non-finite key and
- * a fresh cache.
+ * a fresh cache. Then kvt_seq_status: a sequence put in error (as the CUDA backend does when its
+ * kernels find a non-finite score of one of its queries) fails every call that would compute with or
+ * store into it, naming it, and nothing else; truncation and closing clear it.
  */
 #include "common.h"
+#include "internal.h"
 
 enum { L = 1, HQ = 4, HKV = 2, D = 64, NS = 4, T = 300 };
 
@@ -112,10 +115,81 @@ static void test_entries(void **state)
 	kvt_cache_destroy(c);
 }
 
+/* The status of seq: code and text (the text must contain `has`, "" for none). */
+static void status_is(kvt_cache *c, uint32_t seq, int code, const char *has)
+{
+	int st = 1;
+	char text[256];
+	T_CHECK(kvt_seq_status(c, seq, &st, text, sizeof text) == 0, "status: %s",
+		kvt_last_error(c));
+	T_CHECK(st == code && (*has ? strstr(text, has) != NULL : !*text),
+		"seq %u: status %d (%s), wanted %d (%s)", seq, st, text, code, has);
+}
+
+static void test_status(void **state)
+{
+	(void)state;
+	uint32_t ids[NS];
+	kvt_cache *c = make(ids);
+	static float out[NS * HQ * D];
+	uint16_t k[NS * HKV * D], v[NS * HKV * D];
+	memcpy(k, g_k, sizeof k);
+	memcpy(v, g_v, sizeof v);
+	int st = 0;
+	char text[8];
+	/* bad arguments */
+	T_CHECK(kvt_seq_status(NULL, ids[0], &st, NULL, 0) == -EINVAL, "NULL cache");
+	T_CHECK(kvt_seq_status(c, ids[0], NULL, NULL, 0) == -EINVAL, "NULL status");
+	T_CHECK(kvt_seq_status(c, ids[0], &st, NULL, 4) == -EINVAL, "NULL text with a size");
+	T_CHECK(kvt_seq_status(c, 77, &st, text, sizeof text) == -ENOENT, "not open");
+	status_is(c, ids[1], 0, "");
+	/* seq 1 in error: the text is truncated to the caller's buffer */
+	kvt_seq_set_status(c, ids[1], -EINVAL, "a non-finite score at step %u", 7u);
+	kvt_seq_set_status(c, ids[1], -EIO, "a second error"); /* the first one sticks */
+	status_is(c, ids[1], -EINVAL, "non-finite score at step 7");
+	T_CHECK(kvt_seq_status(c, ids[1], &st, text, sizeof text) == 0 && st == -EINVAL &&
+			strlen(text) == sizeof text - 1, "truncated text: %d '%s'", st, text);
+	status_is(c, ids[0], 0, "");
+	/* every call that would compute with it fails, naming it; the others go on */
+	uint32_t three[3] = {ids[0], ids[1], ids[2]}, two[2] = {ids[0], ids[2]};
+	want(c, ids, kvt_append(c, 0, 3, three, k, v, NULL), -EINVAL, 1, "append, seq in error");
+	T_CHECK(strstr(kvt_last_error(c), "non-finite score at step 7") != NULL, "text: %s",
+		kvt_last_error(c));
+	want(c, ids, kvt_attend(c, 0, 3, three, g_q, out, NULL), -EINVAL, 1, "attend");
+	want(c, ids, kvt_select(c, 0, 3, three, g_q, NULL), -EINVAL, 1, "select");
+	uint32_t cu[4] = {0, 1, 2, 3};
+	want(c, ids, kvt_extend(c, 0, 3, three, cu, g_q, k, v, out, 0, NULL), -EINVAL, 1, "extend");
+	want(c, ids, kvt_prefill(c, ids[1], 0, NULL, k, v, 1, NULL), -EINVAL, -1, "prefill");
+	want(c, ids, kvt_seq_write_rows(c, ids[1], 0, T - 10, T - 9, k, v, NULL), -EINVAL, -1,
+	     "write_rows");
+	uint32_t child = 0;
+	want(c, ids, kvt_seq_fork(c, ids[1], &child, NULL), -EINVAL, -1, "fork");
+	T_CHECK(kvt_append(c, 0, 2, two, k, v, NULL) == 0, "the others: %s", kvt_last_error(c));
+	T_CHECK(kvt_attend(c, 0, 2, two, g_q, out, NULL) == 0, "the others: %s",
+		kvt_last_error(c));
+	/* reading its rows still works */
+	static uint16_t rk[HKV * D], rv[HKV * D];
+	T_CHECK(kvt_seq_read_rows(c, ids[1], 0, 0, 1, rk, rv, NULL) == 1, "read: %s",
+		kvt_last_error(c));
+	/* a truncation of one token clears it */
+	T_CHECK(kvt_seq_truncate(c, ids[1], 1, NULL) == 0, "truncate: %s", kvt_last_error(c));
+	status_is(c, ids[1], 0, "");
+	T_CHECK(kvt_attend(c, 0, 3, three, g_q, out, NULL) == 0, "after the truncation: %s",
+		kvt_last_error(c));
+	/* closing clears it: the slot reopens clean */
+	kvt_seq_set_status(c, ids[2], -EINVAL, "bad");
+	T_CHECK(kvt_seq_close(c, ids[2]) == 0, "close: %s", kvt_last_error(c));
+	uint32_t again = 0;
+	T_CHECK(kvt_seq_open(c, &again) == 0 && again == ids[2], "reopen: %s", kvt_last_error(c));
+	status_is(c, again, 0, "");
+	kvt_cache_destroy(c);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_entries),
+		cmocka_unit_test(test_status),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

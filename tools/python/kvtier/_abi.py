@@ -223,6 +223,8 @@ _PROTOTYPES = {
     "kvt_strerror": (c_char_p, [ctypes.c_int]),
     "kvt_last_error": (c_char_p, [_P]),
     "kvt_last_error_entry": (ctypes.c_int, [_P]),
+    "kvt_seq_status": (ctypes.c_int, [_P, u32, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                                      ctypes.c_size_t]),
     "kvt_version_number": (ctypes.c_uint, []),
     "kvt_version_string": (c_char_p, []),
 }

@@ -283,6 +283,10 @@ class Sequence:
         """Cache.prefill for this sequence."""
         self.cache.prefill(self, layer, q, k, v)
 
+    def status(self) -> "tuple[int, str]":
+        """Cache.status for this sequence."""
+        return self.cache.status(self)
+
     def spill(self) -> int:
         """Cache.spill for this sequence."""
         return self.cache.spill(self)
@@ -435,6 +439,17 @@ class Cache:
         sid = self._seq_id(seq)
         return self._check(_abi.lib().kvt_seq_length(self._handle(), sid, self._layer(layer)),
                            "kvt_seq_length")
+
+    def status(self, seq: SeqLike) -> "tuple[int, str]":
+        """kvt_seq_status: (0, "") or the negative code and text of an error found in a step
+        after its call returned (the CUDA kernels'); such a sequence fails the calls that compute
+        with it until it is truncated."""
+        sid = self._seq_id(seq)
+        code = ctypes.c_int(0)
+        text = ctypes.create_string_buffer(256)
+        self._check(_abi.lib().kvt_seq_status(self._handle(), sid, ctypes.byref(code), text,
+                                              len(text)), "kvt_seq_status")
+        return code.value, text.value.decode(errors="replace")
 
     def spill(self, seq: SeqLike) -> int:
         """kvt_seq_spill: move the sequence's full indexed blocks to the NVMe tier; returns the

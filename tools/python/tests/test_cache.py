@@ -106,6 +106,17 @@ def test_closed_sequence_refused(cache, rng):
     assert ei.value.name == "ENOENT"
 
 
+def test_status_of_a_healthy_sequence(cache, rng):
+    """kvt_seq_status: the CPU backend refuses bad inputs at the call, so its sequences are never
+    in error; a closed one is refused."""
+    s = cache.open()
+    cache.prefill(s, 0, None, rand(rng, 4, 2, 64), rand(rng, 4, 2, 64))
+    assert s.status() == (0, "") == cache.status(s)
+    s.close()
+    with pytest.raises(kvtier.Error):
+        cache.status(s)
+
+
 def test_error_from_c_carries_code_text_and_detail(cache):
     s = cache.open()
     with pytest.raises(kvtier.Error) as ei:
