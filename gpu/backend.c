@@ -15,17 +15,62 @@
 #include "cuda_backend.h"
 
 #define ERR_HOST_BYTES 4096u
+/* Mirror slots of the error word: each call that queues kernels ends by copying the word into the
+ * next slot (ERR_PENDING until the copy lands), so a check finds the first call whose copy shows
+ * an error: the word is sticky (the first error wins until a check clears it), so every slot
+ * before that call's read 0. */
+#define GPU_ERR_SLOTS 64u
+#define ERR_PENDING (~0ull)
 
-/* An error the kernels recorded since the last check. */
+/* The sequence of batch entry `entry` of the call that copied into `slot`, or UINT32_MAX. */
+static uint32_t err_seq(kvt_cache *c, struct gpu_cache *b, uint32_t slot, uint32_t entry)
+{
+	const struct gpu_err_call *r = &b->err_calls[slot];
+	if (b->err_lost || r->n == UINT32_MAX || entry >= r->n)
+		return UINT32_MAX;
+	return kvt_seq_of_uid(c, r->layer, b->err_uids[(size_t)slot * c->cfg.max_seqs + entry]);
+}
+
+/* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
+ * has landed and is not 0: a non-finite score of a batch entry puts that entry's sequence in
+ * error and the check succeeds; anything else fails it. Slots whose copy has not landed yet are
+ * read by a later check. */
 int gpu_check_err(kvt_cache *c)
 {
 	struct gpu_cache *b = gpu_of(c);
-	unsigned long long w = *(volatile unsigned long long *)b->err_host;
-	if (!w)
+	volatile unsigned long long *m = b->err_host;
+	unsigned long long w = 0;
+	uint32_t slot = 0;
+	for (; b->err_seen < b->err_issued; b->err_seen++) {
+		slot = (uint32_t)(b->err_seen % GPU_ERR_SLOTS);
+		w = m[slot];
+		if (w)
+			break;
+	}
+	if (!w || w == ERR_PENDING)
 		return 0;
-	*b->err_host = 0;
+	/* every copy queued lands, then the word starts again from 0 */
+	const bool synced = cudaDeviceSynchronize() == cudaSuccess;
 	cudaMemset(b->err, 0, sizeof *b->err);
-	uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w), idx = KVT_GPU_ERR_INDEX(w);
+	cudaDeviceSynchronize();
+	const uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w);
+	const uint32_t idx = KVT_GPU_ERR_INDEX(w), Hq = c->cfg.n_q_heads;
+	const uint32_t seq = code == KVT_GPU_ERR_NONFINITE ? err_seq(c, b, slot, where / Hq)
+							   : UINT32_MAX;
+	const uint32_t layer = b->err_calls[slot].layer;
+	b->err_seen = b->err_issued;
+	b->err_lost = false;
+	if (!synced)
+		return kvt_seterr(c, -EIO, "the device failed: %s",
+				  cudaGetErrorString(cudaGetLastError()));
+	b->err_marked = seq != UINT32_MAX;
+	if (seq != UINT32_MAX)
+		return kvt_seq_set_status(c, seq, -EINVAL,
+			"a step on layer %u met a non-finite estimated score (query head %u, indexed "
+			"token %u): the query is not finite or too large for the estimate, or the "
+			"sequence's centroids are not finite (a non-finite key or query in its first "
+			"prefill chunk); that step's selection for it was empty",
+			layer, where % Hq, idx);
 	if (code == KVT_GPU_ERR_NONFINITE)
 		return kvt_seterr(c, -EINVAL,
 				  "an earlier step met a non-finite estimated score (batch entry %u, "
@@ -34,7 +79,7 @@ int gpu_check_err(kvt_cache *c)
 				  "(a non-finite key or query in its first prefill chunk); not a key's "
 				  "index entry, which is stored saturated at the fp16 maximum 65504; "
 				  "that step's selection was empty",
-				  where / c->cfg.n_q_heads, where % c->cfg.n_q_heads, idx);
+				  where / Hq, where % Hq, idx);
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): a count or "
 			  "position beyond what the launch was sized for, or a row of a spilled block "
@@ -52,13 +97,27 @@ static int cu_enter(kvt_cache *c)
 	return gpu_check_err(c);
 }
 
-/* Queue the copy of the error word to its pinned mirror, read by the next check_err. */
-int gpu_err_copy(kvt_cache *c, void *stream)
+int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
+		       struct kvt_layer *const *ls, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	CU(c, cudaMemcpyAsync(b->err_host, b->err, sizeof *b->err, cudaMemcpyDeviceToHost,
+	const uint32_t slot = (uint32_t)(b->err_issued % GPU_ERR_SLOTS);
+	if (b->err_issued - b->err_seen >= GPU_ERR_SLOTS)
+		b->err_lost = true; /* that slot's call can no longer be told apart */
+	b->err_calls[slot] = (struct gpu_err_call){.layer = layer, .n = ls ? n_seqs : UINT32_MAX};
+	for (uint32_t i = 0; ls && i < n_seqs; i++)
+		b->err_uids[(size_t)slot * c->cfg.max_seqs + i] = ls[i]->seq_uid;
+	((volatile unsigned long long *)b->err_host)[slot] = ERR_PENDING;
+	CU(c, cudaMemcpyAsync(b->err_host + slot, b->err, sizeof *b->err, cudaMemcpyDeviceToHost,
 			      (cudaStream_t)stream));
+	b->err_issued++;
 	return 0;
+}
+
+/* Queue the copy of the error word to its next mirror slot, read by a later check. */
+int gpu_err_copy(kvt_cache *c, void *stream)
+{
+	return gpu_err_copy_batch(c, 0, 0, NULL, stream);
 }
 
 static int cu_end(kvt_cache *c, void *stream)
@@ -179,6 +238,8 @@ static void cu_fini(kvt_cache *c)
 	gpu_dfree(c, b->ext_mem);
 	gpu_dfree(c, b->rows_mem);
 	kvt_mem_free(KVT_MEM_HOST, b->cnt_host, 0);
+	kvt_mem_free(KVT_MEM_HOST, b->err_calls, 0);
+	kvt_mem_free(KVT_MEM_HOST, b->err_uids, 0);
 	kvt_mem_free(KVT_MEM_HOST, b->host, 0);
 	kvt_mem_free(KVT_MEM_HOST, b, 0);
 	c->be = NULL;
@@ -229,6 +290,11 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 		for (int e = 0; e < 4; e++)
 			CU(c, cudaEventCreate(&b->t[i].ev[e]));
 	KVT_TRY(err_host_alloc(c, b));
+	b->err_calls = kvt_mem_alloc(KVT_MEM_HOST, sizeof *b->err_calls * GPU_ERR_SLOTS);
+	b->err_uids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *b->err_uids * GPU_ERR_SLOTS * M);
+	KVT_RETURN_IF(!b->err_calls || !b->err_uids, c, -ENOMEM,
+		      "out of memory for the CUDA backend's error records (%u calls x %u sequences)",
+		      GPU_ERR_SLOTS, M);
 	const size_t rot = sizeof(float) * L * c->d * c->d;
 	KVT_TRY(gpu_dalloc(c, (void **)&b->rot, rot, "the rotations"));
 	CU(c, cudaMemcpy(b->rot, c->rot, rot, cudaMemcpyHostToDevice));

@@ -107,7 +107,16 @@ struct gpu_cache {
 	cudaStream_t idx;
 	float *rot;                   /* [L][d][d] */
 	unsigned long long *err;      /* device error word */
-	unsigned long long *err_host; /* pinned mirror, written by each step */
+	unsigned long long *err_host; /* pinned mirrors: one slot per call that copies the word */
+	/* which call copied the word into each mirror slot (backend.c): its layer and the seq_uid
+	 * of each batch entry, n = UINT32_MAX when it had no batch */
+	struct gpu_err_call {
+		uint32_t layer, n;
+	} *err_calls;
+	uint64_t *err_uids;                /* [GPU_ERR_SLOTS][max_seqs] */
+	uint64_t err_issued, err_seen;     /* slots queued, slots read (both counting up) */
+	bool err_lost;                     /* a slot was reused before it was read */
+	bool err_marked;                   /* the last check put a sequence in error */
 	struct gpu_layer *lay;        /* [L] */
 	unsigned long long *counters; /* [L][KVT_GPU_CNT_N] device */
 	unsigned long long *cnt_host; /* [L][KVT_GPU_CNT_N] */
@@ -211,6 +220,10 @@ extern const struct kvt_mem_hooks gpu_mem_hooks;
 /* backend.c */
 int gpu_check_err(kvt_cache *c);
 int gpu_err_copy(kvt_cache *c, void *stream);
+/* gpu_err_copy for a call over a batch on `layer`: an error a kernel raises for a batch entry is
+ * then put on that entry's sequence (kvt_seq_status) by the next check instead of failing it. */
+int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
+		       struct kvt_layer *const *ls, void *stream);
 
 /* store.c: verbs of prefill and append */
 int gpu_reserve(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t index_tokens,

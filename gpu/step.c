@@ -324,7 +324,19 @@ static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 				      (cudaStream_t)stream));
 	}
 	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
-	return gpu_check_err(c);
+	KVT_TRY(gpu_check_err(c));
+	/* an entry of this very step put in error by that check fails it (kvt_select) */
+	struct gpu_cache *b = gpu_of(c);
+	const bool marked = b->err_marked;
+	b->err_marked = false;
+	for (uint32_t i = 0; i < n_seqs && marked; i++) {
+		const uint32_t seq = kvt_seq_of_uid(c, layer, ls[i]->seq_uid);
+		if (seq != UINT32_MAX && c->seqs[seq].status)
+			return kvt_err_entry(c, i, kvt_seterr(c, c->seqs[seq].status,
+				"seqs[%u] = %u: %s", i, seq, c->seqs[seq].status_text
+				? c->seqs[seq].status_text : kvt_strerror(c->seqs[seq].status)));
+	}
+	return 0;
 }
 
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -364,7 +376,7 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 		KVT_TRY(done);
 	}
 	gpu_mark(t, 3, stream);
-	KVT_TRY(gpu_err_copy(c, stream));
+	KVT_TRY(gpu_err_copy_batch(c, layer, n_seqs, ls, stream));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct gpu_seq_layer *g = ls[i]->dev;
 		g->sel_stamp = y->stamp;

@@ -526,6 +526,55 @@ static void test_rows_at(void **state)
 }
 
 /*
+ * kvt_seq_status on CUDA: a step whose query of sequence 1 is NaN returns (the kernels record the
+ * non-finite score without stopping); once the device has finished it, the next call puts sequence
+ * 1 in error and only it: sequence 0 is served, a batch with sequence 1 fails naming entry 1 and
+ * changes nothing, and truncating the bad step's token off both caches clears the status, after
+ * which the pair decodes in agreement again.
+ */
+static void test_seq_status(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 700, 4, 64u << 20);
+	for (uint32_t layer = 0; layer < LAYERS; layer++)
+		append_both(&p, layer, 0);
+	decode_inputs(&p, 0, 0);
+	p.hq[(size_t)HQ * D + 5] = 0x7e00; /* a NaN in sequence 1's query */
+	CU(cudaMemcpy(p.dq, p.hq, sizeof(uint16_t) * NSEQ * HQ * D, cudaMemcpyHostToDevice));
+	OK(p.gpu, kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, NULL));
+	CU(cudaDeviceSynchronize());
+	int st = 1;
+	char text[256];
+	OK(p.gpu, kvt_seq_status(p.gpu, p.sg[1], &st, text, sizeof text));
+	T_CHECK(st == -EINVAL && strstr(text, "non-finite"), "seq 1: status %d (%s)", st, text);
+	OK(p.gpu, kvt_seq_status(p.gpu, p.sg[0], &st, text, sizeof text));
+	T_CHECK(st == 0 && !*text, "seq 0: status %d (%s)", st, text);
+	int rc = kvt_attend(p.gpu, 0, NSEQ, p.sg, p.dq, p.dout, NULL);
+	T_CHECK(rc == -EINVAL && kvt_last_error_entry(p.gpu) == 1, "a batch with seq 1: %d, entry "
+		"%d (%s)", rc, kvt_last_error_entry(p.gpu), kvt_last_error(p.gpu));
+	OK(p.gpu, kvt_attend(p.gpu, 0, 1, p.sg, p.dq, p.dout, NULL)); /* seq 0 alone */
+	CU(cudaDeviceSynchronize());
+	OK(p.gpu, kvt_seq_status(p.gpu, p.sg[0], &st, text, sizeof text));
+	T_CHECK(st == 0, "seq 0 after its own step: status %d (%s)", st, text);
+	for (uint32_t s = 0; s < NSEQ; s++) {
+		OK(p.cpu, kvt_seq_truncate(p.cpu, p.sc[s], 1, NULL));
+		OK(p.gpu, kvt_seq_truncate(p.gpu, p.sg[s], 1, NULL));
+	}
+	OK(p.gpu, kvt_seq_status(p.gpu, p.sg[1], &st, text, sizeof text));
+	T_CHECK(st == 0, "seq 1 after the truncation: status %d (%s)", st, text);
+	double worst = 0.0;
+	for (uint32_t step = 1; step < 3; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			append_both(&p, layer, step);
+			attend_both(&p, layer, step, &worst);
+		}
+	printf("seq status: a NaN query put its sequence alone in error; after the truncation the "
+	       "pair agrees within %.3g\n", worst);
+	pair_fini(&p);
+}
+
+/*
  * kvt_extend on CUDA under allocation faults: the n-th allocation or pin of the call fails, for n
  * = 1, 2, ... until the call succeeds (the first call grows the staging buffer, the chunk's host
  * rows and the mirror's index); each failure leaves both sequences' lengths and the host tier's
@@ -680,6 +729,7 @@ int main(void)
 		cmocka_unit_test(test_unsupported),
 		cmocka_unit_test(test_strided),
 		cmocka_unit_test(test_rows_at),
+		cmocka_unit_test(test_seq_status),
 		cmocka_unit_test(test_extend),
 		cmocka_unit_test(test_extend_faults),
 		cmocka_unit_test(test_rescore),
