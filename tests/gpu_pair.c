@@ -208,6 +208,17 @@ void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)
 	}
 }
 
+double decode_both(struct pair *p, uint32_t from, uint32_t to)
+{
+	double worst = 0.0;
+	for (uint32_t step = from; step < to; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			append_both(p, layer, step);
+			attend_both(p, layer, step, &worst);
+		}
+	return worst;
+}
+
 /* Tokens in one of two ascending position lists and not in the other; *a_in_b: every one of a's
  * is in b. */
 uint32_t pos_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, bool *a_in_b)

@@ -73,6 +73,8 @@ void append_both(struct pair *p, uint32_t layer, uint32_t step);
 /* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
  * head (the worst seen in *worst). */
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst);
+/* Decode steps [from, to) on every layer (append_both, then attend_both): the worst error. */
+double decode_both(struct pair *p, uint32_t from, uint32_t to);
 /* Tokens in one of two ascending position lists and not in the other; *a_in_b: every one of a's
  * is in b. */
 uint32_t pos_diff(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, bool *a_in_b);

@@ -413,12 +413,7 @@ static void test_extend(void **state)
 				"seq %u layer %u: lengths cpu %lld gpu %lld, wanted %u", s, layer,
 				(long long)kvt_seq_length(p.cpu, p.sc[s], layer),
 				(long long)kvt_seq_length(p.gpu, p.sg[s], layer), len[s]);
-	double dworst = 0.0;
-	for (uint32_t step = 0; step < 3; step++)
-		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			append_both(&p, layer, step);
-			attend_both(&p, layer, step, &dworst);
-		}
+	const double dworst = decode_both(&p, 0, 3);
 	kvt_stats sg = {.size = sizeof sg};
 	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
 	printf("extend: 4 rounds x %u layers x %u sequences (one range, ranges of 256, of 64, "
@@ -563,12 +558,7 @@ static void test_seq_status(void **state)
 	}
 	OK(p.gpu, kvt_seq_status(p.gpu, p.sg[1], &st, text, sizeof text));
 	T_CHECK(st == 0, "seq 1 after the truncation: status %d (%s)", st, text);
-	double worst = 0.0;
-	for (uint32_t step = 1; step < 3; step++)
-		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			append_both(&p, layer, step);
-			attend_both(&p, layer, step, &worst);
-		}
+	const double worst = decode_both(&p, 1, 3);
 	printf("seq status: a NaN query put its sequence alone in error; after the truncation the "
 	       "pair agrees within %.3g\n", worst);
 	pair_fini(&p);
@@ -622,12 +612,7 @@ static void test_extend_faults(void **state)
 	/* layer 1 takes the same chunk fault-free, so that both layers hold equal lengths */
 	chunk_make(&p, &b, 1, pos, n);
 	chunk_extend_both(&p, &b, 1);
-	double dworst = 0.0;
-	for (uint32_t step = 0; step < 2; step++)
-		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			append_both(&p, layer, step);
-			attend_both(&p, layer, step, &dworst);
-		}
+	const double dworst = decode_both(&p, 0, 2);
 	printf("extend faults: %u injected failures changed nothing; then error %.3g against the "
 	       "CPU, decode %.3g\n", failed, worst, dworst);
 	chunk_fini(&b);

@@ -312,6 +312,32 @@ def assert_same_tokens(got, want, scores, dtype, what):
             "near-tie)" % (what, row, t, got[row, t], want[row, t], margin))
 
 
+def generate_both(model, ids, kw, method, note):
+    """model.generate(ids, **kw) under SDPA and transformers' own cache, then under kvtier with
+    KvtierCache.`method` wrapped so that note(cache, args) records each call before it runs:
+    (reference output, kvtier output, the records, the cache's kvt_stats at the end, open
+    sequences then)."""
+    set_attn(model, "sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    set_attn(model, "kvtier")
+    calls = []
+    try:
+        with KvtierCache(model.config, **OPTS) as cache:
+            inner = getattr(cache, method)
+
+            def recording(*args):
+                calls.append(note(cache, *args))
+                inner(*args)
+            setattr(cache, method, recording)
+            with torch.no_grad():
+                out = model.generate(ids, past_key_values=cache, **kw)
+            st, seqs = cache.stats(), len(cache.seqs)
+    finally:
+        set_attn(model, "sdpa")
+    return ref, out, calls, st, seqs
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_beam_search_matches_at_p1(tiny, batch):
     """num_beams = 3 (reorder_cache every step: beams dropped and forked) gives the default
@@ -322,24 +348,9 @@ def test_beam_search_matches_at_p1(tiny, batch):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
               num_beams=3, num_return_sequences=2, do_sample=False,
               return_dict_in_generate=True, output_scores=True, pad_token_id=0)
-    set_attn(model, "sdpa")
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-    set_attn(model, "kvtier")
-    reorders = []
-    try:
-        with KvtierCache(model.config, **OPTS) as cache:
-            reorder = cache.reorder_cache
-
-            def counting_reorder(beam_idx):
-                reorders.append(beam_idx.tolist())
-                reorder(beam_idx)
-            cache.reorder_cache = counting_reorder
-            with torch.no_grad():
-                out = model.generate(ids, past_key_values=cache, **kw)
-            assert cache.stats().seqs_open == 3 * batch == len(cache.seqs)
-    finally:
-        set_attn(model, "sdpa")
+    ref, out, reorders, st, seqs = generate_both(model, ids, kw, "reorder_cache",
+                                                 lambda cache, idx: idx.tolist())
+    assert st.seqs_open == 3 * batch == seqs
     assert reorders and any(len(set(r)) < len(r) for r in reorders), \
         "beam search never forked a beam"
     assert torch.equal(out.sequences, ref.sequences), (
@@ -368,25 +379,11 @@ def test_assisted_generation_matches_at_p1(tiny):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
               do_sample=False, assistant_model=draft, return_dict_in_generate=True,
               output_scores=True, pad_token_id=0)
-    set_attn(model, "sdpa")
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-    set_attn(model, "kvtier")
-    crops = []
-    try:
-        with KvtierCache(model.config, **OPTS) as cache:
-            crop = cache.crop
 
-            def counting_crop(n):
-                held = cache.get_seq_length()
-                crops.append(held - (n if n >= 0 else held + n))   # tokens dropped
-                crop(n)
-            cache.crop = counting_crop
-            with torch.no_grad():
-                out = model.generate(ids, past_key_values=cache, **kw)
-            st = cache.stats()
-    finally:
-        set_attn(model, "sdpa")
+    def dropped(cache, n):   # tokens a crop to n drops
+        held = cache.get_seq_length()
+        return held - (n if n >= 0 else held + n)
+    ref, out, crops, st, _ = generate_both(model, ids, kw, "crop", dropped)
     assert any(d > 0 for d in crops), "assisted generation never dropped a rejected token"
     assert st.rows_fetched > 0, "no verification pass attended the stored rows"
     assert_same_tokens(out.sequences[:, PROMPT:], ref.sequences[:, PROMPT:],
