@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* The public interface: argument checks, sequence bookkeeping, dispatch to the backend. */
+/* The public interface: argument checks, sequence bookkeeping, dispatch to the backend (the calls
+ * on one sequence are in api_seq.c). */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -164,7 +165,7 @@ KVT_API void kvt_cache_destroy(kvt_cache *cache)
 }
 
 /* The open sequence `seq`, or an error naming it. */
-static int lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out)
+int kvt_seq_lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out)
 {
 	KVT_RETURN_IF(seq >= c->cfg.max_seqs || !c->seqs[seq].open, c, -ENOENT,
 		      "seq = %u is not an open sequence", seq);
@@ -172,132 +173,15 @@ static int lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out)
 	return 0;
 }
 
-int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
-{
-	struct kvt_seq *s = &c->seqs[seq];
-	if (s->status)
-		return 0;
-	s->status = rc;
-	s->status_text = kvt_mem_alloc(KVT_MEM_HOST, KVT_STATUS_TEXT);
-	if (s->status_text) { /* without memory the code alone is kept */
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
-		va_end(ap);
-	}
-	return 0;
-}
-
-static void clear_status(struct kvt_seq *s)
-{
-	kvt_mem_free(KVT_MEM_HOST, s->status_text, KVT_STATUS_TEXT);
-	s->status_text = NULL;
-	s->status = 0;
-}
-
-uint32_t kvt_seq_of_uid(const kvt_cache *c, uint32_t layer, uint64_t uid)
-{
-	for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
-		if (c->seqs[s].open && c->seqs[s].layers[layer].seq_uid == uid)
-			return s;
-	return UINT32_MAX;
-}
-
-/* A sequence in error (kvt_seq_status) refuses calls that would compute with it. */
-static int check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s)
-{
-	KVT_RETURN_IF(s->status, c, s->status,
-		      "seq %u is in error since an earlier step (kvt_seq_status; kvt_seq_truncate "
-		      "clears it): %s", seq, s->status_text ? s->status_text : kvt_strerror(s->status));
-	return 0;
-}
-
-KVT_API int kvt_seq_status(kvt_cache *c, uint32_t seq, int *status, char *text, size_t text_size)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_RETURN_IF(!status, c, -EINVAL, "status is NULL");
-	KVT_RETURN_IF(!text && text_size, c, -EINVAL, "text is NULL, text_size = %zu", text_size);
-	KVT_TRY(lookup(c, seq, &s));
-	/* errors the backend found since the last call are put on their sequences first */
-	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
-	*status = s->status;
-	if (text_size)
-		snprintf(text, text_size, "%s", s->status_text ? s->status_text : "");
-	return 0;
-}
-
-static int check_layer(kvt_cache *c, uint32_t layer)
+int kvt_check_layer(kvt_cache *c, uint32_t layer)
 {
 	KVT_RETURN_IF(layer >= c->cfg.n_layers, c, -EINVAL, "layer = %u, must be < n_layers = %u",
 		      layer, c->cfg.n_layers);
 	return 0;
 }
 
-/* The lowest free sequence slot. */
-static int free_slot(kvt_cache *c, uint32_t *out)
-{
-	uint32_t s = 0;
-	while (s < c->cfg.max_seqs && c->seqs[s].open)
-		s++;
-	KVT_RETURN_IF(s == c->cfg.max_seqs, c, -ENOSPC, "all max_seqs = %u sequences are open",
-		      c->cfg.max_seqs);
-	*out = s;
-	return 0;
-}
-
-KVT_API int kvt_seq_open(kvt_cache *c, uint32_t *seq)
-{
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_RETURN_IF(!seq, c, -EINVAL, "seq is NULL");
-	uint32_t s = 0;
-	KVT_TRY(free_slot(c, &s));
-	struct kvt_layer *layers = kvt_mem_alloc(KVT_MEM_HOST, sizeof *layers * c->cfg.n_layers);
-	KVT_RETURN_IF(!layers, c, -ENOMEM, "out of memory opening a sequence (%u layers)",
-		      c->cfg.n_layers);
-	c->seqs[s] = (struct kvt_seq){
-		.open = true, .uid = ++c->next_uid, .last_use = ++c->clock, .layers = layers };
-	for (uint32_t l = 0; l < c->cfg.n_layers; l++) {
-		layers[l].seq_uid = c->seqs[s].uid;
-		layers[l].index = l;
-	}
-	c->st.seqs_open++;
-	*seq = s;
-	return 0;
-}
-
-KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	for (uint32_t l = 0; l < c->cfg.n_layers; l++) {
-		c->st.tokens -= s->layers[l].n_tokens;
-		c->st.tokens_indexed -= s->layers[l].n_indexed;
-		kvt_layer_free(c, &s->layers[l]);
-	}
-	kvt_mem_free(KVT_MEM_HOST, s->layers, 0);
-	clear_status(s);
-	memset(s, 0, sizeof *s);
-	c->st.seqs_open--;
-	return 0;
-}
-
-/*
- * The LRU clock (which sequence an automatic spill takes first) as a call found it. A call stamps
- * the sequences it uses once its arguments are checked (so that its own automatic spills never
- * take them), and puts their stamps back if it fails: a failed call changes nothing, the spill
- * order included. The clock itself only moves on.
- */
-struct lru_mark {
-	uint64_t call_start;
-};
-
-/* Stamp the n sequences of seqs that take part (all, or those with new rows in cu), saving their
- * stamps in c->lru_saved. */
-static void lru_use(kvt_cache *c, struct lru_mark *m, uint32_t n, const uint32_t *seqs,
-		    const uint32_t *cu)
+void kvt_lru_use(kvt_cache *c, struct kvt_lru_mark *m, uint32_t n, const uint32_t *seqs,
+		 const uint32_t *cu)
 {
 	m->call_start = c->call_start;
 	c->call_start = c->clock + 1;
@@ -308,172 +192,15 @@ static void lru_use(kvt_cache *c, struct lru_mark *m, uint32_t n, const uint32_t
 	}
 }
 
-/* rc, after putting the stamps of lru_use back when it is a failure. */
-static int64_t lru_done(kvt_cache *c, const struct lru_mark *m, uint32_t n, const uint32_t *seqs,
-			int64_t rc)
-{
-	if (rc >= 0)
-		return rc;
+int64_t kvt_lru_done(kvt_cache *c, const struct kvt_lru_mark *m, uint32_t n, const uint32_t *seqs,
+			 int64_t rc)
+    {
+	    if (rc >= 0)
+		    return rc;
 	for (uint32_t i = 0; i < n; i++)
 		c->seqs[seqs[i]].last_use = c->lru_saved[i];
 	c->call_start = m->call_start;
 	return rc;
-}
-
-KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	return kvt_tier_spill(c, s, seq, NULL);
-}
-
-KVT_API int64_t kvt_seq_restore(kvt_cache *c, uint32_t seq)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	struct lru_mark m;
-	lru_use(c, &m, 1, &seq, NULL);
-	return lru_done(c, &m, 1, &seq, kvt_tier_restore(c, s, seq));
-}
-
-KVT_API int64_t kvt_seq_length(kvt_cache *c, uint32_t seq, uint32_t layer)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	KVT_TRY(check_layer(c, layer));
-	return s->layers[layer].n_tokens;
-}
-
-KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void *stream)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	struct lru_mark m;
-	lru_use(c, &m, 1, &seq, NULL);
-	int rc = (int)lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
-	if (rc >= 0 && n_tokens)
-		clear_status(s);
-	return rc;
-}
-
-KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *stream)
-{
-	struct kvt_seq *s = NULL;
-	uint32_t slot = 0;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
-	KVT_TRY(lookup(c, parent, &s));
-	KVT_TRY(check_status(c, parent, s));
-	KVT_TRY(free_slot(c, &slot));
-	struct lru_mark m;
-	lru_use(c, &m, 1, &parent, NULL);
-	KVT_TRY(lru_done(c, &m, 1, &parent, kvt_pipe_fork(c, s, &c->seqs[slot], stream)));
-	*child = slot;
-	return 0;
-}
-
-/* The checks of a row range [from, to) of seq on layer; *out: its state. */
-static int range_args(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from, uint32_t to,
-		      const void *k, const void *v, struct kvt_seq **out)
-{
-	KVT_TRY(lookup(c, seq, out));
-	KVT_TRY(check_layer(c, layer));
-	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
-	KVT_RETURN_IF(to <= from, c, -EINVAL, "to = %u, must be > from = %u", to, from);
-	return 0;
-}
-
-static int read_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
-		     uint32_t to, void *k, void *v, const kvt_rows_layout *lo, void *stream)
-{
-	struct kvt_seq *s = NULL;
-	struct kvt_rows_map m;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
-	const uint32_t n = s->layers[layer].n_tokens;
-	KVT_RETURN_IF(to > n, c, -EINVAL, "to = %u, must be <= %u, the tokens seq %u holds on layer %u",
-		      to, n, seq, layer);
-	int dense = kvt_rows_map_check(c, call, lo, to - from, false, &m);
-	if (dense < 0)
-		return dense;
-	struct lru_mark lm;
-	lru_use(c, &lm, 1, &seq, NULL);
-	return (int)lru_done(c, &lm, 1, &seq,
-			     kvt_pipe_read_rows(c, s, seq, layer, from, to, k, v, dense ? NULL : &m,
-						stream));
-}
-
-KVT_API int kvt_seq_read_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-			      uint32_t to, void *k, void *v, void *stream)
-{
-	return read_rows(c, "kvt_seq_read_rows", seq, layer, from, to, k, v, NULL, stream);
-}
-
-KVT_API int kvt_seq_read_rows_at(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-				 uint32_t to, void *k, void *v, const kvt_rows_layout *layout,
-				 void *stream)
-{
-	return read_rows(c, "kvt_seq_read_rows_at", seq, layer, from, to, k, v, layout, stream);
-}
-
-/* Rows of a dense layout stored as a prefill chunk without queries; a strided or paged one gathered
- * into a dense buffer first. */
-static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
-		      uint32_t to, const void *k, const void *v, const kvt_rows_layout *lo,
-		      void *stream)
-{
-	struct kvt_seq *s = NULL;
-	struct kvt_rows_map m;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
-	const uint32_t n = s->layers[layer].n_tokens;
-	KVT_RETURN_IF(from != n, c, -EINVAL,
-		      "from = %u, must be %u: rows are written at the end of seq %u on layer %u", from,
-		      n, seq, layer);
-	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
-	KVT_TRY(check_status(c, seq, s));
-	KVT_RETURN_IF((uint64_t)to > INT32_MAX, c, -EINVAL,
-		      "to = %u would grow seq %u layer %u past %d tokens", to, seq, layer, INT32_MAX);
-	int dense = kvt_rows_map_check(c, call, lo, to - from, true, &m);
-	if (dense < 0)
-		return dense;
-	void *buf = NULL;
-	size_t bytes = 0;
-	if (!dense && c->ops->gather_rows) {
-		void *dk = NULL, *dv = NULL;
-		KVT_TRY(c->ops->gather_rows(c, &m, to - from, k, v, &dk, &dv, stream));
-		k = dk;
-		v = dv;
-	} else if (!dense) {
-		KVT_TRY(kvt_rows_gather(c, &m, to - from, k, v, &buf, &bytes));
-		k = buf;
-		v = (char *)buf + bytes / 2;
-	}
-	struct lru_mark lm;
-	lru_use(c, &lm, 1, &seq, NULL);
-	int rc = (int)lru_done(c, &lm, 1, &seq,
-			       kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from,
-						stream));
-	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
-	return rc < 0 ? rc : (int)(to - from);
-}
-
-KVT_API int kvt_seq_write_rows(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-			       uint32_t to, const void *k, const void *v, void *stream)
-{
-	return write_rows(c, "kvt_seq_write_rows", seq, layer, from, to, k, v, NULL, stream);
-}
-
-KVT_API int kvt_seq_write_rows_at(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from,
-				  uint32_t to, const void *k, const void *v,
-				  const kvt_rows_layout *layout, void *stream)
-{
-	return write_rows(c, "kvt_seq_write_rows_at", seq, layer, from, to, k, v, layout, stream);
 }
 
 KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q,
@@ -482,23 +209,23 @@ KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const voi
 {
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	KVT_TRY(check_layer(c, layer));
+	KVT_TRY(kvt_seq_lookup(c, seq, &s));
+	KVT_TRY(kvt_check_layer(c, layer));
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_RETURN_IF(n_tokens == 0, c, -EINVAL, "n_tokens = 0, must be >= 1");
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c));
-	KVT_TRY(check_status(c, seq, s));
+	KVT_TRY(kvt_seq_check_status(c, seq, s));
 	struct kvt_layer *l = &s->layers[layer];
 	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
 		      "n_tokens = %u would grow seq %u layer %u past %d tokens", n_tokens, seq, layer,
 		      INT32_MAX);
 	struct kvt_io io = {.q = q, .k = k, .v = v};
 	KVT_TRY(kvt_io_begin(c, "kvt_prefill_at", layout, n_tokens, &io, stream));
-	struct lru_mark m;
-	lru_use(c, &m, 1, &seq, NULL);
-	return (int)lru_done(c, &m, 1, &seq,
-			     kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream));
+	struct kvt_lru_mark m;
+	kvt_lru_use(c, &m, 1, &seq, NULL);
+	return (int)kvt_lru_done(c, &m, 1, &seq,
+				 kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream));
 }
 
 KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
@@ -513,7 +240,7 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 {
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_seq *s = NULL;
-		int rc = lookup(c, seqs[i], &s);
+		int rc = kvt_seq_lookup(c, seqs[i], &s);
 		if (rc < 0)
 			return kvt_err_entry(c, i, rc);
 		for (uint32_t j = 0; j < i; j++)
@@ -528,7 +255,7 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c));
 	for (uint32_t i = 0; i < n_seqs; i++) {
-		int rc = check_status(c, seqs[i], &c->seqs[seqs[i]]);
+		int rc = kvt_seq_check_status(c, seqs[i], &c->seqs[seqs[i]]);
 		if (rc < 0)
 			return kvt_err_entry(c, i, rc);
 	}
@@ -540,7 +267,7 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		      struct kvt_layer ***ls)
 {
-	KVT_TRY(check_layer(c, layer));
+	KVT_TRY(kvt_check_layer(c, layer));
 	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
@@ -563,10 +290,10 @@ KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 					INT32_MAX));
 	struct kvt_io io = {.k = k, .v = v};
 	KVT_TRY(kvt_io_begin(c, "kvt_append_at", layout, n_seqs, &io, stream));
-	struct lru_mark m;
-	lru_use(c, &m, n_seqs, seqs, NULL);
-	return (int)lru_done(c, &m, n_seqs, seqs,
-			     kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream));
+	struct kvt_lru_mark m;
+	kvt_lru_use(c, &m, n_seqs, seqs, NULL);
+	return (int)kvt_lru_done(c, &m, n_seqs, seqs,
+				 kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream));
 }
 
 KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -587,10 +314,10 @@ static int attend_common(kvt_cache *c, const char *call, uint32_t layer, uint32_
 					"seq %u holds no tokens on layer %u", seqs[i], layer));
 	struct kvt_io io = {.q = q, .out = out};
 	KVT_TRY(kvt_io_begin(c, call, lo, n_seqs, &io, stream));
-	struct lru_mark m;
-	lru_use(c, &m, n_seqs, seqs, NULL);
+	struct kvt_lru_mark m;
+	kvt_lru_use(c, &m, n_seqs, seqs, NULL);
 	int rc = kvt_pipe_step(c, layer, n_seqs, ls, io.q, io.out, stream);
-	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
+	return (int)kvt_lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }
 
 KVT_API int kvt_attend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -632,11 +359,11 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
-	struct lru_mark m;
-	lru_use(c, &m, n_seqs, seqs, NULL);
-	return (int)lru_done(c, &m, n_seqs, seqs,
-			     kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos,
-					     k_out, v_out, stream));
+	struct kvt_lru_mark m;
+	kvt_lru_use(c, &m, n_seqs, seqs, NULL);
+	return (int)kvt_lru_done(c, &m, n_seqs, seqs,
+				 kvt_pipe_gather(c, layer, n_seqs, seqs, ls, max_tokens, counts, pos,
+						 k_out, v_out, stream));
 }
 
 /* cu_seqlens [n_seqs + 1] of kvt_extend: from 0, never decreasing, a total of at least one row. */
@@ -672,7 +399,7 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	KVT_RETURN_IF((flags & KVT_EXTEND_TOPP) && !c->ops->extend_topp, c, -EOPNOTSUPP,
 		      "flags = KVT_EXTEND_TOPP: the %s backend attends kvt_extend's rows exactly only "
 		      "(flags 0); Top-p per query row is the cpu backend's", c->ops->name);
-	KVT_TRY(check_layer(c, layer));
+	KVT_TRY(kvt_check_layer(c, layer));
 	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
@@ -689,11 +416,11 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	struct kvt_io io = {.q = q, .k = k, .v = v, .out = out};
 	KVT_TRY(kvt_io_begin(c, "kvt_extend_at", layout, cu_seqlens[n_seqs], &io, stream));
 	/* entries without new tokens are bystanders: not used by this call for the LRU */
-	struct lru_mark m;
-	lru_use(c, &m, n_seqs, seqs, cu_seqlens);
+	struct kvt_lru_mark m;
+	kvt_lru_use(c, &m, n_seqs, seqs, cu_seqlens);
 	int rc = kvt_pipe_extend(c, layer, n_seqs, seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out,
 				 flags, stream);
-	return (int)lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
+	return (int)kvt_lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
 }
 
 KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -740,7 +467,7 @@ KVT_API int kvt_get_layer_stats(kvt_cache *c, uint32_t layer, kvt_layer_stats *s
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!st, c, -EINVAL, "stats is NULL");
 	KVT_TRY(kvt_out_size_check(c, "stats", st->size, KVT_LAYER_STATS_SIZE_VER0));
-	KVT_TRY(check_layer(c, layer));
+	KVT_TRY(kvt_check_layer(c, layer));
 	kvt_layer_stats out = {.size = sizeof out};
 	if (c->ops->stats)
 		KVT_TRY(c->ops->stats(c, (int)layer, &out));
@@ -772,29 +499,5 @@ KVT_API int kvt_get_capacity(kvt_cache *c, kvt_capacity *cap)
 		k.nvme_bytes_capacity = ns.bytes_used + ns.bytes_free;
 	}
 	kvt_out_fill(cap, &k, sizeof k);
-	return 0;
-}
-
-KVT_API int kvt_seq_bytes(kvt_cache *c, uint32_t seq, uint64_t *host, uint64_t *nvme)
-{
-	struct kvt_seq *s = NULL;
-	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(lookup(c, seq, &s));
-	uint64_t h = 0, n = 0;
-	for (uint32_t i = 0; i < c->cfg.n_layers; i++) {
-		const struct kvt_layer *l = &s->layers[i];
-		for (uint32_t kh = 0; kh < c->cfg.n_kv_heads; kh++)
-			for (uint32_t b = 0; b < l->n_blocks; b++) {
-				size_t at = (size_t)kh * l->blk_cap + b;
-				if (l->blocks[at])
-					h += c->host.block_bytes;
-				else if (l->spill)
-					n += l->spill[at].loc.bytes;
-			}
-	}
-	if (host)
-		*host = h;
-	if (nvme)
-		*nvme = n;
 	return 0;
 }

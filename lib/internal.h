@@ -212,6 +212,27 @@ struct kvt_seq {
 
 #define KVT_STATUS_TEXT 256u
 
+/*
+ * The LRU clock (which sequence an automatic spill takes first) as a call found it. A call stamps
+ * the sequences it uses once its arguments are checked (so that its own automatic spills never
+ * take them), and puts their stamps back if it fails: a failed call changes nothing, the spill
+ * order included. The clock itself only moves on.
+ */
+struct kvt_lru_mark {
+	uint64_t call_start;
+};
+
+/* Stamp the n sequences of seqs that take part (all, or those with new rows in cu), saving their
+ * stamps in c->lru_saved; kvt_lru_done puts them back when rc is a failure, and returns rc. */
+void kvt_lru_use(kvt_cache *c, struct kvt_lru_mark *m, uint32_t n, const uint32_t *seqs,
+		 const uint32_t *cu);
+int64_t kvt_lru_done(kvt_cache *c, const struct kvt_lru_mark *m, uint32_t n, const uint32_t *seqs,
+		     int64_t rc);
+/* The open sequence `seq` (else -ENOENT naming it); a layer below n_layers (else -EINVAL); a
+ * sequence not in error (else its status' code and text). */
+int kvt_seq_lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out);
+int kvt_check_layer(kvt_cache *c, uint32_t layer);
+int kvt_seq_check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s);
 /* Put sequence slot `seq` in error (kvt_seq_status): the first error sticks. Returns 0. */
 int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));

@@ -150,4 +150,26 @@ KVT_API int kvt_seq_write_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer
 				  uint32_t to, const void *k, const void *v,
 				  const kvt_rows_layout *layout, void *stream);
 
+/*
+ * The error status of `seq` into *status: 0, or the negative code of an error found in a step
+ * that served it after the step's call had returned, with its text in `text` (at most text_size
+ * bytes with the NUL; may be NULL when text_size is 0; "" when none). On the CUDA backend the
+ * kernels record such errors without stopping, and the device is not synchronized to look for
+ * them: a sequence one of whose queries gave a non-finite estimated score (a query or key not
+ * finite or too large: that step's selection for it was empty) is put in error by the next call
+ * on the cache, this one included. The CPU backend refuses such inputs at the call, so its
+ * sequences are never in error.
+ * A sequence in error fails every call that would compute with or store into it (kvt_prefill,
+ * kvt_append, kvt_attend, kvt_select, kvt_gather, kvt_extend, kvt_seq_write_rows, kvt_seq_fork:
+ * the code and text of its status, kvt_last_error_entry naming its index in a batch) before
+ * anything changes, while the other sequences of a batch are served as before; so one bad
+ * request does not fail the batches of the others. Reading its rows, spilling and restoring it
+ * still work. kvt_seq_truncate of at least one token clears the status (roll back to before the
+ * bad token and go on); kvt_seq_close too.
+ * Returns 0. Errors: -EINVAL (NULL), -ENOENT (not open), and an unattributed error of the CUDA
+ * kernels (as any call). Thread safety: as every call on the cache.
+ */
+KVT_API int kvt_seq_status(kvt_cache *cache, uint32_t seq, int *status, char *text,
+			   size_t text_size);
+
 #endif /* KVTIER_LIFECYCLE_H */
