@@ -19,16 +19,23 @@
  * next slot (ERR_PENDING until the copy lands), so a check finds the first call whose copy shows
  * an error: the word is sticky (the first error wins until a check clears it), so every slot
  * before that call's read 0. */
-#define GPU_ERR_SLOTS 64u
+#define GPU_ERR_SLOTS 64u /* and one more past them for steps captured into graphs */
 #define ERR_PENDING (~0ull)
 
-/* The sequence of batch entry `entry` of the call that copied into `slot`, or UINT32_MAX. */
+#define ERR_GONE (UINT32_MAX - 1)
+
+/* The sequence of batch entry `entry` of the call that copied into `slot`; ERR_GONE when that
+ * sequence was closed or truncated back past the step since (its error went with it); UINT32_MAX
+ * when the call cannot be told (no batch, a reused slot, a cache with captured steps: a graph's
+ * replay raises between eager calls, so the first slot that shows it need not be its call). */
 static uint32_t err_seq(kvt_cache *c, struct gpu_cache *b, uint32_t slot, uint32_t entry)
 {
 	const struct gpu_err_call *r = &b->err_calls[slot];
-	if (b->err_lost || r->n == UINT32_MAX || entry >= r->n)
+	if (b->err_lost || b->err_graphs || r->n == UINT32_MAX || entry >= r->n)
 		return UINT32_MAX;
-	return kvt_seq_of_uid(c, r->layer, b->err_uids[(size_t)slot * c->cfg.max_seqs + entry]);
+	const uint32_t s =
+		kvt_seq_of_uid(c, r->layer, b->err_uids[(size_t)slot * c->cfg.max_seqs + entry]);
+	return s == UINT32_MAX ? ERR_GONE : s;
 }
 
 /* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
@@ -47,6 +54,8 @@ int gpu_check_err(kvt_cache *c)
 		if (w)
 			break;
 	}
+	if (b->err_seen == b->err_issued)
+		b->err_lost = false; /* every slot read: none can be mistaken for another any more */
 	if (!w || w == ERR_PENDING)
 		return 0;
 	/* every copy queued lands, then the word starts again from 0 */
@@ -63,6 +72,8 @@ int gpu_check_err(kvt_cache *c)
 	if (!synced)
 		return kvt_seterr(c, -EIO, "the device failed: %s",
 				  cudaGetErrorString(cudaGetLastError()));
+	if (seq == ERR_GONE)
+		return 0;
 	b->err_marked = seq != UINT32_MAX;
 	if (seq != UINT32_MAX)
 		return kvt_seq_set_status(c, seq, -EINVAL,
@@ -101,6 +112,14 @@ int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		       struct kvt_layer *const *ls, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
+	if (gpu_capturing(stream)) {
+		/* a graph replays this copy whenever it runs: into a slot no check reads, and from
+		 * now on errors are not put on sequences (err_seq) */
+		b->err_graphs = true;
+		CU(c, cudaMemcpyAsync(b->err_host + GPU_ERR_SLOTS, b->err, sizeof *b->err,
+				      cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+		return 0;
+	}
 	const uint32_t slot = (uint32_t)(b->err_issued % GPU_ERR_SLOTS);
 	if (b->err_issued - b->err_seen >= GPU_ERR_SLOTS)
 		b->err_lost = true; /* that slot's call can no longer be told apart */

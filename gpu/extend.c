@@ -4,7 +4,7 @@
  * per entry, the sequence's rows up to its last query row are staged from the host tier into device
  * buffers a range at a time, and each range is attended by all of the entry's query rows
  * (gpu/extend.cu); their running state carries over ranges. A long chunk over more than 8192 rows
- * goes through four ranges or more, the staging of each (on a side stream) overlapping the
+ * goes through three ranges or more, the staging of each (on a side stream) overlapping the
  * attention of the one before (on the caller's). The chunk's own rows were stored by the pipeline
  * just before, in stream order. Nothing is synchronized unless a buffer grows (refused under graph
  * capture). Spilled sequences were restored by lib/api.c first (read_rows_spilled is false).

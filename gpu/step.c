@@ -372,11 +372,15 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 			rc = kvt_seterr(c, r, "kvt_gpu_attend: %s", kvt_strerror(r));
 		/* staged rows stay untouched until whatever was queued has read them */
 		int done = gpu_spilled_done(c, stream);
+		/* the selection's kernels ran: their errors go with this batch, failed or not */
+		int copied = gpu_err_copy_batch(c, layer, n_seqs, ls, stream);
 		KVT_TRY(rc);
 		KVT_TRY(done);
+		KVT_TRY(copied);
+	} else {
+		KVT_TRY(gpu_err_copy_batch(c, layer, n_seqs, ls, stream));
 	}
 	gpu_mark(t, 3, stream);
-	KVT_TRY(gpu_err_copy_batch(c, layer, n_seqs, ls, stream));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct gpu_seq_layer *g = ls[i]->dev;
 		g->sel_stamp = y->stamp;

@@ -254,6 +254,7 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 	 * when they name none), then a sequence in error fails the call naming its entry */
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c));
+	c->status_new = false;
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		int rc = kvt_seq_check_status(c, seqs[i], &c->seqs[seqs[i]]);
 		if (rc < 0)

@@ -16,6 +16,7 @@ int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 	if (s->status)
 		return 0;
 	s->status = rc;
+	c->status_new = true;
 	s->status_text = kvt_mem_alloc(KVT_MEM_HOST, KVT_STATUS_TEXT);
 	if (s->status_text) { /* without memory the code alone is kept */
 		va_list ap;
@@ -162,6 +163,8 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
 	KVT_TRY(kvt_seq_lookup(c, parent, &s));
+	if (c->ops->enter) /* errors found since the last call go to their sequences first */
+		KVT_TRY(c->ops->enter(c));
 	KVT_TRY(kvt_seq_check_status(c, parent, s));
 	KVT_TRY(free_slot(c, &slot));
 	struct kvt_lru_mark m;

@@ -346,6 +346,7 @@ struct kvt_cache {
 	size_t corr_logits_n;
 	char err[512];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
+	bool status_new;   /* a sequence was put in error since the last batch checked for it */
 };
 
 /* Address of the host-tier row of token `pos` of KV head `h`. */

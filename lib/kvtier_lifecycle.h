@@ -165,7 +165,15 @@ KVT_API int kvt_seq_write_rows_at(kvt_cache *cache, uint32_t seq, uint32_t layer
  * anything changes, while the other sequences of a batch are served as before; so one bad
  * request does not fail the batches of the others. Reading its rows, spilling and restoring it
  * still work. kvt_seq_truncate of at least one token clears the status (roll back to before the
- * bad token and go on); kvt_seq_close too.
+ * bad token and go on); kvt_seq_close too; an error of a sequence closed or truncated back before
+ * it was found is dropped.
+ * Limits on the CUDA backend: the kernels keep the first such error between two calls that find
+ * one, so a second sequence whose query went bad in that window is not put in error (its step's
+ * selection was empty too); a kvt_select whose own step is found in error fails as a whole
+ * (naming the entry); the calls must reach the device in the order they were made (one stream per
+ * cache, or streams the caller orders); and once a step has been captured into a CUDA graph the
+ * cache puts no sequence in error (a replay raises between eager calls, which cannot be told
+ * apart): kernel errors then fail the next call and name no entry, as any unattributed one.
  * Returns 0. Errors: -EINVAL (NULL), -ENOENT (not open), and an unattributed error of the CUDA
  * kernels (as any call). Thread safety: as every call on the cache.
  */
