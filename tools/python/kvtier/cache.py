@@ -520,67 +520,98 @@ class Cache:
 
     def _paged(self, what: str, k_cache: Any, v_cache: Any, slots: Any, n: int,
                write: bool) -> "tuple[Any, Any, Any]":
-        """Check a runtime's paged K/V buffers (numpy [n_slots, n_kv_heads, head_dim], any slot
-        and head strides, elements contiguous, k and v alike) and the slot mapping (n int64
-        slots, each < n_slots; -1 skips a token on read); returns the layout and the pointers.
-        C cannot know the buffers' size: the slots are checked against it here."""
+        """Check a runtime's paged K/V buffers ([n_slots, n_kv_heads, head_dim], any slot and head
+        strides, elements contiguous, k and v alike: numpy arrays or CPU torch tensors for the
+        CPU backend, torch tensors on the cache's device for the CUDA backend) and the slot mapping
+        (n int64 slots, each < n_slots; -1 skips a token on read; numpy or torch, read on the
+        host); returns the layout, the slots kept alive, and the pointers. C cannot know the
+        buffers' size: the slots are checked against it here."""
         import numpy as np
+        torch_kv = is_torch(k_cache)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(x, np.ndarray):
-                raise refuse("%s: %s takes numpy arrays (the CPU backend; the CUDA backend has "
-                             "no paged kernel yet), got %s" % (name, what, type(x).__name__))
-            if x.ndim != 3 or x.shape[1:] != (self.n_kv_heads, self.head_dim):
+            if is_torch(x) != torch_kv or not (torch_kv or isinstance(x, np.ndarray)):
+                raise refuse("%s: %s takes numpy arrays or torch tensors, both of one kind, got %s"
+                             % (name, what, type(x).__name__))
+            shape = tuple(x.shape)
+            if len(shape) != 3 or shape[1:] != (self.n_kv_heads, self.head_dim):
                 raise refuse("%s: want [n_slots, %d, %d], got %s"
-                             % (name, self.n_kv_heads, self.head_dim, x.shape))
-            if x.strides[2] != x.itemsize or any(s % x.itemsize or s <= 0 for s in x.strides):
-                raise refuse("%s: the elements of a head must be contiguous and the strides "
-                             "positive multiples of the element size, got strides %s"
-                             % (name, x.strides))
-            if not write and not x.flags.writeable:
-                raise refuse("%s is read-only: read_rows_paged writes into it" % name)
-        if k_cache.dtype != v_cache.dtype or k_cache.strides != v_cache.strides or \
-                k_cache.shape != v_cache.shape:
+                             % (name, self.n_kv_heads, self.head_dim, shape))
+            if torch_kv:
+                cuda = x.device.type == "cuda"
+                if cuda != (self.backend == "cuda") or (cuda and x.device.index != self.device):
+                    raise refuse("%s: on %s, the %s backend wants %s" % (
+                        name, x.device, self.backend,
+                        "cuda:%d" % self.device if self.backend == "cuda" else "the CPU"))
+                if x.stride(2) != 1 or x.stride(0) <= 0 or x.stride(1) <= 0:
+                    raise refuse("%s: the elements of a head must be contiguous and the strides "
+                                 "positive, got strides %s" % (name, tuple(x.stride())))
+            else:
+                if self.backend == "cuda":
+                    raise refuse("%s: numpy memory, the cuda backend takes torch tensors on "
+                                 "cuda:%d" % (name, self.device))
+                if x.strides[2] != x.itemsize or any(s % x.itemsize or s <= 0
+                                                     for s in x.strides):
+                    raise refuse("%s: the elements of a head must be contiguous and the strides "
+                                 "positive multiples of the element size, got strides %s"
+                                 % (name, x.strides))
+                if not write and not x.flags.writeable:
+                    raise refuse("%s is read-only: read_rows_paged writes into it" % name)
+        if torch_kv:
+            import torch
+            want = {_abi.DTYPE_F16: torch.float16, _abi.DTYPE_BF16: torch.bfloat16}.get(self.dtype)
+            same = (k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride() and
+                    k_cache.shape == v_cache.shape)
+            strides, n_slots = tuple(k_cache.stride()), int(k_cache.shape[0])
+            ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+        else:
+            want = {_abi.DTYPE_F16: np.float16, _abi.DTYPE_BF16: np.uint16}.get(self.dtype)
+            same = (k_cache.dtype == v_cache.dtype and k_cache.strides == v_cache.strides and
+                    k_cache.shape == v_cache.shape)
+            strides = tuple(st // k_cache.itemsize for st in k_cache.strides)
+            n_slots, ptrs = int(k_cache.shape[0]), (k_cache.ctypes.data, v_cache.ctypes.data)
+        if not same:
             raise refuse("k_cache and v_cache must have the same shape, dtype and strides")
-        want = {_abi.DTYPE_F16: np.float16, _abi.DTYPE_BF16: np.uint16}.get(self.dtype)
         if k_cache.dtype != want:
             raise refuse("k_cache: dtype %s, the cache stores %s" % (k_cache.dtype, want))
+        if is_torch(slots):
+            slots = slots.detach().cpu().numpy()
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if slots.shape != (n,):
             raise refuse("slot_mapping: want %d slots, got shape %s" % (n, slots.shape))
         lo = -1 if not write else 0
-        if n and (slots.min() < lo or slots.max() >= k_cache.shape[0]):
+        if n and (slots.min() < lo or slots.max() >= n_slots):
             raise refuse("slot_mapping: slots must be in [%d, n_slots = %d), got [%d, %d]"
-                         % (lo, k_cache.shape[0], slots.min(), slots.max()))
-        it = k_cache.itemsize
+                         % (lo, n_slots, slots.min(), slots.max()))
         layout = _abi.KvtRowsLayout(size=ctypes.sizeof(_abi.KvtRowsLayout), flags=0,
-                                    slot_mapping=slots.ctypes.data,
-                                    slot_stride=k_cache.strides[0] // it,
-                                    head_stride=k_cache.strides[1] // it)
-        return layout, slots, (k_cache.ctypes.data, v_cache.ctypes.data)
+                                    slot_mapping=slots.ctypes.data, slot_stride=strides[0],
+                                    head_stride=strides[1])
+        return layout, slots, ptrs
 
     def read_rows_paged(self, seq: SeqLike, layer: int, start: int, stop: int, k_cache: Any,
                         v_cache: Any, slot_mapping: Any) -> None:
         """kvt_seq_read_rows_at: the rows of tokens [start, stop) of `seq` on `layer` into slot
-        slot_mapping[i] of a runtime's paged buffers k_cache, v_cache (numpy [n_slots,
-        n_kv_heads, head_dim] in dtype, any slot and head strides); a slot of -1 skips the
-        token, the others must be distinct. CPU backend."""
+        slot_mapping[i] of a runtime's paged buffers k_cache, v_cache ([n_slots, n_kv_heads,
+        head_dim] in dtype, any slot and head strides: numpy or CPU torch for the CPU backend,
+        torch on the cache's device for the CUDA backend, queued on torch's current stream); a
+        slot of -1 skips the token, the others must be distinct."""
         sid, layer = self._seq_id(seq), self._layer(layer)
         if stop <= start or start < 0:
             raise refuse("rows [%r, %r): want 0 <= start < stop" % (start, stop))
         layout, slots, (pk, pv) = self._paged("read_rows_paged", k_cache, v_cache, slot_mapping,
                                               stop - start, False)
         self._check(_abi.lib().kvt_seq_read_rows_at(self._handle(), sid, layer, start, stop, pk,
-                                                    pv, ctypes.byref(layout), None),
+                                                    pv, ctypes.byref(layout),
+                                                    stream_of([k_cache], self.backend)),
                     "kvt_seq_read_rows_at")
 
     def write_rows_paged(self, seq: SeqLike, layer: int, k_cache: Any, v_cache: Any,
                          slot_mapping: Any) -> None:
         """kvt_seq_write_rows_at: append len(slot_mapping) rows taken from slots slot_mapping[i]
         of a runtime's paged buffers at the end of `seq` on `layer`, stored and indexed as a
-        prefill chunk without queries. CPU backend."""
-        import numpy as np
+        prefill chunk without queries. Buffers as read_rows_paged's."""
         sid, layer = self._seq_id(seq), self._layer(layer)
-        n = int(np.asarray(slot_mapping).shape[0]) if np.ndim(slot_mapping) == 1 else -1
+        shape = tuple(getattr(slot_mapping, "shape", (len(slot_mapping),)))
+        n = int(shape[0]) if len(shape) == 1 else -1
         if n <= 0:
             raise refuse("slot_mapping: want a non-empty 1-D array of slots")
         layout, slots, (pk, pv) = self._paged("write_rows_paged", k_cache, v_cache,
@@ -588,7 +619,7 @@ class Cache:
         start = self.length(seq, layer)
         self._check(_abi.lib().kvt_seq_write_rows_at(self._handle(), sid, layer, start,
                                                      start + n, pk, pv, ctypes.byref(layout),
-                                                     None),
+                                                     stream_of([k_cache], self.backend)),
                     "kvt_seq_write_rows_at")
 
     # ---- data path

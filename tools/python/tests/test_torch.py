@@ -94,6 +94,51 @@ def test_cuda_strided_tensors():
         _strided_round_trip((a, b), torch.device("cuda", 0))
 
 
+def _paged_round_trip(c, dev):
+    """read_rows_paged into a runtime's paged torch buffers (slots shuffled, padded slot and head
+    strides, -1 skipping a token) gives read_rows' rows in their slots and leaves everything else
+    as it was; write_rows_paged from those slots gives a sequence whose rows are read_rows'."""
+    g = torch.Generator(device=dev).manual_seed(9)
+    k = torch.randn(60, 2, 64, generator=g, device=dev, dtype=torch.float16)
+    v = torch.randn(60, 2, 64, generator=g, device=dev, dtype=torch.float16)
+    s = c.open()
+    c.prefill(s, 0, None, k, v)
+    big = torch.full((2, 64, 3, 80), 7.0, device=dev, dtype=torch.float16)
+    kc, vc = big[0, :, :2, :64], big[1, :, :2, :64]   # slot stride 240, head stride 80
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:30]
+    slots[4] = -1
+    c.read_rows_paged(s, 0, 10, 40, kc, vc, slots)
+    rk, rv = c.read_rows(s, 0, 10, 40)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(kc[slot], torch.as_tensor(rk[i], device=dev))
+            assert torch.equal(vc[slot], torch.as_tensor(rv[i], device=dev))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert bool((kc[untouched.to(dev)] == 7).all()) and bool((big[:, :, 2] == 7).all())
+    t = c.open()
+    keep = slots[slots >= 0]
+    c.write_rows_paged(t, 0, kc, vc, keep)
+    wk, wv = c.read_rows(t, 0, 0, len(keep))
+    assert torch.equal(torch.as_tensor(wk, device=dev), kc[keep.to(dev)])
+    assert torch.equal(torch.as_tensor(wv, device=dev), vc[keep.to(dev)])
+
+
+def test_cpu_paged_tensors():
+    with kvtier.Cache(backend="cpu", p=1.0, **SHAPE) as c:
+        _paged_round_trip(c, torch.device("cpu"))
+
+
+def test_cuda_paged_tensors():
+    with _cuda_cache(p=1.0) as c:
+        _paged_round_trip(c, torch.device("cuda", 0))
+        with pytest.raises(kvtier.Error, match="the cuda backend takes torch tensors"):
+            z = np.zeros((4, 2, 64), np.float16)
+            c.read_rows_paged(c.open(), 0, 0, 1, z, z, [0])
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_extend_matches_full_attention(dtype):
     """kvt_extend on the CUDA backend (exact): two sequences of 300 and 40 prefilled tokens get
