@@ -56,6 +56,12 @@ int gpu_check_err(kvt_cache *c)
 	}
 	if (b->err_seen == b->err_issued)
 		b->err_lost = false; /* every slot read: none can be mistaken for another any more */
+	bool graph = false;
+	if ((!w || w == ERR_PENDING) && b->err_graphs && m[GPU_ERR_SLOTS]) {
+		/* what a graph replay's copy found, when no eager call has copied it since */
+		w = m[GPU_ERR_SLOTS];
+		graph = true;
+	}
 	if (!w || w == ERR_PENDING)
 		return 0;
 	/* every copy queued lands, then the word starts again from 0 */
@@ -64,11 +70,13 @@ int gpu_check_err(kvt_cache *c)
 	cudaDeviceSynchronize();
 	const uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w);
 	const uint32_t idx = KVT_GPU_ERR_INDEX(w), Hq = c->cfg.n_q_heads;
-	const uint32_t seq = code == KVT_GPU_ERR_NONFINITE ? err_seq(c, b, slot, where / Hq)
-							   : UINT32_MAX;
-	const uint32_t layer = b->err_calls[slot].layer;
+	const uint32_t seq = code == KVT_GPU_ERR_NONFINITE && !graph
+				     ? err_seq(c, b, slot, where / Hq)
+				     : UINT32_MAX;
+	const uint32_t layer = graph ? 0 : b->err_calls[slot].layer;
 	b->err_seen = b->err_issued;
 	b->err_lost = false;
+	m[GPU_ERR_SLOTS] = 0; /* a later replay copies afresh */
 	if (!synced)
 		return kvt_seterr(c, -EIO, "the device failed: %s",
 				  cudaGetErrorString(cudaGetLastError()));
