@@ -253,6 +253,7 @@ static void test_hot_auto(void **state)
  * A step captured into a CUDA graph replays bit for bit what the eager step gives, with a fixed hot
  * cache and with the self-sized one; the latter is frozen by the capture: eager steps after it do
  * not grow it (a growth would free memory the graph reads), and the graph still replays right.
+ * Then a replay with a NaN query: the next call reports it, naming no entry, once.
  */
 static void test_graph(void **state)
 {
@@ -303,6 +304,19 @@ static void test_graph(void **state)
 			"%s cache: %llu rows at capture, %llu after replays and eager steps",
 			self_sized ? "self-sized" : "fixed", (unsigned long long)l0.hot_rows,
 			(unsigned long long)l1.hot_rows);
+		/* a replay whose query of sequence 1 is NaN: the next call reports it (a cache with
+		 * captured steps names no sequence: replays raise between eager calls), then goes on */
+		uint16_t nan = 0x7e00;
+		CU(cudaMemcpy((uint16_t *)p.dq + (size_t)HQ * D + 5, &nan, 2, cudaMemcpyHostToDevice));
+		CU(cudaGraphLaunch(exec, st));
+		CU(cudaStreamSynchronize(st));
+		kvt_stats sts = {.size = sizeof sts};
+		rc = kvt_get_stats(p.gpu, &sts);
+		T_CHECK(rc == -EINVAL && strstr(kvt_last_error(p.gpu), "non-finite") &&
+				kvt_last_error_entry(p.gpu) == -1,
+			"%s cache: after a NaN replay got %d (%s), entry %d", self_sized ? "self-sized" :
+			"fixed", rc, kvt_last_error(p.gpu), kvt_last_error_entry(p.gpu));
+		OK(p.gpu, kvt_get_stats(p.gpu, &sts)); /* reported once */
 		cudaGraphExecDestroy(exec);
 		cudaGraphDestroy(graph);
 		cudaStreamDestroy(st);
