@@ -8,7 +8,8 @@
  * kvt_gather's max_tokens and a missing selection; -1 for a bad layer, a prefill's non-finite key and
  * a fresh cache. Then kvt_seq_status: a sequence put in error (as the CUDA backend does when its
  * kernels find a non-finite score of one of its queries) fails every call that would compute with or
- * store into it, naming it, and nothing else; truncation and closing clear it.
+ * store into it, naming it, and nothing else; truncation and closing clear it; so does one found
+ * by the pipeline's own check after the call's (test_status_late).
  */
 #include "common.h"
 #include "internal.h"
@@ -185,11 +186,67 @@ static void test_status(void **state)
 	kvt_cache_destroy(c);
 }
 
+/* A backend whose enter (the check every call makes for errors found since the last one) puts
+ * g_seq in error at its g_at-th call, as the CUDA backend does when a step's copy of its error
+ * word lands. */
+static uint32_t g_calls, g_at, g_seq;
+
+static int late_enter(kvt_cache *c)
+{
+	if (++g_calls == g_at)
+		kvt_seq_set_status(c, g_seq, -EINVAL, "found late");
+	return 0;
+}
+
+/*
+ * An error found by the pipeline's own check, after the call's check of its batch (the device's
+ * copy landed in between), still fails the call before anything changes, naming the entry; so
+ * does one found by kvt_seq_fork's check, and by a prefill's.
+ */
+static void test_status_late(void **state)
+{
+	(void)state;
+	uint32_t ids[NS];
+	kvt_cache *c = make(ids);
+	uint16_t k[NS * HKV * D], v[NS * HKV * D];
+	memcpy(k, g_k, sizeof k);
+	memcpy(v, g_v, sizeof v);
+	struct kvt_backend_ops late = *c->ops;
+	const struct kvt_backend_ops *ops = c->ops;
+	late.enter = late_enter;
+	c->ops = &late;
+	uint32_t three[3] = {ids[0], ids[1], ids[2]};
+	/* kvt_append: batch()'s check is the first enter, the pipeline's the second */
+	g_calls = 0, g_at = 2, g_seq = ids[1];
+	want(c, ids, kvt_append(c, 0, 3, three, k, v, NULL), -EINVAL, 1, "append, late error");
+	T_CHECK(g_calls >= 2, "enter called %u times", g_calls);
+	T_CHECK(kvt_seq_truncate(c, ids[1], 1, NULL) == 0, "truncate: %s", kvt_last_error(c));
+	T_CHECK(kvt_prefill(c, ids[1], 0, NULL, k, v, 1, NULL) == 0, "prefill back: %s",
+		kvt_last_error(c));
+	/* kvt_seq_fork looks before its check */
+	g_calls = 0, g_at = 1, g_seq = ids[2];
+	uint32_t child = 0;
+	want(c, ids, kvt_seq_fork(c, ids[2], &child, NULL), -EINVAL, -1, "fork, late error");
+	kvt_stats st = {.size = sizeof st};
+	T_CHECK(kvt_get_stats(c, &st) == 0 && st.seqs_open == NS, "fork opened a sequence: %llu open",
+		(unsigned long long)st.seqs_open);
+	T_CHECK(kvt_seq_truncate(c, ids[2], 1, NULL) == 0, "truncate: %s", kvt_last_error(c));
+	T_CHECK(kvt_prefill(c, ids[2], 0, NULL, k, v, 1, NULL) == 0, "prefill back: %s",
+		kvt_last_error(c));
+	/* a prefill: its own check first, the pipeline's second */
+	g_calls = 0, g_at = 2, g_seq = ids[0];
+	want(c, ids, kvt_prefill(c, ids[0], 0, NULL, k, v, 1, NULL), -EINVAL, -1,
+	     "prefill, late error");
+	c->ops = ops;
+	kvt_cache_destroy(c);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_entries),
 		cmocka_unit_test(test_status),
+		cmocka_unit_test(test_status_late),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
