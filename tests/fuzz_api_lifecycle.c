@@ -199,20 +199,42 @@ static uint64_t rows_at(struct fz *z, const struct rows *r, uint32_t i, uint32_t
 	return (uint64_t)s * ss + h * hs;
 }
 
+/* What a row-range action reads from the input first: the sequence, layer and range, the call's
+ * form (how; a write also the values' mode), and the layout of its n rows. */
+struct rows_call {
+	uint32_t seq, layer, from, to, n;
+	uint8_t how, mode;
+	struct rows r;
+};
+
+/* The start of do_read_rows and do_write_rows; 0 (nothing held) when the layout spans more
+ * than EXT_CAP elements. */
+static int rows_call(struct fz *z, struct in *in, int write, struct rows_call *a)
+{
+	a->seq = pick_seq(z, in);
+	a->layer = byte(in) % (z->cfg.n_layers + 1);
+	pick_range(z, in, a->seq, a->layer, write, &a->from, &a->to);
+	a->how = byte(in);
+	a->mode = write ? byte(in) : 0;
+	a->n = a->to > a->from && a->to - a->from <= 4096 ? a->to - a->from : 0;
+	gen_rows(z, in, a->n, write, &a->r);
+	plain_rows(z, a->how, a->n, &a->r);
+	if (a->r.ok && a->r.ext > EXT_CAP) {
+		free(a->r.map);
+		return 0;
+	}
+	return 1;
+}
+
 void do_read_rows(struct fz *z, struct in *in)
 {
-	uint32_t seq = pick_seq(z, in), layer = byte(in) % (z->cfg.n_layers + 1), from, to;
-	pick_range(z, in, seq, layer, 0, &from, &to);
-	uint8_t how = byte(in);
-	uint32_t n = to > from && to - from <= 4096 ? to - from : 0;
-	struct rows r;
-	gen_rows(z, in, n, 0, &r);
-	plain_rows(z, how, n, &r);
-	const size_t d = z->cfg.head_dim, H = z->cfg.n_kv_heads, row = d * z->esz;
-	if (r.ok && r.ext > EXT_CAP) {
-		free(r.map);
+	struct rows_call a;
+	if (!rows_call(z, in, 0, &a))
 		return;
-	}
+	const uint32_t seq = a.seq, layer = a.layer, from = a.from, to = a.to, n = a.n;
+	const uint8_t how = a.how;
+	struct rows r = a.r;
+	const size_t d = z->cfg.head_dim, H = z->cfg.n_kv_heads, row = d * z->esz;
 	size_t bytes = r.ok ? (size_t)r.ext * z->esz : 2;
 	uint8_t *k = patterned(bytes), *v = patterned(bytes);
 	void *lo = how & 1 && !r.null ? sized(&r.lo, sizeof r.lo, r.lo.size) : NULL;
@@ -263,18 +285,13 @@ void do_read_rows(struct fz *z, struct in *in)
 
 void do_write_rows(struct fz *z, struct in *in)
 {
-	uint32_t seq = pick_seq(z, in), layer = byte(in) % (z->cfg.n_layers + 1), from, to;
-	pick_range(z, in, seq, layer, 1, &from, &to);
-	uint8_t how = byte(in), mode = byte(in);
-	uint32_t n = to > from && to - from <= 4096 ? to - from : 0;
-	struct rows r;
-	gen_rows(z, in, n, 1, &r);
-	plain_rows(z, how, n, &r);
-	const size_t d = z->cfg.head_dim, H = z->cfg.n_kv_heads, row = d * z->esz;
-	if (r.ok && r.ext > EXT_CAP) {
-		free(r.map);
+	struct rows_call a;
+	if (!rows_call(z, in, 1, &a))
 		return;
-	}
+	const uint32_t seq = a.seq, layer = a.layer, from = a.from, to = a.to, n = a.n;
+	const uint8_t how = a.how, mode = a.mode;
+	struct rows r = a.r;
+	const size_t d = z->cfg.head_dim, H = z->cfg.n_kv_heads, row = d * z->esz;
 	size_t elems = r.ok ? (size_t)r.ext : 1;
 	uint8_t *k = values(z, elems, mode), *v = values(z, elems, 0);
 	void *lo = how & 1 && !r.null ? sized(&r.lo, sizeof r.lo, r.lo.size) : NULL;
