@@ -82,7 +82,6 @@ int gpu_check_err(kvt_cache *c)
 				  cudaGetErrorString(cudaGetLastError()));
 	if (seq == ERR_GONE)
 		return 0;
-	b->err_marked = seq != UINT32_MAX;
 	if (seq != UINT32_MAX)
 		return kvt_seq_set_status(c, seq, -EINVAL,
 			"a step on layer %u met a non-finite estimated score (query head %u, indexed "

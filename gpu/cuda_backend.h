@@ -116,7 +116,6 @@ struct gpu_cache {
 	uint64_t *err_uids;                /* [GPU_ERR_SLOTS][max_seqs] */
 	uint64_t err_issued, err_seen;     /* slots queued, slots read (both counting up) */
 	bool err_lost;                     /* a slot was reused before it was read */
-	bool err_marked;                   /* the last check put a sequence in error */
 	bool err_graphs;                   /* a step was captured: errors name no sequence */
 	struct gpu_layer *lay;        /* [L] */
 	unsigned long long *counters; /* [L][KVT_GPU_CNT_N] device */

@@ -326,17 +326,7 @@ static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
 	KVT_TRY(gpu_check_err(c));
 	/* an entry of this very step put in error by that check fails it (kvt_select) */
-	struct gpu_cache *b = gpu_of(c);
-	const bool marked = b->err_marked;
-	b->err_marked = false;
-	for (uint32_t i = 0; i < n_seqs && marked; i++) {
-		const uint32_t seq = kvt_seq_of_uid(c, layer, ls[i]->seq_uid);
-		if (seq != UINT32_MAX && c->seqs[seq].status)
-			return kvt_err_entry(c, i, kvt_seterr(c, c->seqs[seq].status,
-				"seqs[%u] = %u: %s", i, seq, c->seqs[seq].status_text
-				? c->seqs[seq].status_text : kvt_strerror(c->seqs[seq].status)));
-	}
-	return 0;
+	return kvt_layers_check_status(c, n_seqs, ls, true);
 }
 
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,

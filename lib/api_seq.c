@@ -51,6 +51,20 @@ int kvt_seq_check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s)
 	return 0;
 }
 
+int kvt_layers_check_status(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch)
+{
+	if (!c->status_new)
+		return 0;
+	c->status_new = false;
+	for (uint32_t i = 0; i < n; i++) {
+		const uint32_t s = kvt_seq_of_uid(c, ls[i]->index, ls[i]->seq_uid);
+		if (s != UINT32_MAX && c->seqs[s].status)
+			return batch ? kvt_err_entry(c, i, kvt_seq_check_status(c, s, &c->seqs[s]))
+				     : kvt_seq_check_status(c, s, &c->seqs[s]);
+	}
+	return 0;
+}
+
 KVT_API int kvt_seq_status(kvt_cache *c, uint32_t seq, int *status, char *text, size_t text_size)
 {
 	struct kvt_seq *s = NULL;

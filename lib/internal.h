@@ -233,6 +233,9 @@ int64_t kvt_lru_done(kvt_cache *c, const struct kvt_lru_mark *m, uint32_t n, con
 int kvt_seq_lookup(kvt_cache *c, uint32_t seq, struct kvt_seq **out);
 int kvt_check_layer(kvt_cache *c, uint32_t layer);
 int kvt_seq_check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s);
+/* Once a sequence was put in error since the last look (status_new): the first of ls whose
+ * sequence is in error fails, naming its entry when batch. 0 otherwise. */
+int kvt_layers_check_status(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch);
 /* Put sequence slot `seq` in error (kvt_seq_status): the first error sticks. Returns 0. */
 int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));

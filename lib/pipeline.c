@@ -26,21 +26,11 @@ static int enter(kvt_cache *c)
 }
 
 /* enter for the n layers of a call: a sequence of theirs that this enter (or one since the call's
- * own check) put in error fails the call before anything changes, naming its entry when the call
- * has a batch. */
+ * own check) put in error fails the call before anything changes (kvt_layers_check_status). */
 static int enter_batch(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch)
 {
 	KVT_TRY(enter(c));
-	if (!c->status_new)
-		return 0;
-	c->status_new = false;
-	for (uint32_t i = 0; i < n; i++) {
-		const uint32_t s = kvt_seq_of_uid(c, ls[i]->index, ls[i]->seq_uid);
-		if (s != UINT32_MAX && c->seqs[s].status)
-			return batch ? kvt_err_entry(c, i, kvt_seq_check_status(c, s, &c->seqs[s]))
-				     : kvt_seq_check_status(c, s, &c->seqs[s]);
-	}
-	return 0;
+	return kvt_layers_check_status(c, n, ls, batch);
 }
 
 /*
