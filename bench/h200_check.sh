@@ -31,14 +31,14 @@ step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
 step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
 if [ $sanitize = 1 ]; then
 	for tool in memcheck racecheck; do
-		for t in test_gpu_kernels test_gpu_backend test_gpu_calls; do
+		for t in test_gpu_kernels test_gpu_backend test_gpu_calls test_gpu_graph; do
 			KVT_TEST_QUICK=1 step sanitizer "$tool $t" compute-sanitizer --tool $tool --error-exitcode 9 "$b/tests/$t"
 			tail -2 "$out/sanitizer.log" >>"$out/summary.txt"
 		done
 	done
 fi
 if [ $bench = 1 ]; then
-	for x in gpu_scan gpu_select gpu_gather gpu_decode gpu_throughput; do
+	for x in gpu_scan gpu_select gpu_gather gpu_decode gpu_throughput gpu_graph; do
 		step bench "$x" "$b/bench/$x"
 	done
 	step bench extend_vs_sdpa python3 bench/extend_vs_sdpa.py "$b/bench/gpu_extend"

@@ -10,6 +10,7 @@
  */
 #include "attend.cuh"
 #include "common.cuh"
+#include "graph.cuh"
 
 #define AT_THREADS 256
 #define AT_CHUNK 256u /* rows per block */
@@ -35,6 +36,8 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR;
 	const kvt_gpu_rows it = items[item];
 	uint32_t n = it.n;
+	if (it.reserved & KVT_GPU_ROWS_SKIP)
+		return; /* a padded slot of a graph step: its output is left as it was */
 	if (n > max_rows) {
 		if (blockIdx.x == 0 && blockIdx.z == 0 && tid == 0)
 			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
@@ -177,6 +180,8 @@ static __global__ void __launch_bounds__(D)
 {
 	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
 	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
+	if (items[item].reserved & KVT_GPU_ROWS_SKIP)
+		return;
 	const uint32_t n = items[item].n > max_rows ? 0 : items[item].n;
 	const uint32_t used = min((n + AT_CHUNK - 1) / AT_CHUNK, chunks);
 	float M = -INFINITY;
@@ -268,15 +273,16 @@ extern "C" size_t kvt_gpu_attend_scratch_bytes(uint32_t n_seqs, uint32_t n_q_hea
 	       sizeof(float);
 }
 
-extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_seqs,
-			      uint32_t n_q_heads, uint32_t n_kv_heads, float scale, const void *q,
-			      const kvt_gpu_rows *items, uint32_t max_rows, void *out,
-			      void *scratch, size_t scratch_bytes, unsigned long long *err,
-			      void *stream)
+extern "C" int kvt_gpu_attend_split(uint32_t d, uint32_t dtype, uint32_t out_dtype,
+				    uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				    float scale, const void *q, const kvt_gpu_rows *items,
+				    uint32_t max_rows, uint32_t split_seqs, void *out, void *scratch,
+				    size_t scratch_bytes, unsigned long long *err, void *stream)
 {
 	if (!q || !items || !out || !scratch || n_kv_heads == 0 || n_q_heads % n_kv_heads)
 		return -EINVAL;
 	if ((uint64_t)n_seqs * n_kv_heads > 65535 || (uint64_t)n_seqs * n_q_heads > 0x7fffffffu ||
+	    (uint64_t)split_seqs * n_kv_heads > 65535 ||
 	    !isfinite(scale) || ((uintptr_t)q & 15) || ((uintptr_t)scratch & 15))
 		return -EINVAL;
 	if (!kvt_is_pow2_dim(d) || (dtype != KVT_DTYPE_F16 && dtype != KVT_DTYPE_BF16) ||
@@ -293,7 +299,8 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 		.hkv = n_kv_heads,
 		.n_items = n_seqs * n_kv_heads,
 		.max_rows = max_rows,
-		.chunks = chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows),
+		.chunks = chunks_of((split_seqs > n_seqs ? split_seqs : n_seqs) * n_kv_heads,
+				    n_q_heads / n_kv_heads, max_rows),
 		.scale = scale,
 		.q = q,
 		.items = items,
@@ -304,4 +311,14 @@ extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, ui
 	KVT_DISPATCH_HEAD_DIM(d, D, KVT_DISPATCH_DTYPE(dtype, DT, {
 		return attend<D, DT>(a, out_dtype, out);
 	}));
+}
+
+extern "C" int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_seqs,
+			      uint32_t n_q_heads, uint32_t n_kv_heads, float scale, const void *q,
+			      const kvt_gpu_rows *items, uint32_t max_rows, void *out,
+			      void *scratch, size_t scratch_bytes, unsigned long long *err,
+			      void *stream)
+{
+	return kvt_gpu_attend_split(d, dtype, out_dtype, n_seqs, n_q_heads, n_kv_heads, scale, q,
+				    items, max_rows, 0, out, scratch, scratch_bytes, err, stream);
 }

@@ -28,7 +28,7 @@ typedef struct kvt_gpu_rows {
 	const uint32_t *pos; /* device [n] or NULL */
 	uint64_t stride;     /* bytes between consecutive rows at base */
 	uint32_t n;          /* rows, <= max_rows of the launch */
-	uint32_t reserved;
+	uint32_t reserved;   /* KVT_GPU_ROWS_SKIP (gpu/graph.cuh): a padded slot, out untouched */
 } kvt_gpu_rows;
 
 /* Bytes of scratch kvt_gpu_attend needs for these shapes. */
@@ -53,6 +53,17 @@ int kvt_gpu_attend(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_se
 		   uint32_t n_q_heads, uint32_t n_kv_heads, float scale, const void *q,
 		   const kvt_gpu_rows *items, uint32_t max_rows, void *out, void *scratch,
 		   size_t scratch_bytes, unsigned long long *err, void *stream);
+
+/*
+ * kvt_gpu_attend with the rows split into chunks as for a batch of max(n_seqs, split_seqs)
+ * sequences: the split, and so the rounding of the merge, depends only on split_seqs and max_rows,
+ * not on n_seqs (a reserved geometry, kvt_graph_reserve). The scratch of n_seqs suffices.
+ */
+int kvt_gpu_attend_split(uint32_t d, uint32_t dtype, uint32_t out_dtype, uint32_t n_seqs,
+			 uint32_t n_q_heads, uint32_t n_kv_heads, float scale, const void *q,
+			 const kvt_gpu_rows *items, uint32_t max_rows, uint32_t split_seqs,
+			 void *out, void *scratch, size_t scratch_bytes, unsigned long long *err,
+			 void *stream);
 
 #ifdef __cplusplus
 }

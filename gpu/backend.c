@@ -98,6 +98,9 @@ int gpu_check_err(kvt_cache *c)
 				  "index entry, which is stored saturated at the fp16 maximum 65504; "
 				  "that step's selection was empty",
 				  where / Hq, where % Hq, idx);
+	if (code == KVT_GPU_ERR_SLOT)
+		return kvt_err_entry(c, idx, kvt_graph_slot_error(c, where & 0xffffu, idx,
+								       where >> 16));
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): a count or "
 			  "position beyond what the launch was sized for, or a row of a spilled block "
@@ -236,6 +239,8 @@ static void cu_fini(kvt_cache *c)
 		gpu_dfree(c, y->jobs);
 	}
 	kvt_mem_free(KVT_MEM_HOST, b->lay, 0);
+	gpu_graph_fini(c);
+	gpu_dfree(c, b->epochs);
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
 		for (int e = 0; e < 4; e++)
 			if (b->t[i].ev[e])
@@ -327,6 +332,7 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	KVT_TRY(gpu_dalloc(c, (void **)&b->err, sizeof *b->err, "the error word"));
 	const size_t cnt = sizeof(unsigned long long) * L * KVT_GPU_CNT_N;
 	KVT_TRY(gpu_dalloc(c, (void **)&b->counters, cnt, "the counters"));
+	KVT_TRY(gpu_dalloc(c, (void **)&b->epochs, sizeof(uint32_t) * L, "the hot-cache epochs"));
 	b->cnt_host = kvt_mem_alloc(KVT_MEM_HOST, cnt);
 	/* host scratch: the largest of a step's descriptors, append's store jobs and index jobs */
 	size_t host = gpu_step_host_bytes(c, M);
@@ -441,6 +447,9 @@ static const struct kvt_backend_ops ops = {
 	.gather_rows = gpu_gather_rows,
 	.extend = gpu_extend,
 	.copy_strided = cu_copy_strided,
+	.graph_reserve = gpu_graph_reserve,
+	.graph_publish = gpu_graph_publish,
+	.attend_graph = gpu_attend_graph,
 	.device_tensors = true,
 };
 

@@ -35,6 +35,7 @@
 #include "score.cuh"
 #include "rescore.cuh"
 #include "select.cuh"
+#include "graph.cuh"
 
 /* A CUDA runtime call that must succeed, else -EIO naming it. */
 #define CU(c, expr)                                                                                \
@@ -69,7 +70,6 @@ struct gpu_seq_layer {
 /* Per layer number. */
 struct gpu_layer {
 	kvt_gpu_hot hot;
-	uint32_t epoch;
 	cudaEvent_t indexed;    /* end of the last index build of this layer */
 	bool pending;           /* recorded since the last wait on `waited` */
 	void *waited;           /* the stream that waited (NULL is a stream too: the default one) */
@@ -152,6 +152,13 @@ struct gpu_cache {
 	/* kvt_seq_read_rows_at / write_rows_at (life.c): dense rows and the slot mapping */
 	void *rows_mem;
 	size_t rows_bytes;
+	uint32_t *epochs;             /* [L] device: each layer's hot-cache epoch, bumped on the
+					 device by each step's descriptors (a replay gets its own) */
+	/* kvt_graph_reserve (graph.c): a record of every (layer, sequence id) on the device, the
+	 * zero centroids of a padded slot, the reserved bounds (g_slots == 0: none) */
+	void *g_table;                /* kvt_gpu_graph_row [L][max_seqs] */
+	float *g_zero;                /* [2][n_kv_heads][d] */
+	uint32_t g_slots, g_tokens;
 };
 
 static inline struct gpu_cache *gpu_of(const kvt_cache *c)
@@ -211,6 +218,10 @@ int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_lay
 int gpu_mirror_copy_index(kvt_cache *c, const struct gpu_seq_layer *from, uint32_t ni,
 			  struct gpu_seq_layer *to);
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
+/* The fetch descriptor of l's mirror g at these lengths, less the selection's place (sel, sel_n,
+ * sel_ld), which the caller sets. */
+kvt_gpu_fetch_seq gpu_mirror_fetch(const kvt_cache *c, struct kvt_layer *l,
+				   const struct gpu_seq_layer *g, uint32_t n_tokens, uint32_t n_indexed);
 
 /* runtime.c: the probe and memory hooks of the backend table */
 int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why);
@@ -237,6 +248,8 @@ int gpu_index(kvt_cache *c, uint32_t layer, uint32_t n_jobs, const struct kvt_in
 
 /* step.c: verbs of a decode step and a gather; the host scratch a step's descriptors need */
 size_t gpu_step_host_bytes(const kvt_cache *c, uint32_t n_seqs);
+/* Grow the step scratch and every layer's selection for max_slots sequences of max_tokens. */
+int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream);
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	     const void *q, void *out, uint32_t *sel_n, void *stream);
 int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
@@ -256,6 +269,18 @@ int gpu_read_rows_at(kvt_cache *c, struct kvt_layer *l, uint32_t from, uint32_t 
 		     void *v, const struct kvt_rows_map *m, void *stream);
 int gpu_gather_rows(kvt_cache *c, const struct kvt_rows_map *m, uint32_t n, const void *k,
 		    const void *v, void **dk, void **dv, void *stream);
+
+/* graph.c: kvt_graph_reserve, the records it keeps (refreshed through graph_publish) and the
+ * reserved geometry every step within it uses (max_ni, max_rows: the bounds of index tokens and
+ * rows per item; split: the batch size the attention's split is laid out for) */
+int gpu_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream);
+int gpu_graph_publish(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream);
+void gpu_graph_fini(kvt_cache *c);
+bool gpu_graph_geometry(const kvt_cache *c, uint32_t n_seqs, uint32_t *max_ni, uint32_t *max_rows,
+			uint32_t *split);
+/* step.c: kvt_attend_graph's step */
+int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
+		     void *out, void *stream);
 
 /* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
  * bound on its staging buffer (256 MiB) */

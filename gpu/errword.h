@@ -17,6 +17,9 @@ enum kvt_gpu_err_code {
 	/* a count or position beyond what the launch was sized for: where = work item, index = the
 	 * offending count or position */
 	KVT_GPU_ERR_RANGE = 2,
+	/* a slot of a graph step that could not be served (gpu/graph.cuh): where = layer | cause << 16,
+	 * index = the slot */
+	KVT_GPU_ERR_SLOT = 3,
 };
 
 /* code in bits 56..63, where in 32..55 (24 bits), index in 0..31 */

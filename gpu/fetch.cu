@@ -8,6 +8,7 @@
 
 #include "common.cuh"
 #include "fetch.cuh"
+#include "graph.cuh"
 #include "fetch_rows.cuh"
 
 #define FT_THREADS 256u
@@ -30,6 +31,14 @@ static __global__ void __launch_bounds__(FT_THREADS)
 {
 	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv;
 	const kvt_gpu_fetch_seq q = seqs[s];
+	if (q.flags & KVT_GPU_FETCH_SKIP) { /* a padded slot of a graph step: no rows, no output */
+		if (blockIdx.x == 0 && threadIdx.x == 0)
+			items[item] = kvt_gpu_rows{.rows = rows + (size_t)item * max_rows, .n = 0,
+						   .reserved = KVT_GPU_ROWS_SKIP};
+		return;
+	}
+	if (hot.epoch)
+		epoch = *hot.epoch;
 	const uint32_t m = q.sel_n[h], S = q.n_sink, win = q.n_tokens - S - q.n_indexed;
 	uint32_t n = S + m + win;
 	if (n > max_rows) {
@@ -87,6 +96,8 @@ static __global__ void __launch_bounds__(FT_THREADS)
 {
 	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv, lane = threadIdx.x & 31;
 	const kvt_gpu_fetch_seq q = seqs[s];
+	if (hot.epoch)
+		epoch = *hot.epoch;
 	const uint32_t m = q.sel_n[h], S = q.n_sink;
 	const uint32_t n = min(items[item].n, S + m);
 	uint32_t misses = 0; /* lane 0's count */
@@ -412,20 +423,25 @@ struct upload_blob {
 	uint32_t bytes[KVT_GPU_UPLOAD_CHUNK / 4];
 };
 
-static __global__ void k_upload(uint32_t *dst, const upload_blob b)
+static __global__ void k_upload(uint32_t *dst, const upload_blob b, uint32_t *bump)
 {
+	if (bump && threadIdx.x == 0)
+		++*bump;
 	for (uint32_t i = threadIdx.x; i < b.n; i += blockDim.x)
 		dst[i] = b.bytes[i];
 }
 
-static __global__ void k_upload_bytes(unsigned char *dst, const upload_blob b)
+static __global__ void k_upload_bytes(unsigned char *dst, const upload_blob b, uint32_t *bump)
 {
+	if (bump && threadIdx.x == 0)
+		++*bump;
 	const unsigned char *src = (const unsigned char *)b.bytes;
 	for (uint32_t i = threadIdx.x; i < b.n; i += blockDim.x)
 		dst[i] = src[i];
 }
 
-extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream)
+extern "C" int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump,
+				   void *stream)
 {
 	if (!dst || (!src && bytes))
 		return -EINVAL;
@@ -435,14 +451,20 @@ extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *st
 		upload_blob b;
 		const size_t nb = bytes - o < KVT_GPU_UPLOAD_CHUNK ? bytes - o : KVT_GPU_UPLOAD_CHUNK;
 		memcpy(b.bytes, (const char *)src + o, nb);
+		uint32_t *bp = o == 0 ? bump : NULL;
 		if (words) {
 			b.n = (uint32_t)(nb / 4);
-			k_upload<<<1, 256, 0, s>>>((uint32_t *)((char *)dst + o), b);
+			k_upload<<<1, 256, 0, s>>>((uint32_t *)((char *)dst + o), b, bp);
 		} else {
 			b.n = (uint32_t)nb;
-			k_upload_bytes<<<1, 256, 0, s>>>((unsigned char *)dst + o, b);
+			k_upload_bytes<<<1, 256, 0, s>>>((unsigned char *)dst + o, b, bp);
 		}
 		KVT_CU_LAUNCHED();
 	}
 	return 0;
+}
+
+extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream)
+{
+	return kvt_gpu_upload_bump(dst, src, bytes, NULL, stream);
 }

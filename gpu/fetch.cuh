@@ -69,6 +69,9 @@ typedef struct kvt_gpu_hot {
 	uint32_t sets;
 	uint32_t flags;             /* KVT_GPU_HOT_NO_STEP: not a step (a re-gather): leave the
 				       selected and rows counters alone */
+	const uint32_t *epoch;      /* device word holding the step's epoch (bumped on the device
+				       before the fetch, so a replayed graph gets a new one each
+				       time), or NULL: the epoch argument of the launch */
 } kvt_gpu_hot;
 
 #define KVT_GPU_HOT_NO_STEP 1u
@@ -180,6 +183,8 @@ int kvt_gpu_centroids(uint32_t d, uint32_t dtype, uint32_t n_kv_heads, uint32_t 
  * Returns 0, -EINVAL or -EIO.
  */
 int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream);
+/* kvt_gpu_upload that also adds 1 to the device word *bump (NULL: none) before the bytes land. */
+int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump, void *stream);
 
 #ifdef __cplusplus
 }

@@ -135,3 +135,17 @@ kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g)
 	return (kvt_gpu_index_view){
 		.codes = g->codes, .sigma = g->sigma, .beta = g->beta, .cap = g->cap};
 }
+
+kvt_gpu_fetch_seq gpu_mirror_fetch(const kvt_cache *c, struct kvt_layer *l,
+				   const struct gpu_seq_layer *g, uint32_t n_tokens, uint32_t n_indexed)
+{
+	return (kvt_gpu_fetch_seq){.blocks = (void *const *)g->blk,
+				   .ring = g->ring,
+				   .uid = l->seq_uid,
+				   .blk_cap = g->blk_cap,
+				   .wcap = g->wcap,
+				   .n_sink = kvt_sinks_of(c, n_tokens),
+				   .n_indexed = n_indexed,
+				   .n_tokens = n_tokens,
+				   .flags = kvt_layer_spilled(c, l) ? KVT_GPU_FETCH_SPILLED : 0};
+}

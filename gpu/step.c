@@ -131,22 +131,14 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		ntok[i] = l->sel_indexed;
 		ck[i] = g->cent;
 		cq[i] = g->cent + (size_t)H * c->d;
-		f[i] = (kvt_gpu_fetch_seq){.blocks = (void *const *)g->blk,
-					   .sel = s->sel + (size_t)i * H * s->ld,
-					   .sel_n = y->sel_n + (size_t)slot * H,
-					   .ring = g->ring,
-					   .uid = l->seq_uid,
-					   .sel_ld = s->ld,
-					   .blk_cap = g->blk_cap,
-					   .wcap = g->wcap,
-					   .n_sink = kvt_sinks_of(c, l->sel_tokens),
-					   .n_indexed = l->sel_indexed,
-					   .n_tokens = l->sel_tokens,
-					   .flags = kvt_layer_spilled(c, ls[i]) ? KVT_GPU_FETCH_SPILLED
-										: 0};
+		f[i] = gpu_mirror_fetch(c, ls[i], g, l->sel_tokens, l->sel_indexed);
+		f[i].sel = s->sel + (size_t)i * H * s->ld;
+		f[i].sel_n = y->sel_n + (size_t)slot * H;
+		f[i].sel_ld = s->ld;
 		n_spilled += f[i].flags != 0;
 	}
-	LAUNCH(c, kvt_gpu_upload(s->views, h, s->desc_bytes, stream));
+	/* the descriptors' upload also starts the step's epoch of the layer's hot cache */
+	LAUNCH(c, kvt_gpu_upload_bump(s->views, h, s->desc_bytes, b->epochs + layer, stream));
 	s->spilled = n_spilled != 0;
 	return 0;
 }
@@ -184,31 +176,57 @@ static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 
 /* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
  * its selection, and upload its descriptors; a reread lists the last selection's positions. */
-static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
-		      uint32_t *max_rows)
+/* Carve the scratch of a step of n_seqs with max_ni index tokens and max_rows rows per item from
+ * the arena, and (select) lay out the layer's selection bits for it; both grown when short. */
+static int step_scratch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
+			uint32_t max_rows, bool select, void *stream, struct step_scratch *s)
 {
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
-	const uint32_t H = c->cfg.n_kv_heads;
+	const uint32_t ld = max_ni ? (max_ni + 3) & ~3u : 4;
+	const uint32_t rows = max_rows ? max_rows : 1;
+	*s = carve(c, NULL, n_seqs, ld, rows);
+	KVT_TRY(gpu_grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));
+	*s = carve(c, b->arena, n_seqs, ld, rows);
+	if (select) {
+		const size_t items = (size_t)n_seqs * c->cfg.n_kv_heads,
+			     bits = kvt_gpu_selbits_bytes(items, max_ni);
+		KVT_TRY(gpu_grow(c, &y->sel_mem, &y->sel_bytes, bits + sizeof(uint32_t) * items,
+				 stream, "the selection"));
+		y->bits = kvt_gpu_selbits_at(y->sel_mem, items, max_ni);
+		y->sel_n = (uint32_t *)((char *)y->sel_mem + bits);
+	}
+	return 0;
+}
+
+int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream)
+{
+	struct step_scratch s;
+	for (uint32_t y = 0; y < c->cfg.n_layers; y++)
+		KVT_TRY(step_scratch(c, y, max_slots, max_tokens, max_tokens, true, stream, &s));
+	return 0;
+}
+
+/* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
+ * its selection, and upload its descriptors; a reread lists the last selection's positions.
+ * Within kvt_graph_reserve's bounds the sizes are the reservation's (*split: the batch size the
+ * attention's split is laid out for, 0: the batch's). */
+static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
+		      uint32_t *max_rows, uint32_t *split)
+{
 	bounds(c, n_seqs, ls, max_ni, max_rows);
 	KVT_RETURN_IF(*max_ni > KVT_GPU_SELECT_MAX_N, c, -E2BIG,
 		      "a sequence has %u indexed tokens on layer %u; the CUDA backend selects among at "
 		      "most %u",
 		      *max_ni, layer, KVT_GPU_SELECT_MAX_N);
-	const uint32_t ld = *max_ni ? (*max_ni + 3) & ~3u : 4;
-	const uint32_t rows = *max_rows ? *max_rows : 1;
-	*s = carve(c, NULL, n_seqs, ld, rows);
-	KVT_TRY(gpu_grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));
-	*s = carve(c, b->arena, n_seqs, ld, rows);
-	if (!reread) {
-		const size_t items = (size_t)n_seqs * H,
-			     bits = kvt_gpu_selbits_bytes(items, *max_ni);
-		KVT_TRY(gpu_grow(c, &y->sel_mem, &y->sel_bytes, bits + sizeof(uint32_t) * items,
-				 stream, "the selection"));
-		y->bits = kvt_gpu_selbits_at(y->sel_mem, items, *max_ni);
-		y->sel_n = (uint32_t *)((char *)y->sel_mem + bits);
-	}
+	const uint32_t ni = *max_ni, rows = *max_rows;
+	KVT_RETURN_IF(!gpu_graph_geometry(c, n_seqs, max_ni, max_rows, split), c, -E2BIG,
+		      "a batch of %u sequences attending up to %u rows (%u indexed tokens) on layer "
+		      "%u is outside kvt_graph_reserve's bounds (%u slots, %u tokens): its scratch "
+		      "would move what captured graphs read; reserve larger bounds first",
+		      n_seqs, rows, ni, layer, gpu_of(c)->g_slots, gpu_of(c)->g_tokens);
+	KVT_TRY(step_scratch(c, layer, n_seqs, *max_ni, *max_rows, !reread, stream, s));
 	KVT_TRY(upload_descriptors(c, layer, n_seqs, ls, reread, s, stream));
 	return reread && *max_ni ? list_selection(c, layer, n_seqs, ls, s, stream) : 0;
 }
@@ -220,6 +238,7 @@ static kvt_gpu_hot hot_of(const kvt_cache *c, uint32_t layer, uint32_t flags)
 	kvt_gpu_hot hot = b->lay[layer].hot;
 	hot.counters = b->counters + (size_t)layer * KVT_GPU_CNT_N;
 	hot.flags = flags;
+	hot.epoch = b->epochs + layer;
 	return hot;
 }
 
@@ -290,10 +309,9 @@ static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer
 		 bool rows, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads, rb = (uint32_t)c->row_bytes;
 	const kvt_gpu_hot hot = hot_of(c, layer, flags);
-	const uint32_t epoch = ++y->epoch;
+	const uint32_t epoch = 0; /* read from hot.epoch on the device */
 	if (!s->spilled) {
 		LAUNCH(c, kvt_gpu_fetch(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
 					max_rows, pos, b->err, stream));
@@ -308,6 +326,15 @@ static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer
 	LAUNCH(c, kvt_gpu_fetch_fill(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
 				     max_rows, b->err, stream));
 	return 0;
+}
+
+/* Exact attention over the fetched rows, split as for a batch of `split` (0: n_seqs). */
+static int attend(kvt_cache *c, uint32_t n_seqs, const void *q, const struct step_scratch *s,
+		  uint32_t max_rows, uint32_t split, void *out, void *stream)
+{
+	return kvt_gpu_attend_split(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs, c->cfg.n_q_heads,
+				    c->cfg.n_kv_heads, c->scale, q, s->items, max_rows, split, out,
+				    s->ascratch, s->abytes, gpu_of(c)->err, stream);
 }
 
 /* The selected counts of the batch's selections, copied to the host (synchronizes): one copy per
@@ -345,8 +372,8 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 	 * stays readable */
 	y->stamp = ++b->stamp;
 	struct step_scratch s;
-	uint32_t max_ni, max_rows;
-	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows));
+	uint32_t max_ni, max_rows, split;
+	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows, &split));
 	KVT_TRY(gpu_wait_index(c, layer, stream));
 	struct gpu_timing *t = gpu_timing(c, stream, T_STEP);
 	gpu_mark(t, 0, stream);
@@ -354,10 +381,7 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 	gpu_mark(t, 2, stream);
 	if (out) {
 		int rc = fetch(c, layer, n_seqs, ls, &s, 0, max_rows, NULL, true, stream);
-		int r = rc < 0 ? 0 : kvt_gpu_attend(c->d, c->cfg.dtype, c->cfg.out_dtype, n_seqs,
-						    c->cfg.n_q_heads, H, c->scale, q, s.items,
-						    max_rows, out, s.ascratch, s.abytes, b->err,
-						    stream);
+		int r = rc < 0 ? 0 : attend(c, n_seqs, q, &s, max_rows, split, out, stream);
 		if (r < 0)
 			rc = kvt_seterr(c, r, "kvt_gpu_attend: %s", kvt_strerror(r));
 		/* staged rows stay untouched until whatever was queued has read them */
@@ -407,8 +431,8 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	for (uint32_t i = 0; i < n_seqs; i++)
 		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], ls[i]->dev, stream));
 	struct step_scratch s;
-	uint32_t max_ni, max_rows;
-	KVT_TRY(step_setup(c, layer, n_seqs, ls, true, stream, &s, &max_ni, &max_rows));
+	uint32_t max_ni, max_rows, split;
+	KVT_TRY(step_setup(c, layer, n_seqs, ls, true, stream, &s, &max_ni, &max_rows, &split));
 	/* the selection was counted when it was made */
 	int rc = fetch(c, layer, n_seqs, ls, &s, KVT_GPU_HOT_NO_STEP, max_rows, s.pos, k_out != NULL,
 		       stream);
@@ -420,4 +444,54 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	KVT_TRY(rc);
 	KVT_TRY(done);
 	return gpu_err_copy(c, stream);
+}
+
+/*
+ * kvt_attend_graph: the step of gpu_step over the slots of `gb`, its descriptors built on the
+ * device from the caller's slot buffers and the records of gpu/graph.c, at the reserved geometry
+ * (scratch grown by kvt_graph_reserve, so nothing here allocates). Nothing of a sequence's host
+ * state changes: its selection is not kept for kvt_gather (the layer's stamp moves on), and the
+ * step is counted only by the device counters.
+ */
+int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
+		     void *out, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t n = gb->n_slots, H = c->cfg.n_kv_heads;
+	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
+	y->stamp = ++b->stamp;
+	struct step_scratch s;
+	KVT_TRY(step_scratch(c, layer, n, b->g_tokens, b->g_tokens, true, stream, &s));
+	s.spilled = false;
+	const kvt_gpu_graph_step st = {
+		.table = (const kvt_gpu_graph_row *)b->g_table + (size_t)layer * c->cfg.max_seqs,
+		.max_seqs = c->cfg.max_seqs,
+		.max_tokens = b->g_tokens,
+		.layer = layer,
+		.seqs = gb->seqs,
+		.lengths = gb->lengths,
+		.valid = gb->valid,
+		.zero = b->g_zero,
+		.sel = s.sel,
+		.sel_ld = s.ld,
+		.sel_n = y->sel_n,
+		.epoch = b->epochs + layer,
+	};
+	LAUNCH(c, kvt_gpu_graph_desc(&st, n, H, s.views, s.ntok, s.cq, s.ck, s.fetch, b->err,
+				     stream));
+	if (gpu_capturing(stream))
+		/* a replay waits for the index builds queued before it, whenever it is launched */
+		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, cudaEventWaitExternal));
+	else
+		KVT_TRY(gpu_wait_index(c, layer, stream));
+	KVT_TRY(select_rows(c, layer, n, q, &s, b->g_tokens, NULL, stream));
+	int rc = fetch(c, layer, n, NULL, &s, 0, b->g_tokens, NULL, true, stream);
+	int r = rc < 0 ? 0 : attend(c, n, q, &s, b->g_tokens, b->g_slots, out, stream);
+	if (r < 0)
+		rc = kvt_seterr(c, r, "kvt_gpu_attend: %s", kvt_strerror(r));
+	const int copied = gpu_err_copy(c, stream);
+	KVT_TRY(rc);
+	KVT_TRY(copied);
+	return gpu_hot_after_step(c, layer, stream);
 }

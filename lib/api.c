@@ -56,6 +56,7 @@ static void cache_free(kvt_cache *c)
 	}
 	kvt_share_fini(c);
 	kvt_io_fini(c);
+	kvt_graph_fini(c);
 	if (c->ops && c->ops->fini)
 		c->ops->fini(c);
 	kvt_tier_fini(c);
@@ -224,8 +225,10 @@ KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const voi
 	KVT_TRY(kvt_io_begin(c, "kvt_prefill_at", layout, n_tokens, &io, stream));
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, 1, &seq, NULL);
-	return (int)kvt_lru_done(c, &m, 1, &seq,
-				 kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens, stream));
+	const int64_t rc = kvt_lru_done(c, &m, 1, &seq,
+					kvt_pipe_prefill(c, l, layer, io.q, io.k, io.v, n_tokens,
+							 stream));
+	return kvt_graph_touch(c, 1, &seq, (int)layer, stream, rc);
 }
 
 KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *q, const void *k,
@@ -293,8 +296,9 @@ KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	KVT_TRY(kvt_io_begin(c, "kvt_append_at", layout, n_seqs, &io, stream));
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, n_seqs, seqs, NULL);
-	return (int)kvt_lru_done(c, &m, n_seqs, seqs,
-				 kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream));
+	const int64_t rc = kvt_lru_done(c, &m, n_seqs, seqs,
+					kvt_pipe_append(c, layer, n_seqs, ls, io.k, io.v, stream));
+	return kvt_graph_touch(c, n_seqs, seqs, (int)layer, stream, rc);
 }
 
 KVT_API int kvt_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
@@ -421,7 +425,8 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	kvt_lru_use(c, &m, n_seqs, seqs, cu_seqlens);
 	int rc = kvt_pipe_extend(c, layer, n_seqs, seqs, ls, cu_seqlens, io.q, io.k, io.v, io.out,
 				 flags, stream);
-	return (int)kvt_lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream));
+	return kvt_graph_touch(c, n_seqs, seqs, (int)layer, stream,
+			       kvt_lru_done(c, &m, n_seqs, seqs, kvt_io_end(c, &io, rc, stream)));
 }
 
 KVT_API int kvt_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,

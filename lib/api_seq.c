@@ -127,7 +127,8 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 	clear_status(s);
 	memset(s, 0, sizeof *s);
 	c->st.seqs_open--;
-	return 0;
+	/* a graph step naming the id from now on pads its slot */
+	return kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
 }
 
 KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)
@@ -167,7 +168,7 @@ KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void
 	int rc = (int)kvt_lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
 	if (rc >= 0 && n_tokens)
 		clear_status(s);
-	return rc;
+	return kvt_graph_touch(c, 1, &seq, -1, stream, rc);
 }
 
 KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *stream)
@@ -185,7 +186,8 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	kvt_lru_use(c, &m, 1, &parent, NULL);
 	KVT_TRY(kvt_lru_done(c, &m, 1, &parent, kvt_pipe_fork(c, s, &c->seqs[slot], stream)));
 	*child = slot;
-	return 0;
+	const uint32_t both[2] = {parent, slot};
+	return kvt_graph_touch(c, 2, both, -1, stream, 0);
 }
 
 /* The checks of a row range [from, to) of seq on layer; *out: its state. */
@@ -272,6 +274,7 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 				   kvt_pipe_prefill(c, &s->layers[layer], layer, NULL, k, v, to - from,
 						    stream));
 	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
+	rc = kvt_graph_touch(c, 1, &seq, (int)layer, stream, rc);
 	return rc < 0 ? rc : (int)(to - from);
 }
 

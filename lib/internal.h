@@ -244,6 +244,21 @@ uint32_t kvt_seq_of_uid(const kvt_cache *c, uint32_t layer, uint64_t uid);
 
 struct kvt_backend_ops;
 
+/* ---- kvt_graph_reserve's records (lib/graph.c) ------------------------------------------------ */
+
+#define KVT_GRAPH_MAX_TOKENS ((1u << 24) - 1)
+/* After a call that returned rc changed the n sequences `seqs` on `layer` (-1: every layer): when
+ * rc >= 0 and a reservation keeps device records, refresh theirs on `stream`; seqs NULL: every
+ * sequence id on every layer (after a spill or restore, which may move blocks other sequences
+ * share), complete when it returns. Returns rc, or the backend's error (the records it could not
+ * refresh then read as no sequence). */
+int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
+		    int64_t rc);
+/* The error of a graph step's slot the device could not serve (cause: KVT_GPU_SLOT_*, the same
+ * numbers as gpu/graph.cuh's), as kvt_seterr: -EINVAL. */
+int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause);
+void kvt_graph_fini(kvt_cache *c);
+
 /* ---- row layouts of the _at calls (lib/rows_layout.c) ------------------------------------------ */
 
 /* A checked kvt_rows_layout, strides in elements: token i, KV head h at element
@@ -345,6 +360,10 @@ struct kvt_cache {
 	int32_t *cand_pos;        /* [scratch_cap] with rescore_p: the candidates' token positions */
 	void *io_scratch;         /* dense copies of the strided tensors of the _at calls */
 	size_t io_scratch_bytes;
+	/* kvt_graph_reserve (lib/graph.c): its bounds (graph_slots == 0: none), and the sequence ids
+	 * of a run of valid slots (the cpu path) */
+	uint32_t graph_slots, graph_tokens;
+	uint32_t *graph_ids;      /* [graph_slots] */
 	float *corr_logits;       /* a KV head's attended logits for the score corrections */
 	size_t corr_logits_n;
 	char err[512];
@@ -504,6 +523,15 @@ struct kvt_backend_ops {
 	 * NULL: the compute calls' _at forms refuse any layout but the dense one (-EOPNOTSUPP). */
 	int (*copy_strided)(kvt_cache *c, void *dst, const void *src, const struct kvt_strided *s,
 			    bool to_view, void *stream);
+	/* kvt_graph_reserve's device side (max_slots 0: drop it), the refresh of the device records
+	 * of sequence `seq` (layer -1: every layer) after a call changed it, and kvt_attend_graph
+	 * reading its batch on the device. NULL: the records are not needed, and kvt_attend_graph
+	 * reads the batch on the host (lib/graph.c) */
+	int (*graph_reserve)(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream);
+	int (*graph_publish)(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer,
+			     void *stream);
+	int (*attend_graph)(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b, const void *q,
+			    void *out, void *stream);
 	/* the compute calls' tensors are device memory: the dense copies of strided ones are made in
 	 * device memory too (lib/io_layout.c) */
 	bool device_tensors;

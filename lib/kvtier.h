@@ -570,6 +570,9 @@ KVT_API int kvt_extend_at(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, con
 			  const uint32_t *cu_seqlens, const void *q, const void *k, const void *v,
 			  void *out, uint32_t flags, const kvt_io_layout *layout, void *stream);
 
+/* The decode step a CUDA graph replays across steps (kvtier_graph.h). */
+#include "kvtier_graph.h"
+
 /*
  * Fill *stats up to stats->size (the output-struct rule above). With the CUDA backend this waits for
  * the device to finish the work already queued (the fetch counters live on the device).

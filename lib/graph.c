@@ -1,0 +1,154 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvt_graph_reserve and kvt_attend_graph (kvtier_graph.h): the reservation's bounds, the refresh of
+ * the backend's per-sequence records after the calls that change a sequence (kvt_graph_touch),
+ * and the cpu path of kvt_attend_graph, which reads the slot buffers on the host and runs
+ * kvt_attend over each run of consecutive valid slots. A backend with an attend_graph verb (CUDA)
+ * reads them on the device instead.
+ */
+#include "internal.h"
+
+/* The slot causes, numbered as gpu/graph.cuh's KVT_GPU_SLOT_*. */
+enum { SLOT_NOT_OPEN = 1, SLOT_REPEATED, SLOT_LENGTH, SLOT_TOO_LONG, SLOT_SPILLED };
+
+int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause)
+{
+	static const char *const why[] = {
+		[SLOT_NOT_OPEN] = "its sequence id is not that of an open sequence holding tokens on "
+				  "the layer",
+		[SLOT_REPEATED] = "its sequence is also in an earlier valid slot",
+		[SLOT_LENGTH] = "its sequence holds another number of tokens than lengths[] says",
+		[SLOT_TOO_LONG] = "its sequence holds more tokens than kvt_graph_reserve's max_tokens",
+		[SLOT_SPILLED] = "its sequence has blocks on NVMe (kvt_seq_restore it before it "
+				 "enters a graph's batch)",
+	};
+	const char *w = cause < sizeof why / sizeof *why && why[cause] ? why[cause] : "unknown cause";
+	return kvt_seterr(c, -EINVAL,
+			  "kvt_attend_graph on layer %u: slot %u was padded (its out row left as it "
+			  "was): %s",
+			  layer, slot, w);
+}
+
+int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
+		    int64_t rc)
+{
+	if (rc < 0 || !c->graph_slots || !c->ops->graph_publish)
+		return (int)rc;
+	const int r = c->ops->graph_publish(c, n, seqs, layer, stream);
+	return r < 0 ? r : (int)rc;
+}
+
+void kvt_graph_fini(kvt_cache *c)
+{
+	kvt_mem_free(KVT_MEM_HOST, c->graph_ids, sizeof(uint32_t) * c->graph_slots);
+	c->graph_ids = NULL;
+	c->graph_slots = c->graph_tokens = 0;
+}
+
+KVT_API int kvt_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens,
+			      void *stream)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(max_slots > c->cfg.max_seqs, c, -EINVAL,
+		      "max_slots = %u is above the cache's max_seqs (%u)", max_slots,
+		      c->cfg.max_seqs);
+	KVT_RETURN_IF(max_slots && (max_tokens == 0 || max_tokens > KVT_GRAPH_MAX_TOKENS), c,
+		      -EINVAL, "max_tokens = %u is outside [1, %u]", max_tokens,
+		      (unsigned)KVT_GRAPH_MAX_TOKENS);
+	if (c->ops->enter)
+		KVT_TRY(c->ops->enter(c));
+	if (c->ops->may_block)
+		KVT_TRY(c->ops->may_block(c, stream, "kvt_graph_reserve"));
+	uint32_t *ids = NULL;
+	if (max_slots) {
+		ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * max_slots);
+		KVT_RETURN_IF(!ids, c, -ENOMEM, "out of memory for %u graph slots", max_slots);
+	}
+	if (c->ops->graph_reserve) {
+		int rc = c->ops->graph_reserve(c, max_slots, max_tokens, stream);
+		if (rc < 0) {
+			kvt_mem_free(KVT_MEM_HOST, ids, sizeof(uint32_t) * max_slots);
+			return rc;
+		}
+	}
+	kvt_graph_fini(c);
+	c->graph_ids = ids;
+	c->graph_slots = max_slots;
+	c->graph_tokens = max_slots ? max_tokens : 0;
+	return 0;
+}
+
+static bool slot_valid(const kvt_graph_batch *b, uint32_t i)
+{
+	return b->valid ? b->valid[i] != 0 : b->seqs[i] >= 0;
+}
+
+/* The cpu path's checks of every valid slot, before anything is computed. */
+static int check_slots(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b)
+{
+	for (uint32_t i = 0; i < b->n_slots; i++) {
+		if (!slot_valid(b, i))
+			continue;
+		const int32_t s = b->seqs[i];
+		uint32_t cause = 0;
+		const struct kvt_layer *l = NULL;
+		if (s < 0 || (uint32_t)s >= c->cfg.max_seqs || !c->seqs[s].open ||
+		    c->seqs[s].layers[layer].n_tokens == 0)
+			cause = SLOT_NOT_OPEN;
+		else
+			l = &c->seqs[s].layers[layer];
+		for (uint32_t j = 0; j < i && !cause; j++)
+			if (slot_valid(b, j) && b->seqs[j] == s)
+				cause = SLOT_REPEATED;
+		if (!cause && b->lengths && (int64_t)b->lengths[i] != (int64_t)l->n_tokens)
+			cause = SLOT_LENGTH;
+		if (!cause && l->n_tokens > c->graph_tokens)
+			cause = SLOT_TOO_LONG;
+		if (cause)
+			return kvt_err_entry(c, i, kvt_graph_slot_error(c, layer, i, cause));
+	}
+	return 0;
+}
+
+KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b,
+			     const void *q, void *out, void *stream)
+{
+	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
+	KVT_RETURN_IF(!b || !q || !out, c, -EINVAL, "%s is NULL", !b ? "batch" : !q ? "q" : "out");
+	KVT_RETURN_IF(!b->seqs, c, -EINVAL, "batch->seqs is NULL");
+	KVT_RETURN_IF(b->pad, c, -EINVAL, "batch->pad = %u: must be 0", b->pad);
+	KVT_RETURN_IF(!c->graph_slots, c, -EINVAL,
+		      "kvt_attend_graph needs kvt_graph_reserve first (no reservation)");
+	KVT_RETURN_IF(b->n_slots == 0 || b->n_slots > c->graph_slots, c, -EINVAL,
+		      "batch->n_slots = %u is outside [1, %u] (kvt_graph_reserve's max_slots)",
+		      b->n_slots, c->graph_slots);
+	KVT_TRY(kvt_check_layer(c, layer));
+	if (c->ops->attend_graph) {
+		if (c->ops->enter)
+			KVT_TRY(c->ops->enter(c));
+		return c->ops->attend_graph(c, layer, b, q, out, stream);
+	}
+	KVT_TRY(check_slots(c, layer, b));
+	const size_t qrow = (size_t)c->cfg.n_q_heads * c->d * c->elem,
+		     orow = (size_t)c->cfg.n_q_heads * c->d * c->out_elem;
+	for (uint32_t i = 0; i < b->n_slots;) {
+		if (!slot_valid(b, i)) {
+			i++;
+			continue;
+		}
+		uint32_t n = 0;
+		while (i + n < b->n_slots && slot_valid(b, i + n)) {
+			c->graph_ids[n] = (uint32_t)b->seqs[i + n];
+			n++;
+		}
+		int rc = kvt_attend(c, layer, n, c->graph_ids, (const char *)q + i * qrow,
+				    (char *)out + i * orow, stream);
+		if (rc < 0) {
+			if (c->err_entry >= 0)
+				c->err_entry += (int32_t)i;
+			return rc;
+		}
+		i += n;
+	}
+	return 0;
+}
