@@ -31,7 +31,7 @@ static void fill(void *x, size_t n, uint64_t seed, cudaStream_t st)
 	CK(cudaGetLastError());
 }
 
-#define KVT_OR_FAIL(call)                                                                                   \
+#define KVT_OR_FAIL(call)                                                                          \
 	do {                                                                                       \
 		const int rc_ = (call);                                                            \
 		if (rc_ < 0) {                                                                     \

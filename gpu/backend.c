@@ -100,7 +100,7 @@ int gpu_check_err(kvt_cache *c)
 				  where / Hq, where % Hq, idx);
 	if (code == KVT_GPU_ERR_SLOT)
 		return kvt_err_entry(c, idx, kvt_graph_slot_error(c, where & 0xffffu, idx,
-								       where >> 16));
+								       where >> 16, true));
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): a count or "
 			  "position beyond what the launch was sized for, or a row of a spilled block "

@@ -64,8 +64,9 @@ typedef struct kvt_gpu_graph_step {
 
 /*
  * Fill views, ntok, cq, ck and fetch ([n_slots] each, device) for the step: a valid slot gets its
- * sequence's record; a padded one, or one in error (raised into `err` as KVT_GPU_ERR_SLOT, where =
- * layer | cause << 16, index = slot), gets an empty entry that every later kernel of the step skips.
+ * sequence's record; a padded one, or one in error (raised into `err` as KVT_GPU_ERR_SLOT, where
+ * = layer | cause << 16, index = slot), gets an empty entry that every later kernel of the step
+ * skips.
  * n_kv_heads sizes the slots' selection places. Returns 0, -EINVAL or -EIO.
  */
 int kvt_gpu_graph_desc(const kvt_gpu_graph_step *st, uint32_t n_slots, uint32_t n_kv_heads,

@@ -11,7 +11,8 @@
 /* The slot causes, numbered as gpu/graph.cuh's KVT_GPU_SLOT_*. */
 enum { SLOT_NOT_OPEN = 1, SLOT_REPEATED, SLOT_LENGTH, SLOT_TOO_LONG, SLOT_SPILLED };
 
-int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause)
+int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause,
+			 bool padded)
 {
 	static const char *const why[] = {
 		[SLOT_NOT_OPEN] = "its sequence id is not that of an open sequence holding tokens on "
@@ -23,10 +24,10 @@ int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t c
 				 "enters a graph's batch)",
 	};
 	const char *w = cause < sizeof why / sizeof *why && why[cause] ? why[cause] : "unknown cause";
-	return kvt_seterr(c, -EINVAL,
-			  "kvt_attend_graph on layer %u: slot %u was padded (its out row left as it "
-			  "was): %s",
-			  layer, slot, w);
+	return kvt_seterr(c, -EINVAL, "kvt_attend_graph on layer %u: slot %u %s: %s", layer, slot,
+			  padded ? "was padded (its out row left as it was)"
+				 : "cannot be served (nothing was written)",
+			  w);
 }
 
 int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
@@ -105,7 +106,7 @@ static int check_slots(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b)
 		if (!cause && l->n_tokens > c->graph_tokens)
 			cause = SLOT_TOO_LONG;
 		if (cause)
-			return kvt_err_entry(c, i, kvt_graph_slot_error(c, layer, i, cause));
+			return kvt_err_entry(c, i, kvt_graph_slot_error(c, layer, i, cause, false));
 	}
 	return 0;
 }

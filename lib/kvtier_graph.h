@@ -25,8 +25,9 @@
  * memory on the cpu backend (read when the call runs).
  *   n_slots: rows of q and out; at most the max_slots of kvt_graph_reserve.
  *   seqs:    [n_slots] int32: the sequence id (kvt_seq_open) each slot holds; < 0 pads the slot.
- *   lengths: [n_slots] int32, or NULL: the tokens the runtime expects the slot's sequence to hold on
- *            the layer (kvt_seq_length); a valid slot whose sequence holds another count is an error.
+ *   lengths: [n_slots] int32, or NULL: the tokens the runtime expects the slot's sequence to
+ *            hold on the layer (kvt_seq_length); a valid slot whose sequence holds another count
+ *            is an error.
  *   valid:   [n_slots] uint8, or NULL (every slot whose seqs entry is >= 0 is valid): 0 pads the
  *            slot.
  * A padded slot is a no-op: nothing of it is read (its q row may hold anything) and its out row is

@@ -173,6 +173,14 @@ class KvtIoLayout(ctypes.Structure):
                 ("k", KvtIoView), ("v", KvtIoView), ("out", KvtIoView)]
 
 
+class KvtGraphBatch(ctypes.Structure):
+    """kvt_graph_batch: the slots of kvt_attend_graph (sequence ids, expected lengths and the
+    valid mask: device pointers on the CUDA backend, host pointers on the CPU backend)."""
+    _fields_ = [("n_slots", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("seqs", ctypes.c_void_p), ("lengths", ctypes.c_void_p),
+                ("valid", ctypes.c_void_p)]
+
+
 class LoadError(ImportError):
     """libkvtier could not be loaded or does not match this package."""
 
@@ -225,6 +233,8 @@ _PROTOTYPES = {
     "kvt_last_error_entry": (ctypes.c_int, [_P]),
     "kvt_seq_status": (ctypes.c_int, [_P, u32, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
                                       ctypes.c_size_t]),
+    "kvt_graph_reserve": (ctypes.c_int, [_P, u32, u32, _P]),
+    "kvt_attend_graph": (ctypes.c_int, [_P, u32, ctypes.POINTER(KvtGraphBatch), _P, _P, _P]),
     "kvt_version_number": (ctypes.c_uint, []),
     "kvt_version_string": (c_char_p, []),
 }

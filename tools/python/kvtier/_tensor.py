@@ -178,3 +178,41 @@ def stream_of(xs: Sequence[Any], backend: str) -> Optional[int]:
         if is_torch(x) and x.device.type == "cuda":
             return _torch().cuda.current_stream(x.device).cuda_stream or None
     return None
+
+
+def slot_pointer(name: str, x: Any, n: Optional[int], kind: str, backend: str,
+                 device: int) -> "tuple[int, int]":
+    """(address, length) of a kvt_graph_batch buffer: int32 (kind "int32") or uint8 / bool
+    (kind "uint8") elements, one dimension, contiguous: a numpy array or CPU tensor for the CPU
+    backend, a CUDA tensor on the cache's device for the CUDA backend (read when the step
+    runs). n: the length wanted (None: any)."""
+    if is_torch(x):
+        torch = _torch()
+        ok = {"int32": (torch.int32,), "uint8": (torch.uint8, torch.bool)}[kind]
+        if x.dtype not in ok:
+            raise refuse("%s: dtype %s, want torch.%s" % (name, x.dtype, kind))
+        on_cuda = x.device.type == "cuda"
+        if on_cuda != (backend == "cuda") or (on_cuda and x.device.index != device):
+            raise refuse("%s: on %s, the %s backend reads it %s" % (
+                name, x.device, backend,
+                "on cuda:%d" % device if backend == "cuda" else "on the host"))
+        if x.dim() != 1 or not x.is_contiguous():
+            raise refuse("%s: want a contiguous 1-D tensor, got shape %s strides %s"
+                         % (name, tuple(x.shape), tuple(x.stride())))
+        length, ptr = int(x.shape[0]), x.data_ptr()
+    else:
+        import numpy as np
+        if not isinstance(x, np.ndarray):
+            raise refuse("%s: a %s, want a numpy.ndarray or a torch.Tensor"
+                         % (name, type(x).__name__))
+        if backend != "cpu":
+            raise refuse("%s: a numpy array (host memory), the cuda backend reads it on the "
+                         "device: pass a torch CUDA tensor" % name)
+        ok = {"int32": (np.int32,), "uint8": (np.uint8, np.bool_)}[kind]
+        if x.dtype.type not in ok or x.ndim != 1 or not x.flags.c_contiguous:
+            raise refuse("%s: want a contiguous 1-D %s array, got %s %s"
+                         % (name, kind, x.dtype, x.shape))
+        length, ptr = int(x.shape[0]), x.ctypes.data
+    if n is not None and length != n:
+        raise refuse("%s: %d elements, want %d (one per slot)" % (name, length, n))
+    return ptr, length

@@ -16,7 +16,8 @@ import errno
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence as Seq, Union
 
 from . import _abi
-from ._tensor import DTYPE_I32, empty_like_kind, is_torch, pointer, stream_of, strided_pointer
+from ._tensor import (DTYPE_I32, empty_like_kind, is_torch, pointer, slot_pointer, stream_of,
+                      strided_pointer)
 from .errors import Error, check, refuse
 
 NONE = _abi.NONE32     # explicit zero of a 32-bit field (kvtier.h KVT_NONE)
@@ -678,6 +679,45 @@ class Cache:
         self._check(_abi.lib().kvt_attend_at(self._handle(), layer, len(ids), ids, pq, po,
                                              self._layout(q=sq, out=so),
                                              stream_of([q, out], self.backend)), "kvt_attend_at")
+        return out
+
+    def graph_reserve(self, max_slots: int, max_tokens: int) -> None:
+        """kvt_graph_reserve: size every decode step once for batches of up to `max_slots` slots
+        of sequences holding up to `max_tokens` tokens, and keep the device records attend_graph
+        reads (max_slots 0 drops the reservation). Within it attend and attend_graph give
+        bit-equal outputs; on the CUDA backend a batch beyond it is refused (E2BIG)."""
+        for name, x in (("max_slots", max_slots), ("max_tokens", max_tokens)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise refuse("%s = %r, want an int >= 0" % (name, x))
+        self._check(_abi.lib().kvt_graph_reserve(self._handle(), max_slots, max_tokens, None),
+                    "kvt_graph_reserve")
+
+    def attend_graph(self, layer: int, seqs: Any, q: Any, out: Any, lengths: Any = None,
+                     valid: Any = None) -> Any:
+        """kvt_attend_graph: attend's step over slots whose sequence ids (and the lengths the
+        caller expects, and which slots are valid) are read from buffers when the step runs, so
+        that a CUDA graph captured over this call replays each step's batch.
+
+        seqs: int32 [n_slots] sequence ids (Sequence.id), < 0 pads the slot
+        lengths: int32 [n_slots] or None; valid: uint8 / bool [n_slots] or None (0 pads)
+            (torch CUDA tensors on the cache's device for the CUDA backend; numpy arrays or CPU
+            tensors for the CPU backend)
+        q: [n_slots, n_q_heads, head_dim] in dtype; out: the same shape in out_dtype, written
+            for the valid slots only. Needs graph_reserve(n_slots or more, ...). Returns out.
+        """
+        layer = self._layer(layer)
+        ps, n = slot_pointer("seqs", seqs, None, "int32", self.backend, self.device)
+        pl = None if lengths is None else \
+            slot_pointer("lengths", lengths, n, "int32", self.backend, self.device)[0]
+        pv = None if valid is None else \
+            slot_pointer("valid", valid, n, "uint8", self.backend, self.device)[0]
+        shape = (n, self.n_q_heads, self.head_dim)
+        pq = self._ptr("q", q, shape)
+        po = self._ptr("out", out, shape, self.out_dtype, writable=True)
+        gb = _abi.KvtGraphBatch(n_slots=n, seqs=ps, lengths=pl, valid=pv)
+        self._check(_abi.lib().kvt_attend_graph(self._handle(), layer, ctypes.byref(gb), pq, po,
+                                                stream_of([q, out], self.backend)),
+                    "kvt_attend_graph")
         return out
 
     def extend(self, layer: int, seqs: Union[SeqLike, Iterable[SeqLike]], lengths: Seq[int],

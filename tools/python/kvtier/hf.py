@@ -180,6 +180,12 @@ class KvtierCache(_HFCache):
         chunks: how several new tokens over a non-empty cache are attended: "exact" (default,
             one kvt_extend per layer, exact), "topp" (kvt_extend with Top-p per query row, CPU
             backend only) or "steps" (one token at a time, as decode).
+        graphs: CUDA backend: each layer's one-token decode attention is a CUDA graph of
+            kvt_attend_graph, captured at the first decode step of a batch and replayed at every
+            later one (the sequence ids and lengths read from device buffers this cache writes
+            before each replay; kvt_append stays eager). The batch's graphs are captured anew
+            after a crop, reorder or selection of rows. graph_tokens: the longest sequence the
+            graphs serve (kvt_graph_reserve; default the model's max_position_embeddings).
         **options: kvtier.Config fields (p, n_sink, window, flush_batch, budget_min, budget_max,
             host_bytes, gpu_cache_bytes, seed, nvme_paths, ...). dtype, backend and device come
             from the first key tensor: CUDA tensors -> CUDA backend on their device, CPU tensors
@@ -210,6 +216,11 @@ class KvtierCache(_HFCache):
         if self.chunks not in ("exact", "topp", "steps"):
             raise ValueError("KvtierCache: chunks = %r, must be 'exact', 'topp' or 'steps'"
                              % (self.chunks,))
+        self.graphs = bool(options.pop("graphs", False))
+        self.graph_tokens = int(options.pop("graph_tokens", 0) or
+                                getattr(cfg, "max_position_embeddings", 0) or 131072)
+        self.graph_replays = 0   # decode attentions served by a replayed graph
+        self._graph: Optional[dict] = None
         self.options = options
         self._kv: Optional[_kc.Cache] = None
         self.seqs: List[_kc.Sequence] = []
@@ -305,6 +316,7 @@ class KvtierCache(_HFCache):
                         max_length, e.rows_done, len(self.seqs), type(e).__name__, e)
                 raise
         self._lengths = [keep] * self.n_layers
+        self._graph = None  # lengths change under the same ids: captured anew, to be plain
 
     def _select_rows(self, indices: Any, what: str) -> None:
         """New row i takes old row rows[i]: the first new row of each source keeps its kvtier
@@ -319,6 +331,7 @@ class KvtierCache(_HFCache):
             return
         new, old = _batch.fork_rows(self._kv, self.seqs, p)
         self.seqs = new
+        self._graph = None  # other sequence ids: the graphs are captured anew
         _batch.close_all(old)
 
     def reorder_cache(self, beam_idx: Any) -> None:
@@ -459,8 +472,40 @@ class KvtierCache(_HFCache):
             v = v if v.is_contiguous() else v.contiguous()
             q = q if q.is_contiguous() else q.contiguous()
             self._kv.append(layer, self.seqs, k, v)
-            outs.append(self._kv.attend(layer, self.seqs, q))      # [b, Hq, D]
+            if n == 1 and self.graphs and self._kv.backend == "cuda":
+                outs.append(self._attend_graph(layer, q))
+            else:
+                outs.append(self._kv.attend(layer, self.seqs, q))  # [b, Hq, D]
         return outs[0].unsqueeze(1) if n == 1 else torch.stack(outs, 1)  # [b, n, Hq, D]
+
+    def _attend_graph(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """One decode attention of `layer` through its captured graph (captured here the first
+        time, after an eager call of the same kvt_attend_graph whose result is returned)."""
+        st = self._graph
+        if st is None:
+            self._kv.graph_reserve(len(self.seqs), self.graph_tokens)
+            dev = q.device
+            st = self._graph = dict(
+                seqs=torch.tensor([s.id for s in self.seqs], dtype=torch.int32, device=dev),
+                lengths=torch.zeros(len(self.seqs), dtype=torch.int32, device=dev),
+                q=torch.empty_like(q), out=torch.empty_like(q), graphs={})
+        # the lengths the step must find (kvt_append has run): the runtime's own bookkeeping
+        st["lengths"].copy_(torch.tensor([self._kv.length(s, layer) for s in self.seqs],
+                                         dtype=torch.int32))
+        st["q"].copy_(q)
+        args = (layer, st["seqs"], st["q"], st["out"], st["lengths"])
+        g = st["graphs"].get(layer)
+        if g is None:
+            self._kv.attend_graph(*args)      # warm-up at the graph's shape: this step's result
+            out = st["out"].clone()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._kv.attend_graph(*args)
+            st["graphs"][layer] = g
+            return out
+        g.replay()
+        self.graph_replays += 1
+        return st["out"].clone()
 
     # ---- lifetime and counters
     def stats(self) -> "Optional[_kc.Stats]":
@@ -469,6 +514,7 @@ class KvtierCache(_HFCache):
 
     def close(self) -> None:
         """Free kvtier's memory; the cache cannot be used afterwards."""
+        self._graph = None  # the graphs read kvtier's memory: gone first
         if self._kv is not None:
             self._kv.close()
             self._kv = None

@@ -320,3 +320,35 @@ def test_paged_rows_round_trip(cache, rng):
     with pytest.raises(kvtier.Error) as ei:  # two tokens on one slot: refused by C
         cache.read_rows_paged(s, 0, 0, 2, kc, vc, [3, 3])
     assert ei.value.errno == errno.EINVAL
+
+
+def test_attend_graph_reads_its_slots(cache, rng):
+    """attend_graph over slot buffers (numpy on the CPU backend): valid slots equal attend's rows
+    bit for bit, padded slots (seqs < 0, or valid 0) keep their out rows, a wrong length fails
+    naming the slot before anything is written, and the buffers are checked before C."""
+    a, b = cache.open(), cache.open()
+    for s, n in ((a, 90), (b, 150)):
+        cache.prefill(s, 0, None, rand(rng, n, 2, 64), rand(rng, n, 2, 64))
+    q = rand(rng, 4, 4, 64)
+    ref = cache.attend(0, [b, a], np.ascontiguousarray(q[[0, 2]]))
+    out = np.full((4, 4, 64), 3.0, dtype=ref.dtype)
+    seqs = np.array([b.id, -1, a.id, 7], dtype=np.int32)
+    valid = np.array([1, 0, 1, 0], dtype=np.uint8)
+    with pytest.raises(kvtier.Error) as ei:
+        cache.attend_graph(0, seqs, q, out, valid=valid)  # no reservation yet
+    assert ei.value.code == -errno.EINVAL and "kvt_graph_reserve" in ei.value.detail
+    cache.graph_reserve(4, 1024)
+    for lengths in (None, np.array([150, 0, 90, 0], dtype=np.int32)):
+        got = out.copy()
+        cache.attend_graph(0, seqs, q, got, lengths=lengths, valid=valid)
+        assert np.array_equal(got[[0, 2]], ref) and (got[[1, 3]] == 3.0).all()
+    got = out.copy()
+    with pytest.raises(kvtier.Error) as ei:
+        cache.attend_graph(0, seqs, q, got, lengths=np.array([151, 0, 90, 0], dtype=np.int32),
+                           valid=valid)
+    assert ei.value.entry == 0 and "slot 0" in ei.value.detail and (got == 3.0).all()
+    with pytest.raises(kvtier.Error):
+        cache.attend_graph(0, seqs.astype(np.int64), q, got)  # not int32: refused before C
+    with pytest.raises(kvtier.Error):
+        cache.attend_graph(0, seqs, q, got, valid=valid[:3])   # one per slot
+    cache.graph_reserve(0, 0)

@@ -54,8 +54,8 @@ def tiny():
     return model.cuda().eval()
 
 
-def generate(model, ids, cache=None):
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+def generate(model, ids, cache=None, new=NEW):
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
               do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
     if cache is not None:
         kw["past_key_values"] = cache
@@ -388,3 +388,31 @@ def test_assisted_generation_matches_at_p1(tiny):
     assert st.rows_fetched > 0, "no verification pass attended the stored rows"
     assert_same_tokens(out.sequences[:, PROMPT:], ref.sequences[:, PROMPT:],
                        torch.stack(ref.scores, 1).float(), torch.float16, "assisted generation")
+
+
+@pytest.mark.parametrize("p", [1.0, 0.9])
+def test_decode_graph_replays_across_256_tokens(tiny, p):
+    """graphs=True: each layer's decode attention is a CUDA graph of kvt_attend_graph captured
+    at the first decode step and replayed for the other 254 (kvt_append eager between them, the
+    window flushing every 16 tokens). The tokens are those of eager kvt_attend steps of the same
+    cache options, up to a near-tie of the eager run's top two (the reservation lays the
+    attention out for its bounds, so the last bits of a logit may move)."""
+    model = tiny.to(torch.float16)
+    g = torch.Generator().manual_seed(17)
+    ids = torch.randint(0, 512, (2, PROMPT), generator=g).cuda()
+    opts = dict(OPTS, p=p)
+    set_attn(model, "kvtier")
+    try:
+        with KvtierCache(model.config, **opts) as eager:
+            want, scores = generate(model, ids, eager, new=256)
+        with KvtierCache(model.config, graphs=True, **opts) as cache:
+            got, _ = generate(model, ids, cache, new=256)
+            st = cache.stats()
+            replays = cache.graph_replays
+    finally:
+        set_attn(model, "sdpa")
+    layers = model.config.num_hidden_layers
+    # 255 decode forward passes: the first captures each layer's graph, 254 replay it
+    assert replays == layers * 254, "%d replays, want %d" % (replays, layers * 254)
+    assert st.flushes > 0
+    assert_same_tokens(got, want, scores, torch.float16, "graph replay against eager steps")
