@@ -79,7 +79,8 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 			KVT_OR_FAIL(kvt_prefill(cache, seqs[s], 0, q, k, v, n, st));
 		}
 	}
-	KVT_OR_FAIL(kvt_graph_reserve(cache, batch, ctx + warmup + steps + 8, st));
+	/* every token the run appends: 3 warm-up steps, then two timed loops */
+	KVT_OR_FAIL(kvt_graph_reserve(cache, batch, ctx + 2 * (warmup + steps) + 8, st));
 	int32_t *dslots, *dlen, *hslots, *hlen;
 	CK(cudaMalloc((void **)&dslots, sizeof(int32_t) * batch));
 	CK(cudaMalloc((void **)&dlen, sizeof(int32_t) * batch));
