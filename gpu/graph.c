@@ -45,16 +45,12 @@ static int publish_all(kvt_cache *c)
 	kvt_gpu_graph_row *rows = kvt_mem_alloc(KVT_MEM_HOST, bytes);
 	KVT_RETURN_IF(!rows, c, -ENOMEM, "out of memory for %zu graph records", n);
 	int rc = 0;
-	for (uint32_t y = 0; y < c->cfg.n_layers; y++)
-		for (uint32_t s = 0; s < c->cfg.max_seqs; s++) {
-			kvt_gpu_graph_row *r = &rows[(size_t)y * c->cfg.max_seqs + s];
-			const int e = row_of(c, s, y, NULL, r);
-			if (e < 0) {
-				memset(r, 0, sizeof *r); /* reads as no sequence */
-				rc = rc < 0 ? rc : e;
-			}
-		}
-	const cudaError_t e = cudaMemcpy(b->g_table, rows, bytes, cudaMemcpyHostToDevice);
+	for (uint32_t y = 0; y < c->cfg.n_layers && rc == 0; y++)
+		for (uint32_t s = 0; s < c->cfg.max_seqs && rc == 0; s++)
+			rc = row_of(c, s, y, NULL, &rows[(size_t)y * c->cfg.max_seqs + s]);
+	/* a record that could not be made leaves the table as it was */
+	const cudaError_t e = rc < 0 ? cudaSuccess
+				     : cudaMemcpy(b->g_table, rows, bytes, cudaMemcpyHostToDevice);
 	kvt_mem_free(KVT_MEM_HOST, rows, bytes);
 	CU(c, e);
 	return rc;
@@ -65,8 +61,14 @@ int gpu_graph_publish(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer,
 	struct gpu_cache *b = gpu_of(c);
 	if (!b->g_table)
 		return 0;
-	if (!seqs)
-		return publish_all(c);
+	if (!seqs) {
+		/* after a spill or restore the old records may name freed blocks: when they cannot
+		 * be rewritten, every one reads as no sequence (graph steps then pad every slot) */
+		const int rc = publish_all(c);
+		if (rc < 0)
+			(void)cudaMemset(b->g_table, 0, sizeof(kvt_gpu_graph_row) * table_rows(c));
+		return rc;
+	}
 	const uint32_t L = c->cfg.n_layers, y0 = layer < 0 ? 0 : (uint32_t)layer,
 		       y1 = layer < 0 ? L : (uint32_t)layer + 1;
 	kvt_gpu_graph_row rows[ROWS_PER_PUBLISH];
@@ -118,13 +120,13 @@ int gpu_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, voi
 			return rc;
 		}
 	}
-	/* the scratch of the largest step, grown before the bounds take effect (nothing else
-	 * changes when it fails) */
+	/* the scratch of the largest step and the records, made before the bounds take effect:
+	 * a failure leaves the reservation as it was (the larger scratch unused) */
 	KVT_TRY(gpu_step_reserve(c, max_slots, max_tokens, stream));
-	b->g_slots = max_slots;
-	b->g_tokens = max_tokens;
 	KVT_TRY(publish_all(c));
 	CU(c, cudaDeviceSynchronize());
+	b->g_slots = max_slots;
+	b->g_tokens = max_tokens;
 	return 0;
 }
 

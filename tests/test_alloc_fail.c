@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Allocation failures: for N = 1, 2, ... fail the N-th allocation of a whole script (create, open,
- * chunked prefill, appends across flushes, attend, select + gather, close, destroy) until a run
+ * chunked prefill, appends across flushes, attend, the graph step's reservation and a
+ * kvt_attend_graph, select + gather, close, destroy) until a run
  * completes without the failure firing. Every call must succeed or return -ENOMEM; a failed call
  * changes nothing (lengths and stats as before) and its retry succeeds; the final outputs equal
  * those of a run without failures bit for bit; nothing leaks.
@@ -14,6 +15,7 @@ static const uint32_t chunk1 = 25;
 
 struct outputs {
 	float out[LAYERS][SEQS * NQ * D];
+	float graph[SEQS * NQ * D]; /* kvt_attend_graph of layer 0's query: equal to out[0] */
 	int32_t counts[SEQS * NKV];
 	int32_t pos[SEQS * NKV * MAXTOK];
 	int total;
@@ -124,6 +126,11 @@ static int script(struct iter *it, const struct inputs *in, struct outputs *o)
 	for (uint32_t l = 0; l < LAYERS; l++)
 		STEP(it, "attend",
 		     kvt_attend(c, l, SEQS, it->seqs, in->q + (l + 1) * SEQS * qn, o->out[l], NULL));
+	/* the graph step's reservation and a step over slots naming both sequences */
+	STEP(it, "graph_reserve", kvt_graph_reserve(c, SEQS, MAXTOK, NULL));
+	const int32_t slots[SEQS] = {(int32_t)it->seqs[0], (int32_t)it->seqs[1]};
+	const kvt_graph_batch gb = {.n_slots = SEQS, .seqs = slots};
+	STEP(it, "attend_graph", kvt_attend_graph(c, 0, &gb, in->q + SEQS * qn, o->graph, NULL));
 	int mx = 0;
 	STEP(it, "select", (mx = kvt_select(c, 1, SEQS, it->seqs, in->q + 7 * qn, NULL)));
 	T_CHECK(mx <= MAXTOK, "select got %d, more than %d", mx, MAXTOK);
@@ -190,6 +197,9 @@ static void test_fail_nth_allocation(void **state)
 						"without failures",
 						(unsigned long long)n, l, i, (double)got->out[l][i],
 						(double)ref->out[l][i]);
+			T_CHECK(!memcmp(got->graph, got->out[0], sizeof got->graph),
+				"N=%llu: kvt_attend_graph differs from kvt_attend",
+				(unsigned long long)n);
 			T_CHECK(got->total == ref->total &&
 					memcmp(got->counts, ref->counts, sizeof got->counts) == 0,
 				"N=%llu: gather total got %d, wanted %d", (unsigned long long)n,

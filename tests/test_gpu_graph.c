@@ -9,7 +9,8 @@
  *   slot and length buffers the test rewrites before each one;
  * - slot errors: a replay whose lengths buffer is wrong for one slot pads that slot (its out row
  *   untouched, the other slot served) and the next call fails with -EINVAL naming the slot;
- * - bounds: within a reservation a batch beyond its bounds is refused (-E2BIG), not regrown.
+ * - bounds: within a reservation a batch beyond its bounds is refused (-E2BIG), not regrown;
+ * - faults: kvt_graph_reserve failing at each of its allocations leaves no reservation.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include "gpu_pair.h"
@@ -168,12 +169,67 @@ static void test_replay(void **state)
 	pair_fini(&p);
 }
 
+/* kvt_graph_reserve under allocation faults (the records, the zero centroids, the scratch of each
+ * layer): each failure returns -ENOMEM and leaves no reservation (kvt_attend_graph refused, steps
+ * as before); the call that finally succeeds serves a step equal to the eager one. */
+static void test_reserve_faults(void **state)
+{
+	(void)state;
+	struct pair p;
+	pair_init(&p, 300, 4, 0);
+	const size_t qrow = (size_t)HQ * D;
+	int32_t *dseqs;
+	float *dout;
+	CU(cudaMalloc((void **)&dseqs, sizeof(int32_t) * NSEQ));
+	CU(cudaMalloc((void **)&dout, sizeof(float) * NSEQ * qrow));
+	const int32_t ids[NSEQ] = {(int32_t)p.sg[0], (int32_t)p.sg[1]};
+	CU(cudaMemcpy(dseqs, ids, sizeof ids, cudaMemcpyHostToDevice));
+	const kvt_graph_batch gb = {.n_slots = NSEQ, .seqs = dseqs};
+	uint32_t failed = 0;
+	for (uint64_t f = 1;; f++) {
+		T_CHECK(f < 200, "kvt_graph_reserve never succeeded");
+		kvt_mem_fail_at(f);
+		const int rc = kvt_graph_reserve(p.gpu, NSEQ, 4096, NULL);
+		const bool fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(fired && rc == -ENOMEM, "fault %llu: %d (%s)", (unsigned long long)f, rc,
+			kvt_last_error(p.gpu));
+		failed++;
+		const int r = kvt_attend_graph(p.gpu, 0, &gb, p.dq, dout, NULL);
+		T_CHECK(r == -EINVAL && strstr(kvt_last_error(p.gpu), "kvt_graph_reserve"),
+			"fault %llu left a reservation behind: kvt_attend_graph gave %d (%s)",
+			(unsigned long long)f, r, kvt_last_error(p.gpu));
+		double worst = 0;
+		decode_inputs(&p, 0, 0);
+		attend_both(&p, 0, 0, &worst); /* steps go on as before */
+	}
+	T_CHECK(failed > 0, "no failure was injected");
+	double worst = 0;
+	append_both(&p, 0, 0);
+	attend_both(&p, 0, 0, &worst); /* p.out_g: the eager step */
+	OK(p.gpu, kvt_attend_graph(p.gpu, 0, &gb, p.dq, dout, NULL));
+	float *got = malloc(sizeof(float) * NSEQ * qrow);
+	T_CHECK(got != NULL, "out of memory");
+	CU(cudaMemcpy(got, dout, sizeof(float) * NSEQ * qrow, cudaMemcpyDeviceToHost));
+	T_CHECK(!memcmp(got, p.out_g, sizeof(float) * NSEQ * qrow),
+		"after the faults the graph step differs from the eager one");
+	printf("graph reserve faults: %u injected failures left no reservation; then the graph step "
+	       "equals the eager one\n", failed);
+	free(got);
+	cudaFree(dseqs);
+	cudaFree(dout);
+	pair_fini(&p);
+}
+
 int main(void)
 {
 	if (!gpu_tests_start())
 		return 77;
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_replay),
+		cmocka_unit_test(test_reserve_faults),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
