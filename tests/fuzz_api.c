@@ -303,7 +303,7 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 
 static void step(struct fz *z, struct in *in)
 {
-	uint8_t op = byte(in) % 16;
+	uint8_t op = byte(in) % 17;
 	uint32_t s;
 	int rc;
 	switch (op) {
@@ -354,6 +354,9 @@ static void step(struct fz *z, struct in *in)
 		break;
 	case 14:
 		do_extend(z, in);
+		break;
+	case 16:
+		do_attend_graph(z, in);
 		break;
 	default:
 		do_compute_at(z, in);

@@ -102,5 +102,6 @@ void do_write_rows(struct fz *z, struct in *in);
 /* The _at forms of prefill, append, attend and select, and extend (fuzz_api_io.c). */
 void do_compute_at(struct fz *z, struct in *in);
 void do_extend(struct fz *z, struct in *in);
+void do_attend_graph(struct fz *z, struct in *in);
 
 #endif

@@ -246,3 +246,84 @@ void do_extend(struct fz *z, struct in *in)
 	check_out(z, &io, total, call, rc);
 	free_io(&io);
 }
+
+/*
+ * kvt_graph_reserve (odd first byte: any bounds, some refused) or kvt_attend_graph over slots
+ * holding a batch's ids with padded slots between them (by seqs < 0 or by valid 0, lengths given
+ * right, wrong or not at all): it changes no length; when it succeeds the padded rows keep their
+ * bytes and each valid row equals kvt_attend's row of its sequence, bit for bit (when kvt_attend
+ * of the valid slots succeeds too, without score corrections, which learn from every step).
+ */
+void do_attend_graph(struct fz *z, struct in *in)
+{
+	const uint8_t b = byte(in);
+	if (b & 1) {
+		const uint32_t slots = (b >> 1) % 9, tokens = (uint32_t)byte(in) * 8;
+		check_rc(z, "kvt_graph_reserve", kvt_graph_reserve(z->c, slots, tokens, NULL));
+		return;
+	}
+	uint32_t seqs[MAXS];
+	const uint32_t layer = byte(in) % (z->cfg.n_layers + 1), n = batch(z, in, seqs);
+	const uint8_t pads = byte(in), how = byte(in);
+	int32_t ids[2 * MAXS], lens[2 * MAXS];
+	uint8_t valid[2 * MAXS];
+	uint32_t ns = 0, at[MAXS];
+	for (uint32_t i = 0; i < n; i++) {
+		if (pads >> i & 1) { /* a padded slot before this one */
+			ids[ns] = how & 1 ? -1 : (int32_t)seqs[i];
+			valid[ns] = 0;
+			lens[ns++] = 0;
+		}
+		at[i] = ns;
+		ids[ns] = (int32_t)seqs[i];
+		valid[ns] = 1 + (how >> 4) % 3;
+		const int64_t len = length(z, seqs[i], layer < z->cfg.n_layers ? layer : 0);
+		lens[ns++] = (int32_t)len + ((how >> 2 & 3) == 3 && i == 0);
+	}
+	const kvt_graph_batch gb = {.n_slots = ns, .seqs = ids,
+				    .lengths = how >> 2 & 1 ? lens : NULL,
+				    .valid = how & 2 ? valid : NULL};
+	if (!(how & 2))
+		for (uint32_t i = 0; i < ns; i++)
+			if (!valid[i])
+				ids[i] = -1; /* without valid[], only seqs < 0 pads */
+	const size_t qrow = (size_t)z->cfg.n_q_heads * z->cfg.head_dim, orow = qrow * z->osz;
+	void *q = values(z, ns * qrow, how & 64 ? how : 0);
+	uint8_t *out = malloc(ns * orow), *ref = malloc(n * orow);
+	void *qv = malloc(n * qrow * z->esz);
+	if (!out || !ref || !qv)
+		abort();
+	memset(out, 0xa5, ns * orow);
+	struct snap before, after;
+	snap(z, &before);
+	const int rc = kvt_attend_graph(z->c, layer, &gb, q, out, NULL);
+	check_rc(z, "kvt_attend_graph", rc);
+	snap(z, &after);
+	expect(z, &before, "kvt_attend_graph", rc);
+	if (rc == 0) {
+		for (uint32_t i = 0; i < n; i++)
+			memcpy((char *)qv + i * qrow * z->esz, (char *)q + at[i] * qrow * z->esz,
+			       qrow * z->esz);
+		for (uint32_t s = 0, i = 0; s < ns; s++) {
+			if (i < n && at[i] == s) {
+				i++;
+				continue;
+			}
+			for (size_t k = 0; k < orow; k++)
+				CHECK(out[s * orow + k] == 0xa5, "kvt_attend_graph wrote padded slot %u",
+				      s);
+		}
+		/* score corrections (correction_steps) learn from each step: a second step of the
+		 * same query may select otherwise */
+		if (z->cfg.correction_steps == 0 &&
+		    kvt_attend(z->c, layer, n, seqs, qv, ref, NULL) == 0)
+			for (uint32_t i = 0; i < n; i++)
+				CHECK(!memcmp(out + at[i] * orow, ref + i * orow, orow),
+				      "kvt_attend_graph's slot %u differs from kvt_attend's entry %u",
+				      at[i], i);
+	}
+	free(q);
+	free(qv);
+	free(out);
+	free(ref);
+}
