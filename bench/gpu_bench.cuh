@@ -30,6 +30,18 @@
 		}                                                                                  \
 	} while (0)
 
+/* A kvtier call that must succeed, on the kvt_cache *cache in scope: else its code and
+ * kvt_last_error, and exit. */
+#define KVT_MUST(x)                                                                                \
+	do {                                                                                       \
+		int r_ = (x);                                                                      \
+		if (r_ < 0) {                                                                      \
+			fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #x, r_,         \
+				kvt_last_error(cache));                                            \
+			exit(1);                                                                   \
+		}                                                                                  \
+	} while (0)
+
 /* splitmix64's finalizer: fills that depend on the index alone, never zeros in practice. */
 static __device__ uint32_t hash32(uint64_t x)
 {

@@ -36,16 +36,6 @@ static __global__ void fill_f16(uint16_t *x, size_t n, uint64_t salt, float amp)
 	}
 }
 
-#define KVT_OR_FAIL(x)                                                                             \
-	do {                                                                                       \
-		int r_ = (x);                                                                      \
-		if (r_ < 0) {                                                                      \
-			fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #x, r_,         \
-				kvt_last_error(cache));                                            \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
-
 struct shape_ms {
 	float call, stage, h2d, attend;
 };
@@ -62,9 +52,9 @@ static float time_call(uint32_t N, uint32_t C, int reps, cudaStream_t st)
 	const uint64_t blocks = (N + C + BLOCK - 1) / BLOCK + 2;
 	cfg.host_bytes = (uint64_t)HKV * blocks * BLOCK * ROW + ((uint64_t)64 << 20);
 	kvt_cache *cache = NULL;
-	KVT_OR_FAIL(kvt_cache_create(&cfg, &cache));
+	KVT_MUST(kvt_cache_create(&cfg, &cache));
 	uint32_t seq;
-	KVT_OR_FAIL(kvt_seq_open(cache, &seq));
+	KVT_MUST(kvt_seq_open(cache, &seq));
 	const uint32_t most = N > C ? N : C;
 	uint16_t *q, *k, *v, *out;
 	CK(cudaMalloc((void **)&q, (size_t)most * HQ * D * 2));
@@ -77,19 +67,19 @@ static float time_call(uint32_t N, uint32_t C, int reps, cudaStream_t st)
 	CK(cudaGetLastError());
 	for (uint32_t p0 = 0; p0 < N; p0 += 65536) {
 		const uint32_t n = N - p0 < 65536 ? N - p0 : 65536;
-		KVT_OR_FAIL(kvt_prefill(cache, seq, 0, q, k, v, n, st));
+		KVT_MUST(kvt_prefill(cache, seq, 0, q, k, v, n, st));
 	}
 	const uint32_t cu[2] = {0, C};
 	const float ms = median_ms(
 		st, 3, reps,
-		[&](int) { KVT_OR_FAIL(kvt_extend(cache, 0, 1, &seq, cu, q, k, v, out, 0, st)); },
+		[&](int) { KVT_MUST(kvt_extend(cache, 0, 1, &seq, cu, q, k, v, out, 0, st)); },
 		[&](int i) {
 			if (i > 0)
-				KVT_OR_FAIL(kvt_seq_truncate(cache, seq, C, st));
+				KVT_MUST(kvt_seq_truncate(cache, seq, C, st));
 			CK(cudaStreamSynchronize(st));
 		});
 	CK(cudaStreamSynchronize(st));
-	KVT_OR_FAIL(kvt_seq_close(cache, seq));
+	KVT_MUST(kvt_seq_close(cache, seq));
 	kvt_cache_destroy(cache);
 	CK(cudaFree(q));
 	CK(cudaFree(k));

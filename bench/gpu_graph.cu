@@ -33,16 +33,6 @@ static void fill(void *x, size_t n, uint64_t seed, cudaStream_t st)
 	CK(cudaGetLastError());
 }
 
-#define KVT_OR_FAIL(call)                                                                          \
-	do {                                                                                       \
-		const int rc_ = (call);                                                            \
-		if (rc_ < 0) {                                                                     \
-			fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #call, rc_,     \
-				kvt_last_error(cache));                                            \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
-
 enum { HQ = 32, HKV = 8, D = 128 };
 
 static void run(uint32_t batch, uint32_t ctx, int steps)
@@ -59,7 +49,7 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 	cfg.max_seqs = batch;
 	cfg.host_bytes = ((uint64_t)batch * (ctx + 1024) * HKV * D * 4 + (64u << 20));
 	kvt_cache *cache = NULL;
-	KVT_OR_FAIL(kvt_cache_create(&cfg, &cache));
+	KVT_MUST(kvt_cache_create(&cfg, &cache));
 	cudaStream_t st;
 	CK(cudaStreamCreate(&st));
 	const uint32_t chunk = 4096;
@@ -72,17 +62,17 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 	CK(cudaMalloc(&out_g, sizeof(uint16_t) * batch * qrow));
 	std::vector<uint32_t> seqs(batch);
 	for (uint32_t s = 0; s < batch; s++) {
-		KVT_OR_FAIL(kvt_seq_open(cache, &seqs[s]));
+		KVT_MUST(kvt_seq_open(cache, &seqs[s]));
 		for (uint32_t at = 0; at < ctx; at += chunk) {
 			const uint32_t n = ctx - at < chunk ? ctx - at : chunk;
 			fill(k, n * krow, 1000 * s + at + 1, st);
 			fill(v, n * krow, 1000 * s + at + 2, st);
 			fill(q, n * qrow, 1000 * s + at + 3, st);
-			KVT_OR_FAIL(kvt_prefill(cache, seqs[s], 0, q, k, v, n, st));
+			KVT_MUST(kvt_prefill(cache, seqs[s], 0, q, k, v, n, st));
 		}
 	}
 	/* every token the run appends: 3 warm-up steps, then three timed loops */
-	KVT_OR_FAIL(kvt_graph_reserve(cache, batch, ctx + 3 * (warmup + steps) + 8, st));
+	KVT_MUST(kvt_graph_reserve(cache, batch, ctx + 3 * (warmup + steps) + 8, st));
 	int32_t *dslots, *dlen, *hslots, *hlen;
 	CK(cudaMalloc((void **)&dslots, sizeof(int32_t) * batch));
 	CK(cudaMalloc((void **)&dlen, sizeof(int32_t) * batch));
@@ -102,20 +92,20 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 		fill(k, batch * krow, 7000 + 2 * i, st);
 		fill(v, batch * krow, 7001 + 2 * i, st);
 		fill(q, batch * qrow, 9000 + i, st);
-		KVT_OR_FAIL(kvt_append(cache, 0, batch, seqs.data(), k, v, st));
+		KVT_MUST(kvt_append(cache, 0, batch, seqs.data(), k, v, st));
 		lengths();
 	};
 	/* warm-up at the graph's shape (sizes the hot cache), then the capture */
 	for (int i = 0; i < 3; i++) {
 		append(i);
-		KVT_OR_FAIL(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st));
-		KVT_OR_FAIL(kvt_attend_graph(cache, 0, &gb, q, out_g, st));
+		KVT_MUST(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st));
+		KVT_MUST(kvt_attend_graph(cache, 0, &gb, q, out_g, st));
 	}
 	CK(cudaStreamSynchronize(st));
 	cudaGraph_t g;
 	cudaGraphExec_t exec;
 	CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-	KVT_OR_FAIL(kvt_attend_graph(cache, 0, &gb, q, out_g, st));
+	KVT_MUST(kvt_attend_graph(cache, 0, &gb, q, out_g, st));
 	CK(cudaStreamEndCapture(st, &g));
 	CK(cudaGraphInstantiate(&exec, g, 0));
 	std::vector<float> tg;
@@ -127,7 +117,7 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 	CK(cudaEventCreate(&e2));
 	for (int i = 0; i < warmup + steps; i++) {
 		append(100 + i);
-		KVT_OR_FAIL(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st)); /* the reference */
+		KVT_MUST(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st)); /* the reference */
 		CK(cudaStreamSynchronize(st));
 		CK(cudaEventRecord(e1, st));
 		CK(cudaGraphLaunch(exec, st));
@@ -149,7 +139,7 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 			append(base + i);
 			CK(cudaStreamSynchronize(st));
 			CK(cudaEventRecord(e0, st));
-			KVT_OR_FAIL(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st));
+			KVT_MUST(kvt_attend(cache, 0, batch, seqs.data(), q, out_e, st));
 			CK(cudaEventRecord(e1, st));
 			CK(cudaEventSynchronize(e1));
 			float a;
@@ -162,7 +152,7 @@ static void run(uint32_t batch, uint32_t ctx, int steps)
 	const float me = eager(500);
 	CK(cudaGraphExecDestroy(exec)); /* the graph reads the reservation's memory */
 	exec = NULL;
-	KVT_OR_FAIL(kvt_graph_reserve(cache, 0, 0, st));
+	KVT_MUST(kvt_graph_reserve(cache, 0, 0, st));
 	const float mu = eager(700);
 	const float mg = median(tg);
 	printf("  batch %2u x %6u tokens: eager %8.3f ms  replay %8.3f ms  replay/eager %.3f  "

@@ -14,7 +14,7 @@
  *   -EINVAL bad argument, -ENOMEM allocation failed, -ENOSPC a configured capacity would be exceeded,
  *   -EOPNOTSUPP feature not built or not available, -ENODEV no GPU, -EIO device or I/O failure,
  *   -ENOENT unknown sequence, -EBADMSG an NVMe block failed verification, -E2BIG more tokens than
- *   the CUDA selection handles, -EMFILE / -ENFILE out of file descriptors (process / system) for
+ *   the CUDA selection handles or than a graph reservation's bounds, -EMFILE / -ENFILE out of file descriptors (process / system) for
  *   the NVMe tier; and codes an NVMe I/O completion itself reports, passed on (-EBUSY also when an
  *   NVMe file is held by another cache):
  *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
@@ -403,7 +403,7 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * the missed rows of spilled blocks are read from NVMe and staged in pinned memory), so it cannot
  * be captured while such a sequence is in the batch (-EINVAL; kvt_seq_restore it first).
  * -E2BIG when a sequence has more than 2^24 - 1 indexed tokens on the layer (the selection's
- * limit).
+ * limit), or the batch is beyond the bounds of kvt_graph_reserve (kvtier_graph.h).
  */
 KVT_API int kvt_attend(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
 		       const void *q, void *out, void *stream);

@@ -51,13 +51,16 @@ typedef struct kvt_graph_batch {
  * (the CUDA backend's attention splits its rows by the bound; the cpu backend's results never
  * depend on it). A call within the bounds is as fast as before for short contexts, up to the
  * launch of blocks sized for max_tokens that find no rows.
- * Calling it again replaces the bounds (max_slots == 0 drops the reservation). A sequence longer
- * than max_tokens still works with kvt_attend (laid out by its batch); kvt_attend_graph pads it
- * and reports the error.
+ * Calling it again replaces the bounds (max_slots == 0 drops the reservation; graphs captured
+ * before either must not be replayed after it). kvt_attend_graph pads a slot whose sequence holds
+ * more than max_tokens and reports the error. CUDA backend: while a reservation stands, a
+ * kvt_attend, kvt_select or kvt_gather of a batch beyond its bounds (more sequences, or more
+ * tokens) fails with -E2BIG naming both: growing the scratch would free memory captured graphs
+ * read, so reserve larger bounds first (the cpu backend has no such bound).
  * Returns 0. Errors: -EINVAL (cache NULL, max_slots above max_seqs, max_tokens == 0 with
  * max_slots != 0 or above 2^24 - 1: the text names the value and the limit; refused while `stream`
- * is being captured), -ENOMEM (nothing changed). CUDA backend: allocates device memory and
- * synchronizes the device; call it before capturing.
+ * is being captured), -ENOMEM (the reservation as it was). CUDA backend: allocates device memory
+ * and synchronizes the device; call it before capturing.
  */
 KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max_tokens,
 			      void *stream);
