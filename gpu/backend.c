@@ -446,6 +446,7 @@ static const struct kvt_backend_ops ops = {
 	.read_rows_at = gpu_read_rows_at,
 	.gather_rows = gpu_gather_rows,
 	.extend = gpu_extend,
+	.extend_topp = true,
 	.copy_strided = cu_copy_strided,
 	.graph_reserve = gpu_graph_reserve,
 	.graph_publish = gpu_graph_publish,

@@ -282,7 +282,7 @@ bool gpu_graph_geometry(const kvt_cache *c, uint32_t n_seqs, uint32_t *max_ni, u
 int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
 		     void *out, void *stream);
 
-/* extend.c: kvt_extend's causal attention over the stored rows (exact; Top-p is refused); the
+/* extend.c: kvt_extend's causal attention over the stored rows (exact, or Top-p per row); the
  * bound on its staging buffer (256 MiB) */
 extern uint64_t gpu_extend_stage_bytes;
 extern uint32_t gpu_extend_one_range, gpu_extend_overlap_q;

@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * kvt_extend on the CUDA backend (exact attention; Top-p per query row is the CPU backend's only):
- * per entry, the sequence's rows up to its last query row are staged from the host tier into device
- * buffers a range at a time, and each range is attended by all of the entry's query rows
+ * kvt_extend on the CUDA backend. Exact attention (flags 0): per entry, the sequence's rows up to
+ * its last query row are staged from the host tier into device buffers a range at a time, and
+ * each range is attended by all of the entry's query rows
  * (gpu/extend.cu); their running state carries over ranges. A long chunk over more than 8192 rows
  * goes through three ranges or more, the staging of each (on a side stream) overlapping the
  * attention of the one before (on the caller's). The chunk's own rows were stored by the pipeline
  * just before, in stream order. Nothing is synchronized unless a buffer grows (refused under graph
  * capture). Spilled sequences were restored by lib/api.c first (read_rows_spilled is false).
+ * KVT_EXTEND_TOPP: each query row a decode step of its own (extend_topp).
  */
 #include "cuda_backend.h"
 #include "extend.cuh"
@@ -85,6 +86,40 @@ static int attend_ranges(kvt_cache *c, const struct gpu_seq_layer *g, uint32_t t
 	return 0;
 }
 
+/*
+ * KVT_EXTEND_TOPP: each query row of a chunk is a decode step of its own (gpu_step over its one
+ * sequence) at the lengths the row sees, as the cpu backend's topp_row: the tokens up to its
+ * position P, of which the first min(P + 1 - sinks, indexed[i]) are the indexed ones it scores
+ * (the chunk's index built, waited for on the device) and the rest, the window's, are in the ring
+ * (the chunk's store wrote the sequence's last tokens there). The last row of a chunk then sees
+ * what kvt_attend of its query sees once the chunk is in. Steps are queued on `stream` in row
+ * order; the layer keeps the last row's selection as its last (the pipeline drops the
+ * sequences' selections when the chunk is committed).
+ */
+static int extend_topp(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out,
+		       void *stream)
+{
+	const size_t q_row = (size_t)c->cfg.n_q_heads * c->d * c->elem;
+	const size_t out_row = (size_t)c->cfg.n_q_heads * c->d * c->out_elem;
+	const uint32_t S = c->cfg.n_sink;
+	int rc = 0;
+	for (uint32_t i = 0; i < n_seqs && rc == 0; i++) {
+		struct kvt_layer *l = ls[i];
+		const uint32_t t0 = l->sel_tokens, i0 = l->sel_indexed;
+		for (uint32_t j = 0; j < cu[i + 1] - cu[i] && rc == 0; j++) {
+			const uint32_t P = l->n_tokens + j, seen = P + 1 > S ? P + 1 - S : 0;
+			l->sel_tokens = P + 1;
+			l->sel_indexed = seen < indexed[i] ? seen : indexed[i];
+			rc = gpu_step(c, layer, 1, &ls[i], (const char *)q + (cu[i] + j) * q_row,
+				      (char *)out + (cu[i] + j) * out_row, NULL, stream);
+		}
+		l->sel_tokens = t0;
+		l->sel_indexed = i0;
+	}
+	return rc;
+}
+
 int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       const uint32_t *cu, const uint32_t *indexed, const void *q, void *out, void *stream)
 {
@@ -94,9 +129,6 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	const size_t out_row = (size_t)Hq * d * c->out_elem;
 	(void)layer;
 	uint64_t rows = 0, bytes = 0;
-	KVT_RETURN_IF(indexed, c, -EOPNOTSUPP,
-		      "KVT_EXTEND_TOPP on the cuda backend: Top-p per query row is not built "
-		      "there yet (exact attention, flags 0, is)");
 	/* the grow of this call's rows may have spilled one of its own sequences (KVT_SPILL_LRU
 	 * picks the batch's last when nothing else is left): refused before any launch, and the
 	 * pipeline reads the victims back */
@@ -106,6 +138,8 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 			      "for the batch's new rows (host_bytes = %llu too small for the batch); "
 			      "the cuda backend attends only rows in host memory",
 			      i, (unsigned long long)c->host.capacity);
+	if (indexed)
+		return extend_topp(c, layer, n_seqs, ls, cu, indexed, q, out, stream);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const uint32_t nq = cu[i + 1] - cu[i];
 		if (!nq)

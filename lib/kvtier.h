@@ -481,8 +481,7 @@ typedef enum kvt_extend_flags {
  * value), -ENOENT (a sequence not open), -ENOSPC (host tier full) and -ENOMEM, with KVT_SPILL_LRU
  * the I/O errors of the automatic spill (undone on failure), as kvt_prefill; for spilled rows the
  * NVMe read's errors (-EIO, -EBADMSG naming the block) and -ENOSPC (nvme_cache_bytes smaller than
- * one block of rows). -EOPNOTSUPP with KVT_EXTEND_TOPP on the CUDA backend (exact attention
- * only there), before anything changes.
+ * one block of rows).
  * CPU backend: synchronous; the cost is about (stored + new tokens) x new tokens x n_q_heads x
  * head_dim per entry (with KVT_EXTEND_TOPP: a decode step's per new token). CUDA backend:
  * asynchronous on `stream`; each entry's rows (stored and new) cross PCIe once into a device
@@ -497,6 +496,9 @@ typedef enum kvt_extend_flags {
  * spilled to make room, stay if the call then fails; -ENOSPC when the batch's sequences cannot
  * all be in the host tier at once, or when making room for the new rows spilled one of them);
  * growing the staging buffer synchronizes the device (-EINVAL while `stream` is being captured).
+ * With KVT_EXTEND_TOPP each query row is one decode step of kvt_attend's kernels at the lengths
+ * the row sees (its selection within the threshold's tolerance of the CPU's; the last row of an
+ * entry's chunk bit-equal to kvt_attend of its query once the chunk is in); no staging.
  * Counted in kvt_stats
  * as tokens (and indexed tokens) like kvt_prefill, and as rows_fetched per KV head; not as steps
  * (except with KVT_EXTEND_TOPP, above).

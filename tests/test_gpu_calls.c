@@ -9,10 +9,9 @@
  *   rows written;
  * - strided: the _at calls with strided q, k, v and out in three layouts (and one sequence) give
  *   the CPU's dense results and the dense call's bit for bit, writing nothing outside out's rows;
- * - unsupported: what the CUDA backend refuses (score corrections, kvt_extend with Top-p per
- *   query row) is refused with -EOPNOTSUPP and changes nothing;
+ * - unsupported: what the CUDA backend refuses (score corrections) is refused with -EOPNOTSUPP;
  * - extend: kvt_extend's exact attention against the CPU backend's, in one range and in many, and
- *   under allocation faults (each changes nothing);
+ *   under allocation faults (each changes nothing); with Top-p per query row, against the CPU's;
  * - rescore: the second selection stage against the CPU's.
  * Exits 77 (skipped) when no CUDA device is present.
  */
@@ -260,13 +259,6 @@ static void test_unsupported(void **state)
 	OK(p.gpu, kvt_attend_at(p.gpu, 0, 1, &a, p.dq, p.dout, &dense, NULL));
 	CU(cudaMemcpy(p.out_g, p.dout, ob, cudaMemcpyDeviceToHost));
 	T_CHECK(!memcmp(p.out_c, p.out_g, ob), "a dense kvt_io_layout changed kvt_attend's output");
-	const int64_t len0 = kvt_seq_length(p.gpu, a, 0);
-	const uint32_t cu[2] = {0, 1};
-	rc = kvt_extend(p.gpu, 0, 1, &a, cu, p.dq, p.dk, p.dv, p.dout, KVT_EXTEND_TOPP, NULL);
-	T_CHECK(rc == -EOPNOTSUPP && strstr(kvt_last_error(p.gpu), "Top-p per query row"),
-		"kvt_extend (KVT_EXTEND_TOPP) on CUDA: got %d (%s)", rc, kvt_last_error(p.gpu));
-	T_CHECK(kvt_seq_length(p.gpu, a, 0) == len0, "a refused call changed the sequence: %lld "
-		"tokens, wanted %lld", (long long)kvt_seq_length(p.gpu, a, 0), (long long)len0);
 	pair_fini(&p);
 }
 
@@ -420,6 +412,65 @@ static void test_extend(void **state)
 	       "overlapped); "
 	       "worst error against the CPU %.3g; decode after it %.3g; rows read %llu\n", LAYERS,
 	       NSEQ, worst, dworst, (unsigned long long)sg.rows_fetched);
+	chunk_fini(&b);
+	pair_fini(&p);
+}
+
+/*
+ * kvt_extend with KVT_EXTEND_TOPP on CUDA against the CPU backend: chunks of speculative-decoding
+ * size (5 and 9 rows, 1 and 16, 12 and none) on every layer; each row attends its own Top-p
+ * selection of the indexed tokens up to it plus the sinks and window up to it, within 1e-2
+ * relative per (row, query head) of the CPU's (the threshold's tolerance may move a token); the
+ * last row of a chunk equals, bit for bit, a kvt_attend of its query once the chunk is in (the
+ * same step); then decode steps agree as attend_both requires.
+ */
+static void test_extend_topp(void **state)
+{
+	(void)state;
+	struct pair p;
+	struct chunk b;
+	const uint32_t ctx = 600, chunk[3][NSEQ] = {{5, 9}, {1, 16}, {12, 0}};
+	pair_init(&p, ctx, 60, 64u << 20);
+	chunk_init(&b, 40);
+	uint32_t len[NSEQ] = {ctx, ctx}, attends = 0;
+	double worst = 0.0;
+	float *last = malloc(sizeof(float) * QROW);
+	T_CHECK(last != NULL, "malloc");
+	for (int round = 0; round < 3; round++) {
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			char what[64];
+			snprintf(what, sizeof what, "Top-p round %d layer %u", round, layer);
+			chunk_make(&p, &b, layer, len, chunk[round]);
+			OK(p.cpu, kvt_extend(p.cpu, layer, NSEQ, p.sc, b.cu, b.q, b.k, b.v, b.oc,
+					     KVT_EXTEND_TOPP, NULL));
+			OK(p.gpu, kvt_extend(p.gpu, layer, NSEQ, p.sg, b.cu, b.dq, b.dk, b.dv, b.dout,
+					     KVT_EXTEND_TOPP, NULL));
+			const double w = chunk_compare(&b, 1e-2, what);
+			worst = w > worst ? w : worst;
+			/* the last row of sequence 1's chunk, attended again by a decode step */
+			const uint32_t r = b.cu[NSEQ] - 1;
+			if (chunk[round][1] == 0)
+				continue;
+			const void *qr = (char *)b.dq + (size_t)r * QROW * 2;
+			OK(p.gpu, kvt_attend(p.gpu, layer, 1, &p.sg[1], qr, p.dout, NULL));
+			attends++;
+			CU(cudaMemcpy(last, p.dout, sizeof(float) * QROW, cudaMemcpyDeviceToHost));
+			T_CHECK(!memcmp(last, b.og + (size_t)r * QROW, sizeof(float) * QROW),
+				"%s: the chunk's last row differs from kvt_attend of its query", what);
+		}
+		for (uint32_t s = 0; s < NSEQ; s++)
+			len[s] += chunk[round][s];
+	}
+	kvt_stats sc = {.size = sizeof sc}, sg = {.size = sizeof sg};
+	OK(p.cpu, kvt_get_stats(p.cpu, &sc));
+	OK(p.gpu, kvt_get_stats(p.gpu, &sg));
+	T_CHECK(sc.steps + attends == sg.steps, "steps: cpu %llu, gpu %llu with %u kvt_attend "
+		"(a Top-p row counts as a step)", (unsigned long long)sc.steps,
+		(unsigned long long)sg.steps, attends);
+	const double dworst = decode_both(&p, 0, 3);
+	printf("extend Top-p: 3 rounds x %u layers; worst error against the CPU %.3g; last rows "
+	       "bit-equal to kvt_attend; decode after it %.3g\n", LAYERS, worst, dworst);
+	free(last);
 	chunk_fini(&b);
 	pair_fini(&p);
 }
@@ -716,6 +767,7 @@ int main(void)
 		cmocka_unit_test(test_rows_at),
 		cmocka_unit_test(test_seq_status),
 		cmocka_unit_test(test_extend),
+		cmocka_unit_test(test_extend_topp),
 		cmocka_unit_test(test_extend_faults),
 		cmocka_unit_test(test_rescore),
 	};

@@ -509,8 +509,8 @@ class Cache:
         n tokens before the call attends its tokens 0 .. n + j exactly (as attend at p = 1), or with
         top_p the sinks and window among them and its Top-p selection of the indexed ones (indexed
         tokens past it are not scored): each sequence's last row then equals attend of its query.
-        All or nothing. Returns out. The CUDA backend attends exactly only: top_p there raises
-        kvtier.Error (EOPNOTSUPP).
+        All or nothing. Returns out. Both backends serve both (CUDA: top_p as one decode step
+        per query row).
         """
         ids, layer = self._seq_array(seqs), self._layer(layer)
         lengths = list(lengths)

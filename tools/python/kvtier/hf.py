@@ -22,7 +22,7 @@ families ported to the attention interface) compute q, k, v (after RoPE), call
   decoding's verification pass): by default (chunks="exact") one kvt_extend per layer stores them
   and attends each query exactly to every stored token up to its own, as a prefill chunk is
   attended (the rows are read from the host tier; nothing stays on the GPU); chunks="topp" asks
-  kvt_extend for each query's Top-p selection instead (the CPU backend only); chunks="steps"
+  kvt_extend for each query's Top-p selection instead; chunks="steps"
   stores and attends them one token at a time as decode does.
 The K/V of the context live in kvtier's host tier; the GPU holds only kvtier's index, window ring
 and hot cache.
@@ -178,8 +178,8 @@ class KvtierCache(_HFCache):
             attention call checks that the model's `scaling` equals it.
         check_scale: False skips that check (for negative controls only).
         chunks: how several new tokens over a non-empty cache are attended: "exact" (default,
-            one kvt_extend per layer, exact), "topp" (kvt_extend with Top-p per query row, CPU
-            backend only) or "steps" (one token at a time, as decode).
+            one kvt_extend per layer, exact), "topp" (kvt_extend with Top-p per query row) or
+            "steps" (one token at a time, as decode).
         graphs: CUDA backend: each layer's one-token decode attention is a CUDA graph of
             kvt_attend_graph, captured at the first decode step of a batch and replayed at every
             later one (the sequence ids and lengths read from device buffers this cache writes
@@ -371,9 +371,6 @@ class KvtierCache(_HFCache):
                               % key.dtype)
         b = int(key.shape[0])
         cuda = key.device.type == "cuda"
-        if cuda and self.chunks == "topp":
-            raise Unsupported("kvtier.hf: chunks='topp' (Top-p per query row of a chunk) is "
-                              "served by the CPU backend only; use chunks='exact' or 'steps'")
         opts = dict(self.options)
         # room for the forks of reorder_cache (beam search forks before it closes: up to
         # 2b - 1 open) and batch_repeat_interleave; the CUDA backend serves at most

@@ -312,7 +312,7 @@ def assert_same_tokens(got, want, scores, dtype, what):
             "near-tie)" % (what, row, t, got[row, t], want[row, t], margin))
 
 
-def generate_both(model, ids, kw, method, note):
+def generate_both(model, ids, kw, method, note, **opts):
     """model.generate(ids, **kw) under SDPA and transformers' own cache, then under kvtier with
     KvtierCache.`method` wrapped so that note(cache, args) records each call before it runs:
     (reference output, kvtier output, the records, the cache's kvt_stats at the end, open
@@ -323,7 +323,7 @@ def generate_both(model, ids, kw, method, note):
     set_attn(model, "kvtier")
     calls = []
     try:
-        with KvtierCache(model.config, **OPTS) as cache:
+        with KvtierCache(model.config, **OPTS, **opts) as cache:
             inner = getattr(cache, method)
 
             def recording(*args):
@@ -361,12 +361,15 @@ def test_beam_search_matches_at_p1(tiny, batch):
                           atol=2e-3, rtol=0)
 
 
-def test_assisted_generation_matches_at_p1(tiny):
+@pytest.mark.parametrize("chunks", ["exact", "topp"])
+def test_assisted_generation_matches_at_p1(tiny, chunks):
     """Assisted (speculative) greedy generation with a draft model: each round the target model
     verifies the draft's tokens in one forward pass over the cache (one kvt_extend per layer) and
     crop drops the rejected ones (kvt_seq_truncate). At p = 1 the tokens are those of the same
     assisted generation over transformers' own cache, up to a near-tie of the reference's top two;
-    the draft (another random model) is rejected often, so crop runs."""
+    the draft (another random model) is rejected often, so crop runs. chunks="topp": each
+    verified row attends its Top-p selection (one decode step per row on CUDA), all tokens at
+    p = 1."""
     from transformers import LlamaConfig, LlamaForCausalLM
     model = tiny.to(torch.float16)
     torch.manual_seed(5)
@@ -383,7 +386,7 @@ def test_assisted_generation_matches_at_p1(tiny):
     def dropped(cache, n):   # tokens a crop to n drops
         held = cache.get_seq_length()
         return held - (n if n >= 0 else held + n)
-    ref, out, crops, st, _ = generate_both(model, ids, kw, "crop", dropped)
+    ref, out, crops, st, _ = generate_both(model, ids, kw, "crop", dropped, chunks=chunks)
     assert any(d > 0 for d in crops), "assisted generation never dropped a rejected token"
     assert st.rows_fetched > 0, "no verification pass attended the stored rows"
     assert_same_tokens(out.sequences[:, PROMPT:], ref.sequences[:, PROMPT:],
