@@ -79,6 +79,9 @@ struct gpu_layer {
 	uint32_t *sel_n;        /* [seqs][H]: its counts */
 	void *sel_mem;          /* bits and counts, one allocation */
 	size_t sel_bytes;
+	void *g_sel_mem;        /* kvt_attend_graph's selection, laid out as sel_mem (a replay
+				   never writes over the selection kvt_gather reads) */
+	size_t g_sel_bytes;
 	void *jobs;             /* index jobs and views of one build, device */
 	uint64_t steps, selected;
 	/* the hot cache's memory and, self-sized (hot.c), the measure of one step: the
@@ -252,6 +255,13 @@ size_t gpu_step_host_bytes(const kvt_cache *c, uint32_t n_seqs);
 int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream);
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	     const void *q, void *out, uint32_t *sel_n, void *stream);
+/* gpu_step, the error word's copy left to the caller when !copy_err (several steps, one copy) */
+int gpu_step_copy(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		  const void *q, void *out, uint32_t *sel_n, bool copy_err, void *stream);
+/* A step's checks and scratch (for n_seqs with at most max_ni index tokens and max_rows rows
+ * per item) made ahead, so that the steps of a call fail before the first one runs. */
+int gpu_step_prepare(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
+		     uint32_t max_rows, void *stream);
 int gpu_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	       uint32_t *sel_n, void *stream);
 int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,

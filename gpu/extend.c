@@ -103,7 +103,14 @@ static int extend_topp(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 	const size_t q_row = (size_t)c->cfg.n_q_heads * c->d * c->elem;
 	const size_t out_row = (size_t)c->cfg.n_q_heads * c->d * c->out_elem;
 	const uint32_t S = c->cfg.n_sink;
+	/* each entry's last row sees the most: its sizes checked and its scratch made before any
+	 * step runs, so that a refusal or a failed allocation comes first */
+	for (uint32_t i = 0; i < n_seqs; i++)
+		if (cu[i + 1] > cu[i])
+			KVT_TRY(gpu_step_prepare(c, layer, 1, indexed[i],
+						 ls[i]->n_tokens + cu[i + 1] - cu[i], stream));
 	int rc = 0;
+	uint32_t stepped = 0;
 	for (uint32_t i = 0; i < n_seqs && rc == 0; i++) {
 		struct kvt_layer *l = ls[i];
 		const uint32_t t0 = l->sel_tokens, i0 = l->sel_indexed;
@@ -111,12 +118,24 @@ static int extend_topp(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 			const uint32_t P = l->n_tokens + j, seen = P + 1 > S ? P + 1 - S : 0;
 			l->sel_tokens = P + 1;
 			l->sel_indexed = seen < indexed[i] ? seen : indexed[i];
-			rc = gpu_step(c, layer, 1, &ls[i], (const char *)q + (cu[i] + j) * q_row,
-				      (char *)out + (cu[i] + j) * out_row, NULL, stream);
+			rc = gpu_step_copy(c, layer, 1, &ls[i], (const char *)q + (cu[i] + j) * q_row,
+					   (char *)out + (cu[i] + j) * out_row, NULL, false, stream);
+			stepped += rc == 0;
 		}
 		l->sel_tokens = t0;
 		l->sel_indexed = i0;
+		/* one copy of the error word per entry: a row's error names its sequence */
+		if (cu[i + 1] > cu[i]) {
+			const int e = gpu_err_copy_batch(c, layer, 1, &ls[i], stream);
+			rc = rc < 0 ? rc : e;
+		}
 	}
+	if (rc < 0 && stepped)
+		/* the steps put rows of positions the undone chunk held into the hot cache, tagged
+		 * by the layer's uid: the layers take new names, as a truncation does */
+		for (uint32_t i = 0; i < n_seqs; i++)
+			if (cu[i + 1] > cu[i])
+				ls[i]->seq_uid = ++c->next_uid;
 	return rc;
 }
 

@@ -99,6 +99,11 @@ void gpu_graph_fini(kvt_cache *c)
 	b->g_table = NULL;
 	b->g_zero = NULL;
 	b->g_slots = b->g_tokens = 0;
+	for (uint32_t y = 0; b->lay && y < c->cfg.n_layers; y++) {
+		gpu_dfree(c, b->lay[y].g_sel_mem);
+		b->lay[y].g_sel_mem = NULL;
+		b->lay[y].g_sel_bytes = 0;
+	}
 }
 
 int gpu_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream)
@@ -110,21 +115,30 @@ int gpu_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, voi
 		return 0;
 	}
 	if (!b->g_table) {
-		KVT_TRY(gpu_dalloc(c, &b->g_table, sizeof(kvt_gpu_graph_row) * table_rows(c),
-				   "the graph records"));
-		const int rc = gpu_dalloc(c, (void **)&b->g_zero,
-					  sizeof(float) * 2 * c->cfg.n_kv_heads * c->d,
-					  "the graph's zero centroids");
+		int rc = gpu_dalloc(c, &b->g_table, sizeof(kvt_gpu_graph_row) * table_rows(c),
+				    "the graph records");
+		if (rc == 0)
+			rc = gpu_dalloc(c, (void **)&b->g_zero,
+					sizeof(float) * 2 * c->cfg.n_kv_heads * c->d,
+					"the graph's zero centroids");
 		if (rc < 0) {
 			gpu_graph_fini(c);
 			return rc;
 		}
 	}
-	/* the scratch of the largest step and the records, made before the bounds take effect:
-	 * a failure leaves the reservation as it was (the larger scratch unused) */
-	KVT_TRY(gpu_step_reserve(c, max_slots, max_tokens, stream));
-	KVT_TRY(publish_all(c));
-	CU(c, cudaDeviceSynchronize());
+	/* the scratch of the largest step (and the graph steps' own selection) and the records */
+	int rc = gpu_step_reserve(c, max_slots, max_tokens, stream);
+	if (rc == 0)
+		rc = publish_all(c);
+	if (rc == 0 && cudaDeviceSynchronize() != cudaSuccess)
+		rc = kvt_seterr(c, -EIO, "kvt_graph_reserve: the device failed: %s",
+				cudaGetErrorString(cudaGetLastError()));
+	if (rc < 0) {
+		/* the scratch may have moved under graphs captured before: no reservation stands */
+		(void)cudaDeviceSynchronize();
+		gpu_graph_fini(c);
+		return rc;
+	}
 	b->g_slots = max_slots;
 	b->g_tokens = max_tokens;
 	return 0;

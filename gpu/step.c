@@ -176,10 +176,16 @@ static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 
 /* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
  * its selection, and upload its descriptors; a reread lists the last selection's positions. */
+/* Which selection a step lays out: none (a gather rereads the last), the layer's (kvt_attend,
+ * kvt_select), or kvt_attend_graph's own. */
+enum sel_kind { SEL_NONE, SEL_STEP, SEL_GRAPH };
+
 /* Carve the scratch of a step of n_seqs with max_ni index tokens and max_rows rows per item from
- * the arena, and (select) lay out the layer's selection bits for it; both grown when short. */
+ * the arena, and lay out the selection `select` names for it (y->bits and y->sel_n point at it);
+ * both grown when short. */
 static int step_scratch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
-			uint32_t max_rows, bool select, void *stream, struct step_scratch *s)
+			uint32_t max_rows, enum sel_kind select, void *stream,
+			struct step_scratch *s)
 {
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
@@ -188,22 +194,31 @@ static int step_scratch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t 
 	*s = carve(c, NULL, n_seqs, ld, rows);
 	KVT_TRY(gpu_grow(c, &b->arena, &b->arena_bytes, s->bytes, stream, "step scratch"));
 	*s = carve(c, b->arena, n_seqs, ld, rows);
-	if (select) {
+	if (select != SEL_NONE) {
 		const size_t items = (size_t)n_seqs * c->cfg.n_kv_heads,
 			     bits = kvt_gpu_selbits_bytes(items, max_ni);
-		KVT_TRY(gpu_grow(c, &y->sel_mem, &y->sel_bytes, bits + sizeof(uint32_t) * items,
-				 stream, "the selection"));
-		y->bits = kvt_gpu_selbits_at(y->sel_mem, items, max_ni);
-		y->sel_n = (uint32_t *)((char *)y->sel_mem + bits);
+		void **mem = select == SEL_GRAPH ? &y->g_sel_mem : &y->sel_mem;
+		size_t *have = select == SEL_GRAPH ? &y->g_sel_bytes : &y->sel_bytes;
+		KVT_TRY(gpu_grow(c, mem, have, bits + sizeof(uint32_t) * items, stream,
+				 "the selection"));
+		y->bits = kvt_gpu_selbits_at(*mem, items, max_ni);
+		y->sel_n = (uint32_t *)((char *)*mem + bits);
 	}
 	return 0;
 }
 
 int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream)
 {
+	struct gpu_cache *b = gpu_of(c);
 	struct step_scratch s;
-	for (uint32_t y = 0; y < c->cfg.n_layers; y++)
-		KVT_TRY(step_scratch(c, y, max_slots, max_tokens, max_tokens, true, stream, &s));
+	for (uint32_t y = 0; y < c->cfg.n_layers; y++) {
+		/* the layer's selection is laid out anew: none made before stays readable */
+		b->lay[y].stamp = ++b->stamp;
+		KVT_TRY(step_scratch(c, y, max_slots, max_tokens, max_tokens, SEL_GRAPH, stream,
+				     &s));
+		KVT_TRY(step_scratch(c, y, max_slots, max_tokens, max_tokens, SEL_STEP, stream,
+				     &s));
+	}
 	return 0;
 }
 
@@ -211,11 +226,13 @@ int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void
  * its selection, and upload its descriptors; a reread lists the last selection's positions.
  * Within kvt_graph_reserve's bounds the sizes are the reservation's (*split: the batch size the
  * attention's split is laid out for, 0: the batch's). */
-static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
-		      uint32_t *max_rows, uint32_t *split)
+/* The sizes of a step of n_seqs with at most *max_ni index tokens and *max_rows rows per item
+ * checked against the selection's limit and the reservation (whose bounds replace them), and its
+ * scratch made (selection `sel`). */
+static int step_size(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t *max_ni,
+		     uint32_t *max_rows, uint32_t *split, enum sel_kind sel, void *stream,
+		     struct step_scratch *s)
 {
-	bounds(c, n_seqs, ls, max_ni, max_rows);
 	KVT_RETURN_IF(*max_ni > KVT_GPU_SELECT_MAX_N, c, -E2BIG,
 		      "a sequence has %u indexed tokens on layer %u; the CUDA backend selects among at "
 		      "most %u",
@@ -226,7 +243,24 @@ static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 		      "%u is outside kvt_graph_reserve's bounds (%u slots, %u tokens): its scratch "
 		      "would move what captured graphs read; reserve larger bounds first",
 		      n_seqs, rows, ni, layer, gpu_of(c)->g_slots, gpu_of(c)->g_tokens);
-	KVT_TRY(step_scratch(c, layer, n_seqs, *max_ni, *max_rows, !reread, stream, s));
+	return step_scratch(c, layer, n_seqs, *max_ni, *max_rows, sel, stream, s);
+}
+
+int gpu_step_prepare(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
+		     uint32_t max_rows, void *stream)
+{
+	struct step_scratch s;
+	uint32_t split;
+	return step_size(c, layer, n_seqs, &max_ni, &max_rows, &split, SEL_STEP, stream, &s);
+}
+
+static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
+		      uint32_t *max_rows, uint32_t *split)
+{
+	bounds(c, n_seqs, ls, max_ni, max_rows);
+	KVT_TRY(step_size(c, layer, n_seqs, max_ni, max_rows, split,
+			  reread ? SEL_NONE : SEL_STEP, stream, s));
 	KVT_TRY(upload_descriptors(c, layer, n_seqs, ls, reread, s, stream));
 	return reread && *max_ni ? list_selection(c, layer, n_seqs, ls, s, stream) : 0;
 }
@@ -359,6 +393,12 @@ static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	     const void *q, void *out, uint32_t *sel_n, void *stream)
 {
+	return gpu_step_copy(c, layer, n_seqs, ls, q, out, sel_n, true, stream);
+}
+
+int gpu_step_copy(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		  const void *q, void *out, uint32_t *sel_n, bool copy_err, void *stream)
+{
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
@@ -387,11 +427,11 @@ int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *co
 		/* staged rows stay untouched until whatever was queued has read them */
 		int done = gpu_spilled_done(c, stream);
 		/* the selection's kernels ran: their errors go with this batch, failed or not */
-		int copied = gpu_err_copy_batch(c, layer, n_seqs, ls, stream);
+		int copied = copy_err ? gpu_err_copy_batch(c, layer, n_seqs, ls, stream) : 0;
 		KVT_TRY(rc);
 		KVT_TRY(done);
 		KVT_TRY(copied);
-	} else {
+	} else if (copy_err) {
 		KVT_TRY(gpu_err_copy_batch(c, layer, n_seqs, ls, stream));
 	}
 	gpu_mark(t, 3, stream);
@@ -446,24 +486,15 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	return gpu_err_copy(c, stream);
 }
 
-/*
- * kvt_attend_graph: the step of gpu_step over the slots of `gb`, its descriptors built on the
- * device from the caller's slot buffers and the records of gpu/graph.c, at the reserved geometry
- * (scratch grown by kvt_graph_reserve, so nothing here allocates). Nothing of a sequence's host
- * state changes: its selection is not kept for kvt_gather (the layer's stamp moves on), and the
- * step is counted only by the device counters.
- */
-int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
-		     void *out, void *stream)
+/* gpu_attend_graph's kernels over the scratch s (its selection: the layer's bits, pointed at the
+ * graph steps' own memory). */
+static int graph_step(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
+		      void *out, struct step_scratch *s, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t n = gb->n_slots, H = c->cfg.n_kv_heads;
-	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
-	y->stamp = ++b->stamp;
-	struct step_scratch s;
-	KVT_TRY(step_scratch(c, layer, n, b->g_tokens, b->g_tokens, true, stream, &s));
-	s.spilled = false;
+	s->spilled = false;
 	const kvt_gpu_graph_step st = {
 		.table = (const kvt_gpu_graph_row *)b->g_table + (size_t)layer * c->cfg.max_seqs,
 		.max_seqs = c->cfg.max_seqs,
@@ -473,25 +504,50 @@ int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, co
 		.lengths = gb->lengths,
 		.valid = gb->valid,
 		.zero = b->g_zero,
-		.sel = s.sel,
-		.sel_ld = s.ld,
+		.sel = s->sel,
+		.sel_ld = s->ld,
 		.sel_n = y->sel_n,
 		.epoch = b->epochs + layer,
 	};
-	LAUNCH(c, kvt_gpu_graph_desc(&st, n, H, s.views, s.ntok, s.cq, s.ck, s.fetch, b->err,
+	LAUNCH(c, kvt_gpu_graph_desc(&st, n, H, s->views, s->ntok, s->cq, s->ck, s->fetch, b->err,
 				     stream));
 	if (gpu_capturing(stream))
 		/* a replay waits for the index builds queued before it, whenever it is launched */
 		CU(c, cudaStreamWaitEvent((cudaStream_t)stream, y->indexed, cudaEventWaitExternal));
 	else
 		KVT_TRY(gpu_wait_index(c, layer, stream));
-	KVT_TRY(select_rows(c, layer, n, q, &s, b->g_tokens, NULL, stream));
-	int rc = fetch(c, layer, n, NULL, &s, 0, b->g_tokens, NULL, true, stream);
-	int r = rc < 0 ? 0 : attend(c, n, q, &s, b->g_tokens, b->g_slots, out, stream);
+	KVT_TRY(select_rows(c, layer, n, q, s, b->g_tokens, NULL, stream));
+	int rc = fetch(c, layer, n, NULL, s, 0, b->g_tokens, NULL, true, stream);
+	int r = rc < 0 ? 0 : attend(c, n, q, s, b->g_tokens, b->g_slots, out, stream);
 	if (r < 0)
 		rc = kvt_seterr(c, r, "kvt_gpu_attend: %s", kvt_strerror(r));
 	const int copied = gpu_err_copy(c, stream);
 	KVT_TRY(rc);
-	KVT_TRY(copied);
+	return copied;
+}
+
+/*
+ * kvt_attend_graph: the step of gpu_step over the slots of `gb`, its descriptors built on the
+ * device from the caller's slot buffers and the records of gpu/graph.c, at the reserved geometry
+ * (scratch grown by kvt_graph_reserve, so nothing here allocates). Nothing of a sequence's host
+ * state changes: its selection goes to the graph steps' own memory (the layer's, which kvt_gather
+ * reads, stays as it was), and the step is counted only by the device counters.
+ */
+int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
+		     void *out, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
+	const uint32_t n = gb->n_slots;
+	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
+	const kvt_gpu_selbits bits0 = y->bits;
+	uint32_t *const sel_n0 = y->sel_n;
+	struct step_scratch s;
+	int rc = step_scratch(c, layer, n, b->g_tokens, b->g_tokens, SEL_GRAPH, stream, &s);
+	if (rc == 0)
+		rc = graph_step(c, layer, gb, q, out, &s, stream);
+	y->bits = bits0;
+	y->sel_n = sel_n0;
+	KVT_TRY(rc);
 	return gpu_hot_after_step(c, layer, stream);
 }

@@ -184,10 +184,12 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	KVT_TRY(free_slot(c, &slot));
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, 1, &parent, NULL);
-	KVT_TRY(kvt_lru_done(c, &m, 1, &parent, kvt_pipe_fork(c, s, &c->seqs[slot], stream)));
-	*child = slot;
+	const int rc = (int)kvt_lru_done(c, &m, 1, &parent,
+					 kvt_pipe_fork(c, s, &c->seqs[slot], stream));
 	const uint32_t both[2] = {parent, slot};
-	return kvt_graph_touch(c, 2, both, -1, stream, 0);
+	KVT_TRY(kvt_graph_touch(c, rc < 0 ? 1 : 2, both, -1, stream, rc));
+	*child = slot;
+	return 0;
 }
 
 /* The checks of a row range [from, to) of seq on layer; *out: its state. */

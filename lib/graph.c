@@ -16,7 +16,8 @@ int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t c
 {
 	static const char *const why[] = {
 		[SLOT_NOT_OPEN] = "its sequence id is not that of an open sequence holding tokens on "
-				  "the layer",
+				  "the layer (or its device record could not be refreshed: out of "
+				  "memory)",
 		[SLOT_REPEATED] = "its sequence is also in an earlier valid slot",
 		[SLOT_LENGTH] = "its sequence holds another number of tokens than lengths[] says",
 		[SLOT_TOO_LONG] = "its sequence holds more tokens than kvt_graph_reserve's max_tokens",
@@ -33,10 +34,12 @@ int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t c
 int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
 		    int64_t rc)
 {
-	if (rc < 0 || !c->graph_slots || !c->ops->graph_publish)
-		return (int)rc;
-	const int r = c->ops->graph_publish(c, n, seqs, layer, stream);
-	return r < 0 ? r : (int)rc;
+	/* failed calls too: a reserve or a block-table sync before the failure may have moved what
+	 * a record names, and the undo leaves the host state consistent. A record that cannot be
+	 * made reads as no sequence (its slots pad and report), so the call's own result stands. */
+	if (c->graph_slots && c->ops->graph_publish)
+		(void)c->ops->graph_publish(c, n, seqs, layer, stream);
+	return (int)rc;
 }
 
 void kvt_graph_fini(kvt_cache *c)
@@ -68,7 +71,9 @@ KVT_API int kvt_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tok
 	if (c->ops->graph_reserve) {
 		int rc = c->ops->graph_reserve(c, max_slots, max_tokens, stream);
 		if (rc < 0) {
+			/* the backend dropped its reservation (what graphs read may have moved) */
 			kvt_mem_free(KVT_MEM_HOST, ids, sizeof(uint32_t) * max_slots);
+			kvt_graph_fini(c);
 			return rc;
 		}
 	}

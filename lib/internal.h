@@ -247,11 +247,11 @@ struct kvt_backend_ops;
 /* ---- kvt_graph_reserve's records (lib/graph.c) ------------------------------------------------ */
 
 #define KVT_GRAPH_MAX_TOKENS ((1u << 24) - 1)
-/* After a call that returned rc changed the n sequences `seqs` on `layer` (-1: every layer): when
- * rc >= 0 and a reservation keeps device records, refresh theirs on `stream`; seqs NULL: every
- * sequence id on every layer (after a spill or restore, which may move blocks other sequences
- * share), complete when it returns. Returns rc, or the backend's error (the records it could not
- * refresh then read as no sequence). */
+/* After a call that returned rc (a failure too: what a record names may have moved before it) on
+ * the n sequences `seqs` on `layer` (-1: every layer): when a reservation keeps device records,
+ * refresh theirs on `stream`; seqs NULL: every sequence id on every layer (after a spill or
+ * restore, which may move blocks other sequences share), complete when it returns. A record that
+ * cannot be made reads as no sequence (graph slots naming it pad and report). Returns rc. */
 int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
 		    int64_t rc);
 /* The error of a graph step's slot the device could not serve (cause: KVT_GPU_SLOT_*, the same

@@ -59,8 +59,9 @@ typedef struct kvt_graph_batch {
  * read, so reserve larger bounds first (the cpu backend has no such bound).
  * Returns 0. Errors: -EINVAL (cache NULL, max_slots above max_seqs, max_tokens == 0 with
  * max_slots != 0 or above 2^24 - 1: the text names the value and the limit; refused while `stream`
- * is being captured), -ENOMEM (the reservation as it was). CUDA backend: allocates device memory
- * and synchronizes the device; call it before capturing.
+ * is being captured), -ENOMEM (the CUDA backend then holds no reservation: graphs captured under
+ * an earlier one must not be replayed; the cpu backend keeps the earlier one). CUDA backend:
+ * allocates device memory and synchronizes the device; call it before capturing.
  */
 KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max_tokens,
 			      void *stream);

@@ -262,8 +262,8 @@ int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot, const str
 	kvt_mem_free(KVT_MEM_HOST, locs, 0);
 	c->st.spills++;
 	/* the blocks moved may be shared: every record is refreshed */
-	const int r = kvt_graph_touch(c, 0, NULL, -1, NULL, 0);
-	return r < 0 ? r : moved;
+	(void)kvt_graph_touch(c, 0, NULL, -1, NULL, 0);
+	return moved;
 }
 
 static bool has_spillable(const kvt_cache *c, const struct kvt_seq *s, const struct kvt_seq *keep)
@@ -416,7 +416,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 	kvt_mem_free(KVT_MEM_HOST, host, 0);
 	kvt_mem_free(KVT_MEM_HOST, locs, 0);
 	kvt_mem_free(KVT_MEM_HOST, ids, 0);
-	return rc < 0 ? rc : kvt_graph_touch(c, 0, NULL, -1, NULL, rc);
+	return kvt_graph_touch(c, 0, NULL, -1, NULL, rc);
 }
 
 void kvt_tier_mark(const kvt_cache *c, struct kvt_tier_mark *m)

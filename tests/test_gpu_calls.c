@@ -418,7 +418,9 @@ static void test_extend(void **state)
 
 /*
  * kvt_extend with KVT_EXTEND_TOPP on CUDA against the CPU backend: chunks of speculative-decoding
- * size (5 and 9 rows, 1 and 16, 12 and none) on every layer; each row attends its own Top-p
+ * size (5 and 9 rows, 12 and none) and one longer than the window and a flush (70 rows: the
+ * chunk's own tokens indexed, its early rows scoring a prefix of the index with an empty window),
+ * on every layer; each row attends its own Top-p
  * selection of the indexed tokens up to it plus the sinks and window up to it, within 1e-2
  * relative per (row, query head) of the CPU's (the threshold's tolerance may move a token); the
  * last row of a chunk equals, bit for bit, a kvt_attend of its query once the chunk is in (the
@@ -429,9 +431,9 @@ static void test_extend_topp(void **state)
 	(void)state;
 	struct pair p;
 	struct chunk b;
-	const uint32_t ctx = 600, chunk[3][NSEQ] = {{5, 9}, {1, 16}, {12, 0}};
-	pair_init(&p, ctx, 60, 64u << 20);
-	chunk_init(&b, 40);
+	const uint32_t ctx = 600, chunk[3][NSEQ] = {{5, 9}, {1, 70}, {12, 0}};
+	pair_init(&p, ctx, 120, 64u << 20);
+	chunk_init(&b, 90);
 	uint32_t len[NSEQ] = {ctx, ctx}, attends = 0;
 	double worst = 0.0;
 	float *last = malloc(sizeof(float) * QROW);

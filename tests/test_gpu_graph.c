@@ -169,9 +169,10 @@ static void test_replay(void **state)
 	pair_fini(&p);
 }
 
-/* kvt_graph_reserve under allocation faults (the records, the zero centroids, the scratch of each
- * layer): each failure returns -ENOMEM and leaves no reservation (kvt_attend_graph refused, steps
- * as before); the call that finally succeeds serves a step equal to the eager one. */
+/* kvt_graph_reserve under allocation faults (the records, the zero centroids, the step scratch,
+ * the records' host copy): each failure returns -ENOMEM and leaves no reservation
+ * (kvt_attend_graph refused, steps as before); the call that finally succeeds serves a step equal
+ * to the eager one. */
 static void test_reserve_faults(void **state)
 {
 	(void)state;
