@@ -34,6 +34,7 @@ static int row_of(kvt_cache *c, uint32_t seq, uint32_t layer, void *stream, kvt_
 	r->f = gpu_mirror_fetch(c, l, g, l->n_tokens, l->n_indexed);
 	r->n_tokens = l->n_tokens;
 	r->spilled = r->f.flags != 0;
+	r->in_error = s->status != 0;
 	return 0;
 }
 
@@ -65,8 +66,10 @@ int gpu_graph_publish(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer,
 		/* after a spill or restore the old records may name freed blocks: when they cannot
 		 * be rewritten, every one reads as no sequence (graph steps then pad every slot) */
 		const int rc = publish_all(c);
-		if (rc < 0)
+		if (rc < 0) {
 			(void)cudaMemset(b->g_table, 0, sizeof(kvt_gpu_graph_row) * table_rows(c));
+			(void)cudaDeviceSynchronize();
+		}
 		return rc;
 	}
 	const uint32_t L = c->cfg.n_layers, y0 = layer < 0 ? 0 : (uint32_t)layer,

@@ -81,6 +81,8 @@ static __global__ void __launch_bounds__(GD_THREADS)
 				cause = KVT_GPU_SLOT_TOO_LONG;
 			if (!cause && r->spilled)
 				cause = KVT_GPU_SLOT_SPILLED;
+			if (!cause && r->in_error)
+				cause = KVT_GPU_SLOT_IN_ERROR;
 			if (cause) {
 				kvt_d_raise(err, KVT_GPU_ERR_SLOT, (st.layer & 0xffffu) | cause << 16, i);
 			} else {

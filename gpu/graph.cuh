@@ -25,6 +25,8 @@ typedef struct kvt_gpu_graph_row {
 	kvt_gpu_fetch_seq f;   /* sel, sel_n and sel_ld are the slot's */
 	uint32_t n_tokens;     /* 0: no sequence (closed, or nothing stored on the layer) */
 	uint32_t spilled;      /* blocks on NVMe: not served by a graph step */
+	uint32_t in_error;     /* kvt_seq_status: not served either */
+	uint32_t reserved;
 } kvt_gpu_graph_row;
 
 /* What a slot error's `where` holds besides the layer (bits 0..15): the cause, bits 16..23. */
@@ -34,6 +36,7 @@ enum kvt_gpu_slot_cause {
 	KVT_GPU_SLOT_LENGTH = 3,     /* lengths[i] differs from the sequence's tokens */
 	KVT_GPU_SLOT_TOO_LONG = 4,   /* more tokens than the reservation's max_tokens */
 	KVT_GPU_SLOT_SPILLED = 5,    /* blocks on NVMe */
+	KVT_GPU_SLOT_IN_ERROR = 6,   /* the sequence is in error (kvt_seq_status) */
 };
 
 /* Skip marks: a padded slot's fetch entry, and its attention items (kvt_gpu_rows.reserved). */

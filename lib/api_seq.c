@@ -24,7 +24,8 @@ int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
 		va_end(ap);
 	}
-	return 0;
+	/* graph steps pad its slots from now on, as the other calls refuse it */
+	return kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
 }
 
 static void clear_status(struct kvt_seq *s)
@@ -127,8 +128,12 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 	clear_status(s);
 	memset(s, 0, sizeof *s);
 	c->st.seqs_open--;
-	/* a graph step naming the id from now on pads its slot */
-	return kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	/* a graph step naming the id from now on pads its slot: the cleared records are in place
+	 * before the call returns, whatever stream the next replay runs on */
+	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	if (c->graph_slots && c->ops->quiesce)
+		(void)c->ops->quiesce(c);
+	return 0;
 }
 
 KVT_API int64_t kvt_seq_spill(kvt_cache *c, uint32_t seq)

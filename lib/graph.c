@@ -9,7 +9,7 @@
 #include "internal.h"
 
 /* The slot causes, numbered as gpu/graph.cuh's KVT_GPU_SLOT_*. */
-enum { SLOT_NOT_OPEN = 1, SLOT_REPEATED, SLOT_LENGTH, SLOT_TOO_LONG, SLOT_SPILLED };
+enum { SLOT_NOT_OPEN = 1, SLOT_REPEATED, SLOT_LENGTH, SLOT_TOO_LONG, SLOT_SPILLED, SLOT_IN_ERROR };
 
 int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause,
 			 bool padded)
@@ -23,6 +23,8 @@ int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t c
 		[SLOT_TOO_LONG] = "its sequence holds more tokens than kvt_graph_reserve's max_tokens",
 		[SLOT_SPILLED] = "its sequence has blocks on NVMe (kvt_seq_restore it before it "
 				 "enters a graph's batch)",
+		[SLOT_IN_ERROR] = "its sequence is in error (kvt_seq_status; kvt_seq_truncate "
+				  "clears it)",
 	};
 	const char *w = cause < sizeof why / sizeof *why && why[cause] ? why[cause] : "unknown cause";
 	return kvt_seterr(c, -EINVAL, "kvt_attend_graph on layer %u: slot %u %s: %s", layer, slot,
@@ -110,6 +112,8 @@ static int check_slots(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b)
 			cause = SLOT_LENGTH;
 		if (!cause && l->n_tokens > c->graph_tokens)
 			cause = SLOT_TOO_LONG;
+		if (!cause && c->seqs[s].status)
+			cause = SLOT_IN_ERROR;
 		if (cause)
 			return kvt_err_entry(c, i, kvt_graph_slot_error(c, layer, i, cause, false));
 	}

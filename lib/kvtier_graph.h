@@ -75,8 +75,9 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
  *   q: [n_slots, n_q_heads, head_dim] (dtype); out: [n_slots, n_q_heads, head_dim] (out_dtype)
  * Needs kvt_graph_reserve with max_slots >= n_slots.
  * Slot errors (a sequence id that is not open or repeats an earlier slot's, a length that differs
- * from the sequence's, a sequence longer than max_tokens, a sequence with blocks on NVMe on the
- * CUDA backend, which must be restored before it is in a graph's batch): the cpu backend fails the
+ * from the sequence's, a sequence longer than max_tokens, a sequence in error (kvt_seq_status), a
+ * sequence with blocks on NVMe on the CUDA backend, which must be restored before it is in a
+ * graph's batch): the cpu backend fails the
  * call (-EINVAL naming the slot in kvt_last_error_entry) before anything is written; the CUDA
  * backend, which sees them on the device, pads that slot and fails the next call on the cache with
  * -EINVAL naming the slot, the layer and the cause, as it reports a kernel error.
