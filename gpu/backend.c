@@ -238,8 +238,8 @@ static void cu_fini(kvt_cache *c)
 		gpu_dfree(c, y->sel_mem);
 		gpu_dfree(c, y->jobs);
 	}
+	gpu_graph_fini(c); /* before the layers: it frees their graph selections */
 	kvt_mem_free(KVT_MEM_HOST, b->lay, 0);
-	gpu_graph_fini(c);
 	gpu_dfree(c, b->epochs);
 	for (uint32_t i = 0; i < GPU_TIMING_SETS; i++)
 		for (int e = 0; e < 4; e++)
