@@ -82,7 +82,9 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
  * backend, which sees them on the device, pads that slot and fails the next call on the cache with
  * -EINVAL naming the slot, the layer and the cause, as it reports a kernel error.
  * Returns 0. Errors: -EINVAL (NULL cache, batch, seqs, q or out; pad != 0; n_slots == 0 or above
- * the reservation; no reservation; layer), the slot errors above, and kvt_attend's.
+ * the reservation; no reservation; layer), the slot errors above, and kvt_attend's (the cpu
+ * backend attends each run of consecutive valid slots with one kvt_attend, so after such an error
+ * the out rows of earlier runs may be written, as kvt_attend's out may be).
  * CUDA backend: asynchronous on `stream`, no host synchronization and no allocation: capture it
  * after a warm-up call at the same n_slots (which freezes the self-sized hot cache, as for
  * kvt_attend), then replay while kvt_append (eager, between replays) grows the sequences; the
