@@ -371,6 +371,9 @@ class KvtierCache(_HFCache):
                               % key.dtype)
         b = int(key.shape[0])
         cuda = key.device.type == "cuda"
+        if self.graphs and not cuda:
+            raise Unsupported("kvtier.hf: graphs=True captures CUDA graphs; the model runs on %s "
+                              "(the CPU backend has no graphs to replay)" % key.device)
         opts = dict(self.options)
         # room for the forks of reorder_cache (beam search forks before it closes: up to
         # 2b - 1 open) and batch_repeat_interleave; the CUDA backend serves at most

@@ -129,3 +129,11 @@ def test_fork_refused_leaves_the_batch():
 def test_chunks_option_checked():
     with pytest.raises(ValueError, match="chunks = 'fast'"):
         hf.KvtierCache(CFG, chunks="fast")
+
+
+def test_graphs_need_cuda():
+    """graphs=True on CPU tensors is refused when the cache is made, not silently ignored."""
+    cache = hf.KvtierCache(CFG, graphs=True, p=1.0)
+    k = torch.zeros(1, HKV, 4, D, dtype=torch.float16)
+    with pytest.raises(hf.Unsupported, match="graphs=True"):
+        cache.update(k, k, 0)
