@@ -249,8 +249,11 @@ static int step_size(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t *ma
 int gpu_step_prepare(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
 		     uint32_t max_rows, void *stream)
 {
+	struct gpu_cache *b = gpu_of(c);
 	struct step_scratch s;
 	uint32_t split;
+	/* the layer's selection is laid out anew: none made before stays readable */
+	b->lay[layer].stamp = ++b->stamp;
 	return step_size(c, layer, n_seqs, &max_ni, &max_rows, &split, SEL_STEP, stream, &s);
 }
 
