@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
-# compute-sanitizer memcheck and racecheck on the gpu tests, then (with --bench) the six GPU
+# compute-sanitizer memcheck and racecheck on the gpu tests, then (with --bench) the seven GPU
 # benchmarks (gpu_extend through bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when
 # torch is there). Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
 # most. The build directory is $BUILD (default /tmp/b), configured once. $SANITIZE_TESTS names the
