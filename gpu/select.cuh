@@ -10,14 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "constants.h" /* KVT_GPU_SELECT_MAX_N */
 #include "errword.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Indexed tokens per sequence the selection handles (positions and counts fit 24 bits). */
-#define KVT_GPU_SELECT_MAX_N ((1u << 24) - 1)
 
 /* The selection of one (sequence, query head) segment (24 bytes, device memory). */
 typedef struct kvt_gpu_topp {

@@ -25,6 +25,9 @@ struct step_scratch {
 	void *rbits;             /* the candidates' union bits (the second stage's counts) */
 	uint32_t *sel; /* [n][H][ld]: the selection's positions, from the layer's bits */
 	uint32_t ld;
+	kvt_gpu_selbits bits; /* the step's selection as bits, and its counts ([n][H]): the layer's,
+				 or a graph step's own */
+	uint32_t *sel_n;
 	void *sscratch;
 	size_t sbytes;
 	const void **rows;
@@ -114,7 +117,6 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 			      void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	const struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
 	char *h = b->host;
 	kvt_gpu_index_view *views = (kvt_gpu_index_view *)h;
@@ -133,7 +135,7 @@ static int upload_descriptors(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		cq[i] = g->cent + (size_t)H * c->d;
 		f[i] = gpu_mirror_fetch(c, ls[i], g, l->sel_tokens, l->sel_indexed);
 		f[i].sel = s->sel + (size_t)i * H * s->ld;
-		f[i].sel_n = y->sel_n + (size_t)slot * H;
+		f[i].sel_n = s->sel_n + (size_t)slot * H;
 		f[i].sel_ld = s->ld;
 		n_spilled += f[i].flags != 0;
 	}
@@ -160,16 +162,15 @@ static uint32_t slot_run(struct kvt_layer *const *ls, uint32_t n_seqs, uint32_t 
 static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 			  struct kvt_layer *const *ls, const struct step_scratch *s, void *stream)
 {
-	const struct gpu_layer *y = &gpu_of(c)->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads;
 	for (uint32_t i = 0, run, slot; i < n_seqs; i += run) {
 		run = slot_run(ls, n_seqs, i, &slot);
-		kvt_gpu_selbits v = y->bits;
+		kvt_gpu_selbits v = s->bits;
 		v.mask += (size_t)slot * H * v.words;
 		v.ccount += (size_t)slot * H * v.chunks;
 		/* the counts are those of the step: rewritten with the same values */
 		LAUNCH(c, kvt_gpu_selbits_list(run * H, v, s->sel + (size_t)i * H * s->ld, s->ld,
-					       y->sel_n + (size_t)slot * H, stream));
+					       s->sel_n + (size_t)slot * H, stream));
 	}
 	return 0;
 }
@@ -181,8 +182,9 @@ static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 enum sel_kind { SEL_NONE, SEL_STEP, SEL_GRAPH };
 
 /* Carve the scratch of a step of n_seqs with max_ni index tokens and max_rows rows per item from
- * the arena, and lay out the selection `select` names for it (y->bits and y->sel_n point at it);
- * both grown when short. */
+ * the arena, and lay out the selection `select` names for it in s->bits and s->sel_n (the layer's
+ * y->bits and y->sel_n too for SEL_STEP; SEL_NONE: the layer's as they are); both grown when
+ * short. */
 static int step_scratch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max_ni,
 			uint32_t max_rows, enum sel_kind select, void *stream,
 			struct step_scratch *s)
@@ -201,8 +203,15 @@ static int step_scratch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t 
 		size_t *have = select == SEL_GRAPH ? &y->g_sel_bytes : &y->sel_bytes;
 		KVT_TRY(gpu_grow(c, mem, have, bits + sizeof(uint32_t) * items, stream,
 				 "the selection"));
-		y->bits = kvt_gpu_selbits_at(*mem, items, max_ni);
-		y->sel_n = (uint32_t *)((char *)*mem + bits);
+		s->bits = kvt_gpu_selbits_at(*mem, items, max_ni);
+		s->sel_n = (uint32_t *)((char *)*mem + bits);
+		if (select == SEL_STEP) {
+			y->bits = s->bits;
+			y->sel_n = s->sel_n;
+		}
+	} else {
+		s->bits = y->bits;
+		s->sel_n = y->sel_n;
 	}
 	return 0;
 }
@@ -285,11 +294,10 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 		       void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads, d = c->d;
 	if (!max_ni) {
 		gpu_mark(t, 1, stream);
-		CU(c, cudaMemsetAsync(y->sel_n, 0, sizeof(uint32_t) * n_seqs * H,
+		CU(c, cudaMemsetAsync(s->sel_n, 0, sizeof(uint32_t) * n_seqs * H,
 				      (cudaStream_t)stream));
 		return 0;
 	}
@@ -322,15 +330,15 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 					 rs ? NULL : s->stats, s->topp, s->sscratch, s->sbytes,
 					 b->err, stream));
 	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
-					  y->bits,
+					  s->bits,
 					  b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
 					  stream));
 	if (rs)
-		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, y->bits,
+		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, s->bits,
 						b->counters + (size_t)layer * KVT_GPU_CNT_N +
 							KVT_GPU_CNT_RESCORED,
 						stream));
-	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, y->bits, s->sel, s->ld, y->sel_n, stream));
+	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, s->bits, s->sel, s->ld, s->sel_n, stream));
 	return 0;
 }
 
@@ -489,8 +497,7 @@ int gpu_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	return gpu_err_copy(c, stream);
 }
 
-/* gpu_attend_graph's kernels over the scratch s (its selection: the layer's bits, pointed at the
- * graph steps' own memory). */
+/* gpu_attend_graph's kernels over the scratch s (its selection in the graph steps' own memory). */
 static int graph_step(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, const void *q,
 		      void *out, struct step_scratch *s, void *stream)
 {
@@ -509,7 +516,7 @@ static int graph_step(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, c
 		.zero = b->g_zero,
 		.sel = s->sel,
 		.sel_ld = s->ld,
-		.sel_n = y->sel_n,
+		.sel_n = s->sel_n,
 		.epoch = b->epochs + layer,
 	};
 	LAUNCH(c, kvt_gpu_graph_desc(&st, n, H, s->views, s->ntok, s->cq, s->ck, s->fetch, b->err,
@@ -540,17 +547,10 @@ int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, co
 		     void *out, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	struct gpu_layer *y = &b->lay[layer];
 	const uint32_t n = gb->n_slots;
 	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
-	const kvt_gpu_selbits bits0 = y->bits;
-	uint32_t *const sel_n0 = y->sel_n;
 	struct step_scratch s;
-	int rc = step_scratch(c, layer, n, b->g_tokens, b->g_tokens, SEL_GRAPH, stream, &s);
-	if (rc == 0)
-		rc = graph_step(c, layer, gb, q, out, &s, stream);
-	y->bits = bits0;
-	y->sel_n = sel_n0;
-	KVT_TRY(rc);
+	KVT_TRY(step_scratch(c, layer, n, b->g_tokens, b->g_tokens, SEL_GRAPH, stream, &s));
+	KVT_TRY(graph_step(c, layer, gb, q, out, &s, stream));
 	return gpu_hot_after_step(c, layer, stream);
 }

@@ -24,6 +24,9 @@
  * gpu/score.cu alike: keys or centroids of a magnitude no model produces (bf16 above ~1e36) then
  * give a finite, dominant score instead of failing every batch their sequence joins. */
 #define KVT_QC_CK_MAX 1e30f
+/* Indexed tokens per sequence and layer the CUDA selection handles (positions and counts fit 24
+ * bits), and so the longest sequence a graph reservation bounds (kvtier_graph.h). */
+#define KVT_GPU_SELECT_MAX_N ((1u << 24) - 1)
 /* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
 #define KVT_TABLE_MIN_BLOCKS 4u
 

@@ -58,9 +58,9 @@ KVT_API int kvt_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tok
 	KVT_RETURN_IF(max_slots > c->cfg.max_seqs, c, -EINVAL,
 		      "max_slots = %u is above the cache's max_seqs (%u)", max_slots,
 		      c->cfg.max_seqs);
-	KVT_RETURN_IF(max_slots && (max_tokens == 0 || max_tokens > KVT_GRAPH_MAX_TOKENS), c,
+	KVT_RETURN_IF(max_slots && (max_tokens == 0 || max_tokens > KVT_GPU_SELECT_MAX_N), c,
 		      -EINVAL, "max_tokens = %u is outside [1, %u]", max_tokens,
-		      (unsigned)KVT_GRAPH_MAX_TOKENS);
+		      (unsigned)KVT_GPU_SELECT_MAX_N);
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c));
 	if (c->ops->may_block)

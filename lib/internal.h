@@ -246,7 +246,6 @@ struct kvt_backend_ops;
 
 /* ---- kvt_graph_reserve's records (lib/graph.c) ------------------------------------------------ */
 
-#define KVT_GRAPH_MAX_TOKENS ((1u << 24) - 1)
 /* After a call that returned rc (a failure too: what a record names may have moved before it) on
  * the n sequences `seqs` on `layer` (-1: every layer): when a reservation keeps device records,
  * refresh theirs on `stream`; seqs NULL: every sequence id on every layer (after a spill or
