@@ -12,7 +12,8 @@ import kvtier
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 HEADER = os.path.join(ROOT, "lib", "kvtier.h")
 # kvtier.h and the part headers it includes (their text, in order, is the public header's)
-HEADERS = [HEADER, os.path.join(ROOT, "lib", "kvtier_lifecycle.h")]
+HEADERS = [HEADER, os.path.join(ROOT, "lib", "kvtier_lifecycle.h"),
+           os.path.join(ROOT, "lib", "kvtier_graph.h")]
 
 
 def header_text():

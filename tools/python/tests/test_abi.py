@@ -39,6 +39,14 @@ def test_mirror_fields_match_header(name):
 
 
 @pytest.mark.skipif(not os.path.exists(HEADER), reason="lib/kvtier.h not beside the package")
+def test_graph_batch_mirror_matches_header():
+    """kvt_graph_batch has no size field (later versions add calls): its mirror must follow the
+    header field for field."""
+    want = header_fields(header_text(), "kvt_graph_batch")
+    assert [f[0] for f in _abi.KvtGraphBatch._fields_] == want
+
+
+@pytest.mark.skipif(not os.path.exists(HEADER), reason="lib/kvtier.h not beside the package")
 def test_mirror_version_matches_header():
     with open(HEADER, encoding="utf-8") as f:
         text = f.read()
