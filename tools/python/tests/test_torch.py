@@ -141,10 +141,10 @@ def test_cuda_paged_tensors():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_extend_matches_full_attention(dtype):
-    """kvt_extend on the CUDA backend (exact): two sequences of 300 and 40 prefilled tokens get
+    """kvt_extend on the CUDA backend: two sequences of 300 and 40 prefilled tokens get
     chunks of 70 and 5 rows in one call; each query row's output equals full causal attention over
-    the rows up to its own (float32 in torch) within the precision of the dtype; Top-p per query
-    row is refused there, changing nothing."""
+    the rows up to its own (float32 in torch) within the precision of the dtype; so does the same
+    call with Top-p per query row (at p = 1 each row's selection is every indexed token before it)."""
     with _cuda_cache(p=1.0, dtype=dtype) as c:
         dev, dt = torch.device("cuda", 0), getattr(torch, dtype)
         g = torch.Generator(device=dev).manual_seed(5)
@@ -158,20 +158,25 @@ def test_cuda_extend_matches_full_attention(dtype):
             c.prefill(s, 0, q[:pre[i]].contiguous(), k[:pre[i]].contiguous(),
                       v[:pre[i]].contiguous())
         cat = lambda j: torch.cat([rows[3 * i + j][pre[i]:] for i in range(2)])  # noqa: E731
-        with pytest.raises(kvtier.Error, match="Top-p per query row"):
-            c.extend(0, seqs, new, cat(0), cat(1), cat(2), top_p=True)
-        assert [c.length(s, 0) for s in seqs] == pre
+        twins = [c.open(), c.open()]
+        for i, s in enumerate(twins):
+            q, k, v = rows[3 * i: 3 * i + 3]
+            c.prefill(s, 0, q[:pre[i]].contiguous(), k[:pre[i]].contiguous(),
+                      v[:pre[i]].contiguous())
         out = c.extend(0, seqs, new, cat(0), cat(1), cat(2))
-        assert [c.length(s, 0) for s in seqs] == [p + n for p, n in zip(pre, new)]
-        at = 0
-        for i in range(2):
-            q, k, v = (x.float() for x in rows[3 * i: 3 * i + 3])
-            n, t = new[i], pre[i] + new[i]
-            s = (q[pre[i]:].transpose(0, 1) @ k.repeat_interleave(hq // hkv, 1)
-                 .permute(1, 2, 0)) * d ** -0.5
-            s = s.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=dev).tril(t - n),
-                              float("-inf"))
-            ref = (s.softmax(-1) @ v.repeat_interleave(hq // hkv, 1).transpose(0, 1))
-            err = (out[at:at + n].float() - ref.transpose(0, 1)).abs().max().item()
-            assert err < (1e-2 if dtype == "float16" else 4e-2), (i, err)
-            at += n
+        outp = c.extend(0, twins, new, cat(0), cat(1), cat(2), top_p=True)
+        for ss in (seqs, twins):
+            assert [c.length(s, 0) for s in ss] == [p + n for p, n in zip(pre, new)]
+        for o in (out, outp):
+            at = 0
+            for i in range(2):
+                q, k, v = (x.float() for x in rows[3 * i: 3 * i + 3])
+                n, t = new[i], pre[i] + new[i]
+                s = (q[pre[i]:].transpose(0, 1) @ k.repeat_interleave(hq // hkv, 1)
+                     .permute(1, 2, 0)) * d ** -0.5
+                s = s.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=dev).tril(t - n),
+                                  float("-inf"))
+                ref = (s.softmax(-1) @ v.repeat_interleave(hq // hkv, 1).transpose(0, 1))
+                err = (o[at:at + n].float() - ref.transpose(0, 1)).abs().max().item()
+                assert err < (1e-2 if dtype == "float16" else 4e-2), (o is outp, i, err)
+                at += n
