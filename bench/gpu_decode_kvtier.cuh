@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * kvtier's side of bench/gpu_decode and bench/gpu_throughput: a chunked prefill of generated K/V
- * into n_seqs sequences of one layer through the public API (CUDA backend), one kvt_attend compared
- * with the resident kernel's output on the same query, then timed decode steps (kvt_append +
- * kvt_attend). Included after gpu_decode_workload.cuh and gpu_decode_resident.cuh.
+ * kvtier's side of bench/gpu_decode, gpu_throughput and gpu_spilled: a chunked prefill of
+ * generated K/V into n_seqs sequences of one layer through the public API (CUDA backend), one
+ * kvt_attend compared with the resident kernel's output on the same query (when given), with an
+ * NVMe tier every sequence spilled, then timed decode steps (kvt_append + kvt_attend). Included
+ * after gpu_decode_workload.cuh.
  */
 #ifndef KVT_BENCH_GPU_DECODE_KVTIER_CUH
 #define KVT_BENCH_GPU_DECODE_KVTIER_CUH
@@ -17,6 +18,10 @@ struct kvt_run {
 	long gpu_cache_mib = -1;       /* kvt_config.gpu_cache_bytes in MiB; -1: the library's
 					  default (the self-sized cache) */
 	uint64_t gpu_cache_max = 0;    /* kvt_config.gpu_cache_max_bytes (0: the library's) */
+	const char *nvme_path = NULL;  /* an NVMe tier in this file (created, removed at the end):
+					  every sequence is spilled after the prefill, so the steps
+					  read their rows from it (bench/gpu_spilled); NULL: none */
+	uint64_t nvme_cache_mib = 0;   /* kvt_config.nvme_cache_bytes in MiB (0: the library's) */
 };
 
 /* What the kvtier run of one (context, batch) found; ok == false when the library failed. */
@@ -27,6 +32,11 @@ struct kvt_result {
 	double hot_bytes = 0; /* the hot cache at the end: rows and their tags */
 	double ns[5] = {0, 0, 0, 0, 0};
 	uint64_t budget_max_hits = 0, flushes = 0;
+	/* per timed step, with an NVMe tier: bytes and read I/Os from the files, the block cache's
+	 * 4 KiB chunk hits over hits + misses, and the hot cache's missed rows' bytes (what the
+	 * selection needed from beyond HBM) */
+	double nvme_per_step = 0, nvme_reads_per_step = 0, bcache_hit_rate = 0, miss_bytes_per_step = 0;
+	double spilled_bytes = 0; /* moved to NVMe by the spills */
 };
 
 #define KVT_OR_FAIL(call)                                                                          \
@@ -74,6 +84,15 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		cfg.host_bytes += cfg.host_bytes / 32 + ((uint64_t)64 << 20);
 	}
 	cfg.budget_max = o.budget_max;
+	const uint64_t nvme_bytes = cfg.host_bytes + cfg.host_bytes / 8 + ((uint64_t)64 << 20);
+	if (o.nvme_path) {
+		/* 256 rows of payload per block plus its header and checksums, 4 KiB aligned: an
+		 * eighth more is room to spare */
+		cfg.n_nvme = 1;
+		cfg.nvme_paths = &o.nvme_path;
+		cfg.nvme_bytes = &nvme_bytes;
+		cfg.nvme_cache_bytes = o.nvme_cache_mib << 20;
+	}
 	if (o.gpu_cache_mib >= 0)
 		cfg.gpu_cache_bytes = KVT_EXACT64((uint64_t)o.gpu_cache_mib << 20); /* 0: none */
 	else
@@ -129,6 +148,14 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		r.err_vs_exact = rel_error(got.data(), ref.data(), (size_t)n_seqs * HQ);
 	}
 
+	/* everything but each sequence's window blocks to NVMe: the steps read their rows there */
+	if (o.nvme_path)
+		for (uint32_t s = 0; s < n_seqs; s++) {
+			const int64_t moved = kvt_seq_spill(cache, seqs[s]);
+			KVT_OR_FAIL((int)(moved < 0 ? moved : 0));
+			r.spilled_bytes += (double)moved;
+		}
+
 	/* the decode steps' inputs: token n + i of every sequence, the query of step i + 1 */
 	for (uint32_t i = 0; i < total_steps; i++) {
 		launch_fill_kv(g, sk + i * step_kv, sv + i * step_kv, 0, n_seqs, n + i, 1, 0, st);
@@ -180,6 +207,12 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		r.ns[4] = (double)(s1.ns_attend - s0.ns_attend) / steps;
 		r.budget_max_hits = s1.budget_max_hits - s0.budget_max_hits;
 		r.flushes = s1.flushes - s0.flushes;
+		r.nvme_per_step = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / steps;
+		r.nvme_reads_per_step = (double)(s1.nvme_reads - s0.nvme_reads) / steps;
+		const uint64_t ch = s1.nvme_cache_hits - s0.nvme_cache_hits,
+			       cm = s1.nvme_cache_misses - s0.nvme_cache_misses;
+		r.bcache_hit_rate = ch + cm ? (double)ch / (ch + cm) : 0;
+		r.miss_bytes_per_step = (double)miss * ROW / steps;
 		r.ok = true;
 	}
 out:

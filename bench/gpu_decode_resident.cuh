@@ -339,11 +339,6 @@ static res_plan best_plan(const std::vector<variant> &vs, int sms, res_scratch &
 	return best;
 }
 
-static float h2f(uint16_t x)
-{
-	return __half2float(__ushort_as_half(x));
-}
-
 /* fp64 reference of one (sequence, query head) over K/V in the resident layout (host copies). */
 static inline void reference(const std::vector<uint16_t> &k, const std::vector<uint16_t> &v,
 		      const std::vector<uint16_t> &q, uint32_t n, uint32_t s, uint32_t j, double *o)
@@ -373,22 +368,5 @@ static inline void reference(const std::vector<uint16_t> &k, const std::vector<u
 	for (int e = 0; e < D; e++)
 		o[e] /= sum;
 }
-
-/* Largest relative error over (sequence, head): ||out - ref|| / ||ref||. */
-static double rel_error(const float *out, const double *ref, size_t heads)
-{
-	double worst = 0;
-	for (size_t i = 0; i < heads; i++) {
-		double num = 0, den = 0;
-		for (int e = 0; e < D; e++) {
-			const double d = out[i * D + e] - ref[i * D + e];
-			num += d * d;
-			den += ref[i * D + e] * ref[i * D + e];
-		}
-		worst = std::max(worst, sqrt(num / std::max(den, 1e-30)));
-	}
-	return worst;
-}
-
 
 #endif

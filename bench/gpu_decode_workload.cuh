@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The synthetic decode workload of bench/gpu_decode.cu and bench/gpu_throughput.cu (included
- * after their shape constants D, HKV, HQ, G): generated K/V and queries whose attention is concentrated the way real
- * attention is, so that Top-p selects a few percent of the tokens.
+ * The synthetic decode workload of bench/gpu_decode.cu, gpu_throughput.cu and gpu_spilled.cu
+ * (included after their shape constants D, HKV, HQ, G): generated K/V and queries whose attention
+ * is concentrated the way real attention is, so that Top-p selects a few percent of the tokens;
+ * and the helpers their checks share (h2f, rel_error).
  */
 #ifndef KVT_BENCH_GPU_DECODE_WORKLOAD_CUH
 #define KVT_BENCH_GPU_DECODE_WORKLOAD_CUH
@@ -155,7 +156,6 @@ static __global__ void fill_q(gen_tables g, uint16_t *q, uint32_t n, uint32_t st
 	}
 }
 
-
 static void launch_fill_kv(const gen_tables &g, uint16_t *k, uint16_t *v, uint32_t s0,
 			   uint32_t n_seqs, uint32_t p0, uint32_t n_tok, int seq_major,
 			   cudaStream_t st)
@@ -174,5 +174,25 @@ static void launch_fill_q(const gen_tables &g, uint16_t *q, uint32_t n, uint32_t
 	CK(cudaGetLastError());
 }
 
+static float h2f(uint16_t x)
+{
+	return __half2float(__ushort_as_half(x));
+}
+
+/* Largest relative error over (sequence, head): ||out - ref|| / ||ref||. */
+static double rel_error(const float *out, const double *ref, size_t heads)
+{
+	double worst = 0;
+	for (size_t i = 0; i < heads; i++) {
+		double num = 0, den = 0;
+		for (int e = 0; e < D; e++) {
+			const double d = out[i * D + e] - ref[i * D + e];
+			num += d * d;
+			den += ref[i * D + e] * ref[i * D + e];
+		}
+		worst = std::max(worst, sqrt(num / std::max(den, 1e-30)));
+	}
+	return worst;
+}
 
 #endif
