@@ -22,6 +22,7 @@ struct kvt_run {
 					  every sequence is spilled after the prefill, so the steps
 					  read their rows from it (bench/gpu_spilled); NULL: none */
 	uint64_t nvme_cache_mib = 0;   /* kvt_config.nvme_cache_bytes in MiB (0: the library's) */
+	uint32_t nvme_qd = 0;          /* kvt_config.nvme_queue_depth (0: the library's) */
 };
 
 /* What the kvtier run of one (context, batch) found; ok == false when the library failed. */
@@ -92,6 +93,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		cfg.nvme_paths = &o.nvme_path;
 		cfg.nvme_bytes = &nvme_bytes;
 		cfg.nvme_cache_bytes = o.nvme_cache_mib << 20;
+		cfg.nvme_queue_depth = o.nvme_qd;
 	}
 	if (o.gpu_cache_mib >= 0)
 		cfg.gpu_cache_bytes = KVT_EXACT64((uint64_t)o.gpu_cache_mib << 20); /* 0: none */

@@ -21,7 +21,7 @@ extern struct kvt_err bench_err;
 double bench_now_s(void);
 uint64_t bench_rng(uint64_t *s);
 /* Print what failed, strerror(-rc) and the detail, and exit 1. */
-_Noreturn void bench_die(const char *what, int rc, const char *detail);
+__attribute__((noreturn)) void bench_die(const char *what, int rc, const char *detail);
 
 /* The largest block of ROW_BYTES rows whose on-disk size is at most `disk` bytes. */
 struct kvt_nvme_block_id bench_block_fitting(struct kvt_nvme *st, uint64_t disk);
