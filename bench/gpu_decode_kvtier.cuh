@@ -104,7 +104,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		if (rc < 0) {
 			printf("  kvtier: kvt_cache_create returned %d (%s): %s\n", rc,
 			       kvt_strerror(rc), kvt_last_error(NULL));
-			return r;
+			goto out; /* nothing else made yet: kvt_cache_destroy(NULL), cudaFree(NULL) */
 		}
 	}
 	CK(cudaMalloc((void **)&ck, (size_t)chunk_max * HKV * D * 2));
@@ -154,7 +154,11 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 	if (o.nvme_path)
 		for (uint32_t s = 0; s < n_seqs; s++) {
 			const int64_t moved = kvt_seq_spill(cache, seqs[s]);
-			KVT_OR_FAIL((int)(moved < 0 ? moved : 0));
+			if (moved < 0) {
+				printf("  kvtier: kvt_seq_spill returned %d (%s): %s\n", (int)moved,
+				       kvt_strerror((int)moved), kvt_last_error(cache));
+				goto out;
+			}
 			r.spilled_bytes += (double)moved;
 		}
 

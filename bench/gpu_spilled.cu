@@ -88,7 +88,7 @@ static options parse(int argc, char **argv)
 			o.caches = parse_u32_list(a, val);
 		else if (!strcmp(a, "--nvme-cache-mib"))
 			o.run.nvme_cache_mib = strtoull(val, NULL, 0);
-		else if (!strcmp(a, "--nvme-qd"))
+		else if (!strcmp(a, "--nvme-qd") && strtoul(val, NULL, 0) <= 1024)
 			o.run.nvme_qd = (uint32_t)strtoul(val, NULL, 0);
 		else if (!strcmp(a, "--steps"))
 			o.run.steps = std::max(1, atoi(val));
@@ -101,7 +101,8 @@ static options parse(int argc, char **argv)
 		else {
 			fprintf(stderr,
 				"usage: gpu_spilled [--contexts N,..] [--batches N,..] "
-				"[--gpu-cache-mibs N,..] [--nvme-cache-mib N] [--nvme-qd N] [--steps N] "
+				"[--gpu-cache-mibs N,..] [--nvme-cache-mib N] [--nvme-qd N <= 1024] "
+				"[--steps N] "
 				"[--warmup N] [--drift D in [0, 1]] [--dir DIR]\n");
 			exit(2);
 		}
@@ -109,6 +110,18 @@ static options parse(int argc, char **argv)
 	}
 	std::sort(o.caches.begin(), o.caches.end());
 	return o;
+}
+
+/* The scratch files, removed at any exit (CK and bench_die exit the process on a failure, before
+ * the cache that created the tier's file is destroyed). */
+static char g_raw_path[PATH_MAX], g_tier_path[PATH_MAX];
+
+static void remove_scratch(void)
+{
+	if (g_raw_path[0])
+		unlink(g_raw_path);
+	if (g_tier_path[0])
+		unlink(g_tier_path);
 }
 
 /*
@@ -119,14 +132,28 @@ static options parse(int argc, char **argv)
 static double raw_iops(const char *dir, uint32_t qd)
 {
 	const uint64_t size = (uint64_t)256 << 20, buf = (uint64_t)1 << 20;
-	char path[PATH_MAX];
-	snprintf(path, sizeof path, "%s/kvt-gpu-spilled-raw-%d.dat", dir, (int)getpid());
+	char *path = g_raw_path;
+	snprintf(path, PATH_MAX, "%s/kvt-gpu-spilled-raw-%d.dat", dir, (int)getpid());
 	const int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 	if (fd < 0) {
 		printf("raw io_uring loop: cannot create %s (%s): no disk floor\n", path,
 		       strerror(errno));
+		path[0] = 0; /* not ours to remove */
 		return 0;
 	}
+	/* the raw loop falls back to buffered reads where O_DIRECT is refused, which would time the
+	 * page cache: no floor then */
+	const int dfd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+	if (dfd < 0) {
+		printf("raw io_uring loop: %s does not take O_DIRECT (%s): no disk floor (give --dir "
+		       "on a disk)\n",
+		       path, strerror(errno));
+		close(fd);
+		unlink(path);
+		path[0] = 0;
+		return 0;
+	}
+	close(dfd);
 	std::vector<uint64_t> data(buf / 8);
 	uint64_t seed = 1;
 	bool ok = true;
@@ -148,10 +175,11 @@ static double raw_iops(const char *dir, uint32_t qd)
 		iops.push_back((float)(n / el));
 	}
 	unlink(path);
-	if (!ok) {
+	if (!ok)
 		printf("raw io_uring loop: cannot write %s: no disk floor\n", path);
+	path[0] = 0;
+	if (!ok)
 		return 0;
-	}
 	return median(iops);
 }
 
@@ -161,8 +189,9 @@ int main(int argc, char **argv)
 	cudaDeviceProp prop;
 	if (!bench_device("gpu_spilled", &prop))
 		return 0;
-	char path[PATH_MAX];
-	snprintf(path, sizeof path, "%s/kvt-gpu-spilled-%d.dat", o.dir, (int)getpid());
+	char *path = g_tier_path;
+	snprintf(path, PATH_MAX, "%s/kvt-gpu-spilled-%d.dat", o.dir, (int)getpid());
+	atexit(remove_scratch);
 	printf("gpu_spilled on %s: one layer, %d query heads, %d KV heads, head dim %d, fp16; kvtier "
 	       "%s; query drift %.2f; NVMe tier in %s, block cache %s; medians of %d steps after "
 	       "%d\n",
@@ -186,7 +215,7 @@ int main(int argc, char **argv)
 	init_tables<<<(HKV * NTOPIC * D + 255) / 256, 256, 0, st>>>(g);
 	CK(cudaGetLastError());
 
-	printf("%8s %5s %6s | %9s %6s | %9s %6s %6s %9s %8s %6s | %8s | %8s %8s\n", "context",
+	printf("%8s %5s %7s | %9s %6s | %9s %6s %6s %9s %8s %6s | %8s | %8s %8s\n", "context",
 	       "batch", "hot MiB", "host ms", "hits", "spill ms", "hits", "bcache", "NVMe MB",
 	       "reads", "ampl", "spl/host", "floor ms", "xtra/flr");
 	for (uint32_t n : o.contexts)
@@ -201,7 +230,7 @@ int main(int argc, char **argv)
 				sr.nvme_path = path;
 				const kvt_result s = run_kvtier(sr, g, B, n, NULL, NULL, st);
 				if (!h.ok || !s.ok) {
-					printf("%8u %5u %6u | failed (above)\n", n, B, mib);
+					printf("%8u %5u %7u | failed (above)\n", n, B, mib);
 					continue;
 				}
 				const double ratio = s.ms / h.ms;
@@ -211,7 +240,7 @@ int main(int argc, char **argv)
 					snprintf(fl, sizeof fl, "%.3f", floor_ms);
 					snprintf(xf, sizeof xf, "%.2f", (s.ms - h.ms) / floor_ms);
 				}
-				printf("%8u %5u %6u | %9.3f %5.1f%% | %9.3f %5.1f%% %5.1f%% %9.2f %8.0f "
+				printf("%8u %5u %7u | %9.3f %5.1f%% | %9.3f %5.1f%% %5.1f%% %9.2f %8.0f "
 				       "%6.2f | %7.2fx | %8s %8s\n",
 				       n, B, mib, h.ms, 100.0 * h.hit_rate, s.ms, 100.0 * s.hit_rate,
 				       100.0 * s.bcache_hit_rate, s.nvme_per_step / 1e6,
