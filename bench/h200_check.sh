@@ -46,7 +46,7 @@ if [ $bench = 1 ]; then
 	# the NVMe path: the disk's own ceiling, then decode straight from NVMe against host memory
 	# (scratch files in $TMPDIR, else /tmp: O_DIRECT, so no tmpfs)
 	step bench nvme_read "$b/bench/nvme_read"
-	step bench gpu_spilled "$b/bench/gpu_spilled" --nvme-cache-mib 256
+	step bench gpu_spilled "$b/bench/gpu_spilled" --nvme-cache-mib 256 --gpu-cache-mibs 64,256
 	step bench extend_vs_sdpa python3 bench/extend_vs_sdpa.py "$b/bench/gpu_extend"
 fi
 cat "$out/summary.txt"
