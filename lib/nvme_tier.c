@@ -12,6 +12,22 @@
 
 #include "internal.h"
 
+/*
+ * One bounce slot for queue depth qd: 1 MiB up to qd 32 (the store's default: a 1 MiB block's read
+ * is one I/O), then halved as the depth doubles, down to 64 KiB, so that the pool (2 qd slots,
+ * pinned) stays at 64 MiB up to qd 512 (128 MiB at 1024) instead of growing to 2 qd MiB. A chunk
+ * read of direct serving takes one slot whatever its size; a deeper queue is what makes those
+ * reach the drive's rate (doc/cuda-backend.md), and a block read then goes in a few I/Os of 256 KiB
+ * or more, which keep its bandwidth.
+ */
+static uint32_t bounce_for(uint32_t qd)
+{
+	uint32_t b = (uint32_t)1 << 20;
+	while (b > (64u << 10) && (uint64_t)2 * qd * b > (64ull << 20))
+		b >>= 1;
+	return b;
+}
+
 int kvt_tier_init(kvt_cache *c)
 {
 	if (c->cfg.n_nvme == 0)
@@ -22,6 +38,7 @@ int kvt_tier_init(kvt_cache *c)
 		.bytes = c->cfg.nvme_bytes,
 		.n_files = c->cfg.n_nvme,
 		.queue_depth = c->cfg.nvme_queue_depth,
+		.bounce_bytes = bounce_for(c->cfg.nvme_queue_depth),
 		.flags = c->cfg.nvme_flags & KVT_NVME_KEEP_FILES ? KVT_NVME_KEEP : 0,
 	};
 	int rc = kvt_nvme_open(&nc, &c->nvme, &err);

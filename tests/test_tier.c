@@ -18,18 +18,27 @@
 
 #include "tier_world.h"
 
+/* qd: the tier's queue depth; slot: the bounce slot size the library must give the store for it,
+ * read back from the store's status (0: not checked) */
 static void round_trip(const char *name, uint32_t layers, uint32_t nq, uint32_t nkv, uint32_t d,
-		       uint32_t dtype, uint32_t n_files, uint64_t seed)
+		       uint32_t dtype, uint32_t n_files, uint64_t seed, uint32_t qd, uint32_t slot)
 {
 	enum { NS = 3 };
 	static const uint32_t chunks[NS][2] = {{700, 400}, {300, 900}, {1000, 60}};
 	kvt_config cfg = t_config(layers, nq, nkv, d, dtype);
 	cfg.p = 1.0f;
-	cfg.nvme_queue_depth = 8;
+	cfg.nvme_queue_depth = qd;
 	struct world *w = (struct world *)t_alloc(sizeof *w);
 	int64_t live = kvt_mem_live();
 	int fds = tt_fd_count();
 	w_open(w, name, cfg, n_files, (uint64_t)64 << 20, NS, 2600, seed, 1);
+	if (slot) {
+		char want[64];
+		snprintf(want, sizeof want, "bounce %u x %u bytes", 2 * qd, slot);
+		const char *got = kvt_nvme_status(w->c->nvme);
+		T_CHECK(strstr(got, want) != NULL, "%s: the store's status is '%s', wanted '%s'",
+			w->name, got, want);
+	}
 	for (uint32_t s = 0; s < NS; s++) {
 		w_prefill_ok(w, s, chunks[s][0]);
 		w_prefill_ok(w, s, chunks[s][1]);
@@ -155,13 +164,20 @@ static void test_round_trip(void **state)
 	(void)state;
 	tt_skip_unless_available();
 	round_trip("round trip f16 d=64 3 layers GQA 4/2, 1 file", 3, 4, 2, 64, KVT_DTYPE_F16, 1,
-		   0x71e40001u);
+		   0x71e40001u, 8, 1u << 20);
 	round_trip("round trip bf16 d=64 2 layers MHA 4/4, 3 files", 2, 4, 4, 64, KVT_DTYPE_BF16, 3,
-		   0x71e40002u);
+		   0x71e40002u, 8, 0);
 	round_trip("round trip f16 d=128 1 layer GQA 8/2, 2 files", 1, 8, 2, 128, KVT_DTYPE_F16, 2,
-		   0x71e40003u);
+		   0x71e40003u, 8, 0);
 	round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file", 1, 2, 1, 256, KVT_DTYPE_BF16, 1,
-		   0x71e40004u);
+		   0x71e40004u, 8, 0);
+	/* a deep queue: the pool stays 64 MiB, so slots of 256 KiB at qd 128, and a d = 256 block
+	 * (256 KiB of rows plus its header) spans two of them; 64 KiB from qd 512 on (128 MiB at
+	 * 1024) */
+	round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file, qd 128", 1, 2, 1, 256,
+		   KVT_DTYPE_BF16, 1, 0x71e40005u, 128, 256u << 10);
+	round_trip("round trip f16 d=128 2 layers GQA 4/2, 2 files, qd 1024", 2, 4, 2, 128,
+		   KVT_DTYPE_F16, 2, 0x71e40006u, 1024, 64u << 10);
 }
 
 /* ---- 2. capacity-driven spills ------------------------------------------------------------ */
