@@ -140,11 +140,13 @@ typedef struct kvt_config {
 	uint32_t max_seqs;    /* sequences open at once, <= 65536; 0 (default): 256 */
 	uint32_t n_nvme;      /* files of the NVMe tier, at most 64; 0 (default): no NVMe tier */
 	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, <= 1024; 0 (default): 32. Its bounce
-				      pool (pinned) is 2 x depth slots: 1 MiB each up to 32, then
-				      halved per doubling down to 64 KiB, so 64 MiB up to a depth
-				      of 512 (128 MiB at 1024). Direct serving's 4 KiB reads reach
-				      a drive's rate only at depth: on the H200 machine's disk 128
-				      matched a raw io_uring loop where 32 gave 0.87 of it */
+				      pool (pinned where the memlock limit allows) is 2 x depth
+				      slots: 1 MiB each up to 32 (at most 64 MiB), deeper the
+				      largest power of two >= 64 KiB keeping the pool within 64 MiB,
+				      plus 4 KiB for a block's header (66 MiB at 128, 136 MiB at
+				      1024). Direct serving's 4 KiB reads reach a drive's rate only
+				      at depth: on the H200 machine's disk 128 matched a raw
+				      io_uring loop where 32 gave 0.87 of it */
 	uint32_t spill_policy;     /* kvt_spill_policy; 0 (default): KVT_SPILL_NONE */
 	/* selection */
 	float p;              /* Top-p mass in (0, 1]; 0 (default): 0.9 */

@@ -13,19 +13,24 @@
 #include "internal.h"
 
 /*
- * One bounce slot for queue depth qd: 1 MiB up to qd 32 (the store's default: a 1 MiB block's read
- * is one I/O), then halved as the depth doubles, down to 64 KiB, so that the pool (2 qd slots,
- * pinned) stays at 64 MiB up to qd 512 (128 MiB at 1024) instead of growing to 2 qd MiB. A chunk
- * read of direct serving takes one slot whatever its size; a deeper queue is what makes those
- * reach the drive's rate (doc/cuda-backend.md), and a block read then goes in a few I/Os of 256 KiB
- * or more, which keep its bandwidth.
+ * One bounce slot for queue depth qd. Up to qd 32, 1 MiB (the store's default). Deeper, the
+ * largest power of two b, at least 64 KiB, with 2 qd b <= 64 MiB, plus 4 KiB: a full block of b
+ * payload bytes and its header (rounded to an I/O alignment of at most 4 KiB) fits one slot
+ * whole, so the block is still read in as many I/Os as with 1 MiB slots and no piece is split at
+ * a slot's edge. The pinned pool (2 qd slots) thus stays near 64 MiB (2 qd x 1 MiB at most 64 MiB
+ * up to 32; 66 MiB at 128; 136 MiB at 1024) instead of growing as 2 qd MiB (2 GiB at 1024). A
+ * chunk read of direct serving takes one slot whatever its size, and a deeper queue is what brings
+ * those reads to a drive's rate (doc/cuda-backend.md). A block larger than b + 4 KiB (head_dim 256
+ * is 256 KiB of rows) spans several slots from qd 256 on.
  */
 static uint32_t bounce_for(uint32_t qd)
 {
+	if ((uint64_t)2 * qd <= 64)
+		return (uint32_t)1 << 20;
 	uint32_t b = (uint32_t)1 << 20;
 	while (b > (64u << 10) && (uint64_t)2 * qd * b > (64ull << 20))
 		b >>= 1;
-	return b;
+	return b + 4096;
 }
 
 int kvt_tier_init(kvt_cache *c)

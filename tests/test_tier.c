@@ -19,9 +19,10 @@
 #include "tier_world.h"
 
 /* qd: the tier's queue depth; slot: the bounce slot size the library must give the store for it,
- * read back from the store's status (0: not checked) */
-static void round_trip(const char *name, uint32_t layers, uint32_t nq, uint32_t nkv, uint32_t d,
-		       uint32_t dtype, uint32_t n_files, uint64_t seed, uint32_t qd, uint32_t slot)
+ * read back from the store's status (0: not checked). Returns the read I/Os of the whole run. */
+static uint64_t round_trip(const char *name, uint32_t layers, uint32_t nq, uint32_t nkv,
+			   uint32_t d, uint32_t dtype, uint32_t n_files, uint64_t seed, uint32_t qd,
+			   uint32_t slot)
 {
 	enum { NS = 3 };
 	static const uint32_t chunks[NS][2] = {{700, 400}, {300, 900}, {1000, 60}};
@@ -157,6 +158,7 @@ static void round_trip(const char *name, uint32_t layers, uint32_t nq, uint32_t 
 	w_close(w);
 	free(w);
 	TT_CHECK_RELEASED(wname, live, fds);
+	return f.nvme_reads;
 }
 
 static void test_round_trip(void **state)
@@ -169,15 +171,19 @@ static void test_round_trip(void **state)
 		   0x71e40002u, 8, 0);
 	round_trip("round trip f16 d=128 1 layer GQA 8/2, 2 files", 1, 8, 2, 128, KVT_DTYPE_F16, 2,
 		   0x71e40003u, 8, 0);
-	round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file", 1, 2, 1, 256, KVT_DTYPE_BF16, 1,
-		   0x71e40004u, 8, 0);
-	/* a deep queue: the pool stays 64 MiB, so slots of 256 KiB at qd 128, and a d = 256 block
-	 * (256 KiB of rows plus its header) spans two of them; 64 KiB from qd 512 on (128 MiB at
-	 * 1024) */
-	round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file, qd 128", 1, 2, 1, 256,
-		   KVT_DTYPE_BF16, 1, 0x71e40005u, 128, 256u << 10);
+	const uint64_t reads8 = round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file", 1, 2, 1,
+					   256, KVT_DTYPE_BF16, 1, 0x71e40004u, 8, 0);
+	/* deep queues: the pool stays near 64 MiB, so slots of 256 KiB + 4 KiB at qd 128, where a
+	 * d = 256 block (256 KiB of rows and its header) fits one slot whole, and of 64 KiB + 4 KiB at
+	 * qd 1024, where a d = 128 block spans two */
+	const uint64_t reads128 = round_trip("round trip bf16 d=256 1 layer GQA 2/1, 1 file, qd 128",
+					     1, 2, 1, 256, KVT_DTYPE_BF16, 1, 0x71e40005u, 128,
+					     (256u << 10) + 4096);
+	T_CHECK(reads128 == reads8, "d=256 at qd 128 took %llu read I/Os, wanted %llu as at qd 8: a "
+		"block that fits one slot is read in the same pieces", (unsigned long long)reads128,
+		(unsigned long long)reads8);
 	round_trip("round trip f16 d=128 2 layers GQA 4/2, 2 files, qd 1024", 2, 4, 2, 128,
-		   KVT_DTYPE_F16, 2, 0x71e40006u, 1024, 64u << 10);
+		   KVT_DTYPE_F16, 2, 0x71e40006u, 1024, (64u << 10) + 4096);
 }
 
 /* ---- 2. capacity-driven spills ------------------------------------------------------------ */

@@ -246,8 +246,8 @@ static void test_fail_zero(void **state)
 }
 
 /* Completions in seeded random order: the same bytes, and errors handled the same way. Queue
- * depths 8, 32 and 1024; at 1024 the library gives the store 64 KiB bounce slots, so each block
- * (64 KiB of rows and its header) is read in pieces over two slots that complete in any order. */
+ * depths 8, 32 and 1024 (2048 bounce slots of 68 KiB, each holding one of these blocks: 64 KiB of
+ * rows and the header), where hundreds of reads complete in one reap and are shuffled together. */
 static void test_shuffled(void **state)
 {
 	(void)state;
