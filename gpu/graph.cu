@@ -71,18 +71,18 @@ static __global__ void __launch_bounds__(GD_THREADS)
 			const kvt_gpu_graph_row *r =
 				s >= 0 && (uint32_t)s < st.max_seqs ? &st.table[s] : NULL;
 			if (!r || r->n_tokens == 0)
-				cause = KVT_GPU_SLOT_NOT_OPEN;
+				cause = KVT_SLOT_NOT_OPEN;
 			for (uint32_t j = 0; j < i && !cause; j++)
 				if (slot_valid(st, j) && st.seqs[j] == s)
-					cause = KVT_GPU_SLOT_REPEATED;
+					cause = KVT_SLOT_REPEATED;
 			if (!cause && st.lengths && (uint32_t)st.lengths[i] != r->n_tokens)
-				cause = KVT_GPU_SLOT_LENGTH;
+				cause = KVT_SLOT_LENGTH;
 			if (!cause && r->n_tokens > st.max_tokens)
-				cause = KVT_GPU_SLOT_TOO_LONG;
+				cause = KVT_SLOT_TOO_LONG;
 			if (!cause && r->spilled)
-				cause = KVT_GPU_SLOT_SPILLED;
+				cause = KVT_SLOT_SPILLED;
 			if (!cause && r->in_error)
-				cause = KVT_GPU_SLOT_IN_ERROR;
+				cause = KVT_SLOT_IN_ERROR;
 			if (cause) {
 				kvt_d_raise(err, KVT_GPU_ERR_SLOT, (st.layer & 0xffffu) | cause << 16, i);
 			} else {

@@ -29,15 +29,8 @@ typedef struct kvt_gpu_graph_row {
 	uint32_t reserved;
 } kvt_gpu_graph_row;
 
-/* What a slot error's `where` holds besides the layer (bits 0..15): the cause, bits 16..23. */
-enum kvt_gpu_slot_cause {
-	KVT_GPU_SLOT_NOT_OPEN = 1,   /* the id is out of range, or no open sequence with rows */
-	KVT_GPU_SLOT_REPEATED = 2,   /* an earlier valid slot holds the same sequence */
-	KVT_GPU_SLOT_LENGTH = 3,     /* lengths[i] differs from the sequence's tokens */
-	KVT_GPU_SLOT_TOO_LONG = 4,   /* more tokens than the reservation's max_tokens */
-	KVT_GPU_SLOT_SPILLED = 5,    /* blocks on NVMe */
-	KVT_GPU_SLOT_IN_ERROR = 6,   /* the sequence is in error (kvt_seq_status) */
-};
+/* What a slot error's `where` holds besides the layer (bits 0..15): the cause, bits 16..23, one
+ * of lib/constants.h's KVT_SLOT_*. */
 
 /* Skip marks: a padded slot's fetch entry, and its attention items (kvt_gpu_rows.reserved). */
 #define KVT_GPU_FETCH_SKIP 2u

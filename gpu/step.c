@@ -175,8 +175,6 @@ static int list_selection(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	return 0;
 }
 
-/* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
- * its selection, and upload its descriptors; a reread lists the last selection's positions. */
 /* Which selection a step lays out: none (a gather rereads the last), the layer's (kvt_attend,
  * kvt_select), or kvt_attend_graph's own. */
 enum sel_kind { SEL_NONE, SEL_STEP, SEL_GRAPH };
@@ -231,10 +229,6 @@ int gpu_step_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void
 	return 0;
 }
 
-/* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
- * its selection, and upload its descriptors; a reread lists the last selection's positions.
- * Within kvt_graph_reserve's bounds the sizes are the reservation's (*split: the batch size the
- * attention's split is laid out for, 0: the batch's). */
 /* The sizes of a step of n_seqs with at most *max_ni index tokens and *max_rows rows per item
  * checked against the selection's limit and the reservation (whose bounds replace them), and its
  * scratch made (selection `sel`). */
@@ -266,6 +260,10 @@ int gpu_step_prepare(kvt_cache *c, uint32_t layer, uint32_t n_seqs, uint32_t max
 	return step_size(c, layer, n_seqs, &max_ni, &max_rows, &split, SEL_STEP, stream, &s);
 }
 
+/* Make room for a step's scratch and (unless reread: a gather of the last selection) the bits of
+ * its selection, and upload its descriptors; a reread lists the last selection's positions.
+ * Within kvt_graph_reserve's bounds the sizes are the reservation's (*split: the batch size the
+ * attention's split is laid out for, 0: the batch's). */
 static int step_setup(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      bool reread, void *stream, struct step_scratch *s, uint32_t *max_ni,
 		      uint32_t *max_rows, uint32_t *split)

@@ -30,4 +30,16 @@
 /* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
 #define KVT_TABLE_MIN_BLOCKS 4u
 
+/* Why kvt_attend_graph cannot serve a slot: the cpu path's checks (lib/graph.c) and the CUDA
+ * descriptor kernel's (gpu/graph.cu, which raises the cause in bits 16..23 of the error word's
+ * `where`); lib/graph.c words each one. */
+enum kvt_slot_cause {
+	KVT_SLOT_NOT_OPEN = 1, /* the id is out of range, or no open sequence with rows */
+	KVT_SLOT_REPEATED = 2, /* an earlier valid slot holds the same sequence */
+	KVT_SLOT_LENGTH = 3,   /* lengths[i] differs from the sequence's tokens */
+	KVT_SLOT_TOO_LONG = 4, /* more tokens than the reservation's max_tokens */
+	KVT_SLOT_SPILLED = 5,  /* blocks on NVMe (CUDA only: the cpu path reads them in place) */
+	KVT_SLOT_IN_ERROR = 6, /* the sequence is in error (kvt_seq_status) */
+};
+
 #endif

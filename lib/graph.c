@@ -8,22 +8,19 @@
  */
 #include "internal.h"
 
-/* The slot causes, numbered as gpu/graph.cuh's KVT_GPU_SLOT_*. */
-enum { SLOT_NOT_OPEN = 1, SLOT_REPEATED, SLOT_LENGTH, SLOT_TOO_LONG, SLOT_SPILLED, SLOT_IN_ERROR };
-
 int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause,
 			 bool padded)
 {
 	static const char *const why[] = {
-		[SLOT_NOT_OPEN] = "its sequence id is not that of an open sequence holding tokens on "
+		[KVT_SLOT_NOT_OPEN] = "its sequence id is not that of an open sequence holding tokens on "
 				  "the layer (or its device record could not be refreshed: out of "
 				  "memory)",
-		[SLOT_REPEATED] = "its sequence is also in an earlier valid slot",
-		[SLOT_LENGTH] = "its sequence holds another number of tokens than lengths[] says",
-		[SLOT_TOO_LONG] = "its sequence holds more tokens than kvt_graph_reserve's max_tokens",
-		[SLOT_SPILLED] = "its sequence has blocks on NVMe (kvt_seq_restore it before it "
+		[KVT_SLOT_REPEATED] = "its sequence is also in an earlier valid slot",
+		[KVT_SLOT_LENGTH] = "its sequence holds another number of tokens than lengths[] says",
+		[KVT_SLOT_TOO_LONG] = "its sequence holds more tokens than kvt_graph_reserve's max_tokens",
+		[KVT_SLOT_SPILLED] = "its sequence has blocks on NVMe (kvt_seq_restore it before it "
 				 "enters a graph's batch)",
-		[SLOT_IN_ERROR] = "its sequence is in error (kvt_seq_status; kvt_seq_truncate "
+		[KVT_SLOT_IN_ERROR] = "its sequence is in error (kvt_seq_status; kvt_seq_truncate "
 				  "clears it)",
 	};
 	const char *w = cause < sizeof why / sizeof *why && why[cause] ? why[cause] : "unknown cause";
@@ -102,18 +99,18 @@ static int check_slots(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b)
 		const struct kvt_layer *l = NULL;
 		if (s < 0 || (uint32_t)s >= c->cfg.max_seqs || !c->seqs[s].open ||
 		    c->seqs[s].layers[layer].n_tokens == 0)
-			cause = SLOT_NOT_OPEN;
+			cause = KVT_SLOT_NOT_OPEN;
 		else
 			l = &c->seqs[s].layers[layer];
 		for (uint32_t j = 0; j < i && !cause; j++)
 			if (slot_valid(b, j) && b->seqs[j] == s)
-				cause = SLOT_REPEATED;
+				cause = KVT_SLOT_REPEATED;
 		if (!cause && b->lengths && (int64_t)b->lengths[i] != (int64_t)l->n_tokens)
-			cause = SLOT_LENGTH;
+			cause = KVT_SLOT_LENGTH;
 		if (!cause && l->n_tokens > c->graph_tokens)
-			cause = SLOT_TOO_LONG;
+			cause = KVT_SLOT_TOO_LONG;
 		if (!cause && c->seqs[s].status)
-			cause = SLOT_IN_ERROR;
+			cause = KVT_SLOT_IN_ERROR;
 		if (cause)
 			return kvt_err_entry(c, i, kvt_graph_slot_error(c, layer, i, cause, false));
 	}

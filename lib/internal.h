@@ -253,8 +253,8 @@ struct kvt_backend_ops;
  * cannot be made reads as no sequence (graph slots naming it pad and report). Returns rc. */
 int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
 		    int64_t rc);
-/* The error of a graph step's slot the device could not serve (cause: KVT_GPU_SLOT_*, the same
- * numbers as gpu/graph.cuh's), as kvt_seterr: -EINVAL; padded: the slot was skipped (CUDA), else
+/* The error of a graph step's slot the device could not serve (cause: KVT_SLOT_*,
+ * lib/constants.h), as kvt_seterr: -EINVAL; padded: the slot was skipped (CUDA), else
  * the call wrote nothing (cpu). */
 int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause,
 			 bool padded);
