@@ -6,7 +6,8 @@
  * cumulative mass reaches p. Two sorts are timed: CUB's segmented radix sort, and a single CUB
  * radix sort over (head, score) keys, which is the faster on few long segments; the ratio is given
  * to the faster. CUDA events after warm-up, median of 50 runs of one call each (and, for ours, of
- * bursts of 10 calls, per call); random normal scores.
+ * bursts of 10 calls, per call); random normal scores. A profile build (nvcc's -DKVT_SEL_TIMING,
+ * through meson's gpu_arch option) also prints when each pass's blocks reached each point.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -20,6 +21,11 @@
 #include <thrust/iterator/transform_iterator.h>
 
 #include "gpu/select.cuh"
+#ifdef KVT_SEL_TIMING
+#include "gpu/select_common.cuh" /* seg_state: the candidates of a segment */
+extern "C" void kvt_sel_timing_hist(int reset);
+extern "C" void kvt_sel_timing_cand(int reset);
+#endif
 
 #include "gpu_bench.cuh"
 
@@ -232,5 +238,20 @@ int main(void)
 	printf("ratio: %.1fx faster than the faster sort-based path (goal >= 20x); thresholds equal "
 	       "in %d of %d heads\n",
 	       sort_best / a, same, HQ);
+#ifdef KVT_SEL_TIMING
+	/* a profile build: when each pass's blocks reached each point (the max over blocks, from the
+	 * first block's start; select_common.cuh's SEL_T), on warm clocks, and the candidates */
+	for (int r = 0; r < 3; r++) {
+		kvt_sel_timing_hist(1);
+		kvt_sel_timing_cand(1);
+		ours();
+		CK(cudaDeviceSynchronize());
+		kvt_sel_timing_hist(0);
+		kvt_sel_timing_cand(0);
+	}
+	seg_state st;
+	CK(cudaMemcpy(&st, scr, sizeof st, cudaMemcpyDeviceToHost));
+	printf("segment 0: %u candidates (%s)\n", st.ncand, st.listed ? "listed" : "whole segment");
+#endif
 	return 0;
 }

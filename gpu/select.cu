@@ -206,6 +206,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
 	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
 {
+	SEL_T(0);
 	__shared__ uint32_t hc[SEL_BINS], hw[2 * SEL_BINS];
 	mhist hm{hw, SEL_BINS};
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;
@@ -222,6 +223,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		hm.zero(b);
 	}
 	__syncthreads();
+	SEL_T(1);
 	each_of_block(scores + (size_t)seg * ld, n, [&](uint32_t i, float f) {
 		if (i >= n)
 			return;
@@ -231,6 +233,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 			hm.add(b, f, mx, scale);
 	});
 	__syncthreads();
+	SEL_T(2);
 	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_BINS;
 	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS) {
@@ -241,15 +244,22 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		if (xh)
 			atomicAdd(&gh[b], xh);
 	}
+	SEL_T(3);
 	if (!last_block(st))
 		return;
+	SEL_T(4);
 	if (tid == 0) { /* what pass 3 reads */
 		st->max_key = __ldcg(&stats[seg].max_key);
 		st->nmin_key = __ldcg(&stats[seg].nmin_key);
 		st->inv_w = inv_w;
 	}
 	hist_decide(st, gc, gh, hc, hw, n, p, bmin, bmax, sc.cand_cap);
+	SEL_T(5);
 }
+
+#ifdef KVT_SEL_TIMING
+SEL_T_HOST(kvt_sel_timing_hist)
+#endif
 
 /* ---- launchers --------------------------------------------------------------------------- */
 

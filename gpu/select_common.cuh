@@ -62,6 +62,54 @@ struct sel_scratch {
 };
 
 
+/*
+ * ---- a profile build's timestamps (-DKVT_SEL_TIMING: bench/gpu_select prints them) ----------
+ * When a pass's blocks reached each point, in ns of the global timer: [0] the first block's start,
+ * [i] the last block to reach point i. k_hist: 1 state read and histogram zeroed, 2 scores
+ * streamed, 3 flushed (block's thread 0), 4 a segment's last block entered, 5 decided. k_cand:
+ * 1 state read, 2 candidates appended, 4 last block entered, 5 sorted, 6 resolved.
+ */
+
+#ifdef KVT_SEL_TIMING
+#include <stdio.h>
+#include <string.h>
+static __device__ unsigned long long sel_t[16]; /* [0]: min entry; others: max over blocks */
+static __device__ __forceinline__ unsigned long long sel_now()
+{
+	unsigned long long t;
+	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+	return t;
+}
+#define SEL_T(i)                                                                                  \
+	do {                                                                                      \
+		if (threadIdx.x == 0) {                                                           \
+			if ((i) == 0)                                                             \
+				atomicMin(&sel_t[0], sel_now());                                  \
+			else                                                                      \
+				atomicMax(&sel_t[i], sel_now());                                  \
+		}                                                                                 \
+	} while (0)
+#define SEL_T_HOST(name)                                                                          \
+	extern "C" void name(int reset)                                                           \
+	{                                                                                         \
+		unsigned long long t[16];                                                         \
+		if (reset) {                                                                      \
+			memset(t, 0, sizeof t);                                                   \
+			t[0] = ~0ull;                                                             \
+			cudaMemcpyToSymbol(sel_t, t, sizeof t);                                   \
+			return;                                                                   \
+		}                                                                                 \
+		cudaMemcpyFromSymbol(t, sel_t, sizeof t);                                         \
+		printf("%s:", #name);                                                             \
+		for (int i = 1; i < 16; i++)                                                      \
+			if (t[i])                                                                 \
+				printf(" t%d %.2f", i, (double)(t[i] - t[0]) * 1e-3);             \
+		printf(" us\n");                                                                 \
+	}
+#else
+#define SEL_T(i) ((void)0)
+#endif
+
 /* ---- keys and numbers -------------------------------------------------------------------- */
 
 /* A candidate: its key above the complement of its position (56 bits), so that a larger ckey is a
@@ -151,6 +199,24 @@ struct mhist {
 		return (u64)w[bins + b] << 32 | w[b];
 	}
 };
+
+/*
+ * The block's minimum or maximum of one value per thread into a shared word, one atomic per warp:
+ * thousands of atomics on one shared word serialize. Every thread of the block calls it.
+ */
+static __device__ __forceinline__ void block_min_into(uint32_t *w, uint32_t v)
+{
+	v = __reduce_min_sync(0xffffffffu, v);
+	if (threadIdx.x % 32 == 0)
+		atomicMin(w, v);
+}
+
+static __device__ __forceinline__ void block_max_into(uint32_t *w, uint32_t v)
+{
+	v = __reduce_max_sync(0xffffffffu, v);
+	if (threadIdx.x % 32 == 0)
+		atomicMax(w, v);
+}
 
 /* ---- the segment's end ------------------------------------------------------------------- */
 
@@ -320,7 +386,7 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 	scan_excl(c, m, &tc, &tm); /* also a barrier for win and last */
 	if (MASS && target < 0.0)
 		target = (double)p * mass_d(acc0 + tm);
-	uint32_t above = above0 + c;
+	uint32_t above = above0 + c, mylast = 0;
 	u128 am = acc0 + m;
 #pragma unroll 1
 	for (uint32_t k = 0; k < per; k++) {
@@ -334,10 +400,11 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 		if (hit)
 			win = pick{.j = j, .above = above, .cnt = bc, .acc = am, .total = tm};
 		if (bc)
-			atomicMax(&last, j);
+			mylast = j;
 		above += bc;
 		am += bm;
 	}
+	block_max_into(&last, mylast);
 	__syncthreads();
 	if (win.j == SEL_NONE) { /* only by mass */
 		above = above0 + c;

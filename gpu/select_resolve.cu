@@ -116,22 +116,31 @@ static __device__ u64 rank_cut(const source &src, uint32_t bin, uint32_t above, 
 
 /* ---- the resolution of a short list: sorted in shared memory ----------------------------- */
 
-static __device__ void sort_desc(u64 *a, uint32_t P) /* bitonic, P a power of two */
+/*
+ * Bitonic, P a power of two, one thread per compared pair. While the stride is at most 32, the 32
+ * pairs of a warp lie in one aligned block of 64 elements, the same block from one such stage to
+ * the next: those stages need only the warp's barrier, the others the block's.
+ */
+static __device__ void sort_desc(u64 *a, uint32_t P)
 {
 	for (uint32_t k = 2; k <= P; k <<= 1)
 		for (uint32_t j = k >> 1; j > 0; j >>= 1) {
-			for (uint32_t i = threadIdx.x; i < P; i += SEL_THREADS) {
-				const uint32_t l = i ^ j;
-				if (l > i) {
-					const u64 x = a[i], y = a[l];
-					if ((i & k) == 0 ? x < y : x > y) {
-						a[i] = y;
-						a[l] = x;
-					}
+			const uint32_t sh = __ffs(j) - 1;
+			for (uint32_t q = threadIdx.x; q < P / 2; q += SEL_THREADS) {
+				const uint32_t i = (q >> sh << (sh + 1)) | (q & (j - 1)), l = i | j;
+				const u64 x = a[i], y = a[l];
+				if ((i & k) == 0 ? x < y : x > y) {
+					a[i] = y;
+					a[l] = x;
 				}
 			}
-			__syncthreads();
+			const uint32_t next = j > 1 ? j >> 1 : k; /* the next stage's stride */
+			if (j >= 64 || next >= 64)
+				__syncthreads();
+			else
+				__syncwarp();
 		}
+	__syncthreads();
 }
 
 /* The index of the first candidate of bin b in the sorted list (a bin's candidates are adjacent). */
@@ -141,9 +150,11 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float 
 	if (threadIdx.x == 0)
 		lo = SEL_NONE;
 	__syncthreads();
+	uint32_t mine = SEL_NONE;
 	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
-		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b)
-			atomicMin(&lo, i);
+		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b && mine == SEL_NONE)
+			mine = i;
+	block_min_into(&lo, mine);
 	__syncthreads();
 	const uint32_t r = lo;
 	__syncthreads();
@@ -182,20 +193,25 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, flo
 			run += t;
 	scan_excl(c, run, &tc, &tm); /* also the barrier for istar, hi, end */
 	run += acc;
+	uint32_t my_hi = 0, my_star = SEL_NONE;
 	for (uint32_t i = i0; i < i1; i++)
 		if (mass_of(i, &t)) {
 			run += t;
-			atomicMax(&hi, i);
+			my_hi = i;
 			if (mass_d(run) >= target) {
-				atomicMin(&istar, i);
+				my_star = i;
 				break;
 			}
 		}
+	block_max_into(&hi, my_hi);
+	block_min_into(&istar, my_star);
 	__syncthreads();
 	const uint32_t key = (uint32_t)(a[istar != SEL_NONE ? istar : hi] >> 24);
+	uint32_t my_end = 0;
 	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
 		if ((uint32_t)(a[i] >> 24) == key)
-			atomicMax(&end, i);
+			my_end = i;
+	block_max_into(&end, my_end);
 	__syncthreads();
 	*ge = end - lo + 1;
 	__syncthreads();
@@ -232,6 +248,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		__syncthreads();
 		sort_desc(a, P);
 	}
+	SEL_T(5);
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
 		const uint32_t key = mass_sorted(
@@ -275,6 +292,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
 	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
 {
+	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
 	seg_state *st = sc.st + seg;
 	if (__ldcg(&st->phase) != PH_CAND)
@@ -285,25 +303,51 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	const bool listed = __ldcg(&st->listed);
 	const float *s = scores + (size_t)seg * ld;
 	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
-	if (listed)
-		each_of_block(s, n, [&](uint32_t i, float f) {
-			uint32_t b = lbin(f, mx, inv_w);
-			const bool in = i < n && (b == b0 || b == b1 || b == b2);
-			const uint32_t vote = __ballot_sync(0xffffffffu, in);
-			if (!vote)
-				return;
+	SEL_T(1);
+	static_assert(4 * SEL_VEC <= 32, "a thread's share of a chunk fits a mask word");
+	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; listed && c0 < n; c0 += gridDim.x * SEL_CHUNK) {
+		float4 v[SEL_VEC];
+		load_chunk(v, s, c0, n);
+		/* which scores are candidates, with no warp vote in between */
+		uint32_t in = 0;
+#pragma unroll
+		for (int k = 0; k < SEL_VEC; k++) {
+			const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS);
+			const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const uint32_t b = lbin(x[e], mx, inv_w);
+				if (i + e < n && (b == b0 || b == b1 || b == b2))
+					in |= 1u << (4 * k + e);
+			}
+		}
+		/* then the appends, for the shares in which some lane of the warp has one */
+		for (uint32_t any = __reduce_or_sync(0xffffffffu, in); any; any &= any - 1) {
+			const int ke = __ffs(any) - 1, k = ke / 4, e = ke % 4;
+			const bool mine = (in >> ke) & 1;
+			const uint32_t vote = __ballot_sync(0xffffffffu, mine);
 			uint32_t base = 0;
 			if (lane == (uint32_t)__ffs(vote) - 1)
 				base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
 			base = __shfl_sync(0xffffffffu, base, __ffs(vote) - 1);
-			if (in)
-				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(f), i);
-		});
+			if (mine) { /* read again (from cache): v indexed by a variable would not stay in
+				     * registers */
+				const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS) + e;
+				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(s[i]), i);
+			}
+		}
+	}
+	SEL_T(2);
 	if (!last_block(st))
 		return;
-
+	SEL_T(4);
 	resolve(st, s, n, cand, scale, p, bmin, bmax, out + seg);
+	SEL_T(6);
 }
+
+#ifdef KVT_SEL_TIMING
+SEL_T_HOST(kvt_sel_timing_cand)
+#endif
 
 cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
