@@ -1,0 +1,62 @@
+#!/bin/bash
+# Decode straight from NVMe on a trained model's queries (#14): trains the small model
+# (tools/python/scripts/train_small.py), captures a trace of it (tools/capture_trace.py), then
+# replays the trace with kvbench on the CUDA backend twice per hot-cache size, the rows in host
+# memory and spilled to NVMe after each layer's prefill, and prints one line per pair: step time,
+# the spilled step over the host step, hot-cache hits, NVMe bytes and 4 KiB reads per step, and
+# PCIe bytes per step. Synthetic workloads share 95 % of a step's selection with the next; a
+# trained model's queries about half, so this is the figure a runtime sees.
+# Needs torch and transformers (the GPU machine). Usage, from the repository root:
+#   bash bench/trace_spilled.sh BUILD_DIR [--minutes M] [--prefill T] [--decode S]
+#        [--gpu-caches auto,6M,...] [--nvme-qd N] [--nvme-cache N] [--work DIR]
+# --nvme-cache is the block cache (kvbench's; default the library's 64 MiB, which holds a whole
+# layer of an 8K trace, so that only first touches reach the disk: give 1M to see its misses).
+# The work directory (default $TMPDIR or /tmp, then kvt-trace-spilled) must take O_DIRECT.
+set -eu
+[ $# -ge 1 ] || { sed -n 2,15p "$0"; exit 2; }
+b=$1; shift
+minutes=2; prefill=8192; decode=64; caches=auto,6M,12M,24M; qd=32; ncache=
+work=${TMPDIR:-/tmp}/kvt-trace-spilled
+while [ $# -gt 0 ]; do
+	[ $# -ge 2 ] || { echo "trace_spilled: $1 needs a value" >&2; exit 2; }
+	case $1 in
+	--minutes) minutes=$2 ;; --prefill) prefill=$2 ;; --decode) decode=$2 ;;
+	--gpu-caches) caches=$2 ;; --nvme-qd) qd=$2 ;; --nvme-cache) ncache=$2 ;; --work) work=$2 ;;
+	*) echo "trace_spilled: unknown option $1" >&2; exit 2 ;;
+	esac
+	shift 2
+done
+kvbench=$b/tools/kvbench
+[ -x "$kvbench" ] || { echo "trace_spilled: no $kvbench (build first)" >&2; exit 1; }
+mkdir -p "$work"
+model=$work/model trace=$work/trace
+if [ ! -f "$model/config.json" ]; then
+	echo "training the small model for $minutes minutes" >&2
+	python3 tools/python/scripts/train_small.py --out "$model" --minutes "$minutes" >"$work/train.log"
+fi
+if [ ! -f "$trace/meta.json" ]; then
+	rm -rf "$trace"
+	echo "capturing $prefill + $decode tokens" >&2
+	python3 tools/capture_trace.py --model "$model" --prefill "$prefill" --decode "$decode" \
+		--device cuda "$trace" >"$work/capture.log" 2>&1
+fi
+summary() { # json file, field
+	python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d[sys.argv[2]]; print(v if v is not None else "nan")' "$1" "$2"
+}
+printf '%-8s %10s %10s %8s %8s %8s %12s %10s %12s %8s %8s\n' gpu_cache host_ms spilled_ms ratio \
+	host_hit sp_hit nvme_B/step reads/step pcie_B/step p5 recall
+IFS=, read -ra list <<<"$caches"
+for c in "${list[@]}"; do
+	rm -f "$work"/kv.img
+	"$kvbench" --trace "$trace" --backend cuda --gpu-cache "$c" --json --quiet >"$work/host.json"
+	"$kvbench" --trace "$trace" --backend cuda --gpu-cache "$c" --json --quiet \
+		--nvme "$work/kv.img" --nvme-qd "$qd" ${ncache:+--nvme-cache "$ncache"} >"$work/spilled.json"
+	rm -f "$work"/kv.img
+	h=$(summary "$work/host.json" step_ms) s=$(summary "$work/spilled.json" step_ms)
+	nb=$(summary "$work/spilled.json" nvme_bytes_per_step)
+	printf '%-8s %10.4f %10.4f %8.2f %8.4f %8.4f %12.0f %10.1f %12.0f %8.4f %8.4f\n' "$c" "$h" "$s" \
+		"$(python3 -c "print($s / $h)")" "$(summary "$work/host.json" hot_hit_rate)" \
+		"$(summary "$work/spilled.json" hot_hit_rate)" "$nb" "$(python3 -c "print($nb / 4096)")" \
+		"$(summary "$work/spilled.json" pcie_bytes_per_step)" \
+		"$(summary "$work/spilled.json" recall_p5)" "$(summary "$work/spilled.json" recall_mean)"
+done
