@@ -8,24 +8,20 @@
  *   1. k_stats: max, min, finiteness; skipped when the scan gathered them (kvt_gpu_score's stats),
  *      so that on a decode step the scores are read twice, not three times.
  *   2. k_hist: every block derives the segment's start from the statistics (the trivial cases end
- *      there), then a histogram of counts over SEL_HBINS bins of equal width in (max - s) * scale
- *      (a log-mass scale: bin 0 holds the largest scores), spanning the scores' range or the top
- *      SEL_SPAN_NATS nats, whatever is less: one shared-memory atomic per score, no exp. Its last
- *      block bounds each bin's mass by its count and its edges (mass_window) and picks the window
- *      of bins that can hold the Top-p boundary, and the bins holding the bmin-th and bmax-th
- *      largest (the clamp, exact from the counts).
- *   3. k_cand: every score's term, summed exactly in registers (all of them, and those before the
- *      window: one atomic per warp), and the scores of the window's and the clamp's bins appended
- *      to the segment's candidate list; the last block resolves the threshold, and the clamp, in
- *      shared memory: sorted when the candidates are few, else by a radix select (three levels on
- *      the score's key, two more on positions among ties). When the bins hold more than SEL_CAND
- *      candidates, it runs the same select over the whole segment instead: slower, the same
- *      result.
+ *      there), then a histogram of count and probability mass over SEL_BINS bins of equal width in
+ *      (max - s) * scale (a log-mass scale: bin 0 holds the largest scores), spanning the scores'
+ *      range or the top SEL_SPAN_NATS nats, whatever is less. Its last block picks the bin holding
+ *      the Top-p boundary, and the bins holding the bmin-th and bmax-th largest (the clamp).
+ *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
+ *      list; the last block resolves the threshold, and the clamp, in shared memory by a radix
+ *      select over the candidates (three levels on the score's key, two more on positions among
+ *      ties). When the bins hold more than SEL_CAND candidates, it runs the same select over the
+ *      whole segment instead: slower, the same result.
  *
- * The histograms are built in shared memory and their nonzero bins added into the segment's with
- * integer atomics; the last block of a segment to finish (a counter in the segment's state) reads
- * them and decides. Integer sums make the result independent of block order, so a run is
- * reproducible.
+ * In every pass blocks build shared-memory histograms and add their nonzero bins into the
+ * segment's with integer atomics; the last block of a segment to finish (a counter in the
+ * segment's state) reads them and decides. Integer sums make the result independent of block
+ * order, so a run is reproducible.
  *
  * Files: select_common.cuh (what the passes share), this file (passes 1 and 2, the launcher),
  * select_resolve.cu (pass 3).
@@ -36,16 +32,14 @@
  * and the truncated terms are summed exactly as integers: n < 2^24 terms of at most 2^40 units fit
  * 64 bits. Counts and ranks are exact. So the mass M~(S) of any set of tokens is within
  * E = 2^-21 M(S) + |S| 2^-40 of its exact value M(S), the total Z~ within 2^-21 Z + n 2^-40 of Z.
- * The target is p * f(Z~), f the monotone conversion to double; the window holds the bin where
- * the exact integer sums cross it (its bounds are rigorous), and the resolution walks its
- * candidates from f(mass before the window), so the result is the set
- * {tokens t: M~(scores > s_t) < p Z~}. The exact set is {t: M(scores > s_t) < p Z}; a token in one
- * and not the other has |M(> s_t) - p Z| <= 2 E plus the double roundings, below
- * tol = 2^-19 Z + n 2^-38 (the bound doc/selection.md states and test_gpu_select asserts, against
- * sums in long double), and the set covers at least p Z - tol.
+ * A bin is chosen where f(mass above) < target <= f(mass above + bin), f the monotone conversion
+ * to double and target = p * f(total); refining a bin re-partitions exactly the same integers, so
+ * the last level yields the set {tokens t: M~(scores > s_t) < p Z~}. The exact set is {t:
+ * M(scores > s_t) < p Z}; a token in one and not the other has |M(> s_t) - p Z| <= 2 E plus the
+ * double roundings, below tol = 2^-19 Z + n 2^-38 (the bound doc/selection.md states and
+ * test_gpu_kernels asserts, against sums in long double), and the set covers at least p Z - tol.
  * The double exp and the 128-bit sums of 2^-80 units this replaced made the set equal to the
- * CPU's but cost half of the threshold's time; a mass histogram in shared memory (three atomics
- * per score) cost half of the rest.
+ * CPU's but cost half of the threshold's time.
  */
 #include "select_common.cuh"
 
@@ -69,7 +63,9 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	s.st = (seg_state *)(p + off);
 	off += align256(segs * sizeof(seg_state));
 	s.hcnt = (uint32_t *)(p + off);
-	off += align256(segs * SEL_HBINS * sizeof(uint32_t));
+	off += align256(segs * SEL_BINS * sizeof(uint32_t));
+	s.hhi = (unsigned long long *)(p + off);
+	off += align256(segs * SEL_BINS * 8);
 	s.zero_bytes = off; /* the state and the histograms: zeroed by one memset per call */
 	s.stats = (kvt_gpu_segstats *)(p + off);
 	off += align256(segs * sizeof(kvt_gpu_segstats));
@@ -129,7 +125,7 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 		return false;
 	}
 	const float span = fminf(__fsub_rn(hi, lo), __fdiv_rn(SEL_SPAN_NATS, scale));
-	const float inv = __fdiv_rn((float)SEL_HBINS, span);
+	const float inv = __fdiv_rn((float)SEL_BINS, span);
 	*inv_w = span > 0.0f && isfinite(inv) ? inv : 0.0f;
 	return true;
 }
@@ -137,206 +133,68 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 /* ---- pass 2: the log-mass histogram and its boundary bins -------------------------------- */
 
 /*
- * Block-wide exclusive prefix over threads in index order of a count and two doubles, and their
- * totals. The doubles' sums round, but in a fixed order: the same inputs give the same sums.
+ * The histogram's last block: the segment's histogram into shared memory, then the boundary bins.
+ * Out of line, so that its registers do not weigh on the streaming pass before it.
  */
-static __device__ void scan_excl3(uint32_t &c, double &x, double &y, uint32_t *tc, double *tx,
-				  double *ty)
-{
-	__shared__ uint32_t wc[SEL_THREADS / 32];
-	__shared__ double wx[SEL_THREADS / 32], wy[SEL_THREADS / 32];
-	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-	uint32_t ic = c;
-	double ix = x, iy = y;
-	for (int o = 1; o < 32; o <<= 1) {
-		const uint32_t oc = __shfl_up_sync(0xffffffffu, ic, o);
-		const double ox = __shfl_up_sync(0xffffffffu, ix, o),
-			     oy = __shfl_up_sync(0xffffffffu, iy, o);
-		if (lane >= (uint32_t)o) {
-			ic += oc;
-			ix += ox;
-			iy += oy;
-		}
-	}
-	if (lane == 31) {
-		wc[warp] = ic;
-		wx[warp] = ix;
-		wy[warp] = iy;
-	}
-	__syncthreads();
-	uint32_t bc = 0;
-	double bx = 0.0, by = 0.0;
-	*tc = 0;
-	*tx = *ty = 0.0;
-	for (uint32_t w = 0; w < SEL_THREADS / 32; w++) {
-		if (w < warp) {
-			bc += wc[w];
-			bx += wx[w];
-			by += wy[w];
-		}
-		*tc += wc[w];
-		*tx += wx[w];
-		*ty += wy[w];
-	}
-	c = bc + ic - c;
-	x = bx + (ix - x);
-	y = by + (iy - y);
-	__syncthreads();
-}
-
-/*
- * The mass window: the bins that can hold the Top-p boundary, from the counts alone. A score in
- * bin j lies x = max - s below the max with x inv_w in [j, j + 1) up to two float roundings, so its
- * term (the float term truncated to 2^-40, select.cu's head) lies within
- *   L = exp(-(j + 1) W (1 + 2^-22)) (1 - 2^-20) 2^40 - 1  and  U = exp(-j W (1 - 2^-22)) (1 + 2^-20) 2^40
- * units of 2^-40, W = scale / inv_w the bin's width in nats (L = 0 in the last bin, which holds
- * everything further down). The exact sums the resolution uses then lie within the sums of these
- * bounds, and the boundary bin j* (mass before it < p Z <= mass through it) satisfies
- * Lsum(< j*) < p Zhi and Usum(<= j*) >= p Zlo: the window is every nonempty bin that does. The
- * slack (2^-20, 2^-22, 2^-30 on the targets) is far above the double sums' rounding. Every thread
- * calls it; all get the window [*lo, *hi], the scores above it and the scores in it.
- */
-static __device__ void mass_window(const uint32_t *hc, float scale, float inv_w, float p,
-				   uint32_t *lo, uint32_t *hi, uint32_t *above, uint32_t *count)
-{
-	constexpr uint32_t per = SEL_HBINS / SEL_THREADS;
-	__shared__ uint32_t wl, wh, wa, wn;
-	if (!(inv_w > 0.0f)) { /* one bin */
-		*lo = *hi = 0;
-		*above = 0;
-		*count = hc[0];
-		return;
-	}
-	/* the edges' terms exp(-j W (1 -+ 2^-22)) of this thread's bins: two exps, then products by
-	 * the step (their rounding, 2^-53 per product, is far inside the slack) */
-	const double W = (double)scale / (double)inv_w, au = W * (1.0 - 0x1p-22),
-		     al = W * (1.0 + 0x1p-22), ru = exp(-au), rl = exp(-al);
-	const uint32_t j0 = threadIdx.x * per;
-	const double eu0 = exp(-(double)j0 * au) * ((1.0 + 0x1p-20) * 0x1p40),
-		     el0 = exp(-(double)(j0 + 1) * al) * ((1.0 - 0x1p-20) * 0x1p40);
-	double eu = eu0, el = el0; /* at bin j: the upper edge's term of j, the lower's of j + 1 */
-	auto bounds = [&](uint32_t j, double *L, double *U) {
-		const double c = (double)hc[j], l = el - 1.0;
-		*U = c * eu;
-		*L = j == SEL_HBINS - 1 || !(l > 0.0) ? 0.0 : c * l;
-	};
-	uint32_t c = 0, tc;
-	double sl = 0.0, su = 0.0, zl, zu, L, U;
-#pragma unroll
-	for (uint32_t k = 0; k < per; k++, eu *= ru, el *= rl) {
-		const uint32_t j = j0 + k;
-		if (!hc[j])
-			continue;
-		bounds(j, &L, &U);
-		c += hc[j];
-		sl += L;
-		su += U;
-	}
-	if (threadIdx.x == 0) {
-		wl = SEL_NONE;
-		wh = 0;
-		wa = 0;
-	}
-	scan_excl3(c, sl, su, &tc, &zl, &zu); /* also the barrier for wl, wh */
-	const double tlo = (double)p * zl * (1.0 - 0x1p-30), thi = (double)p * zu * (1.0 + 0x1p-30);
-	uint32_t my_lo = SEL_NONE, my_hi = 0;
-	eu = eu0;
-	el = el0;
-#pragma unroll
-	for (uint32_t k = 0; k < per; k++, eu *= ru, el *= rl) {
-		const uint32_t j = j0 + k;
-		if (!hc[j])
-			continue;
-		bounds(j, &L, &U);
-		if (su + U >= tlo && my_lo == SEL_NONE)
-			my_lo = j;
-		if (sl < thi)
-			my_hi = j;
-		sl += L;
-		su += U;
-	}
-	block_min_into(&wl, my_lo);
-	block_max_into(&wh, my_hi);
-	__syncthreads();
-	uint32_t l = wl, h = wh;
-	if (l > h) { /* not by the bounds above; should rounding ever defeat them, every bin */
-		l = 0;
-		h = SEL_HBINS - 1;
-	}
-	/* the scores above the window and through its end: the owners of its first and last bins */
-	if (l / per == threadIdx.x || h / per == threadIdx.x) {
-		uint32_t a = c;
-		for (uint32_t j = threadIdx.x * per; j <= h && j < threadIdx.x * per + per; j++) {
-			if (j == l)
-				wa = a;
-			a += hc[j];
-		}
-		if (h / per == threadIdx.x)
-			wn = a;
-	}
-	__syncthreads();
-	*lo = l;
-	*hi = h;
-	*above = wa;
-	*count = wn - wa;
-	__syncthreads(); /* before a next call writes wl, wh, wa, wn */
-}
-
-/*
- * The histogram's last block: the segment's counts into shared memory, then the mass window and
- * the bins holding the bmin-th and bmax-th largest (the clamp). Out of line, so that its
- * registers do not weigh on the streaming pass before it.
- */
-static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *gc, uint32_t *hc,
-						uint32_t n, float scale, float inv_w, float p,
-						uint32_t bmin, uint32_t bmax, uint32_t cand_cap)
+static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *gc,
+						const unsigned long long *gh, uint32_t *hc,
+						uint32_t *hw, uint32_t n, float p, uint32_t bmin,
+						uint32_t bmax, uint32_t cand_cap)
 {
 	const uint32_t tid = threadIdx.x;
 	const bool mass = p < 1.0f;
-	/* every load in flight at once (the decisions read each bin twice, and L2 round trips one
-	 * after the other cost more than the pass) */
-	uint32_t v[SEL_HBINS / SEL_THREADS];
+	const mhist hm{hw, SEL_BINS};
+	/* the segment's histogram into shared memory, every load in flight at once (the decisions
+	 * read each bin twice, and L2 round trips one after the other cost more than the pass) */
 #pragma unroll
-	for (uint32_t k = 0; k < SEL_HBINS / SEL_THREADS; k++)
-		v[k] = __ldcg(gc + tid + k * SEL_THREADS);
-#pragma unroll
-	for (uint32_t k = 0; k < SEL_HBINS / SEL_THREADS; k++)
-		hc[tid + k * SEL_THREADS] = v[k];
+	for (uint32_t k = 0; k < SEL_BINS / SEL_THREADS; k++) {
+		const uint32_t b = tid + k * SEL_THREADS;
+		const uint32_t c = __ldcg(gc + b);
+		const u64 xh = mass ? __ldcg(gh + b) : 0;
+		hc[b] = c;
+		hw[b] = (uint32_t)xh;
+		hw[SEL_BINS + b] = (uint32_t)(xh >> 32);
+	}
 	__syncthreads();
-	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
-		 cnt[NEEDS] = {0, 0, 0}, whi = SEL_NONE;
-	if (mass)
-		mass_window(hc, scale, inv_w, p, &bin[NEED_MASS], &whi, &above[NEED_MASS],
-			    &cnt[NEED_MASS]);
-	/* the clamp's boundary, should the Top-p count fall outside [bmin, bmax] */
+	/* the decisions; bin j holds the j-th largest band of scores */
 	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
 		*c = hc[j];
-		*m = 0;
+		*m = mk128(hm.sum(j));
 	};
+	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
+		 cnt[NEEDS] = {0, 0, 0};
+	if (mass) {
+		const pick w = decide<SEL_BINS, true>(get, 0, 0, -1.0, p, 0);
+		bin[NEED_MASS] = w.j;
+		above[NEED_MASS] = w.above;
+		cnt[NEED_MASS] = w.cnt;
+		if (tid == 0) {
+			st->acc_hi = (u64)(w.acc >> 64);
+			st->acc_lo = (u64)w.acc;
+			st->target = (double)p * mass_d(w.total);
+		}
+	}
+	/* the clamp's boundary, should the Top-p count fall outside [bmin, bmax] */
 	const uint32_t rank[NEEDS] = {0, bmin < n ? bmin : n, bmax < n ? bmax : 0};
 	for (int k = NEED_MIN; k < NEEDS; k++) {
 		if (!rank[k])
 			continue;
-		const pick w = decide<SEL_HBINS, false>(get, 0, 0, 0.0, p, rank[k]);
+		const pick w = decide<SEL_BINS, false>(get, 0, 0, 0.0, p, rank[k]);
 		bin[k] = w.j;
 		above[k] = w.above;
 		cnt[k] = w.cnt;
 	}
 	if (tid != 0)
 		return;
-	/* the candidates: the window's scores, and the clamp's bins outside it */
-	uint32_t total = cnt[NEED_MASS];
-	for (int k = NEED_MIN; k < NEEDS; k++) {
-		bool again = bin[NEED_MASS] != SEL_NONE && bin[k] >= bin[NEED_MASS] && bin[k] <= whi;
-		for (int e = NEED_MIN; e < k; e++)
-			again |= bin[e] == bin[k];
-		total += bin[k] != SEL_NONE && !again ? cnt[k] : 0;
-	}
+	uint32_t total = 0;
 	for (int k = 0; k < NEEDS; k++) {
 		st->bin[k] = bin[k];
 		st->above[k] = above[k];
+		bool again = false;
+		for (int e = 0; e < k; e++)
+			again |= bin[e] == bin[k];
+		total += bin[k] != SEL_NONE && !again ? cnt[k] : 0;
 	}
-	st->whi = whi;
 	st->listed = total <= cand_cap;
 	st->ncand = 0;
 	st->done = 0;
@@ -348,8 +206,9 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
 	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
 {
-	__shared__ uint32_t hc[SEL_HBINS];
 	SEL_T(0);
+	__shared__ uint32_t hc[SEL_BINS], hw[2 * SEL_BINS];
+	mhist hm{hw, SEL_BINS};
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;
 	seg_state *st = sc.st + seg;
 	const uint32_t n = n_tok[seq];
@@ -357,21 +216,34 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	if (!seg_begin(stats + seg, seg, n, max_n, scale, p, bmin, bmax, out + seg, err, &inv_w))
 		return;
 	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
-	for (uint32_t b = tid; b < SEL_HBINS; b += SEL_THREADS)
+	const bool mass = p < 1.0f;
+	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
+	{
 		hc[b] = 0;
+		hm.zero(b);
+	}
 	__syncthreads();
 	SEL_T(1);
 	each_of_block(scores + (size_t)seg * ld, n, [&](uint32_t i, float f) {
-		if (i < n)
-			atomicAdd(&hc[lbin(f, mx, inv_w)], 1u);
+		if (i >= n)
+			return;
+		const uint32_t b = lbin(f, mx, inv_w);
+		atomicAdd(&hc[b], 1u);
+		if (mass)
+			hm.add(b, f, mx, scale);
 	});
 	__syncthreads();
 	SEL_T(2);
-	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_HBINS;
-	for (uint32_t b = tid; b < SEL_HBINS; b += SEL_THREADS)
-		if (hc[b])
-			atomicAdd(&gc[b], hc[b]);
-	__syncthreads();
+	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_BINS;
+	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS;
+	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS) {
+		if (!hc[b])
+			continue;
+		atomicAdd(&gc[b], hc[b]);
+		const u64 xh = hm.sum(b);
+		if (xh)
+			atomicAdd(&gh[b], xh);
+	}
 	SEL_T(3);
 	if (!last_block(st))
 		return;
@@ -381,7 +253,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		st->nmin_key = __ldcg(&stats[seg].nmin_key);
 		st->inv_w = inv_w;
 	}
-	hist_decide(st, gc, hc, n, scale, inv_w, p, bmin, bmax, sc.cand_cap);
+	hist_decide(st, gc, gh, hc, hw, n, p, bmin, bmax, sc.cand_cap);
 	SEL_T(5);
 }
 

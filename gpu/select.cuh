@@ -48,12 +48,11 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
  * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time and three
  * kernels, two when `stats` is given (select.cu): max, min and finiteness; a histogram of
- * counts over 4096 log-mass bins, whose bounds on each bin's mass give the window of bins that can
- * hold the boundary, and the bins holding the bmin-th and bmax-th largest; then every score's term
- * (in float, summed exactly in integers of 2^-40) and the window's and those bins' scores
- * gathered, and the last block resolves the threshold and clamp among them (sorted in shared
- * memory, or by a radix select when there are many), ties at a clamped boundary going to the
- * lowest positions. Counts, ranks and the clamp are exact; the
+ * count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
+ * integers of 2^-40), which picks the bin holding the boundary and those holding the bmin-th and
+ * bmax-th largest; then those bins' scores are gathered and the last block resolves the threshold
+ * and clamp among them (sorted in shared memory, or by a radix select when there are many), ties
+ * at a clamped boundary going to the lowest positions. Counts, ranks and the clamp are exact; the
  * mass is within a stated tolerance (doc/selection.md): with Z the total mass and n the scored
  * tokens, the set differs from the exact definition's only in tokens whose cumulative mass (of the
  * tokens ranked above them) lies within tol = 2^-19 Z + n 2^-38 of p Z, and never covers less

@@ -15,11 +15,10 @@
 
 #define SEL_THREADS 256
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
-#define SEL_HBINS 4096u /* the log-mass histogram's bins (counts only) */
-#define SEL_BINS 2048u  /* the mass radix's widest digit */
+#define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
 #define SEL_CNT_BINS 4096u /* the position radix's digit: 12 bits */
 /* Bins span at most this many nats below the max: a term below exp(-27.7) is already below the
- * fixed point's unit (2^-40), so the bins past it hold no mass. */
+ * fixed point's unit (2^-40), so the bins past it carry counts only. */
 #define SEL_SPAN_NATS 64.0f
 /* Candidate list per segment, at most (see carve). A boundary bin holds a few hundred scores at
  * 128K tokens on realistic attention; more (flat scores) take the whole-segment path. */
@@ -45,15 +44,16 @@ struct seg_state {
 	float inv_w;                /* bin(s) = (max - s) * inv_w, clamped to the last bin */
 	uint32_t ncand;             /* candidates appended */
 	uint32_t listed;            /* whether the bins' candidates fit the list */
-	uint32_t bin[NEEDS];        /* the bin of each need, or SEL_NONE; by mass, the window's first */
+	uint32_t bin[NEEDS];        /* the bin of each need, or SEL_NONE */
 	uint32_t above[NEEDS];      /* scores in earlier bins (larger) */
-	uint32_t whi;               /* the mass window's last bin */
-	u64 m_above, m_total;       /* exact sums of the terms (unit 2^-40): before the window, all */
+	uint64_t acc_lo, acc_hi;    /* mass of the bins before bin[NEED_MASS] */
+	double target;              /* p * f(total mass) */
 };
 
 struct sel_scratch {
 	seg_state *st;
-	uint32_t *hcnt;          /* [segs][SEL_HBINS] */
+	uint32_t *hcnt;          /* [segs][SEL_BINS] */
+	unsigned long long *hhi; /* [segs][SEL_BINS]: sums of the terms, unit 2^-40 */
 	kvt_gpu_segstats *stats; /* [segs]: when the caller gives none */
 	u64 *cand;               /* [segs][cand_cap]: candidates (see ckey) */
 	uint32_t cand_cap;
@@ -62,7 +62,13 @@ struct sel_scratch {
 };
 
 
-/* ---- a profile build's timestamps (-DKVT_SEL_TIMING: bench/gpu_select prints them) ---------- */
+/*
+ * ---- a profile build's timestamps (-DKVT_SEL_TIMING: bench/gpu_select prints them) ----------
+ * When a pass's blocks reached each point, in ns of the global timer: [0] the first block's start,
+ * [i] the last block to reach point i. k_hist: 1 state read and histogram zeroed, 2 scores
+ * streamed, 3 flushed (block's thread 0), 4 a segment's last block entered, 5 decided. k_cand:
+ * 1 state read, 2 candidates appended, 4 last block entered, 5 sorted, 6 resolved.
+ */
 
 #ifdef KVT_SEL_TIMING
 #include <stdio.h>
@@ -95,8 +101,9 @@ static __device__ __forceinline__ unsigned long long sel_now()
 		}                                                                                 \
 		cudaMemcpyFromSymbol(t, sel_t, sizeof t);                                         \
 		printf("%s:", #name);                                                             \
-		for (int i = 1; i < 16 && t[i]; i++)                                              \
-			printf(" t%d %.2f", i, (double)(t[i] - t[0]) * 1e-3);                     \
+		for (int i = 1; i < 16; i++)                                                      \
+			if (t[i])                                                                 \
+				printf(" t%d %.2f", i, (double)(t[i] - t[0]) * 1e-3);             \
 		printf(" us\n");                                                                 \
 	}
 #else
@@ -126,7 +133,7 @@ static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w)
 {
 	if (!(inv_w > 0.0f)) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
 		return 0;
-	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_HBINS - 1));
+	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
 }
 
 static __device__ __forceinline__ double mass_d(u128 x)

@@ -46,12 +46,12 @@ struct resolve_state {
 };
 
 /*
- * One level of the in-block radix select: histogram the digit at SHIFT of the candidates of bins
- * blo..bhi whose higher digits equal the prefix, pick the digit (by mass or by rank), fix it.
+ * One level of the in-block radix select: histogram the digit at SHIFT of the candidates of bin
+ * `bin` whose higher digits equal the prefix, pick the digit (by mass or by rank), fix it.
  */
 template <bool MASS, int SHIFT, int WIDTH>
-static __device__ void rlevel(const source &src, uint32_t blo, uint32_t bhi, float mx, float inv_w,
-			      float scale, uint32_t *smem, resolve_state *rs)
+static __device__ void rlevel(const source &src, uint32_t bin, float mx, float inv_w, float scale,
+			      uint32_t *smem, resolve_state *rs)
 {
 	constexpr uint32_t bins = 1u << WIDTH;
 	constexpr int top = SHIFT + WIDTH;
@@ -67,10 +67,7 @@ static __device__ void rlevel(const source &src, uint32_t blo, uint32_t bhi, flo
 	}
 	__syncthreads();
 	each_of(src, [&](u64 c, float x) {
-		if ((c >> top) != (prefix >> top))
-			return;
-		const uint32_t b = lbin(x, mx, inv_w);
-		if (b < blo || b > bhi)
+		if ((c >> top) != (prefix >> top) || lbin(x, mx, inv_w) != bin)
 			return;
 		const uint32_t d = (uint32_t)(c >> SHIFT) & (bins - 1);
 		atomicAdd(&hc[d], 1u);
@@ -107,13 +104,13 @@ static __device__ u64 rank_cut(const source &src, uint32_t bin, uint32_t above, 
 		rs->want = want;
 	}
 	__syncthreads();
-	rlevel<false, 45, 11>(src, bin, bin, mx, inv_w, 0.0f, smem, rs);
-	rlevel<false, 34, 11>(src, bin, bin, mx, inv_w, 0.0f, smem, rs);
-	rlevel<false, 24, 10>(src, bin, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 45, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 34, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 24, 10>(src, bin, mx, inv_w, 0.0f, smem, rs);
 	if (rs->above + rs->cnt == want) /* the ties fit whole */
 		return (rs->prefix >> 24) << 32;
-	rlevel<false, 12, 12>(src, bin, bin, mx, inv_w, 0.0f, smem, rs); /* lowest positions first */
-	rlevel<false, 0, 12>(src, bin, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 12, 12>(src, bin, mx, inv_w, 0.0f, smem, rs); /* lowest positions first */
+	rlevel<false, 0, 12>(src, bin, mx, inv_w, 0.0f, smem, rs);
 	return cut_of(rs->prefix);
 }
 
@@ -146,21 +143,17 @@ static __device__ void sort_desc(u64 *a, uint32_t P)
 	__syncthreads();
 }
 
-/* The index of the first candidate of bins blo..bhi in the sorted list (their candidates are
- * adjacent). */
-static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t blo, uint32_t bhi, float mx,
-				    float inv_w)
+/* The index of the first candidate of bin b in the sorted list (a bin's candidates are adjacent). */
+static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w)
 {
 	__shared__ uint32_t lo;
 	if (threadIdx.x == 0)
 		lo = SEL_NONE;
 	__syncthreads();
 	uint32_t mine = SEL_NONE;
-	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS) {
-		const uint32_t b = lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w);
-		if (b >= blo && b <= bhi && mine == SEL_NONE)
+	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
+		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b && mine == SEL_NONE)
 			mine = i;
-	}
 	block_min_into(&lo, mine);
 	__syncthreads();
 	const uint32_t r = lo;
@@ -169,29 +162,26 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t blo, uint
 }
 
 /*
- * The Top-p value among the sorted candidates of the window's bins blo..bhi, with `acc` the mass of
- * the larger bins: the first candidate i where f(acc + mass of the window's candidates up to i)
- * reaches the target gives it (every larger value's mass, ties included, ends before i, and the
- * window's bounds guarantee f(acc) < target); when rounding left the target above the total, the
- * window's last (smallest). Returns its key; *ge is the number of the window's candidates at or
- * above it.
+ * The Top-p value among the sorted candidates of bin b, with `acc` the mass of the larger bins:
+ * the first candidate i where f(acc + mass of b's candidates up to i) reaches the target gives it
+ * (every larger value's mass, ties included, ends before i, and the bin's decision guarantees
+ * f(acc) < target); when rounding left the target above the total, the bin's last (smallest).
+ * Returns its key; *ge is the number of b's candidates at or above it.
  */
-static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t blo, uint32_t bhi,
-				       float mx, float inv_w, float scale, u128 acc, double target,
-				       uint32_t *ge)
+static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w,
+				       float scale, u128 acc, double target, uint32_t *ge)
 {
 	__shared__ uint32_t istar, hi, end;
 	const uint32_t E = (m + SEL_THREADS - 1) / SEL_THREADS, i0 = threadIdx.x * E,
 		       i1 = min(i0 + E, m);
-	const uint32_t lo = first_of(a, m, blo, bhi, mx, inv_w);
+	const uint32_t lo = first_of(a, m, b, mx, inv_w);
 	if (threadIdx.x == 0) {
 		istar = SEL_NONE;
 		hi = end = 0;
 	}
 	auto mass_of = [&](uint32_t i, u128 *t) {
 		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
-		const uint32_t b = lbin(x, mx, inv_w);
-		if (b < blo || b > bhi)
+		if (lbin(x, mx, inv_w) != b)
 			return false;
 		*t = mk128(term(x, mx, scale));
 		return true;
@@ -229,8 +219,8 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t blo, u
 }
 
 /*
- * The last block's exact resolution of a segment: the Top-p value in the window bin[NEED_MASS] ..
- * whi, then the clamp. Out of line, so that its registers do not weigh on the streaming pass before it.
+ * The last block's exact resolution of a segment: the Top-p value in bin[NEED_MASS], then the
+ * clamp. Out of line, so that its registers do not weigh on the streaming pass before it.
  */
 static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint32_t n,
 					    const u64 *cand, float scale, float p, uint32_t bmin,
@@ -241,9 +231,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	uint32_t *smem = (uint32_t *)smem64;
 	const uint32_t tid = threadIdx.x;
 	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
-	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]), b0hi = __ldcg(&st->whi);
-	const u128 acc = mk128(__ldcg(&st->m_above));
-	const double target = (double)p * mass_d(mk128(__ldcg(&st->m_total)));
+	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
 	const bool listed = __ldcg(&st->listed);
 	const uint32_t m = __ldcg(&st->ncand);
 	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
@@ -263,21 +251,23 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	SEL_T(5);
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
-		const uint32_t key = mass_sorted(a, m, b0, b0hi, mx, inv_w, scale, acc, target, &ge);
+		const uint32_t key = mass_sorted(
+			a, m, b0, mx, inv_w, scale,
+			(u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo), __ldcg(&st->target), &ge);
 		thresh = kvt_d_keyf(key);
 		count = __ldcg(&st->above[NEED_MASS]) + ge;
 	} else if (p < 1.0f) {
 		if (tid == 0) {
 			rs.prefix = 0;
 			rs.above = __ldcg(&st->above[NEED_MASS]);
-			rs.acc = acc;
-			rs.target = target;
+			rs.acc = (u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo);
+			rs.target = __ldcg(&st->target);
 			rs.want = 0;
 		}
 		__syncthreads();
-		rlevel<true, 45, 11>(src, b0, b0hi, mx, inv_w, scale, smem, &rs);
-		rlevel<true, 34, 11>(src, b0, b0hi, mx, inv_w, scale, smem, &rs);
-		rlevel<true, 24, 10>(src, b0, b0hi, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 45, 11>(src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 34, 11>(src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 24, 10>(src, b0, mx, inv_w, scale, smem, &rs);
 		thresh = kvt_d_keyf((uint32_t)(rs.prefix >> 24));
 		count = rs.above + rs.cnt;
 	}
@@ -288,7 +278,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		const int k = clamped > 0 ? NEED_MIN : NEED_MAX;
 		const uint32_t bw = __ldcg(&st->bin[k]), above = __ldcg(&st->above[k]);
 		if (sorted) /* the want-th largest: its bin's (want - above)-th */
-			cut = cut_of(a[first_of(a, m, bw, bw, mx, inv_w) + (want - above) - 1]);
+			cut = cut_of(a[first_of(a, m, bw, mx, inv_w) + (want - above) - 1]);
 		else
 			cut = rank_cut(src, bw, above, want, mx, inv_w, smem, &rs);
 	}
@@ -298,26 +288,6 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	}
 }
 
-/* The block's sums of two 64-bit counts added into the segment's (integer: in any order). */
-static __device__ void add_block(u64 x, u64 y, u64 *gx, u64 *gy)
-{
-	for (int o = 16; o > 0; o >>= 1) {
-		x += __shfl_down_sync(0xffffffffu, x, o);
-		y += __shfl_down_sync(0xffffffffu, y, o);
-	}
-	if (threadIdx.x % 32 == 0) {
-		if (x)
-			atomicAdd(gx, x);
-		if (y)
-			atomicAdd(gy, y);
-	}
-}
-
-/*
- * Pass 3: every score's term, summed exactly (all of them, and those before the mass window), and
- * the scores of the window's bins and the clamp's appended to the candidate list (when they fit);
- * then the segment's last block resolves.
- */
 static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
 	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
@@ -329,19 +299,16 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		return;
 	const uint32_t n = n_tok[seq];
 	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
-	const uint32_t wlo = __ldcg(&st->bin[NEED_MASS]), whi = __ldcg(&st->whi),
-		       b1 = __ldcg(&st->bin[NEED_MIN]), b2 = __ldcg(&st->bin[NEED_MAX]);
-	const bool listed = __ldcg(&st->listed), mass = p < 1.0f;
+	const uint32_t b0 = __ldcg(&st->bin[0]), b1 = __ldcg(&st->bin[1]), b2 = __ldcg(&st->bin[2]);
+	const bool listed = __ldcg(&st->listed);
 	const float *s = scores + (size_t)seg * ld;
 	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
-	u64 m_above = 0, m_total = 0;
 	SEL_T(1);
 	static_assert(4 * SEL_VEC <= 32, "a thread's share of a chunk fits a mask word");
-	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
+	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; listed && c0 < n; c0 += gridDim.x * SEL_CHUNK) {
 		float4 v[SEL_VEC];
 		load_chunk(v, s, c0, n);
-		/* the sums, and which scores are candidates, with no warp vote in between: the
-		 * scores' work interleaves */
+		/* which scores are candidates, with no warp vote in between */
 		uint32_t in = 0;
 #pragma unroll
 		for (int k = 0; k < SEL_VEC; k++) {
@@ -349,15 +316,8 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 			const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
 			for (int e = 0; e < 4; e++) {
-				if (i + e >= n)
-					continue;
 				const uint32_t b = lbin(x[e], mx, inv_w);
-				if (mass) {
-					const u64 t = term(x[e], mx, scale);
-					m_total += t;
-					m_above += b < wlo ? t : 0;
-				}
-				if (listed && ((b >= wlo && b <= whi) || b == b1 || b == b2))
+				if (i + e < n && (b == b0 || b == b1 || b == b2))
 					in |= 1u << (4 * k + e);
 			}
 		}
@@ -378,10 +338,6 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		}
 	}
 	SEL_T(2);
-	if (mass)
-		add_block(m_above, m_total, &st->m_above, &st->m_total);
-	__syncthreads();
-	SEL_T(3);
 	if (!last_block(st))
 		return;
 	SEL_T(4);
