@@ -67,7 +67,8 @@ struct sel_scratch {
  * When a pass's blocks reached each point, in ns of the global timer: [0] the first block's start,
  * [i] the last block to reach point i. k_hist: 1 state read and histogram zeroed, 2 scores
  * streamed, 3 flushed (block's thread 0), 4 a segment's last block entered, 5 decided. k_cand:
- * 1 state read, 2 candidates appended, 4 last block entered, 5 sorted, 6 resolved.
+ * 1 state read, 2 candidates appended, 4 last block entered, 5 sorted (when the list is sorted;
+ * reached on the radix path too), 6 resolved.
  */
 
 #ifdef KVT_SEL_TIMING
