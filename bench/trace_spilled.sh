@@ -40,8 +40,18 @@ if [ ! -f "$trace/meta.json" ]; then
 	python3 tools/capture_trace.py --model "$model" --prefill "$prefill" --decode "$decode" \
 		--device cuda "$trace" >"$work/capture.log" 2>&1
 fi
-summary() { # json file, field
-	python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d[sys.argv[2]]; print(v if v is not None else "nan")' "$1" "$2"
+row() { # hot cache, host json, spilled json: one line of the table
+	python3 - "$@" <<'PY'
+import json, sys
+c, h, s = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+def f(d, k):
+    v = d[k]
+    return float("nan") if v is None else v
+print("%-8s %10.4f %10.4f %8.2f %8.4f %8.4f %12.0f %10.1f %12.0f %8.4f %8.4f" % (
+    c, f(h, "step_ms"), f(s, "step_ms"), f(s, "step_ms") / f(h, "step_ms"), f(h, "hot_hit_rate"),
+    f(s, "hot_hit_rate"), f(s, "nvme_bytes_per_step"), f(s, "nvme_bytes_per_step") / 4096,
+    f(s, "pcie_bytes_per_step"), f(s, "recall_p5"), f(s, "recall_mean")))
+PY
 }
 printf '%-8s %10s %10s %8s %8s %8s %12s %10s %12s %8s %8s\n' gpu_cache host_ms spilled_ms ratio \
 	host_hit sp_hit nvme_B/step reads/step pcie_B/step p5 recall
@@ -52,11 +62,5 @@ for c in "${list[@]}"; do
 	"$kvbench" --trace "$trace" --backend cuda --gpu-cache "$c" --json --quiet \
 		--nvme "$work/kv.img" --nvme-qd "$qd" ${ncache:+--nvme-cache "$ncache"} >"$work/spilled.json"
 	rm -f "$work"/kv.img
-	h=$(summary "$work/host.json" step_ms) s=$(summary "$work/spilled.json" step_ms)
-	nb=$(summary "$work/spilled.json" nvme_bytes_per_step)
-	printf '%-8s %10.4f %10.4f %8.2f %8.4f %8.4f %12.0f %10.1f %12.0f %8.4f %8.4f\n' "$c" "$h" "$s" \
-		"$(python3 -c "print($s / $h)")" "$(summary "$work/host.json" hot_hit_rate)" \
-		"$(summary "$work/spilled.json" hot_hit_rate)" "$nb" "$(python3 -c "print($nb / 4096)")" \
-		"$(summary "$work/spilled.json" pcie_bytes_per_step)" \
-		"$(summary "$work/spilled.json" recall_p5)" "$(summary "$work/spilled.json" recall_mean)"
+	row "$c" "$work/host.json" "$work/spilled.json"
 done

@@ -304,39 +304,20 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	const float *s = scores + (size_t)seg * ld;
 	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
 	SEL_T(1);
-	static_assert(4 * SEL_VEC <= 32, "a thread's share of a chunk fits a mask word");
-	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; listed && c0 < n; c0 += gridDim.x * SEL_CHUNK) {
-		float4 v[SEL_VEC];
-		load_chunk(v, s, c0, n);
-		/* which scores are candidates, with no warp vote in between */
-		uint32_t in = 0;
-#pragma unroll
-		for (int k = 0; k < SEL_VEC; k++) {
-			const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS);
-			const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-			for (int e = 0; e < 4; e++) {
-				const uint32_t b = lbin(x[e], mx, inv_w);
-				if (i + e < n && (b == b0 || b == b1 || b == b2))
-					in |= 1u << (4 * k + e);
-			}
-		}
-		/* then the appends, for the shares in which some lane of the warp has one */
-		for (uint32_t any = __reduce_or_sync(0xffffffffu, in); any; any &= any - 1) {
-			const int ke = __ffs(any) - 1, k = ke / 4, e = ke % 4;
-			const bool mine = (in >> ke) & 1;
-			const uint32_t vote = __ballot_sync(0xffffffffu, mine);
+	if (listed)
+		each_of_block(s, n, [&](uint32_t i, float f) {
+			uint32_t b = lbin(f, mx, inv_w);
+			const bool in = i < n && (b == b0 || b == b1 || b == b2);
+			const uint32_t vote = __ballot_sync(0xffffffffu, in);
+			if (!vote)
+				return;
 			uint32_t base = 0;
 			if (lane == (uint32_t)__ffs(vote) - 1)
 				base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
 			base = __shfl_sync(0xffffffffu, base, __ffs(vote) - 1);
-			if (mine) { /* read again (from cache): v indexed by a variable would not stay in
-				     * registers */
-				const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS) + e;
-				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(s[i]), i);
-			}
-		}
-	}
+			if (in)
+				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(f), i);
+		});
 	SEL_T(2);
 	if (!last_block(st))
 		return;
