@@ -156,10 +156,11 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 		hw[SEL_BINS + b] = (uint32_t)(xh >> 32);
 	}
 	__syncthreads();
+	SEL_T(6);
 	/* the decisions; bin j holds the j-th largest band of scores */
-	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
+	auto get = [&](uint32_t j, uint32_t *c, u64 *m) {
 		*c = hc[j];
-		*m = mk128(hm.sum(j));
+		*m = hm.sum(j);
 	};
 	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
 		 cnt[NEEDS] = {0, 0, 0};
@@ -169,8 +170,7 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 		above[NEED_MASS] = w.above;
 		cnt[NEED_MASS] = w.cnt;
 		if (tid == 0) {
-			st->acc_hi = (u64)(w.acc >> 64);
-			st->acc_lo = (u64)w.acc;
+			st->acc = w.acc;
 			st->target = (double)p * mass_d(w.total);
 		}
 	}
@@ -207,6 +207,10 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
 {
 	SEL_T(0);
+	/* pass 3 (a programmatic dependent launch) may be scheduled once every block of this pass
+	 * has started: its blocks take the places of this pass's blocks as they leave, and wait for
+	 * this pass to finish before they read what it wrote */
+	asm volatile("griddepcontrol.launch_dependents;");
 	__shared__ uint32_t hc[SEL_BINS], hw[2 * SEL_BINS];
 	mhist hm{hw, SEL_BINS};
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;

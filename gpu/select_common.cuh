@@ -25,10 +25,12 @@
 #define SEL_CAND 16384u
 /* Candidates resolved by sorting them in shared memory; more take the radix select. */
 #define SEL_SORT 4096u
+/* Candidates sorted by rank (each thread counts the larger ones) rather than by a bitonic network:
+ * at a few hundred, one pass over shared memory costs less than the network's barriers. */
+#define SEL_RANK 512u
 #define SEL_MAX_N (KVT_GPU_SELECT_MAX_N + 1) /* positions take 24 bits of a ckey */
 #define SEL_NONE 0xffffffffu
 
-typedef unsigned __int128 u128;
 typedef unsigned long long u64;
 
 /* The phases of a segment (a segment not in a launch's phase skips it). */
@@ -46,7 +48,7 @@ struct seg_state {
 	uint32_t listed;            /* whether the bins' candidates fit the list */
 	uint32_t bin[NEEDS];        /* the bin of each need, or SEL_NONE */
 	uint32_t above[NEEDS];      /* scores in earlier bins (larger) */
-	uint64_t acc_lo, acc_hi;    /* mass of the bins before bin[NEED_MASS] */
+	uint64_t acc;               /* mass of the bins before bin[NEED_MASS] (unit 2^-40) */
 	double target;              /* p * f(total mass) */
 };
 
@@ -66,9 +68,10 @@ struct sel_scratch {
  * ---- a profile build's timestamps (-DKVT_SEL_TIMING: bench/gpu_select prints them) ----------
  * When a pass's blocks reached each point, in ns of the global timer: [0] the first block's start,
  * [i] the last block to reach point i. k_hist: 1 state read and histogram zeroed, 2 scores
- * streamed, 3 flushed (block's thread 0), 4 a segment's last block entered, 5 decided. k_cand:
- * 1 state read, 2 candidates appended, 4 last block entered, 5 sorted (when the list is sorted;
- * reached on the radix path too), 6 resolved.
+ * streamed, 3 flushed (block's thread 0), 4 a segment's last block entered, 6 its histogram
+ * loaded, 7 the decision's prefix summed, 8 its bin found, 5 decided. k_cand: 1 state read,
+ * 2 candidates appended, 4 last block entered, 5 sorted (when the list is sorted; reached on the
+ * radix path too), 6 resolved (points 7 and 8 there: the radix path's widest mass levels).
  */
 
 #ifdef KVT_SEL_TIMING
@@ -137,17 +140,11 @@ static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w)
 	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
 }
 
-static __device__ __forceinline__ double mass_d(u128 x)
+/* A sum of terms (unit 2^-40; n < 2^24 terms of at most 2^40 units stay below 2^64) as a double:
+ * one rounding, monotone in x. */
+static __device__ __forceinline__ double mass_d(u64 x)
 {
-	/* exact high part (< 2^53) plus the rounded low part, then one rounding: monotone in x */
-	const double hi = (double)(unsigned long long)(x >> 64), lo = (double)(unsigned long long)x;
-	return (hi * 18446744073709551616.0 + lo) * 0x1p-80;
-}
-
-/* A term's or a sum's mass in the unit of the 128-bit sums (2^-80). */
-static __device__ __forceinline__ u128 mk128(unsigned long long t40)
-{
-	return (u128)t40 << 40;
+	return (double)x * 0x1p-40;
 }
 
 /*
@@ -306,23 +303,21 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 
 /* ---- the block's decision over a histogram ----------------------------------------------- */
 
-/* Block-wide exclusive prefix over threads in index order of a count and a 128-bit mass. */
-static __device__ void scan_excl(uint32_t &c, u128 &m, uint32_t *tc, u128 *tm)
+/* Block-wide exclusive prefix over threads in index order of a count and a mass. */
+static __device__ void scan_excl(uint32_t &c, u64 &m, uint32_t *tc, u64 *tm)
 {
 	__shared__ uint32_t wc[SEL_THREADS / 32];
-	__shared__ u128 wm[SEL_THREADS / 32];
+	__shared__ u64 wm[SEL_THREADS / 32];
 	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 	uint32_t ic = c;
-	u128 im = m;
+	u64 im = m;
+#pragma unroll
 	for (int o = 1; o < 32; o <<= 1) {
 		const uint32_t oc = __shfl_up_sync(0xffffffffu, ic, o);
-		const unsigned long long mh =
-			__shfl_up_sync(0xffffffffu, (unsigned long long)(im >> 64), o);
-		const unsigned long long ml =
-			__shfl_up_sync(0xffffffffu, (unsigned long long)im, o);
+		const u64 om = __shfl_up_sync(0xffffffffu, im, o);
 		if (lane >= (uint32_t)o) {
 			ic += oc;
-			im += ((u128)mh << 64) | ml;
+			im += om;
 		}
 	}
 	if (lane == 31) {
@@ -331,7 +326,7 @@ static __device__ void scan_excl(uint32_t &c, u128 &m, uint32_t *tc, u128 *tm)
 	}
 	__syncthreads();
 	uint32_t bc = 0;
-	u128 bm = 0;
+	u64 bm = 0;
 	for (uint32_t w = 0; w < warp; w++) {
 		bc += wc[w];
 		bm += wm[w];
@@ -350,8 +345,8 @@ static __device__ void scan_excl(uint32_t &c, u128 &m, uint32_t *tc, u128 *tm)
 /* The bin a decision picks: j in the walk from the largest scores down. */
 struct pick {
 	uint32_t j, above, cnt;
-	u128 acc;   /* mass before j */
-	u128 total; /* mass of all bins (the first level's target comes from it) */
+	u64 acc;   /* mass before j */
+	u64 total; /* mass of all bins (the first level's target comes from it) */
 };
 
 /*
@@ -362,7 +357,7 @@ struct pick {
  * first level, whose target is p * f(total). Every thread of the block calls it; all get the pick.
  */
 template <uint32_t BINS, bool MASS, class Get>
-static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target, float p,
+static __device__ pick decide(Get get, uint32_t above0, u64 acc0, double target, float p,
 			      uint32_t want)
 {
 	constexpr uint32_t per = BINS / SEL_THREADS;
@@ -371,7 +366,7 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 	__shared__ uint32_t last;
 	/* bins are read twice rather than held: the kernels' streaming passes want few registers */
 	uint32_t c = 0, bc;
-	u128 m = 0, bm;
+	u64 m = 0, bm;
 #pragma unroll 1
 	for (uint32_t k = 0; k < per; k++) {
 		get(threadIdx.x * per + k, &bc, &bm);
@@ -383,12 +378,14 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 		last = 0;
 	}
 	uint32_t tc;
-	u128 tm;
+	u64 tm;
 	scan_excl(c, m, &tc, &tm); /* also a barrier for win and last */
+	if (MASS && BINS == SEL_BINS)
+		SEL_T(7);
 	if (MASS && target < 0.0)
 		target = (double)p * mass_d(acc0 + tm);
 	uint32_t above = above0 + c, mylast = 0;
-	u128 am = acc0 + m;
+	u64 am = acc0 + m;
 #pragma unroll 1
 	for (uint32_t k = 0; k < per; k++) {
 		const uint32_t j = threadIdx.x * per + k;
@@ -407,6 +404,8 @@ static __device__ pick decide(Get get, uint32_t above0, u128 acc0, double target
 	}
 	block_max_into(&last, mylast);
 	__syncthreads();
+	if (MASS && BINS == SEL_BINS)
+		SEL_T(8);
 	if (win.j == SEL_NONE) { /* only by mass */
 		above = above0 + c;
 		am = acc0 + m;

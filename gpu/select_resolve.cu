@@ -40,7 +40,7 @@ static __device__ void each_of(const source &src, F f)
 struct resolve_state {
 	u64 prefix;
 	uint32_t above, cnt;
-	u128 acc;
+	u64 acc;
 	double target;
 	uint32_t want;
 };
@@ -76,10 +76,10 @@ static __device__ void rlevel(const source &src, uint32_t bin, float mx, float i
 	});
 	__syncthreads();
 	/* digits from the largest down */
-	auto get = [&](uint32_t j, uint32_t *c, u128 *m) {
+	auto get = [&](uint32_t j, uint32_t *c, u64 *m) {
 		const uint32_t d = bins - 1 - j;
 		*c = hc[d];
-		*m = MASS ? mk128(hm.sum(d)) : 0;
+		*m = MASS ? hm.sum(d) : 0;
 	};
 	const pick w = decide<bins, MASS>(get, rs->above, rs->acc, rs->target, 1.0f, rs->want);
 	if (threadIdx.x == 0) {
@@ -143,6 +143,40 @@ static __device__ void sort_desc(u64 *a, uint32_t P)
 	__syncthreads();
 }
 
+/*
+ * The m <= SEL_RANK candidates of the list into a[0 .. m) in descending order: each thread counts,
+ * for its candidates, those larger (the shared reads are broadcasts), and the count is the place.
+ * ckeys are distinct (the positions differ), so the places are a permutation.
+ */
+static __device__ void rank_sort(u64 *a, const u64 *cand, uint32_t m)
+{
+	constexpr uint32_t R = SEL_RANK / SEL_THREADS;
+	u64 mine[R];
+	uint32_t place[R];
+#pragma unroll
+	for (uint32_t r = 0; r < R; r++) {
+		const uint32_t i = threadIdx.x + r * SEL_THREADS;
+		mine[r] = i < m ? __ldcg(cand + i) : 0;
+		place[r] = 0;
+		if (i < m)
+			a[i] = mine[r];
+	}
+	__syncthreads();
+#pragma unroll 4
+	for (uint32_t j = 0; j < m; j++) {
+		const u64 x = a[j];
+#pragma unroll
+		for (uint32_t r = 0; r < R; r++)
+			place[r] += x > mine[r];
+	}
+	__syncthreads();
+#pragma unroll
+	for (uint32_t r = 0; r < R; r++)
+		if (threadIdx.x + r * SEL_THREADS < m)
+			a[place[r]] = mine[r];
+	__syncthreads();
+}
+
 /* The index of the first candidate of bin b in the sorted list (a bin's candidates are adjacent). */
 static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w)
 {
@@ -169,7 +203,7 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float 
  * Returns its key; *ge is the number of b's candidates at or above it.
  */
 static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w,
-				       float scale, u128 acc, double target, uint32_t *ge)
+				       float scale, u64 acc, double target, uint32_t *ge)
 {
 	__shared__ uint32_t istar, hi, end;
 	const uint32_t E = (m + SEL_THREADS - 1) / SEL_THREADS, i0 = threadIdx.x * E,
@@ -179,15 +213,15 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, flo
 		istar = SEL_NONE;
 		hi = end = 0;
 	}
-	auto mass_of = [&](uint32_t i, u128 *t) {
+	auto mass_of = [&](uint32_t i, u64 *t) {
 		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
 		if (lbin(x, mx, inv_w) != b)
 			return false;
-		*t = mk128(term(x, mx, scale));
+		*t = term(x, mx, scale);
 		return true;
 	};
 	uint32_t c = 0, tc;
-	u128 run = 0, t, tm;
+	u64 run = 0, t, tm;
 	for (uint32_t i = i0; i < i1; i++)
 		if (mass_of(i, &t))
 			run += t;
@@ -239,7 +273,9 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	uint32_t count = n;
 	u64 *a = smem64;
 	const bool sorted = listed && m <= SEL_SORT;
-	if (sorted) {
+	if (sorted && m <= SEL_RANK) {
+		rank_sort(a, cand, m);
+	} else if (sorted) {
 		uint32_t P = 1;
 		while (P < m)
 			P <<= 1;
@@ -253,14 +289,14 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		uint32_t ge;
 		const uint32_t key = mass_sorted(
 			a, m, b0, mx, inv_w, scale,
-			(u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo), __ldcg(&st->target), &ge);
+			__ldcg(&st->acc), __ldcg(&st->target), &ge);
 		thresh = kvt_d_keyf(key);
 		count = __ldcg(&st->above[NEED_MASS]) + ge;
 	} else if (p < 1.0f) {
 		if (tid == 0) {
 			rs.prefix = 0;
 			rs.above = __ldcg(&st->above[NEED_MASS]);
-			rs.acc = (u128)__ldcg(&st->acc_hi) << 64 | __ldcg(&st->acc_lo);
+			rs.acc = __ldcg(&st->acc);
 			rs.target = __ldcg(&st->target);
 			rs.want = 0;
 		}
@@ -295,6 +331,9 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
 	seg_state *st = sc.st + seg;
+	/* launched as pass 2's programmatic dependent: this block may have started while pass 2's
+	 * last blocks decide; wait until pass 2 has finished and its writes are visible */
+	asm volatile("griddepcontrol.wait;" ::: "memory");
 	if (__ldcg(&st->phase) != PH_CAND)
 		return;
 	const uint32_t n = n_tok[seq];
@@ -334,6 +373,16 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
 				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
 {
-	k_cand<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
-	return cudaGetLastError();
+	/* a programmatic dependent launch: k_cand's blocks are scheduled as pass 2's blocks leave
+	 * (pass 2 allows it from its start), hiding this launch's latency behind pass 2's decisions */
+	cudaLaunchAttribute attr;
+	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+	attr.val.programmaticStreamSerializationAllowed = 1;
+	cudaLaunchConfig_t cfg = {};
+	cfg.gridDim = grid;
+	cfg.blockDim = dim3(SEL_THREADS);
+	cfg.stream = s;
+	cfg.attrs = &attr;
+	cfg.numAttrs = 1;
+	return cudaLaunchKernelEx(&cfg, k_cand, scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
 }
