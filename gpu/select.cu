@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Top-p selection without sorting, in three launches (two after a scan that gathered the
- * statistics) over all (sequence, query head) segments,
+ * Top-p selection without sorting, in three passes (two after a scan that gathered the
+ * statistics) after a kernel that zeroes the scratch's state, over all (sequence, query head)
+ * segments,
  * each segment split into chunks of SEL_CHUNK scores, one block per chunk (or several chunks per
  * block, so that all segments together take about four blocks per multiprocessor):
  *
@@ -13,8 +14,9 @@
  *      range or the top SEL_SPAN_NATS nats, whatever is less. Its last block picks the bin holding
  *      the Top-p boundary, and the bins holding the bmin-th and bmax-th largest (the clamp).
  *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
- *      list; the last block resolves the threshold, and the clamp, in shared memory by a radix
- *      select over the candidates (three levels on the score's key, two more on positions among
+ *      list; the last block resolves the threshold, and the clamp, in shared memory: the
+ *      candidates sorted (by rank up to SEL_RANK of them, by a bitonic network up to SEL_SORT),
+ *      or past that a radix select (three levels on the score's key, two more on positions among
  *      ties). When the bins hold more than SEL_CAND candidates, it runs the same select over the
  *      whole segment instead: slower, the same result.
  *
@@ -66,7 +68,7 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	off += align256(segs * SEL_BINS * sizeof(uint32_t));
 	s.hhi = (unsigned long long *)(p + off);
 	off += align256(segs * SEL_BINS * 8);
-	s.zero_bytes = off; /* the state and the histograms: zeroed by one memset per call */
+	s.zero_bytes = off; /* the state and the histograms: zeroed by k_zero in every call */
 	s.stats = (kvt_gpu_segstats *)(p + off);
 	off += align256(segs * sizeof(kvt_gpu_segstats));
 	s.zero_all = off; /* and the statistics, when the threshold gathers them itself */
@@ -76,6 +78,18 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	return s;
 }
 
+
+/* ---- the scratch's zeroing ---------------------------------------------------------------- */
+
+/* Zeroes n16 16-byte words; the next kernel (pass 2, a programmatic dependent) may start at once,
+ * and waits for this one only before its first global atomic. */
+static __global__ void __launch_bounds__(SEL_THREADS) k_zero(uint4 *p, size_t n16)
+{
+	asm volatile("griddepcontrol.launch_dependents;");
+	for (size_t i = (size_t)blockIdx.x * SEL_THREADS + threadIdx.x; i < n16;
+	     i += (size_t)gridDim.x * SEL_THREADS)
+		p[i] = make_uint4(0, 0, 0, 0);
+}
 
 /* ---- pass 1: max, min, finiteness (when the scan did not gather them) ------------------ */
 
@@ -133,34 +147,37 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 /* ---- pass 2: the log-mass histogram and its boundary bins -------------------------------- */
 
 /*
- * The histogram's last block: the segment's histogram into shared memory, then the boundary bins.
- * Out of line, so that its registers do not weigh on the streaming pass before it.
+ * The histogram's last block: the boundary bins of the segment's histogram, each thread holding
+ * its SEL_BINS / SEL_THREADS consecutive bins in registers (read as whole 16-byte words; the
+ * decisions walk them without touching shared memory). Out of line, so that its registers do not
+ * weigh on the streaming pass before it.
  */
 static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *gc,
-						const unsigned long long *gh, uint32_t *hc,
-						uint32_t *hw, uint32_t n, float p, uint32_t bmin,
-						uint32_t bmax, uint32_t cand_cap)
+						const unsigned long long *gh, uint32_t n, float p,
+						uint32_t bmin, uint32_t bmax, uint32_t cand_cap)
 {
+	constexpr uint32_t per = SEL_BINS / SEL_THREADS;
+	static_assert(per == 8, "two uint4 of counts and four pairs of masses per thread");
 	const uint32_t tid = threadIdx.x;
 	const bool mass = p < 1.0f;
-	const mhist hm{hw, SEL_BINS};
-	/* the segment's histogram into shared memory, every load in flight at once (the decisions
-	 * read each bin twice, and L2 round trips one after the other cost more than the pass) */
+	const uint4 *c4 = (const uint4 *)(gc + tid * per); /* 16-byte aligned: carve */
+	const ulonglong2 *m2 = (const ulonglong2 *)(gh + tid * per);
+	const uint4 ca = __ldcg(c4), cb = __ldcg(c4 + 1);
+	const uint32_t rc[per] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
+	u64 rm[per] = {0, 0, 0, 0, 0, 0, 0, 0};
+	if (mass) {
 #pragma unroll
-	for (uint32_t k = 0; k < SEL_BINS / SEL_THREADS; k++) {
-		const uint32_t b = tid + k * SEL_THREADS;
-		const uint32_t c = __ldcg(gc + b);
-		const u64 xh = mass ? __ldcg(gh + b) : 0;
-		hc[b] = c;
-		hw[b] = (uint32_t)xh;
-		hw[SEL_BINS + b] = (uint32_t)(xh >> 32);
+		for (uint32_t q = 0; q < per / 2; q++) {
+			const ulonglong2 v = __ldcg(m2 + q);
+			rm[2 * q] = v.x;
+			rm[2 * q + 1] = v.y;
+		}
 	}
-	__syncthreads();
 	SEL_T(6);
 	/* the decisions; bin j holds the j-th largest band of scores */
-	auto get = [&](uint32_t j, uint32_t *c, u64 *m) {
-		*c = hc[j];
-		*m = hm.sum(j);
+	auto get = [&](uint32_t, uint32_t k, uint32_t *c, u64 *m) {
+		*c = rc[k];
+		*m = rm[k];
 	};
 	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
 		 cnt[NEEDS] = {0, 0, 0};
@@ -238,6 +255,8 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	});
 	__syncthreads();
 	SEL_T(2);
+	/* the scratch's zeroing (the kernel before this one) is complete and visible past here */
+	asm volatile("griddepcontrol.wait;" ::: "memory");
 	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_BINS;
 	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS) {
@@ -257,7 +276,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 		st->nmin_key = __ldcg(&stats[seg].nmin_key);
 		st->inv_w = inv_w;
 	}
-	hist_decide(st, gc, gh, hc, hw, n, p, bmin, bmax, sc.cand_cap);
+	hist_decide(st, gc, gh, n, p, bmin, bmax, sc.cand_cap);
 	SEL_T(5);
 }
 
@@ -318,18 +337,25 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 		return 0;
 	cudaStream_t s = KVT_STREAM(stream);
 	const uint32_t segs = n_seqs * n_q_heads;
-	/* the state and the histograms, and the statistics when this call gathers them */
-	KVT_CU(cudaMemsetAsync(sc.st, 0, stats ? sc.zero_bytes : sc.zero_all, s));
+	/* the state and the histograms, and the statistics when this call gathers them (pass 1
+	 * then runs between, in plain stream order) */
+	const size_t z16 = (stats ? sc.zero_bytes : sc.zero_all) / 16;
+	const uint32_t zb = (uint32_t)std::min<size_t>((z16 + SEL_THREADS - 1) / SEL_THREADS, 1024);
+	k_zero<<<zb, SEL_THREADS, 0, s>>>((uint4 *)sc.st, z16);
+	KVT_CU_LAUNCHED();
 	const dim3 grid(sel_blocks(max_n, segs), segs);
-	if (!stats) {
+	if (!stats) { /* pass 2 reads pass 1's statistics from its start: plain stream order */
 		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
 						     sc.stats);
 		KVT_CU_LAUNCHED();
-		stats = sc.stats;
+		k_hist<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads, scale,
+						    p, bmin, bmax, sc.stats, sc, out, err);
+		KVT_CU_LAUNCHED();
+	} else { /* pass 2 streams its scores while the zeroing runs: it reads no scratch before
+		  * its griddepcontrol.wait, and the statistics come from the caller's kernels */
+		KVT_CU(launch_dependent(k_hist, grid, s, scores, ld, n_tokens, max_n, n_q_heads,
+					scale, p, bmin, bmax, stats, sc, out, err));
 	}
-	k_hist<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads, scale, p, bmin,
-					    bmax, stats, sc, out, err);
-	KVT_CU_LAUNCHED();
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 				   sc, out));
 	return 0;

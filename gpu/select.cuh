@@ -46,8 +46,10 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
 
 /*
  * The Top-p threshold of softmax(scores * scale) for every (sequence, query head), clamped to
- * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time and three
- * kernels, two when `stats` is given (select.cu): max, min and finiteness; a histogram of
+ * [bmin, bmax] tokens (bmax 0: no cap) exactly as kvt_topp_mark clamps, in linear time: a kernel
+ * zeroing the scratch's state, then three passes, two when `stats` is given (select.cu; on Hopper
+ * each pass after the zeroing is launched as a programmatic dependent of the kernel before it, so
+ * that its blocks start while that kernel ends): max, min and finiteness; a histogram of
  * count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
  * integers of 2^-40), which picks the bin holding the boundary and those holding the bmin-th and
  * bmax-th largest; then those bins' scores are gathered and the last block resolves the threshold
@@ -70,7 +72,7 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  *             s * n_q_heads + j, index = position) when a score is NaN or infinite; that segment
  *             then marks nothing. KVT_GPU_ERR_RANGE when n_tokens[s] > max_n (likewise).
  * Returns 0, -EINVAL (NULL pointer, shapes, scratch too small, p, scale) or -EIO. Asynchronous,
- * allocation-free; uses a cudaMemsetAsync on scratch. Capturable in a CUDA graph; the grid is
+ * allocation-free. Capturable in a CUDA graph; the grid is
  * sized from the current device's multiprocessor count.
  */
 int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores, size_t ld,

@@ -350,26 +350,28 @@ struct pick {
 };
 
 /*
- * Walks BINS bins from the largest scores down (get(j, &count, &mass)) and picks, with `above`
+ * Walks BINS bins from the largest scores down (get(j, k, &count, &mass): bin j, the k-th of the
+ * calling thread's BINS / SEL_THREADS consecutive bins, k a constant once the loops unroll, so
+ * that get may read registers) and picks, with `above`
  * scores and `acc` mass before the first: by mass (MASS), the bin where f(acc) < target <=
  * f(acc + its mass), or when rounding left p Z above the total, the last nonempty one (the CPU
  * then takes the smallest value); by count, the bin holding the want-th largest. target < 0: the
  * first level, whose target is p * f(total). Every thread of the block calls it; all get the pick.
  */
 template <uint32_t BINS, bool MASS, class Get>
-static __device__ pick decide(Get get, uint32_t above0, u64 acc0, double target, float p,
+static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0, double target, float p,
 			      uint32_t want)
 {
 	constexpr uint32_t per = BINS / SEL_THREADS;
 	static_assert(BINS % SEL_THREADS == 0, "the decision gives each thread whole bins");
 	__shared__ pick win;
 	__shared__ uint32_t last;
-	/* bins are read twice rather than held: the kernels' streaming passes want few registers */
+	/* bins are read twice rather than held (get may read them from registers) */
 	uint32_t c = 0, bc;
 	u64 m = 0, bm;
-#pragma unroll 1
+#pragma unroll
 	for (uint32_t k = 0; k < per; k++) {
-		get(threadIdx.x * per + k, &bc, &bm);
+		get(threadIdx.x * per + k, k, &bc, &bm);
 		c += bc;
 		m += bm;
 	}
@@ -386,10 +388,10 @@ static __device__ pick decide(Get get, uint32_t above0, u64 acc0, double target,
 		target = (double)p * mass_d(acc0 + tm);
 	uint32_t above = above0 + c, mylast = 0;
 	u64 am = acc0 + m;
-#pragma unroll 1
+#pragma unroll
 	for (uint32_t k = 0; k < per; k++) {
 		const uint32_t j = threadIdx.x * per + k;
-		get(j, &bc, &bm);
+		get(j, k, &bc, &bm);
 		bool hit;
 		if (MASS)
 			hit = bc && mass_d(am) < target && target <= mass_d(am + bm);
@@ -409,10 +411,10 @@ static __device__ pick decide(Get get, uint32_t above0, u64 acc0, double target,
 	if (win.j == SEL_NONE) { /* only by mass */
 		above = above0 + c;
 		am = acc0 + m;
-#pragma unroll 1
+#pragma unroll
 		for (uint32_t k = 0; k < per; k++) {
 			const uint32_t j = threadIdx.x * per + k;
-			get(j, &bc, &bm);
+			get(j, k, &bc, &bm);
 			if (j == last)
 				win = pick{.j = j, .above = above, .cnt = bc, .acc = am,
 					   .total = tm};
@@ -424,6 +426,27 @@ static __device__ pick decide(Get get, uint32_t above0, u64 acc0, double target,
 	const pick r = win;
 	__syncthreads(); /* before a next decision writes win */
 	return r;
+}
+
+/*
+ * A launch of SEL_THREADS-thread blocks as a programmatic dependent of the stream's previous
+ * kernel (Hopper): its blocks may be scheduled once every block of that kernel has executed
+ * griddepcontrol.launch_dependents (or left), and must execute griddepcontrol.wait before they
+ * touch what that kernel writes. Capturable in a CUDA graph.
+ */
+template <class... P, class... A>
+static cudaError_t launch_dependent(void (*k)(P...), dim3 grid, cudaStream_t s, A... args)
+{
+	cudaLaunchAttribute attr;
+	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+	attr.val.programmaticStreamSerializationAllowed = 1;
+	cudaLaunchConfig_t cfg = {};
+	cfg.gridDim = grid;
+	cfg.blockDim = dim3(SEL_THREADS);
+	cfg.stream = s;
+	cfg.attrs = &attr;
+	cfg.numAttrs = 1;
+	return cudaLaunchKernelEx(&cfg, k, args...);
 }
 
 /* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block.

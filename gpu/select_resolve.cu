@@ -76,7 +76,7 @@ static __device__ void rlevel(const source &src, uint32_t bin, float mx, float i
 	});
 	__syncthreads();
 	/* digits from the largest down */
-	auto get = [&](uint32_t j, uint32_t *c, u64 *m) {
+	auto get = [&](uint32_t j, uint32_t, uint32_t *c, u64 *m) {
 		const uint32_t d = bins - 1 - j;
 		*c = hc[d];
 		*m = MASS ? hm.sum(d) : 0;
@@ -373,16 +373,7 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
 				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
 {
-	/* a programmatic dependent launch: k_cand's blocks are scheduled as pass 2's blocks leave
-	 * (pass 2 allows it from its start), hiding this launch's latency behind pass 2's decisions */
-	cudaLaunchAttribute attr;
-	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-	attr.val.programmaticStreamSerializationAllowed = 1;
-	cudaLaunchConfig_t cfg = {};
-	cfg.gridDim = grid;
-	cfg.blockDim = dim3(SEL_THREADS);
-	cfg.stream = s;
-	cfg.attrs = &attr;
-	cfg.numAttrs = 1;
-	return cudaLaunchKernelEx(&cfg, k_cand, scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
+	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
+	 * hiding this launch's latency behind pass 2's decisions */
+	return launch_dependent(k_cand, grid, s, scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
 }
