@@ -32,6 +32,40 @@
 #define KVT_STREAM(s) ((cudaStream_t)(s))
 
 /*
+ * Programmatic dependent launch (Hopper). kvt_launch_dependent launches k as a dependent of the
+ * stream's previous kernel: k's blocks may be scheduled once every block of that kernel has
+ * executed KVT_PDL_TRIGGER() (or left), so k must execute KVT_PDL_WAIT() before it reads or
+ * writes anything that kernel, or a kernel still running before it, touches: past the wait, the
+ * previous kernel has finished and its writes are visible. Every block of k executes the wait
+ * before it ends, even one with nothing to do, so that k's end implies the end of every kernel
+ * before it (the wait covers only the previous kernel). Both are no-ops in a kernel launched the
+ * plain way, and below sm_90. Capturable in a CUDA graph.
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVT_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;")
+#define KVT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define KVT_PDL_TRIGGER() ((void)0)
+#define KVT_PDL_WAIT() ((void)0)
+#endif
+
+template <class... P, class... A>
+static cudaError_t kvt_launch_dependent(void (*k)(P...), dim3 grid, uint32_t threads,
+					cudaStream_t s, A... args)
+{
+	cudaLaunchAttribute attr;
+	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+	attr.val.programmaticStreamSerializationAllowed = 1;
+	cudaLaunchConfig_t cfg = {};
+	cfg.gridDim = grid;
+	cfg.blockDim = dim3(threads);
+	cfg.stream = s;
+	cfg.attrs = &attr;
+	cfg.numAttrs = 1;
+	return cudaLaunchKernelEx(&cfg, k, args...);
+}
+
+/*
  * Runtime sizes to template arguments (as FlashInfer's DISPATCH_HEAD_DIM): the statements after
  * NAME run with NAME a constexpr int equal to the value, one copy per supported value; any other
  * value returns -EOPNOTSUPP from the enclosing launcher. The statements usually return; when they

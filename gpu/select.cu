@@ -81,11 +81,12 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 
 /* ---- the scratch's zeroing ---------------------------------------------------------------- */
 
-/* Zeroes n16 16-byte words; the next kernel (pass 2, a programmatic dependent) may start at once,
- * and waits for this one only before its first global atomic. */
+/* Zeroes n16 16-byte words. When the caller gave the statistics, the next kernel is pass 2, a
+ * programmatic dependent: it may start at once, and waits for this one only before its first
+ * global atomic. */
 static __global__ void __launch_bounds__(SEL_THREADS) k_zero(uint4 *p, size_t n16)
 {
-	asm volatile("griddepcontrol.launch_dependents;");
+	KVT_PDL_TRIGGER();
 	for (size_t i = (size_t)blockIdx.x * SEL_THREADS + threadIdx.x; i < n16;
 	     i += (size_t)gridDim.x * SEL_THREADS)
 		p[i] = make_uint4(0, 0, 0, 0);
@@ -227,15 +228,17 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	/* pass 3 (a programmatic dependent launch) may be scheduled once every block of this pass
 	 * has started: its blocks take the places of this pass's blocks as they leave, and wait for
 	 * this pass to finish before they read what it wrote */
-	asm volatile("griddepcontrol.launch_dependents;");
+	KVT_PDL_TRIGGER();
 	__shared__ uint32_t hc[SEL_BINS], hw[2 * SEL_BINS];
 	mhist hm{hw, SEL_BINS};
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x;
 	seg_state *st = sc.st + seg;
 	const uint32_t n = n_tok[seq];
 	float inv_w;
-	if (!seg_begin(stats + seg, seg, n, max_n, scale, p, bmin, bmax, out + seg, err, &inv_w))
+	if (!seg_begin(stats + seg, seg, n, max_n, scale, p, bmin, bmax, out + seg, err, &inv_w)) {
+		KVT_PDL_WAIT(); /* even here: this pass ends only after the zeroing (common.cuh) */
 		return;
+	}
 	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
 	const bool mass = p < 1.0f;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
@@ -256,7 +259,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	__syncthreads();
 	SEL_T(2);
 	/* the scratch's zeroing (the kernel before this one) is complete and visible past here */
-	asm volatile("griddepcontrol.wait;" ::: "memory");
+	KVT_PDL_WAIT();
 	uint32_t *gc = sc.hcnt + (size_t)seg * SEL_BINS;
 	unsigned long long *gh = sc.hhi + (size_t)seg * SEL_BINS;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS) {
@@ -353,8 +356,9 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 		KVT_CU_LAUNCHED();
 	} else { /* pass 2 streams its scores while the zeroing runs: it reads no scratch before
 		  * its griddepcontrol.wait, and the statistics come from the caller's kernels */
-		KVT_CU(launch_dependent(k_hist, grid, s, scores, ld, n_tokens, max_n, n_q_heads,
-					scale, p, bmin, bmax, stats, sc, out, err));
+		KVT_CU(kvt_launch_dependent(k_hist, grid, SEL_THREADS, s, scores, ld, n_tokens,
+					    max_n, n_q_heads, scale, p, bmin, bmax, stats, sc, out,
+					    err));
 	}
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 				   sc, out));

@@ -159,7 +159,8 @@ static __device__ __forceinline__ unsigned long long term(float s, float max, fl
 	if (!(h >= -28.0f)) /* also an infinite d, whose l would be NaN */
 		return 0;
 	const float l = __fmaf_rn(d, scale, -h), e = expf(h);
-	return __float2ull_rz(__fmul_rn(__fmaf_rn(e, l, e), 0x1p40f));
+	const unsigned long long t = __float2ull_rz(__fmul_rn(__fmaf_rn(e, l, e), 0x1p40f));
+	return t < (1ull << 40) ? t : 1ull << 40; /* h <= 0: at most 1, so that n terms fit 64 bits */
 }
 
 /*
@@ -426,27 +427,6 @@ static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0
 	const pick r = win;
 	__syncthreads(); /* before a next decision writes win */
 	return r;
-}
-
-/*
- * A launch of SEL_THREADS-thread blocks as a programmatic dependent of the stream's previous
- * kernel (Hopper): its blocks may be scheduled once every block of that kernel has executed
- * griddepcontrol.launch_dependents (or left), and must execute griddepcontrol.wait before they
- * touch what that kernel writes. Capturable in a CUDA graph.
- */
-template <class... P, class... A>
-static cudaError_t launch_dependent(void (*k)(P...), dim3 grid, cudaStream_t s, A... args)
-{
-	cudaLaunchAttribute attr;
-	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-	attr.val.programmaticStreamSerializationAllowed = 1;
-	cudaLaunchConfig_t cfg = {};
-	cfg.gridDim = grid;
-	cfg.blockDim = dim3(SEL_THREADS);
-	cfg.stream = s;
-	cfg.attrs = &attr;
-	cfg.numAttrs = 1;
-	return cudaLaunchKernelEx(&cfg, k, args...);
 }
 
 /* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block.

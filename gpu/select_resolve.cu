@@ -331,9 +331,10 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
 	seg_state *st = sc.st + seg;
+	KVT_PDL_TRIGGER(); /* the union that follows waits for this pass at its start */
 	/* launched as pass 2's programmatic dependent: this block may have started while pass 2's
 	 * last blocks decide; wait until pass 2 has finished and its writes are visible */
-	asm volatile("griddepcontrol.wait;" ::: "memory");
+	KVT_PDL_WAIT();
 	if (__ldcg(&st->phase) != PH_CAND)
 		return;
 	const uint32_t n = n_tok[seq];
@@ -375,5 +376,6 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	return launch_dependent(k_cand, grid, s, scores, ld, n_tok, hq, scale, p, bmin, bmax, sc, out);
+	return kvt_launch_dependent(k_cand, grid, SEL_THREADS, s, scores, ld, n_tok, hq, scale, p,
+				    bmin, bmax, sc, out);
 }
