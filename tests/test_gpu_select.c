@@ -99,7 +99,14 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	float *ds = (float *)dcopy(hs, 4 * (size_t)segs * ld);
 	void *dn = dcopy(n, 4 * S);
 	const size_t sb = kvt_gpu_select_scratch_bytes(S, Hq, Hkv, max_n);
-	void *scr = dpoison(sb);
+	/* the scratch needs no initial contents: here every word 2, small counts and states as an
+	 * earlier call with other shapes may leave them (the threshold's state word 2 is a segment
+	 * waiting for its candidates) */
+	uint32_t *hscr = (uint32_t *)t_alloc(sb);
+	for (size_t w = 0; w < sb / 4; w++)
+		hscr[w] = 2;
+	void *scr = dcopy(hscr, sb);
+	free(hscr);
 	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
 	uint32_t *dsel = (uint32_t *)dpoison(4 * (size_t)S * Hkv * max_n),
 		 *dseln = (uint32_t *)dpoison(4 * S * Hkv);
