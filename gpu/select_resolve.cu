@@ -331,7 +331,6 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
 	seg_state *st = sc.st + seg;
-	KVT_PDL_TRIGGER(); /* the union that follows waits for this pass at its start */
 	/* launched as pass 2's programmatic dependent: this block may have started while pass 2's
 	 * last blocks decide; wait until pass 2 has finished and its writes are visible */
 	KVT_PDL_WAIT();

@@ -23,10 +23,6 @@ static __global__ void __launch_bounds__(UN_THREADS)
 {
 	__shared__ unsigned long long cut[KVT_GPU_MAX_GROUP];
 	__shared__ uint32_t cnt[UN_THREADS / 32];
-	/* a programmatic dependent of the threshold's last pass (or of whatever kernel came before):
-	 * nothing is read before it has finished; the compaction may start as this one does */
-	KVT_PDL_WAIT();
-	KVT_PDL_TRIGGER();
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n = n_tok[seq];
 	const size_t seg0 = (size_t)seq * hq + (size_t)h * G;
@@ -87,7 +83,6 @@ static __global__ void __launch_bounds__(UN_THREADS)
 {
 	__shared__ uint32_t wsum[UN_THREADS / 32];
 	__shared__ uint32_t before;
-	KVT_PDL_WAIT(); /* a programmatic dependent of the marking (or of the kernel before) */
 	const uint32_t item = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 	/* selected tokens of the earlier chunks */
 	uint32_t b = 0;
@@ -175,8 +170,9 @@ extern "C" int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint
 	if (n_seqs == 0)
 		return 0;
 	const dim3 grid(chunks_of(max_n), n_seqs * n_kv_heads);
-	KVT_CU(kvt_launch_dependent(k_union_mark, grid, UN_THREADS, KVT_STREAM(stream), scores, ld,
-				    n_tokens, n_q_heads, n_kv_heads, topp, bits, clamps));
+	k_union_mark<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(scores, ld, n_tokens, n_q_heads,
+								  n_kv_heads, topp, bits, clamps);
+	KVT_CU_LAUNCHED();
 	return 0;
 }
 
@@ -189,8 +185,8 @@ extern "C" int kvt_gpu_selbits_list(uint32_t n_items, kvt_gpu_selbits bits, uint
 	if (n_items == 0)
 		return 0;
 	const dim3 grid(bits.chunks, n_items);
-	KVT_CU(kvt_launch_dependent(k_union_write, grid, UN_THREADS, KVT_STREAM(stream), bits, sel,
-				    sel_ld, sel_n));
+	k_union_write<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(bits, sel, sel_ld, sel_n);
+	KVT_CU_LAUNCHED();
 	return 0;
 }
 
