@@ -7,32 +7,40 @@
 # PCIe bytes per step. Synthetic workloads share 95 % of a step's selection with the next; a
 # trained model's queries about half, so this is the figure a runtime sees.
 # Needs torch and transformers (the GPU machine). Usage, from the repository root:
-#   bash bench/trace_spilled.sh BUILD_DIR [--minutes M] [--prefill T] [--decode S]
+#   bash bench/trace_spilled.sh BUILD_DIR [--minutes M] [--context C] [--prefill T] [--decode S]
 #        [--gpu-caches auto,6M,...] [--nvme-qd N] [--nvme-cache N] [--work DIR]
+# --context is the context the model trains at (default 8192; --prefill defaults to it).
 # --nvme-cache is the block cache (kvbench's; default the library's 64 MiB, which holds a whole
-# layer of an 8K trace, so that only first touches reach the disk: give 1M to see its misses).
-# The work directory (default $TMPDIR or /tmp, then kvt-trace-spilled) must take O_DIRECT.
+# layer of an 8K trace, so that only first touches reach the disk; a layer of a 32K trace is
+# 32 MiB, of which the 6 layers then do not fit). The work directory (default $TMPDIR or /tmp,
+# then kvt-trace-spilled) must take O_DIRECT; the model and the trace are kept there per context
+# and length, and reused.
 set -eu
-[ $# -ge 1 ] || { sed -n 2,15p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,18p "$0"; exit 2; }
 b=$1; shift
-minutes=2; prefill=8192; decode=64; caches=auto,6M,12M,24M; qd=32; ncache=
+minutes=2; context=8192; prefill=; decode=64; caches=auto,6M,12M,24M; qd=32; ncache=
 work=${TMPDIR:-/tmp}/kvt-trace-spilled
 while [ $# -gt 0 ]; do
 	[ $# -ge 2 ] || { echo "trace_spilled: $1 needs a value" >&2; exit 2; }
 	case $1 in
-	--minutes) minutes=$2 ;; --prefill) prefill=$2 ;; --decode) decode=$2 ;;
+	--minutes) minutes=$2 ;; --context) context=$2 ;; --prefill) prefill=$2 ;;
+	--decode) decode=$2 ;;
 	--gpu-caches) caches=$2 ;; --nvme-qd) qd=$2 ;; --nvme-cache) ncache=$2 ;; --work) work=$2 ;;
 	*) echo "trace_spilled: unknown option $1" >&2; exit 2 ;;
 	esac
 	shift 2
 done
+prefill=${prefill:-$context}
 kvbench=$b/tools/kvbench
 [ -x "$kvbench" ] || { echo "trace_spilled: no $kvbench (build first)" >&2; exit 1; }
 mkdir -p "$work"
-model=$work/model trace=$work/trace
+model=$work/model-$context trace=$work/trace-$context-$prefill-$decode
 if [ ! -f "$model/config.json" ]; then
-	echo "training the small model for $minutes minutes" >&2
-	python3 tools/python/scripts/train_small.py --out "$model" --minutes "$minutes" >"$work/train.log"
+	echo "training the small model at context $context for $minutes minutes" >&2
+	# the same tokens per training step at every context (8 sequences of 8K)
+	batch=$(( 65536 / context > 0 ? 65536 / context : 1 ))
+	python3 tools/python/scripts/train_small.py --out "$model" --minutes "$minutes" \
+		--context "$context" --batch "$batch" >"$work/train.log"
 fi
 if [ ! -f "$trace/meta.json" ]; then
 	rm -rf "$trace"
