@@ -360,8 +360,8 @@ struct pick {
  * first level, whose target is p * f(total). Every thread of the block calls it; all get the pick.
  */
 template <uint32_t BINS, bool MASS, class Get>
-static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0, double target, float p,
-			      uint32_t want)
+static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0,
+					      double target, float p, uint32_t want)
 {
 	constexpr uint32_t per = BINS / SEL_THREADS;
 	static_assert(BINS % SEL_THREADS == 0, "the decision gives each thread whole bins");
