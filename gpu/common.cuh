@@ -32,8 +32,8 @@
 #define KVT_STREAM(s) ((cudaStream_t)(s))
 
 /*
- * Programmatic dependent launch (Hopper). kvt_launch_dependent launches k as a dependent of the
- * stream's previous kernel: k's blocks may be scheduled once every block of that kernel has
+ * Programmatic dependent launch (Hopper). kvt_launch_dependent launches k (when `dependent`;
+ * otherwise in plain stream order) as a dependent of the stream's previous kernel: k's blocks may be scheduled once every block of that kernel has
  * executed KVT_PDL_TRIGGER() (or left), so k must execute KVT_PDL_WAIT() before it reads or
  * writes anything that kernel, or a kernel still running before it, touches: past the wait, the
  * previous kernel has finished and its writes are visible. Every block of k executes the wait
@@ -51,7 +51,7 @@
 
 template <class... P, class... A>
 static cudaError_t kvt_launch_dependent(void (*k)(P...), dim3 grid, uint32_t threads,
-					cudaStream_t s, A... args)
+					cudaStream_t s, bool dependent, A... args)
 {
 	cudaLaunchAttribute attr;
 	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -61,7 +61,7 @@ static cudaError_t kvt_launch_dependent(void (*k)(P...), dim3 grid, uint32_t thr
 	cfg.blockDim = dim3(threads);
 	cfg.stream = s;
 	cfg.attrs = &attr;
-	cfg.numAttrs = 1;
+	cfg.numAttrs = dependent ? 1 : 0; /* false: a plain launch in stream order */
 	return cudaLaunchKernelEx(&cfg, k, args...);
 }
 

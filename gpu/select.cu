@@ -347,19 +347,17 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 	k_zero<<<zb, SEL_THREADS, 0, s>>>((uint4 *)sc.st, z16);
 	KVT_CU_LAUNCHED();
 	const dim3 grid(sel_blocks(max_n, segs), segs);
-	if (!stats) { /* pass 2 reads pass 1's statistics from its start: plain stream order */
+	if (!stats) {
 		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
 						     sc.stats);
 		KVT_CU_LAUNCHED();
-		k_hist<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads, scale,
-						    p, bmin, bmax, sc.stats, sc, out, err);
-		KVT_CU_LAUNCHED();
-	} else { /* pass 2 streams its scores while the zeroing runs: it reads no scratch before
-		  * its griddepcontrol.wait, and the statistics come from the caller's kernels */
-		KVT_CU(kvt_launch_dependent(k_hist, grid, SEL_THREADS, s, scores, ld, n_tokens,
-					    max_n, n_q_heads, scale, p, bmin, bmax, stats, sc, out,
-					    err));
 	}
+	/* with the caller's statistics, pass 2 streams its scores while the zeroing runs: it reads
+	 * no scratch before its griddepcontrol.wait, and the statistics come from the caller's
+	 * kernels; after pass 1 it reads pass 1's statistics from its start, so plain stream order */
+	KVT_CU(kvt_launch_dependent(k_hist, grid, SEL_THREADS, s, stats != NULL, scores, ld,
+				    n_tokens, max_n, n_q_heads, scale, p, bmin, bmax,
+				    stats ? stats : sc.stats, sc, out, err));
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 				   sc, out));
 	return 0;

@@ -50,8 +50,7 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  * zeroing the scratch's state, then three passes, two when `stats` is given (select.cu; on Hopper
  * the last pass, and the histogram pass when `stats` is given, are launched as programmatic
  * dependents of the kernel before them, so that their blocks start while it ends): max, min and
- * finiteness; a histogram of
- * count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
+ * finiteness; a histogram of count and probability mass over 2048 log-mass bins (the terms in float, summed exactly in
  * integers of 2^-40), which picks the bin holding the boundary and those holding the bmin-th and
  * bmax-th largest; then those bins' scores are gathered and the last block resolves the threshold
  * and clamp among them (sorted in shared memory, or by a radix select when there are many), ties

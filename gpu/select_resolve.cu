@@ -375,6 +375,6 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	return kvt_launch_dependent(k_cand, grid, SEL_THREADS, s, scores, ld, n_tok, hq, scale, p,
-				    bmin, bmax, sc, out);
+	return kvt_launch_dependent(k_cand, grid, SEL_THREADS, s, true, scores, ld, n_tok, hq, scale,
+				    p, bmin, bmax, sc, out);
 }
