@@ -4,7 +4,8 @@
  * (k_union_mark: a warp reads 1024 scores of every query head of the group and writes 32 words of
  * bits and, per block, the count of its 8192 tokens), and their compaction into ascending positions
  * (k_union_write: each block adds up the counts of the chunks before it, then each warp prefix-sums
- * its words' population counts). The bits are what a layer keeps between steps (select.cuh); the
+ * its words' population counts and writes its words' positions one word at a time, a lane per
+ * bit, so that the stores coalesce). The bits are what a layer keeps between steps (select.cuh); the
  * list is per-step scratch.
  */
 #include "common.cuh"
@@ -114,11 +115,18 @@ static __global__ void __launch_bounds__(UN_THREADS)
 	uint32_t off = before + inc - c;
 	for (uint32_t w = 0; w < warp; w++)
 		off += wsum[w];
+	/* the warp writes its 32 words one after another, each word's set bits by the lanes of those
+	 * bits, so that a word's positions go out in one coalesced store */
 	uint32_t *dst = sel + (size_t)item * sel_ld;
-	for (uint32_t m = word; m; m &= m - 1)
-		dst[off++] = wi * 32 + (uint32_t)__ffs(m) - 1;
+	const uint32_t below = (1u << lane) - 1u, w0 = wi - lane;
+	for (int k = 0; k < 32; k++) {
+		const uint32_t wk = __shfl_sync(0xffffffffu, word, k);
+		const uint32_t ok = __shfl_sync(0xffffffffu, off, k);
+		if ((wk >> lane) & 1u)
+			dst[ok + __popc(wk & below)] = (w0 + (uint32_t)k) * 32 + lane;
+	}
 	if (blockIdx.x == gridDim.x - 1 && tid == UN_THREADS - 1)
-		sel_n[item] = off;
+		sel_n[item] = off + c;
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
