@@ -7,14 +7,18 @@
  * keeps the 8 output dimensions it loads. Several rows per group are loaded before any is used:
  * rows read over PCIe from mapped host memory take microseconds, and only many requests in flight
  * hide that. Query heads of the group (up to 8 per block, more through grid.z) share every load.
+ * A block first reads its chunk's row addresses all at once into shared memory, so that a row
+ * costs one memory latency, not two (its address, then its bytes).
  */
 #include "attend.cuh"
 #include "common.cuh"
 #include "graph.cuh"
 
 #define AT_THREADS 256
-#define AT_CHUNK 256u /* rows per block */
+#define AT_CHUNK 64u /* rows per block and sweep: a decode step's few thousand rows per item
+			  * then spread over tens of blocks per item, not a handful */
 #define AT_UNROLL 4   /* rows per group in flight */
+#define AT_MAX_CHUNKS 2048u /* chunks_of's largest (k_merge keeps their maxima in shared memory) */
 
 static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, uint32_t i)
 {
@@ -31,6 +35,7 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	constexpr int LPR = D / 8, GROUPS = AT_THREADS / LPR;
 	__shared__ float sm_m[GROUPS], sm_l[GROUPS];
 	__shared__ float sm_acc[GROUPS][D];
+	__shared__ const char *rp[AT_CHUNK]; /* the chunk's row addresses, loaded by all at once */
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t g0 = blockIdx.z * GB, ng = min((uint32_t)GB, G - g0);
 	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR;
@@ -66,6 +71,10 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	/* chunks blockIdx.x, + gridDim.x, ...: a block's running maximum spans all of them */
 	for (uint32_t r0 = blockIdx.x * AT_CHUNK; r0 < n; r0 += gridDim.x * AT_CHUNK) {
 	const uint32_t r1 = min(r0 + AT_CHUNK, n);
+	__syncthreads(); /* the last chunk's addresses are read */
+	for (uint32_t i = tid; i < r1 - r0; i += AT_THREADS)
+		rp[i] = row_ptr(it, r0 + i);
+	__syncthreads();
 	/* the bound is uniform over the warp: the shuffles below need every lane */
 	for (uint32_t r = r0 + grp, base = r0; base < r1;
 	     r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
@@ -74,7 +83,7 @@ static __global__ void __launch_bounds__(AT_THREADS)
 		for (int u = 0; u < AT_UNROLL; u++) {
 			const uint32_t rr = r + u * GROUPS;
 			if (rr < r1) {
-				const char *p = row_ptr(it, rr);
+				const char *p = rp[rr - r0];
 				kb[u] = *(const uint4 *)(p + 16 * li);
 				vb[u] = *(const uint4 *)(p + 2 * D + 16 * li);
 			} else {
@@ -172,29 +181,47 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	}
 }
 
-/* Merge the chunks of one (item, query head) and convert to the output type. */
+/* Merge the chunks of one (item, query head) and convert to the output type. The chunks' maxima
+ * are read by all threads at once into shared memory; each thread then sums its dimension over the
+ * chunks in their order (the same operations as a sequential merge), its loads eight chunks ahead,
+ * since a dependent load per chunk made this kernel a chain of memory latencies. */
 template <int D>
 static __global__ void __launch_bounds__(D)
 	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,
 		uint32_t chunks, const float *part, uint32_t out_dtype, void *out)
 {
+	__shared__ float ms[AT_MAX_CHUNKS];
 	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
 	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
 	if (items[item].reserved & KVT_GPU_ROWS_SKIP)
 		return;
 	const uint32_t n = items[item].n > max_rows ? 0 : items[item].n;
 	const uint32_t used = min((n + AT_CHUNK - 1) / AT_CHUNK, chunks);
+	const float *p0 = part + ((size_t)item * chunks * G + g) * (D + 2);
+	const size_t stride = (size_t)G * (D + 2); /* from one chunk to the next */
+	for (uint32_t c = j; c < used; c += D)
+		ms[c] = p0[c * stride];
+	__syncthreads();
 	float M = -INFINITY;
 	for (uint32_t c = 0; c < used; c++)
-		M = fmaxf(M, part[(((size_t)item * chunks + c) * G + g) * (D + 2)]);
+		M = fmaxf(M, ms[c]);
 	float L = 0.0f, a = 0.0f;
-	for (uint32_t c = 0; c < used; c++) {
-		const float *p = part + (((size_t)item * chunks + c) * G + g) * (D + 2);
-		if (p[0] == -INFINITY)
-			continue;
-		const float f = expf(p[0] - M);
-		L = fmaf(f, p[1], L);
-		a = fmaf(f, p[2 + j], a);
+	for (uint32_t c0 = 0; c0 < used; c0 += 8) {
+		float lv[8], av[8];
+#pragma unroll
+		for (uint32_t k = 0; k < 8; k++) {
+			const bool in = c0 + k < used;
+			lv[k] = in ? p0[(c0 + k) * stride + 1] : 0.0f;
+			av[k] = in ? p0[(c0 + k) * stride + 2 + j] : 0.0f;
+		}
+#pragma unroll
+		for (uint32_t k = 0; k < 8; k++) {
+			if (c0 + k >= used || ms[c0 + k] == -INFINITY)
+				continue;
+			const float f = expf(ms[c0 + k] - M);
+			L = fmaf(f, lv[k], L);
+			a = fmaf(f, av[k], a);
+		}
 	}
 	const float o = L > 0.0f ? a / L : 0.0f;
 	kvt_d_store_out(out_dtype, out, ((size_t)seq * hq + (size_t)h * G + g) * D + j, o);
@@ -221,7 +248,7 @@ static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 	const uint32_t z = group <= 8 ? 1 : (group + 7) / 8;
 	const uint64_t per = (uint64_t)n_items * z;
 	uint32_t cap = per ? (uint32_t)(2048 / per) : 1;
-	cap = cap < 16 ? 16 : cap;
+	cap = cap < 16 ? 16 : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
 	return need < cap ? need : cap;
 }
 

@@ -139,10 +139,17 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		if (lane == 0 && hot.sets) {
 			const uint32_t set = set_of(q.uid, h, at, hot.sets);
 			for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
+				/* the set's eight epochs in two 16-byte loads from L2 (where the
+				 * claims' atomics are), not eight loads one after another */
+				const uint4 *lu = (const uint4 *)(hot.last_use +
+								  (size_t)set * KVT_GPU_HOT_WAYS);
+				const uint4 e0 = __ldcg(lu), e1 = __ldcg(lu + 1);
+				const uint32_t eu[KVT_GPU_HOT_WAYS] = {e0.x, e0.y, e0.z, e0.w,
+								       e1.x, e1.y, e1.z, e1.w};
 				uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
+#pragma unroll
 				for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-					const uint32_t u = ((volatile uint32_t *)
-								    hot.last_use)[(size_t)set * KVT_GPU_HOT_WAYS + w];
+					const uint32_t u = eu[w];
 					if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
 						best = w;
 						old = u;

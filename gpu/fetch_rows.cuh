@@ -37,12 +37,25 @@ static __device__ __forceinline__ long long hot_slot(const kvt_gpu_hot &hot, uns
 		return -1;
 	const uint32_t set = set_of(uid, h, pos, hot.sets);
 	const unsigned long long lo = (unsigned long long)h << 32 | pos;
-	for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-		const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + w;
-		if (hot.tag_hi[slot] == uid && hot.tag_lo[slot] == lo)
-			return (long long)slot;
+	/* the set's tags as 16-byte loads issued together (64-byte aligned: hot.c's layout) */
+	const size_t s0 = (size_t)set * KVT_GPU_HOT_WAYS;
+	const ulonglong2 *th = (const ulonglong2 *)(hot.tag_hi + s0),
+			 *tl = (const ulonglong2 *)(hot.tag_lo + s0);
+	ulonglong2 a[KVT_GPU_HOT_WAYS / 2], b[KVT_GPU_HOT_WAYS / 2];
+#pragma unroll
+	for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS / 2; w++) {
+		a[w] = th[w];
+		b[w] = tl[w];
 	}
-	return -1;
+	long long found = -1; /* the first way that matches, as a walk from way 0 finds it */
+#pragma unroll
+	for (int w = KVT_GPU_HOT_WAYS / 2 - 1; w >= 0; w--) {
+		if (a[w].y == uid && b[w].y == lo)
+			found = (long long)(s0 + 2 * w + 1);
+		if (a[w].x == uid && b[w].x == lo)
+			found = (long long)(s0 + 2 * w);
+	}
+	return found;
 }
 
 #endif

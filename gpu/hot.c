@@ -28,7 +28,9 @@ static size_t way_bytes(const kvt_cache *c)
 	return c->row_bytes + KVT_GPU_HOT_TAG_BYTES;
 }
 
-/* Point the layer's cache at mem (sets sets, zeroed: every way empty). */
+/* Point the layer's cache at mem (sets sets, zeroed: every way empty). mem is cudaMalloc's (256-byte
+ * aligned), so each set's tags are 64-byte and its epochs 16-byte aligned (row_bytes % 16 == 0):
+ * the kernels read a set's as whole 16-byte words (fetch_rows.cuh, fetch.cu). */
 static void lay_out(const kvt_cache *c, struct gpu_layer *y, void *mem, uint64_t sets)
 {
 	const uint64_t slots = sets * KVT_GPU_HOT_WAYS;

@@ -57,16 +57,21 @@ static __global__ void __launch_bounds__(D)
 	__shared__ __align__(16) float rs[D];
 	__shared__ float xs[D];
 	__shared__ uint8_t us[D];
+	__shared__ float cks[D];
 	__shared__ float lo_s, delta_s;
+	__shared__ float red_v[2][D / 32];
+	__shared__ uint32_t red_i[2][D / 32];
 	__shared__ uint32_t pl[4][W];
 	const uint32_t sq = blockIdx.x, seq = sq / hq, kvh = (sq % hq) / group, j = threadIdx.x;
 	const float *cq = c_q[seq] + (size_t)kvh * D, *ck = c_k[seq] + (size_t)kvh * D;
 	kvt_gpu_qcode *o = out + sq;
 
 	rs[j] = __fsub_rn(kvt_d_load<DT>(q, (size_t)sq * D + j), cq[j]);
+	cks[j] = ck[j];
 	__syncthreads();
 	float x = 0.0f; /* x[j] = sum over i increasing of rot[j][i] r[i], as rotate() */
 	const float4 *rj = (const float4 *)(rot + (size_t)j * D);
+#pragma unroll 16
 	for (int i4 = 0; i4 < D / 4; i4++) {
 		const float4 a = __ldg(rj + i4), r = *(const float4 *)&rs[4 * i4];
 		x = __fadd_rn(x, __fmul_rn(a.x, r.x));
@@ -75,20 +80,61 @@ static __global__ void __launch_bounds__(D)
 		x = __fadd_rn(x, __fmul_rn(a.w, r.w));
 	}
 	xs[j] = x;
+	/*
+	 * lo and hi as the CPU's walk from coordinate 0 finds them (lib/estimate.c): the first
+	 * coordinate holding the least (greatest) value, so that a tie of -0 and +0 resolves the same,
+	 * and NaN coordinates past the first passed over (all NaN when the first is). A reduction
+	 * over (value, coordinate) that prefers the lower coordinate among equal values gives that.
+	 */
+	{
+		const bool nan = x != x;
+		float vl = nan ? INFINITY : x, vh = nan ? -INFINITY : x;
+		uint32_t il = j, ih = j;
+#pragma unroll
+		for (int o = 16; o; o >>= 1) {
+			const float ol = __shfl_xor_sync(0xffffffffu, vl, o),
+				    oh = __shfl_xor_sync(0xffffffffu, vh, o);
+			const uint32_t oil = __shfl_xor_sync(0xffffffffu, il, o),
+				       oih = __shfl_xor_sync(0xffffffffu, ih, o);
+			if (ol < vl || (ol == vl && oil < il)) {
+				vl = ol;
+				il = oil;
+			}
+			if (oh > vh || (oh == vh && oih < ih)) {
+				vh = oh;
+				ih = oih;
+			}
+		}
+		if (j % 32 == 0) {
+			red_v[0][j / 32] = vl;
+			red_i[0][j / 32] = il;
+			red_v[1][j / 32] = vh;
+			red_i[1][j / 32] = ih;
+		}
+	}
 	__syncthreads();
 	if (j == 0) {
-		/* sequential, so that ties between -0 and +0 resolve as on the CPU */
-		float lo = xs[0], hi = xs[0];
-		for (int i = 1; i < D; i++) {
-			lo = xs[i] < lo ? xs[i] : lo;
-			hi = xs[i] > hi ? xs[i] : hi;
+		float lo = red_v[0][0], hi = red_v[1][0];
+		uint32_t il = red_i[0][0], ih = red_i[1][0];
+		for (int w = 1; w < D / 32; w++) {
+			if (red_v[0][w] < lo || (red_v[0][w] == lo && red_i[0][w] < il)) {
+				lo = red_v[0][w];
+				il = red_i[0][w];
+			}
+			if (red_v[1][w] > hi || (red_v[1][w] == hi && red_i[1][w] < ih)) {
+				hi = red_v[1][w];
+				ih = red_i[1][w];
+			}
 		}
+		/* the coordinates' own values: +-inf above may stand for a NaN of coordinate 0 */
+		lo = xs[0] != xs[0] ? xs[0] : xs[il];
+		hi = xs[0] != xs[0] ? xs[0] : xs[ih];
 		lo_s = lo;
 		delta_s = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
 	} else if (j == 32) {
 		float s = 0.0f;
 		for (int i = 0; i < D; i++)
-			s = __fadd_rn(s, __fmul_rn(rs[i], ck[i]));
+			s = __fadd_rn(s, __fmul_rn(rs[i], cks[i]));
 		/* saturated as lib/estimate.c's twin does (KVT_QC_CK_MAX) */
 		o->qc_ck = s != s ? 0.0f : s > KVT_QC_CK_MAX ? KVT_QC_CK_MAX
 			   : s < -KVT_QC_CK_MAX ? -KVT_QC_CK_MAX : s;

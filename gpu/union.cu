@@ -15,6 +15,7 @@
 #define UN_THREADS 256
 #define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
 #define UN_CHUNK KVT_GPU_SEL_CHUNK /* tokens per block */
+#define UN_HEADS 4u /* query heads whose scores k_union_mark loads at once */
 static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cover its chunk");
 
 static __global__ void __launch_bounds__(UN_THREADS)
@@ -35,24 +36,35 @@ static __global__ void __launch_bounds__(UN_THREADS)
 	}
 	__syncthreads();
 	const uint32_t t0 = blockIdx.x * UN_CHUNK + warp * UN_WARP_TOKENS;
-	/* bit k of sel: token t0 + 32 k + lane; each head's 32 loads are issued together */
+	/* bit k of sel: token t0 + 32 k + lane; the loads of UN_HEADS heads are issued together (a
+	 * block per 8192 tokens leaves few warps per multiprocessor: only loads in flight hide the
+	 * memory's latency) */
 	uint32_t sel = 0;
-	for (uint32_t g = 0; g < G; g++) {
-		if (cut[g] == ~0ull)
-			continue;
-		const float *row = scores + (seg0 + g) * ld;
-		float x[32];
+	for (uint32_t g0 = 0; g0 < G; g0 += UN_HEADS) {
+		float x[UN_HEADS][32];
 #pragma unroll
-		for (int k = 0; k < 32; k++) {
-			const uint32_t t = t0 + 32 * k + lane;
-			x[k] = t < n ? row[t] : 0.0f;
+		for (uint32_t e = 0; e < UN_HEADS; e++) {
+			const uint32_t g = g0 + e;
+			const bool on = g < G && cut[g] != ~0ull; /* ~0: nothing marked */
+			const float *row = scores + (seg0 + (on ? g : 0)) * ld;
+#pragma unroll
+			for (int k = 0; k < 32; k++) {
+				const uint32_t t = t0 + 32 * k + lane;
+				x[e][k] = on && t < n ? row[t] : 0.0f;
+			}
 		}
 #pragma unroll
-		for (int k = 0; k < 32; k++) {
-			const uint32_t t = t0 + 32 * k + lane;
-			const unsigned long long ck =
-				(unsigned long long)kvt_d_fkey(x[k]) << 32 | (0xffffffffu - t);
-			sel |= (t < n && ck >= cut[g] ? 1u : 0u) << k;
+		for (uint32_t e = 0; e < UN_HEADS; e++) {
+			const uint32_t g = g0 + e;
+			if (g >= G || cut[g] == ~0ull)
+				continue;
+#pragma unroll
+			for (int k = 0; k < 32; k++) {
+				const uint32_t t = t0 + 32 * k + lane;
+				const unsigned long long ck =
+					(unsigned long long)kvt_d_fkey(x[e][k]) << 32 | (0xffffffffu - t);
+				sel |= (t < n && ck >= cut[g] ? 1u : 0u) << k;
+			}
 		}
 	}
 	uint32_t mine = 0;
