@@ -45,7 +45,7 @@ static __global__ void __launch_bounds__(AT_THREADS)
 		return; /* a padded slot of a graph step: its output is left as it was */
 	if (n > max_rows) {
 		if (blockIdx.x == 0 && blockIdx.z == 0 && tid == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+			kvt_d_range(err, KVT_GPU_SITE_ATTEND_ROWS, item, n);
 		n = 0;
 	}
 	if (blockIdx.x * AT_CHUNK >= n)

@@ -38,6 +38,31 @@ static uint32_t err_seq(kvt_cache *c, struct gpu_cache *b, uint32_t slot, uint32
 	return s == UINT32_MAX ? ERR_GONE : s;
 }
 
+/* What each range check means (errword.h's sites; item and value as each names them). */
+static const char *const site_text[KVT_GPU_SITE_COUNT] = {
+	[KVT_GPU_SITE_INDEX_JOB] = "the index build: a job's token count (value) above what the "
+				   "launch was sized for (item: job)",
+	[KVT_GPU_SITE_INDEX_CAP] = "the index build: a job's end (value) past its index's capacity "
+				   "(item: job)",
+	[KVT_GPU_SITE_SCORE_N] = "the scan: a sequence's indexed count (value) above the launch's "
+				 "bound or its index's capacity (item: sequence x KV head)",
+	[KVT_GPU_SITE_SELECT_N] = "the Top-p threshold: a segment's token count (value) above the "
+				  "launch's bound (item: sequence x query head)",
+	[KVT_GPU_SITE_LOOKUP_ROWS] = "the hot-cache lookup: an item's rows, sinks + selected + "
+				     "window (value), above the launch's max_rows (item: "
+				     "sequence x KV head)",
+	[KVT_GPU_SITE_LOOKUP_BLOCK] = "the hot-cache lookup: a selected row (value: position) "
+				      "whose host block is missing (item: sequence x KV head)",
+	[KVT_GPU_SITE_FILL_BLOCK] = "the fill: a row of a spilled block (value: position) that was "
+				    "not staged (item: sequence x KV head)",
+	[KVT_GPU_SITE_STORE_BLOCK] = "the store of new rows: a row (value: position) whose host "
+				     "block is missing (item: KV head)",
+	[KVT_GPU_SITE_ATTEND_ROWS] = "the attention: an item's rows (value) above the launch's "
+				     "max_rows (item: sequence x KV head)",
+	[KVT_GPU_SITE_STAGE_BLOCK] = "kvt_extend's staging: a row of a spilled or missing block "
+				     "(item: KV head, value: position)",
+};
+
 /* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
  * has landed and is not 0: a non-finite score of a batch entry puts that entry's sequence in
  * error and the check succeeds; anything else fails it. Slots whose copy has not landed yet are
@@ -101,11 +126,13 @@ int gpu_check_err(kvt_cache *c)
 	if (code == KVT_GPU_ERR_SLOT)
 		return kvt_err_entry(c, idx, kvt_graph_slot_error(c, where & 0xffffu, idx,
 								       where >> 16, true));
+	const uint32_t site = KVT_GPU_ERR_SITE(w);
 	return kvt_seterr(c, -EIO,
-			  "an earlier GPU step reported error %u (item %u, value %u): a count or "
-			  "position beyond what the launch was sized for, or a row of a spilled block "
-			  "met by kvt_extend's staging (item: KV head, value: position)",
-			  code, where, idx);
+			  "an earlier GPU step reported error %u (item %u, value %u): %s",
+			  code, where, idx,
+			  code == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT && site_text[site]
+				  ? site_text[site]
+				  : "a count or position beyond what the launch was sized for");
 }
 
 /* Every entry point: the cache's device current on this thread (runtimes switch devices), then

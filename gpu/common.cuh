@@ -111,6 +111,13 @@ static __device__ __forceinline__ void kvt_d_raise(unsigned long long *err, uint
 		atomicCAS(err, 0ull, KVT_GPU_ERR_MAKE(code, where, index));
 }
 
+/* A KVT_GPU_ERR_RANGE, with the check that raised it (errword.h's sites). */
+static __device__ __forceinline__ void kvt_d_range(unsigned long long *err, uint32_t site,
+						   uint32_t where, uint32_t index)
+{
+	kvt_d_raise(err, KVT_GPU_ERR_RANGE_AT(site), where, index);
+}
+
 /* Order-preserving unsigned key of a finite float, -0 taken as +0 (they compare equal on the
  * CPU): the selection orders scores by it (select.cu, union.cu). */
 static __device__ __forceinline__ uint32_t kvt_d_fkey(float f)

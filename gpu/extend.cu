@@ -46,7 +46,7 @@ static __global__ void __launch_bounds__(ST_THREADS)
 		if (b)
 			x = *(const uint4 *)(b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes + 16 * e);
 		else if (e == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, h, pos);
+			kvt_d_range(err, KVT_GPU_SITE_STAGE_BLOCK, h, pos);
 		const size_t at = ((size_t)h * cap + r) * lanes_per_half;
 		if (e < lanes_per_half)
 			k[at + e] = x;

@@ -43,7 +43,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	uint32_t n = S + m + win;
 	if (n > max_rows) {
 		if (blockIdx.x == 0 && threadIdx.x == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+			kvt_d_range(err, KVT_GPU_SITE_LOOKUP_ROWS, item, n);
 		n = 0;
 	}
 	if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -72,7 +72,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 				}
 				if (!p && !(q.flags & KVT_GPU_FETCH_SPILLED) &&
 				    !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
-					kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
+					kvt_d_range(err, KVT_GPU_SITE_LOOKUP_BLOCK, item, at);
 			} else {
 				const uint32_t i = q.n_indexed + (k - S - m); /* index position */
 				at = S + i;
@@ -116,7 +116,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			/* a missing block, reported by the lookup, or a spilled row not staged */
 			if (lane == 0) {
 				if (q.flags & KVT_GPU_FETCH_SPILLED)
-					kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, at);
+					kvt_d_range(err, KVT_GPU_SITE_FILL_BLOCK, item, at);
 				*slotp = q.ring;
 			}
 			continue;
@@ -328,7 +328,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			     : NULL;
 	if (!dst) {
 		if (lane == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, blockIdx.z, pos);
+			kvt_d_range(err, KVT_GPU_SITE_STORE_BLOCK, blockIdx.z, pos);
 		return;
 	}
 	for (uint32_t o = lane * 16; o < row_bytes; o += 32 * 16) {

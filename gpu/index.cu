@@ -40,7 +40,7 @@ static __global__ void __launch_bounds__(IB_THREADS)
 	const uint32_t t0 = blockIdx.x * IB_TOKENS;
 	if (job.n > max_n) {
 		if (blockIdx.x == 0 && h == 0 && tid == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, ji, job.n);
+			kvt_d_range(err, KVT_GPU_SITE_INDEX_JOB, ji, job.n);
 		return;
 	}
 	if (t0 >= job.n)
@@ -48,7 +48,7 @@ static __global__ void __launch_bounds__(IB_THREADS)
 	const kvt_gpu_index_view v = views[job.view];
 	if ((uint64_t)job.first + job.n > v.cap) {
 		if (blockIdx.x == 0 && h == 0 && tid == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, ji, job.first + job.n);
+			kvt_d_range(err, KVT_GPU_SITE_INDEX_CAP, ji, job.first + job.n);
 		return;
 	}
 	const uint32_t nt = min((uint32_t)IB_TOKENS, job.n - t0);

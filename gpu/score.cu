@@ -292,7 +292,7 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
 	const kvt_gpu_index_view v = views[seq];
 	if (n > max_n || n > v.cap) {
 		if (blockIdx.x == 0 && threadIdx.x == 0)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, item, n);
+			kvt_d_range(err, KVT_GPU_SITE_SCORE_N, item, n);
 		return;
 	}
 	if (blockIdx.x * SC_TOKENS >= n)

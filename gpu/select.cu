@@ -129,7 +129,7 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 		if (!first)
 			return false;
 		if (n > max_n)
-			kvt_d_raise(err, KVT_GPU_ERR_RANGE, seg, n);
+			kvt_d_range(err, KVT_GPU_SITE_SELECT_N, seg, n);
 		else if (n && bad)
 			kvt_d_raise(err, KVT_GPU_ERR_NONFINITE, seg, 0xffffffffu - bad);
 		const bool all = n && n <= max_n && !bad;

@@ -232,6 +232,7 @@ static void test_index_build(void **state)
 						 (const kvt_gpu_index_view *)dviews, derr, NULL);
 			fetch(&herr, derr, 8);
 			T_CHECK(rc == 0 && KVT_GPU_ERR_CODE(herr) == KVT_GPU_ERR_RANGE &&
+					KVT_GPU_ERR_SITE(herr) == KVT_GPU_SITE_INDEX_CAP &&
 					KVT_GPU_ERR_WHERE(herr) == 0,
 				"job past capacity: rc %d, error word 0x%llx", rc, herr);
 			cudaFree(drot);
