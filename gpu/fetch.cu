@@ -141,6 +141,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 			for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
 				/* the set's eight epochs in two 16-byte loads from L2 (where the
 				 * claims' atomics are), not eight loads one after another */
+				static_assert(KVT_GPU_HOT_WAYS == 8, "a set's epochs are two uint4");
 				const uint4 *lu = (const uint4 *)(hot.last_use +
 								  (size_t)set * KVT_GPU_HOT_WAYS);
 				const uint4 e0 = __ldcg(lu), e1 = __ldcg(lu + 1);

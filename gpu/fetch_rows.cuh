@@ -38,6 +38,7 @@ static __device__ __forceinline__ long long hot_slot(const kvt_gpu_hot &hot, uns
 	const uint32_t set = set_of(uid, h, pos, hot.sets);
 	const unsigned long long lo = (unsigned long long)h << 32 | pos;
 	/* the set's tags as 16-byte loads issued together (64-byte aligned: hot.c's layout) */
+	static_assert(KVT_GPU_HOT_WAYS % 2 == 0, "a set's tags are whole ulonglong2");
 	const size_t s0 = (size_t)set * KVT_GPU_HOT_WAYS;
 	const ulonglong2 *th = (const ulonglong2 *)(hot.tag_hi + s0),
 			 *tl = (const ulonglong2 *)(hot.tag_lo + s0);
