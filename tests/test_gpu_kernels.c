@@ -493,6 +493,33 @@ static void check_attend(uint32_t d, uint32_t dt, uint32_t G, uint32_t out_dt, i
 			    max_rows, dout2, scr, sb, NULL, NULL);
 	fetch(hout2, dout2, osz * S * Hq * d);
 	const int same = memcmp(hout, hout2, osz * S * Hq * d) == 0;
+	if (mode == 0) {
+		/* a bound below the last item's rows: that item's outputs are zeros and the error word
+		 * names the check; the others come out as before (same chunks, same merge) */
+		unsigned long long *derr = NULL, herr = 0;
+		CU(cudaMalloc((void **)&derr, 8));
+		CU(cudaMemset(derr, 0, 8));
+		void *dout3 = dpoison(osz * S * Hq * d), *hout3 = t_alloc(osz * S * Hq * d);
+		rc = kvt_gpu_attend(d, dt, out_dt, S, Hq, Hkv, scale, dq, (const kvt_gpu_rows *)dit,
+				    ns[3] - 1, dout3, scr, sb, derr, NULL);
+		fetch(hout3, dout3, osz * S * Hq * d);
+		fetch(&herr, derr, 8);
+		const size_t last = (size_t)(items - 1) / Hkv * Hq + (items - 1) % Hkv * G;
+		int zeros = 1;
+		for (size_t k = last * d * osz; k < (last + G) * d * osz; k++)
+			zeros &= ((const unsigned char *)hout3)[k] == 0;
+		T_SOFT(bad,
+		       rc == 0 && zeros && !memcmp(hout3, hout, last * d * osz) &&
+			       KVT_GPU_ERR_CODE(herr) == KVT_GPU_ERR_RANGE &&
+			       KVT_GPU_ERR_SITE(herr) == KVT_GPU_SITE_ATTEND_ROWS &&
+			       KVT_GPU_ERR_WHERE(herr) == items - 1 &&
+			       KVT_GPU_ERR_INDEX(herr) == ns[3],
+		       "attention d=%u G=%u past max_rows: rc %d, zeros %d, error word 0x%llx", d, G,
+		       rc, zeros, herr);
+		cudaFree(derr);
+		cudaFree(dout3);
+		free(hout3);
+	}
 	float *qf = (float *)t_alloc(4 * d), *want = (float *)t_alloc(4 * d);
 	float *kf = (float *)t_alloc(4 * (size_t)d * rows_per),
 	      *vf = (float *)t_alloc(4 * (size_t)d * rows_per);
