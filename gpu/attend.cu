@@ -19,6 +19,8 @@
 			  * then spread over tens of blocks per item, not a handful */
 #define AT_UNROLL 4   /* rows per group in flight */
 #define AT_MAX_CHUNKS 2048u /* chunks_of's largest (k_merge keeps their maxima in shared memory) */
+#define AT_MERGE_AHEAD 32u  /* chunks whose partials k_merge loads before using any: a decode
+			     * step's item has about a hundred */
 
 static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, uint32_t i)
 {
@@ -39,6 +41,9 @@ static __global__ void __launch_bounds__(AT_THREADS)
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t g0 = blockIdx.z * GB, ng = min((uint32_t)GB, G - g0);
 	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR;
+	/* the merge (a programmatic dependent launch) may be scheduled once every block has
+	 * started; it waits for this kernel's end before it reads */
+	KVT_PDL_TRIGGER();
 	const kvt_gpu_rows it = items[item];
 	uint32_t n = it.n;
 	if (it.reserved & KVT_GPU_ROWS_SKIP)
@@ -182,9 +187,12 @@ static __global__ void __launch_bounds__(AT_THREADS)
 }
 
 /* Merge the chunks of one (item, query head) and convert to the output type. The chunks' maxima
- * are read by all threads at once into shared memory; each thread then sums its dimension over the
- * chunks in their order (the same operations as a sequential merge), its loads eight chunks ahead,
- * since a dependent load per chunk made this kernel a chain of memory latencies. */
+ * are read by all threads at once into shared memory, their maximum reduced across the block (a
+ * loop over them per thread cost microseconds at a hundred chunks); each thread then sums its dimension over the
+ * chunks in their order (the same operations as a sequential merge), its loads AT_MERGE_AHEAD
+ * chunks ahead, since a dependent load per chunk made this kernel a chain of memory latencies.
+ * Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones run, and
+ * wait for its end. */
 template <int D>
 static __global__ void __launch_bounds__(D)
 	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,
@@ -193,29 +201,39 @@ static __global__ void __launch_bounds__(D)
 	__shared__ float ms[AT_MAX_CHUNKS];
 	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
 	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
+	KVT_PDL_WAIT(); /* k_attend's partials are complete and visible past here */
 	if (items[item].reserved & KVT_GPU_ROWS_SKIP)
 		return;
 	const uint32_t n = items[item].n > max_rows ? 0 : items[item].n;
 	const uint32_t used = min((n + AT_CHUNK - 1) / AT_CHUNK, chunks);
 	const float *p0 = part + ((size_t)item * chunks * G + g) * (D + 2);
 	const size_t stride = (size_t)G * (D + 2); /* from one chunk to the next */
-	for (uint32_t c = j; c < used; c += D)
+	__shared__ float wmax[D / 32];
+	float M = -INFINITY; /* the maximum over the chunks: any order gives the same value */
+	for (uint32_t c = j; c < used; c += D) {
 		ms[c] = p0[c * stride];
-	__syncthreads();
-	float M = -INFINITY;
-	for (uint32_t c = 0; c < used; c++)
 		M = fmaxf(M, ms[c]);
-	float L = 0.0f, a = 0.0f;
-	for (uint32_t c0 = 0; c0 < used; c0 += 8) {
-		float lv[8], av[8];
+	}
 #pragma unroll
-		for (uint32_t k = 0; k < 8; k++) {
+	for (int o = 16; o; o >>= 1)
+		M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+	if (j % 32 == 0)
+		wmax[j / 32] = M;
+	__syncthreads();
+#pragma unroll
+	for (int w = 0; w < D / 32; w++)
+		M = fmaxf(M, wmax[w]);
+	float L = 0.0f, a = 0.0f;
+	for (uint32_t c0 = 0; c0 < used; c0 += AT_MERGE_AHEAD) {
+		float lv[AT_MERGE_AHEAD], av[AT_MERGE_AHEAD];
+#pragma unroll
+		for (uint32_t k = 0; k < AT_MERGE_AHEAD; k++) {
 			const bool in = c0 + k < used;
 			lv[k] = in ? p0[(c0 + k) * stride + 1] : 0.0f;
 			av[k] = in ? p0[(c0 + k) * stride + 2 + j] : 0.0f;
 		}
 #pragma unroll
-		for (uint32_t k = 0; k < 8; k++) {
+		for (uint32_t k = 0; k < AT_MERGE_AHEAD; k++) {
 			if (c0 + k >= used || ms[c0 + k] == -INFINITY)
 				continue;
 			const float f = expf(ms[c0 + k] - M);
@@ -284,9 +302,9 @@ static int attend(const at_args &a, uint32_t out_dtype, void *out)
 	const int rc = dispatch_group<D, DT>(a);
 	if (rc < 0)
 		return rc;
-	k_merge<D><<<a.n_items *(a.hq / a.hkv), D, 0, a.s>>>(a.items, a.hq, a.hkv, a.max_rows,
-							     a.chunks, a.part, out_dtype, out);
-	KVT_CU_LAUNCHED();
+	KVT_CU(kvt_launch_dependent(k_merge<D>, dim3(a.n_items * (a.hq / a.hkv)), D, a.s, true,
+				    a.items, a.hq, a.hkv, a.max_rows, a.chunks, a.part, out_dtype,
+				    out));
 	return 0;
 }
 
