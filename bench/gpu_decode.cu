@@ -12,6 +12,10 @@
  * - KVTIER: kvt_append + kvt_attend through the public API (CUDA backend, one layer), after a
  *   chunked prefill of generated K/V whose attention is concentrated the way real attention is
  *   (see the generator), so that Top-p selects a few percent of the tokens.
+ * - KVTIER, GRAPH (--graph 1, the default): the same steps again with the attention replayed from
+ *   a CUDA graph of kvt_attend_graph captured once under kvt_graph_reserve, as a serving runtime
+ *   runs its decode loop (kvt_append stays eager; each step's lengths are written before it,
+ *   untimed); the last replay is compared with an eager kvt_attend, bit for bit.
  * Times are CUDA-event medians on one stream after warm-up (resident: over --reps launches; kvtier:
  * per step, event before kvt_append to event after kvt_attend, host synchronized between steps).
  * Ratios: kvtier / resident and naive / kvtier, with the goals of the issue (reported, never
@@ -41,11 +45,18 @@ enum { D = 128, HKV = 8, HQ = 32, G = HQ / HKV, ROW = 4 * D, THREADS = 256 };
 #include "gpu_decode_resident.cuh"
 #include "gpu_decode_kvtier.cuh"
 
+static kvt_run graph_run()
+{
+	kvt_run r;
+	r.graph = true;
+	return r;
+}
+
 struct options {
 	std::vector<uint32_t> contexts = {32768, 131072, 524288, 1048576};
 	std::vector<uint32_t> batches = {1, 8};
 	int reps = 30;
-	kvt_run run; /* steps, warm-up, budget_max, hot cache */
+	kvt_run run = graph_run(); /* steps, warm-up, budget_max, hot cache; the graph on */
 	/* K/V bytes of one (context, batch) at most: naive offload pins that much and kvtier's host
 	 * tier as much again, at once; 0.3 of the machine's memory keeps both within 60% of it */
 	double max_host_gib = 0.3 * (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE) /
@@ -77,13 +88,15 @@ static options parse(int argc, char **argv)
 			o.run.gpu_cache_mib = atol(val);
 		else if (!strcmp(a, "--max-host-gib"))
 			o.max_host_gib = atof(val);
+		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
+			o.run.graph = val[0] == '1';
 		else if (!strcmp(a, "--drift") && atof(val) >= 0.0 && atof(val) <= 1.0)
 			g_drift = (float)atof(val);
 		else {
 			fprintf(stderr,
 				"usage: gpu_decode [--contexts N,N..] [--batches N,N..] [--steps N] "
 				"[--warmup N] [--reps N>=20] [--budget-max N] [--gpu-cache-mib N] "
-				"[--max-host-gib X] [--drift D in [0, 1]]\n");
+				"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1]\n");
 			exit(2);
 		}
 		i++;
@@ -273,6 +286,13 @@ int main(int argc, char **argv)
 			       "gather + attend %.1f us\n",
 			       k.ms, k.wall_ms, k.ns[0] / 1e3, k.ns[1] / 1e3, k.ns[2] / 1e3,
 			       k.ns[3] / 1e3, k.ns[4] / 1e3);
+			if (k.ok && k.graph_ms > 0)
+			printf("  kvtier per step with the attention replayed from a CUDA graph "
+			       "(kvt_attend_graph captured once under kvt_graph_reserve; kvt_append "
+			       "eager): %.3f ms on the stream (events), %.2fx the resident kernel; the "
+			       "last replay's output %s an eager kvt_attend's\n",
+			       k.graph_ms, k.graph_ms / res_ms,
+			       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
 		}
 		char kms[32] = "failed", r1[32] = "-", r2[32] = "-", hb[32] = "-";
 		if (k.ok) {

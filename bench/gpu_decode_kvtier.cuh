@@ -23,6 +23,8 @@ struct kvt_run {
 					  read their rows from it (bench/gpu_spilled); NULL: none */
 	uint64_t nvme_cache_mib = 0;   /* kvt_config.nvme_cache_bytes in MiB (0: the library's) */
 	uint32_t nvme_qd = 0;          /* kvt_config.nvme_queue_depth (0: the library's) */
+	bool graph = false;            /* after the eager steps, the same steps with kvt_attend_graph
+					  captured once and replayed (kvt_append stays eager) */
 };
 
 /* What the kvtier run of one (context, batch) found; ok == false when the library failed. */
@@ -38,6 +40,10 @@ struct kvt_result {
 	 * selection needed from beyond HBM) */
 	double nvme_per_step = 0, nvme_reads_per_step = 0, bcache_hit_rate = 0, miss_bytes_per_step = 0;
 	double spilled_bytes = 0; /* moved to NVMe by the spills */
+	/* kvt_run.graph: the median step (kvt_append + the replay, CUDA events), and whether the last
+	 * replay's output equals an eager kvt_attend's on the same sequences, bit for bit */
+	float graph_ms = 0;
+	bool graph_same = false;
 };
 
 #define KVT_OR_FAIL(call)                                                                          \
@@ -69,6 +75,10 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 	kvt_stats s0, s1;
 	kvt_layer_stats l0, l1;
 	cudaEvent_t e0, e1;
+	cudaGraph_t graph = NULL;
+	cudaGraphExec_t gexec = NULL;
+	int32_t *dslots = NULL, *dlen = NULL;
+	uint16_t *outg = NULL, *gq = NULL;
 	CK(cudaEventCreate(&e0));
 	CK(cudaEventCreate(&e1));
 	const size_t step_kv = (size_t)n_seqs * HKV * D, step_q = (size_t)n_seqs * HQ * D;
@@ -221,11 +231,75 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		r.miss_bytes_per_step = (double)miss * ROW / steps;
 		r.ok = true;
 	}
+
+	/* the same steps with the attention replayed from a graph captured once: reserve bounds for
+	 * every token still to come, write each step's lengths before it (untimed, as a runtime
+	 * keeps them on the device), then time kvt_append + the replay */
+	if (o.graph) {
+		KVT_OR_FAIL(kvt_graph_reserve(cache, n_seqs, n + 3 * total_steps + 8, st));
+		std::vector<int32_t> hs(n_seqs), hl(n_seqs);
+		CK(cudaMalloc((void **)&dslots, sizeof(int32_t) * n_seqs));
+		CK(cudaMalloc((void **)&dlen, sizeof(int32_t) * n_seqs));
+		CK(cudaMalloc((void **)&outg, step_q * 2));
+		CK(cudaMalloc((void **)&gq, step_q * 2)); /* the captured query: each step's copied in */
+		for (uint32_t s = 0; s < n_seqs; s++)
+			hs[s] = (int32_t)seqs[s];
+		CK(cudaMemcpy(dslots, hs.data(), sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+		const kvt_graph_batch gb = {n_seqs, 0, dslots, dlen, NULL};
+		uint32_t at = 0; /* the step inputs, reused in turn */
+		auto next = [&]() { /* the lengths after the coming append; its inputs */
+			CK(cudaStreamSynchronize(st));
+			for (uint32_t s = 0; s < n_seqs; s++)
+				hl[s] = (int32_t)kvt_seq_length(cache, seqs[s], 0) + 1;
+			CK(cudaMemcpy(dlen, hl.data(), sizeof(int32_t) * n_seqs,
+				      cudaMemcpyHostToDevice));
+			return at++ % total_steps;
+		};
+		for (int i = 0; i < o.warmup; i++) { /* sizes the hot cache at the reserved layout */
+			const uint32_t k = next();
+			KVT_OR_FAIL(kvt_append(cache, 0, n_seqs, seqs.data(), sk + k * step_kv,
+					       sv + k * step_kv, st));
+			KVT_OR_FAIL(kvt_attend_graph(cache, 0, &gb, sq + k * step_q, outg, st));
+		}
+		CK(cudaStreamSynchronize(st));
+		CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+		KVT_OR_FAIL(kvt_attend_graph(cache, 0, &gb, gq, outg, st));
+		CK(cudaStreamEndCapture(st, &graph));
+		CK(cudaGraphInstantiate(&gexec, graph, 0));
+		std::vector<float> tg;
+		for (int i = 0; i < o.warmup + o.steps; i++) {
+			const uint32_t k = next();
+			CK(cudaMemcpyAsync(gq, sq + k * step_q, step_q * 2, cudaMemcpyDeviceToDevice,
+					   st));
+			CK(cudaEventRecord(e0, st));
+			KVT_OR_FAIL(kvt_append(cache, 0, n_seqs, seqs.data(), sk + k * step_kv,
+					       sv + k * step_kv, st));
+			CK(cudaGraphLaunch(gexec, st));
+			CK(cudaEventRecord(e1, st));
+			CK(cudaEventSynchronize(e1));
+			float ms;
+			CK(cudaEventElapsedTime(&ms, e0, e1));
+			if (i >= o.warmup)
+				tg.push_back(ms);
+		}
+		r.graph_ms = median(tg);
+		/* the last replay against an eager step of the same sequences and query */
+		KVT_OR_FAIL(kvt_attend(cache, 0, n_seqs, seqs.data(), gq, out, st));
+		std::vector<uint16_t> he(step_q), hg(step_q);
+		CK(cudaMemcpyAsync(he.data(), out, step_q * 2, cudaMemcpyDeviceToHost, st));
+		CK(cudaMemcpyAsync(hg.data(), outg, step_q * 2, cudaMemcpyDeviceToHost, st));
+		CK(cudaStreamSynchronize(st));
+		r.graph_same = memcmp(he.data(), hg.data(), step_q * 2) == 0;
+	}
 out:
 	CK(cudaStreamSynchronize(st));
+	if (gexec)
+		CK(cudaGraphExecDestroy(gexec)); /* before the cache: it reads the reservation */
+	if (graph)
+		CK(cudaGraphDestroy(graph));
 	kvt_cache_destroy(cache);
 	for (void *p : {(void *)ck, (void *)cv, (void *)cq, (void *)sk, (void *)sv, (void *)sq,
-			(void *)out})
+			(void *)out, (void *)dslots, (void *)dlen, (void *)outg, (void *)gq})
 		CK(cudaFree(p));
 	CK(cudaEventDestroy(e0));
 	CK(cudaEventDestroy(e1));
