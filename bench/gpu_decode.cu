@@ -45,18 +45,11 @@ enum { D = 128, HKV = 8, HQ = 32, G = HQ / HKV, ROW = 4 * D, THREADS = 256 };
 #include "gpu_decode_resident.cuh"
 #include "gpu_decode_kvtier.cuh"
 
-static kvt_run graph_run()
-{
-	kvt_run r;
-	r.graph = true;
-	return r;
-}
-
 struct options {
 	std::vector<uint32_t> contexts = {32768, 131072, 524288, 1048576};
 	std::vector<uint32_t> batches = {1, 8};
 	int reps = 30;
-	kvt_run run = graph_run(); /* steps, warm-up, budget_max, hot cache; the graph on */
+	kvt_run run = run_with_graph(); /* steps, warm-up, budget_max, hot cache; the graph on */
 	/* K/V bytes of one (context, batch) at most: naive offload pins that much and kvtier's host
 	 * tier as much again, at once; 0.3 of the machine's memory keeps both within 60% of it */
 	double max_host_gib = 0.3 * (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE) /

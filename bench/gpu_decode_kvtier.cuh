@@ -27,6 +27,14 @@ struct kvt_run {
 					  captured once and replayed (kvt_append stays eager) */
 };
 
+/* The defaults with the graph's replay measured too. */
+static kvt_run run_with_graph()
+{
+	kvt_run r;
+	r.graph = true;
+	return r;
+}
+
 /* What the kvtier run of one (context, batch) found; ok == false when the library failed. */
 struct kvt_result {
 	bool ok = false;
