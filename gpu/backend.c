@@ -356,6 +356,7 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	const size_t rot = sizeof(float) * L * c->d * c->d;
 	KVT_TRY(gpu_dalloc(c, (void **)&b->rot, rot, "the rotations"));
 	CU(c, cudaMemcpy(b->rot, c->rot, rot, cudaMemcpyHostToDevice));
+	KVT_TRY(gpu_settle(c, "the rotations' upload"));
 	KVT_TRY(gpu_dalloc(c, (void **)&b->err, sizeof *b->err, "the error word"));
 	const size_t cnt = sizeof(unsigned long long) * L * KVT_GPU_CNT_N;
 	KVT_TRY(gpu_dalloc(c, (void **)&b->counters, cnt, "the counters"));

@@ -206,6 +206,11 @@ int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why);
 int gpu_no_capture(kvt_cache *c, void *stream, const char *what);
 void gpu_dfree(kvt_cache *c, void *p);
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what);
+/* Wait for the work the synchronous calls put on the legacy default stream: a cudaMemset of device
+ * memory, or a cudaMemcpy from pageable memory (which returns once the bytes are staged, not
+ * landed), may still be in flight when they return, and kernels on a caller's non-blocking stream
+ * are not ordered after them. gpu_dalloc's zeroing is settled. */
+int gpu_settle(kvt_cache *c, const char *what);
 int gpu_grow(kvt_cache *c, void **p, size_t *have, size_t need, void *stream, const char *what);
 /* Make `stream` wait for the last index build of `layer`. */
 int gpu_wait_index(kvt_cache *c, uint32_t layer, void *stream);
@@ -217,9 +222,9 @@ int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *
 		       uint32_t tokens, void *stream);
 int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *g,
 			   void *stream);
-/* The first ni index entries per KV head of `from` into `to` (its capacity reserved). */
+/* The first ni index entries per KV head of `from` into `to` (its capacity reserved), on stream. */
 int gpu_mirror_copy_index(kvt_cache *c, const struct gpu_seq_layer *from, uint32_t ni,
-			  struct gpu_seq_layer *to);
+			  struct gpu_seq_layer *to, void *stream);
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g);
 /* The fetch descriptor of l's mirror g at these lengths, less the selection's place (sel, sel_n,
  * sel_ld), which the caller sets. */

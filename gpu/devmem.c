@@ -41,6 +41,14 @@ void gpu_dfree(kvt_cache *c, void *p)
 	kvt_mem_device_free(&c->mem, p, 0);
 }
 
+int gpu_settle(kvt_cache *c, const char *what)
+{
+	const cudaError_t e = cudaStreamSynchronize(0);
+	KVT_RETURN_IF(e != cudaSuccess, c, -EIO, "waiting for %s on the default stream: %s", what,
+		      cudaGetErrorString(e));
+	return 0;
+}
+
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 {
 	*p = kvt_mem_device_alloc(&c->mem, bytes ? bytes : 1);
@@ -53,7 +61,12 @@ int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 		*p = NULL;
 		return kvt_seterr(c, -EIO, "cudaMemset of %s failed", what);
 	}
-	return 0;
+	const int rc = gpu_settle(c, what);
+	if (rc < 0) {
+		gpu_dfree(c, *p);
+		*p = NULL;
+	}
+	return rc;
 }
 
 int gpu_pinned_alloc(kvt_cache *c, void **p, size_t bytes, const char *what)

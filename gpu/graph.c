@@ -54,6 +54,8 @@ static int publish_all(kvt_cache *c)
 				     : cudaMemcpy(b->g_table, rows, bytes, cudaMemcpyHostToDevice);
 	kvt_mem_free(KVT_MEM_HOST, rows, bytes);
 	CU(c, e);
+	if (rc == 0)
+		KVT_TRY(gpu_settle(c, "the graph records' upload"));
 	return rc;
 }
 

@@ -55,7 +55,8 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 			(void)cudaGetLastError(); /* not sticky: the step's launches must not see it */
 			return -ENOMEM;
 		}
-		if (cudaMemset(mem, 0, bytes) != cudaSuccess) {
+		if (cudaMemset(mem, 0, bytes) != cudaSuccess ||
+		    cudaStreamSynchronize(0) != cudaSuccess) { /* gpu_settle's wait */
 			gpu_dfree(c, mem);
 			return kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
 		}

@@ -70,11 +70,15 @@ int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_
 	if (p->codes) {
 		KVT_TRY(gpu_mirror_reserve(c, to, g, layer, p->cap, stream));
 		if (from->n_indexed)
-			KVT_TRY(gpu_mirror_copy_index(c, p, from->n_indexed, g));
+			KVT_TRY(gpu_mirror_copy_index(c, p, from->n_indexed, g, stream));
 	}
+	/* in stream order, as every step that reads them */
 	const enum cudaMemcpyKind d2d = cudaMemcpyDeviceToDevice;
-	CU(c, cudaMemcpy(g->cent, p->cent, sizeof(float) * 2 * c->cfg.n_kv_heads * c->d, d2d));
-	CU(c, cudaMemcpy(g->ring, p->ring, (size_t)c->cfg.n_kv_heads * g->wcap * c->row_bytes, d2d));
+	const cudaStream_t s = (cudaStream_t)stream;
+	CU(c, cudaMemcpyAsync(g->cent, p->cent, sizeof(float) * 2 * c->cfg.n_kv_heads * c->d, d2d,
+			      s));
+	CU(c, cudaMemcpyAsync(g->ring, p->ring, (size_t)c->cfg.n_kv_heads * g->wcap * c->row_bytes,
+			      d2d, s));
 	return 0;
 }
 

@@ -43,14 +43,15 @@ int gpu_mirror_get(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer **out
 
 /* Copy the first n_indexed entries per KV head of the old index arrays into the new ones. */
 static int copy_index(kvt_cache *c, const struct gpu_seq_layer *g, uint32_t ni, uint32_t cap,
-		      void *codes, void *sigma, void *beta)
+		      void *codes, void *sigma, void *beta, void *stream)
 {
 	const enum cudaMemcpyKind k = cudaMemcpyDeviceToDevice;
+	const cudaStream_t s = (cudaStream_t)stream;
 	const uint32_t H = c->cfg.n_kv_heads;
-	const size_t cw = sizeof(uint32_t) * c->words;
-	CU(c, cudaMemcpy2D(codes, cw * cap, g->codes, cw * g->cap, cw * ni, H, k));
-	CU(c, cudaMemcpy2D(sigma, 2 * (size_t)cap, g->sigma, 2 * (size_t)g->cap, 2 * (size_t)ni, H, k));
-	CU(c, cudaMemcpy2D(beta, 2 * (size_t)cap, g->beta, 2 * (size_t)g->cap, 2 * (size_t)ni, H, k));
+	const size_t cw = sizeof(uint32_t) * c->words, cs = 2 * (size_t)cap, gs = 2 * (size_t)g->cap;
+	CU(c, cudaMemcpy2DAsync(codes, cw * cap, g->codes, cw * g->cap, cw * ni, H, k, s));
+	CU(c, cudaMemcpy2DAsync(sigma, cs, g->sigma, gs, 2 * (size_t)ni, H, k, s));
+	CU(c, cudaMemcpy2DAsync(beta, cs, g->beta, gs, 2 * (size_t)ni, H, k, s));
 	return 0;
 }
 
@@ -73,8 +74,12 @@ int gpu_mirror_reserve(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_layer *
 		rc = gpu_wait_index(c, layer, stream);
 	if (rc == 0 && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess)
 		rc = kvt_seterr(c, -EIO, "cudaStreamSynchronize before growing the index failed");
-	if (rc == 0 && g->codes && l->n_indexed)
-		rc = copy_index(c, g, l->n_indexed, cap, codes, sigma, beta);
+	if (rc == 0 && g->codes && l->n_indexed) {
+		rc = copy_index(c, g, l->n_indexed, cap, codes, sigma, beta, stream);
+		/* the old arrays are freed below: the copies read them */
+		if (rc == 0 && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess)
+			rc = kvt_seterr(c, -EIO, "cudaStreamSynchronize after growing the index failed");
+	}
 	if (rc < 0) {
 		gpu_dfree(c, codes);
 		gpu_dfree(c, sigma);
@@ -117,17 +122,19 @@ int gpu_mirror_sync_blocks(kvt_cache *c, struct kvt_layer *l, struct gpu_seq_lay
 		g->blk = t;
 		g->blk_cap = l->blk_cap;
 	}
-	CU(c, cudaMemcpy(g->blk, l->blocks, sizeof(void *) * H * l->blk_cap,
-			 cudaMemcpyHostToDevice));
+	/* in stream order: a plain cudaMemcpy from pageable memory returns before its bytes land,
+	 * and a non-blocking stream's next kernel would not wait for them */
+	CU(c, cudaMemcpyAsync(g->blk, l->blocks, sizeof(void *) * H * l->blk_cap,
+			      cudaMemcpyHostToDevice, (cudaStream_t)stream));
 	g->blk_n = l->n_blocks;
 	g->blk_gen = l->blocks_gen;
 	return 0;
 }
 
 int gpu_mirror_copy_index(kvt_cache *c, const struct gpu_seq_layer *from, uint32_t ni,
-			  struct gpu_seq_layer *to)
+			  struct gpu_seq_layer *to, void *stream)
 {
-	return copy_index(c, from, ni, to->cap, to->codes, to->sigma, to->beta);
+	return copy_index(c, from, ni, to->cap, to->codes, to->sigma, to->beta, stream);
 }
 
 kvt_gpu_index_view gpu_mirror_view(const struct gpu_seq_layer *g)
