@@ -10,6 +10,7 @@
  * pipeline before a step reads it (the kernels read the host tier only), and the device is drained
  * (quiesce) before the NVMe tier moves blocks of the host tier.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -287,6 +288,8 @@ static void cu_fini(kvt_cache *c)
 		cudaEventDestroy(b->sp_ev);
 	gpu_pinned_free(c, b->sp_meta, b->sp_meta_bytes);
 	gpu_pinned_free(c, b->sp_rows, b->sp_rows_bytes);
+	gpu_dfree(c, b->sp_count);
+	free(b->sp_host);
 	gpu_pinned_free(c, b->err_host, ERR_HOST_BYTES);
 	gpu_dfree(c, b->rot);
 	gpu_dfree(c, b->err);
