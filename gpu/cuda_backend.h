@@ -187,7 +187,7 @@ void gpu_mark(struct gpu_timing *t, int i, void *stream);
  * NULL: no sequence of the batch is spilled); between the lookup and the fill, read those rows
  * through the NVMe tier into pinned staging and point the rows at them; then, after the kernels
  * that read them, gpu_spilled_done. */
-int gpu_spilled_list(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls,
+int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		     uint32_t max_rows, void *stream, kvt_gpu_spill_list *out);
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		      const void **rows, uint32_t max_rows, void *stream);

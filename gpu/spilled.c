@@ -74,7 +74,7 @@ static uint64_t *sp_addr(const struct gpu_cache *b, uint32_t cap)
 	return (uint64_t *)(sp_miss(b) + cap);
 }
 
-int gpu_spilled_list(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls,
+int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		     uint32_t max_rows, void *stream, kvt_gpu_spill_list *out)
 {
 	struct gpu_cache *b = gpu_of(c);
@@ -84,6 +84,13 @@ int gpu_spilled_list(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls,
 		cap += kvt_layer_spilled(c, ls[i]) ? (uint64_t)c->cfg.n_kv_heads * max_rows : 0;
 	if (!cap)
 		return 0;
+	/* first: the waits, pinning and allocations below are what a capture forbids */
+	char capture[192];
+	snprintf(capture, sizeof capture,
+		 "layer %u: a sequence of the batch has rows on NVMe, which a step reads from the "
+		 "disk: it cannot be captured into a graph (kvt_seq_restore it first)",
+		 layer);
+	KVT_TRY(gpu_refuse_capture(c, stream, capture));
 	KVT_RETURN_IF(cap > UINT32_MAX, c, -E2BIG,
 		      "%llu rows of spilled sequences in one step, above %u",
 		      (unsigned long long)cap, UINT32_MAX);
@@ -124,12 +131,6 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	const size_t rb = c->row_bytes;
 	if (!b->sp_cap)
 		return 0; /* no spilled sequence: no list was made */
-	char capture[192];
-	snprintf(capture, sizeof capture,
-		 "layer %u: a sequence of the batch has rows on NVMe, which a step reads from the "
-		 "disk: it cannot be captured into a graph (kvt_seq_restore it first)",
-		 layer);
-	KVT_TRY(gpu_refuse_capture(c, stream, capture));
 	if (!b->sp_ev)
 		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	const uint32_t cap = b->sp_cap;

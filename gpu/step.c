@@ -366,7 +366,7 @@ static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer
 		return 0;
 	}
 	kvt_gpu_spill_list list;
-	KVT_TRY(gpu_spilled_list(c, n_seqs, ls, max_rows, stream, &list));
+	KVT_TRY(gpu_spilled_list(c, layer, n_seqs, ls, max_rows, stream, &list));
 	LAUNCH(c, kvt_gpu_fetch_lookup_spilled(rb, n_seqs, H, s->fetch, hot, epoch, s->rows,
 					       s->items, max_rows, pos, list, b->err, stream));
 	KVT_TRY(gpu_serve_spilled(c, layer, n_seqs, ls, s->rows, max_rows, stream));
