@@ -80,6 +80,7 @@ int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	struct gpu_cache *b = gpu_of(c);
 	uint64_t cap = 0;
 	memset(out, 0, sizeof *out);
+	b->sp_cap = 0; /* a list whose fetch failed before its serve is void */
 	for (uint32_t i = 0; i < n_seqs; i++)
 		cap += kvt_layer_spilled(c, ls[i]) ? (uint64_t)c->cfg.n_kv_heads * max_rows : 0;
 	if (!cap)
@@ -94,6 +95,8 @@ int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 	KVT_RETURN_IF(cap > UINT32_MAX, c, -E2BIG,
 		      "%llu rows of spilled sequences in one step, above %u",
 		      (unsigned long long)cap, UINT32_MAX);
+	if (!b->sp_ev)
+		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	KVT_TRY(staging_idle(c));
 	KVT_TRY(pinned_grow(c, &b->sp_meta, &b->sp_meta_bytes,
 			    SP_HEAD + cap * (sizeof(kvt_gpu_spill_miss) + sizeof(uint64_t)),
@@ -102,6 +105,9 @@ int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_l
 		KVT_TRY(gpu_dalloc(c, (void **)&b->sp_count, sizeof(uint32_t),
 				   "the count of spilled rows"));
 	CU(c, cudaMemsetAsync(b->sp_count, 0, sizeof(uint32_t), (cudaStream_t)stream));
+	/* the memset and the lookup write the count and the list: the next list waits for them
+	 * (gpu_spilled_done) even if this fetch fails before its serve synchronizes */
+	b->sp_used = true;
 	b->sp_cap = (uint32_t)cap;
 	*out = (kvt_gpu_spill_list){.count = b->sp_count, .miss = sp_miss(b), .cap = (uint32_t)cap};
 	return 0;
@@ -131,8 +137,6 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	const size_t rb = c->row_bytes;
 	if (!b->sp_cap)
 		return 0; /* no spilled sequence: no list was made */
-	if (!b->sp_ev)
-		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	const uint32_t cap = b->sp_cap;
 	b->sp_cap = 0;
 	uint32_t *count = (uint32_t *)b->sp_meta;
