@@ -10,7 +10,6 @@
  * pipeline before a step reads it (the kernels read the host tier only), and the device is drained
  * (quiesce) before the NVMe tier moves blocks of the host tier.
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -289,7 +288,7 @@ static void cu_fini(kvt_cache *c)
 	gpu_pinned_free(c, b->sp_meta, b->sp_meta_bytes);
 	gpu_pinned_free(c, b->sp_rows, b->sp_rows_bytes);
 	gpu_dfree(c, b->sp_count);
-	free(b->sp_host);
+	kvt_mem_free(KVT_MEM_HOST, b->sp_host, b->sp_host_bytes);
 	gpu_pinned_free(c, b->err_host, ERR_HOST_BYTES);
 	gpu_dfree(c, b->rot);
 	gpu_dfree(c, b->err);

@@ -157,9 +157,9 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	const size_t hb = (size_t)n * (sizeof(int32_t) + sizeof(uint32_t)) +
 			  (size_t)max_rows * sizeof(void *);
 	if (hb > b->sp_host_bytes) {
-		void *q = malloc(hb);
+		void *q = kvt_mem_alloc(KVT_MEM_HOST, hb);
 		KVT_RETURN_IF(!q, c, -ENOMEM, "%zu bytes of host scratch for spilled rows", hb);
-		free(b->sp_host);
+		kvt_mem_free(KVT_MEM_HOST, b->sp_host, b->sp_host_bytes);
 		b->sp_host = q;
 		b->sp_host_bytes = hb;
 	}
