@@ -287,6 +287,8 @@ static void cu_fini(kvt_cache *c)
 		cudaEventDestroy(b->sp_ev);
 	gpu_pinned_free(c, b->sp_meta, b->sp_meta_bytes);
 	gpu_pinned_free(c, b->sp_rows, b->sp_rows_bytes);
+	gpu_dfree(c, b->sp_count);
+	kvt_mem_free(KVT_MEM_HOST, b->sp_host, b->sp_host_bytes);
 	gpu_pinned_free(c, b->err_host, ERR_HOST_BYTES);
 	gpu_dfree(c, b->rot);
 	gpu_dfree(c, b->err);

@@ -138,10 +138,13 @@ struct gpu_cache {
 	size_t jobs_bytes;
 	struct gpu_timing t[GPU_TIMING_SETS];
 	uint32_t t_next;
-	/* rows of spilled blocks served in place (spilled.c): pinned metadata and staged rows,
-	 * reused once the last step that read them is done (sp_ev) */
-	void *sp_meta, *sp_rows;
-	size_t sp_meta_bytes, sp_rows_bytes;
+	/* rows of spilled blocks served in place (spilled.c): the list of a step's misses (pinned,
+	 * mapped; its count on the device) and the staged rows, reused once the last step that read
+	 * them is done (sp_ev); host scratch to plan the reads */
+	void *sp_meta, *sp_rows, *sp_host;
+	size_t sp_meta_bytes, sp_rows_bytes, sp_host_bytes;
+	uint32_t *sp_count;
+	uint32_t sp_cap; /* the list made for the coming serve, 0: none */
 	cudaEvent_t sp_ev;
 	bool sp_pending, sp_used;
 	/* kvt_extend (extend.c): the staged rows of a range and the query rows' running state, and
@@ -180,11 +183,14 @@ void gpu_harvest(kvt_cache *c, struct gpu_timing *t);
 struct gpu_timing *gpu_timing(kvt_cache *c, void *stream, int kind);
 void gpu_mark(struct gpu_timing *t, int i, void *stream);
 
-/* spilled.c: between the lookup and the fill of a fetch, read the missed rows of spilled blocks
- * through the NVMe tier into pinned staging (reread: the batch's selections are those of an
- * earlier step, a gather); then, after the kernels that read them, gpu_spilled_done. */
+/* spilled.c: before the lookup of a fetch, the list its misses of spilled blocks go to (count
+ * NULL: no sequence of the batch is spilled); between the lookup and the fill, read those rows
+ * through the NVMe tier into pinned staging and point the rows at them; then, after the kernels
+ * that read them, gpu_spilled_done. */
+int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		     uint32_t max_rows, void *stream, kvt_gpu_spill_list *out);
 int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream);
+		      const void **rows, uint32_t max_rows, void *stream);
 int gpu_spilled_done(kvt_cache *c, void *stream);
 
 /* hot.c: the hot cache's memory, fixed or self-sized (around each step of a layer) */

@@ -24,10 +24,30 @@ static __device__ __forceinline__ void count(unsigned long long *ctr, unsigned l
 
 /* ---- lookup: positions, hits, window rows ------------------------------------------------- */
 
+/* One miss of a spilled block onto the host's list (few per step: one atomic each). */
+static __device__ __forceinline__ void spill_push(const kvt_gpu_spill_list &sp, uint32_t item,
+						  uint32_t k, uint32_t at)
+{
+	const uint32_t i = atomicAdd(sp.count, 1u);
+	if (i < sp.cap)
+		sp.miss[i] = kvt_gpu_spill_miss{item, k, (int32_t)at, 0};
+}
+
+static __global__ void __launch_bounds__(FT_THREADS)
+	k_spill_scatter(const kvt_gpu_spill_miss *miss, const uint64_t *addr, uint32_t n,
+			const void **rows, uint32_t max_rows)
+{
+	for (uint32_t i = blockIdx.x * FT_THREADS + threadIdx.x; i < n; i += gridDim.x * FT_THREADS) {
+		const uint64_t a = addr[i];
+		if (a)
+			rows[(size_t)miss[i].item * max_rows + miss[i].k] = (const void *)a;
+	}
+}
+
 static __global__ void __launch_bounds__(FT_THREADS)
 	k_lookup(uint32_t row_bytes, uint32_t hkv, const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot,
 		 uint32_t epoch, const void **rows, kvt_gpu_rows *items, uint32_t max_rows,
-		 int32_t *pos_out, unsigned long long *err)
+		 int32_t *pos_out, kvt_gpu_spill_list sp, unsigned long long *err)
 {
 	const uint32_t item = blockIdx.y, s = item / hkv, h = item % hkv;
 	const kvt_gpu_fetch_seq q = seqs[s];
@@ -70,9 +90,12 @@ static __global__ void __launch_bounds__(FT_THREADS)
 					p = (const char *)hot.rows + (size_t)slot * row_bytes;
 					hit = true;
 				}
-				if (!p && !(q.flags & KVT_GPU_FETCH_SPILLED) &&
-				    !host_row(q.blocks, q.blk_cap, h, at, row_bytes))
-					kvt_d_range(err, KVT_GPU_SITE_LOOKUP_BLOCK, item, at);
+				if (!p && !host_row(q.blocks, q.blk_cap, h, at, row_bytes)) {
+					if (!(q.flags & KVT_GPU_FETCH_SPILLED))
+						kvt_d_range(err, KVT_GPU_SITE_LOOKUP_BLOCK, item, at);
+					else if (sp.count) /* the host reads it from NVMe */
+						spill_push(sp, item, k, at);
+				}
 			} else {
 				const uint32_t i = q.n_indexed + (k - S - m); /* index position */
 				at = S + i;
@@ -218,18 +241,47 @@ static int fetch_args(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
 	return 0;
 }
 
+extern "C" int kvt_gpu_fetch_lookup_spilled(uint32_t row_bytes, uint32_t n_seqs,
+					    uint32_t n_kv_heads, const kvt_gpu_fetch_seq *seqs,
+					    kvt_gpu_hot hot, uint32_t epoch, const void **rows,
+					    kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
+					    kvt_gpu_spill_list list, unsigned long long *err,
+					    void *stream)
+{
+	int rc = fetch_args(row_bytes, n_seqs, n_kv_heads, seqs, hot, rows, items);
+	if (rc < 0 || n_seqs == 0)
+		return rc;
+	if (list.count && !list.miss && list.cap)
+		return -EINVAL;
+	const uint32_t n_items = n_seqs * n_kv_heads;
+	const dim3 g1(grid_x(max_rows, FT_THREADS, n_items, 1024), n_items);
+	k_lookup<<<g1, FT_THREADS, 0, KVT_STREAM(stream)>>>(row_bytes, n_kv_heads, seqs, hot, epoch,
+							    rows, items, max_rows, pos, list, err);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
 extern "C" int kvt_gpu_fetch_lookup(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
 				    const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
 				    const void **rows, kvt_gpu_rows *items, uint32_t max_rows,
 				    int32_t *pos, unsigned long long *err, void *stream)
 {
-	int rc = fetch_args(row_bytes, n_seqs, n_kv_heads, seqs, hot, rows, items);
-	if (rc < 0 || n_seqs == 0)
-		return rc;
-	const uint32_t n_items = n_seqs * n_kv_heads;
-	const dim3 g1(grid_x(max_rows, FT_THREADS, n_items, 1024), n_items);
-	k_lookup<<<g1, FT_THREADS, 0, KVT_STREAM(stream)>>>(row_bytes, n_kv_heads, seqs, hot, epoch,
-							    rows, items, max_rows, pos, err);
+	return kvt_gpu_fetch_lookup_spilled(row_bytes, n_seqs, n_kv_heads, seqs, hot, epoch, rows,
+					    items, max_rows, pos, kvt_gpu_spill_list{}, err,
+					    stream);
+}
+
+extern "C" int kvt_gpu_spill_scatter(const kvt_gpu_spill_miss *miss, const uint64_t *addr,
+				     uint32_t n, const void **rows, uint32_t max_rows,
+				     void *stream)
+{
+	if (!rows || (n && (!miss || !addr)))
+		return -EINVAL;
+	if (n == 0)
+		return 0;
+	const uint32_t blocks = (n + FT_THREADS - 1) / FT_THREADS;
+	k_spill_scatter<<<blocks < 64 ? blocks : 64, FT_THREADS, 0, KVT_STREAM(stream)>>>(
+		miss, addr, n, rows, max_rows);
 	KVT_CU_LAUNCHED();
 	return 0;
 }

@@ -128,6 +128,41 @@ int kvt_gpu_fetch_lookup(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_head
 			 const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
 			 const void **rows, kvt_gpu_rows *items, uint32_t max_rows, int32_t *pos,
 			 unsigned long long *err, void *stream);
+
+/* A row of a spilled sequence that the lookup missed and whose block table entry is NULL. */
+typedef struct kvt_gpu_spill_miss {
+	uint32_t item;     /* sequence x n_kv_heads + KV head */
+	uint32_t k;        /* the row's index in the item's rows */
+	int32_t pos;       /* its token position */
+	uint32_t reserved; /* 0 */
+} kvt_gpu_spill_miss;
+
+/*
+ * Where kvt_gpu_fetch_lookup_spilled lists those rows, so that the host learns them from a count
+ * and a short list instead of every item's rows and positions: count is a device word the caller
+ * zeroes before the lookup (it may end above cap: entries past cap are dropped), miss holds cap
+ * entries in pinned, mapped host memory, written in no fixed order.
+ */
+typedef struct kvt_gpu_spill_list {
+	uint32_t *count;
+	kvt_gpu_spill_miss *miss;
+	uint32_t cap;
+} kvt_gpu_spill_list;
+
+/* kvt_gpu_fetch_lookup that also lists the misses of spilled blocks in `list`. */
+int kvt_gpu_fetch_lookup_spilled(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
+				 const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
+				 const void **rows, kvt_gpu_rows *items, uint32_t max_rows,
+				 int32_t *pos, kvt_gpu_spill_list list, unsigned long long *err,
+				 void *stream);
+
+/*
+ * rows[miss[i].item * max_rows + miss[i].k] = addr[i] for i < n where addr[i] != 0 (the host's
+ * staged rows, tagged KVT_GPU_ROW_STAGED); miss and addr may be mapped host memory. Returns 0,
+ * -EINVAL or -EIO.
+ */
+int kvt_gpu_spill_scatter(const kvt_gpu_spill_miss *miss, const uint64_t *addr, uint32_t n,
+			  const void **rows, uint32_t max_rows, void *stream);
 int kvt_gpu_fetch_fill(uint32_t row_bytes, uint32_t n_seqs, uint32_t n_kv_heads,
 		       const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot, uint32_t epoch,
 		       const void **rows, const kvt_gpu_rows *items, uint32_t max_rows,

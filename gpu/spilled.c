@@ -4,19 +4,24 @@
  * 14): nothing of the sequence is restored, only the rows the step selected that missed the hot
  * cache cross the disk.
  *
- * Between the two halves of the fetch (gpu/fetch.cuh): the lookup has written, for every (sequence,
- * KV head) item, the token position of each row and the hot-cache hits; for the sequences with
- * blocks on NVMe (KVT_GPU_FETCH_SPILLED) the rows, positions and selected counts come back to the
- * host (one synchronization). Each missed row of a spilled block is read through the NVMe tier's
- * block cache (kvt_rows_get: 4 KiB chunks, crc-verified before use), copied into pinned, mapped
- * staging and its address written back tagged KVT_GPU_ROW_STAGED; the fill then treats it as any
- * other miss (a hot-cache way, or read in place by the attention). A read that fails fails the
- * step with its code and text; nothing unverified reaches the device.
+ * Between the two halves of the fetch (gpu/fetch.cuh): the lookup lists, for the sequences with
+ * blocks on NVMe (KVT_GPU_FETCH_SPILLED), every selected row that missed the hot cache and whose
+ * block table entry is NULL (item, row, position) in pinned, mapped memory, and counts them in a
+ * device word; the host copies the count back (one synchronization), sorts the list by item and
+ * row, and reads each item's rows of spilled blocks through the NVMe tier's block cache
+ * (kvt_rows_get: 4 KiB chunks, crc-verified before use, all of the step's reads planned for one
+ * submission first) into pinned, mapped staging. Their addresses, tagged KVT_GPU_ROW_STAGED, go
+ * beside the list, and one kernel writes them into the rows; the fill then treats each as any other
+ * miss (a hot-cache way, or read in place by the attention). So only the misses cross PCIe as
+ * metadata, not every spilled item's rows and positions. A read that fails fails the step with its
+ * code and text; nothing unverified reaches the device; a listed row the host does not stage (a
+ * block missing, not spilled) stays NULL and the fill reports it.
  *
  * The step waits for the disk, so it cannot be captured into a CUDA graph: a capture that meets a
  * spilled sequence is refused (restore the sequence first).
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -57,133 +62,150 @@ int gpu_spilled_done(kvt_cache *c, void *stream)
 	return 0;
 }
 
-/*
- * The rows of item (sequence j of the spilled ones, KV head h) that missed the hot cache and lie in
- * spilled blocks, compacted in place: their positions to the front of the item's position array,
- * their row numbers to k_out. Returns their count.
- */
-static uint32_t misses_of(const struct kvt_layer *l, uint32_t h, const void *const *rows,
-			  int32_t *pos, uint32_t n, uint32_t *k_out)
+/* The metadata buffer: the count's copy, then `cap` misses, then their staged addresses. */
+#define SP_HEAD 16u
+static kvt_gpu_spill_miss *sp_miss(const struct gpu_cache *b)
 {
-	uint32_t m = 0;
-	for (uint32_t k = 0; k < n; k++) {
-		const uint32_t at = (uint32_t)pos[k], b = at / KVT_BLOCK_TOKENS;
-		if (rows[k] || b >= l->n_blocks || l->blocks[(size_t)h * l->blk_cap + b])
-			continue;
-		pos[m] = (int32_t)at; /* m <= k: read before written */
-		k_out[m++] = k;
-	}
-	return m;
+	return (kvt_gpu_spill_miss *)((char *)b->sp_meta + SP_HEAD);
 }
 
-int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
-		      bool reread, const void **rows, int32_t *pos, uint32_t max_rows, void *stream)
+static uint64_t *sp_addr(const struct gpu_cache *b, uint32_t cap)
+{
+	return (uint64_t *)(sp_miss(b) + cap);
+}
+
+int gpu_spilled_list(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		     uint32_t max_rows, void *stream, kvt_gpu_spill_list *out)
 {
 	struct gpu_cache *b = gpu_of(c);
-	const struct gpu_layer *y = &b->lay[layer];
-	const uint32_t H = c->cfg.n_kv_heads;
-	const size_t rb = c->row_bytes, per = (size_t)H * max_rows;
-	uint32_t n_sp = 0;
+	uint64_t cap = 0;
+	memset(out, 0, sizeof *out);
+	b->sp_cap = 0; /* a list whose fetch failed before its serve is void */
 	for (uint32_t i = 0; i < n_seqs; i++)
-		n_sp += kvt_layer_spilled(c, ls[i]);
-	if (!n_sp)
+		cap += kvt_layer_spilled(c, ls[i]) ? (uint64_t)c->cfg.n_kv_heads * max_rows : 0;
+	if (!cap)
 		return 0;
+	/* first: the waits, pinning and allocations below are what a capture forbids */
 	char capture[192];
 	snprintf(capture, sizeof capture,
 		 "layer %u: a sequence of the batch has rows on NVMe, which a step reads from the "
 		 "disk: it cannot be captured into a graph (kvt_seq_restore it first)",
 		 layer);
 	KVT_TRY(gpu_refuse_capture(c, stream, capture));
+	KVT_RETURN_IF(cap > UINT32_MAX, c, -E2BIG,
+		      "%llu rows of spilled sequences in one step, above %u",
+		      (unsigned long long)cap, UINT32_MAX);
 	if (!b->sp_ev)
 		CU(c, cudaEventCreateWithFlags(&b->sp_ev, cudaEventDisableTiming));
 	KVT_TRY(staging_idle(c));
-	/* metadata (pinned): per spilled sequence its rows, positions and counts; then per item the
-	 * row numbers to stage and their count; then one item's row pointers */
-	const size_t seq_meta = (per * (sizeof(void *) + sizeof(int32_t)) + H * sizeof(uint32_t) +
-				 15) & ~(size_t)15;
-	const size_t ks_bytes = (n_sp * per * sizeof(uint32_t) + 15) & ~(size_t)15;
-	const size_t meta = n_sp * seq_meta + ks_bytes +
-			    ((n_sp * H * sizeof(uint32_t) + 15) & ~(size_t)15) +
-			    (size_t)max_rows * sizeof(void *);
-	KVT_TRY(pinned_grow(c, &b->sp_meta, &b->sp_meta_bytes, meta, "spilled rows' metadata"));
-	char *m = b->sp_meta;
-	uint32_t *ks = (uint32_t *)(m + n_sp * seq_meta);
-	uint32_t *nw = (uint32_t *)((char *)ks + ks_bytes);
-	const void **got = (const void **)(m + meta - (size_t)max_rows * sizeof(void *));
-	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
-		if (!kvt_layer_spilled(c, ls[i]))
-			continue;
-		const struct gpu_seq_layer *g = ls[i]->dev;
-		const uint32_t slot = reread ? g->sel_slot : i;
-		char *at = m + (size_t)j++ * seq_meta;
-		CU(c, cudaMemcpyAsync(at, rows + (size_t)i * per, per * sizeof(void *),
-				      cudaMemcpyDeviceToHost, (cudaStream_t)stream));
-		CU(c, cudaMemcpyAsync(at + per * sizeof(void *), pos + (size_t)i * per,
-				      per * sizeof(int32_t), cudaMemcpyDeviceToHost,
-				      (cudaStream_t)stream));
-		CU(c, cudaMemcpyAsync(at + per * (sizeof(void *) + sizeof(int32_t)),
-				      y->sel_n + (size_t)slot * H, H * sizeof(uint32_t),
-				      cudaMemcpyDeviceToHost, (cudaStream_t)stream));
-	}
+	KVT_TRY(pinned_grow(c, &b->sp_meta, &b->sp_meta_bytes,
+			    SP_HEAD + cap * (sizeof(kvt_gpu_spill_miss) + sizeof(uint64_t)),
+			    "the list of spilled rows"));
+	if (!b->sp_count)
+		KVT_TRY(gpu_dalloc(c, (void **)&b->sp_count, sizeof(uint32_t),
+				   "the count of spilled rows"));
+	CU(c, cudaMemsetAsync(b->sp_count, 0, sizeof(uint32_t), (cudaStream_t)stream));
+	/* the memset and the lookup write the count and the list: the next list waits for them
+	 * (gpu_spilled_done) even if this fetch fails before its serve synchronizes */
+	b->sp_used = true;
+	b->sp_cap = (uint32_t)cap;
+	*out = (kvt_gpu_spill_list){.count = b->sp_count, .miss = sp_miss(b), .cap = (uint32_t)cap};
+	return 0;
+}
+
+/* Misses by item, then row: each item's rows ascending, as kvt_rows_get takes them. */
+static int miss_order(const void *x, const void *y)
+{
+	const kvt_gpu_spill_miss *a = x, *b = y;
+	if (a->item != b->item)
+		return a->item < b->item ? -1 : 1;
+	return a->k < b->k ? -1 : a->k > b->k;
+}
+
+/* Whether position `at` of KV head h lies in a block of l that is on NVMe (not merely missing). */
+static bool spilled_at(const struct kvt_layer *l, uint32_t h, int32_t at)
+{
+	const uint32_t blk = (uint32_t)at / KVT_BLOCK_TOKENS;
+	return at >= 0 && blk < l->n_blocks && !l->blocks[(size_t)h * l->blk_cap + blk];
+}
+
+int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
+		      const void **rows, uint32_t max_rows, void *stream)
+{
+	struct gpu_cache *b = gpu_of(c);
+	const uint32_t H = c->cfg.n_kv_heads;
+	const size_t rb = c->row_bytes;
+	if (!b->sp_cap)
+		return 0; /* no spilled sequence: no list was made */
+	const uint32_t cap = b->sp_cap;
+	b->sp_cap = 0;
+	uint32_t *count = (uint32_t *)b->sp_meta;
+	CU(c, cudaMemcpyAsync(count, b->sp_count, sizeof(uint32_t), cudaMemcpyDeviceToHost,
+			      (cudaStream_t)stream));
 	CU(c, cudaStreamSynchronize((cudaStream_t)stream));
 	KVT_TRY(gpu_check_err(c)); /* the lookup's range errors first */
-	/* one pass: each item's misses in spilled blocks, planned for one read submission */
-	size_t total = 0;
+	const uint32_t n = *count;
+	KVT_RETURN_IF(n > cap, c, -EIO, "layer %u: %u rows of spilled blocks listed, above the %u "
+		      "the list holds", layer, n, cap);
+	if (!n)
+		return 0;
+	kvt_gpu_spill_miss *miss = sp_miss(b);
+	uint64_t *addr = sp_addr(b, cap);
+	qsort(miss, n, sizeof *miss, miss_order);
+	/* host scratch: the positions to read (per item, contiguous), their list entries, and one
+	 * item's row pointers */
+	const size_t hb = (size_t)n * (sizeof(int32_t) + sizeof(uint32_t)) +
+			  (size_t)max_rows * sizeof(void *);
+	if (hb > b->sp_host_bytes) {
+		void *q = kvt_mem_alloc(KVT_MEM_HOST, hb);
+		KVT_RETURN_IF(!q, c, -ENOMEM, "%zu bytes of host scratch for spilled rows", hb);
+		kvt_mem_free(KVT_MEM_HOST, b->sp_host, b->sp_host_bytes);
+		b->sp_host = q;
+		b->sp_host_bytes = hb;
+	}
+	const void **got = (const void **)b->sp_host;
+	int32_t *pos = (int32_t *)(got + max_rows);
+	uint32_t *ent = (uint32_t *)(pos + n);
+	/* one pass: each item's rows in spilled blocks, planned for one read submission */
+	uint32_t total = 0;
 	kvt_rows_prefetch_begin(c);
-	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
-		const struct kvt_layer *l = ls[i];
-		if (!kvt_layer_spilled(c, ls[i]))
-			continue;
-		char *at = m + (size_t)j * seq_meta;
-		const uint32_t *sel_n = (const uint32_t *)(at + per * (sizeof(void *) + sizeof(int32_t)));
-		const uint32_t S = kvt_sinks_of(c, l->sel_tokens);
-		for (uint32_t h = 0; h < H; h++) {
-			const size_t item = (size_t)j * H + h;
-			int32_t *p = (int32_t *)(at + per * sizeof(void *)) + (size_t)h * max_rows;
-			const uint32_t n = S + sel_n[h] < max_rows ? S + sel_n[h] : max_rows;
-			nw[item] = misses_of(l, h, (const void *const *)at + (size_t)h * max_rows, p, n,
-					     ks + item * max_rows);
-			if (nw[item])
-				kvt_rows_prefetch_add(c, l, h, nw[item], p);
-			total += nw[item];
+	for (uint32_t i = 0; i < n;) {
+		const uint32_t item = miss[i].item, first = total;
+		const struct kvt_layer *l = ls[item / H];
+		for (; i < n && miss[i].item == item; i++) {
+			addr[i] = 0;
+			if (spilled_at(l, item % H, miss[i].pos)) {
+				pos[total] = miss[i].pos;
+				ent[total++] = i;
+			}
 		}
-		j++;
+		if (total > first)
+			kvt_rows_prefetch_add(c, l, item % H, total - first, pos + first);
 	}
 	KVT_TRY(kvt_rows_prefetch(c));
 	KVT_TRY(pinned_grow(c, &b->sp_rows, &b->sp_rows_bytes, total ? total * rb : 1,
 			    "staged rows of spilled blocks"));
-	/* each item's rows: read (found in the block cache now), staged, their addresses tagged */
+	/* each item's rows: read (found in the block cache now), staged, their addresses listed */
 	char *stage = b->sp_rows;
-	b->sp_used = true; /* the copies below read the metadata buffer */
-	for (uint32_t i = 0, j = 0; i < n_seqs; i++) {
-		const struct kvt_layer *l = ls[i];
-		if (!kvt_layer_spilled(c, ls[i]))
-			continue;
-		char *at = m + (size_t)j * seq_meta;
-		for (uint32_t h = 0; h < H; h++) {
-			const size_t item = (size_t)j * H + h;
-			const uint32_t w = nw[item], *k = ks + item * max_rows;
-			const void **r = (const void **)at + (size_t)h * max_rows;
-			const int32_t *p = (const int32_t *)(at + per * sizeof(void *)) +
-					   (size_t)h * max_rows;
-			if (!w)
-				continue;
-			int rc = kvt_rows_get(c, l, h, w, p, got);
-			if (rc < 0) {
-				char why[sizeof c->err];
-				snprintf(why, sizeof why, "%s", c->err);
-				return kvt_err_entry(c, i, kvt_seterr(c, rc, "seqs[%u]: %s", i, why));
-			}
-			for (uint32_t t = 0; t < w; t++, stage += rb) {
-				memcpy(stage, got[t], rb);
-				r[k[t]] = (const void *)((uintptr_t)stage | KVT_GPU_ROW_STAGED);
-			}
-			/* the item's rows up to its last staged one */
-			CU(c, cudaMemcpyAsync(rows + (size_t)i * per + (size_t)h * max_rows, r,
-					      (k[w - 1] + 1) * sizeof(void *), cudaMemcpyHostToDevice,
-					      (cudaStream_t)stream));
+	for (uint32_t t0 = 0; t0 < total;) {
+		const uint32_t item = miss[ent[t0]].item;
+		uint32_t w = 0;
+		while (t0 + w < total && miss[ent[t0 + w]].item == item)
+			w++;
+		const uint32_t seq = item / H;
+		int rc = kvt_rows_get(c, ls[seq], item % H, w, pos + t0, got);
+		if (rc < 0) {
+			char why[sizeof c->err];
+			snprintf(why, sizeof why, "%s", c->err);
+			return kvt_err_entry(c, seq, kvt_seterr(c, rc, "seqs[%u]: %s", seq, why));
 		}
-		j++;
+		for (uint32_t t = 0; t < w; t++, stage += rb) {
+			memcpy(stage, got[t], rb);
+			addr[ent[t0 + t]] = (uintptr_t)stage | KVT_GPU_ROW_STAGED;
+		}
+		t0 += w;
 	}
+	b->sp_used = true; /* the scatter reads the list, the fill and attention the rows */
+	LAUNCH(c, kvt_gpu_spill_scatter(miss, addr, n, rows, max_rows, stream));
 	return 0;
 }

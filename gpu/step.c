@@ -360,12 +360,16 @@ static int fetch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer
 					max_rows, pos, b->err, stream));
 		return 0;
 	}
-	LAUNCH(c, kvt_gpu_fetch_lookup(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
-				       max_rows, s->pos, b->err, stream));
-	if (!rows)
+	if (!rows) {
+		LAUNCH(c, kvt_gpu_fetch_lookup(rb, n_seqs, H, s->fetch, hot, epoch, s->rows,
+					       s->items, max_rows, s->pos, b->err, stream));
 		return 0;
-	KVT_TRY(gpu_serve_spilled(c, layer, n_seqs, ls, flags & KVT_GPU_HOT_NO_STEP, s->rows,
-				  s->pos, max_rows, stream));
+	}
+	kvt_gpu_spill_list list;
+	KVT_TRY(gpu_spilled_list(c, layer, n_seqs, ls, max_rows, stream, &list));
+	LAUNCH(c, kvt_gpu_fetch_lookup_spilled(rb, n_seqs, H, s->fetch, hot, epoch, s->rows,
+					       s->items, max_rows, pos, list, b->err, stream));
+	KVT_TRY(gpu_serve_spilled(c, layer, n_seqs, ls, s->rows, max_rows, stream));
 	LAUNCH(c, kvt_gpu_fetch_fill(rb, n_seqs, H, s->fetch, hot, epoch, s->rows, s->items,
 				     max_rows, b->err, stream));
 	return 0;

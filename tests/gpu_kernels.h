@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * What the GPU kernel tests share (test_gpu_kernels.c, which holds main and these helpers, and
- * test_gpu_select.c): the run's seed and mode, device buffers poisoned with 0xff bytes, and the
- * selection's order key.
+ * What the GPU kernel tests share (test_gpu_kernels.c, which holds main and these helpers,
+ * test_gpu_select.c and test_gpu_spill_list.c): the run's seed and mode, device buffers poisoned
+ * with 0xff bytes, and the selection's order key.
  */
 #ifndef KVT_TESTS_GPU_KERNELS_H
 #define KVT_TESTS_GPU_KERNELS_H
@@ -46,5 +46,9 @@ kvt_gpu_segstats host_segstats(const float *x, uint32_t n);
 /* test_gpu_select.c */
 void test_select(void **state);
 void test_select_nonfinite(void **state);
+
+/* test_gpu_spill_list.c */
+void test_spill_list(void **state);
+void test_spill_arguments(void **state);
 
 #endif

@@ -10,6 +10,8 @@
  *   the error word;
  * - attention: within 1e-3 of kvt_attention (the largest error seen is printed), rows from device
  *   memory and from mapped pinned host memory.
+ * - the list of a spilled fetch's misses (test_gpu_spill_list.c): exactly the missed rows of NULL
+ *   blocks of the spilled sequences, scattered where staged, then served by the fill.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
@@ -714,6 +716,7 @@ int main(void)
 		cmocka_unit_test(test_arguments),         cmocka_unit_test(test_index_build),
 		cmocka_unit_test(test_prepare_and_score), cmocka_unit_test(test_select),
 		cmocka_unit_test(test_select_nonfinite),  cmocka_unit_test(test_attend),
+		cmocka_unit_test(test_spill_arguments),   cmocka_unit_test(test_spill_list),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
