@@ -55,10 +55,12 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 			(void)cudaGetLastError(); /* not sticky: the step's launches must not see it */
 			return -ENOMEM;
 		}
-		if (cudaMemset(mem, 0, bytes) != cudaSuccess ||
-		    cudaStreamSynchronize(0) != cudaSuccess) { /* gpu_settle's wait */
+		const int rc = cudaMemset(mem, 0, bytes) == cudaSuccess
+				 ? gpu_settle(c, "the hot-token cache's zeroing")
+				 : kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
+		if (rc < 0) {
 			gpu_dfree(c, mem);
-			return kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
+			return rc;
 		}
 	} else {
 		KVT_TRY(gpu_dalloc(c, &mem, bytes, "the hot-token cache"));

@@ -9,11 +9,12 @@
  *   stream, bit for bit. Several trials, each in a fresh sequence, since a missing order shows
  *   only when the copy has not landed yet.
  * - fork: kvt_seq_fork on the stream, then the child attends like its parent, bit for bit (the
- *   mirror's index, centroids and window ring copied in stream order).
+ *   mirror's index, centroids and window ring copied). This checks what the copies hold, not their
+ *   order: the child's first call makes its device block table, after a device synchronization
+ *   that every earlier copy has landed by.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include "gpu_pair.h"
-#include "kvtier_lifecycle.h"
 
 enum { T_FULL = 65536, CHUNK = 16384, TRIALS = 6 };
 
@@ -36,8 +37,9 @@ static void fx_init(struct fixture *f)
 	cfg.out_dtype = KVT_DTYPE_F32;
 	cfg.backend = KVT_BACKEND_CUDA;
 	cfg.max_seqs = 4;
-	/* two sequences of a full table plus its growth, as rows of K and V */
-	cfg.host_bytes = (uint64_t)4 * (T_FULL + 512) * HKV * D * 4 + ((uint64_t)64 << 20);
+	/* two sequences of a full table plus its growth, rows of fp16 K and V (4 bytes per element
+	 * of a head) */
+	cfg.host_bytes = (uint64_t)2 * (T_FULL + 512) * HKV * D * 4 + ((uint64_t)64 << 20);
 	OK(NULL, kvt_cache_create(&cfg, &f->c));
 	CU(cudaStreamCreateWithFlags(&f->st, cudaStreamNonBlocking));
 	const size_t n = (size_t)CHUNK * HQ * D;
@@ -97,10 +99,17 @@ static void test_table_growth(void **state)
 	kvt_stats st = {.size = sizeof st};
 	for (int t = 0; t < (g_quick ? 2 : TRIALS); t++) {
 		const uint32_t s = full_seq(&f);
+		const struct kvt_layer *l = &f.c->seqs[s].layers[0];
 		CU(cudaStreamSynchronize(f.st));
 		OK(f.c, kvt_get_stats(f.c, &st)); /* every earlier error slot read */
+		T_CHECK(l->n_blocks == T_FULL / KVT_BLOCK_TOKENS && l->blk_cap == l->n_blocks,
+			"trial %d: the prefill left %u of %u table entries used, wanted all %u", t,
+			l->n_blocks, l->blk_cap, T_FULL / KVT_BLOCK_TOKENS);
 		/* token T_FULL: its block is one past the table, which grows and is uploaded anew */
 		OK(f.c, kvt_append(f.c, 0, 1, &s, f.dk, f.dk, f.st));
+		T_CHECK(l->blk_cap > T_FULL / KVT_BLOCK_TOKENS,
+			"trial %d: the append left the table at %u entries, wanted it grown", t,
+			l->blk_cap);
 		attend_to(&f, s, f.st, f.out_a);
 		const int rc = kvt_get_stats(f.c, &st);
 		T_CHECK(rc == 0, "trial %d: the append after the table's growth reported %d: %s", t,
