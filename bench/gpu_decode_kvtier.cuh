@@ -252,15 +252,18 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		CK(cudaMalloc((void **)&gq, step_q * 2)); /* the captured query: each step's copied in */
 		for (uint32_t s = 0; s < n_seqs; s++)
 			hs[s] = (int32_t)seqs[s];
-		CK(cudaMemcpy(dslots, hs.data(), sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+		/* on st: a cudaMemcpy from pageable memory returns before its bytes land, and the
+		 * graph step on the non-blocking st would not wait for them */
+		CK(cudaMemcpyAsync(dslots, hs.data(), sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice,
+				   st));
 		const kvt_graph_batch gb = {n_seqs, 0, dslots, dlen, NULL};
 		uint32_t at = 0; /* the step inputs, reused in turn */
 		auto next = [&]() { /* the lengths after the coming append; its inputs */
 			CK(cudaStreamSynchronize(st));
 			for (uint32_t s = 0; s < n_seqs; s++)
 				hl[s] = (int32_t)kvt_seq_length(cache, seqs[s], 0) + 1;
-			CK(cudaMemcpy(dlen, hl.data(), sizeof(int32_t) * n_seqs,
-				      cudaMemcpyHostToDevice));
+			CK(cudaMemcpyAsync(dlen, hl.data(), sizeof(int32_t) * n_seqs,
+					   cudaMemcpyHostToDevice, st));
 			return at++ % total_steps;
 		};
 		for (int i = 0; i < o.warmup; i++) { /* sizes the hot cache at the reserved layout */
