@@ -28,7 +28,7 @@ struct kvt_run {
 };
 
 /* The defaults with the graph's replay measured too. */
-static kvt_run run_with_graph()
+static inline kvt_run run_with_graph()
 {
 	kvt_run r;
 	r.graph = true;
