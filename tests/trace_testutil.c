@@ -176,8 +176,11 @@ void edit_meta(const tdir *t, const char *from, const char *to)
 	s[n] = 0;
 	char *at = strstr(s, from);
 	T_CHECK(at != NULL, "meta.json has no '%s'", from);
-	char *out = t_alloc(n + strlen(to) + 1);
-	sprintf(out, "%.*s%s%s", (int)(at - s), s, to, at + strlen(from));
+	const size_t pre = (size_t)(at - s), tl = strlen(to), fl = strlen(from);
+	char *out = t_alloc(n - fl + tl + 1); /* zeroed: the copies below end in its last 0 */
+	memcpy(out, s, pre);
+	memcpy(out + pre, to, tl);
+	memcpy(out + pre + tl, at + fl, n - pre - fl);
 	write_meta_text(t, out);
 	free(out);
 	free(s);
