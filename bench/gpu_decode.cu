@@ -279,13 +279,14 @@ int main(int argc, char **argv)
 			       "gather + attend %.1f us\n",
 			       k.ms, k.wall_ms, k.ns[0] / 1e3, k.ns[1] / 1e3, k.ns[2] / 1e3,
 			       k.ns[3] / 1e3, k.ns[4] / 1e3);
-			if (k.ok && k.graph_ms > 0)
-			printf("  kvtier per step with the attention replayed from a CUDA graph "
-			       "(kvt_attend_graph captured once under kvt_graph_reserve; kvt_append "
-			       "eager): %.3f ms on the stream (events), %.2fx the resident kernel; the "
-			       "last replay's output %s an eager kvt_attend's\n",
-			       k.graph_ms, k.graph_ms / res_ms,
-			       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
+			if (k.graph_ms > 0)
+				printf("  kvtier per step with the attention replayed from a CUDA graph "
+				       "(kvt_attend_graph captured once under kvt_graph_reserve; "
+				       "kvt_append eager): %.3f ms on the stream (events), %.2fx the "
+				       "resident kernel; the last replay's output %s an eager "
+				       "kvt_attend's\n",
+				       k.graph_ms, k.graph_ms / res_ms,
+				       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
 		}
 		char kms[32] = "failed", r1[32] = "-", r2[32] = "-", hb[32] = "-";
 		if (k.ok) {

@@ -187,12 +187,11 @@ static __global__ void __launch_bounds__(AT_THREADS)
 }
 
 /* Merge the chunks of one (item, query head) and convert to the output type. The chunks' maxima
- * are read by all threads at once into shared memory, their maximum reduced across the block (a
- * loop over them per thread cost microseconds at a hundred chunks); each thread then sums its dimension over the
- * chunks in their order (the same operations as a sequential merge), its loads AT_MERGE_AHEAD
- * chunks ahead, since a dependent load per chunk made this kernel a chain of memory latencies.
- * Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones run, and
- * wait for its end. */
+ * are read by all threads at once into shared memory and their maximum reduced across the block
+ * (not walked by every thread); each thread then sums its dimension over the chunks in their order
+ * (the same operations as a sequential merge), its loads AT_MERGE_AHEAD chunks ahead, since a
+ * dependent load per chunk made this kernel a chain of memory latencies. Launched as a dependent
+ * of k_attend: its blocks are placed while k_attend's last ones run, and wait for its end. */
 template <int D>
 static __global__ void __launch_bounds__(D)
 	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,

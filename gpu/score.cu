@@ -48,6 +48,17 @@ static __device__ __forceinline__ uint32_t lane_shift(uint32_t t, int s)
 
 /* ---- query preparation ------------------------------------------------------------------- */
 
+/* The reduction step of lo (CMP <) or hi (CMP >) as the CPU's walk from coordinate 0 finds them:
+ * (v, i) takes (ov, oi) when ov is beyond v, or equal to it at a lower coordinate. A macro, so that
+ * each use compiles as the comparison written out did. */
+#define KEEP_FIRST(CMP, v, i, ov, oi)                                                              \
+	do {                                                                                       \
+		if ((ov) CMP (v) || ((ov) == (v) && (oi) < (i))) {                                 \
+			v = ov;                                                                    \
+			i = oi;                                                                    \
+		}                                                                                  \
+	} while (0)
+
 template <int D, int DT>
 static __global__ void __launch_bounds__(D)
 	k_prepare(const float *__restrict__ rot, const void *q, const float *const *c_q,
@@ -96,14 +107,8 @@ static __global__ void __launch_bounds__(D)
 				    oh = __shfl_xor_sync(0xffffffffu, vh, o);
 			const uint32_t oil = __shfl_xor_sync(0xffffffffu, il, o),
 				       oih = __shfl_xor_sync(0xffffffffu, ih, o);
-			if (ol < vl || (ol == vl && oil < il)) {
-				vl = ol;
-				il = oil;
-			}
-			if (oh > vh || (oh == vh && oih < ih)) {
-				vh = oh;
-				ih = oih;
-			}
+			KEEP_FIRST(<, vl, il, ol, oil);
+			KEEP_FIRST(>, vh, ih, oh, oih);
 		}
 		if (j % 32 == 0) {
 			red_v[0][j / 32] = vl;
@@ -117,14 +122,8 @@ static __global__ void __launch_bounds__(D)
 		float lo = red_v[0][0], hi = red_v[1][0];
 		uint32_t il = red_i[0][0], ih = red_i[1][0];
 		for (int w = 1; w < D / 32; w++) {
-			if (red_v[0][w] < lo || (red_v[0][w] == lo && red_i[0][w] < il)) {
-				lo = red_v[0][w];
-				il = red_i[0][w];
-			}
-			if (red_v[1][w] > hi || (red_v[1][w] == hi && red_i[1][w] < ih)) {
-				hi = red_v[1][w];
-				ih = red_i[1][w];
-			}
+			KEEP_FIRST(<, lo, il, red_v[0][w], red_i[0][w]);
+			KEEP_FIRST(>, hi, ih, red_v[1][w], red_i[1][w]);
 		}
 		/* the coordinates' own values: +-inf above may stand for a NaN of coordinate 0 */
 		lo = xs[0] != xs[0] ? xs[0] : xs[il];
