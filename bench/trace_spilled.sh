@@ -3,9 +3,11 @@
 # (tools/python/scripts/train_small.py), captures a trace of it (tools/capture_trace.py), then
 # replays the trace with kvbench on the CUDA backend twice per hot-cache size, the rows in host
 # memory and spilled to NVMe after each layer's prefill, and prints one line per pair: step time,
-# the spilled step over the host step, hot-cache hits, NVMe bytes and 4 KiB reads per step, and
-# PCIe bytes per step. Synthetic workloads share 95 % of a step's selection with the next; a
-# trained model's queries about half, so this is the figure a runtime sees.
+# the spilled step over the host step, hot-cache hits, NVMe bytes and read I/Os per step, PCIe
+# bytes per step, and the disk floor (the reads at the rate of a raw io_uring loop measured first,
+# bench/nvme_read) with the spilled step's extra time over it. Synthetic workloads share 95 % of a
+# step's selection with the next; a trained model's queries about half, so this is the figure a
+# runtime sees.
 # Needs torch and transformers (the GPU machine). Usage, from the repository root:
 #   bash bench/trace_spilled.sh BUILD_DIR [--minutes M] [--context C] [--prefill T] [--decode S]
 #        [--gpu-caches auto,6M,...] [--nvme-qd N] [--nvme-cache N] [--work DIR]
@@ -16,7 +18,7 @@
 # then kvt-trace-spilled) must take O_DIRECT; the model and the trace are kept there per context
 # and length, and reused.
 set -eu
-[ $# -ge 1 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,19p "$0"; exit 2; }
 b=$1; shift
 minutes=2; context=8192; prefill=; decode=64; caches=auto,6M,12M,24M; qd=32; ncache=
 work=${TMPDIR:-/tmp}/kvt-trace-spilled
@@ -48,21 +50,33 @@ if [ ! -f "$trace/meta.json" ]; then
 	python3 tools/capture_trace.py --model "$model" --prefill "$prefill" --decode "$decode" \
 		--device cuda "$trace" >"$work/capture.log" 2>&1
 fi
-row() { # hot cache, host json, spilled json: one line of the table
+# the disk's own limit, as bench/gpu_spilled measures it: a raw io_uring loop of 4 KiB O_DIRECT
+# random reads at the tier's queue depth, in the work directory (nvme_read's first figures)
+kiops=$("$b/bench/nvme_read" --file "$work/raw.dat" --qd "$qd" --runs 3 --seconds 1 2>/dev/null |
+	awk '/^  raw io_uring, O_DIRECT/ {
+		for (i = 2; i <= NF; i++) if ($i == "K" && $(i + 1) == "IOPS") print $(i - 1) }')
+rm -f "$work/raw.dat"
+echo "disk limit: raw io_uring loop of 4 KiB O_DIRECT random reads at queue depth $qd:" \
+	"${kiops:-unknown} K IOPS (floor_ms: a step's reads at that rate)"
+row() { # hot cache, host json, spilled json, K IOPS: one line of the table
 	python3 - "$@" <<'PY'
 import json, sys
 c, h, s = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+kiops = float(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else float("nan")
 def f(d, k):
-    v = d[k]
+    v = d.get(k)
     return float("nan") if v is None else v
-print("%-8s %10.4f %10.4f %8.2f %8.4f %8.4f %12.0f %10.1f %12.0f %8.4f %8.4f" % (
+reads = f(s, "nvme_reads_per_step")
+floor = reads / kiops if kiops > 0 else float("nan")  # ms: reads / (K IOPS x 1000) x 1000
+extra = f(s, "step_ms") - f(h, "step_ms")
+print("%-8s %10.4f %10.4f %8.2f %8.4f %8.4f %12.0f %10.1f %12.0f %9.3f %8.2f %8.4f %8.4f" % (
     c, f(h, "step_ms"), f(s, "step_ms"), f(s, "step_ms") / f(h, "step_ms"), f(h, "hot_hit_rate"),
-    f(s, "hot_hit_rate"), f(s, "nvme_bytes_per_step"), f(s, "nvme_bytes_per_step") / 4096,
-    f(s, "pcie_bytes_per_step"), f(s, "recall_p5"), f(s, "recall_mean")))
+    f(s, "hot_hit_rate"), f(s, "nvme_bytes_per_step"), reads, f(s, "pcie_bytes_per_step"),
+    floor, extra / floor if floor > 0 else float("nan"), f(s, "recall_p5"), f(s, "recall_mean")))
 PY
 }
-printf '%-8s %10s %10s %8s %8s %8s %12s %10s %12s %8s %8s\n' gpu_cache host_ms spilled_ms ratio \
-	host_hit sp_hit nvme_B/step reads/step pcie_B/step p5 recall
+printf '%-8s %10s %10s %8s %8s %8s %12s %10s %12s %9s %8s %8s %8s\n' gpu_cache host_ms spilled_ms \
+	ratio host_hit sp_hit nvme_B/step reads/step pcie_B/step floor_ms xtra/flr p5 recall
 IFS=, read -ra list <<<"$caches"
 for c in "${list[@]}"; do
 	rm -f "$work"/kv.img
@@ -70,5 +84,5 @@ for c in "${list[@]}"; do
 	"$kvbench" --trace "$trace" --backend cuda --gpu-cache "$c" --json --quiet \
 		--nvme "$work/kv.img" --nvme-qd "$qd" ${ncache:+--nvme-cache "$ncache"} >"$work/spilled.json"
 	rm -f "$work"/kv.img
-	row "$c" "$work/host.json" "$work/spilled.json"
+	row "$c" "$work/host.json" "$work/spilled.json" "$kiops"
 done

@@ -128,6 +128,14 @@ void test_replay(void **state)
 		T_CHECK(jnum(&j, root, "nvme_bytes_per_step") == 0,
 			"no NVMe tier: nvme_bytes_per_step got %g, want 0",
 			jnum(&j, root, "nvme_bytes_per_step"));
+		/* read I/Os: at least one per 1 MiB block read in pieces of at most a block, and
+		 * none without the tier */
+		const double nr = jnum(&jn, &jn.nodes[1], "nvme_reads_per_step");
+		T_CHECK(nr > 0 && nr >= nb / (1 << 20), "--nvme: nvme_reads_per_step got %g for %g "
+			"bytes per step", nr, nb);
+		T_CHECK(jnum(&j, root, "nvme_reads_per_step") == 0,
+			"no NVMe tier: nvme_reads_per_step got %g, want 0",
+			jnum(&j, root, "nvme_reads_per_step"));
 		trace_json_free(&jn);
 	}
 	free(out_nv);

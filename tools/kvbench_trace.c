@@ -263,6 +263,7 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	f->hot_misses = st1.hot_misses - st0.hot_misses;
 	f->pcie_bytes = st1.pcie_bytes - st0.pcie_bytes;
 	f->nvme_bytes = st1.nvme_bytes_read - st0.nvme_bytes_read;
+	f->nvme_reads = st1.nvme_reads - st0.nvme_reads;
 	f->candidates = st1.candidate_tokens - st0.candidate_tokens;
 	f->rescored_unselected = st1.rescored_unselected - st0.rescored_unselected;
 }

@@ -24,7 +24,7 @@ typedef struct kacc {
 /* What the fetch path did during one layer's decode steps: the library's counters (kvt_stats)
  * over those steps, and the time of kvt_append + kvt_attend. */
 typedef struct tfetch {
-	uint64_t steps, hot_hits, hot_misses, pcie_bytes, nvme_bytes;
+	uint64_t steps, hot_hits, hot_misses, pcie_bytes, nvme_bytes, nvme_reads;
 	uint64_t candidates, rescored_unselected; /* indexed tokens scored; the second stage's key
 						     reads of tokens not selected */
 	double step_ms;         /* summed over the steps */

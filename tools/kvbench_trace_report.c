@@ -71,6 +71,7 @@ static void fetch_add(tfetch *to, const tfetch *x)
 	to->hot_misses += x->hot_misses;
 	to->pcie_bytes += x->pcie_bytes;
 	to->nvme_bytes += x->nvme_bytes;
+	to->nvme_reads += x->nvme_reads;
 	to->candidates += x->candidates;
 	to->rescored_unselected += x->rescored_unselected;
 	to->step_ms += x->step_ms;
@@ -135,6 +136,7 @@ static void print_json_fetch(const tfetch *f)
 	jnum("hot_hit_rate", hit_rate(f));
 	jnum("pcie_bytes_per_step", per_step((double)f->pcie_bytes, f));
 	jnum("nvme_bytes_per_step", per_step((double)f->nvme_bytes, f));
+	jnum("nvme_reads_per_step", per_step((double)f->nvme_reads, f)); /* read I/Os */
 	jnum("step_ms", per_step(f->step_ms, f));
 	/* the second stage's extra key reads per indexed token (0 without --rescore) */
 	jnum("rescore_k_frac",
