@@ -212,6 +212,8 @@ int gpu_refuse_capture(kvt_cache *c, void *stream, const char *why);
 int gpu_no_capture(kvt_cache *c, void *stream, const char *what);
 void gpu_dfree(kvt_cache *c, void *p);
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what);
+/* Zero device memory and settle it (below): gpu_dalloc's zeroing, for memory allocated otherwise. */
+int gpu_dzero(kvt_cache *c, void *p, size_t bytes, const char *what);
 /* Wait for the work the synchronous calls put on the legacy default stream: a cudaMemset of device
  * memory, or a cudaMemcpy from pageable memory (which returns once the bytes are staged, not
  * landed), may still be in flight when they return, and kernels on a caller's non-blocking stream

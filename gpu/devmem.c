@@ -49,6 +49,13 @@ int gpu_settle(kvt_cache *c, const char *what)
 	return 0;
 }
 
+int gpu_dzero(kvt_cache *c, void *p, size_t bytes, const char *what)
+{
+	if (cudaMemset(p, 0, bytes) != cudaSuccess)
+		return kvt_seterr(c, -EIO, "cudaMemset of %s failed", what);
+	return gpu_settle(c, what);
+}
+
 int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 {
 	*p = kvt_mem_device_alloc(&c->mem, bytes ? bytes : 1);
@@ -56,12 +63,7 @@ int gpu_dalloc(kvt_cache *c, void **p, size_t bytes, const char *what)
 		(void)cudaGetLastError(); /* not sticky: a later launch must not report it */
 	KVT_RETURN_IF(!*p, c, -ENOMEM, "out of device memory allocating %zu bytes for %s", bytes,
 		      what);
-	if (cudaMemset(*p, 0, bytes) != cudaSuccess) {
-		gpu_dfree(c, *p);
-		*p = NULL;
-		return kvt_seterr(c, -EIO, "cudaMemset of %s failed", what);
-	}
-	const int rc = gpu_settle(c, what);
+	const int rc = gpu_dzero(c, *p, bytes, what);
 	if (rc < 0) {
 		gpu_dfree(c, *p);
 		*p = NULL;

@@ -55,9 +55,7 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 			(void)cudaGetLastError(); /* not sticky: the step's launches must not see it */
 			return -ENOMEM;
 		}
-		const int rc = cudaMemset(mem, 0, bytes) == cudaSuccess
-				 ? gpu_settle(c, "the hot-token cache's zeroing")
-				 : kvt_seterr(c, -EIO, "cudaMemset of the hot-token cache failed");
+		const int rc = gpu_dzero(c, mem, bytes, "the hot-token cache");
 		if (rc < 0) {
 			gpu_dfree(c, mem);
 			return rc;
