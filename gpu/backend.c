@@ -66,8 +66,11 @@ static const char *const site_text[KVT_GPU_SITE_COUNT] = {
 /* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
  * has landed and is not 0: a non-finite score of a batch entry puts that entry's sequence in
  * error and the check succeeds; anything else fails it. Slots whose copy has not landed yet are
- * read by a later check. */
-int gpu_check_err(kvt_cache *c)
+ * read by a later check. Reading an error out synchronizes the device, which a stream being
+ * captured forbids (the capture would be invalidated, and the error lost with it): with
+ * `capture` set and `stream` being captured, a recorded error fails the call and stays where it
+ * is, for the next check outside the capture. */
+static int check_err(kvt_cache *c, bool capture, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
 	volatile unsigned long long *m = b->err_host;
@@ -89,6 +92,13 @@ int gpu_check_err(kvt_cache *c)
 	}
 	if (!w || w == ERR_PENDING)
 		return 0;
+	if (capture && gpu_capturing(stream))
+		return kvt_seterr(c, -EIO,
+				  "an earlier GPU step reported error %u (item %u, value %u), which "
+				  "cannot be read out while the stream is being captured (that "
+				  "synchronizes the device): this call captured nothing, and the next "
+				  "call outside the capture reports the error",
+				  KVT_GPU_ERR_CODE(w), KVT_GPU_ERR_WHERE(w), KVT_GPU_ERR_INDEX(w));
 	/* every copy queued lands, then the word starts again from 0 */
 	const bool synced = cudaDeviceSynchronize() == cudaSuccess;
 	cudaMemset(b->err, 0, sizeof *b->err);
@@ -135,14 +145,20 @@ int gpu_check_err(kvt_cache *c)
 				  : "a count or position beyond what the launch was sized for");
 }
 
+int gpu_check_err(kvt_cache *c)
+{
+	return check_err(c, false, NULL);
+}
+
 /* Every entry point: the cache's device current on this thread (runtimes switch devices), then
- * any error the kernels recorded since the last call. */
-static int cu_enter(kvt_cache *c)
+ * any error the kernels recorded since the last call (left in place while `stream` is being
+ * captured). */
+static int cu_enter(kvt_cache *c, void *stream)
 {
 	int cur = -1;
 	if (cudaGetDevice(&cur) != cudaSuccess || cur != c->cfg.device)
 		CU(c, cudaSetDevice(c->cfg.device));
-	return gpu_check_err(c);
+	return check_err(c, true, stream);
 }
 
 int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
@@ -207,7 +223,7 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 {
 	struct gpu_cache *b = gpu_of(c);
 	const uint32_t L = c->cfg.n_layers;
-	KVT_TRY(cu_enter(c));
+	KVT_TRY(cu_enter(c, NULL));
 	CU(c, cudaDeviceSynchronize());
 	CU(c, cudaMemcpy(b->cnt_host, b->counters, sizeof(unsigned long long) * L * KVT_GPU_CNT_N,
 			 cudaMemcpyDeviceToHost));

@@ -438,8 +438,11 @@ struct kvt_backend_ops {
 	void (*fini)(kvt_cache *c);
 	/* Release backend state of one layer of a closing sequence. */
 	void (*layer_fini)(kvt_cache *c, struct kvt_layer *l);
-	/* First verb of every call: the cache's device current, and errors it recorded since. */
-	int (*enter)(kvt_cache *c);
+	/* First verb of every call: the cache's device current, and errors it recorded since.
+	 * stream: the call's (NULL when it has none); while it is being captured into a graph the
+	 * verb may neither block nor clear what it found (a pending error fails the call, and is
+	 * reported again by the next call outside the capture). */
+	int (*enter)(kvt_cache *c, void *stream);
 	/* Whether the call may block the host and allocate now (a stream being captured may not). */
 	int (*may_block)(kvt_cache *c, void *stream, const char *what);
 	/* -EINVAL naming a non-finite element of x [rows, heads, head_dim]; NULL: not checked. */
