@@ -93,13 +93,6 @@ int gpu_graph_publish(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer,
 				k = 0;
 			}
 		}
-	/* a call without a stream (kvt_seq_set_status, and a step's error put on its sequence)
-	 * publishes on the legacy stream, which a replay on a non-blocking stream does not wait
-	 * for: the records are in place before the call returns, as kvt_seq_close's are */
-	if (!stream && !gpu_capturing(NULL)) {
-		const int s = gpu_settle(c, "the graph records' refresh");
-		rc = rc < 0 ? rc : s;
-	}
 	return rc;
 }
 

@@ -24,8 +24,13 @@ int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
 		va_end(ap);
 	}
-	/* graph steps pad its slots from now on, as the other calls refuse it */
-	return kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	/* graph steps pad its slots from now on, as the other calls refuse it: this has no stream,
+	 * so the refresh went on the legacy stream, which a replay on a non-blocking stream does not
+	 * wait for; the records are in place before it returns, as kvt_seq_close's are */
+	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	if (c->graph_slots && c->ops->quiesce)
+		(void)c->ops->quiesce(c);
+	return 0;
 }
 
 static void clear_status(struct kvt_seq *s)
