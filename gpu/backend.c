@@ -10,6 +10,7 @@
  * pipeline before a step reads it (the kernels read the host tier only), and the device is drained
  * (quiesce) before the NVMe tier moves blocks of the host tier.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -92,13 +93,28 @@ static int check_err(kvt_cache *c, bool capture, void *stream)
 	}
 	if (!w || w == ERR_PENDING)
 		return 0;
-	if (capture && gpu_capturing(stream))
+	if (capture && gpu_capturing(stream)) {
+		const uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w),
+			       idx = KVT_GPU_ERR_INDEX(w), site = KVT_GPU_ERR_SITE(w);
+		char what[320];
+		if (code == KVT_GPU_ERR_SLOT)
+			snprintf(what, sizeof what, "slot %u of a graph step on layer %u could not "
+				 "be served", idx, where & 0xffffu);
+		else if (code == KVT_GPU_ERR_NONFINITE)
+			snprintf(what, sizeof what, "a non-finite estimated score (segment %u, "
+				 "indexed token %u)", where, idx);
+		else
+			snprintf(what, sizeof what, "error %u (item %u, value %u) in %s", code, where,
+				 idx, code == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT &&
+						      site_text[site]
+					      ? site_text[site]
+					      : "a launch");
 		return kvt_seterr(c, -EIO,
-				  "an earlier GPU step reported error %u (item %u, value %u), which "
-				  "cannot be read out while the stream is being captured (that "
-				  "synchronizes the device): this call captured nothing, and the next "
-				  "call outside the capture reports the error",
-				  KVT_GPU_ERR_CODE(w), KVT_GPU_ERR_WHERE(w), KVT_GPU_ERR_INDEX(w));
+				  "an earlier GPU step reported %s, which cannot be read out while the "
+				  "stream is being captured (that synchronizes the device): this call "
+				  "captured nothing, and the next call outside the capture reports it",
+				  what);
+	}
 	/* every copy queued lands, then the word starts again from 0 */
 	const bool synced = cudaDeviceSynchronize() == cudaSuccess;
 	cudaMemset(b->err, 0, sizeof *b->err);
