@@ -10,6 +10,7 @@
  * pipeline before a step reads it (the kernels read the host tier only), and the device is drained
  * (quiesce) before the NVMe tier moves blocks of the host tier.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -66,8 +67,11 @@ static const char *const site_text[KVT_GPU_SITE_COUNT] = {
 /* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
  * has landed and is not 0: a non-finite score of a batch entry puts that entry's sequence in
  * error and the check succeeds; anything else fails it. Slots whose copy has not landed yet are
- * read by a later check. */
-int gpu_check_err(kvt_cache *c)
+ * read by a later check. Reading an error out synchronizes the device, which a stream being
+ * captured forbids (the capture would be invalidated, and the error lost with it): with
+ * `capture` set and `stream` being captured, a recorded error fails the call and stays where it
+ * is, for the next check outside the capture. */
+static int check_err(kvt_cache *c, bool capture, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
 	volatile unsigned long long *m = b->err_host;
@@ -89,6 +93,28 @@ int gpu_check_err(kvt_cache *c)
 	}
 	if (!w || w == ERR_PENDING)
 		return 0;
+	if (capture && gpu_capturing(stream)) {
+		const uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w),
+			       idx = KVT_GPU_ERR_INDEX(w), site = KVT_GPU_ERR_SITE(w);
+		char what[320];
+		if (code == KVT_GPU_ERR_SLOT)
+			snprintf(what, sizeof what, "slot %u of a graph step on layer %u could not "
+				 "be served", idx, where & 0xffffu);
+		else if (code == KVT_GPU_ERR_NONFINITE)
+			snprintf(what, sizeof what, "a non-finite estimated score (segment %u, "
+				 "indexed token %u)", where, idx);
+		else
+			snprintf(what, sizeof what, "error %u (item %u, value %u) in %s", code, where,
+				 idx, code == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT &&
+						      site_text[site]
+					      ? site_text[site]
+					      : "a launch");
+		return kvt_seterr(c, -EIO,
+				  "an earlier GPU step reported %s, which cannot be read out while the "
+				  "stream is being captured (that synchronizes the device): this call "
+				  "captured nothing, and the next call outside the capture reports it",
+				  what);
+	}
 	/* every copy queued lands, then the word starts again from 0 */
 	const bool synced = cudaDeviceSynchronize() == cudaSuccess;
 	cudaMemset(b->err, 0, sizeof *b->err);
@@ -135,14 +161,20 @@ int gpu_check_err(kvt_cache *c)
 				  : "a count or position beyond what the launch was sized for");
 }
 
+int gpu_check_err(kvt_cache *c)
+{
+	return check_err(c, false, NULL);
+}
+
 /* Every entry point: the cache's device current on this thread (runtimes switch devices), then
- * any error the kernels recorded since the last call. */
-static int cu_enter(kvt_cache *c)
+ * any error the kernels recorded since the last call (left in place while `stream` is being
+ * captured). */
+static int cu_enter(kvt_cache *c, void *stream)
 {
 	int cur = -1;
 	if (cudaGetDevice(&cur) != cudaSuccess || cur != c->cfg.device)
 		CU(c, cudaSetDevice(c->cfg.device));
-	return gpu_check_err(c);
+	return check_err(c, true, stream);
 }
 
 int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
@@ -207,7 +239,7 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 {
 	struct gpu_cache *b = gpu_of(c);
 	const uint32_t L = c->cfg.n_layers;
-	KVT_TRY(cu_enter(c));
+	KVT_TRY(cu_enter(c, NULL));
 	CU(c, cudaDeviceSynchronize());
 	CU(c, cudaMemcpy(b->cnt_host, b->counters, sizeof(unsigned long long) * L * KVT_GPU_CNT_N,
 			 cudaMemcpyDeviceToHost));

@@ -215,7 +215,7 @@ KVT_API int kvt_prefill_at(kvt_cache *c, uint32_t seq, uint32_t layer, const voi
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_RETURN_IF(n_tokens == 0, c, -EINVAL, "n_tokens = 0, must be >= 1");
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	KVT_TRY(kvt_seq_check_status(c, seq, s));
 	struct kvt_layer *l = &s->layers[layer];
 	KVT_RETURN_IF((uint64_t)l->n_tokens + n_tokens > INT32_MAX, c, -EINVAL,
@@ -239,7 +239,7 @@ KVT_API int kvt_prefill(kvt_cache *c, uint32_t seq, uint32_t layer, const void *
 
 /* Resolve a batch of distinct open sequences to their layer state. */
 static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-		 struct kvt_layer **ls)
+		 struct kvt_layer **ls, void *stream)
 {
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_seq *s = NULL;
@@ -256,7 +256,7 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 	/* errors the backend found since the last call go to their sequences (or fail this call
 	 * when they name none), then a sequence in error fails the call naming its entry */
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	c->status_new = false;
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		int rc = kvt_seq_check_status(c, seqs[i], &c->seqs[seqs[i]]);
@@ -269,14 +269,14 @@ static int batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *
 /* Common checks of the batched calls; *ls receives the cache's batch array (no allocation on the
  * decode path). */
 static int batch_args(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
-		      struct kvt_layer ***ls)
+		      struct kvt_layer ***ls, void *stream)
 {
 	KVT_TRY(kvt_check_layer(c, layer));
 	KVT_RETURN_IF(n_seqs == 0 || n_seqs > c->cfg.max_seqs, c, -EINVAL,
 		      "n_seqs = %u, must be in [1, max_seqs = %u]", n_seqs, c->cfg.max_seqs);
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
 	*ls = c->batch;
-	return batch(c, layer, n_seqs, seqs, *ls);
+	return batch(c, layer, n_seqs, seqs, *ls, stream);
 }
 
 
@@ -286,7 +286,7 @@ KVT_API int kvt_append_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	struct kvt_layer **ls;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
-	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls, stream));
 	for (uint32_t i = 0; i < n_seqs; i++)
 		if (ls[i]->n_tokens >= INT32_MAX)
 			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
@@ -312,7 +312,7 @@ static int attend_common(kvt_cache *c, const char *call, uint32_t layer, uint32_
 			 void *stream)
 {
 	struct kvt_layer **ls;
-	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls, stream));
 	for (uint32_t i = 0; i < n_seqs; i++)
 		if (ls[i]->n_tokens == 0)
 			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,
@@ -363,7 +363,7 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!counts, c, -EINVAL, "counts is NULL");
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
-	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls));
+	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls, stream));
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, n_seqs, seqs, NULL);
 	return (int)kvt_lru_done(c, &m, n_seqs, seqs,
@@ -410,7 +410,7 @@ KVT_API int kvt_extend_at(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const u
 	KVT_RETURN_IF(!seqs, c, -EINVAL, "seqs is NULL");
 	KVT_TRY(check_seqlens(c, n_seqs, cu_seqlens));
 	ls = c->batch;
-	KVT_TRY(batch(c, layer, n_seqs, seqs, ls));
+	KVT_TRY(batch(c, layer, n_seqs, seqs, ls, stream));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		const uint32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
 		if ((uint64_t)ls[i]->n_tokens + n > INT32_MAX)

@@ -24,8 +24,13 @@ int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
 		va_end(ap);
 	}
-	/* graph steps pad its slots from now on, as the other calls refuse it */
-	return kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	/* graph steps pad its slots from now on, as the other calls refuse it: this has no stream,
+	 * so the refresh went on the legacy stream, which a replay on a non-blocking stream does not
+	 * wait for; the records are in place before it returns, as kvt_seq_close's are */
+	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	if (c->graph_slots && c->ops->quiesce)
+		(void)c->ops->quiesce(c);
+	return 0;
 }
 
 static void clear_status(struct kvt_seq *s)
@@ -75,7 +80,7 @@ KVT_API int kvt_seq_status(kvt_cache *c, uint32_t seq, int *status, char *text, 
 	KVT_TRY(kvt_seq_lookup(c, seq, &s));
 	/* errors the backend found since the last call are put on their sequences first */
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, NULL));
 	*status = s->status;
 	if (text_size)
 		snprintf(text, text_size, "%s", s->status_text ? s->status_text : "");
@@ -184,7 +189,7 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 	KVT_RETURN_IF(!child, c, -EINVAL, "child is NULL");
 	KVT_TRY(kvt_seq_lookup(c, parent, &s));
 	if (c->ops->enter) /* errors found since the last call go to their sequences first */
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	KVT_TRY(kvt_seq_check_status(c, parent, s));
 	KVT_TRY(free_slot(c, &slot));
 	struct kvt_lru_mark m;
@@ -256,7 +261,7 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 		      "from = %u, must be %u: rows are written at the end of seq %u on layer %u", from,
 		      n, seq, layer);
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	KVT_TRY(kvt_seq_check_status(c, seq, s));
 	KVT_RETURN_IF((uint64_t)to > INT32_MAX, c, -EINVAL,
 		      "to = %u would grow seq %u layer %u past %d tokens", to, seq, layer, INT32_MAX);

@@ -59,7 +59,7 @@ KVT_API int kvt_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tok
 		      -EINVAL, "max_tokens = %u is outside [1, %u]", max_tokens,
 		      (unsigned)KVT_GPU_SELECT_MAX_N);
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	if (c->ops->may_block)
 		KVT_TRY(c->ops->may_block(c, stream, "kvt_graph_reserve"));
 	uint32_t *ids = NULL;
@@ -132,7 +132,7 @@ KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch
 	KVT_TRY(kvt_check_layer(c, layer));
 	if (c->ops->attend_graph) {
 		if (c->ops->enter)
-			KVT_TRY(c->ops->enter(c));
+			KVT_TRY(c->ops->enter(c, stream));
 		return c->ops->attend_graph(c, layer, b, q, out, stream);
 	}
 	KVT_TRY(check_slots(c, layer, b));

@@ -236,7 +236,9 @@ int kvt_seq_check_status(kvt_cache *c, uint32_t seq, const struct kvt_seq *s);
 /* Once a sequence was put in error since the last look (status_new): the first of ls whose
  * sequence is in error fails, naming its entry when batch. 0 otherwise. */
 int kvt_layers_check_status(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch);
-/* Put sequence slot `seq` in error (kvt_seq_status): the first error sticks. Returns 0. */
+/* Put sequence slot `seq` in error (kvt_seq_status): the first error sticks. With a graph
+ * reservation it drains the device (quiesce), so never call it while a stream is being captured
+ * (the backend's check calls it after synchronizing). Returns 0. */
 int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));
 /* The open sequence slot whose layer `layer` carries seq_uid `uid`, or UINT32_MAX. */
@@ -438,8 +440,11 @@ struct kvt_backend_ops {
 	void (*fini)(kvt_cache *c);
 	/* Release backend state of one layer of a closing sequence. */
 	void (*layer_fini)(kvt_cache *c, struct kvt_layer *l);
-	/* First verb of every call: the cache's device current, and errors it recorded since. */
-	int (*enter)(kvt_cache *c);
+	/* First verb of every call: the cache's device current, and errors it recorded since.
+	 * stream: the call's (NULL when it has none); while it is being captured into a graph the
+	 * verb may neither block nor clear what it found (a pending error fails the call, and is
+	 * reported again by the next call outside the capture). */
+	int (*enter)(kvt_cache *c, void *stream);
 	/* Whether the call may block the host and allocate now (a stream being captured may not). */
 	int (*may_block)(kvt_cache *c, void *stream, const char *what);
 	/* -EINVAL naming a non-finite element of x [rows, heads, head_dim]; NULL: not checked. */

@@ -143,7 +143,7 @@ int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32
 	/* the cache's device current before its scratch is made or filled (the call's enter comes
 	 * later, in the pipeline) */
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	KVT_TRY(scratch_grow(c, call, bytes, stream));
 	char *at = c->io_scratch;
 	for (int i = 0; i < IO_N; i++) {
@@ -175,7 +175,7 @@ void kvt_io_fini(kvt_cache *c)
 	if (c->io_scratch && c->ops->device_tensors) {
 		/* on the cache's device: queued work may still read it */
 		if (c->ops->enter)
-			(void)c->ops->enter(c);
+			(void)c->ops->enter(c, NULL);
 		if (c->ops->quiesce)
 			(void)c->ops->quiesce(c);
 	}

@@ -88,7 +88,10 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
  * CUDA backend: asynchronous on `stream`, no host synchronization and no allocation: capture it
  * after a warm-up call at the same n_slots (which freezes the self-sized hot cache, as for
  * kvt_attend), then replay while kvt_append (eager, between replays) grows the sequences; the
- * captured step waits on the device for the window flushes those appends start.
+ * captured step waits on the device for the window flushes those appends start. An error the
+ * device recorded before (a replay's slot error, say) cannot be read out during a capture (that
+ * synchronizes the device): the call being captured then fails with -EIO, captures nothing and
+ * leaves the capture valid, and the next call outside the capture reports the error itself.
  */
 KVT_API int kvt_attend_graph(kvt_cache *cache, uint32_t layer, const kvt_graph_batch *batch,
 			     const void *q, void *out, void *stream);

@@ -40,7 +40,7 @@ static uint32_t max_u32(uint32_t a, uint32_t b)
 static int begin(kvt_cache *c, void *stream, const char *what)
 {
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	if (c->ops->may_block)
 		KVT_TRY(c->ops->may_block(c, stream, what));
 	if (c->ops->quiesce)
@@ -411,7 +411,7 @@ int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t 
 	struct kvt_layer *l = &s->layers[layer];
 	const uint32_t one[2] = {0, 1};
 	if (c->ops->enter)
-		KVT_TRY(c->ops->enter(c));
+		KVT_TRY(c->ops->enter(c, stream));
 	KVT_TRY(kvt_pipe_resident(c, 1, &slot, one, layer, stream));
 	if (m)
 		KVT_TRY(c->ops->read_rows_at(c, l, from, to, k, v, m, stream));

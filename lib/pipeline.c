@@ -20,16 +20,17 @@ static bool flush_due(const kvt_cache *c, const struct kvt_layer *l, uint32_t n_
 	       c->cfg.window + c->cfg.flush_batch;
 }
 
-static int enter(kvt_cache *c)
+static int enter(kvt_cache *c, void *stream)
 {
-	return c->ops->enter ? c->ops->enter(c) : 0;
+	return c->ops->enter ? c->ops->enter(c, stream) : 0;
 }
 
 /* enter for the n layers of a call: a sequence of theirs that this enter (or one since the call's
  * own check) put in error fails the call before anything changes (kvt_layers_check_status). */
-static int enter_batch(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch)
+static int enter_batch(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls, bool batch,
+		       void *stream)
 {
-	KVT_TRY(enter(c));
+	KVT_TRY(enter(c, stream));
 	return kvt_layers_check_status(c, n, ls, batch);
 }
 
@@ -154,7 +155,7 @@ int kvt_pipe_prefill(kvt_cache *c, struct kvt_layer *l, uint32_t layer, const vo
 		     const void *k, const void *v, uint32_t n, void *stream)
 {
 	const struct prefill_plan p = prefill_plan(c, l, n);
-	KVT_TRY(enter_batch(c, 1, &l, false));
+	KVT_TRY(enter_batch(c, 1, &l, false, stream));
 	KVT_TRY(check_finite(c, "k", k, n, c->cfg.n_kv_heads, NULL, true));
 	if (q)
 		KVT_TRY(check_finite(c, "q", q, n, c->cfg.n_q_heads, NULL, true));
@@ -221,7 +222,7 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 {
 	const bool topp = flags & KVT_EXTEND_TOPP;
 	uint32_t *total = c->batch_tokens;
-	KVT_TRY(enter_batch(c, n_seqs, ls, true));
+	KVT_TRY(enter_batch(c, n_seqs, ls, true, stream));
 	KVT_TRY(check_finite(c, "k", k, cu[n_seqs], c->cfg.n_kv_heads, cu, false));
 	KVT_TRY(check_finite(c, "q", q, cu[n_seqs], c->cfg.n_q_heads, cu, false));
 	KVT_TRY(kvt_pipe_resident(c, n_seqs, seqs, cu, layer, stream));
@@ -285,7 +286,7 @@ int kvt_pipe_append(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 	/* lazy flushes, decided once: the oldest B window tokens of each full window join the index */
 	struct kvt_index_job *jobs = c->index_jobs;
 	uint32_t nj = 0;
-	KVT_TRY(enter_batch(c, n_seqs, ls, true));
+	KVT_TRY(enter_batch(c, n_seqs, ls, true, stream));
 	KVT_TRY(check_finite(c, "k", k, n_seqs, H, NULL, false));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct kvt_layer *l = ls[i];
@@ -329,7 +330,7 @@ int kvt_pipe_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 {
 	const uint32_t H = c->cfg.n_kv_heads;
 	uint32_t *sel_n = out ? NULL : c->sel_counts;
-	KVT_TRY(enter_batch(c, n_seqs, ls, true));
+	KVT_TRY(enter_batch(c, n_seqs, ls, true, stream));
 	KVT_TRY(check_finite(c, "q", q, n_seqs, c->cfg.n_q_heads, NULL, false));
 	if (out || c->cfg.rescore_p != 0.0f) /* the second stage reads rows too */
 		kvt_rows_round(c, n_seqs, ls);
@@ -358,7 +359,7 @@ int kvt_pipe_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 {
 	const uint32_t H = c->cfg.n_kv_heads;
 	uint32_t *n = c->sel_counts;
-	KVT_TRY(enter_batch(c, n_seqs, ls, true));
+	KVT_TRY(enter_batch(c, n_seqs, ls, true, stream));
 	for (uint32_t i = 0; i < n_seqs; i++)
 		if (!ls[i]->sel_epoch)
 			return kvt_err_entry(c, i, kvt_seterr(c, -EINVAL,

@@ -191,8 +191,9 @@ static void test_status(void **state)
  * word lands. */
 static uint32_t g_calls, g_at, g_seq;
 
-static int late_enter(kvt_cache *c)
+static int late_enter(kvt_cache *c, void *stream)
 {
+	(void)stream;
 	if (++g_calls == g_at)
 		kvt_seq_set_status(c, g_seq, -EINVAL, "found late");
 	return 0;

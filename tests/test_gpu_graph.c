@@ -8,7 +8,9 @@
  *   1e-3 of the CPU backend's), the padded rows keep their sentinel, and the replays read the
  *   slot and length buffers the test rewrites before each one;
  * - slot errors: a replay whose lengths buffer is wrong for one slot pads that slot (its out row
- *   untouched, the other slot served) and the next call fails with -EINVAL naming the slot;
+ *   untouched, the other slot served); a capture then met by that error fails its call (-EIO,
+ *   nothing captured, the capture still valid), and the next call outside it fails with -EINVAL
+ *   naming the slot;
  * - bounds: within a reservation a batch beyond its bounds is refused (-E2BIG), not regrown;
  * - faults: kvt_graph_reserve failing at each of its allocations leaves no reservation.
  * Exits 77 (skipped) when no CUDA device is present.
@@ -140,6 +142,20 @@ static void test_replay(void **state)
 	CU(cudaGraphLaunch(exec[layer], st));
 	CU(cudaStreamSynchronize(st));
 	check_slots(&p, &s, steps, layer, true);
+	/* that error met by a capture: reading it out would synchronize the device, so the call
+	 * fails naming it, captures nothing and leaves the capture valid; the error stays for the
+	 * next call outside the capture */
+	cudaGraph_t g2;
+	CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+	const int crc = kvt_attend_graph(p.gpu, layer, &gb, s.dq, s.dout, st);
+	const cudaError_t ce = cudaStreamEndCapture(st, &g2);
+	T_CHECK(crc == -EIO && strstr(kvt_last_error(p.gpu), "being captured"),
+		"a capture after a replay's error: %d (%s)", crc, kvt_last_error(p.gpu));
+	T_CHECK(ce == cudaSuccess, "the capture was invalidated: %s", cudaGetErrorString(ce));
+	size_t nodes = 1;
+	CU(cudaGraphGetNodes(g2, NULL, &nodes));
+	T_CHECK(nodes == 0, "the failed call captured %zu nodes", nodes);
+	CU(cudaGraphDestroy(g2));
 	int64_t stats_rc = kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL);
 	T_CHECK(stats_rc == -EINVAL && kvt_last_error_entry(p.gpu) == 0 &&
 			strstr(kvt_last_error(p.gpu), "slot 0") &&
