@@ -47,6 +47,7 @@ struct kvt_result {
 	 * 4 KiB chunk hits over hits + misses, and the hot cache's missed rows' bytes (what the
 	 * selection needed from beyond HBM) */
 	double nvme_per_step = 0, nvme_reads_per_step = 0, bcache_hit_rate = 0, miss_bytes_per_step = 0;
+	double nvme_ms_per_step = 0; /* wall time inside the NVMe reads (kvt_stats ns_nvme) */
 	double spilled_bytes = 0; /* moved to NVMe by the spills */
 	/* kvt_run.graph: the median step (kvt_append + the replay, CUDA events), and whether the last
 	 * replay's output equals an eager kvt_attend's on the same sequences, bit for bit */
@@ -233,6 +234,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		r.flushes = s1.flushes - s0.flushes;
 		r.nvme_per_step = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / steps;
 		r.nvme_reads_per_step = (double)(s1.nvme_reads - s0.nvme_reads) / steps;
+		r.nvme_ms_per_step = (double)(s1.ns_nvme - s0.ns_nvme) * 1e-6 / steps;
 		const uint64_t ch = s1.nvme_cache_hits - s0.nvme_cache_hits,
 			       cm = s1.nvme_cache_misses - s0.nvme_cache_misses;
 		r.bcache_hit_rate = ch + cm ? (double)ch / (ch + cm) : 0;
