@@ -528,3 +528,20 @@ extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *st
 {
 	return kvt_gpu_upload_bump(dst, src, bytes, NULL, stream);
 }
+
+static __global__ void k_err_store(const unsigned long long *err, unsigned long long *slot)
+{
+	/* the kernels before this one have ended, so their atomics on the word are visible */
+	*(volatile unsigned long long *)slot = *(const volatile unsigned long long *)err;
+	__threadfence_system();
+}
+
+extern "C" int kvt_gpu_err_store(const unsigned long long *err, unsigned long long *slot,
+				 void *stream)
+{
+	if (!err || !slot)
+		return -EINVAL;
+	k_err_store<<<1, 1, 0, KVT_STREAM(stream)>>>(err, slot);
+	KVT_CU_LAUNCHED();
+	return 0;
+}

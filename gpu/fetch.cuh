@@ -220,6 +220,12 @@ int kvt_gpu_centroids(uint32_t d, uint32_t dtype, uint32_t n_kv_heads, uint32_t 
 int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream);
 /* kvt_gpu_upload that also adds 1 to the device word *bump (NULL: none) before the bytes land. */
 int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump, void *stream);
+/*
+ * The error word's value (errword.h; device memory) stored into `slot`, pinned host memory mapped
+ * for the device, by a one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8 bytes
+ * does, without the copy engine's start between two kernels of a step. Returns 0, -EINVAL or -EIO.
+ */
+int kvt_gpu_err_store(const unsigned long long *err, unsigned long long *slot, void *stream);
 
 #ifdef __cplusplus
 }
