@@ -221,11 +221,12 @@ int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream);
 /* kvt_gpu_upload that also adds 1 to the device word *bump (NULL: none) before the bytes land. */
 int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump, void *stream);
 /*
- * The error word's value (errword.h; device memory) stored into `slot`, pinned host memory mapped
- * for the device, by a one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8 bytes
- * does, without the copy engine's start between two kernels of a step. Returns 0, -EINVAL or -EIO.
+ * The 64-bit device word *src stored into *dst, pinned host memory mapped for the device, by a
+ * one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8 bytes does, without
+ * starting the copy engine between two kernels of a step (the error word's mirror slots, the hot
+ * cache's counter snapshots). Returns 0, -EINVAL or -EIO.
  */
-int kvt_gpu_err_store(const unsigned long long *err, unsigned long long *slot, void *stream);
+int kvt_gpu_store_word(const unsigned long long *src, unsigned long long *dst, void *stream);
 
 #ifdef __cplusplus
 }
