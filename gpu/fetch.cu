@@ -528,3 +528,20 @@ extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *st
 {
 	return kvt_gpu_upload_bump(dst, src, bytes, NULL, stream);
 }
+
+static __global__ void k_store_word(const unsigned long long *src, unsigned long long *dst)
+{
+	/* the kernels before this one have ended, so their writes (atomics) to *src are visible */
+	*(volatile unsigned long long *)dst = *(const volatile unsigned long long *)src;
+	__threadfence_system();
+}
+
+extern "C" int kvt_gpu_store_word(const unsigned long long *src, unsigned long long *dst,
+				  void *stream)
+{
+	if (!src || !dst)
+		return -EINVAL;
+	k_store_word<<<1, 1, 0, KVT_STREAM(stream)>>>(src, dst);
+	KVT_CU_LAUNCHED();
+	return 0;
+}

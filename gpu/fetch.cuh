@@ -220,6 +220,13 @@ int kvt_gpu_centroids(uint32_t d, uint32_t dtype, uint32_t n_kv_heads, uint32_t 
 int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream);
 /* kvt_gpu_upload that also adds 1 to the device word *bump (NULL: none) before the bytes land. */
 int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump, void *stream);
+/*
+ * The 64-bit device word *src stored into *dst, pinned host memory mapped for the device, by a
+ * one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8 bytes does, without
+ * starting the copy engine between two kernels of a step (the error word's mirror slots, the hot
+ * cache's counter snapshots). Returns 0, -EINVAL or -EIO.
+ */
+int kvt_gpu_store_word(const unsigned long long *src, unsigned long long *dst, void *stream);
 
 #ifdef __cplusplus
 }

@@ -123,9 +123,10 @@ void gpu_hot_fini(kvt_cache *c)
 static int snap(kvt_cache *c, uint32_t layer, int i, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	CU(c, cudaMemcpyAsync(&b->hot_snap[2 * (size_t)layer + i],
-			      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SELECTED,
-			      sizeof(uint64_t), cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+	LAUNCH(c, kvt_gpu_store_word(b->counters + (size_t)layer * KVT_GPU_CNT_N +
+					     KVT_GPU_CNT_SELECTED,
+				     (unsigned long long *)&b->hot_snap[2 * (size_t)layer + i],
+				     stream));
 	return 0;
 }
 
