@@ -21,6 +21,12 @@
 #define AT_MAX_CHUNKS 2048u /* chunks_of's largest (k_merge keeps their maxima in shared memory) */
 #define AT_MERGE_AHEAD 32u  /* chunks whose partials k_merge loads before using any: a decode
 			     * step's item has about a hundred */
+#ifndef AT_GRID_BLOCKS
+#define AT_GRID_BLOCKS 2048u /* chunks_of keeps an attention launch near this many blocks */
+#endif
+#ifndef AT_MERGE_SLICES
+#define AT_MERGE_SLICES 1 /* groups of D threads that k_merge splits an item's chunks among */
+#endif
 
 static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, uint32_t i)
 {
@@ -188,17 +194,20 @@ static __global__ void __launch_bounds__(AT_THREADS)
 
 /* Merge the chunks of one (item, query head) and convert to the output type. The chunks' maxima
  * are read by all threads at once into shared memory and their maximum reduced across the block
- * (not walked by every thread); each thread then sums its dimension over the chunks in their order
- * (the same operations as a sequential merge), its loads AT_MERGE_AHEAD chunks ahead, since a
- * dependent load per chunk made this kernel a chain of memory latencies. Launched as a dependent
- * of k_attend: its blocks are placed while k_attend's last ones run, and wait for its end. */
-template <int D>
-static __global__ void __launch_bounds__(D)
+ * (not walked by every thread). The chunks are then cut into S consecutive slices, one per group
+ * of D threads; each thread sums its dimension over its slice's chunks in their order, its loads
+ * AT_MERGE_AHEAD chunks ahead (a dependent load per chunk made this kernel a chain of memory
+ * latencies; AT_MERGE_AHEAD / S of them per slice, at least 8), and the first group adds the slices' sums in slice order. S = 1 is the sequential
+ * merge. Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones
+ * run, and wait for its end. */
+template <int D, int S>
+static __global__ void __launch_bounds__(D * S)
 	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,
 		uint32_t chunks, const float *part, uint32_t out_dtype, void *out)
 {
 	__shared__ float ms[AT_MAX_CHUNKS];
-	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv), j = threadIdx.x;
+	const uint32_t item = blockIdx.x / (hq / hkv), g = blockIdx.x % (hq / hkv);
+	const uint32_t tid = threadIdx.x, j = tid % D, sl = tid / D;
 	const uint32_t G = hq / hkv, seq = item / hkv, h = item % hkv;
 	KVT_PDL_WAIT(); /* k_attend's partials are complete and visible past here */
 	if (items[item].reserved & KVT_GPU_ROWS_SKIP)
@@ -207,37 +216,54 @@ static __global__ void __launch_bounds__(D)
 	const uint32_t used = min((n + AT_CHUNK - 1) / AT_CHUNK, chunks);
 	const float *p0 = part + ((size_t)item * chunks * G + g) * (D + 2);
 	const size_t stride = (size_t)G * (D + 2); /* from one chunk to the next */
-	__shared__ float wmax[D / 32];
+	__shared__ float wmax[D * S / 32];
 	float M = -INFINITY; /* the maximum over the chunks: any order gives the same value */
-	for (uint32_t c = j; c < used; c += D) {
+	for (uint32_t c = tid; c < used; c += D * S) {
 		ms[c] = p0[c * stride];
 		M = fmaxf(M, ms[c]);
 	}
 #pragma unroll
 	for (int o = 16; o; o >>= 1)
 		M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-	if (j % 32 == 0)
-		wmax[j / 32] = M;
+	if (tid % 32 == 0)
+		wmax[tid / 32] = M;
 	__syncthreads();
 #pragma unroll
-	for (int w = 0; w < D / 32; w++)
+	for (int w = 0; w < D * S / 32; w++)
 		M = fmaxf(M, wmax[w]);
+	const uint32_t per = (used + S - 1) / S, c_lo = min(sl * per, used),
+		       c_hi = min(c_lo + per, used);
 	float L = 0.0f, a = 0.0f;
-	for (uint32_t c0 = 0; c0 < used; c0 += AT_MERGE_AHEAD) {
-		float lv[AT_MERGE_AHEAD], av[AT_MERGE_AHEAD];
+	constexpr uint32_t AHEAD = AT_MERGE_AHEAD / S < 8 ? 8 : AT_MERGE_AHEAD / S;
+	for (uint32_t c0 = c_lo; c0 < c_hi; c0 += AHEAD) {
+		float lv[AHEAD], av[AHEAD];
 #pragma unroll
-		for (uint32_t k = 0; k < AT_MERGE_AHEAD; k++) {
-			const bool in = c0 + k < used;
+		for (uint32_t k = 0; k < AHEAD; k++) {
+			const bool in = c0 + k < c_hi;
 			lv[k] = in ? p0[(c0 + k) * stride + 1] : 0.0f;
 			av[k] = in ? p0[(c0 + k) * stride + 2 + j] : 0.0f;
 		}
 #pragma unroll
-		for (uint32_t k = 0; k < AT_MERGE_AHEAD; k++) {
-			if (c0 + k >= used || ms[c0 + k] == -INFINITY)
+		for (uint32_t k = 0; k < AHEAD; k++) {
+			if (c0 + k >= c_hi || ms[c0 + k] == -INFINITY)
 				continue;
 			const float f = expf(ms[c0 + k] - M);
 			L = fmaf(f, lv[k], L);
 			a = fmaf(f, av[k], a);
+		}
+	}
+	if (S > 1) {
+		__shared__ float sum_l[S][D], sum_a[S][D];
+		sum_l[sl][j] = L;
+		sum_a[sl][j] = a;
+		__syncthreads();
+		if (sl)
+			return;
+		L = a = 0.0f;
+#pragma unroll
+		for (int k = 0; k < S; k++) {
+			L += sum_l[k][j];
+			a += sum_a[k][j];
 		}
 	}
 	const float o = L > 0.0f ? a / L : 0.0f;
@@ -257,14 +283,14 @@ struct at_args {
 };
 
 /* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
- * 2048 blocks, so a launch sized for a large bound costs little when few rows come; a block then
+ * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a block then
  * takes every gridDim.x-th chunk. */
 static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 {
 	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
 	const uint32_t z = group <= 8 ? 1 : (group + 7) / 8;
 	const uint64_t per = (uint64_t)n_items * z;
-	uint32_t cap = per ? (uint32_t)(2048 / per) : 1;
+	uint32_t cap = per ? (uint32_t)(AT_GRID_BLOCKS / per) : 1;
 	cap = cap < 16 ? 16 : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
 	return need < cap ? need : cap;
 }
@@ -301,7 +327,8 @@ static int attend(const at_args &a, uint32_t out_dtype, void *out)
 	const int rc = dispatch_group<D, DT>(a);
 	if (rc < 0)
 		return rc;
-	KVT_CU(kvt_launch_dependent(k_merge<D>, dim3(a.n_items * (a.hq / a.hkv)), D, a.s, true,
+	KVT_CU(kvt_launch_dependent(k_merge<D, AT_MERGE_SLICES>, dim3(a.n_items * (a.hq / a.hkv)),
+				    D * AT_MERGE_SLICES, a.s, true,
 				    a.items, a.hq, a.hkv, a.max_rows, a.chunks, a.part, out_dtype,
 				    out));
 	return 0;
