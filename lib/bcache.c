@@ -399,7 +399,8 @@ int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n
 {
 	struct kvt_bcache *bc = c->bc;
 	const uint32_t per_chunk = rows_per_chunk(c);
-	uint32_t nreq = 0, hits = 0;
+	uint32_t nreq = 0, hits = 0, last_b = UINT32_MAX, last_chunk = UINT32_MAX;
+	int32_t last_s = -1;
 	if (bc) {
 		bc->stamp++;
 		bc->n_call = 0;
@@ -410,7 +411,14 @@ int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n
 			rows[i] = kvt_row(c, l, h, p);
 			continue;
 		}
-		int32_t s = chunk_slot(c, l, h, p, &nreq, &hits);
+		/* a row of the chunk the row before found: chunk_slot would find, stamp and touch
+		 * the same slot again (ascending positions make these runs) */
+		const uint32_t chunk = p % KVT_BLOCK_TOKENS / per_chunk;
+		int32_t s = b == last_b && chunk == last_chunk ? last_s
+							    : chunk_slot(c, l, h, p, &nreq, &hits);
+		last_b = b;
+		last_chunk = chunk;
+		last_s = s;
 		if (s < 0) {
 			drop_pending(bc, c->reqs, nreq);
 			end_call(bc);
