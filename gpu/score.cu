@@ -183,7 +183,12 @@ static __global__ void __launch_bounds__(D)
 /* ---- the scan ---------------------------------------------------------------------------- */
 
 #define SC_WARPS 8
+#ifndef SC_TILES /* compile-time, for an A/B */
 #define SC_TILES 2 /* 16-token tiles per warp per chunk (and as many more in flight) */
+#endif
+#ifndef SC_MIN_BLOCKS /* resident blocks per multiprocessor the registers are held to (D <= 128) */
+#define SC_MIN_BLOCKS 4
+#endif
 #define SC_TOKENS (SC_WARPS * SC_TILES * 16)
 #define SC_MAX_NT ((KVT_GPU_MAX_GROUP + 3) / 4)
 
@@ -274,7 +279,7 @@ static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &k
 
 /* ONE: the group fits one n-tile (G <= 4), so operand B and the query constants stay in registers. */
 template <int D, bool ONE>
-static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : 4)
+static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BLOCKS)
 	k_score(const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views, const uint32_t *n_tokens,
 		uint32_t max_n, uint32_t hq, uint32_t hkv, float *scores, size_t ld,
 		kvt_gpu_segstats *stats, unsigned long long *err)
