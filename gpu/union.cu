@@ -15,7 +15,9 @@
 #define UN_THREADS 256
 #define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
 #define UN_CHUNK KVT_GPU_SEL_CHUNK /* tokens per block */
+#ifndef UN_HEADS /* compile-time, for an A/B */
 #define UN_HEADS 4u /* query heads whose scores k_union_mark loads at once */
+#endif
 static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cover its chunk");
 
 static __global__ void __launch_bounds__(UN_THREADS)
