@@ -22,9 +22,9 @@
 #define AT_MERGE_AHEAD 32u  /* chunks whose partials k_merge loads before using any: a decode
 			     * step's item has about a hundred */
 #ifndef AT_GRID_BLOCKS
-#define AT_GRID_BLOCKS 512u /* chunks_of keeps an attention launch near this many blocks: at 128K x 1
-			    * on the H200, 512 took gather + attend from 68 to 57 us against 2048
-			    * (fewer, fuller blocks; the same rows) */
+#define AT_GRID_BLOCKS 512u /* chunks_of keeps an attention launch near this many blocks: at
+			    * 128K x 1 on the H200, 512 took gather + attend from 68 to 57 us
+			    * against 2048 (fewer, fuller blocks; the same rows) */
 #endif
 #ifndef AT_MERGE_SLICES
 #define AT_MERGE_SLICES 4 /* groups of D threads that k_merge splits an item's chunks among: with
@@ -199,9 +199,9 @@ static __global__ void __launch_bounds__(AT_THREADS)
  * are read by all threads at once into shared memory and their maximum reduced across the block
  * (not walked by every thread). The chunks are then cut into S consecutive slices, one per group
  * of D threads; each thread sums its dimension over its slice's chunks in their order, its loads
- * AT_MERGE_AHEAD chunks ahead (a dependent load per chunk made this kernel a chain of memory
- * latencies; AT_MERGE_AHEAD / S of them per slice, at least 8), and the first group adds the slices' sums in slice order. S = 1 is the sequential
- * merge. Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones
+ * AT_MERGE_AHEAD / S chunks ahead, at least 8 (a dependent load per chunk made this kernel a
+ * chain of memory latencies), and the first group adds the slices' sums in slice order. S = 1 is
+ * the sequential merge. Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones
  * run, and wait for its end. */
 template <int D, int S>
 static __global__ void __launch_bounds__(D * S)
@@ -286,8 +286,8 @@ struct at_args {
 };
 
 /* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
- * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a block then
- * takes every gridDim.x-th chunk. */
+ * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a
+ * block then takes every gridDim.x-th chunk. */
 static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 {
 	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;

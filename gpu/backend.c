@@ -64,6 +64,16 @@ static const char *const site_text[KVT_GPU_SITE_COUNT] = {
 				     "(item: KV head, value: position)",
 };
 
+/* What a range error's site names, or `otherwise` (another code, or a site without a text). */
+static const char *site_of(unsigned long long w, const char *otherwise)
+{
+	const uint32_t site = KVT_GPU_ERR_SITE(w);
+	return KVT_GPU_ERR_CODE(w) == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT &&
+			       site_text[site]
+		       ? site_text[site]
+		       : otherwise;
+}
+
 /* An error the kernels recorded, in the first slot (in the order the calls were made) whose copy
  * has landed and is not 0: a non-finite score of a batch entry puts that entry's sequence in
  * error and the check succeeds; anything else fails it. Slots whose copy has not landed yet are
@@ -95,7 +105,7 @@ static int check_err(kvt_cache *c, bool capture, void *stream)
 		return 0;
 	if (capture && gpu_capturing(stream)) {
 		const uint32_t code = KVT_GPU_ERR_CODE(w), where = KVT_GPU_ERR_WHERE(w),
-			       idx = KVT_GPU_ERR_INDEX(w), site = KVT_GPU_ERR_SITE(w);
+			       idx = KVT_GPU_ERR_INDEX(w);
 		char what[320];
 		if (code == KVT_GPU_ERR_SLOT)
 			snprintf(what, sizeof what, "slot %u of a graph step on layer %u could not "
@@ -105,10 +115,7 @@ static int check_err(kvt_cache *c, bool capture, void *stream)
 				 "indexed token %u)", where, idx);
 		else
 			snprintf(what, sizeof what, "error %u (item %u, value %u) in %s", code, where,
-				 idx, code == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT &&
-						      site_text[site]
-					      ? site_text[site]
-					      : "a launch");
+				 idx, site_of(w, "a launch"));
 		return kvt_seterr(c, -EIO,
 				  "an earlier GPU step reported %s, which cannot be read out while the "
 				  "stream is being captured (that synchronizes the device): this call "
@@ -152,13 +159,10 @@ static int check_err(kvt_cache *c, bool capture, void *stream)
 	if (code == KVT_GPU_ERR_SLOT)
 		return kvt_err_entry(c, idx, kvt_graph_slot_error(c, where & 0xffffu, idx,
 								       where >> 16, true));
-	const uint32_t site = KVT_GPU_ERR_SITE(w);
 	return kvt_seterr(c, -EIO,
 			  "an earlier GPU step reported error %u (item %u, value %u): %s",
 			  code, where, idx,
-			  code == KVT_GPU_ERR_RANGE && site < KVT_GPU_SITE_COUNT && site_text[site]
-				  ? site_text[site]
-				  : "a count or position beyond what the launch was sized for");
+			  site_of(w, "a count or position beyond what the launch was sized for"));
 }
 
 int gpu_check_err(kvt_cache *c)
