@@ -228,13 +228,13 @@ static void bc_insert(struct kvt_bcache *bc, int32_t i, uint64_t bgen, uint64_t 
 	touch(bc, s);
 }
 
-/* Give back the slots of requests that could not be read. */
 /* The slot a request reads into. */
 static int32_t request_slot(const struct kvt_bcache *bc, const struct kvt_nvme_rows *q)
 {
 	return (int32_t)(((const unsigned char *)q->out - bc->data) / KVT_NVME_CHUNK);
 }
 
+/* Give back the slots of requests that could not be read. */
 static void drop_pending(struct kvt_bcache *bc, const struct kvt_nvme_rows *reqs, uint32_t n)
 {
 	for (uint32_t r = 0; r < n; r++) {
