@@ -9,7 +9,9 @@
  *     nothing; a step that does not fit prefetches what fits and still succeeds;
  *   - a prefetch that fails (each completion failed in turn, each allocation failed in turn) returns
  *     the error or succeeds, changes no row and loses nothing: the step's calls then serve every
- *     row, byte for byte, and nothing leaks.
+ *     row, byte for byte, and nothing leaks;
+ *   - work beside the prefetch's reads (kvt_rows_prefetch_idle) serves cached chunks, never one
+ *     being read, and leaves the hits, misses and reads as they were; with faults, as above.
  * Every row returned is compared with the rows prefilled. Exits 77 (skip) without io_uring.
  */
 #include "common.h"
@@ -339,11 +341,12 @@ static int fail_nth(void *ctx, uint64_t nth, int res)
 
 /* A prefetch failing at completion n (io) or allocation n: the error or success, then the step
  * serves every row. Returns whether the fault was reached. */
-static int faulty_prefetch(uint64_t n, bool io)
+static int faulty_prefetch(uint64_t n, bool io, bool idle)
 {
 	struct bworld w;
-	char name[96];
-	snprintf(name, sizeof name, "prefetch with %s %llu failed", io ? "completion" : "allocation",
+	char name[128];
+	snprintf(name, sizeof name, "prefetch%s with %s %llu failed",
+		 idle ? " (rows served beside its reads)" : "", io ? "completion" : "allocation",
 		 (unsigned long long)n);
 	bw_open(&w, (uint64_t)2 << 20);
 	step(&w, 0, 1, 0, 16 * PER_CHUNK, false, name); /* some chunks cached, some not */
@@ -355,7 +358,12 @@ static int faulty_prefetch(uint64_t n, bool io)
 		kvt_nvme_set_cqe_hook(w.c->nvme, fail_nth, &f);
 	else
 		kvt_mem_fail_at(n);
-	int rc = kvt_rows_prefetch(w.c);
+	static struct idle_serve x;
+	memset(&x, 0, sizeof x);
+	x.w = &w;
+	x.it = &it;
+	const struct kvt_nvme_idle work = {serve_ready, &x};
+	int rc = idle ? kvt_rows_prefetch_idle(w.c, &work) : kvt_rows_prefetch(w.c);
 	f.fired |= !io && kvt_mem_fired();
 	kvt_mem_fail_at(0);
 	kvt_nvme_set_cqe_hook(w.c->nvme, NULL, NULL);
@@ -376,10 +384,13 @@ static void test_prefetch_faults(void **state)
 	(void)state;
 	tt_skip_unless_available();
 	uint64_t n_io = 1, n_mem = 1;
-	while (faulty_prefetch(n_io, true))
+	while (faulty_prefetch(n_io, true, false))
 		n_io++;
-	while (faulty_prefetch(n_mem, false))
+	while (faulty_prefetch(n_mem, false, false))
 		n_mem++;
+	/* with rows served beside the reads (every row served is compared), at some completions */
+	for (uint64_t k = 1; k < n_io; k += 23)
+		faulty_prefetch(k, true, true);
 	print_message("prefetch: %llu completions and %llu allocations failed in turn\n",
 		      (unsigned long long)(n_io - 1), (unsigned long long)(n_mem - 1));
 	T_CHECK(n_io > 1, "prefetch faults: no completion of the prefetch was reached");
