@@ -39,6 +39,7 @@ static inline kvt_run run_with_graph()
 struct kvt_result {
 	bool ok = false;
 	float ms = 0, wall_ms = 0;
+	double mean_wall_ms = 0; /* the mean of the timed steps' wall times (per-step means compare with it) */
 	double sel_frac = 0, hit_rate = 0, pcie_per_step = 0, hbm_bytes = 0, err_vs_exact = -1;
 	double hot_bytes = 0; /* the hot cache at the end: rows and their tags */
 	double ns[5] = {0, 0, 0, 0, 0};
@@ -217,6 +218,8 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		const double steps = o.steps;
 		r.ms = median(tms);
 		r.wall_ms = median(twall);
+		for (float w : twall)
+			r.mean_wall_ms += w / twall.size();
 		const uint64_t cand = s1.candidate_tokens - s0.candidate_tokens;
 		r.sel_frac = cand ? (double)(s1.selected_tokens - s0.selected_tokens) / cand : 0;
 		const uint64_t hits = l1.hot_hits - l0.hot_hits, miss = l1.hot_misses - l0.hot_misses;

@@ -251,11 +251,12 @@ int main(int argc, char **argv)
 				       ratio, fl, xf);
 				printf("  (spilled %.0f MB; Top-p selected %.2f%% host, %.2f%% spilled; "
 				       "wall per step %.3f / %.3f ms; rows missing the hot cache %.2f MB "
-				       "per step; of the spilled step's extra %.3f ms, %.3f ms inside the "
-				       "NVMe reads (kvt_stats ns_nvme), the rest planning, copies and "
-				       "waits)\n",
+				       "per step; means over the steps: wall %.3f / %.3f ms, of the spilled "
+				       "step's extra %.3f ms %.3f ms inside the NVMe reads (kvt_stats "
+				       "ns_nvme), the rest planning, copies and waits)\n",
 				       s.spilled_bytes / 1e6, 100.0 * h.sel_frac, 100.0 * s.sel_frac,
-				       h.wall_ms, s.wall_ms, s.miss_bytes_per_step / 1e6, s.ms - h.ms,
+				       h.wall_ms, s.wall_ms, s.miss_bytes_per_step / 1e6, h.mean_wall_ms,
+				       s.mean_wall_ms, s.mean_wall_ms - h.mean_wall_ms,
 				       s.nvme_ms_per_step);
 				if (!goal_seen && h.hit_rate >= 0.9) {
 					goal_seen = true;

@@ -440,6 +440,13 @@ static void finish(struct kvt_nvme *st, struct kvt_call *c, struct req *r, uint3
 /* Reap what has completed (everything in flight, shuffled, when the test shim asks for it). */
 static void reap(struct kvt_nvme *st, struct kvt_call *c)
 {
+	if (c->idle_more && !c->rc) {
+		/* the device's queue is filled: the caller's work runs while it drains, one slice
+		 * at a time (a failed submission here is retried, and reported, by enter) */
+		if (io_uring_submit(&st->ring) > 0)
+			st->stats.submits++;
+		c->idle_more = c->idle->fn(c->idle->arg);
+	}
 	if (enter(st, c, st->shuffle ? st->inflight : 1))
 		return;
 	unsigned got = io_uring_peek_batch_cqe(&st->ring, st->cqp, st->qd);
@@ -483,6 +490,7 @@ static void reap(struct kvt_nvme *st, struct kvt_call *c)
 int kvt_nv_run_call(struct kvt_nvme *st, struct kvt_call *c)
 {
 	pools_reset(st);
+	c->idle_more = c->idle && c->idle->fn;
 	for (;;) {
 		admit(st, c);
 		prepare(st, c);

@@ -124,6 +124,8 @@ struct kvt_call {
 	const struct kvt_nvme_block_id *expect;
 	void *const *outs;
 	struct kvt_err *err; /* the caller's: the call's first error is recorded there */
+	const struct kvt_nvme_idle *idle; /* the caller's work while reads are in flight, or NULL */
+	int idle_more;                    /* idle->fn has not yet said it is done */
 };
 
 /* The engine (nvme_engine.c), used by the write and read calls (nvme_write.c, nvme_read.c). */

@@ -126,13 +126,19 @@ int kvt_nvme_read_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_
 	return run_read(st, &c);
 }
 
-int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
-		       struct kvt_err *err)
+int kvt_nvme_read_rows_idle(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+			    const struct kvt_nvme_idle *idle, struct kvt_err *err)
 {
 	if (st && n && !reqs)
 		return kvt_err_set(err, -EINVAL, "reqs must not be NULL");
-	struct kvt_call c = {.n = n, .rows = reqs, .err = err};
+	struct kvt_call c = {.n = n, .rows = reqs, .err = err, .idle = idle};
 	return run_read(st, &c);
+}
+
+int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+		       struct kvt_err *err)
+{
+	return kvt_nvme_read_rows_idle(st, n, reqs, NULL, err);
 }
 
 #endif

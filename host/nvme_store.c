@@ -501,6 +501,13 @@ int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_ro
 	return kvt_err_set(err, -EOPNOTSUPP, NO_URING);
 }
 
+int kvt_nvme_read_rows_idle(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+			    const struct kvt_nvme_idle *idle, struct kvt_err *err)
+{
+	(void)idle;
+	return kvt_nvme_read_rows(st, n, reqs, err);
+}
+
 void kvt_nvme_free(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_loc *locs)
 {
 	(void)st;

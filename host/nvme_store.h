@@ -170,6 +170,22 @@ int kvt_nvme_read_rows(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_ro
 		       struct kvt_err *err);
 
 /*
+ * The caller's work while reads are in flight: each time the call has filled the device's queue
+ * and would wait for a completion, it calls fn(arg) once, until fn returns 0 (done) or the call
+ * fails; fn should do a slice of its work (tens of microseconds: the queue drains meanwhile) and
+ * return nonzero while work remains. fn must not call the store, nor touch the outputs of the
+ * call's requests. What it has not done when the call returns is the caller's to finish.
+ */
+struct kvt_nvme_idle {
+	int (*fn)(void *arg);
+	void *arg;
+};
+
+/* kvt_nvme_read_rows, running idle's work while the reads are in flight (idle may be NULL). */
+int kvt_nvme_read_rows_idle(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme_rows *reqs,
+			    const struct kvt_nvme_idle *idle, struct kvt_err *err);
+
+/*
  * Give back the space of n blocks. Entries with bytes == 0 are skipped; a range that is not in use
  * (double free, bad loc) is ignored and counted in bad_frees.
  */

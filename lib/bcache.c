@@ -44,6 +44,7 @@ struct bslot {
 	bool used;
 	bool fresh;      /* read in `round` and not used again since */
 	bool prefetched; /* read by the prefetch, not yet used: its first use is no hit */
+	bool reading;    /* being read by the running prefetch (kvt_rows_ready: not yet) */
 };
 
 /* The (sequence, layer, KV head) of an item of a plan. */
@@ -227,11 +228,17 @@ static void bc_insert(struct kvt_bcache *bc, int32_t i, uint64_t bgen, uint64_t 
 	touch(bc, s);
 }
 
+/* The slot a request reads into. */
+static int32_t request_slot(const struct kvt_bcache *bc, const struct kvt_nvme_rows *q)
+{
+	return (int32_t)(((const unsigned char *)q->out - bc->data) / KVT_NVME_CHUNK);
+}
+
 /* Give back the slots of requests that could not be read. */
 static void drop_pending(struct kvt_bcache *bc, const struct kvt_nvme_rows *reqs, uint32_t n)
 {
 	for (uint32_t r = 0; r < n; r++) {
-		int32_t i = (int32_t)(((const unsigned char *)reqs[r].out - bc->data) / KVT_NVME_CHUNK);
+		int32_t i = request_slot(bc, &reqs[r]);
 		if (bc->slots[i].used) {
 			bc_unlink(bc, i);
 			bc->free[bc->n_free++] = i;
@@ -534,7 +541,25 @@ static int32_t request_find(const kvt_cache *c, const struct kvt_nvme_rows *q)
 	return bc_find(c->bc, q->expect.generation, q->row_begin / rows_per_chunk(c));
 }
 
+bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t pos)
+{
+	const struct kvt_bcache *bc = c->bc;
+	const uint32_t p = (uint32_t)pos, b = p / KVT_BLOCK_TOKENS;
+	if (l->blocks[(size_t)h * l->blk_cap + b])
+		return true;
+	if (!bc)
+		return false;
+	const int32_t i = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen,
+				  p % KVT_BLOCK_TOKENS / rows_per_chunk(c));
+	return i >= 0 && !bc->slots[i].reading;
+}
+
 int kvt_rows_prefetch(kvt_cache *c)
+{
+	return kvt_rows_prefetch_idle(c, NULL);
+}
+
+int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle)
 {
 	struct kvt_bcache *bc = c->bc;
 	uint32_t m = 0;
@@ -554,6 +579,7 @@ int kvt_rows_prefetch(kvt_cache *c)
 			  q.row_begin / rows_per_chunk(c));
 		bc->slots[i].pin = bc->plan;
 		bc->slots[i].prefetched = true;
+		bc->slots[i].reading = true;
 		q.out = bc->data + (size_t)i * KVT_NVME_CHUNK;
 		c->reqs[m++] = q;
 	}
@@ -562,8 +588,10 @@ int kvt_rows_prefetch(kvt_cache *c)
 		return 0;
 	uint64_t t0 = kvt_now_ns();
 	struct kvt_err err;
-	int rc = kvt_nvme_read_rows(c->nvme, m, c->reqs, &err);
+	int rc = kvt_nvme_read_rows_idle(c->nvme, m, c->reqs, idle, &err);
 	c->st.ns_nvme += kvt_now_ns() - t0;
+	for (uint32_t r = 0; r < m; r++)
+		bc->slots[request_slot(bc, &c->reqs[r])].reading = false;
 	if (rc < 0) {
 		drop_pending(bc, c->reqs, m);
 		return kvt_seterr(c, rc, "prefetching %u chunks of direct serving: %s", m, err.msg);

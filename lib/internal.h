@@ -755,6 +755,16 @@ void kvt_rows_prefetch_begin(kvt_cache *c);
 void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n,
 			   const int32_t *pos);
 int kvt_rows_prefetch(kvt_cache *c);
+/*
+ * kvt_rows_prefetch, running idle's work while its reads are in flight (host/nvme_store.h's
+ * contract: idle must not call the NVMe store). The work may call kvt_rows_get for rows that
+ * kvt_rows_ready finds ready: those calls read nothing, and take nothing the prefetch reads.
+ */
+struct kvt_nvme_idle;
+int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle);
+/* Whether kvt_rows_get can serve position pos of KV head h without a read: a host-tier row, or a
+ * cached chunk that the running prefetch is not reading. */
+bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t pos);
 
 /* Monotonic nanoseconds. */
 uint64_t kvt_now_ns(void);

@@ -9,7 +9,9 @@
  *     nothing; a step that does not fit prefetches what fits and still succeeds;
  *   - a prefetch that fails (each completion failed in turn, each allocation failed in turn) returns
  *     the error or succeeds, changes no row and loses nothing: the step's calls then serve every
- *     row, byte for byte, and nothing leaks.
+ *     row, byte for byte, and nothing leaks;
+ *   - work beside the prefetch's reads (kvt_rows_prefetch_idle) serves cached chunks, never one
+ *     being read, and leaves the hits, misses and reads as they were; with faults, as above.
  * Every row returned is compared with the rows prefilled. Exits 77 (skip) without io_uring.
  */
 #include "common.h"
@@ -233,6 +235,96 @@ static void test_prefetch_what_fits(void **state)
 	bw_close(&w, "prefetch what fits");
 }
 
+/* Serving chunks while the prefetch reads: each call serves one ready chunk not yet served (its
+ * rows through kvt_rows_get, compared) and counts the chunks not ready. */
+struct idle_serve {
+	struct bworld *w;
+	const struct items *it;
+	bool served[NS][NKV][64];
+	uint32_t in_idle, not_ready, calls;
+};
+
+static int serve_ready(void *arg)
+{
+	struct idle_serve *x = arg;
+	const struct items *it = x->it;
+	bool more = false, did = false;
+	x->calls++;
+	for (uint32_t s = it->s0; s < it->s1; s++)
+		for (uint32_t h = it->h0; h < it->h1; h++)
+			for (uint32_t k = 0; k < it->rows / PER_CHUNK; k++) {
+				if (x->served[s][h][k])
+					continue;
+				const uint32_t first = it->first + k * PER_CHUNK;
+				if (!kvt_rows_ready(x->w->c, layer_of(x->w, s, it->layer), h,
+						    (int32_t)first)) {
+					x->not_ready++;
+					more = true;
+				} else if (!did) {
+					get_rows(x->w, s, it->layer, h, span(first, PER_CHUNK),
+						 "served while the prefetch reads");
+					x->served[s][h][k] = did = true;
+					x->in_idle++;
+				} else {
+					more = true;
+				}
+			}
+	return more;
+}
+
+/* The same step with and without work beside the prefetch's reads: the work serves the chunks
+ * that were cached (never one being read: every row compared), the rest is served after, and the
+ * counts of hits, misses and reads are the plain prefetch's. */
+static void test_prefetch_idle(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	kvt_stats d[2];
+	const struct items it = {0, 0, NS, 0, NKV, 0, 40 * PER_CHUNK};
+	for (int idle = 0; idle < 2; idle++) {
+		struct bworld w;
+		bw_open(&w, (uint64_t)2 << 20);
+		step(&w, 0, 1, 0, 16 * PER_CHUNK, false, "warm"); /* seq 0's first 16 chunks cached */
+		kvt_stats a = t_stats(w.c);
+		begin_step(&w, &it, true);
+		static struct idle_serve x;
+		memset(&x, 0, sizeof x);
+		x.w = &w;
+		x.it = &it;
+		const struct kvt_nvme_idle work = {serve_ready, &x};
+		int rc = idle ? kvt_rows_prefetch_idle(w.c, &work) : kvt_rows_prefetch(w.c);
+		T_CHECK(rc == 0, "prefetch (idle work %d): %s", idle, kvt_last_error(w.c));
+		for (uint32_t s = it.s0; s < it.s1; s++)
+			for (uint32_t h = it.h0; h < it.h1; h++)
+				for (uint32_t k = 0; k < it.rows / PER_CHUNK; k++)
+					if (!x.served[s][h][k])
+						get_rows(&w, s, it.layer, h,
+							 span(it.first + k * PER_CHUNK, PER_CHUNK),
+							 "served after the prefetch");
+		if (idle)
+			T_CHECK(x.in_idle >= 1 && x.not_ready >= 1,
+				"idle work: %u calls served %u chunks and found %u not ready; wanted "
+				"some of each",
+				x.calls, x.in_idle, x.not_ready);
+		kvt_stats b = t_stats(w.c);
+		d[idle] = (kvt_stats){.nvme_cache_hits = b.nvme_cache_hits - a.nvme_cache_hits,
+				      .nvme_cache_misses = b.nvme_cache_misses - a.nvme_cache_misses,
+				      .nvme_reads = b.nvme_reads - a.nvme_reads};
+		if (idle)
+			print_message("prefetch with idle work: %u calls served %u of %u chunks while "
+				      "the reads ran\n",
+				      x.calls, x.in_idle, NS * NKV * 40);
+		bw_close(&w, idle ? "prefetch with idle work" : "prefetch");
+	}
+	T_CHECK(d[0].nvme_cache_hits == d[1].nvme_cache_hits &&
+			d[0].nvme_cache_misses == d[1].nvme_cache_misses &&
+			d[0].nvme_reads == d[1].nvme_reads,
+		"hits / misses / reads: %llu / %llu / %llu plain, %llu / %llu / %llu with idle work",
+		(unsigned long long)d[0].nvme_cache_hits, (unsigned long long)d[0].nvme_cache_misses,
+		(unsigned long long)d[0].nvme_reads, (unsigned long long)d[1].nvme_cache_hits,
+		(unsigned long long)d[1].nvme_cache_misses, (unsigned long long)d[1].nvme_reads);
+}
+
 struct fault {
 	uint64_t n;
 	int fired;
@@ -249,11 +341,12 @@ static int fail_nth(void *ctx, uint64_t nth, int res)
 
 /* A prefetch failing at completion n (io) or allocation n: the error or success, then the step
  * serves every row. Returns whether the fault was reached. */
-static int faulty_prefetch(uint64_t n, bool io)
+static int faulty_prefetch(uint64_t n, bool io, bool idle)
 {
 	struct bworld w;
-	char name[96];
-	snprintf(name, sizeof name, "prefetch with %s %llu failed", io ? "completion" : "allocation",
+	char name[128];
+	snprintf(name, sizeof name, "prefetch%s with %s %llu failed",
+		 idle ? " (rows served beside its reads)" : "", io ? "completion" : "allocation",
 		 (unsigned long long)n);
 	bw_open(&w, (uint64_t)2 << 20);
 	step(&w, 0, 1, 0, 16 * PER_CHUNK, false, name); /* some chunks cached, some not */
@@ -265,7 +358,12 @@ static int faulty_prefetch(uint64_t n, bool io)
 		kvt_nvme_set_cqe_hook(w.c->nvme, fail_nth, &f);
 	else
 		kvt_mem_fail_at(n);
-	int rc = kvt_rows_prefetch(w.c);
+	static struct idle_serve x;
+	memset(&x, 0, sizeof x);
+	x.w = &w;
+	x.it = &it;
+	const struct kvt_nvme_idle work = {serve_ready, &x};
+	int rc = idle ? kvt_rows_prefetch_idle(w.c, &work) : kvt_rows_prefetch(w.c);
 	f.fired |= !io && kvt_mem_fired();
 	kvt_mem_fail_at(0);
 	kvt_nvme_set_cqe_hook(w.c->nvme, NULL, NULL);
@@ -286,10 +384,13 @@ static void test_prefetch_faults(void **state)
 	(void)state;
 	tt_skip_unless_available();
 	uint64_t n_io = 1, n_mem = 1;
-	while (faulty_prefetch(n_io, true))
+	while (faulty_prefetch(n_io, true, false))
 		n_io++;
-	while (faulty_prefetch(n_mem, false))
+	while (faulty_prefetch(n_mem, false, false))
 		n_mem++;
+	/* with rows served beside the reads (every row served is compared), at some completions */
+	for (uint64_t k = 1; k < n_io; k += 23)
+		faulty_prefetch(k, true, true);
 	print_message("prefetch: %llu completions and %llu allocations failed in turn\n",
 		      (unsigned long long)(n_io - 1), (unsigned long long)(n_mem - 1));
 	T_CHECK(n_io > 1, "prefetch faults: no completion of the prefetch was reached");
@@ -303,6 +404,7 @@ int main(void)
 		cmocka_unit_test(test_scan_keeps_working_set),
 		cmocka_unit_test(test_prefetch_reads_ahead),
 		cmocka_unit_test(test_prefetch_what_fits),
+		cmocka_unit_test(test_prefetch_idle),
 		cmocka_unit_test(test_prefetch_faults),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

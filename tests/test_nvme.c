@@ -448,6 +448,16 @@ static void flip_at(int fd, uint64_t at)
  * refuses a corrupted chunk and a chunk of an older image; free and rewrite drop the entry, so a
  * block written where another was is checked against its own header, never the old one's.
  */
+struct idle_count {
+	uint32_t calls, stop_at; /* stop_at: the call that says it is done (0: never) */
+};
+
+static int idle_counted(void *arg)
+{
+	struct idle_count *ic = arg;
+	return ++ic->calls != ic->stop_at;
+}
+
 static void test_header_cache(void **state)
 {
 	(void)state;
@@ -570,6 +580,21 @@ static void test_header_cache(void **state)
 	T_CHECK(rc == 0 && s1.header_cache_hits - s0.header_cache_hits == 500,
 		"the 500 newest blocks: %d, %llu hits", rc,
 		(unsigned long long)(s1.header_cache_hits - s0.header_cache_hits));
+	/* Work while the reads are in flight: called while the queue (8) is full, until it says it
+	 * is done, and the reads deliver the same rows. */
+	for (int stop = 0; stop < 2; stop++) {
+		struct idle_count ic = {.stop_at = stop ? 3 : 0};
+		const struct kvt_nvme_idle idle = {idle_counted, &ic};
+		memset(got, 0, NB * 512);
+		for (uint32_t i = 0; i < NB; i++)
+			qs[i] = (struct kvt_nvme_rows){ls[i], bs[i].id, 0, 1, got + 512 * i};
+		rc = kvt_nvme_read_rows_idle(st, 1000, qs, &idle, &nv_err);
+		for (uint32_t i = 0; i < 1000 && rc == 0; i++)
+			T_CHECK(memcmp(got + 512 * i, bs[i].payload, 512) == 0, "idle read %u", i);
+		T_CHECK(rc == 0 && (stop ? ic.calls == 3 : ic.calls >= 1000 / 8 - 1),
+			"1000 reads at queue depth 8 with idle work stopping at %u: %d (%s), %u "
+			"calls", ic.stop_at, rc, nv_err.msg, ic.calls);
+	}
 	close(fd);
 	kvt_nvme_close(st);
 	free(bs);
