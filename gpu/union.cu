@@ -16,7 +16,7 @@
 #define UN_WARP_TOKENS 1024u /* 32 words of 32 tokens */
 #define UN_CHUNK KVT_GPU_SEL_CHUNK /* tokens per block */
 #ifndef UN_HEADS /* compile-time, for an A/B */
-#define UN_HEADS 4u /* query heads whose scores k_union_mark loads at once */
+#define UN_HEADS 1u /* query heads whose scores k_union_mark loads at once */
 #endif
 static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cover its chunk");
 
