@@ -178,6 +178,16 @@ int main(void)
 		RC(kvt_gpu_topp_union(1, HQ, HKV, scores, N, n_tok, N, out, sel, N, sel_n, scr, sb,
 				      NULL));
 	};
+	/* the same selection with the union marked by the threshold's candidate pass (a decode
+	 * step's path) */
+	void *bmem;
+	CK(cudaMalloc(&bmem, kvt_gpu_selbits_bytes(HKV, N)));
+	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(bmem, HKV, N);
+	auto ours_fused = [&] {
+		RC(kvt_gpu_topp_select(1, HQ, HKV, scores, N, n_tok, N, SCALE, P, 0, 0, stats, out,
+				       bits, NULL, scr, sb, NULL, NULL));
+		RC(kvt_gpu_selbits_list(HKV, bits, sel, N, sel_n, NULL));
+	};
 	auto ours_budget = [&] {
 		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 2048, stats, out,
 					  scr, sb, NULL, NULL));
@@ -203,6 +213,7 @@ int main(void)
 	};
 
 	const float a = time_us(ours), au = time_us(ours_union), ab = time_us(ours_budget);
+	const float af = time_us(ours_fused);
 	const float a10 = time_us(ours, 10), aself = time_us(ours_self);
 	const float s1 = time_us(by_segmented), s2 = time_us(by_global);
 	const float sort_best = std::min(s1, s2);
@@ -230,8 +241,9 @@ int main(void)
 	       "a burst of 10; gathering the statistics itself: %.2f us\n",
 	       a, a10, aself);
 	printf("  with budget_max 2048 (the clamp too): %.2f us; threshold + union/compaction into %d "
-	       "KV-head lists: %.2f us\n",
-	       ab, HKV, au);
+	       "KV-head lists: %.2f us as two calls, %.2f us with the union marked by the candidate "
+	       "pass (kvt_gpu_topp_select)\n",
+	       ab, HKV, au, af);
 	printf("sort-based Top-p: CUB segmented radix sort + scan %.2f us, CUB global radix sort over "
 	       "(head, score) + scan %.2f us\n",
 	       s1, s2);

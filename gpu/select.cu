@@ -84,12 +84,16 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 /* Zeroes n16 16-byte words. When the caller gave the statistics, the next kernel is pass 2, a
  * programmatic dependent: it may start at once, and waits for this one only before its first
  * global atomic. */
-static __global__ void __launch_bounds__(SEL_THREADS) k_zero(uint4 *p, size_t n16)
+static __global__ void __launch_bounds__(SEL_THREADS)
+	k_zero(uint4 *p, size_t n16, uint32_t *mask, size_t mask_words)
 {
 	KVT_PDL_TRIGGER();
-	for (size_t i = (size_t)blockIdx.x * SEL_THREADS + threadIdx.x; i < n16;
-	     i += (size_t)gridDim.x * SEL_THREADS)
+	const size_t i0 = (size_t)blockIdx.x * SEL_THREADS + threadIdx.x,
+		     step = (size_t)gridDim.x * SEL_THREADS;
+	for (size_t i = i0; i < n16; i += step)
 		p[i] = make_uint4(0, 0, 0, 0);
+	for (size_t i = i0; i < mask_words; i += step) /* the union's bits, which pass 3 ORs into */
+		mask[i] = 0;
 }
 
 /* ---- pass 1: max, min, finiteness (when the scan did not gather them) ------------------ */
@@ -214,6 +218,19 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 		total += bin[k] != SEL_NONE && !again ? cnt[k] : 0;
 	}
 	st->listed = total <= cand_cap;
+	/* the bin of the final cut: the Top-p boundary's, unless the counts above it already show the
+	 * clamp applies (bmin's rank in a later bin: raised; bmax's in an earlier one: cut, which
+	 * clamp_want checks last), then the clamp's rank's bin. The union marks every token of an
+	 * earlier bin without waiting for the resolution (k_cand) */
+	uint32_t f = bin[NEED_MAX];
+	if (mass) {
+		f = bin[NEED_MASS];
+		if (bin[NEED_MIN] != SEL_NONE && bin[NEED_MIN] > f)
+			f = bin[NEED_MIN];
+		if (bin[NEED_MAX] != SEL_NONE && bin[NEED_MAX] < f)
+			f = bin[NEED_MAX];
+	}
+	st->fbin = f == SEL_NONE ? 0 : f; /* none cannot happen here; 0 leaves all to the cut */
 	st->ncand = 0;
 	st->done = 0;
 	st->phase = PH_CAND;
@@ -318,12 +335,12 @@ static bool aligned16(const void *p)
 	return ((uintptr_t)p & 15) == 0;
 }
 
-extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores,
-				      size_t ld, const uint32_t *n_tokens, uint32_t max_n,
-				      float scale, float p, uint32_t bmin, uint32_t bmax,
-				      const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
-				      void *scratch, size_t scratch_bytes,
-				      unsigned long long *err, void *stream)
+/* The threshold, and the union's bits when bits.mask is given (kvt_gpu_topp_select). */
+static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const float *scores,
+		size_t ld, const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
+		uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
+		kvt_gpu_selbits bits, void *scratch, size_t scratch_bytes, unsigned long long *err,
+		void *stream)
 {
 	if (!scores || !n_tokens || !out || !scratch || n_q_heads == 0)
 		return -EINVAL;
@@ -341,10 +358,12 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 	cudaStream_t s = KVT_STREAM(stream);
 	const uint32_t segs = n_seqs * n_q_heads;
 	/* the state and the histograms, and the statistics when this call gathers them (pass 1
-	 * then runs between, in plain stream order) */
-	const size_t z16 = (stats ? sc.zero_bytes : sc.zero_all) / 16;
-	const uint32_t zb = (uint32_t)std::min<size_t>((z16 + SEL_THREADS - 1) / SEL_THREADS, 1024);
-	k_zero<<<zb, SEL_THREADS, 0, s>>>((uint4 *)sc.st, z16);
+	 * then runs between, in plain stream order); and the union's bits */
+	const size_t z16 = (stats ? sc.zero_bytes : sc.zero_all) / 16,
+		     mw = bits.mask ? (size_t)n_seqs * n_kv_heads * bits.words : 0,
+		     zw = std::max(z16, mw);
+	const uint32_t zb = (uint32_t)std::min<size_t>((zw + SEL_THREADS - 1) / SEL_THREADS, 1024);
+	k_zero<<<zb, SEL_THREADS, 0, s>>>((uint4 *)sc.st, z16, bits.mask, mw);
 	KVT_CU_LAUNCHED();
 	const dim3 grid(sel_blocks(max_n, segs), segs);
 	if (!stats) {
@@ -359,6 +378,38 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 				    n_tokens, max_n, n_q_heads, scale, p, bmin, bmax,
 				    stats ? stats : sc.stats, sc, out, err));
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
-				   sc, out));
+				   sc, out, bits, n_q_heads / n_kv_heads));
 	return 0;
+}
+
+extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores,
+				      size_t ld, const uint32_t *n_tokens, uint32_t max_n,
+				      float scale, float p, uint32_t bmin, uint32_t bmax,
+				      const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
+				      void *scratch, size_t scratch_bytes,
+				      unsigned long long *err, void *stream)
+{
+	const kvt_gpu_selbits none = {};
+	return topp(n_seqs, n_q_heads, 1, scores, ld, n_tokens, max_n, scale, p, bmin, bmax, stats,
+		    out, none, scratch, scratch_bytes, err, stream);
+}
+
+extern "C" int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				   const float *scores, size_t ld, const uint32_t *n_tokens,
+				   uint32_t max_n, float scale, float p, uint32_t bmin,
+				   uint32_t bmax, const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
+				   kvt_gpu_selbits bits, unsigned long long *clamps, void *scratch,
+				   size_t scratch_bytes, unsigned long long *err, void *stream)
+{
+	/* all of kvt_gpu_selbits_count's checks too: nothing is launched unless all can be */
+	if (!bits.mask || !bits.ccount || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
+	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP ||
+	    bits.words < (uint32_t)(((uint64_t)max_n + 31) / 32) || bits.chunks == 0 ||
+	    (uint64_t)bits.chunks * KVT_GPU_SEL_CHUNK < (uint64_t)bits.words * 32)
+		return -EINVAL;
+	const int rc = topp(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens, max_n, scale, p,
+			    bmin, bmax, stats, out, bits, scratch, scratch_bytes, err, stream);
+	if (rc < 0 || n_seqs == 0)
+		return rc;
+	return kvt_gpu_selbits_count(n_seqs, n_q_heads, n_kv_heads, out, bits, clamps, stream);
 }

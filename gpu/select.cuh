@@ -139,6 +139,33 @@ int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_h
 int kvt_gpu_selbits_list(uint32_t n_items, kvt_gpu_selbits bits, uint32_t *sel, size_t sel_ld,
 			 uint32_t *sel_n, void *stream);
 
+/*
+ * The clamps and per-chunk counts of bits whose masks are marked (k_union_mark's other outputs):
+ * for kvt_gpu_topp_select. topp: the threshold's output; clamps as for kvt_gpu_topp_union_bits.
+ * Returns 0, -EINVAL or -EIO. Asynchronous, allocation-free.
+ */
+int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+			  const kvt_gpu_topp *topp, kvt_gpu_selbits bits, unsigned long long *clamps,
+			  void *stream);
+
+/*
+ * kvt_gpu_topp_threshold then kvt_gpu_topp_union_bits, with the same results (out, bits, clamps),
+ * but the union marked by the threshold's candidate pass instead of a pass of its own over the
+ * scores: the final cut's bin is known once the histogram has been walked (the Top-p boundary's,
+ * or the clamp's when the counts show it applies), so that pass ORs in the bits of every token of
+ * an earlier bin as it lists the boundary bins' candidates, and each segment's last block adds
+ * those of the candidates its cut marks (of the whole segment when the list overflowed). The
+ * scores are read twice after the scan instead of three times. Arguments as for the two calls;
+ * bits need no initial contents (they are zeroed first). Returns 0, -EINVAL or -EIO.
+ * Asynchronous, allocation-free, capturable.
+ */
+int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+			const float *scores, size_t ld, const uint32_t *n_tokens, uint32_t max_n,
+			float scale, float p, uint32_t bmin, uint32_t bmax,
+			const kvt_gpu_segstats *stats, kvt_gpu_topp *out, kvt_gpu_selbits bits,
+			unsigned long long *clamps, void *scratch, size_t scratch_bytes,
+			unsigned long long *err, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -48,6 +48,7 @@ struct seg_state {
 	uint32_t listed;            /* whether the bins' candidates fit the list */
 	uint32_t bin[NEEDS];        /* the bin of each need, or SEL_NONE */
 	uint32_t above[NEEDS];      /* scores in earlier bins (larger) */
+	uint32_t fbin;              /* the bin the final cut lies in (the union's: select.cu) */
 	uint64_t acc;               /* mass of the bins before bin[NEED_MASS] (unit 2^-40) */
 	double target;              /* p * f(total mass) */
 };
@@ -302,6 +303,22 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 		each_in_chunk(s, c0, n, f);
 }
 
+/*
+ * The union's bits of a thread's four consecutive positions i .. i + 3 (i a multiple of 4, as
+ * each_in_chunk gives them; bit e of nib: position i + e) ORed into the item's mask: the eight
+ * lanes sharing a 32-bit word combine theirs, and one of them adds the word with an atomic (the
+ * query heads of a group mark the same words). Every lane of the warp calls it.
+ */
+static __device__ __forceinline__ void mark_nibble(uint32_t *mask, uint32_t i, uint32_t nib)
+{
+	uint32_t w = nib << (i % 32);
+	w |= __shfl_xor_sync(0xffffffffu, w, 1);
+	w |= __shfl_xor_sync(0xffffffffu, w, 2);
+	w |= __shfl_xor_sync(0xffffffffu, w, 4);
+	if (threadIdx.x % 8 == 0 && w)
+		atomicOr(mask + i / 32, w);
+}
+
 /* ---- the block's decision over a histogram ----------------------------------------------- */
 
 /* Block-wide exclusive prefix over threads in index order of a count and a mass. */
@@ -429,10 +446,12 @@ static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0
 	return r;
 }
 
-/* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block.
+/* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block;
+ * with bits.mask, also the union's bits of each group of `group` query heads (kvt_gpu_topp_select).
  * Launched by kvt_gpu_topp_threshold after passes 1 and 2. */
 cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
-				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out);
+				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
+				kvt_gpu_selbits bits, uint32_t group);
 
 #endif

@@ -324,9 +324,56 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	}
 }
 
+/*
+ * The union's bits of the segment's tokens that the cut marks, once it is resolved (out->cut,
+ * written by this block's thread 0): among the candidates, or over the whole segment when the list
+ * overflowed (the tokens of earlier bins were marked while the candidates were listed, or here).
+ */
+static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s, uint32_t n,
+					     const u64 *cand, const kvt_gpu_topp *out, uint32_t *mask)
+{
+	__syncthreads(); /* thread 0's finalize is visible to the block past here */
+	if (!out->marked)
+		return;
+	const u64 cut = out->cut;
+	if (__ldcg(&st->listed)) {
+		const uint32_t m = __ldcg(&st->ncand);
+		for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS) {
+			const u64 c = __ldcg(cand + i);
+			const uint32_t pos = (SEL_MAX_N - 1) - (uint32_t)(c & (SEL_MAX_N - 1));
+			if (((c >> 24) << 32 | (0xffffffffu - pos)) >= cut)
+				atomicOr(mask + pos / 32, 1u << pos % 32);
+		}
+		return;
+	}
+	for (uint32_t c0 = 0; c0 < n; c0 += SEL_CHUNK) {
+		float4 v[SEL_VEC];
+		load_chunk(v, s, c0, n);
+#pragma unroll
+		for (int k = 0; k < SEL_VEC; k++) {
+			const uint32_t i = c0 + 4 * (threadIdx.x + k * SEL_THREADS);
+			const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+			uint32_t nib = 0;
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const u64 c = (u64)kvt_d_fkey(x[e]) << 32 | (0xffffffffu - (i + e));
+				nib |= (i + e < n && c >= cut ? 1u : 0u) << e;
+			}
+			mark_nibble(mask, i, nib);
+		}
+	}
+}
+
+/*
+ * Pass 3. UNION: also the union's bits (mask: the item's, zeroed by k_zero): every token of a bin
+ * before the final cut's (fbin) as the scores stream, the candidates the cut marks after the
+ * resolution, and all tokens of a segment that marks all without a resolution.
+ */
+template <bool UNION>
 static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
-	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
+	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
+	       kvt_gpu_selbits bits, uint32_t group)
 {
 	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
@@ -334,34 +381,64 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	/* launched as pass 2's programmatic dependent: this block may have started while pass 2's
 	 * last blocks decide; wait until pass 2 has finished and its writes are visible */
 	KVT_PDL_WAIT();
-	if (__ldcg(&st->phase) != PH_CAND)
-		return;
 	const uint32_t n = n_tok[seq];
+	const float *s = scores + (size_t)seg * ld;
+	uint32_t *mask = UNION ? bits.mask + (size_t)(seg / group) * bits.words : NULL;
+	if (__ldcg(&st->phase) != PH_CAND) {
+		/* finalized by pass 2: nothing marked, or all n (never more than max_n) */
+		if (UNION && __ldcg(&out[seg].marked))
+			for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK)
+#pragma unroll
+				for (int k = 0; k < SEL_VEC; k++) {
+					const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS);
+					const uint32_t nib = i + 4 <= n ? 15u : i < n ? (1u << (n - i)) - 1 : 0u;
+					mark_nibble(mask, i, nib);
+				}
+		return;
+	}
 	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
 	const uint32_t b0 = __ldcg(&st->bin[0]), b1 = __ldcg(&st->bin[1]), b2 = __ldcg(&st->bin[2]);
+	const uint32_t fbin = UNION ? __ldcg(&st->fbin) : 0;
 	const bool listed = __ldcg(&st->listed);
-	const float *s = scores + (size_t)seg * ld;
 	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
 	SEL_T(1);
 	if (listed)
-		each_of_block(s, n, [&](uint32_t i, float f) {
-			uint32_t b = lbin(f, mx, inv_w);
-			const bool in = i < n && (b == b0 || b == b1 || b == b2);
-			const uint32_t vote = __ballot_sync(0xffffffffu, in);
-			if (!vote)
-				return;
-			uint32_t base = 0;
-			if (lane == (uint32_t)__ffs(vote) - 1)
-				base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
-			base = __shfl_sync(0xffffffffu, base, __ffs(vote) - 1);
-			if (in)
-				cand[base + __popc(vote & ((1u << lane) - 1))] = ckey(kvt_d_fkey(f), i);
-		});
+		for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
+			float4 v[SEL_VEC];
+			load_chunk(v, s, c0, n);
+#pragma unroll
+			for (int k = 0; k < SEL_VEC; k++) {
+				const uint32_t i0 = c0 + 4 * (tid + k * SEL_THREADS);
+				const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+				uint32_t nib = 0;
+#pragma unroll
+				for (int e = 0; e < 4; e++) {
+					const uint32_t i = i0 + e, b = lbin(x[e], mx, inv_w);
+					nib |= (UNION && i < n && b < fbin ? 1u : 0u) << e;
+					const bool in = i < n && (b == b0 || b == b1 || b == b2);
+					const uint32_t vote = __ballot_sync(0xffffffffu, in);
+					if (!vote)
+						continue;
+					const int first = __ffs(vote) - 1;
+					uint32_t base = 0;
+					if (lane == (uint32_t)first)
+						base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
+					base = __shfl_sync(0xffffffffu, base, first);
+					if (in)
+						cand[base + __popc(vote & ((1u << lane) - 1))] =
+							ckey(kvt_d_fkey(x[e]), i);
+				}
+				if (UNION)
+					mark_nibble(mask, i0, nib);
+			}
+		}
 	SEL_T(2);
 	if (!last_block(st))
 		return;
 	SEL_T(4);
 	resolve(st, s, n, cand, scale, p, bmin, bmax, out + seg);
+	if (UNION)
+		mark_cut(st, s, n, cand, out + seg, mask);
 	SEL_T(6);
 }
 
@@ -371,10 +448,14 @@ SEL_T_HOST(kvt_sel_timing_cand)
 
 cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
-				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out)
+				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
+				kvt_gpu_selbits bits, uint32_t group)
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	return kvt_launch_dependent(k_cand, grid, SEL_THREADS, s, true, scores, ld, n_tok, hq, scale,
-				    p, bmin, bmax, sc, out);
+	if (bits.mask)
+		return kvt_launch_dependent(k_cand<true>, grid, SEL_THREADS, s, true, scores, ld,
+					    n_tok, hq, scale, p, bmin, bmax, sc, out, bits, group);
+	return kvt_launch_dependent(k_cand<false>, grid, SEL_THREADS, s, true, scores, ld, n_tok,
+				    hq, scale, p, bmin, bmax, sc, out, bits, group);
 }

@@ -314,23 +314,18 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 		 * the threshold at p runs on them (its statistics gathered anew) */
 		const kvt_gpu_hot hot = hot_of(c, layer, 0);
 		rbits = kvt_gpu_selbits_at(s->rbits, (size_t)n_seqs * H, max_ni);
-		LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni,
-						 c->scale, c->cfg.rescore_p, c->cfg.budget_min,
-						 c->cfg.budget_max, s->stats, s->topp_r, s->sscratch,
-						 s->sbytes, b->err, stream));
-		LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
-						  s->topp_r, rbits, NULL, stream));
+		LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
+					      c->scale, c->cfg.rescore_p, c->cfg.budget_min,
+					      c->cfg.budget_max, s->stats, s->topp_r, rbits, NULL,
+					      s->sscratch, s->sbytes, b->err, stream));
 		LAUNCH(c, kvt_gpu_rescore(d, c->cfg.dtype, n_seqs, Hq, H, s->fetch, hot, q,
 					  s->topp_r, s->scores, s->ld, max_ni, stream));
 	}
-	LAUNCH(c, kvt_gpu_topp_threshold(n_seqs, Hq, s->scores, s->ld, s->ntok, max_ni, c->scale,
-					 c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
-					 rs ? NULL : s->stats, s->topp, s->sscratch, s->sbytes,
-					 b->err, stream));
-	LAUNCH(c, kvt_gpu_topp_union_bits(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, s->topp,
-					  s->bits,
-					  b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
-					  stream));
+	LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, c->scale,
+				      c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
+				      rs ? NULL : s->stats, s->topp, s->bits,
+				      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
+				      s->sscratch, s->sbytes, b->err, stream));
 	if (rs)
 		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, s->bits,
 						b->counters + (size_t)layer * KVT_GPU_CNT_N +

@@ -93,6 +93,34 @@ static __global__ void __launch_bounds__(UN_THREADS)
 	}
 }
 
+/* What k_union_mark adds besides the bits, for bits the threshold's candidate pass marked
+ * (kvt_gpu_topp_select): each block's count of its chunk's selected tokens, and the clamps. */
+static __global__ void __launch_bounds__(UN_THREADS)
+	k_union_count(uint32_t hq, uint32_t hkv, const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
+		      unsigned long long *clamps)
+{
+	__shared__ uint32_t cnt[UN_THREADS / 32];
+	const uint32_t item = blockIdx.y, tid = threadIdx.x, G = hq / hkv;
+	if (clamps && blockIdx.x == 0 && tid < G) {
+		const int32_t c = topp[(size_t)(item / hkv) * hq + (item % hkv) * G + tid].clamped;
+		if (c)
+			atomicAdd(&clamps[c < 0 ? 0 : 1], 1ull);
+	}
+	const uint32_t wi = blockIdx.x * (UN_CHUNK / 32) + tid;
+	uint32_t c = wi < bits.words ? __popc(bits.mask[(size_t)item * bits.words + wi]) : 0u;
+	for (int o = 16; o; o >>= 1)
+		c += __shfl_xor_sync(0xffffffffu, c, o);
+	if (tid % 32 == 0)
+		cnt[tid / 32] = c;
+	__syncthreads();
+	if (tid == 0) {
+		uint32_t total = 0;
+		for (int w = 0; w < UN_THREADS / 32; w++)
+			total += cnt[w];
+		bits.ccount[(size_t)item * bits.chunks + blockIdx.x] = total;
+	}
+}
+
 static __global__ void __launch_bounds__(UN_THREADS)
 	k_union_write(kvt_gpu_selbits bits, uint32_t *sel, size_t sel_ld, uint32_t *sel_n)
 {
@@ -194,6 +222,24 @@ extern "C" int kvt_gpu_topp_union_bits(uint32_t n_seqs, uint32_t n_q_heads, uint
 	const dim3 grid(chunks_of(max_n), n_seqs * n_kv_heads);
 	k_union_mark<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(scores, ld, n_tokens, n_q_heads,
 								  n_kv_heads, topp, bits, clamps);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+extern "C" int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
+				     const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
+				     unsigned long long *clamps, void *stream)
+{
+	if (!topp || !bits.mask || !bits.ccount || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
+	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP || bits.chunks == 0 ||
+	    (uint64_t)bits.chunks * UN_CHUNK < (uint64_t)bits.words * 32 ||
+	    (uint64_t)n_seqs * n_kv_heads > 65535)
+		return -EINVAL;
+	if (n_seqs == 0)
+		return 0;
+	const dim3 grid(bits.chunks, n_seqs * n_kv_heads);
+	k_union_count<<<grid, UN_THREADS, 0, KVT_STREAM(stream)>>>(n_q_heads, n_kv_heads, topp,
+								   bits, clamps);
 	KVT_CU_LAUNCHED();
 	return 0;
 }

@@ -684,6 +684,22 @@ static void test_arguments(void **state)
 			"list: words beyond the chunks");
 		T_CHECK(kvt_gpu_selbits_list(65536, bits, p, 8, p, NULL) == -EINVAL,
 			"list: 65536 items");
+		/* the fused call refuses what either half would, before it launches anything */
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, none, NULL,
+					    p, 1 << 20, NULL, NULL) == -EINVAL,
+			"select: NULL mask");
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 40, p, 40, 1.0f, 0.9f, 0, 0, NULL, p, bits,
+					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
+			"select: bits made for fewer tokens than max_n");
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, wide, NULL,
+					    p, 1 << 20, NULL, NULL) == -EINVAL,
+			"select: words beyond the chunks");
+		T_CHECK(kvt_gpu_topp_select(1, 4, 3, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, bits, NULL,
+					    p, 1 << 20, NULL, NULL) == -EINVAL,
+			"select: query heads not a multiple of KV heads");
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, p, bits, NULL,
+					    p, 1 << 20, NULL, NULL) == -EINVAL,
+			"select: scale 0");
 		CU(cudaDeviceSynchronize());
 	}
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, NULL, p,

@@ -228,6 +228,61 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 		cudaFree(dsel2);
 		cudaFree(dseln2);
 	}
+	/* the threshold and the union in one call (the union marked by the candidate pass): the
+	 * same outputs, and bit for bit the same bits, chunk counts and clamps as the two calls */
+	if (max_n) {
+		const size_t bb = kvt_gpu_selbits_bytes(items, max_n);
+		void *bm1 = dpoison(bb), *bm2 = dpoison(bb);
+		const kvt_gpu_selbits b1 = kvt_gpu_selbits_at(bm1, items, max_n),
+				      b2 = kvt_gpu_selbits_at(bm2, items, max_n);
+		unsigned long long *dcl = NULL, cl[4];
+		CU(cudaMalloc((void **)&dcl, sizeof cl));
+		CU(cudaMemset(dcl, 0, sizeof cl));
+		kvt_gpu_topp *dout2 = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
+		rc = kvt_gpu_topp_union_bits(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout,
+					     b1, dcl, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
+		rc = kvt_gpu_topp_select(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, scale, p,
+					 bmin, bmax, (const kvt_gpu_segstats *)dst, dout2, b2,
+					 dcl + 2, scr, sb, derr, NULL);
+		T_CHECK(rc == 0, "%s: kvt_gpu_topp_select %d", what, rc);
+		kvt_gpu_topp *out2 = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
+		uint32_t *h1 = (uint32_t *)t_alloc(bb), *h2 = (uint32_t *)t_alloc(bb);
+		fetch(out2, dout2, sizeof(kvt_gpu_topp) * segs);
+		fetch(h1, bm1, bb);
+		fetch(h2, bm2, bb);
+		fetch(cl, dcl, sizeof cl);
+		fetch(&herr, derr, 8);
+		T_SOFT(bad, herr == 0, "%s: kvt_gpu_topp_select's error word 0x%llx", what, herr);
+		T_SOFT(bad, !memcmp(out2, out, sizeof(kvt_gpu_topp) * segs),
+		       "%s: kvt_gpu_topp_select's threshold differs from kvt_gpu_topp_threshold's",
+		       what);
+		const size_t mw = items * b1.words, cw = items * b1.chunks;
+		size_t dm = SIZE_MAX, dc = SIZE_MAX;
+		for (size_t w = 0; w < mw && dm == SIZE_MAX; w++)
+			if (h1[w] != h2[w])
+				dm = w;
+		const uint32_t *c1 = (const uint32_t *)((char *)h1 + ((char *)b1.ccount - (char *)bm1)),
+			       *c2 = (const uint32_t *)((char *)h2 + ((char *)b2.ccount - (char *)bm2));
+		for (size_t w = 0; w < cw && dc == SIZE_MAX; w++)
+			if (c1[w] != c2[w])
+				dc = w;
+		T_SOFT(bad, dm == SIZE_MAX && dc == SIZE_MAX,
+		       "%s: kvt_gpu_topp_select's union bits differ from k_union_mark's (first mask "
+		       "word %lld: 0x%08x against 0x%08x; first chunk count %lld; -1: none)",
+		       what, dm == SIZE_MAX ? -1ll : (long long)dm, dm == SIZE_MAX ? 0 : h2[dm],
+		       dm == SIZE_MAX ? 0 : h1[dm], dc == SIZE_MAX ? -1ll : (long long)dc);
+		T_SOFT(bad, cl[2] == cl[0] && cl[3] == cl[1],
+		       "%s: kvt_gpu_topp_select counted %llu / %llu clamps, the union %llu / %llu",
+		       what, cl[2], cl[3], cl[0], cl[1]);
+		free(out2);
+		free(h1);
+		free(h2);
+		cudaFree(dcl);
+		cudaFree(dout2);
+		cudaFree(bm1);
+		cudaFree(bm2);
+	}
 	free(scr_h);
 	free(sorted);
 	free(hst);
