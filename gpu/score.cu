@@ -183,7 +183,10 @@ static __global__ void __launch_bounds__(D)
 /* ---- the scan ---------------------------------------------------------------------------- */
 
 #define SC_WARPS 8
-#ifndef SC_TILES /* compile-time, for an A/B */
+/* compile-time, for an A/B; on the H200 (2026-12-03) more tiles in flight lost at every size:
+ * 3 or 4 tiles at 3 or 2 blocks per multiprocessor took 165 or 134 us at 1M tokens against 128
+ * (doc/selection.md) */
+#ifndef SC_TILES
 #define SC_TILES 2 /* 16-token tiles per warp per chunk (and as many more in flight) */
 #endif
 #ifndef SC_MIN_BLOCKS /* resident blocks per multiprocessor the registers are held to (D <= 128) */

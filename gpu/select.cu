@@ -18,7 +18,10 @@
  *      candidates sorted (by rank up to SEL_RANK of them, by a bitonic network up to SEL_SORT),
  *      or past that a radix select (three levels on the score's key, two more on positions among
  *      ties). When the bins hold more than SEL_CAND candidates, it runs the same select over the
- *      whole segment instead: slower, the same result.
+ *      whole segment instead: slower, the same result. For kvt_gpu_topp_select it also marks the
+ *      union of each query group's sets (select.cuh's bits): the tokens of the bins before the
+ *      final cut's (fbin, which pass 2 derives) as it lists the candidates, then the candidates
+ *      the resolved cut marks, so that no later pass reads the scores again.
  *
  * In every pass blocks build shared-memory histograms and add their nonzero bins into the
  * segment's with integer atomics; the last block of a segment to finish (a counter in the

@@ -6,7 +6,9 @@
  * (k_union_write: each block adds up the counts of the chunks before it, then each warp prefix-sums
  * its words' population counts and writes its words' positions one word at a time, a lane per
  * bit, so that the stores coalesce). The bits are what a layer keeps between steps (select.cuh); the
- * list is per-step scratch.
+ * list is per-step scratch. A decode step marks the bits in the threshold's candidate pass instead
+ * (kvt_gpu_topp_select, select_resolve.cu) and takes only their counts from here (k_union_count);
+ * k_union_mark serves kvt_gpu_topp_union and is what the tests compare that path with.
  */
 #include "common.cuh"
 #include "score.cuh"
