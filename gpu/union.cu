@@ -22,6 +22,25 @@
 #endif
 static_assert(UN_THREADS / 32 * UN_WARP_TOKENS == UN_CHUNK, "a block's warps cover its chunk");
 
+/* The block's chunk count: the set bits of every thread's word (cnt: shared, a word per warp). */
+static __device__ __forceinline__ void chunk_count(kvt_gpu_selbits bits, uint32_t item,
+						   uint32_t word, uint32_t *cnt)
+{
+	const uint32_t tid = threadIdx.x;
+	uint32_t c = __popc(word);
+	for (int o = 16; o; o >>= 1)
+		c += __shfl_xor_sync(0xffffffffu, c, o);
+	if (tid % 32 == 0)
+		cnt[tid / 32] = c;
+	__syncthreads();
+	if (tid == 0) {
+		uint32_t total = 0;
+		for (int w = 0; w < UN_THREADS / 32; w++)
+			total += cnt[w];
+		bits.ccount[(size_t)item * bits.chunks + blockIdx.x] = total;
+	}
+}
+
 static __global__ void __launch_bounds__(UN_THREADS)
 	k_union_mark(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq,
 		     uint32_t hkv, const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
@@ -81,18 +100,7 @@ static __global__ void __launch_bounds__(UN_THREADS)
 	const uint32_t wi = t0 / 32 + lane;
 	if (wi < bits.words)
 		bits.mask[(size_t)item * bits.words + wi] = mine;
-	uint32_t c = __popc(mine);
-	for (int o = 16; o; o >>= 1)
-		c += __shfl_xor_sync(0xffffffffu, c, o);
-	if (lane == 0)
-		cnt[warp] = c;
-	__syncthreads();
-	if (tid == 0) {
-		uint32_t total = 0;
-		for (int w = 0; w < UN_THREADS / 32; w++)
-			total += cnt[w];
-		bits.ccount[(size_t)item * bits.chunks + blockIdx.x] = total;
-	}
+	chunk_count(bits, item, mine, cnt);
 }
 
 /* What k_union_mark adds besides the bits, for bits the threshold's candidate pass marked
@@ -109,18 +117,7 @@ static __global__ void __launch_bounds__(UN_THREADS)
 			atomicAdd(&clamps[c < 0 ? 0 : 1], 1ull);
 	}
 	const uint32_t wi = blockIdx.x * (UN_CHUNK / 32) + tid;
-	uint32_t c = wi < bits.words ? __popc(bits.mask[(size_t)item * bits.words + wi]) : 0u;
-	for (int o = 16; o; o >>= 1)
-		c += __shfl_xor_sync(0xffffffffu, c, o);
-	if (tid % 32 == 0)
-		cnt[tid / 32] = c;
-	__syncthreads();
-	if (tid == 0) {
-		uint32_t total = 0;
-		for (int w = 0; w < UN_THREADS / 32; w++)
-			total += cnt[w];
-		bits.ccount[(size_t)item * bits.chunks + blockIdx.x] = total;
-	}
+	chunk_count(bits, item, wi < bits.words ? bits.mask[(size_t)item * bits.words + wi] : 0u, cnt);
 }
 
 static __global__ void __launch_bounds__(UN_THREADS)
