@@ -272,6 +272,17 @@ static int serve_ready(void *arg)
 	return more;
 }
 
+/* The step's prefetch, with serve_ready beside its reads when `idle` (x: what it served). */
+static int prefetch_serving(struct bworld *w, const struct items *it, bool idle,
+			    struct idle_serve *x)
+{
+	memset(x, 0, sizeof *x);
+	x->w = w;
+	x->it = it;
+	const struct kvt_nvme_idle work = {serve_ready, x};
+	return idle ? kvt_rows_prefetch_idle(w->c, &work) : kvt_rows_prefetch(w->c);
+}
+
 /* The same step with and without work beside the prefetch's reads: the work serves the chunks
  * that were cached (never one being read: every row compared), the rest is served after, and the
  * counts of hits, misses and reads are the plain prefetch's. */
@@ -288,11 +299,7 @@ static void test_prefetch_idle(void **state)
 		kvt_stats a = t_stats(w.c);
 		begin_step(&w, &it, true);
 		static struct idle_serve x;
-		memset(&x, 0, sizeof x);
-		x.w = &w;
-		x.it = &it;
-		const struct kvt_nvme_idle work = {serve_ready, &x};
-		int rc = idle ? kvt_rows_prefetch_idle(w.c, &work) : kvt_rows_prefetch(w.c);
+		int rc = prefetch_serving(&w, &it, idle, &x);
 		T_CHECK(rc == 0, "prefetch (idle work %d): %s", idle, kvt_last_error(w.c));
 		for (uint32_t s = it.s0; s < it.s1; s++)
 			for (uint32_t h = it.h0; h < it.h1; h++)
@@ -359,11 +366,7 @@ static int faulty_prefetch(uint64_t n, bool io, bool idle)
 	else
 		kvt_mem_fail_at(n);
 	static struct idle_serve x;
-	memset(&x, 0, sizeof x);
-	x.w = &w;
-	x.it = &it;
-	const struct kvt_nvme_idle work = {serve_ready, &x};
-	int rc = idle ? kvt_rows_prefetch_idle(w.c, &work) : kvt_rows_prefetch(w.c);
+	int rc = prefetch_serving(&w, &it, idle, &x);
 	f.fired |= !io && kvt_mem_fired();
 	kvt_mem_fail_at(0);
 	kvt_nvme_set_cqe_hook(w.c->nvme, NULL, NULL);
