@@ -17,7 +17,16 @@
 #define AT_THREADS 256
 #define AT_CHUNK 64u /* rows per block and sweep: a decode step's few thousand rows per item
 			  * then spread over tens of blocks per item, not a handful */
+#ifndef AT_UNROLL /* compile-time, for an A/B */
 #define AT_UNROLL 4   /* rows per group in flight */
+#endif
+/* compile-time, for an A/B: blocks per multiprocessor the registers are held to (unset: the
+ * compiler's choice, 128 registers at d 128 and four query heads per block, so two blocks) */
+#ifdef AT_MIN_BLOCKS
+#define AT_BOUNDS __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
+#else
+#define AT_BOUNDS __launch_bounds__(AT_THREADS)
+#endif
 #define AT_MAX_CHUNKS 2048u /* chunks_of's largest (k_merge keeps their maxima in shared memory) */
 #define AT_MERGE_AHEAD 32u  /* chunks whose partials k_merge loads before using any: a decode
 			     * step's item has about a hundred */
@@ -39,7 +48,7 @@ static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, ui
 }
 
 template <int D, int DT, int GB>
-static __global__ void __launch_bounds__(AT_THREADS)
+static __global__ void AT_BOUNDS
 	k_attend(const void *q, const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, float scale,
 		 uint32_t max_rows, uint32_t chunks, float *part, unsigned long long *err)
 {
