@@ -318,16 +318,21 @@ static int launch(const at_args &a)
 	return 0;
 }
 
-/* Query heads per block: the group rounded up to a power of two, at most 8 (grid.z covers more). */
+#ifndef AT_MAX_GB /* compile-time, for an A/B: fewer heads a block, fewer registers, more loads */
+#define AT_MAX_GB 8
+#endif
+
+/* Query heads per block: the group rounded up to a power of two, at most AT_MAX_GB (grid.z covers
+ * more). */
 template <int D, int DT>
 static int dispatch_group(const at_args &a)
 {
 	const uint32_t G = a.hq / a.hkv;
-	if (G == 1)
+	if (G == 1 || AT_MAX_GB < 2)
 		return launch<D, DT, 1>(a);
-	if (G == 2)
+	if (G == 2 || AT_MAX_GB < 4)
 		return launch<D, DT, 2>(a);
-	if (G <= 4)
+	if (G <= 4 || AT_MAX_GB < 8)
 		return launch<D, DT, 4>(a);
 	return launch<D, DT, 8>(a);
 }
