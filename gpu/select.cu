@@ -221,10 +221,10 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 		total += bin[k] != SEL_NONE && !again ? cnt[k] : 0;
 	}
 	st->listed = total <= cand_cap;
-	/* the bin of the final cut: the Top-p boundary's, unless the counts above it already show the
-	 * clamp applies (bmin's rank in a later bin: raised; bmax's in an earlier one: cut, which
-	 * clamp_want checks last), then the clamp's rank's bin. The union marks every token of an
-	 * earlier bin without waiting for the resolution (k_cand) */
+	/* the bin of the final cut: the Top-p boundary's, unless the counts above it already show
+	 * the clamp applies (bmin's rank in a later bin: raised; bmax's in an earlier one: cut,
+	 * which clamp_want checks last), then the clamp's rank's bin. The union marks every token
+	 * of an earlier bin without waiting for the resolution (k_cand) */
 	uint32_t f = bin[NEED_MAX];
 	if (mass) {
 		f = bin[NEED_MASS];

@@ -330,7 +330,8 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
  * overflowed (the tokens of earlier bins were marked while the candidates were listed, or here).
  */
 static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s, uint32_t n,
-					     const u64 *cand, const kvt_gpu_topp *out, uint32_t *mask)
+					     const u64 *cand, const kvt_gpu_topp *out,
+					     uint32_t *mask)
 {
 	__syncthreads(); /* thread 0's finalize is visible to the block past here */
 	if (!out->marked)
@@ -387,11 +388,14 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	if (__ldcg(&st->phase) != PH_CAND) {
 		/* finalized by pass 2: nothing marked, or all n (never more than max_n) */
 		if (UNION && __ldcg(&out[seg].marked))
-			for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK)
+			for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n;
+			     c0 += gridDim.x * SEL_CHUNK)
 #pragma unroll
 				for (int k = 0; k < SEL_VEC; k++) {
 					const uint32_t i = c0 + 4 * (tid + k * SEL_THREADS);
-					const uint32_t nib = i + 4 <= n ? 15u : i < n ? (1u << (n - i)) - 1 : 0u;
+					const uint32_t nib = i + 4 <= n ? 15u
+							     : i < n    ? (1u << (n - i)) - 1
+									: 0u;
 					mark_nibble(mask, i, nib);
 				}
 		return;

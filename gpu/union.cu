@@ -117,7 +117,8 @@ static __global__ void __launch_bounds__(UN_THREADS)
 			atomicAdd(&clamps[c < 0 ? 0 : 1], 1ull);
 	}
 	const uint32_t wi = blockIdx.x * (UN_CHUNK / 32) + tid;
-	chunk_count(bits, item, wi < bits.words ? bits.mask[(size_t)item * bits.words + wi] : 0u, cnt);
+	const uint32_t word = wi < bits.words ? bits.mask[(size_t)item * bits.words + wi] : 0u;
+	chunk_count(bits, item, word, cnt);
 }
 
 static __global__ void __launch_bounds__(UN_THREADS)
