@@ -278,20 +278,30 @@ static __device__ __forceinline__ void load_chunk(float4 (&v)[SEL_VEC], const fl
 	}
 }
 
-/* f(position, score) for each score of this thread's share of the chunk. */
+/* f(i, x) for each float4 of this thread's share of the chunk: x[e] the score of position i + e
+ * (past n: f checks). */
 template <class F>
-static __device__ __forceinline__ void each_in_chunk(const float *s, uint32_t c0, uint32_t n, F f)
+static __device__ __forceinline__ void each_quad_in_chunk(const float *s, uint32_t c0, uint32_t n,
+							  F f)
 {
 	float4 v[SEL_VEC];
 	load_chunk(v, s, c0, n);
 #pragma unroll
 	for (int k = 0; k < SEL_VEC; k++) {
-		const uint32_t i = c0 + 4 * (threadIdx.x + k * SEL_THREADS);
 		const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+		f(c0 + 4 * (threadIdx.x + k * SEL_THREADS), x);
+	}
+}
+
+/* f(position, score) for each score of this thread's share of the chunk. */
+template <class F>
+static __device__ __forceinline__ void each_in_chunk(const float *s, uint32_t c0, uint32_t n, F f)
+{
+	each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
 #pragma unroll
 		for (int e = 0; e < 4; e++)
 			f(i + e, x[e]); /* past n: f checks */
-	}
+	});
 }
 
 /* The same over the chunks of the segment that fall to this block (grid-stride: a segment has at

@@ -347,13 +347,8 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
 		}
 		return;
 	}
-	for (uint32_t c0 = 0; c0 < n; c0 += SEL_CHUNK) {
-		float4 v[SEL_VEC];
-		load_chunk(v, s, c0, n);
-#pragma unroll
-		for (int k = 0; k < SEL_VEC; k++) {
-			const uint32_t i = c0 + 4 * (threadIdx.x + k * SEL_THREADS);
-			const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+	for (uint32_t c0 = 0; c0 < n; c0 += SEL_CHUNK)
+		each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
 			uint32_t nib = 0;
 #pragma unroll
 			for (int e = 0; e < 4; e++) {
@@ -361,8 +356,7 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
 				nib |= (i + e < n && c >= cut ? 1u : 0u) << e;
 			}
 			mark_nibble(mask, i, nib);
-		}
-	}
+		});
 }
 
 /*
