@@ -35,6 +35,9 @@
 			    * 128K x 1 on the H200, 512 took gather + attend from 68 to 57 us
 			    * against 2048 (fewer, fuller blocks; the same rows) */
 #endif
+#ifndef AT_MAX_GB /* compile-time, for an A/B: fewer heads a block, fewer registers, more loads */
+#define AT_MAX_GB 8 /* query heads a block at most (dispatch_group) */
+#endif
 #ifndef AT_MERGE_SLICES
 #define AT_MERGE_SLICES 4 /* groups of D threads that k_merge splits an item's chunks among: with
 			   * 512 blocks, 4 took gather + attend from 57 to 52 us against 1 */
@@ -210,8 +213,8 @@ static __global__ void AT_BOUNDS
  * of D threads; each thread sums its dimension over its slice's chunks in their order, its loads
  * AT_MERGE_AHEAD / S chunks ahead, at least 8 (a dependent load per chunk made this kernel a
  * chain of memory latencies), and the first group adds the slices' sums in slice order. S = 1 is
- * the sequential merge. Launched as a dependent of k_attend: its blocks are placed while k_attend's last ones
- * run, and wait for its end. */
+ * the sequential merge. Launched as a dependent of k_attend: its blocks are placed while
+ * k_attend's last ones run, and wait for its end. */
 template <int D, int S>
 static __global__ void __launch_bounds__(D * S)
 	k_merge(const kvt_gpu_rows *items, uint32_t hq, uint32_t hkv, uint32_t max_rows,
@@ -317,10 +320,6 @@ static int launch(const at_args &a)
 	KVT_CU_LAUNCHED();
 	return 0;
 }
-
-#ifndef AT_MAX_GB /* compile-time, for an A/B: fewer heads a block, fewer registers, more loads */
-#define AT_MAX_GB 8
-#endif
 
 /* Query heads per block: the group rounded up to a power of two, at most AT_MAX_GB (grid.z covers
  * more). */

@@ -405,10 +405,8 @@ extern "C" int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t
 				   size_t scratch_bytes, unsigned long long *err, void *stream)
 {
 	/* all of kvt_gpu_selbits_count's checks too: nothing is launched unless all can be */
-	if (!bits.mask || !bits.ccount || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
-	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP ||
-	    bits.words < (uint32_t)(((uint64_t)max_n + 31) / 32) || bits.chunks == 0 ||
-	    (uint64_t)bits.chunks * KVT_GPU_SEL_CHUNK < (uint64_t)bits.words * 32)
+	if (!kvt_gpu_selbits_fit(bits, max_n) || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
+	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
 		return -EINVAL;
 	const int rc = topp(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens, max_n, scale, p,
 			    bmin, bmax, stats, out, bits, scratch, scratch_bytes, err, stream);

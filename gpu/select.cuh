@@ -7,6 +7,7 @@
 #ifndef KVT_GPU_SELECT_CUH
 #define KVT_GPU_SELECT_CUH
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -110,6 +111,10 @@ typedef struct kvt_gpu_selbits {
 	uint32_t words;   /* (max_n + 31) / 32 */
 	uint32_t chunks;  /* (max_n + 8191) / 8192, at least 1 */
 } kvt_gpu_selbits;
+
+/* Whether bits can hold a selection of max_n tokens per item (0: any the bits were made for):
+ * both arrays given, words enough for max_n, and chunks counting all the words. */
+bool kvt_gpu_selbits_fit(kvt_gpu_selbits bits, uint32_t max_n);
 
 /* Bytes of the bits of n_items items for max_n tokens (a multiple of 256). */
 size_t kvt_gpu_selbits_bytes(size_t n_items, uint32_t max_n);

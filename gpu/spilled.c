@@ -286,7 +286,7 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	/* the rows of cached chunks staged while the others are read, then the rest */
 	struct stage_work w = {.c = c, .ls = ls, .miss = miss, .pos = pos, .ent = ent,
 			       .addr = addr, .stage = b->sp_rows, .got = got, .defer = defer,
-			       .H = H, .per_chunk = KVT_NVME_CHUNK / (uint32_t)rb, .total = total};
+			       .H = H, .per_chunk = kvt_rows_per_chunk(c), .total = total};
 	const struct kvt_nvme_idle idle = {stage_some, &w};
 	KVT_TRY(kvt_rows_prefetch_idle(c, &idle));
 	for (uint32_t d = 0; !w.rc && d < w.n_defer; d++)

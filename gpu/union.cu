@@ -188,6 +188,12 @@ static uint32_t chunks_of(uint32_t max_n)
 	return max_n ? (uint32_t)(((uint64_t)max_n + UN_CHUNK - 1) / UN_CHUNK) : 1;
 }
 
+extern "C" bool kvt_gpu_selbits_fit(kvt_gpu_selbits bits, uint32_t max_n)
+{
+	return bits.mask && bits.ccount && bits.words >= words_of(max_n) && bits.chunks &&
+	       (uint64_t)bits.chunks * UN_CHUNK >= (uint64_t)bits.words * 32;
+}
+
 extern "C" size_t kvt_gpu_selbits_bytes(size_t n_items, uint32_t max_n)
 {
 	return up256(n_items * words_of(max_n) * 4) + up256(n_items * chunks_of(max_n) * 4);
@@ -230,10 +236,8 @@ extern "C" int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32
 				     const kvt_gpu_topp *topp, kvt_gpu_selbits bits,
 				     unsigned long long *clamps, void *stream)
 {
-	if (!topp || !bits.mask || !bits.ccount || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
-	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP || bits.chunks == 0 ||
-	    (uint64_t)bits.chunks * UN_CHUNK < (uint64_t)bits.words * 32 ||
-	    (uint64_t)n_seqs * n_kv_heads > 65535)
+	if (!topp || !kvt_gpu_selbits_fit(bits, 0) || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
+	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP || (uint64_t)n_seqs * n_kv_heads > 65535)
 		return -EINVAL;
 	if (n_seqs == 0)
 		return 0;
@@ -247,8 +251,7 @@ extern "C" int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32
 extern "C" int kvt_gpu_selbits_list(uint32_t n_items, kvt_gpu_selbits bits, uint32_t *sel,
 				    size_t sel_ld, uint32_t *sel_n, void *stream)
 {
-	if (!bits.mask || !bits.ccount || !sel || !sel_n || bits.chunks == 0 ||
-	    (uint64_t)bits.chunks * UN_CHUNK < (uint64_t)bits.words * 32 || n_items > 65535)
+	if (!kvt_gpu_selbits_fit(bits, 0) || !sel || !sel_n || n_items > 65535)
 		return -EINVAL;
 	if (n_items == 0)
 		return 0;

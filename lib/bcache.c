@@ -337,9 +337,11 @@ void kvt_bcache_drop(kvt_cache *c, const struct kvt_layer *ls, uint32_t n)
 
 /* ---- one call's rows ---------------------------------------------------------------------------- */
 
-static uint32_t rows_per_chunk(const kvt_cache *c)
+/* The slot holding chunk `chunk` of spilled block b of KV head h of l, or -1. */
+static int32_t chunk_find(const struct kvt_bcache *bc, const struct kvt_layer *l, uint32_t h,
+			  uint32_t b, uint32_t chunk)
 {
-	return KVT_NVME_CHUNK / (uint32_t)c->row_bytes;
+	return bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen, chunk);
 }
 
 /* The request reading chunk `chunk` of spilled block b of KV head h of l into out. */
@@ -349,8 +351,8 @@ static void chunk_request(const kvt_cache *c, const struct kvt_layer *l, uint32_
 	const size_t at = (size_t)h * l->blk_cap + b;
 	q->loc = l->spill[at].loc;
 	q->expect = kvt_tier_block_id(c, l, h, b, &l->spill[at]);
-	q->row_begin = chunk * rows_per_chunk(c);
-	q->row_end = q->row_begin + rows_per_chunk(c);
+	q->row_begin = chunk * kvt_rows_per_chunk(c);
+	q->row_end = q->row_begin + kvt_rows_per_chunk(c);
 	q->row_end = q->row_end < q->expect.n_tokens ? q->row_end : q->expect.n_tokens;
 	q->out = out;
 }
@@ -361,8 +363,9 @@ static int32_t chunk_slot(kvt_cache *c, const struct kvt_layer *l, uint32_t h, u
 			  uint32_t *nreq, uint32_t *hits)
 {
 	struct kvt_bcache *bc = c->bc;
-	const uint32_t b = p / KVT_BLOCK_TOKENS, chunk = p % KVT_BLOCK_TOKENS / rows_per_chunk(c);
-	int32_t i = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen, chunk);
+	const uint32_t b = p / KVT_BLOCK_TOKENS;
+	const uint32_t chunk = p % KVT_BLOCK_TOKENS / kvt_rows_per_chunk(c);
+	int32_t i = chunk_find(bc, l, h, b, chunk);
 	if (i >= 0) {
 		struct bslot *s = &bc->slots[i];
 		if (s->stamp != bc->stamp) {
@@ -405,7 +408,7 @@ int kvt_rows_get(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t n
 		 const int32_t *pos, const void **rows)
 {
 	struct kvt_bcache *bc = c->bc;
-	const uint32_t per_chunk = rows_per_chunk(c);
+	const uint32_t per_chunk = kvt_rows_per_chunk(c);
 	uint32_t nreq = 0, hits = 0, last_b = UINT32_MAX, last_chunk = UINT32_MAX;
 	int32_t last_s = -1;
 	if (bc) {
@@ -475,7 +478,7 @@ void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, 
 			   const int32_t *pos)
 {
 	struct kvt_bcache *bc = c->bc;
-	const uint32_t per_chunk = rows_per_chunk(c);
+	const uint32_t per_chunk = kvt_rows_per_chunk(c);
 	uint32_t last_b = UINT32_MAX, last_chunk = UINT32_MAX;
 	if (!bc)
 		return;
@@ -488,7 +491,7 @@ void kvt_rows_prefetch_add(kvt_cache *c, const struct kvt_layer *l, uint32_t h, 
 			continue;
 		last_b = b;
 		last_chunk = chunk;
-		int32_t s = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen, chunk);
+		int32_t s = chunk_find(bc, l, h, b, chunk);
 		if (s >= 0) {
 			bc->slots[s].pin = bc->plan;
 			touch(bc, &bc->slots[s]);
@@ -538,7 +541,7 @@ static void demote_uncovered(struct kvt_bcache *bc)
 /* The request's chunk, from its identity. */
 static int32_t request_find(const kvt_cache *c, const struct kvt_nvme_rows *q)
 {
-	return bc_find(c->bc, q->expect.generation, q->row_begin / rows_per_chunk(c));
+	return bc_find(c->bc, q->expect.generation, q->row_begin / kvt_rows_per_chunk(c));
 }
 
 bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t pos)
@@ -549,8 +552,7 @@ bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, i
 		return true;
 	if (!bc)
 		return false;
-	const int32_t i = bc_find(bc, l->spill[(size_t)h * l->blk_cap + b].gen,
-				  p % KVT_BLOCK_TOKENS / rows_per_chunk(c));
+	const int32_t i = chunk_find(bc, l, h, b, p % KVT_BLOCK_TOKENS / kvt_rows_per_chunk(c));
 	return i >= 0 && !bc->slots[i].reading;
 }
 
@@ -576,7 +578,7 @@ int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle)
 			break; /* what fits: the rest is read by kvt_rows_get */
 		bc_insert(bc, i, q.expect.generation, bc->plan_uid[r], q.expect.layer, q.expect.kv_head,
 			  (uint32_t)(q.expect.first_token / KVT_BLOCK_TOKENS),
-			  q.row_begin / rows_per_chunk(c));
+			  q.row_begin / kvt_rows_per_chunk(c));
 		bc->slots[i].pin = bc->plan;
 		bc->slots[i].prefetched = true;
 		bc->slots[i].reading = true;

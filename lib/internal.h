@@ -765,6 +765,12 @@ int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle);
 /* Whether kvt_rows_get can serve position pos of KV head h without a read: a host-tier row, or a
  * cached chunk that the running prefetch is not reading. */
 bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t pos);
+/* Rows of one KV head in a 4 KiB chunk of a spilled block: the block cache's unit, which one
+ * kvt_rows_get of a run of rows in it serves. */
+static inline uint32_t kvt_rows_per_chunk(const kvt_cache *c)
+{
+	return KVT_NVME_CHUNK / (uint32_t)c->row_bytes;
+}
 
 /* Monotonic nanoseconds. */
 uint64_t kvt_now_ns(void);
