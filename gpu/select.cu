@@ -268,10 +268,12 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	}
 	__syncthreads();
 	SEL_T(1);
-	each_of_block(scores + (size_t)seg * ld, n, [&](uint32_t i, float f) {
-		if (i >= n)
+	/* whole chunks of a segment of several bins without the per-score tests */
+	each_of_block_split(scores + (size_t)seg * ld, n, inv_w > 0.0f, [&](uint32_t i, float f,
+									 auto fast) {
+		if (!decltype(fast)::value && i >= n)
 			return;
-		const uint32_t b = lbin(f, mx, inv_w);
+		const uint32_t b = decltype(fast)::value ? lbin_many(f, mx, inv_w) : lbin(f, mx, inv_w);
 		atomicAdd(&hc[b], 1u);
 		if (mass)
 			hm.add(b, f, mx, scale);

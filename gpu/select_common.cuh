@@ -13,6 +13,8 @@
 #include "segstats.cuh"
 #include "select.cuh"
 
+#include <type_traits>
+
 #define SEL_THREADS 256
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
@@ -134,11 +136,17 @@ static __device__ __forceinline__ u64 cut_of(u64 c)
  * The log-mass bin of a score: monotone non-increasing in s (each step rounds monotonically), so
  * bins are ordered like the scores, largest first, and equal scores share one.
  */
+/* lbin_many: the same bin for inv_w > 0 (the caller checked it once, outside its loop). */
+static __device__ __forceinline__ uint32_t lbin_many(float s, float mx, float inv_w)
+{
+	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
+}
+
 static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w)
 {
 	if (!(inv_w > 0.0f)) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
 		return 0;
-	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
+	return lbin_many(s, mx, inv_w);
 }
 
 /* A sum of terms (unit 2^-40; n < 2^24 terms of at most 2^40 units stay below 2^64) as a double:
@@ -311,6 +319,23 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 {
 	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK)
 		each_in_chunk(s, c0, n, f);
+}
+
+/*
+ * each_of_block with f(position, score, fast): fast is std::true_type, a compile-time constant,
+ * for the chunks wholly below n when `many` (the caller's condition, e.g. inv_w > 0) holds, so
+ * that f drops its per-score tests there; std::false_type elsewhere (past n: f checks).
+ */
+template <class F>
+static __device__ __forceinline__ void each_of_block_split(const float *s, uint32_t n, bool many,
+							   F f)
+{
+	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
+		if (many && c0 + SEL_CHUNK <= n)
+			each_in_chunk(s, c0, n, [&](uint32_t i, float x) { f(i, x, std::true_type{}); });
+		else
+			each_in_chunk(s, c0, n, [&](uint32_t i, float x) { f(i, x, std::false_type{}); });
+	}
 }
 
 /*

@@ -400,35 +400,49 @@ static __global__ void __launch_bounds__(SEL_THREADS, 4)
 	const bool listed = __ldcg(&st->listed);
 	u64 *cand = sc.cand + (size_t)seg * sc.cand_cap;
 	SEL_T(1);
+	/* a float4's four scores: the union's nibble of the tokens before the final cut's bin, and
+	 * the boundary bins' scores appended to the list (past n and with one bin, when not fast,
+	 * each score is tested; a warp whose quads hold no candidate skips the votes) */
+	auto quad = [&](uint32_t i0, const float (&x)[4], auto fast) {
+		constexpr bool F = decltype(fast)::value;
+		uint32_t nib = 0;
+		bool in[4], any = false;
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const uint32_t i = i0 + e;
+			const uint32_t b = F ? lbin_many(x[e], mx, inv_w) : lbin(x[e], mx, inv_w);
+			nib |= (UNION && (F || i < n) && b < fbin ? 1u : 0u) << e;
+			in[e] = (F || i < n) && (b == b0 || b == b1 || b == b2);
+			any |= in[e];
+		}
+		if (__any_sync(0xffffffffu, any))
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const uint32_t vote = __ballot_sync(0xffffffffu, in[e]);
+				if (!vote)
+					continue;
+				const int first = __ffs(vote) - 1;
+				uint32_t base = 0;
+				if (lane == (uint32_t)first)
+					base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
+				base = __shfl_sync(0xffffffffu, base, first);
+				if (in[e])
+					cand[base + __popc(vote & ((1u << lane) - 1))] =
+						ckey(kvt_d_fkey(x[e]), i0 + e);
+			}
+		if (UNION)
+			mark_nibble(mask, i0, nib);
+	};
 	if (listed)
 		for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
-			float4 v[SEL_VEC];
-			load_chunk(v, s, c0, n);
-#pragma unroll
-			for (int k = 0; k < SEL_VEC; k++) {
-				const uint32_t i0 = c0 + 4 * (tid + k * SEL_THREADS);
-				const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-				uint32_t nib = 0;
-#pragma unroll
-				for (int e = 0; e < 4; e++) {
-					const uint32_t i = i0 + e, b = lbin(x[e], mx, inv_w);
-					nib |= (UNION && i < n && b < fbin ? 1u : 0u) << e;
-					const bool in = i < n && (b == b0 || b == b1 || b == b2);
-					const uint32_t vote = __ballot_sync(0xffffffffu, in);
-					if (!vote)
-						continue;
-					const int first = __ffs(vote) - 1;
-					uint32_t base = 0;
-					if (lane == (uint32_t)first)
-						base = atomicAdd(&st->ncand, (uint32_t)__popc(vote));
-					base = __shfl_sync(0xffffffffu, base, first);
-					if (in)
-						cand[base + __popc(vote & ((1u << lane) - 1))] =
-							ckey(kvt_d_fkey(x[e]), i);
-				}
-				if (UNION)
-					mark_nibble(mask, i0, nib);
-			}
+			if (inv_w > 0.0f && c0 + SEL_CHUNK <= n)
+				each_quad_in_chunk(s, c0, n, [&](uint32_t i0, const float (&x)[4]) {
+					quad(i0, x, std::true_type{});
+				});
+			else
+				each_quad_in_chunk(s, c0, n, [&](uint32_t i0, const float (&x)[4]) {
+					quad(i0, x, std::false_type{});
+				});
 		}
 	SEL_T(2);
 	if (!last_block(st))
