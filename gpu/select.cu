@@ -239,7 +239,7 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 	st->phase = PH_CAND;
 }
 
-static __global__ void __launch_bounds__(SEL_THREADS, 4)
+static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
 	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
 	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
@@ -311,8 +311,8 @@ SEL_T_HOST(kvt_sel_timing_hist)
 
 /* ---- launchers --------------------------------------------------------------------------- */
 
-/* Blocks per segment for the threshold's passes: a chunk each, but no more than about four
- * blocks per multiprocessor over all segments (then each takes several chunks). */
+/* Blocks per segment for the threshold's passes: a chunk each, but no more than about
+ * SEL_SM_BLOCKS blocks per multiprocessor over all segments (then each takes several chunks). */
 static uint32_t sel_blocks(uint32_t max_n, uint32_t segs)
 {
 	const uint32_t chunks = max_n ? (max_n + SEL_CHUNK - 1) / SEL_CHUNK : 1;
@@ -322,7 +322,7 @@ static uint32_t sel_blocks(uint32_t max_n, uint32_t segs)
 		(void)cudaGetLastError(); /* the launches that follow report their own errors */
 		sms = 132;
 	}
-	const uint32_t cap = (uint32_t)sms * 4 / segs;
+	const uint32_t cap = (uint32_t)sms * SEL_SM_BLOCKS / segs;
 	return chunks < cap ? chunks : cap ? cap : 1;
 }
 

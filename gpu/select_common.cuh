@@ -16,6 +16,15 @@
 #include <type_traits>
 
 #define SEL_THREADS 256
+/* Compile-time knobs (bench/gpu_ab.sh compares values): the streaming passes' (k_hist, k_cand)
+ * resident blocks per multiprocessor that their registers are held to, and the blocks per
+ * multiprocessor that all segments of a call take together (sel_blocks). */
+#ifndef SEL_MIN_BLOCKS
+#define SEL_MIN_BLOCKS 4
+#endif
+#ifndef SEL_SM_BLOCKS
+#define SEL_SM_BLOCKS 4
+#endif
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
 #define SEL_CNT_BINS 4096u /* the position radix's digit: 12 bits */

@@ -365,7 +365,7 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
  * resolution, and all tokens of a segment that marks all without a resolution.
  */
 template <bool UNION>
-static __global__ void __launch_bounds__(SEL_THREADS, 4)
+static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
 	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
 	       kvt_gpu_selbits bits, uint32_t group)
