@@ -273,7 +273,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 									 auto fast) {
 		if (!decltype(fast)::value && i >= n)
 			return;
-		const uint32_t b = decltype(fast)::value ? lbin_many(f, mx, inv_w) : lbin(f, mx, inv_w);
+		const uint32_t b = lbin(f, mx, inv_w, fast);
 		atomicAdd(&hc[b], 1u);
 		if (mass)
 			hm.add(b, f, mx, scale);

@@ -145,17 +145,18 @@ static __device__ __forceinline__ u64 cut_of(u64 c)
  * The log-mass bin of a score: monotone non-increasing in s (each step rounds monotonically), so
  * bins are ordered like the scores, largest first, and equal scores share one.
  */
-/* lbin_many: the same bin for inv_w > 0 (the caller checked it once, outside its loop). */
-static __device__ __forceinline__ uint32_t lbin_many(float s, float mx, float inv_w)
+static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, std::true_type)
 {
+	/* the caller knows inv_w > 0 (each_of_block_split's fast chunks) */
 	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
 }
 
-static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w)
+static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w,
+						std::false_type = {})
 {
 	if (!(inv_w > 0.0f)) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
 		return 0;
-	return lbin_many(s, mx, inv_w);
+	return lbin(s, mx, inv_w, std::true_type{});
 }
 
 /* A sum of terms (unit 2^-40; n < 2^24 terms of at most 2^40 units stay below 2^64) as a double:
@@ -331,20 +332,37 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 }
 
 /*
- * each_of_block with f(position, score, fast): fast is std::true_type, a compile-time constant,
- * for the chunks wholly below n when `many` (the caller's condition, e.g. inv_w > 0) holds, so
- * that f drops its per-score tests there; std::false_type elsewhere (past n: f checks).
+ * The chunks of the segment that fall to this block, as each_quad_in_chunk gives them, with
+ * f(i, x, fast): fast is std::true_type, a compile-time constant, for the chunks wholly below n
+ * when `many` (a segment of several bins: inv_w > 0) holds, so that f drops its per-score tests
+ * there (lbin(..., fast) among them); std::false_type elsewhere (past n: f checks).
  */
+template <class F>
+static __device__ __forceinline__ void each_quad_of_block_split(const float *s, uint32_t n,
+								bool many, F f)
+{
+	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
+		if (many && c0 + SEL_CHUNK <= n)
+			each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
+				f(i, x, std::true_type{});
+			});
+		else
+			each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
+				f(i, x, std::false_type{});
+			});
+	}
+}
+
+/* The same score by score: f(position, score, fast). */
 template <class F>
 static __device__ __forceinline__ void each_of_block_split(const float *s, uint32_t n, bool many,
 							   F f)
 {
-	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
-		if (many && c0 + SEL_CHUNK <= n)
-			each_in_chunk(s, c0, n, [&](uint32_t i, float x) { f(i, x, std::true_type{}); });
-		else
-			each_in_chunk(s, c0, n, [&](uint32_t i, float x) { f(i, x, std::false_type{}); });
-	}
+	each_quad_of_block_split(s, n, many, [&](uint32_t i, const float (&x)[4], auto fast) {
+#pragma unroll
+		for (int e = 0; e < 4; e++)
+			f(i + e, x[e], fast);
+	});
 }
 
 /*

@@ -410,7 +410,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
 			const uint32_t i = i0 + e;
-			const uint32_t b = F ? lbin_many(x[e], mx, inv_w) : lbin(x[e], mx, inv_w);
+			const uint32_t b = lbin(x[e], mx, inv_w, fast);
 			nib |= (UNION && (F || i < n) && b < fbin ? 1u : 0u) << e;
 			in[e] = (F || i < n) && (b == b0 || b == b1 || b == b2);
 			any |= in[e];
@@ -434,16 +434,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 			mark_nibble(mask, i0, nib);
 	};
 	if (listed)
-		for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
-			if (inv_w > 0.0f && c0 + SEL_CHUNK <= n)
-				each_quad_in_chunk(s, c0, n, [&](uint32_t i0, const float (&x)[4]) {
-					quad(i0, x, std::true_type{});
-				});
-			else
-				each_quad_in_chunk(s, c0, n, [&](uint32_t i0, const float (&x)[4]) {
-					quad(i0, x, std::false_type{});
-				});
-		}
+		each_quad_of_block_split(s, n, inv_w > 0.0f, quad);
 	SEL_T(2);
 	if (!last_block(st))
 		return;
