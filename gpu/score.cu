@@ -235,36 +235,60 @@ static __device__ __forceinline__ uint2 b_frag(const kvt_gpu_qcode *q0, uint32_t
 	return make_uint2(0, 0);
 }
 
-/* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta. */
+/* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta (zero
+ * past n; FULL: the caller knows both rows are below n, so nothing is tested). */
 template <int WPL>
 struct tile_in {
 	uint32_t wa[WPL], wb[WPL];
 	uint32_t sa, sb, ba, bb;
 };
 
-template <int D, int WPL>
+template <int D, int WPL, bool FULL>
 static __device__ __forceinline__ void load_tile(tile_in<WPL> &x, const uint32_t *codes,
 						 const uint16_t *sig, const uint16_t *bet,
 						 uint32_t ra, uint32_t n, uint32_t off)
 {
 	constexpr int W = D / 32;
 	const uint32_t rb = ra + 8;
+	const bool ia = FULL || ra < n, ib = FULL || rb < n;
 #pragma unroll
 	for (int w = 0; w < WPL; w++) {
-		x.wa[w] = ra < n ? __ldg(codes + (size_t)ra * W + off + w) : 0u;
-		x.wb[w] = rb < n ? __ldg(codes + (size_t)rb * W + off + w) : 0u;
+		x.wa[w] = ia ? __ldg(codes + (size_t)ra * W + off + w) : 0u;
+		x.wb[w] = ib ? __ldg(codes + (size_t)rb * W + off + w) : 0u;
 	}
-	x.sa = ra < n ? __ldg(sig + ra) : 0u;
-	x.sb = rb < n ? __ldg(sig + rb) : 0u;
-	x.ba = ra < n ? __ldg(bet + ra) : 0u;
-	x.bb = rb < n ? __ldg(bet + rb) : 0u;
+	x.sa = ia ? __ldg(sig + ra) : 0u;
+	x.sb = ib ? __ldg(sig + rb) : 0u;
+	x.ba = ia ? __ldg(bet + ra) : 0u;
+	x.bb = ib ? __ldg(bet + rb) : 0u;
+}
+
+/* A warp's SC_TILES tiles of the chunk at base, untested when the whole chunk lies below n (a
+ * choice uniform over the block). */
+template <int D, int WPL>
+static __device__ __forceinline__ void load_chunk(tile_in<WPL> (&x)[SC_TILES],
+						  const uint32_t *codes, const uint16_t *sig,
+						  const uint16_t *bet, uint32_t base, uint32_t row0,
+						  uint32_t n, uint32_t off)
+{
+	if (base + SC_TOKENS <= n) {
+#pragma unroll
+		for (int k = 0; k < SC_TILES; k++)
+			load_tile<D, WPL, true>(x[k], codes, sig, bet, base + row0 + 16 * k, n,
+						off);
+	} else {
+#pragma unroll
+		for (int k = 0; k < SC_TILES; k++)
+			load_tile<D, WPL, false>(x[k], codes, sig, bet, base + row0 + 16 * k, n,
+						 off);
+	}
 }
 
 /* The scores of one tile for n-tile nt (accumulators c) into out, rows ra and ra + 8, and into
- * the running statistics of their query head. */
+ * the running statistics of their query head (stat(score, row)). */
+template <typename Stat>
 static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &kq, const float *sg,
 					      const float *bt, const float *pbf, float *outq,
-					      uint32_t ra, uint32_t n, uint32_t (&st)[3])
+					      uint32_t ra, uint32_t n, Stat &&stat)
 {
 #pragma unroll
 	for (int r = 0; r < 2; r++) {
@@ -276,7 +300,7 @@ static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &k
 			__fadd_rn(__fadd_rn(__fmul_rn(kq.x, bu), __fmul_rn(kq.y, pbf[r])), kq.z);
 		const float v = __fadd_rn(__fadd_rn(__fmul_rn(sg[r], E), bt[r]), kq.w);
 		outq[row] = v;
-		kvt_d_stat(v, row, &st[0], &st[1], &st[2]);
+		stat(v, row);
 	}
 }
 
@@ -326,7 +350,7 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 	for (uint32_t c = threadIdx.x; c < (ONE ? 4u : G); c += blockDim.x)
 		sst[c] = kvt_gpu_segstats{0, 0, 0, 0};
 	__syncthreads();
-	uint32_t st[3] = {0, 0, 0}; /* ONE: the statistics of this lane's query head, q = t */
+	kvt_d_frange fr; /* ONE: the range of this lane's query head's scores, q = t */
 	uint32_t mask[S];
 #pragma unroll
 	for (int s = 0; s < S; s++)
@@ -340,20 +364,15 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 
 	/* software pipeline: the next chunk's tiles load while this chunk's are computed */
 	tile_in<WPL> cur[SC_TILES], nxt[SC_TILES];
+	const uint32_t row0 = warp * SC_TILES * 16 + g; /* this lane's first row in a chunk */
 	uint32_t base = blockIdx.x * SC_TOKENS;
-#pragma unroll
-	for (int k = 0; k < SC_TILES; k++)
-		load_tile<D, WPL>(cur[k], codes, sig, bet, base + (warp * SC_TILES + k) * 16 + g, n,
-				  off);
+	load_chunk<D, WPL>(cur, codes, sig, bet, base, row0, n, off);
 	for (; base < n; base += stride) {
-#pragma unroll
-		for (int k = 0; k < SC_TILES; k++)
-			load_tile<D, WPL>(nxt[k], codes, sig, bet,
-					  base + stride + (warp * SC_TILES + k) * 16 + g, n, off);
+		load_chunk<D, WPL>(nxt, codes, sig, bet, base + stride, row0, n, off);
 #pragma unroll
 		for (int k = 0; k < SC_TILES; k++) {
 			const tile_in<WPL> &x = cur[k];
-			const uint32_t ra = base + (warp * SC_TILES + k) * 16 + g;
+			const uint32_t ra = base + row0 + 16 * k;
 			const float sg[2] = {h2f(x.sa), h2f(x.sb)}, bt[2] = {h2f(x.ba), h2f(x.bb)};
 			uint32_t a4[WPL], b4[WPL];
 #pragma unroll
@@ -386,12 +405,17 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 				if (ONE) {
 					if (q < G)
 						finish(c, kreg, sg, bt, pbf, out + (size_t)q * ld,
-						       ra, n, st);
+						       ra, n, [&](float f, uint32_t) {
+							       kvt_d_frange_add(fr, f);
+						       });
 				} else {
 					uint32_t tst[3] = {0, 0, 0};
 					if (q < G)
 						finish(c, qk[q], sg, bt, pbf, out + (size_t)q * ld,
-						       ra, n, tst);
+						       ra, n, [&](float f, uint32_t row) {
+							       kvt_d_stat(f, row, &tst[0], &tst[1],
+									  &tst[2]);
+						       });
 					kvt_d_stat_flush(tst[0], tst[1], tst[2], 4,
 							 q < G ? &sst[q] : NULL);
 				}
@@ -402,8 +426,22 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 			cur[k] = nxt[k];
 	}
 	kvt_gpu_segstats *gs = stats ? stats + (size_t)seq * hq + (size_t)h * G : NULL;
-	if (ONE) /* lanes 0-3 (t = lane) hold their query head's, after the reduction */
+	if (ONE) {
+		uint32_t st[3] = {0, 0, 0};
+		if (t < G && !kvt_d_frange_stat(fr, &st[0], &st[1])) {
+			/* a score that is not finite: this lane's rows again, from its own writes
+			 * (plain loads), for kvt_d_stat's position of the first */
+			const float *outq = out + (size_t)t * ld;
+			for (uint32_t b = blockIdx.x * SC_TOKENS; b < n; b += stride)
+				for (uint32_t r = 0; r < 2 * SC_TILES; r++) {
+					const uint32_t row = b + row0 + 8 * r;
+					if (row < n)
+						kvt_d_stat(outq[row], row, &st[0], &st[1], &st[2]);
+				}
+		}
+		/* lanes 0-3 (t = lane) hold their query head's, after the reduction */
 		kvt_d_stat_flush(st[0], st[1], st[2], 4, t < G ? &sst[t] : NULL);
+	}
 	__syncthreads();
 	for (uint32_t c = threadIdx.x; gs && c < G; c += blockDim.x)
 		kvt_d_stat_add(sst[c].max_key, sst[c].nmin_key, sst[c].bad, &gs[c]);

@@ -302,6 +302,14 @@ static void test_prepare_and_score(void **state)
 							memset(codes[s] + at * W, t == 1 ? 0 : 0xff,
 							       4 * W);
 					}
+				/* scores that are not finite, for the statistics' first position:
+				 * a NaN beta, an infinite sigma, an infinite beta */
+				if (s == 1)
+					bet[s][3000] = 0x7e00;
+				if (s == 2) {
+					sig[s][cap + 600] = 0x7c00;
+					bet[s][cap + 200] = 0xfc00;
+				}
 				hv[s] = (kvt_gpu_index_view){
 					(uint32_t *)dcopy(codes[s], 4 * (size_t)Hkv * cap * W),
 					(uint16_t *)dcopy(sig[s], 2 * (size_t)Hkv * cap),
@@ -381,7 +389,9 @@ static void test_prepare_and_score(void **state)
 							       s, j, t);
 							continue;
 						}
-						T_SOFT(&bad, t_fbits(g[t]) == t_fbits(ws[t]),
+						T_SOFT(&bad,
+						       t_fbits(g[t]) == t_fbits(ws[t]) ||
+							       (g[t] != g[t] && ws[t] != ws[t]),
 						       "score d=%u G=%u seq %u head %u token %u (seed %llu): got "
 						       "%.9g, wanted %.9g",
 						       d, G, s, j, t, (unsigned long long)g_seed,
