@@ -18,12 +18,15 @@
 #define SEL_THREADS 256
 /* Compile-time knobs (bench/gpu_ab.sh compares values): the streaming passes' (k_hist, k_cand)
  * resident blocks per multiprocessor that their registers are held to, and the blocks per
- * multiprocessor that all segments of a call take together (sel_blocks). */
+ * multiprocessor that all segments of a call take together (sel_blocks). SEL_SM_BLOCKS 8 against
+ * 4, H200 2026-12-03, two rounds: select 887 against 929 us at 1M x 8, the replayed decode step
+ * 0.3-1.5 % faster at 128K x 1 / x 8 and 1M x 8 and 1 % slower at 1M x 1, throughput 2.76-2.77x
+ * against 2.70-2.71x. */
 #ifndef SEL_MIN_BLOCKS
 #define SEL_MIN_BLOCKS 4
 #endif
 #ifndef SEL_SM_BLOCKS
-#define SEL_SM_BLOCKS 4
+#define SEL_SM_BLOCKS 8
 #endif
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
