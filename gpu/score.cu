@@ -498,8 +498,10 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
 	}
 	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
+	/* blocks per item: as many as fit one wave together (rounded down: a block past the wave
+	 * would start only when one ends, and every block has the same number of chunks) */
 	const uint32_t wave = (uint32_t)(sms * (per_sm > 0 ? per_sm : 1));
-	const uint32_t fill = (wave + items - 1) / items;
+	const uint32_t fill = wave / items ? wave / items : 1;
 	const dim3 grid(chunks < fill ? chunks : fill, items);
 	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores,
 						       ld, stats, err);
