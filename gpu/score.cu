@@ -235,14 +235,15 @@ static __device__ __forceinline__ uint2 b_frag(const kvt_gpu_qcode *q0, uint32_t
 	return make_uint2(0, 0);
 }
 
-/* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta (zero
- * past n; FULL: the caller knows both rows are below n, so nothing is tested). */
+/* One 16-token tile as a lane loads it: its code words of rows g and g + 8, sigma and beta. */
 template <int WPL>
 struct tile_in {
 	uint32_t wa[WPL], wb[WPL];
 	uint32_t sa, sb, ba, bb;
 };
 
+/* A tile's rows ra and ra + 8, zero past n (FULL: the caller knows both lie below n, and nothing is
+ * tested). */
 template <int D, int WPL, bool FULL>
 static __device__ __forceinline__ void load_tile(tile_in<WPL> &x, const uint32_t *codes,
 						 const uint16_t *sig, const uint16_t *bet,
@@ -430,7 +431,8 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 		uint32_t st[3] = {0, 0, 0};
 		if (t < G && !kvt_d_frange_stat(fr, &st[0], &st[1])) {
 			/* a score that is not finite: this lane's rows again, from its own writes
-			 * (plain loads), for kvt_d_stat's position of the first */
+			 * (plain loads: the read-only path need not see this kernel's stores), for
+			 * kvt_d_stat's position of the first */
 			const float *outq = out + (size_t)t * ld;
 			for (uint32_t b = blockIdx.x * SC_TOKENS; b < n; b += stride)
 				for (uint32_t r = 0; r < 2 * SC_TILES; r++) {
@@ -498,8 +500,10 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
 	}
 	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
-	/* blocks per item: as many as fit one wave together (rounded down: a block past the wave
-	 * would start only when one ends, and every block has the same number of chunks) */
+	/* blocks per item: as many as fit one wave together, rounded down: the blocks of an item
+	 * take its chunks in turn, so all carry about the same work, and a block past the wave
+	 * would start only when one ends (rounded up, 64 or 128 items left 48 or 112 blocks for
+	 * a second wave on the H200) */
 	const uint32_t wave = (uint32_t)(sms * (per_sm > 0 ? per_sm : 1));
 	const uint32_t fill = wave / items ? wave / items : 1;
 	const dim3 grid(chunks < fill ? chunks : fill, items);
