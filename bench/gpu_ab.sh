@@ -5,7 +5,9 @@
 # builds the trees in parallel, runs each test once per tree and each benchmark ROUNDS times,
 # alternating the trees within a round, and prints each run's lines that match GREP, prefixed by
 # the tree's name. Summary in $OUT/ab.txt (or ./ab-out), one log per tree and program in
-# $OUT/ab-logs.tgz: two files, whatever the number of runs.
+# $OUT/ab-logs.tgz, and the printed lines collated by bench/ab_table.py in $OUT/ab-table.txt (every
+# figure that differs between runs, trees side by side, with each tree's change from the first
+# tree's; printed at the end too): three files, whatever the number of runs.
 #
 # Trees, in order (the first is the baseline the others are read against):
 #   --tree NAME=DIR                 a source tree: `.` (the working tree) or a copy of a ref,
@@ -65,7 +67,8 @@ t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 )) s"; }
 targets=()
 for t in "${tests[@]}"; do targets+=("tests/$t"); done
 for b in "${benches[@]}"; do targets+=("bench/${b%% *}"); done
-echo "gpu_ab: trees ${names[*]}; targets ${targets[*]}; $rounds rounds"
+: >"$work/lines.txt" # what ab_table.py collates: the run lines and their matched lines
+echo "gpu_ab: trees ${names[*]}; targets ${targets[*]}; $rounds rounds" | tee -a "$work/lines.txt"
 
 # set up every tree, then check the targets before building anything
 pids=()
@@ -111,11 +114,17 @@ for r in $(seq "$rounds"); do
 			start=$(wc -l <"$log")
 			# shellcheck disable=SC2086 # the arguments are split on purpose
 			timeout "$tmo" "$work/build/$n/bench/$prog" $args >>"$log" 2>&1; x=$?
-			echo "$n $b: round $r rc=$x ($(el))"; [ $x = 0 ] || rc=1
-			tail -n +"$((start + 1))" "$log" | grep -E -- "$grep_re" | cut -c1-400 | sed "s/^/  $n: /"
+			echo "$n $b: round $r rc=$x ($(el))" | tee -a "$work/lines.txt"; [ $x = 0 ] || rc=1
+			tail -n +"$((start + 1))" "$log" | grep -E -- "$grep_re" | cut -c1-400 |
+				sed "s/^/  $n: /" | tee -a "$work/lines.txt"
 		done
 	done
 done
 tar czf "$out/ab-logs.tgz" -C "$work" logs
+if [ ${#benches[@]} -gt 0 ]; then
+	echo "=== collated (bench/ab_table.py)"
+	python3 "$(dirname "$0")/ab_table.py" "$work/lines.txt" >"$out/ab-table.txt" 2>&1
+	cat "$out/ab-table.txt"
+fi
 echo "gpu_ab: done ($(el)), rc=$rc"
 exit $rc
