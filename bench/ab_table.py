@@ -8,7 +8,7 @@ every number that differs between runs gets a row: the words before it, then eac
 over the rounds and their mean as a change from the first tree's. Numbers equal in every run
 (a context, a batch) stay in the group's heading.
 
-    bench/ab_table.py ab.txt            (gpu_ab.sh runs it on its own summary: ab-table.txt)
+    bench/ab_table.py ab.txt    (gpu_ab.sh runs it on the lines it printed: $OUT/ab-table.txt)
 """
 import re
 import sys
