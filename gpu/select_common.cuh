@@ -18,12 +18,9 @@
 #define SEL_THREADS 256
 /* Compile-time knobs (bench/gpu_ab.sh compares values): the streaming passes' (k_hist, k_cand)
  * resident blocks per multiprocessor that their registers are held to, and the blocks per
- * multiprocessor that all segments of a call take together (sel_blocks). SEL_SM_BLOCKS 8 against
- * 4, H200 2026-12-03, two rounds: select 887 against 929 us at 1M x 8, the replayed decode step
- * 0.3-1.5 % faster at 128K x 1 / x 8 and 1M x 8 and 1 % slower at 1M x 1, throughput 2.76-2.77x
- * against 2.70-2.71x. Later, one round each against the tree of 5c9e94e: SEL_SM_BLOCKS 16 select
- * 861 against 885 us at 1M x 8 but throughput 2.77x against 2.78x; SEL_MIN_BLOCKS 3 slower
- * everywhere (select 948 us at 1M x 8, throughput 2.65x). */
+ * multiprocessor that all segments of a call take together (sel_blocks). The values measured
+ * against these defaults are in doc/cuda-backend.md (SEL_SM_BLOCKS 8 over 4, 16 and
+ * SEL_MIN_BLOCKS 3 not kept). */
 #ifndef SEL_MIN_BLOCKS
 #define SEL_MIN_BLOCKS 4
 #endif
