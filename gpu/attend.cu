@@ -43,6 +43,48 @@
 			   * 512 blocks, 4 took gather + attend from 57 to 52 us against 1 */
 #endif
 
+/* 2^x in one instruction (ex2.approx: relative error about 2^-22; -inf gives 0). Results below
+ * 2^-126 flush to 0, which sums whose largest weight is 1 cannot see. */
+static __device__ __forceinline__ float ex2(float x)
+{
+	float y;
+	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+	return y;
+}
+
+/* c ? x : y on values: a plain ?: between two elements of a register array may become a select
+ * of their addresses, which puts the array in local memory */
+static __device__ __forceinline__ float pick(bool c, float x, float y)
+{
+	float r;
+	asm("{ .reg .pred p; setp.ne.b32 p, %3, 0; selp.f32 %0, %1, %2, p; }"
+	    : "=f"(r)
+	    : "f"(x), "f"(y), "r"((int)c));
+	return r;
+}
+
+/*
+ * The reduce-scatter of N dots over a row group's lanes, from the level of c dots a lane and
+ * partner distance o down to `stop` dots a lane: each level keeps the half of the dots that the
+ * lane bit o names and adds the partner's copy of that half. N - stop shuffles in all, where
+ * summing every dot in every lane takes N log2(lanes). Lane li ends with the dots from
+ * (li / o_last) * stop on, o_last the last level's distance.
+ */
+template <int N, int c, int o, int stop>
+static __device__ __forceinline__ void reduce_scatter(float (&v)[N], uint32_t li)
+{
+	if constexpr (c > stop) {
+		const bool up = li & o;
+#pragma unroll
+		for (int k = 0; k < c / 2; k++) {
+			const float send = pick(up, v[k], v[k + c / 2]),
+				    keep = pick(up, v[k + c / 2], v[k]);
+			v[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+		}
+		reduce_scatter<N, c / 2, o / 2, stop>(v, li);
+	}
+}
+
 static __device__ __forceinline__ const char *row_ptr(const kvt_gpu_rows &it, uint32_t i)
 {
 	if (it.rows)
@@ -56,12 +98,18 @@ static __global__ void AT_BOUNDS
 		 uint32_t max_rows, uint32_t chunks, float *part, unsigned long long *err)
 {
 	constexpr int LPR = D / 8, GROUPS = AT_THREADS / LPR;
+	/* A sweep gives a row group J dots, (query head, row), each split over the group's LPR
+	 * lanes. A reduce-scatter leaves each lane C whole dots, the same in SPAN lanes; a lane's
+	 * dots cover HPL heads, PH rows of each. */
+	constexpr int U = AT_UNROLL, J = U * GB, K = J < LPR ? J : LPR, C = J / K, SPAN = LPR / K;
+	constexpr int PH = C < U ? C : U, HPL = C / PH;
+	static_assert((U & (U - 1)) == 0 && (LPR & (LPR - 1)) == 0, "powers of two");
 	__shared__ float sm_m[GROUPS], sm_l[GROUPS];
 	__shared__ float sm_acc[GROUPS][D];
 	__shared__ const char *rp[AT_CHUNK]; /* the chunk's row addresses, loaded by all at once */
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t g0 = blockIdx.z * GB, ng = min((uint32_t)GB, G - g0);
-	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR;
+	const uint32_t tid = threadIdx.x, grp = tid / LPR, li = tid % LPR, blk = li / SPAN;
 	/* the merge (a programmatic dependent launch) may be scheduled once every block has
 	 * started; it waits for this kernel's end before it reads */
 	KVT_PDL_TRIGGER();
@@ -77,7 +125,9 @@ static __global__ void AT_BOUNDS
 	if (blockIdx.x * AT_CHUNK >= n)
 		return; /* the merge reads only the blocks that hold rows */
 
+	/* the query times scale log2(e): logits, maxima and the partials' M in base 2 */
 	float qv[GB][8], m[GB], l[GB], acc[GB][8];
+	const float qs = scale * 1.44269504088896341f;
 #pragma unroll
 	for (int g = 0; g < GB; g++) {
 		const size_t at = ((size_t)seq * hq + (size_t)h * G + g0 + g) * D + 8 * li;
@@ -87,6 +137,9 @@ static __global__ void AT_BOUNDS
 #pragma unroll
 			for (int e = 0; e < 8; e++)
 				qv[g][e] = 0.0f;
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			qv[g][e] *= qs;
 		m[g] = -INFINITY;
 		l[g] = 0.0f;
 #pragma unroll
@@ -103,10 +156,10 @@ static __global__ void AT_BOUNDS
 	__syncthreads();
 	/* the bound is uniform over the warp: the shuffles below need every lane */
 	for (uint32_t r = r0 + grp, base = r0; base < r1;
-	     r += GROUPS * AT_UNROLL, base += GROUPS * AT_UNROLL) {
-		uint4 kb[AT_UNROLL], vb[AT_UNROLL];
+	     r += GROUPS * U, base += GROUPS * U) {
+		uint4 kb[U], vb[U];
 #pragma unroll
-		for (int u = 0; u < AT_UNROLL; u++) {
+		for (int u = 0; u < U; u++) {
 			const uint32_t rr = r + u * GROUPS;
 			if (rr < r1) {
 				const char *p = rp[rr - r0];
@@ -116,9 +169,11 @@ static __global__ void AT_BOUNDS
 				kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
 			}
 		}
-		float s[AT_UNROLL][GB];
+		/* v[g * U + u]: head g's partial dot with row r + u * GROUPS, over this lane's 8
+		 * dimensions; then the reduce-scatter, the row group's maxima and weights */
+		float v[J];
 #pragma unroll
-		for (int u = 0; u < AT_UNROLL; u++) {
+		for (int u = 0; u < U; u++) {
 			float kf[8];
 			kvt_d_unpack8<DT>(kb[u], kf);
 #pragma unroll
@@ -127,38 +182,71 @@ static __global__ void AT_BOUNDS
 #pragma unroll
 				for (int e = 0; e < 8; e++)
 					dot = fmaf(qv[g][e], kf[e], dot);
-#pragma unroll
-				for (int o = LPR / 2; o; o >>= 1)
-					dot += __shfl_xor_sync(0xffffffffu, dot, o);
-				s[u][g] = r + u * GROUPS < r1 ? dot * scale : -INFINITY;
+				v[g * U + u] = dot;
 			}
+		}
+		reduce_scatter<J, J, LPR / 2, C>(v, li);
+#pragma unroll
+		for (int o = SPAN / 2; o; o /= 2)
+#pragma unroll
+			for (int k = 0; k < C; k++)
+				v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+		/* the lane's dots are j = blk * C + k: head j / U, row j % U */
+		float mx[HPL];
+#pragma unroll
+		for (int k = 0; k < C; k++)
+			if (r + (blk * C + k) % U * GROUPS >= r1)
+				v[k] = -INFINITY;
+#pragma unroll
+		for (int hh = 0; hh < HPL; hh++) {
+			float x = -INFINITY;
+#pragma unroll
+			for (int k = hh * PH; k < (hh + 1) * PH; k++)
+				x = fmaxf(x, v[k]);
+#pragma unroll
+			for (int o = SPAN; o < SPAN * (U / PH); o *= 2) /* the head's other rows */
+				x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+			mx[hh] = x;
 		}
 #pragma unroll
 		for (int g = 0; g < GB; g++) {
-			float mn = m[g];
-#pragma unroll
-			for (int u = 0; u < AT_UNROLL; u++)
-				mn = fmaxf(mn, s[u][g]);
+			const float xg = __shfl_sync(0xffffffffu, mx[(g * U % C) / PH],
+						     (g * U / C) * SPAN, LPR);
+			const float mn = fmaxf(m[g], xg);
 			if (mn == -INFINITY)
 				continue;
-			const float corr = expf(m[g] - mn);
+			const float corr = ex2(m[g] - mn);
 			l[g] *= corr;
 #pragma unroll
 			for (int e = 0; e < 8; e++)
 				acc[g][e] *= corr;
 			m[g] = mn;
 		}
+		/* one weight a dot, in the lane that holds it (-inf: 0); m is -inf only where every
+		 * dot of the head so far is */
+		float w[C];
 #pragma unroll
-		for (int u = 0; u < AT_UNROLL; u++) {
+		for (int k = 0; k < C; k++) {
+			const uint32_t gk = (blk * C + k) / U;
+			float mg = m[0];
+#pragma unroll
+			for (int g = 1; g < GB; g++)
+				mg = pick(gk == (uint32_t)g, m[g], mg);
+			w[k] = ex2(v[k] - (mg == -INFINITY ? 0.0f : mg));
+		}
+#pragma unroll
+		for (int u = 0; u < U; u++) {
 			float vf[8];
 			kvt_d_unpack8<DT>(vb[u], vf);
 #pragma unroll
 			for (int g = 0; g < GB; g++) {
-				const float w = s[u][g] == -INFINITY ? 0.0f : expf(s[u][g] - m[g]);
-				l[g] += w;
+				const int j = g * U + u;
+				const float wj =
+					__shfl_sync(0xffffffffu, w[j % C], (j / C) * SPAN, LPR);
+				l[g] += wj;
 #pragma unroll
 				for (int e = 0; e < 8; e++)
-					acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+					acc[g][e] = fmaf(wj, vf[e], acc[g][e]);
 			}
 		}
 	}
@@ -193,7 +281,7 @@ static __global__ void AT_BOUNDS
 			for (int k = 0; k < GROUPS; k++) {
 				if (sm_m[k] == -INFINITY)
 					continue;
-				const float f = expf(sm_m[k] - M);
+				const float f = ex2(sm_m[k] - M);
 				L = fmaf(f, sm_l[k], L);
 				a = fmaf(f, sm_acc[k][tid], a);
 			}
@@ -262,7 +350,7 @@ static __global__ void __launch_bounds__(D * S)
 		for (uint32_t k = 0; k < AHEAD; k++) {
 			if (c0 + k >= c_hi || ms[c0 + k] == -INFINITY)
 				continue;
-			const float f = expf(ms[c0 + k] - M);
+			const float f = ex2(ms[c0 + k] - M);
 			L = fmaf(f, lv[k], L);
 			a = fmaf(f, av[k], a);
 		}
