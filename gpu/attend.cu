@@ -8,7 +8,9 @@
  * rows read over PCIe from mapped host memory take microseconds, and only many requests in flight
  * hide that. Query heads of the group (up to 8 per block, more through grid.z) share every load.
  * A block first reads its chunk's row addresses all at once into shared memory, so that a row
- * costs one memory latency, not two (its address, then its bytes).
+ * costs one memory latency, not two (its address, then its bytes). A group's partial dots are
+ * reduce-scattered over its lanes, so each lane finishes a few dots and computes their weights,
+ * which it then hands to the others; logits are in base 2, an exponential one ex2.approx.
  */
 #include "attend.cuh"
 #include "common.cuh"
@@ -104,8 +106,9 @@ static __global__ void AT_BOUNDS
 	constexpr int U = AT_UNROLL, J = U * GB, K = J < LPR ? J : LPR, C = J / K, SPAN = LPR / K;
 	constexpr int PH = C < U ? C : U, HPL = C / PH;
 	static_assert((U & (U - 1)) == 0 && (LPR & (LPR - 1)) == 0, "powers of two");
-	__shared__ float sm_m[GROUPS], sm_l[GROUPS];
-	__shared__ float sm_acc[GROUPS][D];
+	constexpr int HB = GB < 4 ? GB : 4; /* query heads merged at once at the end: 32 KB */
+	__shared__ float sm_m[HB][GROUPS], sm_l[HB][GROUPS];
+	__shared__ float sm_acc[HB][GROUPS][D];
 	__shared__ const char *rp[AT_CHUNK]; /* the chunk's row addresses, loaded by all at once */
 	const uint32_t item = blockIdx.y, seq = item / hkv, h = item % hkv, G = hq / hkv;
 	const uint32_t g0 = blockIdx.z * GB, ng = min((uint32_t)GB, G - g0);
@@ -252,46 +255,49 @@ static __global__ void AT_BOUNDS
 	}
 	}
 
-	/* merge the row groups of the block, one query head at a time (bounded shared memory) */
-	for (uint32_t g = 0; g < ng; g++) {
-		float mg = -INFINITY, lg = 0.0f, ag[8];
+	/* merge the row groups of the block, HB query heads at a time (the partials of a head take
+	 * GROUPS x D = 2048 floats of shared memory at any D): one barrier a batch of heads, and
+	 * every thread merges (head, dimension) pairs */
 #pragma unroll
-		for (int gg = 0; gg < GB; gg++)
-			if ((uint32_t)gg == g) {
-				mg = m[gg];
-				lg = l[gg];
+	for (int gb = 0; gb < GB; gb += HB) {
+		if ((uint32_t)gb >= ng)
+			break;
 #pragma unroll
-				for (int e = 0; e < 8; e++)
-					ag[e] = acc[gg][e];
+		for (int hb = 0; hb < HB; hb++) {
+			if (li == 0) {
+				sm_m[hb][grp] = m[gb + hb];
+				sm_l[hb][grp] = l[gb + hb];
 			}
-		if (li == 0) {
-			sm_m[grp] = mg;
-			sm_l[grp] = lg;
-		}
 #pragma unroll
-		for (int e = 0; e < 8; e++)
-			sm_acc[grp][8 * li + e] = ag[e];
+			for (int e = 0; e < 8; e++)
+				sm_acc[hb][grp][8 * li + e] = acc[gb + hb][e];
+		}
 		__syncthreads();
-		float *dst = part + (((size_t)item * chunks + blockIdx.x) * G + g0 + g) * (D + 2);
-		if (tid < D) {
+		for (uint32_t o = tid; o < HB * D; o += AT_THREADS) {
+			const uint32_t hb = o / D, dd = o % D, g = gb + hb;
+			if (g >= ng)
+				break; /* o only grows */
 			float M = -INFINITY;
 			for (int k = 0; k < GROUPS; k++)
-				M = fmaxf(M, sm_m[k]);
+				M = fmaxf(M, sm_m[hb][k]);
 			float L = 0.0f, a = 0.0f;
 			for (int k = 0; k < GROUPS; k++) {
-				if (sm_m[k] == -INFINITY)
+				if (sm_m[hb][k] == -INFINITY)
 					continue;
-				const float f = ex2(sm_m[k] - M);
-				L = fmaf(f, sm_l[k], L);
-				a = fmaf(f, sm_acc[k][tid], a);
+				const float f = ex2(sm_m[hb][k] - M);
+				L = fmaf(f, sm_l[hb][k], L);
+				a = fmaf(f, sm_acc[hb][k][dd], a);
 			}
-			dst[2 + tid] = a;
-			if (tid == 0) {
+			float *dst = part +
+				     (((size_t)item * chunks + blockIdx.x) * G + g0 + g) * (D + 2);
+			dst[2 + dd] = a;
+			if (dd == 0) {
 				dst[0] = M;
 				dst[1] = L;
 			}
 		}
-		__syncthreads();
+		if (gb + HB < GB)
+			__syncthreads(); /* the next batch reuses the shared partials */
 	}
 }
 
@@ -387,14 +393,16 @@ struct at_args {
 
 /* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
  * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a
- * block then takes every gridDim.x-th chunk. */
+ * block then takes every gridDim.x-th chunk. At least 32 (from 64 items on): with k_fill's wider
+ * grid, 32 instead of 16 took a batch-16 layer of 128K from 0.80 to 0.76 ms but a batch-8 one
+ * from 0.40 to 0.41 (doc/cuda-backend.md). */
 static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 {
 	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
 	const uint32_t z = group <= 8 ? 1 : (group + 7) / 8;
 	const uint64_t per = (uint64_t)n_items * z;
 	uint32_t cap = per ? (uint32_t)(AT_GRID_BLOCKS / per) : 1;
-	cap = cap < 16 ? 16 : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
+	cap = cap < 32 ? 32 : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
 	return need < cap ? need : cap;
 }
 
