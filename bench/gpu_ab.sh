@@ -17,6 +17,8 @@
 # Programs: --test NAME (tests/NAME, once per tree), --bench 'NAME ARGS' (bench/NAME ARGS, each
 # round). --rounds R (default 2), --grep REGEX (default: lines with "us" or "ms" figures),
 # --dry (set up, check and build only: runs without a GPU), --timeout S (per run, default 300).
+# Only the named programs are built, in $AB_DIR/build/NAME (default /tmp/ab): to run the gpu suite
+# or another program on a tree afterwards, `ninja -C /tmp/ab/build/NAME` first.
 # Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/gpu_ab.sh --tree main=scratch/main --tree new=. \
 #       --test test_gpu_kernels --bench 'gpu_decode --contexts 131072 --batches 8'
