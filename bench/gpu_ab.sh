@@ -17,8 +17,9 @@
 # Programs: --test NAME (tests/NAME, once per tree), --bench 'NAME ARGS' (bench/NAME ARGS, each
 # round). --rounds R (default 2), --grep REGEX (default: lines with "us" or "ms" figures),
 # --dry (set up, check and build only: runs without a GPU), --timeout S (per run, default 300).
-# Only the named programs are built, in $AB_DIR/build/NAME (default /tmp/ab): to run the gpu suite
-# or another program on a tree afterwards, `ninja -C /tmp/ab/build/NAME` first.
+# --suite S (a meson suite, e.g. gpu: once per tree, after the tests) builds every target of each
+# tree; otherwise only the named programs are built, in $AB_DIR/build/NAME (default /tmp/ab), and
+# running anything else on a tree afterwards needs `ninja -C /tmp/ab/build/NAME` first.
 # Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/gpu_ab.sh --tree main=scratch/main --tree new=. \
 #       --test test_gpu_kernels --bench 'gpu_decode --contexts 131072 --batches 8'
@@ -26,7 +27,7 @@ set -u
 out=${OUT:-ab-out}; mkdir -p "$out"
 work=${AB_DIR:-/tmp/ab}; rm -rf "$work/logs"; mkdir -p "$work/src" "$work/build" "$work/logs"
 rounds=2; grep_re='[0-9.]+ (us|ms)'; dry=0; tmo=300
-names=(); tests=(); benches=()
+names=(); tests=(); benches=(); suites=()
 declare -A dir
 die() { echo "gpu_ab: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -55,6 +56,7 @@ while [ $# -gt 0 ]; do
 		names+=("$name") ;;
 	--test) [ $# -ge 2 ] || die "--test needs a name"; tests+=("$2"); shift 2 ;;
 	--bench) [ $# -ge 2 ] || die "--bench needs 'NAME ARGS'"; benches+=("$2"); shift 2 ;;
+	--suite) [ $# -ge 2 ] || die "--suite needs a meson suite"; suites+=("$2"); shift 2 ;;
 	--rounds) rounds=$2; shift 2; [[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds $rounds: not a count" ;;
 	--grep) grep_re=$2; shift 2 ;;
 	--timeout) tmo=$2; shift 2; [[ $tmo =~ ^[1-9][0-9]*$ ]] || die "--timeout $tmo: not seconds" ;;
@@ -63,14 +65,15 @@ while [ $# -gt 0 ]; do
 	esac
 done
 [ ${#names[@]} -ge 1 ] || die "no --tree"
-[ $((${#tests[@]} + ${#benches[@]})) -ge 1 ] || die "no --test or --bench"
+[ $((${#tests[@]} + ${#benches[@]} + ${#suites[@]})) -ge 1 ] || die "no --test, --bench or --suite"
 exec > >(tee -a "$out/ab.txt") 2>&1
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 )) s"; }
 targets=()
 for t in "${tests[@]}"; do targets+=("tests/$t"); done
 for b in "${benches[@]}"; do targets+=("bench/${b%% *}"); done
 : >"$work/lines.txt" # what ab_table.py collates: the run lines and their matched lines
-echo "gpu_ab: trees ${names[*]}; targets ${targets[*]}; $rounds rounds" | tee -a "$work/lines.txt"
+echo "gpu_ab: trees ${names[*]}; targets ${targets[*]}; suites ${suites[*]:-none}; $rounds rounds" |
+	tee -a "$work/lines.txt"
 
 # set up every tree, then check the targets before building anything
 pids=()
@@ -92,7 +95,9 @@ for n in "${names[@]}"; do
 done
 pids=()
 for n in "${names[@]}"; do
-	( ninja -C "$work/build/$n" "${targets[@]}" >"$work/logs/build_$n.log" 2>&1; r=$?
+	# every target when a suite runs (ninja builds them all without a target named)
+	want=("${targets[@]}"); [ ${#suites[@]} = 0 ] || want=()
+	( ninja -C "$work/build/$n" "${want[@]}" >"$work/logs/build_$n.log" 2>&1; r=$?
 	  echo "build $n rc=$r ($(el))"; [ $r = 0 ] || tail -30 "$work/logs/build_$n.log"; exit $r ) &
 	pids+=($!)
 done
@@ -105,6 +110,15 @@ for t in "${tests[@]}"; do
 	for n in "${names[@]}"; do
 		timeout "$tmo" "$work/build/$n/tests/$t" >>"$work/logs/${n}_$t.log" 2>&1; r=$?
 		echo "$n $t rc=$r ($(el))"; [ $r = 0 ] || rc=1
+	done
+done
+for s in "${suites[@]}"; do
+	for n in "${names[@]}"; do
+		log=$work/logs/${n}_suite_$s.log
+		timeout "$tmo" meson test -C "$work/build/$n" --no-rebuild --suite "$s" --print-errorlogs \
+			>"$log" 2>&1; r=$?
+		echo "$n suite $s rc=$r ($(el)): $(grep -E '^(Ok|Fail|Skipped|Timeout):' "$log" |
+			tr -s ' ' | tr '\n' ' ')"; [ $r = 0 ] || rc=1
 	done
 done
 for r in $(seq "$rounds"); do
