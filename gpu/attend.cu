@@ -393,9 +393,10 @@ struct at_args {
 
 /* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
  * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a
- * block then takes every gridDim.x-th chunk. At least 32 (from 64 items on): with k_fill's wider
- * grid, 32 instead of 16 took a batch-16 layer of 128K from 0.80 to 0.76 ms but a batch-8 one
- * from 0.40 to 0.41 (doc/cuda-backend.md). */
+ * block then takes every gridDim.x-th chunk. At least 32 (the floor binds past 16 items): with
+ * k_fill's wider grid, 32 instead of 16 took a batch-16 layer of 128K from 0.80 to 0.76 ms but a
+ * batch-8 one from 0.40 to 0.41 (doc/cuda-backend.md). The cap must never grow with the items:
+ * the partials are sized for n_seqs, a graph's launch splits as for split_seqs >= n_seqs. */
 static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
 {
 	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
