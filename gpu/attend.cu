@@ -393,18 +393,23 @@ struct at_args {
 
 /* Blocks per (item, query-head block): one per chunk of rows up to a cap that keeps the grid near
  * AT_GRID_BLOCKS blocks, so a launch sized for a large bound costs little when few rows come; a
- * block then takes every gridDim.x-th chunk. At least 32 (the floor binds past 16 items): with
- * k_fill's wider grid, 32 instead of 16 took a batch-16 layer of 128K from 0.80 to 0.76 ms but a
- * batch-8 one from 0.40 to 0.41 (doc/cuda-backend.md). The cap must never grow with the items:
- * the partials are sized for n_seqs, a graph's launch splits as for split_seqs >= n_seqs. */
-static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows)
+ * block then takes every gridDim.x-th chunk. At least `floor` (chunks_floor). */
+static uint32_t chunks_of(uint32_t n_items, uint32_t group, uint32_t max_rows, uint32_t floor)
 {
 	const uint32_t need = max_rows ? (max_rows + AT_CHUNK - 1) / AT_CHUNK : 1;
 	const uint32_t z = group <= 8 ? 1 : (group + 7) / 8;
 	const uint64_t per = (uint64_t)n_items * z;
 	uint32_t cap = per ? (uint32_t)(AT_GRID_BLOCKS / per) : 1;
-	cap = cap < 32 ? 32 : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
+	cap = cap < floor ? floor : cap > AT_MAX_CHUNKS ? AT_MAX_CHUNKS : cap;
 	return need < cap ? need : cap;
+}
+
+/* 16 chunks an item at least, 32 where the gather's grids widen (with AT_GRID_BLOCKS 512, a floor
+ * of 32 binds past 16 items, 16 past 32). */
+#define AT_FLOOR_WIDE 32u
+static uint32_t chunks_floor(uint32_t n_items, uint32_t max_rows)
+{
+	return kvt_wide_grid(n_items, max_rows) ? AT_FLOOR_WIDE : 16u;
 }
 
 template <int D, int DT, int GB>
@@ -452,9 +457,11 @@ extern "C" size_t kvt_gpu_attend_scratch_bytes(uint32_t n_seqs, uint32_t n_q_hea
 {
 	if (n_kv_heads == 0)
 		return 0;
+	/* the partials of a launch split as for any split_seqs >= n_seqs (a graph's): chunks_of
+	 * never grows with the items at a fixed floor, and the largest floor bounds them all */
 	return (size_t)n_seqs * n_q_heads *
-	       chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows) * (d + 2) *
-	       sizeof(float);
+	       chunks_of(n_seqs * n_kv_heads, n_q_heads / n_kv_heads, max_rows, AT_FLOOR_WIDE) *
+	       (d + 2) * sizeof(float);
 }
 
 extern "C" int kvt_gpu_attend_split(uint32_t d, uint32_t dtype, uint32_t out_dtype,
@@ -478,13 +485,14 @@ extern "C" int kvt_gpu_attend_split(uint32_t d, uint32_t dtype, uint32_t out_dty
 		return -EINVAL;
 	if (n_seqs == 0 || n_q_heads == 0)
 		return 0;
+	const uint32_t split_items = (split_seqs > n_seqs ? split_seqs : n_seqs) * n_kv_heads;
 	const at_args a = {
 		.hq = n_q_heads,
 		.hkv = n_kv_heads,
 		.n_items = n_seqs * n_kv_heads,
 		.max_rows = max_rows,
-		.chunks = chunks_of((split_seqs > n_seqs ? split_seqs : n_seqs) * n_kv_heads,
-				    n_q_heads / n_kv_heads, max_rows),
+		.chunks = chunks_of(split_items, n_q_heads / n_kv_heads, max_rows,
+				    chunks_floor(split_items, max_rows)),
 		.scale = scale,
 		.q = q,
 		.items = items,

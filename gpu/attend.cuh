@@ -37,7 +37,7 @@ size_t kvt_gpu_attend_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
 
 /*
  * out[s][j] = softmax(q[s][j] . K^T * scale) V over the rows of items[s * n_kv_heads + j / G],
- * G = n_q_heads / n_kv_heads, with fp32 accumulation: the rows are split into chunks of 256 handled
+ * G = n_q_heads / n_kv_heads, with fp32 accumulation: the rows are split into chunks of 64 handled
  * by separate blocks (one pass with a running maximum each), then merged.
  *   d:         64, 128 or 256; dtype: KVT_DTYPE_F16 or KVT_DTYPE_BF16 (K, V and q)
  *   out_dtype: KVT_DTYPE_F32, F16 or BF16 (round to nearest even)

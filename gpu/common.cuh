@@ -32,6 +32,23 @@
 #define KVT_STREAM(s) ((cudaStream_t)(s))
 
 /*
+ * Whether the gather's grids widen: k_fill near 16384 blocks instead of 4096, k_attend at least 32
+ * chunks an item instead of 16, once the batch's items (sequences x KV heads) times the rows an
+ * item may hold (the launch's bound, the context when nothing caps the selection) reach
+ * KVT_WIDE_ROWS. On the H200 (doc/cuda-backend.md) the wide grids took gather + attend from 1441
+ * to 1330 us at 1M x 8 and a batch-16 layer of 128K from 0.80 to 0.76 ms, and cost 8 % at 128K x 8
+ * and 18 % at 128K x 1, where a warp of k_fill then walks about one row. Compile-time, for an A/B:
+ * 0 widens every launch.
+ */
+#ifndef KVT_WIDE_ROWS
+#define KVT_WIDE_ROWS (1ull << 24)
+#endif
+static inline bool kvt_wide_grid(uint32_t n_items, uint32_t max_rows)
+{
+	return (uint64_t)n_items * max_rows >= KVT_WIDE_ROWS;
+}
+
+/*
  * Programmatic dependent launch (Hopper). kvt_launch_dependent launches k (when `dependent`;
  * otherwise in plain stream order) as a dependent of the stream's previous kernel: k's blocks may be scheduled once every block of that kernel has
  * executed KVT_PDL_TRIGGER() (or left), so k must execute KVT_PDL_WAIT() before it reads or

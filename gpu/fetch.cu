@@ -298,10 +298,11 @@ extern "C" int kvt_gpu_fetch_fill(uint32_t row_bytes, uint32_t n_seqs, uint32_t 
 	if (rc < 0 || n_seqs == 0)
 		return rc;
 	const uint32_t n_items = n_seqs * n_kv_heads;
-	/* a warp a row, mostly a hit that costs one dependent load: near 16384 blocks (with
-	 * k_attend's 32 chunks an item, it took a batch-16 layer of 128K from 0.80 to 0.76 ms
-	 * against 4096 and 16, a batch-8 one from 0.40 to 0.41; doc/cuda-backend.md) */
-	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items, 16384), n_items);
+	/* a warp a row, mostly a hit that costs one dependent load: near 16384 blocks where the
+	 * gather's grids widen, 4096 below */
+	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items,
+			     kvt_wide_grid(n_items, max_rows) ? 16384 : 4096),
+		      n_items);
 	k_fill<<<g2, FT_THREADS, 0, KVT_STREAM(stream)>>>(row_bytes, n_kv_heads, seqs, hot, epoch,
 							  rows, items, max_rows, err);
 	KVT_CU_LAUNCHED();

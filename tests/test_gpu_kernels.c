@@ -495,6 +495,9 @@ static void check_attend(uint32_t d, uint32_t dt, uint32_t G, uint32_t out_dt, i
 	     *scr = dpoison(sb);
 	void *dout = dpoison(osz * S * Hq * d), *hout = t_alloc(osz * S * Hq * d);
 	const float scale = 1.0f / sqrtf((float)d);
+	const double out_ulp = out_dt == KVT_DTYPE_BF16  ? 0x1p-8
+			       : out_dt == KVT_DTYPE_F16 ? 0x1p-11
+							 : 0.0;
 	int rc = kvt_gpu_attend(d, dt, out_dt, S, Hq, Hkv, scale, dq, (const kvt_gpu_rows *)dit,
 				max_rows, dout, scr, sb, NULL, NULL);
 	T_CHECK(rc == 0, "kvt_gpu_attend d=%u: %d", d, rc);
@@ -505,6 +508,38 @@ static void check_attend(uint32_t d, uint32_t dt, uint32_t G, uint32_t out_dt, i
 			    max_rows, dout2, scr, sb, NULL, NULL);
 	fetch(hout2, dout2, osz * S * Hq * d);
 	const int same = memcmp(hout, hout2, osz * S * Hq * d) == 0;
+	if (mode == 2) {
+		/* split as for larger batches (a graph's launch): 16 chunks an item (narrow grids),
+		 * 32 (wide) and, unsplit, 64, from one scratch sized for this batch at that bound */
+		const uint32_t big = 4096, splits[2] = {1024, 4096};
+		const size_t sb2 = kvt_gpu_attend_scratch_bytes(S, Hq, Hkv, d, big);
+		void *scr2 = dpoison(sb2), *dout4 = dpoison(osz * S * Hq * d);
+		void *hout4 = t_alloc(osz * S * Hq * d);
+		for (int k = 0; k < 2; k++) {
+			rc = kvt_gpu_attend_split(d, dt, out_dt, S, Hq, Hkv, scale, dq,
+						  (const kvt_gpu_rows *)dit, big, splits[k], dout4,
+						  scr2, sb2, NULL, NULL);
+			fetch(hout4, dout4, osz * S * Hq * d);
+			double mx = 0, diff = 0;
+			for (size_t e = 0; e < (size_t)S * Hq * d; e++) {
+				const double a = out_dt == KVT_DTYPE_F32
+							 ? ((float *)hout)[e]
+							 : t_dec(out_dt, ((uint16_t *)hout)[e]),
+					     b = out_dt == KVT_DTYPE_F32
+							 ? ((float *)hout4)[e]
+							 : t_dec(out_dt, ((uint16_t *)hout4)[e]);
+				mx = fmax(mx, fabs(a));
+				diff = fmax(diff, fabs(a - b) - 2 * out_ulp * fabs(a));
+			}
+			T_SOFT(bad, rc == 0 && diff <= 1e-5 * mx,
+			       "attention d=%u G=%u split as for %u sequences: rc %d, difference %.3g "
+			       "beyond output rounding (largest output %.3g)",
+			       d, G, splits[k], rc, diff, mx);
+		}
+		cudaFree(scr2);
+		cudaFree(dout4);
+		free(hout4);
+	}
 	if (mode == 0) {
 		/* a bound below the last item's rows: that item's outputs are zeros and the error word
 		 * names the check; the others come out as before (same chunks, same merge) */
@@ -538,9 +573,6 @@ static void check_attend(uint32_t d, uint32_t dt, uint32_t G, uint32_t out_dt, i
 	const float **kr = (const float **)t_alloc(sizeof(float *) * rows_per);
 	const float **vr = (const float **)t_alloc(sizeof(float *) * rows_per);
 	double *ref = (double *)t_alloc(8 * d), worst = 0, worst_gpu_ref = 0, worst_cpu_ref = 0;
-	const double out_ulp = out_dt == KVT_DTYPE_BF16  ? 0x1p-8
-			       : out_dt == KVT_DTYPE_F16 ? 0x1p-11
-							 : 0.0;
 	for (uint32_t i = 0; i < items; i++) {
 		const char *hbase = (const char *)pool + row_bytes * rows_per * i;
 		for (uint32_t r = 0; r < ns[i]; r++) {
