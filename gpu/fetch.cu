@@ -112,6 +112,86 @@ static __global__ void __launch_bounds__(FT_THREADS)
 
 /* ---- fill: misses claim a way, or are read in place --------------------------------------- */
 
+/* Serves row k of the item, a miss (cur: its slot as the lookup left it), with the whole warp: the
+ * row from the host tier or its staged copy into a claimed way of the hot cache, or its address
+ * for the attention to read in place. Returns whether it counts as a miss (lane 0's value). */
+static __device__ __forceinline__ bool fill_row(uint32_t row_bytes, const kvt_gpu_fetch_seq &q,
+						const kvt_gpu_hot &hot, uint32_t epoch, uint32_t item,
+						uint32_t h, uint32_t k, const void **slotp,
+						uintptr_t cur, uint32_t lane, unsigned long long *err)
+{
+	const uint32_t S = q.n_sink;
+	const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
+	/* a row of a spilled block, staged by the host, or a row of the host tier */
+	const char *src = cur ? (const char *)(cur & ~(uintptr_t)KVT_GPU_ROW_STAGED)
+			      : host_row(q.blocks, q.blk_cap, h, at, row_bytes);
+	if (!src) {
+		/* a missing block, reported by the lookup, or a spilled row not staged */
+		if (lane == 0) {
+			if (q.flags & KVT_GPU_FETCH_SPILLED)
+				kvt_d_range(err, KVT_GPU_SITE_FILL_BLOCK, item, at);
+			*slotp = q.ring;
+		}
+		return false;
+	}
+	if (!hot.sets) {
+		/* no cache: the attention reads the row in place */
+		if (lane == 0)
+			*slotp = src;
+		return true;
+	}
+	/* the PCIe read first, so the claim below overlaps its latency */
+	uint4 x[KVT_MAX_HEAD_DIM * 4 / 512];
+#pragma unroll
+	for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
+		if ((i * 32 + lane) * 16 < row_bytes)
+			x[i] = *(const uint4 *)(src + (i * 32 + lane) * 16);
+	long long claimed = -1;
+	if (lane == 0) {
+		const uint32_t set = set_of(q.uid, h, at, hot.sets);
+		for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
+			/* the set's eight epochs in two 16-byte loads from L2 (where the claims'
+			 * atomics are), not eight loads one after another */
+			static_assert(KVT_GPU_HOT_WAYS == 8, "a set's epochs are two uint4");
+			const uint4 *lu =
+				(const uint4 *)(hot.last_use + (size_t)set * KVT_GPU_HOT_WAYS);
+			const uint4 e0 = __ldcg(lu), e1 = __ldcg(lu + 1);
+			const uint32_t eu[KVT_GPU_HOT_WAYS] = {e0.x, e0.y, e0.z, e0.w,
+							       e1.x, e1.y, e1.z, e1.w};
+			uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
+#pragma unroll
+			for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
+				const uint32_t u = eu[w];
+				if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
+					best = w;
+					old = u;
+				}
+			}
+			if (best == KVT_GPU_HOT_WAYS)
+				break; /* every way is in use this step */
+			const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + best;
+			if (atomicCAS(&hot.last_use[slot], old, epoch) == old)
+				claimed = (long long)slot;
+		}
+	}
+	claimed = __shfl_sync(0xffffffffu, claimed, 0);
+	if (claimed >= 0) {
+		char *dst = (char *)hot.rows + (size_t)claimed * row_bytes;
+#pragma unroll
+		for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
+			if ((i * 32 + lane) * 16 < row_bytes)
+				*(uint4 *)(dst + (i * 32 + lane) * 16) = x[i];
+		if (lane == 0) {
+			hot.tag_hi[claimed] = q.uid;
+			hot.tag_lo[claimed] = (unsigned long long)h << 32 | at;
+			*slotp = dst;
+		}
+	} else if (lane == 0) {
+		*slotp = src; /* read in place by the attention */
+	}
+	return true;
+}
+
 static __global__ void __launch_bounds__(FT_THREADS)
 	k_fill(uint32_t row_bytes, uint32_t hkv, const kvt_gpu_fetch_seq *seqs, kvt_gpu_hot hot,
 	       uint32_t epoch, const void **rows, const kvt_gpu_rows *items, uint32_t max_rows,
@@ -121,88 +201,28 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	const kvt_gpu_fetch_seq q = seqs[s];
 	if (hot.epoch)
 		epoch = *hot.epoch;
-	const uint32_t m = q.sel_n[h], S = q.n_sink;
-	const uint32_t n = min(items[item].n, S + m);
+	const uint32_t n = min(items[item].n, q.n_sink + q.sel_n[h]);
+	const void **slots = rows + (size_t)item * max_rows;
 	uint32_t misses = 0; /* lane 0's count */
-	/* one warp per row; rows (warp id) + k * (warps of the grid) */
-	for (uint32_t k = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; k < n;
-	     k += gridDim.x * (FT_THREADS / 32)) {
-		const void **slotp = &rows[(size_t)item * max_rows + k];
-		const uintptr_t cur = (uintptr_t)*slotp;
-		if (cur && !(cur & KVT_GPU_ROW_STAGED))
-			continue; /* a hit */
-		const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
-		/* a row of a spilled block, staged by the host, or a row of the host tier */
-		const char *src = cur ? (const char *)(cur & ~(uintptr_t)KVT_GPU_ROW_STAGED)
-				      : host_row(q.blocks, q.blk_cap, h, at, row_bytes);
-		if (!src) {
-			/* a missing block, reported by the lookup, or a spilled row not staged */
-			if (lane == 0) {
-				if (q.flags & KVT_GPU_FETCH_SPILLED)
-					kvt_d_range(err, KVT_GPU_SITE_FILL_BLOCK, item, at);
-				*slotp = q.ring;
-			}
-			continue;
+	/* a warp's rows are (warp id) + k * (warps of the item's blocks), as one row a warp would
+	 * take them (misses of nearby positions, often together, go to different warps); it tests
+	 * 32 of them at once, a lane a row (a hit needs nothing more), then serves their misses one
+	 * after another, the whole warp a row (fill_row) */
+	const uint32_t W = gridDim.x * (FT_THREADS / 32);
+	for (uint64_t k0 = blockIdx.x * (FT_THREADS / 32) + threadIdx.x / 32; k0 < n;
+	     k0 += 32ull * W) {
+		const uint64_t k = k0 + (uint64_t)lane * W;
+		const uintptr_t mine = k < n ? (uintptr_t)slots[k] : 0;
+		uint32_t todo = __ballot_sync(0xffffffffu,
+					      k < n && (!mine || (mine & KVT_GPU_ROW_STAGED)));
+		while (todo) {
+			const uint32_t b = (uint32_t)__ffs(todo) - 1u, kb = (uint32_t)(k0 + b * W);
+			todo &= todo - 1u;
+			const uintptr_t cur = (uintptr_t)__shfl_sync(
+				0xffffffffu, (unsigned long long)mine, (int)b);
+			misses += fill_row(row_bytes, q, hot, epoch, item, h, kb, &slots[kb], cur,
+					   lane, err);
 		}
-		if (!hot.sets) {
-			/* no cache: the attention reads the row in place */
-			if (lane == 0) {
-				*slotp = src;
-				misses++;
-			}
-			continue;
-		}
-		/* the PCIe read first, so the claim below overlaps its latency */
-		uint4 x[KVT_MAX_HEAD_DIM * 4 / 512];
-#pragma unroll
-		for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
-			if ((i * 32 + lane) * 16 < row_bytes)
-				x[i] = *(const uint4 *)(src + (i * 32 + lane) * 16);
-		long long claimed = -1;
-		if (lane == 0 && hot.sets) {
-			const uint32_t set = set_of(q.uid, h, at, hot.sets);
-			for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
-				/* the set's eight epochs in two 16-byte loads from L2 (where the
-				 * claims' atomics are), not eight loads one after another */
-				static_assert(KVT_GPU_HOT_WAYS == 8, "a set's epochs are two uint4");
-				const uint4 *lu = (const uint4 *)(hot.last_use +
-								  (size_t)set * KVT_GPU_HOT_WAYS);
-				const uint4 e0 = __ldcg(lu), e1 = __ldcg(lu + 1);
-				const uint32_t eu[KVT_GPU_HOT_WAYS] = {e0.x, e0.y, e0.z, e0.w,
-								       e1.x, e1.y, e1.z, e1.w};
-				uint32_t best = KVT_GPU_HOT_WAYS, old = 0;
-#pragma unroll
-				for (uint32_t w = 0; w < KVT_GPU_HOT_WAYS; w++) {
-					const uint32_t u = eu[w];
-					if (u != epoch && (best == KVT_GPU_HOT_WAYS || u < old)) {
-						best = w;
-						old = u;
-					}
-				}
-				if (best == KVT_GPU_HOT_WAYS)
-					break; /* every way is in use this step */
-				const size_t slot = (size_t)set * KVT_GPU_HOT_WAYS + best;
-				if (atomicCAS(&hot.last_use[slot], old, epoch) == old)
-					claimed = (long long)slot;
-			}
-		}
-		claimed = __shfl_sync(0xffffffffu, claimed, 0);
-		if (claimed >= 0) {
-			char *dst = (char *)hot.rows + (size_t)claimed * row_bytes;
-#pragma unroll
-			for (uint32_t i = 0; i < KVT_MAX_HEAD_DIM * 4 / 512; i++)
-				if ((i * 32 + lane) * 16 < row_bytes)
-					*(uint4 *)(dst + (i * 32 + lane) * 16) = x[i];
-			if (lane == 0) {
-				hot.tag_hi[claimed] = q.uid;
-				hot.tag_lo[claimed] = (unsigned long long)h << 32 | at;
-				*slotp = dst;
-			}
-		} else if (lane == 0) {
-			*slotp = src; /* read in place by the attention */
-		}
-		if (lane == 0)
-			misses++;
 	}
 	/* one pair of global atomics per block: the counters are one address for the whole grid */
 	__shared__ uint32_t block_misses;
@@ -298,8 +318,8 @@ extern "C" int kvt_gpu_fetch_fill(uint32_t row_bytes, uint32_t n_seqs, uint32_t 
 	if (rc < 0 || n_seqs == 0)
 		return rc;
 	const uint32_t n_items = n_seqs * n_kv_heads;
-	/* a warp a row, mostly a hit that costs one dependent load: near 16384 blocks where the
-	 * gather's grids widen, 4096 below */
+	/* a warp a row as to misses, 32 rows a test: near 16384 blocks where the gather's grids
+	 * widen, 4096 below */
 	const dim3 g2(grid_x(max_rows, FT_THREADS / 32, n_items,
 			     kvt_wide_grid(n_items, max_rows) ? 16384 : 4096),
 		      n_items);
