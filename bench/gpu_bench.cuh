@@ -104,6 +104,68 @@ static float median_ms(cudaStream_t st, int warmup, int runs, F f)
 	return median_ms(st, warmup, runs, f, [](int) {});
 }
 
+static __global__ void k_empty(void)
+{
+}
+
+/* `kernels` empty kernels of one block on stream s, the second on as programmatic dependents of
+ * the one before (as the library's passes are launched). */
+static inline void empty_call(int kernels, cudaStream_t s)
+{
+	cudaLaunchAttribute attr;
+	attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+	attr.val.programmaticStreamSerializationAllowed = 1;
+	cudaLaunchConfig_t cfg = {};
+	cfg.gridDim = dim3(1);
+	cfg.blockDim = dim3(32);
+	cfg.stream = s;
+	cfg.attrs = &attr;
+	for (int k = 0; k < kernels; k++) {
+		cfg.numAttrs = k > 0;
+		CK(cudaLaunchKernelEx(&cfg, k_empty));
+	}
+}
+
+/*
+ * The launch floor of a call that launches `kernels` kernels (empty_call): the median microseconds
+ * of one such call timed alone as median_ms times a call (the host's launches included), and per
+ * call in a burst of `burst` calls (*per_call_in_burst). What a call's own work adds is its time
+ * less this floor.
+ */
+static inline float launch_floor_us(int kernels, int burst, float *per_call_in_burst)
+{
+	if (per_call_in_burst)
+		*per_call_in_burst = 1000.0f / burst * median_ms(0, 5, 50, [&](int) {
+			for (int b = 0; b < burst; b++)
+				empty_call(kernels, 0);
+		});
+	return 1000.0f * median_ms(0, 10, 50, [&](int) { empty_call(kernels, 0); });
+}
+
+/*
+ * Microseconds per call of `copies` calls captured in one CUDA graph and replayed (median of 20
+ * replays after 3): the device's time per call without a host launch each. f(s, i) enqueues call
+ * i on stream s.
+ */
+template <class F>
+static float graph_us(int copies, F f)
+{
+	cudaStream_t s;
+	cudaGraph_t g;
+	cudaGraphExec_t ge;
+	CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+	CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+	for (int i = 0; i < copies; i++)
+		f(s, i);
+	CK(cudaStreamEndCapture(s, &g));
+	CK(cudaGraphInstantiate(&ge, g, 0));
+	const float ms = median_ms(s, 3, 20, [&](int) { CK(cudaGraphLaunch(ge, s)); });
+	CK(cudaGraphExecDestroy(ge));
+	CK(cudaGraphDestroy(g));
+	CK(cudaStreamDestroy(s));
+	return 1000.0f * ms / copies;
+}
+
 /* Device-to-device copy bandwidth of cudaMemcpyAsync over 1 GiB, bytes read plus written per second
  * (as bench/gpu_scan.cu counts it), median of 20 copies after 5 of warm-up. */
 static inline double d2d_copy_bandwidth(void)

@@ -6,7 +6,9 @@
  *   bandwidth measured in this binary (cudaMemcpyAsync of 1 GiB, bytes read plus written).
  * Timed with CUDA events after warm-up, median of 50 runs, each run one launch alone (launch
  * latency included) or a burst of 20 launches back to back (per launch; as in a captured decode
- * step). Each launch scans another copy of the index, the copies together several times the L2, so
+ * step); at 4096 tokens also per launch in a CUDA graph of 20, and an empty kernel's time the same
+ * three ways (the launch floor), less which the scan's own time is given. Each launch scans another
+ * copy of the index, the copies together several times the L2, so
  * the figure is HBM's, not the cache's; the score buffer is reused, as the decode step reuses it.
  */
 #include <cuda_fp16.h>
@@ -160,10 +162,22 @@ int main(void)
 		setup s = make(4096, rotate_bytes, drot, dc, dc, dq);
 		const float t = time_scan(s, false, drot, dc, dc, dq);
 		const float tp = time_scan(s, true, drot, dc, dc, dq), tb = time_burst(s, 20);
+		float fb;
+		const float f = launch_floor_us(1, 20, &fb);
+		const float fg = graph_us(20, [](cudaStream_t st, int) { empty_call(1, st); });
+		const float tg = graph_us(20, [&](cudaStream_t st, int b) {
+			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[b % s.copies], s.n_tok, s.n,
+					 s.scores, s.n, s.stats, NULL, st));
+		});
 		printf("scan 4096 tokens x %d KV heads: %.2f us per launch timed alone (paper, Hopper: "
 		       "13.0 us; ratio %.2fx faster; goal <= 5 us); %.2f us each in a burst of 20 (ratio "
 		       "%.2fx); alone with query preparation: %.2f us\n",
 		       HKV, t, 13.0 / t, tb, 13.0 / tb, tp);
+		printf("  launch floor (an empty kernel timed the same ways): %.2f us alone, %.2f us "
+		       "each in a burst of 20, %.2f us each in a graph of 20; the scan: %.2f us each in "
+		       "a graph of 20; the scan's own (less the floor): %.2f us alone, %.2f in a burst, "
+		       "%.2f in a graph\n",
+		       f, fb, fg, tg, t - f, tb - fb, tg - fg);
 		drop(s);
 	}
 	const uint32_t ns[3] = {65536, 131072, 1048576};

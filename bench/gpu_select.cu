@@ -6,7 +6,9 @@
  * cumulative mass reaches p. Two sorts are timed: CUB's segmented radix sort, and a single CUB
  * radix sort over (head, score) keys, which is the faster on few long segments; the ratio is given
  * to the faster. CUDA events after warm-up, median of 50 runs of one call each (and, for ours, of
- * bursts of 10 calls, per call); random normal scores. A profile build (nvcc's -DKVT_SEL_TIMING,
+ * bursts of 10 calls, per call, and of 10 calls captured in a CUDA graph); the same three ways, the
+ * launch floor (three empty kernels launched as the threshold's passes are) and the threshold less
+ * it; random normal scores. A profile build (nvcc's -DKVT_SEL_TIMING,
  * through meson's gpu_arch option) also prints when each pass's blocks reached each point.
  */
 #include <cuda_runtime.h>
@@ -165,10 +167,11 @@ int main(void)
 	make_stats<<<blocks, 256>>>(scores, stats);
 	CK(cudaGetLastError());
 	/* as a decode step runs it: after the scan, which gathered the statistics */
-	auto ours = [&] {
+	auto ours_on = [&](cudaStream_t st) {
 		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, stats, out, scr,
-					  sb, NULL, NULL));
+					  sb, NULL, st));
 	};
+	auto ours = [&] { ours_on(NULL); };
 	auto ours_self = [&] {
 		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, NULL, out, scr,
 					  sb, NULL, NULL));
@@ -240,6 +243,15 @@ int main(void)
 	       "the scan's statistics: %.2f us per call timed alone (goal <= 25 us); %.2f us each in "
 	       "a burst of 10; gathering the statistics itself: %.2f us\n",
 	       a, a10, aself);
+	float fb;
+	const float f = launch_floor_us(3, 10, &fb);
+	const float fg = graph_us(10, [](cudaStream_t st, int) { empty_call(3, st); });
+	const float ag = graph_us(10, [&](cudaStream_t st, int) { ours_on(st); });
+	printf("  launch floor (three empty kernels, two of them dependent launches, as the "
+	       "threshold's passes): %.2f us alone, %.2f us each in a burst of 10, %.2f us each in "
+	       "a graph of 10; the threshold: %.2f us each in a graph of 10; its own (less the "
+	       "floor): %.2f us alone, %.2f in a burst, %.2f in a graph\n",
+	       f, fb, fg, ag, a - f, a10 - fb, ag - fg);
 	printf("  with budget_max 2048 (the clamp too): %.2f us; threshold + union/compaction into %d "
 	       "KV-head lists: %.2f us as two calls, %.2f us with the union marked by the candidate "
 	       "pass (kvt_gpu_topp_select)\n",
