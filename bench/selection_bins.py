@@ -43,8 +43,11 @@ MARGINS = (0.5, 1.0, 2.0)
 
 def load_trace(path: str, layers: list[int] | None):
     """Yields (layer, prefill q/k, decode q/k, n_q_heads, n_kv_heads, head_dim) per layer."""
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"selection_bins: {path}: not a kvtier-trace directory (doc/trace-format.md): {e}")
     n_layers = int(meta["n_layers"])
     for layer in layers if layers is not None else range(n_layers):
         if not 0 <= layer < n_layers:
@@ -52,8 +55,11 @@ def load_trace(path: str, layers: list[int] | None):
         arrays = {}
         for part in ("prefill", "decode"):
             for what in ("q", "k"):
-                arrays[part, what] = np.load(
-                    os.path.join(path, f"layer{layer}.{part}.{what}.npy")).astype(np.float32)
+                f = os.path.join(path, f"layer{layer}.{part}.{what}.npy")
+                try:
+                    arrays[part, what] = np.load(f).astype(np.float32)
+                except (OSError, ValueError) as e:
+                    sys.exit(f"selection_bins: {f}: {e}")
         yield (layer, arrays["prefill", "k"], arrays["decode", "q"], arrays["decode", "k"],
                int(meta["n_q_heads"]), int(meta["n_kv_heads"]), int(meta["head_dim"]))
 
@@ -90,8 +96,8 @@ class Estimator:
 
 
 def cut_score(x: np.ndarray, p: float) -> float:
-    """The lowest selected score of Top-p over x (nats): a token is in iff the mass strictly above it
-    is below p Z; ties go together."""
+    """The lowest selected score of Top-p over x (nats): a token is in iff the mass strictly
+    above it is below p Z; ties go together."""
     s = np.sort(x)[::-1].astype(np.float64)
     w = np.exp(s - s[0])
     above = np.concatenate(([0.0], np.cumsum(w)[:-1]))
