@@ -18,8 +18,9 @@
 # round). --rounds R (default 2), --grep REGEX (default: lines with "us" or "ms" figures),
 # --dry (set up, check and build only: runs without a GPU), --timeout S (per run, default 300).
 # --suite S (a meson suite, e.g. gpu: once per tree, after the tests) builds every target of each
-# tree; otherwise only the named programs are built, in $AB_DIR/build/NAME (default /tmp/ab), and
-# running anything else on a tree afterwards needs `ninja -C /tmp/ab/build/NAME` first.
+# tree; otherwise only the named programs are built, in $AB_DIR/build/NAME (default /tmp/ab), plus
+# each --build TARGET (e.g. bench/gpu_scan: built on every tree, not run, for commands after the
+# A/B); running anything else on a tree afterwards needs `ninja -C /tmp/ab/build/NAME` first.
 # Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/gpu_ab.sh --tree main=scratch/main --tree new=. \
 #       --test test_gpu_kernels --bench 'gpu_decode --contexts 131072 --batches 8'
@@ -27,7 +28,7 @@ set -u
 out=${OUT:-ab-out}; mkdir -p "$out"
 work=${AB_DIR:-/tmp/ab}; rm -rf "$work/logs"; mkdir -p "$work/src" "$work/build" "$work/logs"
 rounds=2; grep_re='[0-9.]+ (us|ms)'; dry=0; tmo=300
-names=(); tests=(); benches=(); suites=()
+names=(); tests=(); benches=(); suites=(); extra=()
 declare -A dir
 die() { echo "gpu_ab: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -57,6 +58,7 @@ while [ $# -gt 0 ]; do
 	--test) [ $# -ge 2 ] || die "--test needs a name"; tests+=("$2"); shift 2 ;;
 	--bench) [ $# -ge 2 ] || die "--bench needs 'NAME ARGS'"; benches+=("$2"); shift 2 ;;
 	--suite) [ $# -ge 2 ] || die "--suite needs a meson suite"; suites+=("$2"); shift 2 ;;
+	--build) [ $# -ge 2 ] || die "--build needs a target (bench/NAME, tests/NAME)"; extra+=("$2"); shift 2 ;;
 	--rounds) rounds=$2; shift 2; [[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds $rounds: not a count" ;;
 	--grep) grep_re=$2; shift 2 ;;
 	--timeout) tmo=$2; shift 2; [[ $tmo =~ ^[1-9][0-9]*$ ]] || die "--timeout $tmo: not seconds" ;;
@@ -71,6 +73,7 @@ t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 )) s"; }
 targets=()
 for t in "${tests[@]}"; do targets+=("tests/$t"); done
 for b in "${benches[@]}"; do targets+=("bench/${b%% *}"); done
+targets+=("${extra[@]}")
 : >"$work/lines.txt" # what ab_table.py collates: the run lines and their matched lines
 echo "gpu_ab: trees ${names[*]}; targets ${targets[*]}; suites ${suites[*]:-none}; $rounds rounds" |
 	tee -a "$work/lines.txt"
