@@ -10,8 +10,11 @@ whole-segment path. A histogram built by the scan, before the max is known, need
 absolute grid (a fixed width in nats) or an anchor (the previous step's max plus a margin, and a
 fallback when a step's max passes it). For every decode step, layer and query head this prints:
 
-- the cut's bin population under today's bins and under absolute grids of 1/32, 1/64 and 1/128
-  nat, as percentiles over the segments and the share past each of the resolution's limits;
+- the cut's bin population under today's bins, under absolute grids of 1/32, 1/64 and 1/128
+  nat, and under the 1/32-nat grid with its cut bin refined by 2048 sub-bins (a second
+  histogram in the candidate pass), as percentiles over the segments and the share past each of
+  the resolution's limits; and today's bin width (the segment's span, at most 64 nats, over
+  2048), whose median says how much finer than 1/32 nat today's bins are;
 - how often a step's max lies above the previous step's max plus a margin (0.5, 1, 2 nats): the
   anchor's fallback rate.
 
@@ -120,6 +123,12 @@ def cut_bin_sizes(x: np.ndarray, c: float) -> dict[str, int]:
         out["today"] = x.size
     for g in GRIDS:
         out[f"1/{g} nat"] = int(np.count_nonzero(np.floor(-x * g) == np.floor(-c * g)))
+    # a 1/32-nat grid whose cut bin the candidate pass refines with BINS sub-bins first
+    g = GRIDS[0]
+    cell = np.floor(-x * g) == np.floor(-c * g)
+    sub = np.floor((-x * g - np.floor(-x * g)) * BINS)
+    out[f"1/{g} refined"] = int(np.count_nonzero(
+        cell & (sub == np.floor((-c * g - np.floor(-c * g)) * BINS))))
     return out
 
 
@@ -144,6 +153,7 @@ def main() -> int:
     source = synthetic() if a.synthetic else load_trace(a.trace, layers)
 
     sizes: dict[str, list[int]] = {}
+    spans: list[float] = []
     jumps = {m: 0 for m in MARGINS}
     pairs = segs = 0
     for layer, pk, dq, dk, hq, hkv, d in source:
@@ -167,6 +177,7 @@ def main() -> int:
                 for k, v in cut_bin_sizes(x, cut_score(x, a.p)).items():
                     sizes.setdefault(k, []).append(v)
                 mx = float(x.max())
+                spans.append(min(mx - float(x.min()), SPAN_NATS))
                 if prev_max[j] is not None:
                     pairs += 1
                     for m in MARGINS:
@@ -186,6 +197,10 @@ def main() -> int:
               f"{np.percentile(arr, 99):8.0f} {arr.max():8d}"
         row += "".join(f" {100.0 * np.mean(arr > lim):17.2f}%" for lim, _ in LIMITS)
         print(row)
+    sp = np.array(spans)
+    print(f"today's bin width: median 1/{BINS / np.median(sp):.0f} nat (span {np.median(sp):.1f} "
+          f"nats), 5th percentile 1/{BINS / np.percentile(sp, 5):.0f}, 95th "
+          f"1/{BINS / np.percentile(sp, 95):.0f}")
     if pairs:
         print(f"anchor (the previous step's max plus a margin), {pairs} consecutive pairs: a max "
               "above it, the fallback rate: " +
