@@ -122,13 +122,14 @@ def cut_bin_sizes(x: np.ndarray, c: float) -> dict[str, int]:
     else:
         out["today"] = x.size
     for g in GRIDS:
-        out[f"1/{g} nat"] = int(np.count_nonzero(np.floor(-x * g) == np.floor(-c * g)))
-    # a 1/32-nat grid whose cut bin the candidate pass refines with BINS sub-bins first
-    g = GRIDS[0]
-    cell = np.floor(-x * g) == np.floor(-c * g)
-    sub = np.floor((-x * g - np.floor(-x * g)) * BINS)
-    out[f"1/{g} refined"] = int(np.count_nonzero(
-        cell & (sub == np.floor((-c * g - np.floor(-c * g)) * BINS))))
+        pos, cpos = -x * g, -c * g
+        cell = np.floor(pos) == np.floor(cpos)
+        out[f"1/{g} nat"] = int(np.count_nonzero(cell))
+        if g == GRIDS[0]:
+            # the cut's cell refined by the candidate pass with BINS sub-bins first
+            sub = np.floor((pos - np.floor(pos)) * BINS)
+            out[f"1/{g} refined"] = int(np.count_nonzero(
+                cell & (sub == np.floor((cpos - np.floor(cpos)) * BINS))))
     return out
 
 

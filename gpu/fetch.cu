@@ -116,9 +116,10 @@ static __global__ void __launch_bounds__(FT_THREADS)
  * row from the host tier or its staged copy into a claimed way of the hot cache, or its address
  * for the attention to read in place. Returns whether it counts as a miss (lane 0's value). */
 static __device__ __forceinline__ bool fill_row(uint32_t row_bytes, const kvt_gpu_fetch_seq &q,
-						const kvt_gpu_hot &hot, uint32_t epoch, uint32_t item,
-						uint32_t h, uint32_t k, const void **slotp,
-						uintptr_t cur, uint32_t lane, unsigned long long *err)
+						const kvt_gpu_hot &hot, uint32_t epoch,
+						uint32_t item, uint32_t h, uint32_t k,
+						const void **slotp, uintptr_t cur, uint32_t lane,
+						unsigned long long *err)
 {
 	const uint32_t S = q.n_sink;
 	const uint32_t at = k < S ? k : S + q.sel[(size_t)h * q.sel_ld + k - S];
@@ -203,7 +204,7 @@ static __global__ void __launch_bounds__(FT_THREADS)
 		epoch = *hot.epoch;
 	const uint32_t n = min(items[item].n, q.n_sink + q.sel_n[h]);
 	const void **slots = rows + (size_t)item * max_rows;
-	uint32_t misses = 0; /* lane 0's count */
+	uint32_t misses = 0; /* the warp's count, the same in every lane (lane 0 adds it) */
 	/* a warp's rows are (warp id) + k * (warps of the item's blocks), as one row a warp would
 	 * take them (misses of nearby positions, often together, go to different warps); it tests
 	 * 32 of them at once, a lane a row (a hit needs nothing more), then serves their misses one
@@ -213,11 +214,13 @@ static __global__ void __launch_bounds__(FT_THREADS)
 	     k0 += 32ull * W) {
 		const uint64_t k = k0 + (uint64_t)lane * W;
 		const uintptr_t mine = k < n ? (uintptr_t)slots[k] : 0;
-		uint32_t todo = __ballot_sync(0xffffffffu,
-					      k < n && (!mine || (mine & KVT_GPU_ROW_STAGED)));
-		while (todo) {
-			const uint32_t b = (uint32_t)__ffs(todo) - 1u, kb = (uint32_t)(k0 + b * W);
-			todo &= todo - 1u;
+		/* the rows of the span still to serve, a bit a lane */
+		uint32_t pending = __ballot_sync(
+			0xffffffffu, k < n && (!mine || (mine & KVT_GPU_ROW_STAGED)));
+		while (pending) {
+			const uint32_t b = (uint32_t)__ffs(pending) - 1u;
+			const uint32_t kb = (uint32_t)(k0 + b * W);
+			pending &= pending - 1u;
 			const uintptr_t cur = (uintptr_t)__shfl_sync(
 				0xffffffffu, (unsigned long long)mine, (int)b);
 			misses += fill_row(row_bytes, q, hot, epoch, item, h, kb, &slots[kb], cur,
