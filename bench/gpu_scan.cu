@@ -10,6 +10,9 @@
  * three ways (the launch floor), less which the scan's own time is given. Each launch scans another
  * copy of the index, the copies together several times the L2, so
  * the figure is HBM's, not the cache's; the score buffer is reused, as the decode step reuses it.
+ * The same scan building the first histogram too (kvt_gpu_score's bins, gpu/scanbins.h; issue 15,
+ * point 1) is timed beside each, as a ratio to the scan alone, and the 4096-token scores' spread
+ * in nats is printed (the histogram's slots in use depend on it).
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -59,6 +62,7 @@ struct setup {
 	kvt_gpu_qcode *qc;
 	float *scores;
 	kvt_gpu_segstats *stats; /* gathered as the step's scan gathers them (zeroed once) */
+	kvt_gpu_bins bins;       /* the scan's histogram, when timed with it (zeroed once) */
 	std::vector<void *> mem;
 };
 
@@ -92,7 +96,13 @@ static setup make(uint32_t n, size_t min_bytes, const float *drot, const float *
 	CK(cudaMalloc((void **)&s.scores, (size_t)HQ * n * 4));
 	CK(cudaMalloc((void **)&s.stats, HQ * sizeof(kvt_gpu_segstats)));
 	CK(cudaMemset(s.stats, 0, HQ * sizeof(kvt_gpu_segstats)));
-	s.mem.insert(s.mem.end(), {(void *)s.n_tok, (void *)s.qc, (void *)s.scores, (void *)s.stats});
+	s.bins.scale = 1.0f / sqrtf((float)D);
+	CK(cudaMalloc((void **)&s.bins.count, (size_t)HQ * KVT_BINS * 4));
+	CK(cudaMalloc((void **)&s.bins.dsum, (size_t)HQ * KVT_BINS * 8));
+	CK(cudaMemset(s.bins.count, 0, (size_t)HQ * KVT_BINS * 4));
+	CK(cudaMemset(s.bins.dsum, 0, (size_t)HQ * KVT_BINS * 8));
+	s.mem.insert(s.mem.end(), {(void *)s.n_tok, (void *)s.qc, (void *)s.scores, (void *)s.stats,
+				   (void *)s.bins.count, (void *)s.bins.dsum});
 	CK(cudaDeviceSynchronize());
 	return s;
 }
@@ -112,19 +122,20 @@ static float time_scan(setup &s, bool prep, const float *drot, const float *cons
 			       RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq,
 							dck, s.qc, NULL));
 		       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n,
-					s.scores, s.n, s.stats, NULL, NULL));
+					s.scores, s.n, s.stats, NULL, NULL, NULL));
 	       });
 }
 
 /* Microseconds per scan when `burst` scans are queued back to back (launch latency hidden, as in a
  * captured decode step), median over RUNS bursts. */
-static float time_burst(setup &s, int burst)
+static float time_burst(setup &s, int burst, bool bins = false)
 {
 	return 1000.0f / burst * median_ms(0, 5, RUNS, [&](int i) {
 		       for (int b = 0; b < burst; b++)
 			       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc,
 						s.views[(i * burst + b) % s.copies], s.n_tok, s.n,
-						s.scores, s.n, s.stats, NULL, NULL));
+						s.scores, s.n, s.stats, bins ? &s.bins : NULL, NULL,
+						NULL));
 	       });
 }
 
@@ -167,7 +178,11 @@ int main(void)
 		const float fg = graph_us(20, [](cudaStream_t st, int) { empty_call(1, st); });
 		const float tg = graph_us(20, [&](cudaStream_t st, int b) {
 			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[b % s.copies], s.n_tok, s.n,
-					 s.scores, s.n, s.stats, NULL, st));
+					 s.scores, s.n, s.stats, NULL, NULL, st));
+		});
+		const float tgb = graph_us(20, [&](cudaStream_t st, int b) {
+			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[b % s.copies], s.n_tok, s.n,
+					 s.scores, s.n, s.stats, &s.bins, NULL, st));
 		});
 		printf("scan 4096 tokens x %d KV heads: %.2f us per launch timed alone (paper, Hopper: "
 		       "13.0 us; ratio %.2fx faster; goal <= 5 us); %.2f us each in a burst of 20 (ratio "
@@ -178,12 +193,28 @@ int main(void)
 		       "a graph of 20; the scan's own (less the floor): %.2f us alone, %.2f in a burst, "
 		       "%.2f in a graph\n",
 		       f, fb, fg, tg, t - f, tb - fb, tg - fg);
+		printf("  with the first histogram (kvt_gpu_score's bins, scanbins.h): %.2f us "
+		       "each in a graph of 20 (%.2fx the scan's)\n",
+		       tgb, tgb / tg);
+		std::vector<float> sc((size_t)HQ * s.n);
+		CK(cudaMemcpy(sc.data(), s.scores, sc.size() * 4, cudaMemcpyDeviceToHost));
+		std::vector<float> spread(HQ);
+		for (int q = 0; q < HQ; q++) {
+			const auto mm = std::minmax_element(sc.begin() + (size_t)q * s.n,
+							    sc.begin() + (size_t)(q + 1) * s.n);
+			spread[q] = (*mm.second - *mm.first) / sqrtf((float)D);
+		}
+		std::sort(spread.begin(), spread.end());
+		printf("  scores' spread at softmax scale 1/sqrt(%d): median %.2f nats over %d "
+		       "query heads (%.2f to %.2f)\n",
+		       D, spread[HQ / 2], HQ, spread[0], spread[HQ - 1]);
 		drop(s);
 	}
 	const uint32_t ns[3] = {65536, 131072, 1048576};
 	for (int i = 0; i < 3; i++) {
 		setup s = make(ns[i], rotate_bytes, drot, dc, dc, dq);
 		const float ta = time_scan(s, false, drot, dc, dc, dq), t = time_burst(s, 20);
+		const float tb = time_burst(s, 20, true);
 		const double index_bytes = (double)ns[i] * HKV * (D / 8 + 4);
 		const double score_bytes = (double)ns[i] * HQ * 4;
 		const double ib = index_bytes / (t * 1e-6);
@@ -192,6 +223,9 @@ int main(void)
 		       "scores written too: %.1f%%\n",
 		       ns[i], t, ta, ib / 1e9, 100.0 * ib / copy_bw, score_bytes / 1e6,
 		       100.0 * (index_bytes + score_bytes) / (t * 1e-6) / copy_bw);
+		printf("  with the first histogram: %8.2f us each in a burst of 20 (%.2fx the "
+		       "scan's)\n",
+		       tb, tb / t);
 		drop(s);
 	}
 	return 0;

@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "scanbins.h"
 #include "score.cuh"
 #include "segstats.cuh"
 
@@ -305,14 +306,34 @@ static __device__ __forceinline__ void finish(const int (&c)[4], const float4 &k
 	}
 }
 
-/* ONE: the group fits one n-tile (G <= 4), so operand B and the query constants stay in registers. */
-template <int D, bool ONE>
+/* Score f into a query head's shared slots (scanbins.h), when it is binned. */
+static __device__ __forceinline__ void bin_score(float f, float scale, uint32_t *count,
+						 uint32_t *dsum)
+{
+	uint32_t slot, dv;
+	if (kvt_bins_of(f, scale, &slot, &dv)) {
+		atomicAdd(&count[slot], 1u);
+		atomicAdd(&dsum[slot], dv);
+	}
+}
+
+/* Bytes of dynamic shared memory the scan's histogram takes (BINS): a count and a sum of D per slot
+ * and query head, for four heads (BINS needs ONE). */
+#define SC_BINS_SMEM (4 * KVT_BINS * 8)
+
+/* ONE: the group fits one n-tile (G <= 4), so operand B and the query constants stay in registers.
+ * BINS (with ONE): every score is binned too (scanbins.h), in shared memory, and each block adds
+ * its nonzero slots into bins' at its end. */
+template <int D, bool ONE, bool BINS>
 static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BLOCKS)
 	k_score(const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views, const uint32_t *n_tokens,
 		uint32_t max_n, uint32_t hq, uint32_t hkv, float *scores, size_t ld,
-		kvt_gpu_segstats *stats, unsigned long long *err)
+		kvt_gpu_segstats *stats, unsigned long long *err, kvt_gpu_bins bins)
 {
+	static_assert(!BINS || ONE, "the histogram is built for groups of at most four heads");
 	constexpr int S = D / 32, W = D / 32, WPL = D == 256 ? 2 : 1;
+	extern __shared__ uint4 bins_sh[]; /* BINS: [4][KVT_BINS] counts, then [4][KVT_BINS] sums */
+	uint32_t *bcount = (uint32_t *)bins_sh, *bsum = bcount + 4 * KVT_BINS;
 	__shared__ uint2 bfrag[ONE ? 1 : SC_MAX_NT][ONE ? 1 : S][32];
 	__shared__ float4 qk[ONE ? 1 : KVT_GPU_MAX_GROUP];
 	/* the block's statistics per query head, merged in shared memory so that a block adds each
@@ -350,8 +371,12 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 	}
 	for (uint32_t c = threadIdx.x; c < (ONE ? 4u : G); c += blockDim.x)
 		sst[c] = kvt_gpu_segstats{0, 0, 0, 0};
+	if (BINS)
+		for (uint32_t e = threadIdx.x; e < SC_BINS_SMEM / 16; e += blockDim.x)
+			bins_sh[e] = make_uint4(0, 0, 0, 0);
 	__syncthreads();
 	kvt_d_frange fr; /* ONE: the range of this lane's query head's scores, q = t */
+	uint32_t *const hc = bcount + t * KVT_BINS, *const hs = bsum + t * KVT_BINS; /* its slots */
 	uint32_t mask[S];
 #pragma unroll
 	for (int s = 0; s < S; s++)
@@ -408,6 +433,9 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 						finish(c, kreg, sg, bt, pbf, out + (size_t)q * ld,
 						       ra, n, [&](float f, uint32_t) {
 							       kvt_d_frange_add(fr, f);
+							       if (BINS)
+								       bin_score(f, bins.scale, hc,
+										 hs);
 						       });
 				} else {
 					uint32_t tst[3] = {0, 0, 0};
@@ -447,6 +475,16 @@ static __global__ void __launch_bounds__(SC_WARPS * 32, D == 256 ? 2 : SC_MIN_BL
 	__syncthreads();
 	for (uint32_t c = threadIdx.x; gs && c < G; c += blockDim.x)
 		kvt_d_stat_add(sst[c].max_key, sst[c].nmin_key, sst[c].bad, &gs[c]);
+	if (BINS) { /* the block's nonzero slots into the segments' */
+		const size_t at = ((size_t)seq * hq + (size_t)h * G) * KVT_BINS;
+		for (uint32_t e = threadIdx.x; e < G * KVT_BINS; e += blockDim.x) {
+			const uint32_t k = bcount[e];
+			if (k) {
+				atomicAdd(&bins.count[at + e], k);
+				atomicAdd(&bins.dsum[at + e], (unsigned long long)bsum[e]);
+			}
+		}
+	}
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
@@ -481,22 +519,28 @@ extern "C" int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs
 	}));
 }
 
-template <int D, bool ONE>
+template <int D, bool ONE, bool BINS>
 static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
 		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
 		   float *scores, size_t ld, kvt_gpu_segstats *stats, unsigned long long *err,
-		   cudaStream_t s)
+		   const kvt_gpu_bins &bins, cudaStream_t s)
 {
 	/* one wave of resident blocks, each looping over its share of the chunks, so that the
 	 * per-block setup (the B fragments) is paid once per block rather than once per chunk */
-	/* blocks per SM, computed once (a racing first call computes it twice) */
+	/* blocks per SM, computed once (a racing first call computes it twice, and sets the
+	 * histogram's shared memory limit twice) */
 	static int occupancy;
+	const int smem = BINS ? SC_BINS_SMEM : 0;
 	int dev = 0, sms = 0, per_sm = __atomic_load_n(&occupancy, __ATOMIC_RELAXED);
 	KVT_CU(cudaGetDevice(&dev));
 	KVT_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
 	if (per_sm == 0) {
-		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE>,
-								     SC_WARPS * 32, 0));
+		if (BINS)
+			KVT_CU(cudaFuncSetAttribute(k_score<D, ONE, BINS>,
+						    cudaFuncAttributeMaxDynamicSharedMemorySize,
+						    smem));
+		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE, BINS>,
+								     SC_WARPS * 32, smem));
 		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
 	}
 	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
@@ -505,10 +549,14 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 	 * would start only when one ends (rounded up, 64 or 128 items left 48 or 112 blocks for
 	 * a second wave on the H200) */
 	const uint32_t wave = (uint32_t)(sms * (per_sm > 0 ? per_sm : 1));
-	const uint32_t fill = wave / items ? wave / items : 1;
+	uint32_t fill = wave / items ? wave / items : 1;
+	/* the histogram: enough blocks that none bins more than KVT_BINS_BLOCK_TOKENS tokens */
+	const uint32_t per_block = KVT_BINS_BLOCK_TOKENS / SC_TOKENS;
+	if (BINS && fill < (chunks + per_block - 1) / per_block)
+		fill = (chunks + per_block - 1) / per_block;
 	const dim3 grid(chunks < fill ? chunks : fill, items);
-	k_score<D, ONE><<<grid, SC_WARPS * 32, 0, s>>>(qc, views, n_tokens, max_n, hq, hkv, scores,
-						       ld, stats, err);
+	k_score<D, ONE, BINS><<<grid, SC_WARPS * 32, smem, s>>>(qc, views, n_tokens, max_n, hq, hkv,
+								scores, ld, stats, err, bins);
 	KVT_CU_LAUNCHED();
 	return 0;
 }
@@ -517,22 +565,32 @@ template <int D>
 static int score_d(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qcode *qc,
 		   const kvt_gpu_index_view *views, const uint32_t *n_tokens, uint32_t max_n,
 		   float *scores, size_t ld, kvt_gpu_segstats *stats, unsigned long long *err,
-		   cudaStream_t s)
+		   const kvt_gpu_bins *bins, cudaStream_t s)
 {
+	if (bins)
+		return score_g<D, true, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores,
+					      ld, stats, err, *bins, s);
+	const kvt_gpu_bins none = {0.0f, NULL, NULL};
 	if (hq / hkv <= 4)
-		return score_g<D, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld,
-					stats, err, s);
-	return score_g<D, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld, stats,
-				 err, s);
+		return score_g<D, true, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores,
+					       ld, stats, err, none, s);
+	return score_g<D, false, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores, ld,
+					stats, err, none, s);
 }
 
 extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 			     const kvt_gpu_qcode *qc, const kvt_gpu_index_view *views,
 			     const uint32_t *n_tokens, uint32_t max_n, float *scores, size_t ld,
-			     kvt_gpu_segstats *stats, unsigned long long *err, void *stream)
+			     kvt_gpu_segstats *stats, const kvt_gpu_bins *bins,
+			     unsigned long long *err, void *stream)
 {
 	if (!qc || !views || !n_tokens || !scores || n_kv_heads == 0 || n_q_heads % n_kv_heads)
 		return -EINVAL;
+	if (bins && (!bins->count || !bins->dsum || !(bins->scale > 0.0f) ||
+		     bins->scale == INFINITY))
+		return -EINVAL;
+	if (bins && n_q_heads / n_kv_heads > 4)
+		return -EOPNOTSUPP;
 	if (n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP || (uint64_t)n_seqs * n_kv_heads > 65535)
 		return -EINVAL;
 	if (ld % 4 || max_n > ld)
@@ -544,6 +602,6 @@ extern "C" int kvt_gpu_score(uint32_t d, uint32_t n_seqs, uint32_t n_q_heads, ui
 	cudaStream_t s = KVT_STREAM(stream);
 	KVT_DISPATCH_HEAD_DIM(d, D, {
 		return score_d<D>(n_seqs, n_q_heads, n_kv_heads, qc, views, n_tokens, max_n, scores,
-				  ld, stats, err, s);
+				  ld, stats, err, bins, s);
 	});
 }

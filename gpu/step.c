@@ -305,7 +305,7 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	CU(c, cudaMemsetAsync(s->stats, 0, sizeof(kvt_gpu_segstats) * n_seqs * Hq,
 			      (cudaStream_t)stream));
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
-				s->ld, s->stats, b->err, stream));
+				s->ld, s->stats, NULL, b->err, stream));
 	gpu_mark(t, 1, stream);
 	const bool rs = c->cfg.rescore_p != 0.0f;
 	kvt_gpu_selbits rbits = {0};

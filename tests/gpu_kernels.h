@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * What the GPU kernel tests share (test_gpu_kernels.c, which holds main and these helpers,
- * test_gpu_select.c and test_gpu_spill_list.c): the run's seed and mode, device buffers poisoned
- * with 0xff bytes, and the selection's order key.
+ * test_gpu_select.c, test_gpu_bins.c and test_gpu_spill_list.c): the run's seed and mode, device
+ * buffers poisoned with 0xff bytes, and the selection's order key.
  */
 #ifndef KVT_TESTS_GPU_KERNELS_H
 #define KVT_TESTS_GPU_KERNELS_H
@@ -46,6 +46,10 @@ kvt_gpu_segstats host_segstats(const float *x, uint32_t n);
 /* test_gpu_select.c */
 void test_select(void **state);
 void test_select_nonfinite(void **state);
+
+/* test_gpu_bins.c */
+void test_scan_bins(void **state);
+void test_scan_bins_arguments(void **state);
 
 /* test_gpu_spill_list.c */
 void test_spill_list(void **state);

@@ -11,7 +11,8 @@
  * - attention: within 1e-3 of kvt_attention (the largest error seen is printed), rows from device
  *   memory and from mapped pinned host memory.
  * - the list of a spilled fetch's misses (test_gpu_spill_list.c): exactly the missed rows of NULL
- *   blocks of the spilled sequences, scattered where staged, then served by the fill.
+ *   blocks of the spilled sequences, scattered where staged, then served by the fill;
+ * - the scan's first histogram (test_gpu_bins.c): counts and sums equal to the CPU twin's.
  * Exits 77 (skipped) when no CUDA device is present.
  */
 #include <cuda_runtime.h>
@@ -365,7 +366,8 @@ static void test_prepare_and_score(void **state)
 					 *gstat = (kvt_gpu_segstats *)t_alloc(sizeof(kvt_gpu_segstats) * S * Hq);
 			CU(cudaMemset(dstat, 0, sizeof(kvt_gpu_segstats) * S * Hq));
 			rc = kvt_gpu_score(d, S, Hq, Hkv, dqc, (const kvt_gpu_index_view *)dviews,
-					   (const uint32_t *)dn, 4099, dsc, ld, dstat, derr, NULL);
+					   (const uint32_t *)dn, 4099, dsc, ld, dstat, NULL, derr,
+					   NULL);
 			T_CHECK(rc == 0, "kvt_gpu_score: %d", rc);
 			float *gs = (float *)t_alloc(4 * (size_t)S * Hq * ld),
 			      *ws = (float *)t_alloc(4 * 4100);
@@ -688,10 +690,11 @@ static void test_arguments(void **state)
 		"prepare f32");
 	T_CHECK(kvt_gpu_query_prepare(128, KVT_DTYPE_F16, 1, 5, 2, p, p, p, p, p, NULL) == -EINVAL,
 		"prepare 5 heads over 2");
-	T_CHECK(kvt_gpu_score(80, 1, 4, 2, p, p, p, 8, p, 8, NULL, NULL, NULL) == -EOPNOTSUPP,
+	T_CHECK(kvt_gpu_score(80, 1, 4, 2, p, p, p, 8, p, 8, NULL, NULL, NULL, NULL) == -EOPNOTSUPP,
 		"score d=80");
-	T_CHECK(kvt_gpu_score(128, 1, 4, 2, p, p, p, 8, p, 6, NULL, NULL, NULL) == -EINVAL, "score ld 6");
-	T_CHECK(kvt_gpu_score(128, 1, 128, 1, p, p, p, 8, p, 8, NULL, NULL, NULL) == -EINVAL,
+	T_CHECK(kvt_gpu_score(128, 1, 4, 2, p, p, p, 8, p, 6, NULL, NULL, NULL, NULL) == -EINVAL,
+		"score ld 6");
+	T_CHECK(kvt_gpu_score(128, 1, 128, 1, p, p, p, 8, p, 8, NULL, NULL, NULL, NULL) == -EINVAL,
 		"group 128");
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, p, p, 1 << 20, NULL,
 				       NULL) == -EINVAL,
@@ -775,6 +778,8 @@ int main(void)
 		cmocka_unit_test(test_prepare_and_score), cmocka_unit_test(test_select),
 		cmocka_unit_test(test_select_nonfinite),  cmocka_unit_test(test_attend),
 		cmocka_unit_test(test_spill_arguments),   cmocka_unit_test(test_spill_list),
+		cmocka_unit_test(test_scan_bins),
+		cmocka_unit_test(test_scan_bins_arguments),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,101 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The scan's first histogram (issue 15, point 1; doc/selection.md, "A scan-built histogram
+ * without an anchor"): while kvt_gpu_score writes a query head's scores it can also bin them on a
+ * fixed grid, so that the Top-p threshold need not stream them for its histogram. C and CUDA: the
+ * kernel and its CPU twin (tests/test_gpu_bins.c) bin with this one function, which is why every
+ * operation is written out and rounded as written.
+ *
+ * The grid is absolute, so every block bins a score the same way without knowing the segment's
+ * maximum: with x = s * scale in nats, bin b = floor(-x * KVT_BINS_PER_NAT) (bin 0 holds
+ * x in (-1/32, 0]; larger scores have negative bins). A score's term relative to its bin's top
+ * edge e_b = -b / 32 is exp(x - e_b), in (e^-1/32, 1]; what is summed is
+ * D = round((1 - exp(x - e_b)) 2^21) + KVT_BINS_DOFF (an integer below 65600), so a bin's mass is
+ * e^(e_b) (count - 2^-21 (sum D - KVT_BINS_DOFF count)) relative to e^0, exactly and in any order.
+ *
+ * How it is computed, so that its error is bounded whatever |x| is (bench/selection_grid_check.py
+ * shows that fl(s scale) - e_b alone errs by up to 2^-16 at large logits): h = fl(s scale) and
+ * l = fma(s, scale, -h) give h + l = s scale exactly; b comes from h; y = (h - e_b) + l, where
+ * h - e_b is exact (Sterbenz) and y lies within |l| of (-1/32, 0]; 1 - exp(y) is a degree-4
+ * polynomial in y (truncation below 2^-31 for |y| <= 2^-5 + 2^-12) evaluated with fmaf, which
+ * rounds the same on both sides. The term's error is then below 2^-21.9 of the term, the rounding
+ * of D included, within the 2^-21 per term that doc/selection.md's tolerance assumes.
+ *
+ * Binned: finite scores with |h| < KVT_BINS_DOMAIN nats (then |l| <= 2^-13, so D lies in
+ * [0, 65600) with the offset). Others are not binned: their segment's statistics show them (a
+ * non-finite score, or a max or min past the domain), and such a segment takes the threshold's own
+ * passes.
+ *
+ * The ring: bin b is counted at slot b mod KVT_BINS (64 nats of bins). Two binned scores share a
+ * slot only if their bins differ by a multiple of KVT_BINS, that is only in a segment whose
+ * scores span 64 nats or more, which its statistics show too.
+ */
+#ifndef KVT_GPU_SCANBINS_H
+#define KVT_GPU_SCANBINS_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define KVT_BINS 2048u               /* ring slots per query head */
+#define KVT_BINS_PER_NAT 32.0f       /* bin width 1/32 nat */
+#define KVT_BINS_DOMAIN 4096.0f      /* |s scale| binned below it, in nats */
+#define KVT_BINS_DOFF 512            /* added to every D: keeps it >= 0 (|y - y_0| <= 2^-13) */
+#define KVT_BINS_BLOCK_TOKENS 32768u /* tokens a scan block bins at most: a slot's sum of D fits
+					32 bits in shared memory (2^15 * 65600 < 2^32) */
+
+/*
+ * Where kvt_gpu_score adds its histogram: per (sequence, query head) segment, KVT_BINS counts
+ * and KVT_BINS sums of D, slot-indexed, both zeroed by the caller before (they are added to).
+ */
+typedef struct kvt_gpu_bins {
+	float scale;              /* the softmax scale the threshold will use (nats per score) */
+	uint32_t *count;          /* device [n_seqs][n_q_heads][KVT_BINS] */
+	unsigned long long *dsum; /* device [n_seqs][n_q_heads][KVT_BINS] */
+} kvt_gpu_bins;
+
+#ifdef __CUDACC__
+#define KVT_BINS_FN static __host__ __device__ __forceinline__
+#else
+#define KVT_BINS_FN static inline
+#endif
+
+/* a * b and a + b rounded once, without contraction, on either side */
+KVT_BINS_FN float kvt_bins_mul(float a, float b)
+{
+#ifdef __CUDA_ARCH__
+	return __fmul_rn(a, b);
+#else
+	return a * b;
+#endif
+}
+
+KVT_BINS_FN float kvt_bins_add(float a, float b)
+{
+#ifdef __CUDA_ARCH__
+	return __fadd_rn(a, b);
+#else
+	return a + b;
+#endif
+}
+
+/* Bins score s: true with its slot (b mod KVT_BINS) and D, false when it is not binned. */
+KVT_BINS_FN bool kvt_bins_of(float s, float scale, uint32_t *slot, uint32_t *d)
+{
+	const float h = kvt_bins_mul(s, scale);
+	if (!(h > -KVT_BINS_DOMAIN && h < KVT_BINS_DOMAIN)) /* NaN too */
+		return false;
+	const float l = fmaf(s, scale, -h);
+	const float bf = floorf(kvt_bins_mul(-h, KVT_BINS_PER_NAT));
+	const float y = kvt_bins_add(fmaf(bf, 1.0f / KVT_BINS_PER_NAT, h), l);
+	/* 1 - e^y = -y (1 + y (1/2 + y (1/6 + y / 24))) */
+	float p = fmaf(y, 0x1.555556p-5f, 0x1.555556p-3f); /* 1/24, 1/6 rounded */
+	p = fmaf(y, p, 0.5f);
+	p = fmaf(y, p, 1.0f);
+	const float dl = kvt_bins_mul(-y, p);
+	*slot = (uint32_t)(int32_t)bf & (KVT_BINS - 1u);
+	*d = (uint32_t)((int32_t)rintf(kvt_bins_mul(dl, 2097152.0f)) + KVT_BINS_DOFF);
+	return true;
+}
+
+#endif
