@@ -16,7 +16,9 @@ fallback when a step's max passes it). For every decode step, layer and query he
   the resolution's limits; and today's bin width (the segment's span, at most 64 nats, over
   2048), whose median says how much finer than 1/32 nat today's bins are;
 - how often a step's max lies above the previous step's max plus a margin (0.5, 1, 2 nats): the
-  anchor's fallback rate.
+  anchor's fallback rate;
+- how often the scan's ring (gpu/scanbins.h: 2048 slots of 1/32 nat, bin b mod 2048) cannot serve
+  a segment because its scores' bins span 2048 or more (about 64 nats), and the spans themselves.
 
 Scores are the exact logits q.k / sqrt(d) over every token the step attends (the trace's prefill
 plus the decode tokens so far), or with --estimate a RaBitQ 1-bit estimate of them (per-head
@@ -155,6 +157,8 @@ def main() -> int:
 
     sizes: dict[str, list[int]] = {}
     spans: list[float] = []
+    ranges: list[float] = []
+    wraps = 0
     jumps = {m: 0 for m in MARGINS}
     pairs = segs = 0
     for layer, pk, dq, dk, hq, hkv, d in source:
@@ -178,7 +182,11 @@ def main() -> int:
                 for k, v in cut_bin_sizes(x, cut_score(x, a.p)).items():
                     sizes.setdefault(k, []).append(v)
                 mx = float(x.max())
-                spans.append(min(mx - float(x.min()), SPAN_NATS))
+                mn = float(x.min())
+                spans.append(min(mx - mn, SPAN_NATS))
+                ranges.append(mx - mn)
+                # the ring's test, on the bins of the extremes (what the statistics give)
+                wraps += np.floor(-mn * GRIDS[0]) - np.floor(-mx * GRIDS[0]) >= BINS
                 if prev_max[j] is not None:
                     pairs += 1
                     for m in MARGINS:
@@ -202,6 +210,11 @@ def main() -> int:
     print(f"today's bin width: median 1/{BINS / np.median(sp):.0f} nat (span {np.median(sp):.1f} "
           f"nats), 5th percentile 1/{BINS / np.percentile(sp, 5):.0f}, 95th "
           f"1/{BINS / np.percentile(sp, 95):.0f}")
+    rg = np.array(ranges)
+    print(f"the scan's ring (2048 slots of 1/32 nat): segments whose bins span 2048 or more, which "
+          f"take the threshold's own passes: {100.0 * wraps / segs:.2f}%; span median "
+          f"{np.median(rg):.1f} nats, 95th percentile {np.percentile(rg, 95):.1f}, max "
+          f"{rg.max():.1f}")
     if pairs:
         print(f"anchor (the previous step's max plus a margin), {pairs} consecutive pairs: a max "
               "above it, the fallback rate: " +
