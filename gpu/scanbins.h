@@ -60,24 +60,17 @@ typedef struct kvt_gpu_bins {
 #define KVT_BINS_FN static inline
 #endif
 
-/* a * b and a + b rounded once, without contraction, on either side */
-KVT_BINS_FN float kvt_bins_mul(float a, float b)
-{
+/* a * b and a + b rounded once, without contraction, on either side (the host's C is compiled
+ * with -ffp-contract=off) */
 #ifdef __CUDA_ARCH__
-	return __fmul_rn(a, b);
+KVT_BINS_FN float kvt_bins_mul(float a, float b) { return __fmul_rn(a, b); }
+KVT_BINS_FN float kvt_bins_add(float a, float b) { return __fadd_rn(a, b); }
+KVT_BINS_FN double kvt_bins_dmul(double a, double b) { return __dmul_rn(a, b); }
 #else
-	return a * b;
+KVT_BINS_FN float kvt_bins_mul(float a, float b) { return a * b; }
+KVT_BINS_FN float kvt_bins_add(float a, float b) { return a + b; }
+KVT_BINS_FN double kvt_bins_dmul(double a, double b) { return a * b; }
 #endif
-}
-
-KVT_BINS_FN float kvt_bins_add(float a, float b)
-{
-#ifdef __CUDA_ARCH__
-	return __fadd_rn(a, b);
-#else
-	return a + b;
-#endif
-}
 
 /* Bins score s: true with its slot (b mod KVT_BINS) and D, false when it is not binned. */
 KVT_BINS_FN bool kvt_bins_of(float s, float scale, uint32_t *slot, uint32_t *d)

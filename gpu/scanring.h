@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The scan's ring as the Top-p threshold is to read it (issue 15, point 1; the consumer of
+ * kvt_gpu_score's bins, gpu/scanbins.h, not built yet): which segments it serves, and each slot's
+ * mass in the threshold's units, computed the same on host and device. tests/test_scan_bins.c
+ * checks on the CPU that a Top-p set decided from these masses keeps the GPU threshold's stated
+ * tolerance. C and CUDA; kept apart from scanbins.h so that the scan's kernel does not include it.
+ */
+#ifndef KVT_GPU_SCANRING_H
+#define KVT_GPU_SCANRING_H
+
+#include "scanbins.h"
+
+/* Whether score s is binned: finite, with |fl(s scale)| below the domain. */
+KVT_BINS_FN bool kvt_bins_in(float s, float scale)
+{
+	const float h = kvt_bins_mul(s, scale);
+	return h > -KVT_BINS_DOMAIN && h < KVT_BINS_DOMAIN; /* false for NaN too */
+}
+
+/* The bin of a binned score: floor(-fl(s scale) 32), in (-131072, 131072]. */
+KVT_BINS_FN int32_t kvt_bins_bin(float s, float scale)
+{
+	return (int32_t)floorf(kvt_bins_mul(-kvt_bins_mul(s, scale), KVT_BINS_PER_NAT));
+}
+
+/*
+ * What the threshold will do with the ring (its consumer, not built yet; doc/selection.md). Given
+ * a segment's max M and min m (its statistics), the ring serves it when both are binned and
+ * kvt_bins_bin(m) - kvt_bins_bin(M) < KVT_BINS: every score's slot then holds its bin alone, the
+ * slot of bin b_M + j being (b_M + j) mod KVT_BINS for j = 0, 1, ... Slot j's mass, in the
+ * threshold's units (2^-40 of e^(M scale), gpu/select.cu), for its count k and sum of D S, is
+ *   2^19 (k 2^21 - (S - KVT_BINS_DOFF k)) e^(e_b - M scale), e_b = -(b_M + j) / 32,
+ * with e^(e_b - M scale) = e^(-j / 32) e^c, c = -b_M / 32 - M scale (exact in double, in
+ * [-2^-13, 2^-5]): the first factor from a table (kvt_bins_powers, computed once on the host and
+ * read on both sides), the second from kvt_bins_exp_small, so that host and device convert to the
+ * same integers.
+ */
+
+/* Whether the ring serves a segment of finite scores with this max and min (above). */
+KVT_BINS_FN bool kvt_bins_serves(float max, float min, float scale)
+{
+	return kvt_bins_in(max, scale) && kvt_bins_in(min, scale) &&
+	       kvt_bins_bin(min, scale) - kvt_bins_bin(max, scale) < (int32_t)KVT_BINS;
+}
+
+/* e^c for |c| <= 2^-5 in double: Taylor to c^8 (truncation below 2^-60) evaluated with fma. */
+KVT_BINS_FN double kvt_bins_exp_small(double c)
+{
+	double p = 0x1.a01a01a01a01ap-16; /* 1/8!, then 1/7! ... 1/2!, 1, 1 */
+	p = fma(c, p, 0x1.a01a01a01a01ap-13);
+	p = fma(c, p, 0x1.6c16c16c16c17p-10);
+	p = fma(c, p, 0x1.1111111111111p-7);
+	p = fma(c, p, 0x1.5555555555555p-5);
+	p = fma(c, p, 0x1.5555555555555p-3);
+	p = fma(c, p, 0.5);
+	p = fma(c, p, 1.0);
+	return fma(c, p, 1.0);
+}
+
+/* c = -b_M / 32 - M scale for a segment whose max M has bin b_M: exact in double (M scale has
+ * at most 48 significant bits, and both terms lie within 2^13 of 0). */
+KVT_BINS_FN double kvt_bins_offset(float max, float scale, int32_t bmax)
+{
+	return (double)-bmax / (double)KVT_BINS_PER_NAT - (double)max * (double)scale;
+}
+
+/* Slot mass in 2^-40 units of e^(M scale), truncated: k scores with sum of D dsum, the slot j bins
+ * below the max's, pw = e^(-j/32) from the table, f = kvt_bins_exp_small(c). Below 2^64 for
+ * k < 2^24 (the threshold's bound on n). */
+KVT_BINS_FN uint64_t kvt_bins_mass(uint32_t k, uint64_t dsum, double pw, double f)
+{
+	/* k 2^21 - (dsum - 512 k): an integer below 2^45, exact */
+	const double num = (double)k * 2097152.0 - ((double)dsum - (double)KVT_BINS_DOFF * k);
+	return (uint64_t)kvt_bins_dmul(kvt_bins_dmul(num * 524288.0, pw), f);
+}
+
+#ifndef __CUDA_ARCH__
+/* The table of e^(-j/32), j < KVT_BINS (host: computed once, then copied where the device reads
+ * it). */
+static inline void kvt_bins_powers(double *pw)
+{
+	for (uint32_t j = 0; j < KVT_BINS; j++)
+		pw[j] = exp(-(double)j / (double)KVT_BINS_PER_NAT);
+}
+#endif
+
+#endif
