@@ -17,7 +17,7 @@
  * shows that fl(s scale) - e_b alone errs by up to 2^-16 at large logits): h = fl(s scale) and
  * l = fma(s, scale, -h) give h + l = s scale exactly; b comes from h; y = (h - e_b) + l, where
  * h - e_b is exact (Sterbenz) and y lies within |l| of (-1/32, 0]; 1 - exp(y) is a degree-4
- * polynomial in y (truncation below 2^-31 for |y| <= 2^-5 + 2^-12) evaluated with fmaf, which
+ * polynomial in y (truncation below 2^-31 for |y| <= 2^-5 + 2^-13) evaluated with fmaf, which
  * rounds the same on both sides. The term's error is then below 2^-21.9 of the term, the rounding
  * of D included, within the 2^-21 per term that doc/selection.md's tolerance assumes.
  *
@@ -40,7 +40,7 @@
 #define KVT_BINS 2048u               /* ring slots per query head */
 #define KVT_BINS_PER_NAT 32.0f       /* bin width 1/32 nat */
 #define KVT_BINS_DOMAIN 4096.0f      /* |s scale| binned below it, in nats */
-#define KVT_BINS_DOFF 512            /* added to every D: keeps it >= 0 (|y - y_0| <= 2^-13) */
+#define KVT_BINS_DOFF 512            /* added to every D: y up to 2^-13 above 0 makes D -256 */
 #define KVT_BINS_BLOCK_TOKENS 32768u /* tokens a scan block bins at most: a slot's sum of D fits
 					32 bits in shared memory (2^15 * 65600 < 2^32) */
 

@@ -13,9 +13,9 @@
 
 #include "gpu_kernels.h"
 
-/* A random index of n tokens for each of items (sequence, KV head) pairs, as the views' layout
- * holds it: codes of random bits, sigma in [0.5, 1.5) and beta in [-1, 1) as fp16, with a NaN
- * beta and an infinite sigma among them where n allows. */
+/* A sequence's random index of n tokens for each of hkv KV heads, as the views' layout holds it:
+ * codes of random bits, sigma in [0.5, 1.5) and beta in [-1, 1) as fp16, with a NaN beta (KV head
+ * 0, token 77) and an infinite sigma (KV head 1, token 200) where n allows. */
 static kvt_gpu_index_view make_view(t_rng *r, uint32_t d, uint32_t hkv, uint32_t n)
 {
 	const size_t words = (size_t)hkv * n * (d / 32), toks = (size_t)hkv * n;
@@ -188,7 +188,7 @@ void test_scan_bins(void **state)
 			for (int si = 0; si < 3; si++)
 				check_bins(dims[di], 2, 2, G, 5003, scales[si],
 					   (uint64_t)(700 + 9 * di + 3 * G + si));
-	/* 256 items of 70K tokens: one wave would give each block about 140 of them */
+	/* 256 items of 70K tokens: one wave would give each block 137 chunks, 35K tokens */
 	if (!g_quick)
 		check_bins(128, 32, 8, 1, 70000, 0.0884f, 777);
 	printf("scan bins: %llu slots equal to the CPU twin's; %llu scores binned, %llu left out "
