@@ -5,8 +5,9 @@
  * random score sets of every t_scores distribution, sizes 1 to 70000, several scales and p:
  * - a segment the ring serves (kvt_bins_serves) has every score binned, and a segment it does not
  *   spans 64 nats or more, or reaches past the domain;
- * - each slot's mass (kvt_bins_mass with the table of powers and kvt_bins_exp_small) lies within
- *   2^-21 of its exact mass (long double) plus one unit of 2^-40;
+ * - kvt_bins_power(j) lies within 2^-42 of e^(-j/32), kvt_bins_exp_small(c) within 2^-52 of e^c;
+ * - each slot's mass (kvt_bins_mass with those two factors) lies within 2^-21 of its exact mass
+ *   (long double) plus one unit of 2^-40;
  * - the set decided from those masses (the cut's bin by the converted prefix, then the bin's
  *   scores one by one with their own terms) differs from the exact Top-p set only in tokens whose
  *   mass-above lies within tol = 2^-19 Z + n 2^-38 of p Z, and covers at least p Z - tol: the
@@ -35,8 +36,8 @@ static uint64_t term40(float s, float max, float scale)
 static uint64_t g_cases, g_served, g_differ;
 
 /* One segment: returns false when the ring does not serve it. */
-static bool check_segment(const float *x, uint32_t n, float scale, float p, const double *pw,
-			  float *sorted, long double *above)
+static bool check_segment(const float *x, uint32_t n, float scale, float p, float *sorted,
+			  long double *above)
 {
 	float mx = x[0], mn = x[0];
 	for (uint32_t i = 1; i < n; i++) {
@@ -81,7 +82,7 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, cons
 	uint64_t z = 0;
 	for (uint32_t j = 0; j < nb; j++) {
 		const uint32_t slot = (uint32_t)(bm + (int32_t)j) & (KVT_BINS - 1);
-		m[j] = kvt_bins_mass(cnt[slot], dsum[slot], pw[j], f);
+		m[j] = kvt_bins_mass(cnt[slot], dsum[slot], kvt_bins_power(j), f);
 		T_CHECK(fabsl((long double)m[j] - exact[j]) <= 0x1p-21L * exact[j] + 1.0L,
 			"bin %u of %u (%u scores): mass %llu, exact %.6Lf (scale %g)", j, nb,
 			cnt[slot], (unsigned long long)m[j], exact[j], (double)scale);
@@ -141,8 +142,16 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, cons
 static void test_ring_threshold(void **state)
 {
 	(void)state;
-	static double pw[KVT_BINS];
-	kvt_bins_powers(pw);
+	for (uint32_t j = 0; j < KVT_BINS; j++) {
+		const long double w = expl(-(long double)j / 32);
+		T_CHECK(fabsl(kvt_bins_power(j) - w) <= 0x1p-42L * w,
+			"e^(-%u/32): %.17g, exact %.20Lg", j, kvt_bins_power(j), w);
+	}
+	for (int i = -64; i <= 1024; i++) {
+		const double c = i * 0x1p-15;
+		T_CHECK(fabsl(kvt_bins_exp_small(c) - expl(c)) <= 0x1p-52L * expl(c),
+			"e^%.9g: %.17g, exact %.20Lg", c, kvt_bins_exp_small(c), expl(c));
+	}
 	const uint32_t ns[5] = {1, 2, 100, 4099, 70000};
 	const float scales[4] = {0.0884f, 0.3f, 1.0f, 5.0f}, ps[3] = {0.5f, 0.9f, 0.99f};
 	float *x = (float *)t_alloc(4 * 70000), *sorted = (float *)t_alloc(4 * 70000);
@@ -154,8 +163,7 @@ static void test_ring_threshold(void **state)
 			for (int si = 0; si < 4; si++)
 				for (int pi = 0; pi < 3; pi++) {
 					t_scores(&r, (enum t_dist)d, ns[ni], x);
-					check_segment(x, ns[ni], scales[si], ps[pi], pw, sorted,
-						      above);
+					check_segment(x, ns[ni], scales[si], ps[pi], sorted, above);
 				}
 	printf("ring threshold: %llu segments, %llu served by the ring, %llu tokens off the "
 	       "exact set (all within the tolerance)\n",
