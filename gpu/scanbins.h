@@ -72,7 +72,22 @@ KVT_BINS_FN float kvt_bins_add(float a, float b) { return a + b; }
 KVT_BINS_FN double kvt_bins_dmul(double a, double b) { return a * b; }
 #endif
 
-/* Bins score s: true with its slot (b mod KVT_BINS) and D, false when it is not binned. */
+/* Whether score s is binned: finite, with |fl(s scale)| below the domain. */
+KVT_BINS_FN bool kvt_bins_in(float s, float scale)
+{
+	const float h = kvt_bins_mul(s, scale);
+	return h > -KVT_BINS_DOMAIN && h < KVT_BINS_DOMAIN; /* false for NaN too */
+}
+
+/* The bin of a binned score: floor(-fl(s scale) 32), in (-131072, 131072]. */
+KVT_BINS_FN int32_t kvt_bins_bin(float s, float scale)
+{
+	return (int32_t)floorf(kvt_bins_mul(-kvt_bins_mul(s, scale), KVT_BINS_PER_NAT));
+}
+
+/* Bins score s: true with its slot (b mod KVT_BINS) and D, false when it is not binned. Its test
+ * and bin are kvt_bins_in's and kvt_bins_bin's, written out as the kernel was verified with them
+ * (test_scan_bins checks that the slots agree with kvt_bins_bin). */
 KVT_BINS_FN bool kvt_bins_of(float s, float scale, uint32_t *slot, uint32_t *d)
 {
 	const float h = kvt_bins_mul(s, scale);

@@ -4,25 +4,13 @@
  * kvt_gpu_score's bins, gpu/scanbins.h, not built yet): which segments it serves, and each slot's
  * mass in the threshold's units, computed the same on host and device. tests/test_scan_bins.c
  * checks on the CPU that a Top-p set decided from these masses keeps the GPU threshold's stated
- * tolerance. C and CUDA; kept apart from scanbins.h so that the scan's kernel does not include it.
+ * tolerance. C and CUDA; kept apart from scanbins.h so that the scan's kernel does not include it
+ * (adding these to what it includes changed the code nvcc generated for it).
  */
 #ifndef KVT_GPU_SCANRING_H
 #define KVT_GPU_SCANRING_H
 
 #include "scanbins.h"
-
-/* Whether score s is binned: finite, with |fl(s scale)| below the domain. */
-KVT_BINS_FN bool kvt_bins_in(float s, float scale)
-{
-	const float h = kvt_bins_mul(s, scale);
-	return h > -KVT_BINS_DOMAIN && h < KVT_BINS_DOMAIN; /* false for NaN too */
-}
-
-/* The bin of a binned score: floor(-fl(s scale) 32), in (-131072, 131072]. */
-KVT_BINS_FN int32_t kvt_bins_bin(float s, float scale)
-{
-	return (int32_t)floorf(kvt_bins_mul(-kvt_bins_mul(s, scale), KVT_BINS_PER_NAT));
-}
 
 /*
  * What the threshold will do with the ring (its consumer, not built yet; doc/selection.md). Given
@@ -88,6 +76,5 @@ KVT_BINS_FN uint64_t kvt_bins_mass(uint32_t k, uint64_t dsum, double pw, double 
 	const double num = (double)k * 2097152.0 - ((double)dsum - (double)KVT_BINS_DOFF * k);
 	return (uint64_t)kvt_bins_dmul(kvt_bins_dmul(num * 524288.0, pw), f);
 }
-
 
 #endif

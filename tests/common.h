@@ -111,6 +111,13 @@ static inline double t_normal(t_rng *r)
 	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
+/* qsort's comparison of floats, largest first. */
+static inline int t_cmp_desc(const void *a, const void *b)
+{
+	const float x = *(const float *)a, y = *(const float *)b;
+	return (x < y) - (x > y);
+}
+
 /* Score distributions the Top-p tests (CPU and GPU) draw from. */
 enum t_dist { D_NORMAL, D_TIED, D_ONEHOT, D_UNIFORM, D_WIDE, D_NDIST };
 static const char *const t_dist_name[D_NDIST] = {"normal", "tied", "one-hot", "uniform", "wide"};

@@ -13,12 +13,6 @@
 
 /* ---- Top-p selection --------------------------------------------------------------------- */
 
-static int cmp_desc(const void *a, const void *b)
-{
-	const float x = *(const float *)a, y = *(const float *)b;
-	return x < y ? 1 : x > y ? -1 : 0;
-}
-
 /* Segments checked, and those whose set equals the CPU's double-precision one. */
 static uint32_t g_segs, g_exact;
 
@@ -41,7 +35,7 @@ static bool check_window(const char *what, uint32_t seg, const float *x, uint32_
 		       o->count, cpu_cnt, (double)o->thresh, (double)cpu_thr);
 	} else {
 		memcpy(sorted, x, 4 * (size_t)n);
-		qsort(sorted, n, 4, cmp_desc);
+		qsort(sorted, n, 4, t_cmp_desc);
 		const float mx = sorted[0];
 		long double Z = 0.0L;
 		for (uint32_t i = 0; i < n; i++)

@@ -20,12 +20,6 @@
 #include "common.h"
 #include "gpu/scanring.h"
 
-static int cmp_desc(const void *a, const void *b)
-{
-	const float x = *(const float *)a, y = *(const float *)b;
-	return x < y ? 1 : x > y ? -1 : 0;
-}
-
 /* A term as the threshold computes it (exp((s - max) scale) in 2^-40 units, truncated), in long
  * double here: within the per-term bound of the float one. */
 static uint64_t term40(float s, float max, float scale)
@@ -97,7 +91,7 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, floa
 	for (uint32_t i = 0; i < n; i++)
 		if ((uint32_t)(kvt_bins_bin(x[i], scale) - bm) == c)
 			sorted[k++] = x[i];
-	qsort(sorted, k, sizeof(float), cmp_desc);
+	qsort(sorted, k, sizeof(float), t_cmp_desc);
 	float thresh = sorted[0];
 	uint64_t est = a;
 	for (uint32_t i = 0; i < k;) {
@@ -112,7 +106,7 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, floa
 	}
 	/* against the exact set: terms exp(fl(s - max) scale), masses in long double */
 	memcpy(sorted, x, 4 * (size_t)n);
-	qsort(sorted, n, sizeof(float), cmp_desc);
+	qsort(sorted, n, sizeof(float), t_cmp_desc);
 	long double zx = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		above[i] = i && sorted[i] == sorted[i - 1] ? above[i - 1] : zx;

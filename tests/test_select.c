@@ -6,12 +6,6 @@
  */
 #include "common.h"
 
-static int cmp_desc(const void *a, const void *b)
-{
-	float x = *(const float *)a, y = *(const float *)b;
-	return (x < y) - (x > y);
-}
-
 /*
  * The definition: sort descending, take the smallest prefix whose softmax(score * scale) mass is
  * >= p, threshold = the score ending it, selected = every score >= threshold. In long double.
@@ -23,7 +17,7 @@ static uint32_t ref_topp(const float *s, uint32_t n, float scale, float p, float
 {
 	float *a = (float *)t_alloc(sizeof(float) * n);
 	memcpy(a, s, sizeof(float) * n);
-	qsort(a, n, sizeof(float), cmp_desc);
+	qsort(a, n, sizeof(float), t_cmp_desc);
 	long double z = 0, cum = 0, prev = 0;
 	for (uint32_t i = 0; i < n; i++)
 		z += expl(((long double)a[i] - a[0]) * scale);
@@ -137,7 +131,7 @@ static void test_kth_largest(void **state)
 			t_scores(&rng, (enum t_dist)kind, n, s);
 			memcpy(sorted, s, sizeof(float) * n);
 			memcpy(keep, s, sizeof(float) * n);
-			qsort(sorted, n, sizeof(float), cmp_desc);
+			qsort(sorted, n, sizeof(float), t_cmp_desc);
 			uint32_t ms[5] = {1, n, (n + 1) / 2, 1 + t_below(&rng, n), n > 1 ? 2 : 1};
 			for (int mi = 0; mi < 5; mi++) {
 				float got = kvt_kth_largest(s, n, ms[mi], scr);
