@@ -8,7 +8,9 @@
  * to the faster. CUDA events after warm-up, median of 50 runs of one call each (and, for ours, of
  * bursts of 10 calls, per call, and of 10 calls captured in a CUDA graph); the same three ways, the
  * launch floor (three empty kernels launched as the threshold's passes are) and the threshold less
- * it; random normal scores. A profile build (nvcc's -DKVT_SEL_TIMING,
+ * it; random normal scores. Also the threshold given the scan's ring (its first histogram, built
+ * on the host as kvt_gpu_score builds it), in a graph, less the copy that refills the ring, on
+ * these scores and on peaked ones. A profile build (nvcc's -DKVT_SEL_TIMING,
  * through meson's gpu_arch option) also prints when each pass's blocks reached each point.
  */
 #include <cuda_runtime.h>
@@ -22,6 +24,7 @@
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 
+#include "gpu/scanring.h"
 #include "gpu/select.cuh"
 #ifdef KVT_SEL_TIMING
 #include "gpu/select_common.cuh" /* seg_state: the candidates of a segment */
@@ -114,6 +117,79 @@ static float time_us(F f, int burst = 1)
 	       });
 }
 
+/*
+ * The threshold on HQ x N scores (hs: their copy on the host) with and without the scan's ring,
+ * built here on the host as kvt_gpu_score builds it, each in a graph of 10; the ring's refill
+ * before each call is timed alone and subtracted. Prints the times and whether the thresholds
+ * agree.
+ */
+static void given_ring(const char *what, const std::vector<float> &hs, const float *scores,
+		       const kvt_gpu_segstats *stats, const uint32_t *n_tok, kvt_gpu_topp *out,
+		       void *scr, size_t sb)
+{
+	const size_t nb = (size_t)HQ * KVT_BINS;
+	std::vector<uint32_t> hc(nb, 0);
+	std::vector<unsigned long long> hd(nb, 0);
+	uint32_t eligible = 0;
+	for (uint32_t g = 0; g < HQ; g++) {
+		float mx = hs[(size_t)g * N], mn = mx;
+		for (uint32_t t = 0; t < N; t++) {
+			const float x = hs[(size_t)g * N + t];
+			uint32_t slot, dv;
+			if (kvt_bins_of(x, SCALE, &slot, &dv)) {
+				hc[g * KVT_BINS + slot]++;
+				hd[g * KVT_BINS + slot] += dv;
+			}
+			mx = std::max(mx, x);
+			mn = std::min(mn, x);
+		}
+		eligible += kvt_bins_serves(mx, mn, SCALE);
+	}
+	kvt_gpu_bins ring = {SCALE, NULL, NULL}, pristine = ring;
+	CK(cudaMalloc((void **)&ring.count, 4 * nb));
+	CK(cudaMalloc((void **)&ring.dsum, 8 * nb));
+	CK(cudaMalloc((void **)&pristine.count, 4 * nb));
+	CK(cudaMalloc((void **)&pristine.dsum, 8 * nb));
+	CK(cudaMemcpy(pristine.count, hc.data(), 4 * nb, cudaMemcpyHostToDevice));
+	CK(cudaMemcpy(pristine.dsum, hd.data(), 8 * nb, cudaMemcpyHostToDevice));
+	auto refill = [&](cudaStream_t st) {
+		CK(cudaMemcpyAsync(ring.count, pristine.count, 4 * nb, cudaMemcpyDeviceToDevice, st));
+		CK(cudaMemcpyAsync(ring.dsum, pristine.dsum, 8 * nb, cudaMemcpyDeviceToDevice, st));
+	};
+	auto call = [&](cudaStream_t st, const kvt_gpu_bins *r) {
+		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, stats, r, out,
+					  scr, sb, NULL, st));
+	};
+	const float without = graph_us(10, [&](cudaStream_t st, int) { call(st, NULL); });
+	const float rg = graph_us(10, [&](cudaStream_t st, int) {
+		refill(st);
+		call(st, &ring);
+	});
+	const float cg = graph_us(10, [&](cudaStream_t st, int) { refill(st); });
+	std::vector<kvt_gpu_topp> a(HQ), b(HQ);
+	call(NULL, NULL);
+	CK(cudaMemcpy(a.data(), out, HQ * sizeof(kvt_gpu_topp), cudaMemcpyDeviceToHost));
+	refill(NULL);
+	call(NULL, &ring);
+	CK(cudaMemcpy(b.data(), out, HQ * sizeof(kvt_gpu_topp), cudaMemcpyDeviceToHost));
+	uint32_t served = 0;
+	RC(kvt_gpu_topp_ring_served(scr, 1, HQ, &served));
+	int same = 0;
+	uint64_t count = 0;
+	for (int i = 0; i < HQ; i++) {
+		same += a[i].thresh == b[i].thresh && a[i].count == b[i].count;
+		count += a[i].count;
+	}
+	printf("  given the scan's ring, %s scores (%.0f tokens selected per head; %u of %d heads "
+	       "span less than its 64 nats, %u served): %.2f us each in a graph of 10, less the "
+	       "ring's copy in (%.2f us): %.2f us against %.2f without in the same way (goal <= 25 "
+	       "us); the same threshold and count in %d of %d heads\n",
+	       what, (double)count / HQ, eligible, HQ, served, rg, cg, rg - cg, without, same, HQ);
+	for (void *pp : {(void *)ring.count, (void *)ring.dsum, (void *)pristine.count,
+			 (void *)pristine.dsum})
+		CK(cudaFree(pp));
+}
+
 int main(void)
 {
 	cudaDeviceProp prop;
@@ -168,12 +244,12 @@ int main(void)
 	CK(cudaGetLastError());
 	/* as a decode step runs it: after the scan, which gathered the statistics */
 	auto ours_on = [&](cudaStream_t st) {
-		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, stats, out, scr,
+		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, stats, NULL, out, scr,
 					  sb, NULL, st));
 	};
 	auto ours = [&] { ours_on(NULL); };
 	auto ours_self = [&] {
-		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, NULL, out, scr,
+		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 0, NULL, NULL, out, scr,
 					  sb, NULL, NULL));
 	};
 	auto ours_union = [&] {
@@ -187,12 +263,12 @@ int main(void)
 	CK(cudaMalloc(&bmem, kvt_gpu_selbits_bytes(HKV, N)));
 	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(bmem, HKV, N);
 	auto ours_fused = [&] {
-		RC(kvt_gpu_topp_select(1, HQ, HKV, scores, N, n_tok, N, SCALE, P, 0, 0, stats, out,
+		RC(kvt_gpu_topp_select(1, HQ, HKV, scores, N, n_tok, N, SCALE, P, 0, 0, stats, NULL, out,
 				       bits, NULL, scr, sb, NULL, NULL));
 		RC(kvt_gpu_selbits_list(HKV, bits, sel, N, sel_n, NULL));
 	};
 	auto ours_budget = [&] {
-		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 2048, stats, out,
+		RC(kvt_gpu_topp_threshold(1, HQ, scores, N, n_tok, N, SCALE, P, 0, 2048, stats, NULL, out,
 					  scr, sb, NULL, NULL));
 	};
 	auto scan_and_pick = [&] {
@@ -256,6 +332,30 @@ int main(void)
 	       "KV-head lists: %.2f us as two calls, %.2f us with the union marked by the candidate "
 	       "pass (kvt_gpu_topp_select)\n",
 	       ab, HKV, au, af);
+	/* the threshold given the scan's ring (kvt_gpu_score's bins, built here on the host as the
+	 * scan builds it), on these scores, flat at 1/32 nat (the ring's bins too full: each segment
+	 * takes the threshold's own), and on peaked ones (a fiftieth of the tokens raised by about 7
+	 * nats, which take most of the mass, as trained attention does): the ring is consumed
+	 * (cleared) by each call, so each call first copies a pristine one in; the copy is timed
+	 * alone the same way and subtracted */
+	{
+		std::vector<float> hs((size_t)HQ * N);
+		CK(cudaMemcpy(hs.data(), scores, hs.size() * 4, cudaMemcpyDeviceToHost));
+		given_ring("flat", hs, scores, stats, n_tok, out, scr, sb);
+		for (size_t i = 0; i < hs.size(); i += 50) /* 7 +- 1 nats up, from the score's bits */
+			hs[i] += (7.0f + (float)(i / 50 % 17) / 8.0f - 1.0f) / SCALE;
+		float *peaked;
+		kvt_gpu_segstats *pstats;
+		CK(cudaMalloc((void **)&peaked, hs.size() * 4));
+		CK(cudaMalloc((void **)&pstats, HQ * sizeof(kvt_gpu_segstats)));
+		CK(cudaMemcpy(peaked, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+		CK(cudaMemset(pstats, 0, HQ * sizeof(kvt_gpu_segstats)));
+		make_stats<<<blocks, 256>>>(peaked, pstats);
+		CK(cudaGetLastError());
+		given_ring("peaked", hs, peaked, pstats, n_tok, out, scr, sb);
+		CK(cudaFree(peaked));
+		CK(cudaFree(pstats));
+	}
 	printf("sort-based Top-p: CUB segmented radix sort + scan %.2f us, CUB global radix sort over "
 	       "(head, score) + scan %.2f us\n",
 	       s1, s2);

@@ -377,6 +377,9 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	int dev = 0, sms = 0;
 	CU(c, cudaGetDevice(&dev));
 	CU(c, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+	int l2 = 0;
+	CU(c, cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+	b->l2_bytes = (size_t)l2;
 	b->ext_stage_blocks = (uint32_t)sms / c->cfg.n_kv_heads ? (uint32_t)sms / c->cfg.n_kv_heads : 1;
 	for (int e = 0; e < 5; e++)
 		CU(c, cudaEventCreateWithFlags(&b->ext_ev[e], cudaEventDisableTiming));

@@ -154,6 +154,7 @@ struct gpu_cache {
 	uint64_t ext_rows, ext_bytes_read;
 	cudaStream_t ext_side;  /* stages range r + 1 while the caller's stream attends range r */
 	cudaEvent_t ext_ev[5];  /* the entry's start, staged[2], free[2] (per staging buffer) */
+	size_t l2_bytes;           /* the device's L2 cache (step.c: when the scan bins) */
 	uint32_t ext_stage_blocks; /* per KV head, of that staging: about one per SM in all */
 	/* kvt_seq_read_rows_at / write_rows_at (life.c): dense rows and the slot mapping */
 	void *rows_mem;

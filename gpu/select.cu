@@ -13,6 +13,8 @@
  *      (max - s) * scale (a log-mass scale: bin 0 holds the largest scores), spanning the scores'
  *      range or the top SEL_SPAN_NATS nats, whatever is less. Its last block picks the bin holding
  *      the Top-p boundary, and the bins holding the bmin-th and bmax-th largest (the clamp).
+ *      Given the scan's ring (kvt_gpu_score's bins), a segment it serves decides from it instead,
+ *      in every block, without streaming (hist_from_ring; doc/selection.md has when).
  *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
  *      list; the last block resolves the threshold, and the clamp, in shared memory: the
  *      candidates sorted (by rank up to SEL_RANK of them, by a bitonic network up to SEL_SORT),
@@ -154,11 +156,102 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 
 /* ---- pass 2: the log-mass histogram and its boundary bins -------------------------------- */
 
+/* A segment's decisions from its histogram, as thread 0 writes them into its state. */
+struct hist_decision {
+	uint32_t bin[NEEDS], above[NEEDS], total, fbin;
+	u64 acc;
+	double target;
+};
+
 /*
- * The histogram's last block: the boundary bins of the segment's histogram, each thread holding
- * its SEL_BINS / SEL_THREADS consecutive bins in registers (read as whole 16-byte words; the
- * decisions walk them without touching shared memory). Out of line, so that its registers do not
- * weigh on the streaming pass before it.
+ * The decisions from a segment's histogram, each thread holding its SEL_BINS / SEL_THREADS
+ * consecutive bins in registers (the decisions walk them without touching shared memory): the
+ * boundary bins of each need, and the candidates they hold (returned to every thread). Thread 0's
+ * *d holds what decision_write writes.
+ */
+static __device__ __forceinline__ uint32_t decide_hist(const uint32_t (&rc)[8], const u64 (&rm)[8],
+						       uint32_t n, float p, uint32_t bmin,
+						       uint32_t bmax, hist_decision *d)
+{
+	__shared__ uint32_t total_s;
+	const bool mass = p < 1.0f;
+	auto get = [&](uint32_t, uint32_t k, uint32_t *c, u64 *m) {
+		*c = rc[k];
+		*m = rm[k];
+	};
+	uint32_t cnt[NEEDS] = {0, 0, 0};
+	for (int k = 0; k < NEEDS; k++) {
+		d->bin[k] = SEL_NONE;
+		d->above[k] = 0;
+	}
+	d->acc = 0;
+	d->target = 0.0;
+	if (mass) {
+		const pick w = decide<SEL_BINS, true>(get, 0, 0, -1.0, p, 0);
+		d->bin[NEED_MASS] = w.j;
+		d->above[NEED_MASS] = w.above;
+		cnt[NEED_MASS] = w.cnt;
+		d->acc = w.acc;
+		d->target = (double)p * mass_d(w.total);
+	}
+	/* the clamp's boundary, should the Top-p count fall outside [bmin, bmax] */
+	const uint32_t rank[NEEDS] = {0, bmin < n ? bmin : n, bmax < n ? bmax : 0};
+	for (int k = NEED_MIN; k < NEEDS; k++) {
+		if (!rank[k])
+			continue;
+		const pick w = decide<SEL_BINS, false>(get, 0, 0, 0.0, p, rank[k]);
+		d->bin[k] = w.j;
+		d->above[k] = w.above;
+		cnt[k] = w.cnt;
+	}
+	if (threadIdx.x == 0) {
+		uint32_t total = 0;
+		for (int k = 0; k < NEEDS; k++) {
+			bool again = false;
+			for (int e = 0; e < k; e++)
+				again |= d->bin[e] == d->bin[k];
+			total += d->bin[k] != SEL_NONE && !again ? cnt[k] : 0;
+		}
+		d->total = total;
+		/* the bin of the final cut: the Top-p boundary's, unless the counts above it already
+		 * show the clamp applies (bmin's rank in a later bin: raised; bmax's in an earlier one:
+		 * cut, which clamp_want checks last), then the clamp's rank's bin. The union marks
+		 * every token of an earlier bin without waiting for the resolution (k_cand) */
+		uint32_t f = d->bin[NEED_MAX];
+		if (mass) {
+			f = d->bin[NEED_MASS];
+			if (d->bin[NEED_MIN] != SEL_NONE && d->bin[NEED_MIN] > f)
+				f = d->bin[NEED_MIN];
+			if (d->bin[NEED_MAX] != SEL_NONE && d->bin[NEED_MAX] < f)
+				f = d->bin[NEED_MAX];
+		}
+		d->fbin = f == SEL_NONE ? 0 : f; /* none cannot happen here; 0 leaves all to the cut */
+		total_s = total;
+	}
+	__syncthreads();
+	return total_s;
+}
+
+/* Thread 0: the decisions into the segment's state, for pass 3. */
+static __device__ __forceinline__ void decision_write(seg_state *st, const hist_decision &d,
+						      uint32_t cand_cap)
+{
+	for (int k = 0; k < NEEDS; k++) {
+		st->bin[k] = d.bin[k];
+		st->above[k] = d.above[k];
+	}
+	st->acc = d.acc;
+	st->target = d.target;
+	st->listed = d.total <= cand_cap;
+	st->fbin = d.fbin;
+	st->ncand = 0;
+	st->done = 0;
+	st->phase = PH_CAND;
+}
+
+/*
+ * The histogram's last block: the segment's histogram read as whole 16-byte words, then the
+ * decisions. Out of line, so that its registers do not weigh on the streaming pass before it.
  */
 static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *gc,
 						const unsigned long long *gh, uint32_t n, float p,
@@ -167,13 +260,12 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 	constexpr uint32_t per = SEL_BINS / SEL_THREADS;
 	static_assert(per == 8, "two uint4 of counts and four pairs of masses per thread");
 	const uint32_t tid = threadIdx.x;
-	const bool mass = p < 1.0f;
 	const uint4 *c4 = (const uint4 *)(gc + tid * per); /* 16-byte aligned: carve */
 	const ulonglong2 *m2 = (const ulonglong2 *)(gh + tid * per);
 	const uint4 ca = __ldcg(c4), cb = __ldcg(c4 + 1);
 	const uint32_t rc[per] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
 	u64 rm[per] = {0, 0, 0, 0, 0, 0, 0, 0};
-	if (mass) {
+	if (p < 1.0f) {
 #pragma unroll
 		for (uint32_t q = 0; q < per / 2; q++) {
 			const ulonglong2 v = __ldcg(m2 + q);
@@ -182,63 +274,57 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 		}
 	}
 	SEL_T(6);
-	/* the decisions; bin j holds the j-th largest band of scores */
-	auto get = [&](uint32_t, uint32_t k, uint32_t *c, u64 *m) {
-		*c = rc[k];
-		*m = rm[k];
-	};
-	uint32_t bin[NEEDS] = {SEL_NONE, SEL_NONE, SEL_NONE}, above[NEEDS] = {0, 0, 0},
-		 cnt[NEEDS] = {0, 0, 0};
-	if (mass) {
-		const pick w = decide<SEL_BINS, true>(get, 0, 0, -1.0, p, 0);
-		bin[NEED_MASS] = w.j;
-		above[NEED_MASS] = w.above;
-		cnt[NEED_MASS] = w.cnt;
-		if (tid == 0) {
-			st->acc = w.acc;
-			st->target = (double)p * mass_d(w.total);
-		}
-	}
-	/* the clamp's boundary, should the Top-p count fall outside [bmin, bmax] */
-	const uint32_t rank[NEEDS] = {0, bmin < n ? bmin : n, bmax < n ? bmax : 0};
-	for (int k = NEED_MIN; k < NEEDS; k++) {
-		if (!rank[k])
-			continue;
-		const pick w = decide<SEL_BINS, false>(get, 0, 0, 0.0, p, rank[k]);
-		bin[k] = w.j;
-		above[k] = w.above;
-		cnt[k] = w.cnt;
-	}
-	if (tid != 0)
-		return;
-	uint32_t total = 0;
-	for (int k = 0; k < NEEDS; k++) {
-		st->bin[k] = bin[k];
-		st->above[k] = above[k];
-		bool again = false;
-		for (int e = 0; e < k; e++)
-			again |= bin[e] == bin[k];
-		total += bin[k] != SEL_NONE && !again ? cnt[k] : 0;
-	}
-	st->listed = total <= cand_cap;
-	/* the bin of the final cut: the Top-p boundary's, unless the counts above it already show
-	 * the clamp applies (bmin's rank in a later bin: raised; bmax's in an earlier one: cut,
-	 * which clamp_want checks last), then the clamp's rank's bin. The union marks every token
-	 * of an earlier bin without waiting for the resolution (k_cand) */
-	uint32_t f = bin[NEED_MAX];
-	if (mass) {
-		f = bin[NEED_MASS];
-		if (bin[NEED_MIN] != SEL_NONE && bin[NEED_MIN] > f)
-			f = bin[NEED_MIN];
-		if (bin[NEED_MAX] != SEL_NONE && bin[NEED_MAX] < f)
-			f = bin[NEED_MAX];
-	}
-	st->fbin = f == SEL_NONE ? 0 : f; /* none cannot happen here; 0 leaves all to the cut */
-	st->ncand = 0;
-	st->done = 0;
-	st->phase = PH_CAND;
+	hist_decision d;
+	decide_hist(rc, rm, n, p, bmin, bmax, &d);
+	if (tid == 0)
+		decision_write(st, d, cand_cap);
 }
 
+/*
+ * The histogram from the scan's ring (scanring.h), for a segment whose scores span less than its
+ * 64 nats: every block of the segment converts the slots from the max's bin on into bins 0 to
+ * SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides, the same way from
+ * the same slots. The ring serves when the boundary bins hold at most SEL_RANK candidates, so
+ * that the resolution ranks them, its cheapest way (flat scores fill its bins of 1/32 nat: 3.7K
+ * at the cut of 128K normal scores, whose sort took 73 us more than this pass): block 0 then
+ * writes the decisions once the scratch is zeroed, and true is returned; otherwise the segment
+ * takes the pass's own bins. Pass 3 clears the slots (ring_clear). Out of line, as hist_decide.
+ */
+static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
+						   seg_state *st, uint32_t max_key,
+						   uint32_t nmin_key, float scale, uint32_t n, float p,
+						   uint32_t bmin, uint32_t bmax, uint32_t cand_cap)
+{
+	static_assert(SEL_BINS == KVT_BINS && SEL_BINS / SEL_THREADS == 8, "a slot a bin");
+	const float mx = kvt_d_keyf(max_key);
+	const int32_t bm = kvt_bins_bin(mx, scale);
+	const double f = kvt_bins_exp_small(kvt_bins_offset(mx, scale, bm));
+	const uint32_t *rcnt = ring.count + (size_t)seg * KVT_BINS;
+	const unsigned long long *rd = ring.dsum + (size_t)seg * KVT_BINS;
+	uint32_t rc[8];
+	u64 rm[8];
+#pragma unroll
+	for (uint32_t q = 0; q < 8; q++) {
+		const uint32_t j = threadIdx.x * 8 + q;
+		const uint32_t slot = (uint32_t)(bm + (int32_t)j) & (KVT_BINS - 1);
+		const uint32_t k = __ldcg(rcnt + slot);
+		rc[q] = k;
+		rm[q] = k && p < 1.0f ? kvt_bins_mass(k, __ldcg(rd + slot), kvt_bins_power(j), f) : 0;
+	}
+	hist_decision d;
+	if (decide_hist(rc, rm, n, p, bmin, bmax, &d) > SEL_RANK)
+		return false;
+	KVT_PDL_WAIT(); /* the state is zeroed */
+	if (blockIdx.x == 0 && threadIdx.x == 0) {
+		st->max_key = max_key;
+		st->nmin_key = nmin_key;
+		st->inv_w = -scale; /* k_cand's lbin: the ring's bins */
+		decision_write(st, d, cand_cap);
+	}
+	return true;
+}
+
+template <bool RING>
 static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
 	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
@@ -260,6 +346,13 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 		return;
 	}
 	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
+	if (RING) {
+		const uint32_t nk = __ldcg(&stats[seg].nmin_key);
+		if (kvt_bins_serves(mx, kvt_d_keyf(~nk), scale) && /* the scan binned every score */
+		    hist_from_ring(sc.ring, seg, st, __ldcg(&stats[seg].max_key), nk, scale, n, p,
+				   bmin, bmax, sc.cand_cap))
+			return;
+	}
 	const bool mass = p < 1.0f;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
 	{
@@ -335,6 +428,28 @@ extern "C" size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_hea
 	return t > u ? t : u;
 }
 
+extern "C" int kvt_gpu_topp_ring_served(const void *scratch, uint32_t n_seqs, uint32_t n_q_heads,
+					uint32_t *served)
+{
+	if (!scratch || !served)
+		return -EINVAL;
+	const size_t segs = (size_t)n_seqs * n_q_heads;
+	seg_state *st = (seg_state *)malloc(segs * sizeof(seg_state) + 1);
+	if (!st)
+		return -ENOMEM;
+	/* the segment states lie at the scratch's start (carve) */
+	const cudaError_t e = cudaMemcpy(st, scratch, segs * sizeof(seg_state),
+					 cudaMemcpyDeviceToHost);
+	uint32_t k = 0;
+	for (size_t i = 0; e == cudaSuccess && i < segs; i++)
+		k += st[i].phase != PH_INIT && st[i].inv_w < 0.0f;
+	free(st);
+	if (e != cudaSuccess)
+		return -EIO;
+	*served = k;
+	return 0;
+}
+
 static bool aligned16(const void *p)
 {
 	return ((uintptr_t)p & 15) == 0;
@@ -343,9 +458,9 @@ static bool aligned16(const void *p)
 /* The threshold, and the union's bits when bits.mask is given (kvt_gpu_topp_select). */
 static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const float *scores,
 		size_t ld, const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
-		uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
-		kvt_gpu_selbits bits, void *scratch, size_t scratch_bytes, unsigned long long *err,
-		void *stream)
+		uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats, const kvt_gpu_bins *ring,
+		kvt_gpu_topp *out, kvt_gpu_selbits bits, void *scratch, size_t scratch_bytes,
+		unsigned long long *err, void *stream)
 {
 	if (!scores || !n_tokens || !out || !scratch || n_q_heads == 0)
 		return -EINVAL;
@@ -355,7 +470,12 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 		return -EINVAL;
 	if ((uint64_t)n_seqs * n_q_heads > 65535)
 		return -EINVAL;
-	const sel_scratch sc = carve(scratch, n_seqs, n_q_heads, 1, max_n);
+	/* the ring: the scan's, at this scale, with its statistics */
+	if (ring && (!ring->count || !ring->dsum || ring->scale != scale || !stats ||
+		     !aligned16(ring->count) || !aligned16(ring->dsum)))
+		return -EINVAL;
+	sel_scratch sc = carve(scratch, n_seqs, n_q_heads, 1, max_n);
+	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL};
 	if (scratch_bytes < sc.bytes)
 		return -EINVAL;
 	if (n_seqs == 0)
@@ -379,9 +499,9 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	/* with the caller's statistics, pass 2 streams its scores while the zeroing runs: it reads
 	 * no scratch before its griddepcontrol.wait, and the statistics come from the caller's
 	 * kernels; after pass 1 it reads pass 1's statistics from its start, so plain stream order */
-	KVT_CU(kvt_launch_dependent(k_hist, grid, SEL_THREADS, s, stats != NULL, scores, ld,
-				    n_tokens, max_n, n_q_heads, scale, p, bmin, bmax,
-				    stats ? stats : sc.stats, sc, out, err));
+	KVT_CU(kvt_launch_dependent(sc.ring.count ? k_hist<true> : k_hist<false>, grid, SEL_THREADS,
+				    s, stats != NULL, scores, ld, n_tokens, max_n, n_q_heads, scale,
+				    p, bmin, bmax, stats ? stats : sc.stats, sc, out, err));
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
 				   sc, out, bits, n_q_heads / n_kv_heads));
 	return 0;
@@ -390,28 +510,29 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores,
 				      size_t ld, const uint32_t *n_tokens, uint32_t max_n,
 				      float scale, float p, uint32_t bmin, uint32_t bmax,
-				      const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
-				      void *scratch, size_t scratch_bytes,
+				      const kvt_gpu_segstats *stats, const kvt_gpu_bins *ring,
+				      kvt_gpu_topp *out, void *scratch, size_t scratch_bytes,
 				      unsigned long long *err, void *stream)
 {
 	const kvt_gpu_selbits none = {};
 	return topp(n_seqs, n_q_heads, 1, scores, ld, n_tokens, max_n, scale, p, bmin, bmax, stats,
-		    out, none, scratch, scratch_bytes, err, stream);
+		    ring, out, none, scratch, scratch_bytes, err, stream);
 }
 
 extern "C" int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 				   const float *scores, size_t ld, const uint32_t *n_tokens,
 				   uint32_t max_n, float scale, float p, uint32_t bmin,
-				   uint32_t bmax, const kvt_gpu_segstats *stats, kvt_gpu_topp *out,
-				   kvt_gpu_selbits bits, unsigned long long *clamps, void *scratch,
-				   size_t scratch_bytes, unsigned long long *err, void *stream)
+				   uint32_t bmax, const kvt_gpu_segstats *stats,
+				   const kvt_gpu_bins *ring, kvt_gpu_topp *out, kvt_gpu_selbits bits,
+				   unsigned long long *clamps, void *scratch, size_t scratch_bytes,
+				   unsigned long long *err, void *stream)
 {
 	/* all of kvt_gpu_selbits_count's checks too: nothing is launched unless all can be */
 	if (!kvt_gpu_selbits_fit(bits, max_n) || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
 	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
 		return -EINVAL;
 	const int rc = topp(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens, max_n, scale, p,
-			    bmin, bmax, stats, out, bits, scratch, scratch_bytes, err, stream);
+			    bmin, bmax, stats, ring, out, bits, scratch, scratch_bytes, err, stream);
 	if (rc < 0 || n_seqs == 0)
 		return rc;
 	return kvt_gpu_selbits_count(n_seqs, n_q_heads, n_kv_heads, out, bits, clamps, stream);

@@ -13,6 +13,7 @@
 
 #include "constants.h" /* KVT_GPU_SELECT_MAX_N */
 #include "errword.h"
+#include "scanbins.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -66,21 +67,38 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  *   scale > 0 and finite; p > 0 (p >= 1 selects all)
  *   stats:    device [n_seqs][n_q_heads], the scores' statistics as kvt_gpu_score gathered them,
  *             or NULL (then a first pass gathers them)
+ *   ring:     host struct or NULL: the histogram kvt_gpu_score built as it wrote these scores
+ *             (its bins, at this scale, with stats; count and dsum 16-byte aligned). A segment it
+ *             serves takes its first histogram from it instead of streaming its scores: scores
+ *             spanning less than 64 nats (scanring.h) whose boundary bins of 1/32 nat hold at
+ *             most 512 scores (kvt_gpu_topp_ring_served counts them); the others stream as
+ *             without. Every segment's slots are left zeroed, ready for the next scan (zero them
+ *             once before the first)
  *   out:      device [n_seqs][n_q_heads]
  *   scratch:  device, scratch_bytes >= kvt_gpu_select_scratch_bytes(...), 16-byte aligned;
  *             no initial contents needed
  *   err:      device error word or NULL: KVT_GPU_ERR_NONFINITE (where = segment
  *             s * n_q_heads + j, index = position) when a score is NaN or infinite; that segment
  *             then marks nothing. KVT_GPU_ERR_RANGE when n_tokens[s] > max_n (likewise).
- * Returns 0, -EINVAL (NULL pointer, shapes, scratch too small, p, scale) or -EIO. Asynchronous,
+ * Returns 0, -EINVAL (NULL pointer, shapes, scratch too small, p, scale, a ring without stats or
+ * at another scale) or -EIO. Asynchronous,
  * allocation-free. Capturable in a CUDA graph; the grid is
  * sized from the current device's multiprocessor count.
  */
 int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const float *scores, size_t ld,
 			   const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
 			   uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
-			   kvt_gpu_topp *out, void *scratch, size_t scratch_bytes,
-			   unsigned long long *err, void *stream);
+			   const kvt_gpu_bins *ring, kvt_gpu_topp *out, void *scratch,
+			   size_t scratch_bytes, unsigned long long *err, void *stream);
+
+/*
+ * How many segments of the last kvt_gpu_topp_threshold or kvt_gpu_topp_select on this scratch
+ * (n_seqs x n_q_heads, as given there) took their first histogram from the scan's ring, into
+ * *served: for tests and benchmarks. Synchronous (reads the scratch after the device's work).
+ * Returns 0, -EINVAL (NULL pointer), -ENOMEM or -EIO.
+ */
+int kvt_gpu_topp_ring_served(const void *scratch, uint32_t n_seqs, uint32_t n_q_heads,
+			     uint32_t *served);
 
 /*
  * The union of the marked sets of each KV head's query group (query heads h * G .. h * G + G - 1,
@@ -167,9 +185,9 @@ int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_hea
 int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 			const float *scores, size_t ld, const uint32_t *n_tokens, uint32_t max_n,
 			float scale, float p, uint32_t bmin, uint32_t bmax,
-			const kvt_gpu_segstats *stats, kvt_gpu_topp *out, kvt_gpu_selbits bits,
-			unsigned long long *clamps, void *scratch, size_t scratch_bytes,
-			unsigned long long *err, void *stream);
+			const kvt_gpu_segstats *stats, const kvt_gpu_bins *ring, kvt_gpu_topp *out,
+			kvt_gpu_selbits bits, unsigned long long *clamps, void *scratch,
+			size_t scratch_bytes, unsigned long long *err, void *stream);
 
 #ifdef __cplusplus
 }

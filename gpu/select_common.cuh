@@ -9,6 +9,7 @@
 #define KVT_GPU_SELECT_COMMON_CUH
 
 #include "common.cuh"
+#include "scanring.h"
 #include "score.cuh"
 #include "segstats.cuh"
 #include "select.cuh"
@@ -73,6 +74,7 @@ struct sel_scratch {
 	kvt_gpu_segstats *stats; /* [segs]: when the caller gives none */
 	u64 *cand;               /* [segs][cand_cap]: candidates (see ckey) */
 	uint32_t cand_cap;
+	kvt_gpu_bins ring; /* the scan's (select.cuh), or count NULL */
 	size_t zero_bytes, zero_all; /* from st: through the histograms, through the statistics */
 	size_t bytes;
 };
@@ -145,19 +147,30 @@ static __device__ __forceinline__ u64 cut_of(u64 c)
 
 /*
  * The log-mass bin of a score: monotone non-increasing in s (each step rounds monotonically), so
- * bins are ordered like the scores, largest first, and equal scores share one.
+ * bins are ordered like the scores, largest first, and equal scores share one. inv_w > 0: bins of
+ * equal width below the max (k_hist's own); inv_w < 0: the scan's ring (scanring.h), bins of
+ * 1/32 nat on the absolute grid counted from the max's, at scale -inv_w; 0: one bin. The tag says
+ * what the caller knows: std::true_type inv_w > 0, ring_tag inv_w < 0, std::false_type nothing.
  */
+struct ring_tag {};
+
 static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, std::true_type)
 {
-	/* the caller knows inv_w > 0 (each_of_block_split's fast chunks) */
 	return (uint32_t)fminf(__fmul_rn(__fsub_rn(mx, s), inv_w), (float)(SEL_BINS - 1));
+}
+
+static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, ring_tag)
+{
+	return min((uint32_t)(kvt_bins_bin(s, -inv_w) - kvt_bins_bin(mx, -inv_w)), SEL_BINS - 1);
 }
 
 static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w,
 						std::false_type = {})
 {
-	if (!(inv_w > 0.0f)) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
+	if (inv_w == 0.0f) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
 		return 0;
+	if (inv_w < 0.0f)
+		return lbin(s, mx, inv_w, ring_tag{});
 	return lbin(s, mx, inv_w, std::true_type{});
 }
 
@@ -335,18 +348,18 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 
 /*
  * The chunks of the segment that fall to this block, as each_quad_in_chunk gives them, with
- * f(i, x, fast): fast is std::true_type, a compile-time constant, for the chunks wholly below n
- * when `many` (a segment of several bins: inv_w > 0) holds, so that f drops its per-score tests
- * there (lbin(..., fast) among them); std::false_type elsewhere (past n: f checks).
+ * f(i, x, fast): fast is Fast (std::true_type, or ring_tag: lbin's tags), a compile-time constant,
+ * for the chunks wholly below n when `many` (a segment of several bins) holds, so that f drops its
+ * per-score tests there (lbin(..., fast) among them); std::false_type elsewhere (past n: f checks).
  */
-template <class F>
+template <class Fast = std::true_type, class F>
 static __device__ __forceinline__ void each_quad_of_block_split(const float *s, uint32_t n,
 								bool many, F f)
 {
 	for (uint32_t c0 = blockIdx.x * SEL_CHUNK; c0 < n; c0 += gridDim.x * SEL_CHUNK) {
 		if (many && c0 + SEL_CHUNK <= n)
 			each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
-				f(i, x, std::true_type{});
+				f(i, x, Fast{});
 			});
 		else
 			each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {

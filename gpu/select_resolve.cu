@@ -9,6 +9,17 @@
 
 /* ---- pass 3: candidates, and the exact resolution ---------------------------------------- */
 
+/* Clears a segment's slots of the scan's ring, for the next scan (block 0 of the segment). */
+static __device__ void ring_clear(const kvt_gpu_bins &ring, uint32_t seg)
+{
+	uint4 *c = (uint4 *)(ring.count + (size_t)seg * KVT_BINS);
+	ulonglong2 *d = (ulonglong2 *)(ring.dsum + (size_t)seg * KVT_BINS);
+	for (uint32_t e = threadIdx.x; e < KVT_BINS / 4; e += SEL_THREADS)
+		c[e] = make_uint4(0, 0, 0, 0);
+	for (uint32_t e = threadIdx.x; e < KVT_BINS / 2; e += SEL_THREADS)
+		d[e] = make_ulonglong2(0, 0);
+}
+
 /* Where the resolution reads its scores: the candidate list, or the whole segment. */
 struct source {
 	const u64 *cand;
@@ -364,7 +375,7 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
  * before the final cut's (fbin) as the scores stream, the candidates the cut marks after the
  * resolution, and all tokens of a segment that marks all without a resolution.
  */
-template <bool UNION>
+template <bool UNION, bool RING>
 static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
 	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
@@ -376,6 +387,8 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	/* launched as pass 2's programmatic dependent: this block may have started while pass 2's
 	 * last blocks decide; wait until pass 2 has finished and its writes are visible */
 	KVT_PDL_WAIT();
+	if (RING && blockIdx.x == 0) /* pass 2 has read the scan's ring: clear it */
+		ring_clear(sc.ring, seg);
 	const uint32_t n = n_tok[seq];
 	const float *s = scores + (size_t)seg * ld;
 	uint32_t *mask = UNION ? bits.mask + (size_t)(seg / group) * bits.words : NULL;
@@ -404,7 +417,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	 * the boundary bins' scores appended to the list (past n and with one bin, when not fast,
 	 * each score is tested; a warp whose quads hold no candidate skips the votes) */
 	auto quad = [&](uint32_t i0, const float (&x)[4], auto fast) {
-		constexpr bool F = decltype(fast)::value;
+		constexpr bool F = !std::is_same<decltype(fast), std::false_type>::value;
 		uint32_t nib = 0;
 		bool in[4], any = false;
 #pragma unroll
@@ -433,7 +446,9 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 		if (UNION)
 			mark_nibble(mask, i0, nib);
 	};
-	if (listed)
+	if (RING && listed && inv_w < 0.0f) /* the scan's ring's bins (k_hist's hist_from_ring) */
+		each_quad_of_block_split<ring_tag>(s, n, true, quad);
+	else if (listed)
 		each_quad_of_block_split(s, n, inv_w > 0.0f, quad);
 	SEL_T(2);
 	if (!last_block(st))
@@ -456,9 +471,8 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	if (bits.mask)
-		return kvt_launch_dependent(k_cand<true>, grid, SEL_THREADS, s, true, scores, ld,
-					    n_tok, hq, scale, p, bmin, bmax, sc, out, bits, group);
-	return kvt_launch_dependent(k_cand<false>, grid, SEL_THREADS, s, true, scores, ld, n_tok,
-				    hq, scale, p, bmin, bmax, sc, out, bits, group);
+	auto k = bits.mask ? (sc.ring.count ? k_cand<true, true> : k_cand<true, false>)
+			   : (sc.ring.count ? k_cand<false, true> : k_cand<false, false>);
+	return kvt_launch_dependent(k, grid, SEL_THREADS, s, true, scores, ld, n_tok, hq, scale, p,
+				    bmin, bmax, sc, out, bits, group);
 }

@@ -21,6 +21,8 @@ struct step_scratch {
 	float *scores;
 	kvt_gpu_topp *topp;
 	kvt_gpu_segstats *stats; /* [n][Hq]: the scan's, for the threshold */
+	kvt_gpu_bins ring;       /* the scan's first histogram (scanbins.h), or count NULL */
+	size_t zero_bytes;       /* from stats on: the statistics and the ring, in one piece */
 	kvt_gpu_topp *topp_r;    /* [n][Hq]: the threshold at rescore_p (the second stage) */
 	void *rbits;             /* the candidates' union bits (the second stage's counts) */
 	uint32_t *sel; /* [n][H][ld]: the selection's positions, from the layer's bits */
@@ -38,6 +40,12 @@ struct step_scratch {
 	size_t bytes;
 	bool spilled; /* a sequence of the batch has blocks on NVMe (gpu/spilled.c) */
 };
+
+/* Whether a step's scan builds the threshold's first histogram: 1 when its scores overflow the L2
+ * cache, 0 never, 2 always (compile-time, for an A/B). */
+#ifndef KVT_STEP_RING
+#define KVT_STEP_RING 1
+#endif
 
 /* Scratch of n sequences with ld scores each and at most max_rows rows per item, carved from base
  * (NULL: only the sizes). */
@@ -69,7 +77,21 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 	PIECE(qc, kvt_gpu_qcode *, sizeof(kvt_gpu_qcode) * n * Hq);
 	PIECE(scores, float *, sizeof(float) * n * Hq * ld);
 	PIECE(topp, kvt_gpu_topp *, sizeof(kvt_gpu_topp) * n * Hq);
+	const size_t zero_at = o; /* the statistics and the ring, zeroed in one piece each step */
 	PIECE(stats, kvt_gpu_segstats *, sizeof(kvt_gpu_segstats) * n * Hq);
+	/* the scan bins its scores for the threshold (groups of at most 4) where that pays: when
+	 * the scores overflow the L2 cache, so that the threshold's first pass would read them from
+	 * HBM (figures in doc/selection.md) */
+	const size_t score_bytes = sizeof(float) * n * Hq * ld;
+	const bool ring = c->group <= 4 &&
+			  (KVT_STEP_RING == 2 || (KVT_STEP_RING == 1 &&
+						  score_bytes > gpu_of(c)->l2_bytes));
+	PIECE(ring.count, uint32_t *, ring ? sizeof(uint32_t) * n * Hq * KVT_BINS : 0);
+	PIECE(ring.dsum, unsigned long long *, ring ? 8 * (size_t)n * Hq * KVT_BINS : 0);
+	s.zero_bytes = o - zero_at;
+	s.ring.scale = c->scale;
+	if (!ring)
+		s.ring.count = NULL, s.ring.dsum = NULL;
 	const bool rs = c->cfg.rescore_p != 0.0f;
 	PIECE(topp_r, kvt_gpu_topp *, rs ? sizeof(kvt_gpu_topp) * n * Hq : 0);
 	PIECE(rbits, void *, rs ? kvt_gpu_selbits_bytes((size_t)n * H, ld) : 0);
@@ -302,10 +324,12 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	LAUNCH(c, kvt_gpu_query_prepare(d, c->cfg.dtype, n_seqs, Hq, H,
 					b->rot + (size_t)layer * d * d, q, s->cq, s->ck, s->qc,
 					stream));
-	CU(c, cudaMemsetAsync(s->stats, 0, sizeof(kvt_gpu_segstats) * n_seqs * Hq,
-			      (cudaStream_t)stream));
+	/* the statistics and the ring in one memset (the threshold leaves the ring zeroed, but a
+	 * step that failed between the scan and the threshold would not) */
+	CU(c, cudaMemsetAsync(s->stats, 0, s->zero_bytes, (cudaStream_t)stream));
+	const kvt_gpu_bins *ring = s->ring.count ? &s->ring : NULL;
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
-				s->ld, s->stats, NULL, b->err, stream));
+				s->ld, s->stats, ring, b->err, stream));
 	gpu_mark(t, 1, stream);
 	const bool rs = c->cfg.rescore_p != 0.0f;
 	kvt_gpu_selbits rbits = {0};
@@ -316,14 +340,14 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 		rbits = kvt_gpu_selbits_at(s->rbits, (size_t)n_seqs * H, max_ni);
 		LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
 					      c->scale, c->cfg.rescore_p, c->cfg.budget_min,
-					      c->cfg.budget_max, s->stats, s->topp_r, rbits, NULL,
+					      c->cfg.budget_max, s->stats, ring, s->topp_r, rbits, NULL,
 					      s->sscratch, s->sbytes, b->err, stream));
 		LAUNCH(c, kvt_gpu_rescore(d, c->cfg.dtype, n_seqs, Hq, H, s->fetch, hot, q,
 					  s->topp_r, s->scores, s->ld, max_ni, stream));
 	}
 	LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, c->scale,
 				      c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
-				      rs ? NULL : s->stats, s->topp, s->bits,
+				      rs ? NULL : s->stats, rs ? NULL : ring, s->topp, s->bits,
 				      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
 				      s->sscratch, s->sbytes, b->err, stream));
 	if (rs)

@@ -12,6 +12,7 @@
 #include "common.h"
 #include "half.h"
 #include "gpu/score.cuh"
+#include "gpu/scanring.h"
 #include "gpu/select.cuh"
 
 #define CU(x)                                                                                      \

@@ -696,17 +696,17 @@ static void test_arguments(void **state)
 		"score ld 6");
 	T_CHECK(kvt_gpu_score(128, 1, 128, 1, p, p, p, 8, p, 8, NULL, NULL, NULL, NULL) == -EINVAL,
 		"group 128");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, p, p, 1 << 20, NULL,
-				       NULL) == -EINVAL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, NULL, p, p, 1 << 20,
+				       NULL, NULL) == -EINVAL,
 		"scale 0");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.0f, 0, 0, NULL, p, p, 1 << 20, NULL,
-				       NULL) == -EINVAL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.0f, 0, 0, NULL, NULL, p, p, 1 << 20,
+				       NULL, NULL) == -EINVAL,
 		"p 0");
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, p, 16, NULL, NULL) ==
-			-EINVAL,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, p, 16, NULL,
+				       NULL) == -EINVAL,
 		"scratch too small");
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, (const float *)((char *)p + 4), 8, p, 8, 1.0f, 0.9f, 0,
-				       0, NULL, p, p, 1 << 20, NULL, NULL) == -EINVAL,
+				       0, NULL, NULL, p, p, 1 << 20, NULL, NULL) == -EINVAL,
 		"unaligned scores");
 	T_CHECK(kvt_gpu_topp_union(1, 4, 2, p, 8, p, 8, p, p, 4, p, p, 1 << 20, NULL) == -EINVAL,
 		"sel_ld below max_n");
@@ -730,24 +730,24 @@ static void test_arguments(void **state)
 		T_CHECK(kvt_gpu_selbits_list(65536, bits, p, 8, p, NULL) == -EINVAL,
 			"list: 65536 items");
 		/* the fused call refuses what either half would, before it launches anything */
-		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, none, NULL,
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, none, NULL,
 					    p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: NULL mask");
-		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 40, p, 40, 1.0f, 0.9f, 0, 0, NULL, p, bits,
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 40, p, 40, 1.0f, 0.9f, 0, 0, NULL, NULL, p, bits,
 					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: bits made for fewer tokens than max_n");
-		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, wide, NULL,
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, wide, NULL,
 					    p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: words beyond the chunks");
-		T_CHECK(kvt_gpu_topp_select(1, 4, 3, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, p, bits, NULL,
+		T_CHECK(kvt_gpu_topp_select(1, 4, 3, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, bits, NULL,
 					    p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: query heads not a multiple of KV heads");
-		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, p, bits, NULL,
+		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, NULL, p, bits, NULL,
 					    p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: scale 0");
 		CU(cudaDeviceSynchronize());
 	}
-	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, NULL, p,
+	T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 1u << 24, p, 1u << 24, 1.0f, 0.9f, 0, 0, NULL, NULL, p,
 				       p, 1 << 20, NULL, NULL) == -EINVAL,
 		"max_n 2^24");
 	T_CHECK(kvt_gpu_attend(128, KVT_DTYPE_F32, KVT_DTYPE_F32, 1, 4, 2, 1.0f, p, p, 8, p, p,

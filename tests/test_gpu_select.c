@@ -84,6 +84,85 @@ static bool check_window(const char *what, uint32_t seg, const float *x, uint32_
 	return true;
 }
 
+/* Segments given the scan's ring, those whose span it covers, and those it served. */
+static uint32_t g_ring_segs, g_ring_span, g_ring_served;
+
+/*
+ * The threshold given the scan's ring (kvt_gpu_topp_threshold's ring), built here as the scan
+ * builds it (kvt_bins_of, its twin): every segment within the tolerance of the exact set, as
+ * without, and the ring left zeroed.
+ */
+static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t *n,
+		       uint32_t max_n, const float *hs, size_t ld, float scale, float p,
+		       uint32_t bmin, uint32_t bmax, const float *ds, const void *dn,
+		       const void *dst, void *scr, size_t sb, int *bad)
+{
+	const uint32_t segs = S * Hq;
+	const size_t nb = (size_t)segs * KVT_BINS;
+	uint32_t *hc = (uint32_t *)t_alloc(4 * nb);
+	unsigned long long *hd = (unsigned long long *)t_alloc(8 * nb);
+	memset(hc, 0, 4 * nb);
+	memset(hd, 0, 8 * nb);
+	for (uint32_t g = 0; g < segs; g++) {
+		const float *x = hs + (size_t)g * ld;
+		const uint32_t m = n[g / Hq];
+		float mx = m ? x[0] : 0.0f, mn = mx;
+		for (uint32_t t = 0; t < m; t++) {
+			uint32_t slot = 0, dv = 0;
+			if (kvt_bins_of(x[t], scale, &slot, &dv)) {
+				hc[(size_t)g * KVT_BINS + slot]++;
+				hd[(size_t)g * KVT_BINS + slot] += dv;
+			}
+			mx = x[t] > mx ? x[t] : mx;
+			mn = x[t] < mn ? x[t] : mn;
+		}
+		g_ring_segs++;
+		g_ring_span += m && kvt_bins_serves(mx, mn, scale);
+	}
+	kvt_gpu_bins ring = {scale, (uint32_t *)dcopy(hc, 4 * nb),
+			     (unsigned long long *)dcopy(hd, 8 * nb)};
+	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
+	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
+	CU(cudaMemset(derr, 0, 8));
+	const int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p,
+					      bmin, bmax, (const kvt_gpu_segstats *)dst, &ring,
+					      dout, scr, sb, derr, NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold with the ring: %d", what, rc);
+	uint32_t served = 0;
+	T_CHECK(kvt_gpu_topp_ring_served(scr, S, Hq, &served) == 0, "%s: ring_served", what);
+	g_ring_served += served;
+	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
+	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
+	fetch(&herr, derr, 8);
+	fetch(hc, ring.count, 4 * nb);
+	fetch(hd, ring.dsum, 8 * nb);
+	T_SOFT(bad, herr == 0, "%s (ring): error word 0x%llx", what, herr);
+	size_t left = 0;
+	for (size_t i = 0; i < nb; i++)
+		left += hc[i] != 0 || hd[i] != 0;
+	T_SOFT(bad, left == 0, "%s: %zu slots of the ring left nonzero", what, left);
+	char w2[128];
+	snprintf(w2, sizeof w2, "%s (ring)", what);
+	float *scr_h = (float *)t_alloc(4 * (max_n + 1)), *sorted = (float *)t_alloc(4 * (max_n + 1));
+	for (uint32_t g = 0; g < segs; g++) {
+		const float *x = hs + (size_t)g * ld;
+		float thr = 0.0f;
+		uint32_t b = 0;
+		const int cnt = kvt_topp_threshold(x, n[g / Hq], scale, p, scr_h, &thr, &b);
+		check_window(w2, g, x, n[g / Hq], scale, p, bmin, bmax, &out[g], thr, cnt, sorted,
+			     bad);
+	}
+	cudaFree(ring.count);
+	cudaFree(ring.dsum);
+	cudaFree(dout);
+	cudaFree(derr);
+	free(out);
+	free(scr_h);
+	free(sorted);
+	free(hc);
+	free(hd);
+}
+
 /* One configuration of the threshold and union against the CPU on the same scores. */
 static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
 			 uint32_t max_n, const float *hs, size_t ld, float scale, float p,
@@ -114,12 +193,13 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	void *dst = dcopy(hst, sizeof(kvt_gpu_segstats) * segs);
 	kvt_gpu_topp *given = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
 	int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
-					bmax, (const kvt_gpu_segstats *)dst, dout, scr, sb, derr,
+					bmax, (const kvt_gpu_segstats *)dst, NULL, dout, scr, sb, derr,
 					NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
 	fetch(given, dout, sizeof(kvt_gpu_topp) * segs);
+	check_ring(what, S, Hq, n, max_n, hs, ld, scale, p, bmin, bmax, ds, dn, dst, scr, sb, bad);
 	rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
-				    bmax, NULL, dout, scr, sb, derr, NULL);
+				    bmax, NULL, NULL, dout, scr, sb, derr, NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
 	rc = kvt_gpu_topp_union(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, dout, dsel, max_n,
 				dseln, scr, sb, NULL);
@@ -237,7 +317,7 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 					     b1, dcl, NULL);
 		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
 		rc = kvt_gpu_topp_select(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, scale, p,
-					 bmin, bmax, (const kvt_gpu_segstats *)dst, dout2, b2,
+					 bmin, bmax, (const kvt_gpu_segstats *)dst, NULL, dout2, b2,
 					 dcl + 2, scr, sb, derr, NULL);
 		T_CHECK(rc == 0, "%s: kvt_gpu_topp_select %d", what, rc);
 		kvt_gpu_topp *out2 = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
@@ -351,8 +431,12 @@ void test_select(void **state)
 		free(h2);
 	}
 	printf("selection: %d configurations within the window of the exact sets; %u of %u "
-	       "segments equal to the CPU's double sums (seed %llu)\n", cases, g_exact, g_segs,
-	       (unsigned long long)g_seed);
+	       "segments equal to the CPU's double sums (seed %llu); with the scan's ring too, "
+	       "which covered the span of %u of %u segments and served %u\n", cases, g_exact,
+	       g_segs, (unsigned long long)g_seed, g_ring_span, g_ring_segs, g_ring_served);
+	/* both ways of a ring's segment are taken: served, and declined for full boundary bins */
+	T_CHECK(g_ring_served > 0 && g_ring_served < g_ring_span, "the ring served %u of %u",
+		g_ring_served, g_ring_span);
 }
 
 void test_select_nonfinite(void **state)
@@ -385,7 +469,7 @@ void test_select_nonfinite(void **state)
 		CU(cudaMemset(derr, 0, 8));
 		int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, n[0], 0.125f,
 						0.9f, 0, 0,
-						given ? (const kvt_gpu_segstats *)dst : NULL, dout,
+						given ? (const kvt_gpu_segstats *)dst : NULL, NULL, dout,
 						scr, sb, derr, NULL);
 		fetch(&herr, derr, 8);
 		fetch(out, dout, sizeof out);
