@@ -18,7 +18,9 @@ fallback when a step's max passes it). For every decode step, layer and query he
 - how often a step's max lies above the previous step's max plus a margin (0.5, 1, 2 nats): the
   anchor's fallback rate;
 - how often the scan's ring (gpu/scanbins.h: 2048 slots of 1/32 nat, bin b mod 2048) cannot serve
-  a segment because its scores' bins span 2048 or more (about 64 nats), and the spans themselves.
+  a segment because its scores' bins span 2048 or more (about 64 nats), and the spans themselves;
+  and the share the threshold takes from the ring (gpu/select.cu's hist_from_ring: the span
+  within the ring and the cut's 1/32-nat bin within the limit, 512 by default, 4096 at most).
 
 Scores are the exact logits q.k / sqrt(d) over every token the step attends (the trace's prefill
 plus the decode tokens so far), or with --estimate a RaBitQ 1-bit estimate of them (per-head
@@ -159,6 +161,7 @@ def main() -> int:
     spans: list[float] = []
     ranges: list[float] = []
     wraps = 0
+    served = {lim: 0 for lim, _ in LIMITS[:2]}
     jumps = {m: 0 for m in MARGINS}
     pairs = segs = 0
     for layer, pk, dq, dk, hq, hkv, d in source:
@@ -179,14 +182,18 @@ def main() -> int:
                 else:
                     dots = keys_all[:n, h] @ q
                 x = dots / np.sqrt(d)
-                for k, v in cut_bin_sizes(x, cut_score(x, a.p)).items():
+                cut = cut_bin_sizes(x, cut_score(x, a.p))
+                for k, v in cut.items():
                     sizes.setdefault(k, []).append(v)
                 mx = float(x.max())
                 mn = float(x.min())
                 spans.append(min(mx - mn, SPAN_NATS))
                 ranges.append(mx - mn)
                 # the ring's test, on the bins of the extremes (what the statistics give)
-                wraps += np.floor(-mn * GRIDS[0]) - np.floor(-mx * GRIDS[0]) >= BINS
+                wrap = np.floor(-mn * GRIDS[0]) - np.floor(-mx * GRIDS[0]) >= BINS
+                wraps += wrap
+                for lim in served:
+                    served[lim] += not wrap and cut[f"1/{GRIDS[0]} nat"] <= lim
                 if prev_max[j] is not None:
                     pairs += 1
                     for m in MARGINS:
@@ -215,6 +222,9 @@ def main() -> int:
           f"take the threshold's own passes: {100.0 * wraps / segs:.2f}%; span median "
           f"{np.median(rg):.1f} nats, 95th percentile {np.percentile(rg, 95):.1f}, max "
           f"{rg.max():.1f}")
+    print("the threshold takes its first histogram from the ring (span within it, the cut's bin "
+          "within the limit) on " + ", ".join(f"{100.0 * v / segs:.2f}% at a limit of {lim}"
+                                            for lim, v in served.items()))
     if pairs:
         print(f"anchor (the previous step's max plus a margin), {pairs} consecutive pairs: a max "
               "above it, the fallback rate: " +
