@@ -132,18 +132,10 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 	std::vector<unsigned long long> hd(nb, 0);
 	uint32_t eligible = 0;
 	for (uint32_t g = 0; g < HQ; g++) {
-		float mx = hs[(size_t)g * N], mn = mx;
-		for (uint32_t t = 0; t < N; t++) {
-			const float x = hs[(size_t)g * N + t];
-			uint32_t slot, dv;
-			if (kvt_bins_of(x, SCALE, &slot, &dv)) {
-				hc[g * KVT_BINS + slot]++;
-				hd[g * KVT_BINS + slot] += dv;
-			}
-			mx = std::max(mx, x);
-			mn = std::min(mn, x);
-		}
-		eligible += kvt_bins_serves(mx, mn, SCALE);
+		const float *x = hs.data() + (size_t)g * N;
+		kvt_bins_add_host(x, N, SCALE, hc.data() + g * KVT_BINS, hd.data() + g * KVT_BINS);
+		const auto mm = std::minmax_element(x, x + N);
+		eligible += kvt_bins_serves(*mm.second, *mm.first, SCALE);
 	}
 	kvt_gpu_bins ring = {SCALE, NULL, NULL}, pristine = ring;
 	CK(cudaMalloc((void **)&ring.count, 4 * nb));

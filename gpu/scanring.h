@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The scan's ring as the Top-p threshold is to read it (issue 15, point 1; the consumer of
- * kvt_gpu_score's bins, gpu/scanbins.h, not built yet): which segments it serves, and each slot's
- * mass in the threshold's units, computed the same on host and device. tests/test_scan_bins.c
- * checks on the CPU that a Top-p set decided from these masses keeps the GPU threshold's stated
- * tolerance. C and CUDA; kept apart from scanbins.h so that the scan's kernel does not include it
- * (adding these to what it includes changed the code nvcc generated for it).
+ * The scan's ring as the Top-p threshold reads it (issue 15, point 1; gpu/select.cu's
+ * hist_from_ring, the consumer of kvt_gpu_score's bins, gpu/scanbins.h): which segments it can
+ * serve, and each slot's mass in the threshold's units, computed the same on host and device;
+ * and the ring built on the host, for tests and benchmarks. tests/test_scan_bins.c checks on the
+ * CPU that a Top-p set decided from these masses keeps the GPU threshold's stated tolerance. C
+ * and CUDA; kept apart from scanbins.h so that the scan's kernel does not include it (adding these
+ * to what it includes changed the code nvcc generated for it).
  */
 #ifndef KVT_GPU_SCANRING_H
 #define KVT_GPU_SCANRING_H
@@ -13,8 +14,8 @@
 #include "scanbins.h"
 
 /*
- * What the threshold will do with the ring (its consumer, not built yet; doc/selection.md). Given
- * a segment's max M and min m (its statistics), the ring serves it when both are binned and
+ * What the threshold does with the ring (doc/selection.md). Given a segment's max M and min m (its
+ * statistics), the ring can serve it when both are binned and
  * kvt_bins_bin(m) - kvt_bins_bin(M) < KVT_BINS: every score's slot then holds its bin alone, the
  * slot of bin b_M + j being (b_M + j) mod KVT_BINS for j = 0, 1, ... Slot j's mass, in the
  * threshold's units (2^-40 of e^(M scale), gpu/select.cu), for its count k and sum of D S, is
@@ -25,7 +26,8 @@
  * same integers (no table to upload, no libm exp to differ in the last bit).
  */
 
-/* Whether the ring serves a segment of finite scores with this max and min (above). */
+/* Whether the ring can serve a segment of finite scores with this max and min (above; the
+ * threshold also wants few candidates in the boundary bins, gpu/select.cu). */
 KVT_BINS_FN bool kvt_bins_serves(float max, float min, float scale)
 {
 	return kvt_bins_in(max, scale) && kvt_bins_in(min, scale) &&
@@ -75,6 +77,24 @@ KVT_BINS_FN uint64_t kvt_bins_mass(uint32_t k, uint64_t dsum, double pw, double 
 	/* k 2^21 - (dsum - 512 k): an integer below 2^45, exact */
 	const double num = (double)k * 2097152.0 - ((double)dsum - (double)KVT_BINS_DOFF * k);
 	return (uint64_t)kvt_bins_dmul(kvt_bins_dmul(num * 524288.0, pw), f);
+}
+
+/* One segment's n scores binned on the host as kvt_gpu_score bins them (its twin, kvt_bins_of),
+ * added into count and dsum (KVT_BINS slots each): for tests and benchmarks. Returns how many
+ * were binned (the others lie past the domain or are not finite). */
+static inline uint32_t kvt_bins_add_host(const float *x, uint32_t n, float scale, uint32_t *count,
+					 unsigned long long *dsum)
+{
+	uint32_t binned = 0;
+	for (uint32_t t = 0; t < n; t++) {
+		uint32_t slot = 0, dv = 0;
+		if (kvt_bins_of(x[t], scale, &slot, &dv)) {
+			count[slot]++;
+			dsum[slot] += dv;
+			binned++;
+		}
+	}
+	return binned;
 }
 
 #endif

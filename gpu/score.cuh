@@ -58,9 +58,9 @@ int kvt_gpu_query_prepare(uint32_t d, uint32_t dtype, uint32_t n_seqs, uint32_t 
  *             score are merged in (atomics), for kvt_gpu_topp_threshold; zero them before
  *   bins:     host struct or NULL: each head's scores are also binned (scanbins.h) and added
  *             into bins->count and bins->dsum, which the caller zeroes before; groups of at most
- *             four query heads per KV head. Nothing consumes the histogram yet (issue 15,
- *             point 1): on the H200 the scan takes 1.3x as long at 1M tokens, 1.4x at 128K
- *             (doc/selection.md)
+ *             four query heads per KV head. kvt_gpu_topp_threshold and kvt_gpu_topp_select
+ *             read it as their `ring` (select.cuh), which they leave zeroed; on the H200 the
+ *             scan takes 1.3x as long with it at 1M tokens, 1.4x at 128K (doc/selection.md)
  *   err:      device error word or NULL: KVT_GPU_ERR_RANGE when n_tokens[s] > max_n or > cap
  *             (that sequence is not scored)
  * The group n_q_heads / n_kv_heads is at most KVT_GPU_MAX_GROUP. Returns 0, -EINVAL (NULL

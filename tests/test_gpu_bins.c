@@ -118,16 +118,11 @@ static void check_bins(uint32_t d, uint32_t S, uint32_t hkv, uint32_t G, uint32_
 	uint64_t binned = 0, left = 0;
 	for (uint32_t g = 0; g < segs; g++) {
 		const uint32_t m = hn[g / hq];
-		for (uint32_t t = 0; t < m; t++) {
-			uint32_t slot, dv;
-			if (kvt_bins_of(sc[0][(size_t)g * ld + t], scale, &slot, &dv)) {
-				wc[(size_t)g * KVT_BINS + slot]++;
-				wd[(size_t)g * KVT_BINS + slot] += dv;
-				binned++;
-			} else {
-				left++;
-			}
-		}
+		const uint32_t k = kvt_bins_add_host(sc[0] + (size_t)g * ld, m, scale,
+						     wc + (size_t)g * KVT_BINS,
+						     wd + (size_t)g * KVT_BINS);
+		binned += k;
+		left += m - k;
 	}
 	int bad = 0;
 	for (size_t i = 0; i < nb; i++) {

@@ -107,12 +107,8 @@ static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t
 		const float *x = hs + (size_t)g * ld;
 		const uint32_t m = n[g / Hq];
 		float mx = m ? x[0] : 0.0f, mn = mx;
+		kvt_bins_add_host(x, m, scale, hc + (size_t)g * KVT_BINS, hd + (size_t)g * KVT_BINS);
 		for (uint32_t t = 0; t < m; t++) {
-			uint32_t slot = 0, dv = 0;
-			if (kvt_bins_of(x[t], scale, &slot, &dv)) {
-				hc[(size_t)g * KVT_BINS + slot]++;
-				hd[(size_t)g * KVT_BINS + slot] += dv;
-			}
 			mx = x[t] > mx ? x[t] : mx;
 			mn = x[t] < mn ? x[t] : mn;
 		}

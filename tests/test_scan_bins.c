@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The Top-p threshold from the scan's ring (gpu/scanring.h), on the CPU: what the threshold's
- * consumer of kvt_gpu_score's bins is to do, checked before it is built (issue 15, point 1). On
+ * The Top-p threshold from the scan's ring (gpu/scanring.h), on the CPU: the arithmetic the
+ * threshold's consumer of kvt_gpu_score's bins (gpu/select.cu's hist_from_ring) does, checked
+ * without a GPU (issue 15, point 1). On
  * random score sets of every t_scores distribution, sizes 1 to 70000, several scales and p:
  * - a segment the ring serves (kvt_bins_serves) has every score binned, and a segment it does not
  *   spans 64 nats or more, or reaches past the domain;
