@@ -150,9 +150,19 @@ static __device__ __forceinline__ u64 cut_of(u64 c)
  * bins are ordered like the scores, largest first, and equal scores share one. inv_w > 0: bins of
  * equal width below the max (k_hist's own); inv_w < 0: the scan's ring (scanring.h), bins of
  * 1/32 nat on the absolute grid counted from the max's, at scale -inv_w; 0: one bin. The tag says
- * what the caller knows: std::true_type inv_w > 0, ring_tag inv_w < 0, std::false_type nothing.
+ * what the caller knows, at compile time: std::true_type inv_w > 0, ring_tag inv_w < 0,
+ * checked_tag<RING> nothing (any of the three, the ring's only when RING: a kernel built without
+ * the ring carries no ring code). A tag's value says whether it is a fast one (the scores are all
+ * below n: each_quad_of_block_split).
  */
-struct ring_tag {};
+struct ring_tag {
+	static constexpr bool value = true;
+};
+
+template <bool RING>
+struct checked_tag {
+	static constexpr bool value = false;
+};
 
 static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, std::true_type)
 {
@@ -164,12 +174,12 @@ static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, 
 	return min((uint32_t)(kvt_bins_bin(s, -inv_w) - kvt_bins_bin(mx, -inv_w)), SEL_BINS - 1);
 }
 
-static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w,
-						std::false_type = {})
+template <bool RING>
+static __device__ __forceinline__ uint32_t lbin(float s, float mx, float inv_w, checked_tag<RING>)
 {
 	if (inv_w == 0.0f) /* one bin (then max - s may be infinite, and inf * 0 NaN) */
 		return 0;
-	if (inv_w < 0.0f)
+	if (RING && inv_w < 0.0f)
 		return lbin(s, mx, inv_w, ring_tag{});
 	return lbin(s, mx, inv_w, std::true_type{});
 }
@@ -348,11 +358,11 @@ static __device__ __forceinline__ void each_of_block(const float *s, uint32_t n,
 
 /*
  * The chunks of the segment that fall to this block, as each_quad_in_chunk gives them, with
- * f(i, x, fast): fast is Fast (std::true_type, or ring_tag: lbin's tags), a compile-time constant,
- * for the chunks wholly below n when `many` (a segment of several bins) holds, so that f drops its
- * per-score tests there (lbin(..., fast) among them); std::false_type elsewhere (past n: f checks).
+ * f(i, x, tag), the tag a compile-time constant for lbin: Fast (std::true_type, or ring_tag) for
+ * the chunks wholly below n when `many` (a segment of several bins) holds, so that f drops its
+ * per-score tests there; Slow (a checked_tag) elsewhere (past n: f checks).
  */
-template <class Fast = std::true_type, class F>
+template <class Fast, class Slow, class F>
 static __device__ __forceinline__ void each_quad_of_block_split(const float *s, uint32_t n,
 								bool many, F f)
 {
@@ -363,21 +373,22 @@ static __device__ __forceinline__ void each_quad_of_block_split(const float *s, 
 			});
 		else
 			each_quad_in_chunk(s, c0, n, [&](uint32_t i, const float (&x)[4]) {
-				f(i, x, std::false_type{});
+				f(i, x, Slow{});
 			});
 	}
 }
 
-/* The same score by score: f(position, score, fast). */
+/* The same score by score: f(position, score, tag), over bins of k_hist's own (inv_w >= 0). */
 template <class F>
 static __device__ __forceinline__ void each_of_block_split(const float *s, uint32_t n, bool many,
 							   F f)
 {
-	each_quad_of_block_split(s, n, many, [&](uint32_t i, const float (&x)[4], auto fast) {
+	each_quad_of_block_split<std::true_type, checked_tag<false>>(
+		s, n, many, [&](uint32_t i, const float (&x)[4], auto tag) {
 #pragma unroll
-		for (int e = 0; e < 4; e++)
-			f(i + e, x[e], fast);
-	});
+			for (int e = 0; e < 4; e++)
+				f(i + e, x[e], tag);
+		});
 }
 
 /*

@@ -60,9 +60,9 @@ struct resolve_state {
  * One level of the in-block radix select: histogram the digit at SHIFT of the candidates of bin
  * `bin` whose higher digits equal the prefix, pick the digit (by mass or by rank), fix it.
  */
-template <bool MASS, int SHIFT, int WIDTH>
-static __device__ void rlevel(const source &src, uint32_t bin, float mx, float inv_w, float scale,
-			      uint32_t *smem, resolve_state *rs)
+template <bool MASS, int SHIFT, int WIDTH, class Tag>
+static __device__ void rlevel(Tag tag, const source &src, uint32_t bin, float mx, float inv_w,
+			      float scale, uint32_t *smem, resolve_state *rs)
 {
 	constexpr uint32_t bins = 1u << WIDTH;
 	constexpr int top = SHIFT + WIDTH;
@@ -78,7 +78,7 @@ static __device__ void rlevel(const source &src, uint32_t bin, float mx, float i
 	}
 	__syncthreads();
 	each_of(src, [&](u64 c, float x) {
-		if ((c >> top) != (prefix >> top) || lbin(x, mx, inv_w) != bin)
+		if ((c >> top) != (prefix >> top) || lbin(x, mx, inv_w, tag) != bin)
 			return;
 		const uint32_t d = (uint32_t)(c >> SHIFT) & (bins - 1);
 		atomicAdd(&hc[d], 1u);
@@ -102,9 +102,12 @@ static __device__ void rlevel(const source &src, uint32_t bin, float mx, float i
 	__syncthreads();
 }
 
-/* The want-th largest ckey among the candidates of `bin`: the cut that marks exactly want. */
-static __device__ u64 rank_cut(const source &src, uint32_t bin, uint32_t above, uint32_t want,
-			       float mx, float inv_w, uint32_t *smem, resolve_state *rs)
+/* The want-th largest ckey among the candidates of `bin`: the cut that marks exactly want (tag:
+ * lbin's, a checked_tag). */
+template <class Tag>
+static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_t above,
+			       uint32_t want, float mx, float inv_w, uint32_t *smem,
+			       resolve_state *rs)
 {
 	__syncthreads(); /* every thread has read what the mass levels left in rs */
 	if (threadIdx.x == 0) {
@@ -115,13 +118,14 @@ static __device__ u64 rank_cut(const source &src, uint32_t bin, uint32_t above, 
 		rs->want = want;
 	}
 	__syncthreads();
-	rlevel<false, 45, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
-	rlevel<false, 34, 11>(src, bin, mx, inv_w, 0.0f, smem, rs);
-	rlevel<false, 24, 10>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 45, 11>(tag, src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 34, 11>(tag, src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 24, 10>(tag, src, bin, mx, inv_w, 0.0f, smem, rs);
 	if (rs->above + rs->cnt == want) /* the ties fit whole */
 		return (rs->prefix >> 24) << 32;
-	rlevel<false, 12, 12>(src, bin, mx, inv_w, 0.0f, smem, rs); /* lowest positions first */
-	rlevel<false, 0, 12>(src, bin, mx, inv_w, 0.0f, smem, rs);
+	/* lowest positions first */
+	rlevel<false, 12, 12>(tag, src, bin, mx, inv_w, 0.0f, smem, rs);
+	rlevel<false, 0, 12>(tag, src, bin, mx, inv_w, 0.0f, smem, rs);
 	return cut_of(rs->prefix);
 }
 
@@ -189,7 +193,9 @@ static __device__ void rank_sort(u64 *a, const u64 *cand, uint32_t m)
 }
 
 /* The index of the first candidate of bin b in the sorted list (a bin's candidates are adjacent). */
-static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w)
+template <class Tag>
+static __device__ uint32_t first_of(Tag tag, const u64 *a, uint32_t m, uint32_t b, float mx,
+				    float inv_w)
 {
 	__shared__ uint32_t lo;
 	if (threadIdx.x == 0)
@@ -197,7 +203,8 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float 
 	__syncthreads();
 	uint32_t mine = SEL_NONE;
 	for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS)
-		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w) == b && mine == SEL_NONE)
+		if (lbin(kvt_d_keyf((uint32_t)(a[i] >> 24)), mx, inv_w, tag) == b &&
+		    mine == SEL_NONE)
 			mine = i;
 	block_min_into(&lo, mine);
 	__syncthreads();
@@ -213,20 +220,22 @@ static __device__ uint32_t first_of(const u64 *a, uint32_t m, uint32_t b, float 
  * f(acc) < target); when rounding left the target above the total, the bin's last (smallest).
  * Returns its key; *ge is the number of b's candidates at or above it.
  */
-static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, float mx, float inv_w,
-				       float scale, u64 acc, double target, uint32_t *ge)
+template <class Tag>
+static __device__ uint32_t mass_sorted(Tag tag, const u64 *a, uint32_t m, uint32_t b, float mx,
+				       float inv_w, float scale, u64 acc, double target,
+				       uint32_t *ge)
 {
 	__shared__ uint32_t istar, hi, end;
 	const uint32_t E = (m + SEL_THREADS - 1) / SEL_THREADS, i0 = threadIdx.x * E,
 		       i1 = min(i0 + E, m);
-	const uint32_t lo = first_of(a, m, b, mx, inv_w);
+	const uint32_t lo = first_of(tag, a, m, b, mx, inv_w);
 	if (threadIdx.x == 0) {
 		istar = SEL_NONE;
 		hi = end = 0;
 	}
 	auto mass_of = [&](uint32_t i, u64 *t) {
 		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
-		if (lbin(x, mx, inv_w) != b)
+		if (lbin(x, mx, inv_w, tag) != b)
 			return false;
 		*t = term(x, mx, scale);
 		return true;
@@ -265,8 +274,10 @@ static __device__ uint32_t mass_sorted(const u64 *a, uint32_t m, uint32_t b, flo
 
 /*
  * The last block's exact resolution of a segment: the Top-p value in bin[NEED_MASS], then the
- * clamp. Out of line, so that its registers do not weigh on the streaming pass before it.
+ * clamp, over the segment's bins (the scan's ring's only when RING). Out of line, so that its
+ * registers do not weigh on the streaming pass before it.
  */
+template <bool RING>
 static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint32_t n,
 					    const u64 *cand, float scale, float p, uint32_t bmin,
 					    uint32_t bmax, kvt_gpu_topp *out)
@@ -275,6 +286,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	__shared__ resolve_state rs;
 	uint32_t *smem = (uint32_t *)smem64;
 	const uint32_t tid = threadIdx.x;
+	const checked_tag<RING> tag;
 	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
 	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
 	const bool listed = __ldcg(&st->listed);
@@ -299,7 +311,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
 		const uint32_t key = mass_sorted(
-			a, m, b0, mx, inv_w, scale,
+			tag, a, m, b0, mx, inv_w, scale,
 			__ldcg(&st->acc), __ldcg(&st->target), &ge);
 		thresh = kvt_d_keyf(key);
 		count = __ldcg(&st->above[NEED_MASS]) + ge;
@@ -312,9 +324,9 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 			rs.want = 0;
 		}
 		__syncthreads();
-		rlevel<true, 45, 11>(src, b0, mx, inv_w, scale, smem, &rs);
-		rlevel<true, 34, 11>(src, b0, mx, inv_w, scale, smem, &rs);
-		rlevel<true, 24, 10>(src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 45, 11>(tag, src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 34, 11>(tag, src, b0, mx, inv_w, scale, smem, &rs);
+		rlevel<true, 24, 10>(tag, src, b0, mx, inv_w, scale, smem, &rs);
 		thresh = kvt_d_keyf((uint32_t)(rs.prefix >> 24));
 		count = rs.above + rs.cnt;
 	}
@@ -325,9 +337,9 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		const int k = clamped > 0 ? NEED_MIN : NEED_MAX;
 		const uint32_t bw = __ldcg(&st->bin[k]), above = __ldcg(&st->above[k]);
 		if (sorted) /* the want-th largest: its bin's (want - above)-th */
-			cut = cut_of(a[first_of(a, m, bw, mx, inv_w) + (want - above) - 1]);
+			cut = cut_of(a[first_of(tag, a, m, bw, mx, inv_w) + (want - above) - 1]);
 		else
-			cut = rank_cut(src, bw, above, want, mx, inv_w, smem, &rs);
+			cut = rank_cut(tag, src, bw, above, want, mx, inv_w, smem, &rs);
 	}
 	if (tid == 0) {
 		st->done = 0;
@@ -417,7 +429,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	 * the boundary bins' scores appended to the list (past n and with one bin, when not fast,
 	 * each score is tested; a warp whose quads hold no candidate skips the votes) */
 	auto quad = [&](uint32_t i0, const float (&x)[4], auto fast) {
-		constexpr bool F = !std::is_same<decltype(fast), std::false_type>::value;
+		constexpr bool F = decltype(fast)::value;
 		uint32_t nib = 0;
 		bool in[4], any = false;
 #pragma unroll
@@ -447,14 +459,15 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 			mark_nibble(mask, i0, nib);
 	};
 	if (RING && listed && inv_w < 0.0f) /* the scan's ring's bins (k_hist's hist_from_ring) */
-		each_quad_of_block_split<ring_tag>(s, n, true, quad);
-	else if (listed)
-		each_quad_of_block_split(s, n, inv_w > 0.0f, quad);
+		each_quad_of_block_split<ring_tag, checked_tag<true>>(s, n, true, quad);
+	else if (listed) /* k_hist's own bins */
+		each_quad_of_block_split<std::true_type, checked_tag<false>>(s, n, inv_w > 0.0f,
+									       quad);
 	SEL_T(2);
 	if (!last_block(st))
 		return;
 	SEL_T(4);
-	resolve(st, s, n, cand, scale, p, bmin, bmax, out + seg);
+	resolve<RING>(st, s, n, cand, scale, p, bmin, bmax, out + seg);
 	if (UNION)
 		mark_cut(st, s, n, cand, out + seg, mask);
 	SEL_T(6);
