@@ -121,7 +121,7 @@ static float time_us(F f, int burst = 1)
  * The threshold on HQ x N scores (hs: their copy on the host) with and without the scan's ring,
  * built here on the host as kvt_gpu_score builds it, each in a graph of 10; the ring's refill
  * before each call is timed alone and subtracted. Prints the times and whether the thresholds
- * agree.
+ * agree, at the ring's default limit and at its largest (kvt_gpu_bins.serve_max).
  */
 static void given_ring(const char *what, const std::vector<float> &hs, const float *scores,
 		       const kvt_gpu_segstats *stats, const uint32_t *n_tok, kvt_gpu_topp *out,
@@ -137,7 +137,7 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 		const auto mm = std::minmax_element(x, x + N);
 		eligible += kvt_bins_serves(*mm.second, *mm.first, SCALE);
 	}
-	kvt_gpu_bins ring = {SCALE, NULL, NULL}, pristine = ring;
+	kvt_gpu_bins ring = {SCALE, NULL, NULL, 0}, pristine = ring;
 	CK(cudaMalloc((void **)&ring.count, 4 * nb));
 	CK(cudaMalloc((void **)&ring.dsum, 8 * nb));
 	CK(cudaMalloc((void **)&pristine.count, 4 * nb));
@@ -153,30 +153,36 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 					  scr, sb, NULL, st));
 	};
 	const float without = graph_us(10, [&](cudaStream_t st, int) { call(st, NULL); });
-	const float rg = graph_us(10, [&](cudaStream_t st, int) {
-		refill(st);
-		call(st, &ring);
-	});
 	const float cg = graph_us(10, [&](cudaStream_t st, int) { refill(st); });
 	std::vector<kvt_gpu_topp> a(HQ), b(HQ);
 	call(NULL, NULL);
 	CK(cudaMemcpy(a.data(), out, HQ * sizeof(kvt_gpu_topp), cudaMemcpyDeviceToHost));
-	refill(NULL);
-	call(NULL, &ring);
-	CK(cudaMemcpy(b.data(), out, HQ * sizeof(kvt_gpu_topp), cudaMemcpyDeviceToHost));
-	uint32_t served = 0;
-	RC(kvt_gpu_topp_ring_served(scr, 1, HQ, &served));
-	int same = 0;
 	uint64_t count = 0;
-	for (int i = 0; i < HQ; i++) {
-		same += a[i].thresh == b[i].thresh && a[i].count == b[i].count;
+	for (int i = 0; i < HQ; i++)
 		count += a[i].count;
-	}
 	printf("  given the scan's ring, %s scores (%.0f tokens selected per head; %u of %d heads "
-	       "span less than its 64 nats, %u served): %.2f us each in a graph of 10, less the "
-	       "ring's copy in (%.2f us): %.2f us against %.2f without in the same way (goal <= 25 "
-	       "us); the same threshold and count in %d of %d heads\n",
-	       what, (double)count / HQ, eligible, HQ, served, rg, cg, rg - cg, without, same, HQ);
+	       "span less than its 64 nats): %.2f us without it, each in a graph of 10 (goal <= 25 "
+	       "us); with it, less the ring's copy in (%.2f us):\n",
+	       what, (double)count / HQ, eligible, HQ, without, cg);
+	for (uint32_t limit : {0u, KVT_BINS_SERVE_MAX}) {
+		ring.serve_max = limit;
+		const float rg = graph_us(10, [&](cudaStream_t st, int) {
+			refill(st);
+			call(st, &ring);
+		});
+		refill(NULL);
+		call(NULL, &ring);
+		CK(cudaMemcpy(b.data(), out, HQ * sizeof(kvt_gpu_topp), cudaMemcpyDeviceToHost));
+		uint32_t served = 0;
+		RC(kvt_gpu_topp_ring_served(scr, 1, HQ, &served));
+		int same = 0;
+		for (int i = 0; i < HQ; i++)
+			same += a[i].thresh == b[i].thresh && a[i].count == b[i].count;
+		printf("    serving at most %u candidates (%s): %u heads served, %.2f us; the "
+		       "same threshold and count in %d of %d heads\n",
+		       limit ? limit : 512u, limit ? "the largest limit" : "the default", served,
+		       rg - cg, same, HQ);
+	}
 	for (void *pp : {(void *)ring.count, (void *)ring.dsum, (void *)pristine.count,
 			 (void *)pristine.dsum})
 		CK(cudaFree(pp));

@@ -52,7 +52,13 @@ typedef struct kvt_gpu_bins {
 	float scale;              /* the softmax scale the threshold will use (nats per score) */
 	uint32_t *count;          /* device [n_seqs][n_q_heads][KVT_BINS] */
 	unsigned long long *dsum; /* device [n_seqs][n_q_heads][KVT_BINS] */
+	/* the threshold takes a segment's decisions from the ring when its boundary bins hold at
+	 * most this many scores (the resolution sorts them; more stream the segment instead):
+	 * 0 the default, 512, where the sort is cheapest; at most KVT_BINS_SERVE_MAX */
+	uint32_t serve_max;
 } kvt_gpu_bins;
+
+#define KVT_BINS_SERVE_MAX 4096u /* the threshold's sort's capacity (select.cu: SEL_SORT) */
 
 #ifdef __CUDACC__
 #define KVT_BINS_FN static __host__ __device__ __forceinline__

@@ -284,11 +284,12 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
  * The histogram from the scan's ring (scanring.h), for a segment whose scores span less than its
  * 64 nats: every block of the segment converts the slots from the max's bin on into bins 0 to
  * SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides, the same way from
- * the same slots. The ring serves when the boundary bins hold at most SEL_RANK candidates, so
- * that the resolution ranks them, its cheapest way (flat scores fill its bins of 1/32 nat: 3.7K
- * at the cut of 128K normal scores, whose sort took 73 us more than this pass): block 0 then
- * writes the decisions once the scratch is zeroed, and true is returned; otherwise the segment
- * takes the pass's own bins. Pass 3 clears the slots (ring_clear). Out of line, as hist_decide.
+ * the same slots. The ring serves when the boundary bins hold at most ring.serve_max candidates
+ * (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat scores fill its
+ * bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose sort took 73 us more than this
+ * pass): block 0 then writes the decisions once the scratch is zeroed, and true is returned;
+ * otherwise the segment takes the pass's own bins. Pass 3 clears the slots (ring_clear). Out of
+ * line, as hist_decide.
  */
 static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
 						   seg_state *st, uint32_t max_key,
@@ -312,7 +313,9 @@ static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t s
 		rm[q] = k && p < 1.0f ? kvt_bins_mass(k, __ldcg(rd + slot), kvt_bins_power(j), f) : 0;
 	}
 	hist_decision d;
-	if (decide_hist(rc, rm, n, p, bmin, bmax, &d) > SEL_RANK)
+	static_assert(KVT_BINS_SERVE_MAX == SEL_SORT, "the resolution sorts what the ring serves");
+	const uint32_t limit = ring.serve_max ? ring.serve_max : SEL_RANK;
+	if (decide_hist(rc, rm, n, p, bmin, bmax, &d) > limit)
 		return false;
 	KVT_PDL_WAIT(); /* the state is zeroed */
 	if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -472,10 +475,11 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 		return -EINVAL;
 	/* the ring: the scan's, at this scale, with its statistics */
 	if (ring && (!ring->count || !ring->dsum || ring->scale != scale || !stats ||
-		     !aligned16(ring->count) || !aligned16(ring->dsum)))
+		     ring->serve_max > KVT_BINS_SERVE_MAX || !aligned16(ring->count) ||
+		     !aligned16(ring->dsum)))
 		return -EINVAL;
 	sel_scratch sc = carve(scratch, n_seqs, n_q_heads, 1, max_n);
-	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL};
+	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL, 0};
 	if (scratch_bytes < sc.bytes)
 		return -EINVAL;
 	if (n_seqs == 0)

@@ -84,8 +84,65 @@ static bool check_window(const char *what, uint32_t seg, const float *x, uint32_
 	return true;
 }
 
-/* Segments given the scan's ring, those whose span it covers, and those it served. */
-static uint32_t g_ring_segs, g_ring_span, g_ring_served;
+/* Segments given the scan's ring, those whose span it covers, and those it served at the
+ * default limit and at KVT_BINS_SERVE_MAX. */
+static uint32_t g_ring_segs, g_ring_span, g_ring_served[2];
+
+/* The threshold given the ring (host slots hc, hd) served at most `limit` candidates. */
+static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t *n,
+		      uint32_t max_n, const float *hs, size_t ld, float scale, float p,
+		      uint32_t bmin, uint32_t bmax, const float *ds, const void *dn,
+		      const void *dst, void *scr, size_t sb, const uint32_t *hc,
+		      const unsigned long long *hd, uint32_t limit, uint32_t *served_sum, int *bad)
+{
+	const uint32_t segs = S * Hq;
+	const size_t nb = (size_t)segs * KVT_BINS;
+	uint32_t *lc = (uint32_t *)t_alloc(4 * nb);
+	unsigned long long *lh = (unsigned long long *)t_alloc(8 * nb);
+	kvt_gpu_bins ring = {scale, (uint32_t *)dcopy(hc, 4 * nb),
+			     (unsigned long long *)dcopy(hd, 8 * nb), limit};
+	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
+	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
+	CU(cudaMemset(derr, 0, 8));
+	const int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p,
+					      bmin, bmax, (const kvt_gpu_segstats *)dst, &ring,
+					      dout, scr, sb, derr, NULL);
+	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold with the ring (limit %u): %d", what, limit,
+		rc);
+	uint32_t served = 0;
+	T_CHECK(kvt_gpu_topp_ring_served(scr, S, Hq, &served) == 0, "%s: ring_served", what);
+	*served_sum += served;
+	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
+	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
+	fetch(&herr, derr, 8);
+	fetch(lc, ring.count, 4 * nb);
+	fetch(lh, ring.dsum, 8 * nb);
+	T_SOFT(bad, herr == 0, "%s (ring): error word 0x%llx", what, herr);
+	size_t left = 0;
+	for (size_t i = 0; i < nb; i++)
+		left += lc[i] != 0 || lh[i] != 0;
+	T_SOFT(bad, left == 0, "%s: %zu slots of the ring left nonzero", what, left);
+	char w2[128];
+	snprintf(w2, sizeof w2, "%s (ring, limit %u)", what, limit);
+	float *scr_h = (float *)t_alloc(4 * (max_n + 1)), *sorted = (float *)t_alloc(4 * (max_n + 1));
+	for (uint32_t g = 0; g < segs; g++) {
+		const float *x = hs + (size_t)g * ld;
+		float thr = 0.0f;
+		uint32_t b = 0;
+		const int cnt = kvt_topp_threshold(x, n[g / Hq], scale, p, scr_h, &thr, &b);
+		check_window(w2, g, x, n[g / Hq], scale, p, bmin, bmax, &out[g], thr, cnt, sorted,
+			     bad);
+	}
+	cudaFree(ring.count);
+	cudaFree(ring.dsum);
+	cudaFree(dout);
+	cudaFree(derr);
+	free(out);
+	free(scr_h);
+	free(sorted);
+	free(lc);
+	free(lh);
+}
 
 /*
  * The threshold given the scan's ring (kvt_gpu_topp_threshold's ring), built here as the scan
@@ -115,46 +172,11 @@ static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t
 		g_ring_segs++;
 		g_ring_span += m && kvt_bins_serves(mx, mn, scale);
 	}
-	kvt_gpu_bins ring = {scale, (uint32_t *)dcopy(hc, 4 * nb),
-			     (unsigned long long *)dcopy(hd, 8 * nb)};
-	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
-	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
-	CU(cudaMemset(derr, 0, 8));
-	const int rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p,
-					      bmin, bmax, (const kvt_gpu_segstats *)dst, &ring,
-					      dout, scr, sb, derr, NULL);
-	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold with the ring: %d", what, rc);
-	uint32_t served = 0;
-	T_CHECK(kvt_gpu_topp_ring_served(scr, S, Hq, &served) == 0, "%s: ring_served", what);
-	g_ring_served += served;
-	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
-	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
-	fetch(&herr, derr, 8);
-	fetch(hc, ring.count, 4 * nb);
-	fetch(hd, ring.dsum, 8 * nb);
-	T_SOFT(bad, herr == 0, "%s (ring): error word 0x%llx", what, herr);
-	size_t left = 0;
-	for (size_t i = 0; i < nb; i++)
-		left += hc[i] != 0 || hd[i] != 0;
-	T_SOFT(bad, left == 0, "%s: %zu slots of the ring left nonzero", what, left);
-	char w2[128];
-	snprintf(w2, sizeof w2, "%s (ring)", what);
-	float *scr_h = (float *)t_alloc(4 * (max_n + 1)), *sorted = (float *)t_alloc(4 * (max_n + 1));
-	for (uint32_t g = 0; g < segs; g++) {
-		const float *x = hs + (size_t)g * ld;
-		float thr = 0.0f;
-		uint32_t b = 0;
-		const int cnt = kvt_topp_threshold(x, n[g / Hq], scale, p, scr_h, &thr, &b);
-		check_window(w2, g, x, n[g / Hq], scale, p, bmin, bmax, &out[g], thr, cnt, sorted,
-			     bad);
-	}
-	cudaFree(ring.count);
-	cudaFree(ring.dsum);
-	cudaFree(dout);
-	cudaFree(derr);
-	free(out);
-	free(scr_h);
-	free(sorted);
+	/* the default limit on the boundary bins' candidates, and the largest */
+	const uint32_t limit[2] = {0, KVT_BINS_SERVE_MAX};
+	for (int k = 0; k < 2; k++)
+		ring_once(what, S, Hq, n, max_n, hs, ld, scale, p, bmin, bmax, ds, dn, dst, scr,
+			  sb, hc, hd, limit[k], &g_ring_served[k], bad);
 	free(hc);
 	free(hd);
 }
@@ -428,11 +450,15 @@ void test_select(void **state)
 	}
 	printf("selection: %d configurations within the window of the exact sets; %u of %u "
 	       "segments equal to the CPU's double sums (seed %llu); with the scan's ring too, "
-	       "which covered the span of %u of %u segments and served %u\n", cases, g_exact,
-	       g_segs, (unsigned long long)g_seed, g_ring_span, g_ring_segs, g_ring_served);
-	/* both ways of a ring's segment are taken: served, and declined for full boundary bins */
-	T_CHECK(g_ring_served > 0 && g_ring_served < g_ring_span, "the ring served %u of %u",
-		g_ring_served, g_ring_span);
+	       "which covered the span of %u of %u segments and served %u (%u at its limit %u)\n",
+	       cases, g_exact, g_segs, (unsigned long long)g_seed, g_ring_span, g_ring_segs,
+	       g_ring_served[0], g_ring_served[1], KVT_BINS_SERVE_MAX);
+	/* both ways of a ring's segment are taken: served, and declined for full boundary bins;
+	 * the larger limit serves more */
+	T_CHECK(g_ring_served[0] > 0 && g_ring_served[0] < g_ring_served[1] &&
+			g_ring_served[1] < g_ring_span,
+		"the ring served %u and %u of %u", g_ring_served[0], g_ring_served[1],
+		g_ring_span);
 }
 
 void test_select_nonfinite(void **state)
