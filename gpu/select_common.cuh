@@ -39,6 +39,7 @@
 #define SEL_CAND 16384u
 /* Candidates resolved by sorting them in shared memory; more take the radix select. */
 #define SEL_SORT 4096u
+static_assert(KVT_BINS_SERVE_MAX == SEL_SORT, "the resolution sorts what the ring may serve");
 /* Candidates sorted by rank (each thread counts the larger ones) rather than by a bitonic network:
  * at a few hundred, one pass over shared memory costs less than the network's barriers. */
 #define SEL_RANK 512u
