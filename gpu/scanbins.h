@@ -53,12 +53,13 @@ typedef struct kvt_gpu_bins {
 	uint32_t *count;          /* device [n_seqs][n_q_heads][KVT_BINS] */
 	unsigned long long *dsum; /* device [n_seqs][n_q_heads][KVT_BINS] */
 	/* the threshold takes a segment's decisions from the ring when its boundary bins hold at
-	 * most this many scores (the resolution sorts them; more stream the segment instead):
-	 * 0 the default, 512, where the sort is cheapest; at most KVT_BINS_SERVE_MAX */
+	 * most this many scores (resolved from its candidate list; more stream the segment):
+	 * 0 the default, 512, which the resolution ranks, its cheapest way; at most
+	 * KVT_BINS_SERVE_MAX */
 	uint32_t serve_max;
 } kvt_gpu_bins;
 
-#define KVT_BINS_SERVE_MAX 4096u /* the threshold's sort's capacity (select.cu: SEL_SORT) */
+#define KVT_BINS_SERVE_MAX 4096u /* measured up to this (doc/selection.md); within the list */
 
 #ifdef __CUDACC__
 #define KVT_BINS_FN static __host__ __device__ __forceinline__

@@ -17,10 +17,10 @@
  *      in every block, without streaming (hist_from_ring; doc/selection.md has when).
  *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
  *      list; the last block resolves the threshold, and the clamp, in shared memory: the
- *      candidates sorted (by rank up to SEL_RANK of them, by a bitonic network up to SEL_SORT),
- *      or past that a radix select (three levels on the score's key, two more on positions among
- *      ties). When the bins hold more than SEL_CAND candidates, it runs the same select over the
- *      whole segment instead: slower, the same result. For kvt_gpu_topp_select it also marks the
+ *      candidates sorted by rank up to SEL_RANK of them, or past that a radix select (three
+ *      levels on the score's key, two more on positions among ties). When the bins hold more
+ *      than SEL_CAND candidates, it runs the same select over the whole segment instead:
+ *      slower, the same result. For kvt_gpu_topp_select it also marks the
  *      union of each query group's sets (select.cuh's bits): the tokens of the bins before the
  *      final cut's (fbin, which pass 2 derives) as it lists the candidates, then the candidates
  *      the resolved cut marks, so that no later pass reads the scores again.
@@ -62,10 +62,10 @@ static sel_scratch carve(void *base, uint32_t n_seqs, uint32_t hq, uint32_t hkv,
 	sel_scratch s;
 	char *p = (char *)base;
 	size_t off = 0;
-	/* the list: max_n / 8 candidates, within [2 SEL_SORT, SEL_CAND] and at most max_n, so that it
-	 * stays at most half the scores' bytes past 16K tokens */
+	/* the list: max_n / 8 candidates, within [SEL_CAND_MIN, SEL_CAND] and at most max_n, so
+	 * that it stays at most half the scores' bytes past 16K tokens */
 	uint32_t cap = max_n / 8;
-	cap = cap < 2 * SEL_SORT ? 2 * SEL_SORT : cap > SEL_CAND ? SEL_CAND : cap;
+	cap = cap < SEL_CAND_MIN ? SEL_CAND_MIN : cap > SEL_CAND ? SEL_CAND : cap;
 	s.cand_cap = cap < max_n ? cap : max_n;
 	s.st = (seg_state *)(p + off);
 	off += align256(segs * sizeof(seg_state));

@@ -37,11 +37,12 @@
 /* Candidate list per segment, at most (see carve). A boundary bin holds a few hundred scores at
  * 128K tokens on realistic attention; more (flat scores) take the whole-segment path. */
 #define SEL_CAND 16384u
-/* Candidates resolved by sorting them in shared memory; more take the radix select. */
-#define SEL_SORT 4096u
-static_assert(KVT_BINS_SERVE_MAX == SEL_SORT, "the resolution sorts what the ring may serve");
-/* Candidates sorted by rank (each thread counts the larger ones) rather than by a bitonic network:
- * at a few hundred, one pass over shared memory costs less than the network's barriers. */
+/* The candidate list's least length (but for segments shorter than it): what the scan's ring
+ * serves always fits it. */
+#define SEL_CAND_MIN 8192u
+static_assert(KVT_BINS_SERVE_MAX <= SEL_CAND_MIN, "what the ring serves fits the list");
+/* Candidates sorted by rank (each thread counts the larger ones): at a few hundred, one pass over
+ * shared memory costs less than a bitonic network's barriers; more take the radix select. */
 #define SEL_RANK 512u
 #define SEL_MAX_N (KVT_GPU_SELECT_MAX_N + 1) /* positions take 24 bits of a ckey */
 #define SEL_NONE 0xffffffffu

@@ -2,7 +2,7 @@
 /*
  * Pass 3 of the Top-p threshold (select.cu has the design): the scores of the boundary bins pass 2
  * picked are appended to the segment's candidate list, and the segment's last block resolves the
- * exact threshold and clamp among them: sorted in shared memory when they are few, else by a radix
+ * exact threshold and clamp among them: ranked in shared memory when they are few, else by a radix
  * select (over the whole segment when the list overflowed).
  */
 #include "select_common.cuh"
@@ -129,34 +129,7 @@ static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_
 	return cut_of(rs->prefix);
 }
 
-/* ---- the resolution of a short list: sorted in shared memory ----------------------------- */
-
-/*
- * Bitonic, P a power of two, one thread per compared pair. While the stride is at most 32, the 32
- * pairs of a warp lie in one aligned block of 64 elements, the same block from one such stage to
- * the next: those stages need only the warp's barrier, the others the block's.
- */
-static __device__ void sort_desc(u64 *a, uint32_t P)
-{
-	for (uint32_t k = 2; k <= P; k <<= 1)
-		for (uint32_t j = k >> 1; j > 0; j >>= 1) {
-			const uint32_t sh = __ffs(j) - 1;
-			for (uint32_t q = threadIdx.x; q < P / 2; q += SEL_THREADS) {
-				const uint32_t i = (q >> sh << (sh + 1)) | (q & (j - 1)), l = i | j;
-				const u64 x = a[i], y = a[l];
-				if ((i & k) == 0 ? x < y : x > y) {
-					a[i] = y;
-					a[l] = x;
-				}
-			}
-			const uint32_t next = j > 1 ? j >> 1 : k; /* the next stage's stride */
-			if (j >= 64 || next >= 64)
-				__syncthreads();
-			else
-				__syncwarp();
-		}
-	__syncthreads();
-}
+/* ---- the resolution of a short list: ranked in shared memory ----------------------------- */
 
 /*
  * The m <= SEL_RANK candidates of the list into a[0 .. m) in descending order: each thread counts,
@@ -282,7 +255,10 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 					    const u64 *cand, float scale, float p, uint32_t bmin,
 					    uint32_t bmax, kvt_gpu_topp *out)
 {
-	__shared__ u64 smem64[5 * SEL_BINS / 2]; /* the sorted list, or rlevel's histograms */
+	/* the ranked list (SEL_RANK), or rlevel's histograms: up to SEL_CNT_BINS counts, or
+	 * SEL_BINS counts and two words of mass for each */
+	__shared__ u64 smem64[3 * SEL_BINS / 2];
+	static_assert(SEL_RANK <= 3 * SEL_BINS / 2 && SEL_CNT_BINS <= 3 * SEL_BINS, "shared fits");
 	__shared__ resolve_state rs;
 	uint32_t *smem = (uint32_t *)smem64;
 	const uint32_t tid = threadIdx.x;
@@ -295,18 +271,11 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	float thresh = kvt_d_keyf(~__ldcg(&st->nmin_key));
 	uint32_t count = n;
 	u64 *a = smem64;
-	const bool sorted = listed && m <= SEL_SORT;
-	if (sorted && m <= SEL_RANK) {
+	/* a few candidates are ranked; more take the radix levels, which took half the time of a
+	 * bitonic sort of 3.7K (doc/selection.md) */
+	const bool sorted = listed && m <= SEL_RANK;
+	if (sorted)
 		rank_sort(a, cand, m);
-	} else if (sorted) {
-		uint32_t P = 1;
-		while (P < m)
-			P <<= 1;
-		for (uint32_t i = tid; i < P; i += SEL_THREADS)
-			a[i] = i < m ? __ldcg(cand + i) : 0; /* 0: below every candidate */
-		__syncthreads();
-		sort_desc(a, P);
-	}
 	SEL_T(5);
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
