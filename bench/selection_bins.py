@@ -5,8 +5,8 @@ decode steps (doc/selection.md, "A scan-built histogram without an anchor": its 
 
 The threshold (gpu/select.cu) bins a segment's scores by their distance below its max, 2048 bins
 over min(range, 64 nats), and lists the scores of the bin holding the Top-p cut as candidates: up to
-512 are sorted by rank, up to 4096 sorted, up to 16384 resolved by radix levels, more take the
-whole-segment path. A histogram built by the scan, before the max is known, needs either bins on an
+512 are sorted by rank, up to 16384 (the list's length at 128K tokens) resolved by radix levels,
+more take the whole-segment path; 4096 is the most the scan's ring may serve (kvt_gpu_bins). A histogram built by the scan, before the max is known, needs either bins on an
 absolute grid (a fixed width in nats) or an anchor (the previous step's max plus a margin, and a
 fallback when a step's max passes it). For every decode step, layer and query head this prints:
 
@@ -43,7 +43,7 @@ import sys
 import numpy as np
 
 BINS, SPAN_NATS = 2048, 64.0
-LIMITS = ((512, "rank sort"), (4096, "sort"), (16384, "radix"))
+LIMITS = ((512, "rank sort"), (4096, "ring limit"), (16384, "list"))
 GRIDS = (32, 64, 128)  # bins per nat
 MARGINS = (0.5, 1.0, 2.0)
 
