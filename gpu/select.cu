@@ -20,10 +20,10 @@
  *      candidates sorted by rank up to SEL_RANK of them, or past that a radix select (three
  *      levels on the score's key, two more on positions among ties). When the bins hold more
  *      than SEL_CAND candidates, it runs the same select over the whole segment instead:
- *      slower, the same result. For kvt_gpu_topp_select it also marks the
- *      union of each query group's sets (select.cuh's bits): the tokens of the bins before the
- *      final cut's (fbin, which pass 2 derives) as it lists the candidates, then the candidates
- *      the resolved cut marks, so that no later pass reads the scores again.
+ *      slower, the same result. For kvt_gpu_topp_select it also marks the union of each query
+ *      group's sets (select.cuh's bits): the tokens of the bins before the final cut's (fbin,
+ *      which pass 2 derives) as it lists the candidates, then the candidates the resolved cut
+ *      marks, so that no later pass reads the scores again.
  *
  * In every pass blocks build shared-memory histograms and add their nonzero bins into the
  * segment's with integer atomics; the last block of a segment to finish (a counter in the
@@ -286,10 +286,10 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
  * SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides, the same way from
  * the same slots. The ring serves when the boundary bins hold at most ring.serve_max candidates
  * (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat scores fill its
- * bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose sort took 73 us more than this
- * pass): block 0 then writes the decisions once the scratch is zeroed, and true is returned;
- * otherwise the segment takes the pass's own bins. Pass 3 clears the slots (ring_clear). Out of
- * line, as hist_decide.
+ * bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose radix resolution costs more than
+ * streaming them in the pass's own, finer bins; doc/selection.md): block 0 then writes the
+ * decisions once the scratch is zeroed, and true is returned; otherwise the segment takes the
+ * pass's own bins. Pass 3 clears the slots (ring_clear). Out of line, as hist_decide.
  */
 static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
 						   seg_state *st, uint32_t max_key,

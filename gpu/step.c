@@ -90,8 +90,9 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 	PIECE(ring.dsum, unsigned long long *, ring ? 8 * (size_t)n * Hq * KVT_BINS : 0);
 	s.zero_bytes = o - zero_at;
 	s.ring.scale = c->scale;
-	/* past the L2 a declined segment reads its scores again from HBM: the ring serves up to the
-	 * sort's capacity (1M x 8: 1.98 ms a step where the default 512 gave 2.20-2.31) */
+	/* past the L2 a declined segment reads its scores again from HBM: the ring serves up to
+	 * KVT_BINS_SERVE_MAX candidates (1M x 8: 1.98 ms a step where the default 512 gave
+	 * 2.20-2.31) */
 	s.ring.serve_max = KVT_BINS_SERVE_MAX;
 	if (!ring)
 		s.ring.count = NULL, s.ring.dsum = NULL;

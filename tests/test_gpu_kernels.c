@@ -708,7 +708,7 @@ static void test_arguments(void **state)
 	T_CHECK(kvt_gpu_topp_threshold(1, 4, (const float *)((char *)p + 4), 8, p, 8, 1.0f, 0.9f, 0,
 				       0, NULL, NULL, p, p, 1 << 20, NULL, NULL) == -EINVAL,
 		"unaligned scores");
-	{ /* a ring without statistics, at another scale, or serving past the sort's capacity */
+	{ /* a ring without statistics, at another scale, or serving past KVT_BINS_SERVE_MAX */
 		const kvt_gpu_bins r[3] = {{1.0f, p, p, 0}, {2.0f, p, p, 0},
 					   {1.0f, p, p, KVT_BINS_SERVE_MAX + 1}};
 		for (int k = 0; k < 3; k++)
