@@ -10,8 +10,8 @@ more take the whole-segment path; 4096 is the most the scan's ring may serve (kv
 absolute grid (a fixed width in nats) or an anchor (the previous step's max plus a margin, and a
 fallback when a step's max passes it). For every decode step, layer and query head this prints:
 
-- the cut's bin population under today's bins, under absolute grids of 1/32, 1/64 and 1/128
-  nat, and under the 1/32-nat grid with its cut bin refined by 2048 sub-bins (a second
+- the cut's bin population under today's bins, under absolute grids of 1/16, 1/32, 1/64 and
+  1/128 nat, and under the 1/32-nat grid with its cut bin refined by 2048 sub-bins (a second
   histogram in the candidate pass), as percentiles over the segments and the share past each of
   the resolution's limits; and today's bin width (the segment's span, at most 64 nats, over
   2048), whose median says how much finer than 1/32 nat today's bins are;
@@ -20,7 +20,8 @@ fallback when a step's max passes it). For every decode step, layer and query he
 - how often the scan's ring (gpu/scanbins.h: 2048 slots of 1/32 nat, bin b mod 2048) cannot serve
   a segment because its scores' bins span 2048 or more (about 64 nats), and the spans themselves;
   and the share the threshold takes from the ring (gpu/select.cu's hist_from_ring: the span
-  within the ring and the cut's 1/32-nat bin within the limit, 512 by default, 4096 at most).
+  within the ring and the cut's 1/32-nat bin within the limit, 512 by default, 4096 at most);
+  the same for a ring of 2048 slots of 1/16 nat (128 nats, not built).
 
 Scores are the exact logits q.k / sqrt(d) over every token the step attends (the trace's prefill
 plus the decode tokens so far), or with --estimate a RaBitQ 1-bit estimate of them (per-head
@@ -44,7 +45,8 @@ import numpy as np
 
 BINS, SPAN_NATS = 2048, 64.0
 LIMITS = ((512, "rank sort"), (4096, "ring limit"), (16384, "list"))
-GRIDS = (32, 64, 128)  # bins per nat
+GRIDS = (16, 32, 64, 128)  # bins per nat
+RINGS = (32, 16)  # the ring's grid (2048 slots of 1/32 nat), and one spanning 128 nats
 MARGINS = (0.5, 1.0, 2.0)
 
 
@@ -129,7 +131,7 @@ def cut_bin_sizes(x: np.ndarray, c: float) -> dict[str, int]:
         pos, cpos = -x * g, -c * g
         cell = np.floor(pos) == np.floor(cpos)
         out[f"1/{g} nat"] = int(np.count_nonzero(cell))
-        if g == GRIDS[0]:
+        if g == RINGS[0]:
             # the cut's cell refined by the candidate pass with BINS sub-bins first
             sub = np.floor((pos - np.floor(pos)) * BINS)
             out[f"1/{g} refined"] = int(np.count_nonzero(
@@ -160,8 +162,8 @@ def main() -> int:
     sizes: dict[str, list[int]] = {}
     spans: list[float] = []
     ranges: list[float] = []
-    wraps = 0
-    served = {lim: 0 for lim, _ in LIMITS[:2]}
+    wraps = {r: 0 for r in RINGS}
+    served = {r: {lim: 0 for lim, _ in LIMITS[:2]} for r in RINGS}
     jumps = {m: 0 for m in MARGINS}
     pairs = segs = 0
     for layer, pk, dq, dk, hq, hkv, d in source:
@@ -190,10 +192,11 @@ def main() -> int:
                 spans.append(min(mx - mn, SPAN_NATS))
                 ranges.append(mx - mn)
                 # the ring's test, on the bins of the extremes (what the statistics give)
-                wrap = np.floor(-mn * GRIDS[0]) - np.floor(-mx * GRIDS[0]) >= BINS
-                wraps += wrap
-                for lim in served:
-                    served[lim] += not wrap and cut[f"1/{GRIDS[0]} nat"] <= lim
+                for r in RINGS:
+                    wrap = np.floor(-mn * r) - np.floor(-mx * r) >= BINS
+                    wraps[r] += wrap
+                    for lim in served[r]:
+                        served[r][lim] += not wrap and cut[f"1/{r} nat"] <= lim
                 if prev_max[j] is not None:
                     pairs += 1
                     for m in MARGINS:
@@ -218,13 +221,15 @@ def main() -> int:
           f"nats), 5th percentile 1/{BINS / np.percentile(sp, 5):.0f}, 95th "
           f"1/{BINS / np.percentile(sp, 95):.0f}")
     rg = np.array(ranges)
-    print(f"the scan's ring (2048 slots of 1/32 nat): segments whose bins span 2048 or more, which "
-          f"take the threshold's own passes: {100.0 * wraps / segs:.2f}%; span median "
-          f"{np.median(rg):.1f} nats, 95th percentile {np.percentile(rg, 95):.1f}, max "
-          f"{rg.max():.1f}")
-    print("the threshold takes its first histogram from the ring (span within it, the cut's bin "
-          "within the limit) on " + ", ".join(f"{100.0 * v / segs:.2f}% at a limit of {lim}"
-                                            for lim, v in served.items()))
+    print(f"the scores' span: median {np.median(rg):.1f} nats, 95th percentile "
+          f"{np.percentile(rg, 95):.1f}, max {rg.max():.1f}")
+    for r in RINGS:
+        print(f"the scan's ring ({BINS} slots of 1/{r} nat{', not built' if r != RINGS[0] else ''}"
+              f"): segments whose bins span {BINS} or more, which take the threshold's own "
+              f"passes: {100.0 * wraps[r] / segs:.2f}%; the threshold takes its first histogram "
+              "from the ring (span within it, the cut's bin within the limit) on " +
+              ", ".join(f"{100.0 * v / segs:.2f}% at a limit of {lim}"
+                        for lim, v in served[r].items()))
     if pairs:
         print(f"anchor (the previous step's max plus a margin), {pairs} consecutive pairs: a max "
               "above it, the fallback rate: " +
