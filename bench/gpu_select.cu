@@ -180,8 +180,8 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 			same += a[i].thresh == b[i].thresh && a[i].count == b[i].count;
 		printf("    serving at most %u candidates (%s): %u heads served, %.2f us; the "
 		       "same threshold and count in %d of %d heads\n",
-		       limit ? limit : 512u, limit ? "the largest limit" : "the default", served,
-		       rg - cg, same, HQ);
+		       limit ? limit : KVT_BINS_SERVE_DEFAULT,
+		       limit ? "the largest limit" : "the default", served, rg - cg, same, HQ);
 	}
 	for (void *pp : {(void *)ring.count, (void *)ring.dsum, (void *)pristine.count,
 			 (void *)pristine.dsum})

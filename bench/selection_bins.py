@@ -6,9 +6,10 @@ decode steps (doc/selection.md, "A scan-built histogram without an anchor": its 
 The threshold (gpu/select.cu) bins a segment's scores by their distance below its max, 2048 bins
 over min(range, 64 nats), and lists the scores of the bin holding the Top-p cut as candidates: up to
 512 are sorted by rank, up to 16384 (the list's length at 128K tokens) resolved by radix levels,
-more take the whole-segment path; 4096 is the most the scan's ring may serve (kvt_gpu_bins). A histogram built by the scan, before the max is known, needs either bins on an
-absolute grid (a fixed width in nats) or an anchor (the previous step's max plus a margin, and a
-fallback when a step's max passes it). For every decode step, layer and query head this prints:
+more take the whole-segment path; 4096 is the most the scan's ring may serve (kvt_gpu_bins). A
+histogram built by the scan, before the max is known, needs either bins on an absolute grid (a
+fixed width in nats) or an anchor (the previous step's max plus a margin, and a fallback when a
+step's max passes it). For every decode step, layer and query head this prints:
 
 - the cut's bin population under today's bins, under absolute grids of 1/16, 1/32, 1/64 and
   1/128 nat, and under the 1/32-nat grid with its cut bin refined by 2048 sub-bins (a second

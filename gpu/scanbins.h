@@ -54,12 +54,12 @@ typedef struct kvt_gpu_bins {
 	unsigned long long *dsum; /* device [n_seqs][n_q_heads][KVT_BINS] */
 	/* the threshold takes a segment's decisions from the ring when its boundary bins hold at
 	 * most this many scores (resolved from its candidate list; more stream the segment):
-	 * 0 the default, 512, which the resolution ranks, its cheapest way; at most
-	 * KVT_BINS_SERVE_MAX */
+	 * 0 for KVT_BINS_SERVE_DEFAULT; at most KVT_BINS_SERVE_MAX */
 	uint32_t serve_max;
 } kvt_gpu_bins;
 
-#define KVT_BINS_SERVE_MAX 4096u /* measured up to this (doc/selection.md); within the list */
+#define KVT_BINS_SERVE_DEFAULT 512u /* what the resolution ranks, its cheapest way (SEL_RANK) */
+#define KVT_BINS_SERVE_MAX 4096u    /* measured up to this (doc/selection.md); within the list */
 
 #ifdef __CUDACC__
 #define KVT_BINS_FN static __host__ __device__ __forceinline__

@@ -313,7 +313,7 @@ static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t s
 		rm[q] = k && p < 1.0f ? kvt_bins_mass(k, __ldcg(rd + slot), kvt_bins_power(j), f) : 0;
 	}
 	hist_decision d;
-	const uint32_t limit = ring.serve_max ? ring.serve_max : SEL_RANK;
+	const uint32_t limit = ring.serve_max ? ring.serve_max : KVT_BINS_SERVE_DEFAULT;
 	if (decide_hist(rc, rm, n, p, bmin, bmax, &d) > limit)
 		return false;
 	KVT_PDL_WAIT(); /* the state is zeroed */

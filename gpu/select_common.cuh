@@ -44,6 +44,7 @@ static_assert(KVT_BINS_SERVE_MAX <= SEL_CAND_MIN, "what the ring serves fits the
 /* Candidates sorted by rank (each thread counts the larger ones): at a few hundred, one pass over
  * shared memory costs less than a bitonic network's barriers; more take the radix select. */
 #define SEL_RANK 512u
+static_assert(KVT_BINS_SERVE_DEFAULT == SEL_RANK, "the ring serves by default what is ranked");
 #define SEL_MAX_N (KVT_GPU_SELECT_MAX_N + 1) /* positions take 24 bits of a ckey */
 #define SEL_NONE 0xffffffffu
 
