@@ -17,45 +17,89 @@
 static uint32_t g_segs, g_exact;
 
 /*
+ * A segment's reference, computed once for the several thresholds checked against it: the CPU's
+ * threshold and count (kvt_topp_threshold), and for 0 < p < 1 its scores sorted down with the
+ * prefix sums of their terms in long double (cum[i]: the terms of sorted[0 .. i)).
+ */
+typedef struct {
+	float thr;
+	int cnt;
+	float *sorted;
+	long double *cum;
+} seg_ref;
+
+static seg_ref *refs_make(uint32_t S, uint32_t Hq, const uint32_t *n, const float *hs, size_t ld,
+			  float scale, float p, uint32_t max_n)
+{
+	seg_ref *r = (seg_ref *)t_alloc(sizeof(seg_ref) * S * Hq);
+	float *scr_h = (float *)t_alloc(4 * (max_n + 1));
+	for (uint32_t g = 0; g < S * Hq; g++) {
+		const float *x = hs + (size_t)g * ld;
+		const uint32_t m = n[g / Hq];
+		uint32_t b = 0;
+		r[g].thr = 0.0f;
+		r[g].cnt = kvt_topp_threshold(x, m, scale, p, scr_h, &r[g].thr, &b);
+		r[g].sorted = NULL;
+		r[g].cum = NULL;
+		if (m == 0 || p >= 1.0f)
+			continue;
+		r[g].sorted = (float *)t_alloc(4 * (size_t)m);
+		r[g].cum = (long double *)t_alloc(sizeof(long double) * (m + 1));
+		memcpy(r[g].sorted, x, 4 * (size_t)m);
+		qsort(r[g].sorted, m, 4, t_cmp_desc);
+		const float mx = r[g].sorted[0];
+		r[g].cum[0] = 0.0L;
+		for (uint32_t t = 0; t < m; t++)
+			r[g].cum[t + 1] = r[g].cum[t] +
+				expl((long double)((double)(r[g].sorted[t] - mx) * (double)scale));
+	}
+	free(scr_h);
+	return r;
+}
+
+static void refs_free(seg_ref *r, uint32_t segs)
+{
+	for (uint32_t g = 0; g < segs; g++) {
+		free(r[g].sorted);
+		free(r[g].cum);
+	}
+	free(r);
+}
+
+/*
  * The GPU's threshold of one segment against the exact definition, as gpu/select.cuh states it:
  * a token is in the Top-p set iff the mass of the scores strictly above its own is < p Z; the GPU's
  * set (scores >= thresh) may differ only in tokens where that mass lies within
  * tol = 2^-19 Z + n 2^-38 of p Z, and covers at least p Z - tol; its count is the tokens at or
  * above its threshold, and the clamp follows kvt_topp_mark's rule from that count. Masses in long
- * double over the sorted terms (the test's own error is far below tol). Where the count equals the
- * CPU's, the threshold must too. Returns whether it does.
+ * double over the sorted terms of the reference r (the test's own error is far below tol). Where
+ * the count equals the CPU's, the threshold must too. Returns whether it does.
  */
-static bool check_window(const char *what, uint32_t seg, const float *x, uint32_t n, float scale,
-			 float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, float cpu_thr,
-			 int cpu_cnt, float *sorted, int *bad)
+static bool check_window(const char *what, uint32_t seg, const seg_ref *r, uint32_t n, float p,
+			 uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, int *bad)
 {
 	if (n == 0 || p >= 1.0f) {
-		T_SOFT(bad, (int)o->count == cpu_cnt && (n == 0 || o->thresh == cpu_thr),
+		T_SOFT(bad, (int)o->count == r->cnt && (n == 0 || o->thresh == r->thr),
 		       "%s segment %u: count %u/%d thresh %.9g/%.9g (got/wanted)", what, seg,
-		       o->count, cpu_cnt, (double)o->thresh, (double)cpu_thr);
+		       o->count, r->cnt, (double)o->thresh, (double)r->thr);
 	} else {
-		memcpy(sorted, x, 4 * (size_t)n);
-		qsort(sorted, n, 4, t_cmp_desc);
-		const float mx = sorted[0];
-		long double Z = 0.0L;
-		for (uint32_t i = 0; i < n; i++)
-			Z += expl((long double)((double)(sorted[i] - mx) * (double)scale));
-		const long double pz = (long double)p * Z, tol = Z * 0x1p-19L + n * 0x1p-38L;
+		const float *sorted = r->sorted;
+		const long double Z = r->cum[n], pz = (long double)p * Z,
+				  tol = Z * 0x1p-19L + n * 0x1p-38L;
 		uint32_t ge = 0, outside = 0;
-		long double above = 0.0L, covered = 0.0L;
+		long double covered = 0.0L;
 		for (uint32_t i = 0; i < n;) {
 			uint32_t j = i;
-			long double m = 0.0L;
 			while (j < n && sorted[j] == sorted[i])
-				m += expl((long double)((double)(sorted[j++] - mx) * (double)scale));
+				j++;
+			const long double above = r->cum[i];
 			const bool exact_in = above < pz, gpu_in = sorted[i] >= o->thresh;
 			if (gpu_in) {
 				ge = j;
-				covered = above + m;
+				covered = r->cum[j];
 			}
 			if (exact_in != gpu_in && fabsl(above - pz) > tol)
 				outside++;
-			above += m;
 			i = j;
 		}
 		T_SOFT(bad, outside == 0 && o->count == ge && covered >= pz - tol,
@@ -77,10 +121,10 @@ static bool check_window(const char *what, uint32_t seg, const float *x, uint32_
 	T_SOFT(bad, o->marked == want && o->clamped == clamped,
 	       "%s segment %u: marked %u clamped %d from count %u, wanted %u %d", what, seg,
 	       o->marked, o->clamped, o->count, want, clamped);
-	if ((int)o->count != cpu_cnt)
+	if ((int)o->count != r->cnt)
 		return false;
-	T_SOFT(bad, o->thresh == cpu_thr, "%s segment %u: the CPU's count %u, thresh %.9g/%.9g",
-	       what, seg, o->count, (double)o->thresh, (double)cpu_thr);
+	T_SOFT(bad, o->thresh == r->thr, "%s segment %u: the CPU's count %u, thresh %.9g/%.9g",
+	       what, seg, o->count, (double)o->thresh, (double)r->thr);
 	return true;
 }
 
@@ -88,9 +132,10 @@ static bool check_window(const char *what, uint32_t seg, const float *x, uint32_
  * default limit and at KVT_BINS_SERVE_MAX. */
 static uint32_t g_ring_segs, g_ring_span, g_ring_served[2];
 
-/* The threshold given the ring (host slots hc, hd) served at most `limit` candidates. */
+/* The threshold given the ring (host slots hc, hd) served at most `limit` candidates, against
+ * the segments' references. */
 static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t *n,
-		      uint32_t max_n, const float *hs, size_t ld, float scale, float p,
+		      uint32_t max_n, const seg_ref *refs, size_t ld, float scale, float p,
 		      uint32_t bmin, uint32_t bmax, const float *ds, const void *dn,
 		      const void *dst, void *scr, size_t sb, const uint32_t *hc,
 		      const unsigned long long *hd, uint32_t limit, uint32_t *served_sum, int *bad)
@@ -124,22 +169,13 @@ static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t 
 	T_SOFT(bad, left == 0, "%s: %zu slots of the ring left nonzero", what, left);
 	char w2[128];
 	snprintf(w2, sizeof w2, "%s (ring, limit %u)", what, limit);
-	float *scr_h = (float *)t_alloc(4 * (max_n + 1)), *sorted = (float *)t_alloc(4 * (max_n + 1));
-	for (uint32_t g = 0; g < segs; g++) {
-		const float *x = hs + (size_t)g * ld;
-		float thr = 0.0f;
-		uint32_t b = 0;
-		const int cnt = kvt_topp_threshold(x, n[g / Hq], scale, p, scr_h, &thr, &b);
-		check_window(w2, g, x, n[g / Hq], scale, p, bmin, bmax, &out[g], thr, cnt, sorted,
-			     bad);
-	}
+	for (uint32_t g = 0; g < segs; g++)
+		check_window(w2, g, &refs[g], n[g / Hq], p, bmin, bmax, &out[g], bad);
 	cudaFree(ring.count);
 	cudaFree(ring.dsum);
 	cudaFree(dout);
 	cudaFree(derr);
 	free(out);
-	free(scr_h);
-	free(sorted);
 	free(lc);
 	free(lh);
 }
@@ -150,9 +186,9 @@ static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t 
  * without, and the ring left zeroed.
  */
 static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t *n,
-		       uint32_t max_n, const float *hs, size_t ld, float scale, float p,
-		       uint32_t bmin, uint32_t bmax, const float *ds, const void *dn,
-		       const void *dst, void *scr, size_t sb, int *bad)
+		       uint32_t max_n, const float *hs, const seg_ref *refs, size_t ld,
+		       float scale, float p, uint32_t bmin, uint32_t bmax, const float *ds,
+		       const void *dn, const void *dst, void *scr, size_t sb, int *bad)
 {
 	const uint32_t segs = S * Hq;
 	const size_t nb = (size_t)segs * KVT_BINS;
@@ -175,7 +211,7 @@ static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t
 	/* the default limit on the boundary bins' candidates, and the largest */
 	const uint32_t limit[2] = {0, KVT_BINS_SERVE_MAX};
 	for (int k = 0; k < 2; k++)
-		ring_once(what, S, Hq, n, max_n, hs, ld, scale, p, bmin, bmax, ds, dn, dst, scr,
+		ring_once(what, S, Hq, n, max_n, refs, ld, scale, p, bmin, bmax, ds, dn, dst, scr,
 			  sb, hc, hd, limit[k], &g_ring_served[k], bad);
 	free(hc);
 	free(hd);
@@ -215,7 +251,9 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 					NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
 	fetch(given, dout, sizeof(kvt_gpu_topp) * segs);
-	check_ring(what, S, Hq, n, max_n, hs, ld, scale, p, bmin, bmax, ds, dn, dst, scr, sb, bad);
+	seg_ref *refs = refs_make(S, Hq, n, hs, ld, scale, p, max_n);
+	check_ring(what, S, Hq, n, max_n, hs, refs, ld, scale, p, bmin, bmax, ds, dn, dst, scr, sb,
+		   bad);
 	rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
 				    bmax, NULL, NULL, dout, scr, sb, derr, NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
@@ -233,8 +271,6 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	T_SOFT(bad, !memcmp(given, out, sizeof(kvt_gpu_topp) * segs),
 	       "%s: the threshold with the scan's statistics differs from the one gathering them",
 	       what);
-	float *scr_h = (float *)t_alloc(4 * (max_n + 1));
-	float *sorted = (float *)t_alloc(4 * (max_n + 1));
 	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
 	for (uint32_t s = 0; s < S; s++)
 		for (uint32_t h = 0; h < Hkv; h++) {
@@ -242,13 +278,8 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 			for (uint32_t g = 0; g < G; g++) {
 				const uint32_t seg = s * Hq + h * G + g;
 				const float *x = hs + (size_t)seg * ld;
-				float thr = 0.0f;
-				uint32_t b = 0;
-				const int cnt =
-					kvt_topp_threshold(x, n[s], scale, p, scr_h, &thr, &b);
 				const kvt_gpu_topp *o = &out[seg];
-				if (check_window(what, seg, x, n[s], scale, p, bmin, bmax, o, thr, cnt,
-						 sorted, bad))
+				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o, bad))
 					g_exact++;
 				g_segs++;
 				/* the union's expected set: the GPU's marks by its cut */
@@ -375,8 +406,7 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 		cudaFree(bm1);
 		cudaFree(bm2);
 	}
-	free(scr_h);
-	free(sorted);
+	refs_free(refs, segs);
 	free(hst);
 	free(given);
 	cudaFree(dst);
