@@ -73,10 +73,10 @@ static inline bool bench_device(const char *name, cudaDeviceProp *prop)
 /*
  * The median milliseconds of f(i), enqueued on `st` between two CUDA events, over `runs` timings
  * after `warmup` untimed ones (i counts all of them from 0); pre(i) runs before each, outside the
- * events.
+ * events, and post(i) after the second event is enqueued, before it is waited for.
  */
-template <class F, class P>
-static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre)
+template <class F, class P, class Q>
+static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre, Q post)
 {
 	cudaEvent_t e0, e1;
 	CK(cudaEventCreate(&e0));
@@ -87,6 +87,7 @@ static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre)
 		CK(cudaEventRecord(e0, st));
 		f(i);
 		CK(cudaEventRecord(e1, st));
+		post(i);
 		CK(cudaEventSynchronize(e1));
 		float ms;
 		CK(cudaEventElapsedTime(&ms, e0, e1));
@@ -98,6 +99,12 @@ static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre)
 	return median(t);
 }
 
+template <class F, class P>
+static float median_ms(cudaStream_t st, int warmup, int runs, F f, P pre)
+{
+	return median_ms(st, warmup, runs, f, pre, [](int) {});
+}
+
 template <class F>
 static float median_ms(cudaStream_t st, int warmup, int runs, F f)
 {
@@ -106,6 +113,52 @@ static float median_ms(cudaStream_t st, int warmup, int runs, F f)
 
 static __global__ void k_empty(void)
 {
+}
+
+/* Spins until go[0] is set, or about a second has passed (then sets go[1]: the timing is void). */
+static __global__ void k_hold(volatile int *go)
+{
+	unsigned long long t0, t;
+	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+	while (!go[0]) {
+		__nanosleep(256);
+		asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+		if (t - t0 > 1000000000ull) {
+			go[1] = 1;
+			return;
+		}
+	}
+}
+
+/*
+ * The median milliseconds of f(i) timed alone, as median_ms times it, but with the first event, f
+ * and the second event enqueued behind a kernel that holds the stream until the host has enqueued
+ * them (nvbench's blocking kernel): the device's time for one call started from an idle queue,
+ * without the host's launch latency between the first event and f's first kernel, which
+ * median_ms's figure includes. Exits if the hold timed out (the host took over a second).
+ */
+template <class F>
+static float queued_ms(cudaStream_t st, int warmup, int runs, F f)
+{
+	volatile int *go;
+	int *dgo;
+	CK(cudaHostAlloc((void **)&go, 2 * sizeof(int), cudaHostAllocMapped));
+	CK(cudaHostGetDevicePointer((void **)&dgo, (void *)go, 0));
+	go[1] = 0;
+	const float ms = median_ms(
+		st, warmup, runs, f,
+		[&](int) {
+			go[0] = 0;
+			k_hold<<<1, 1, 0, st>>>(dgo);
+			CK(cudaGetLastError());
+		},
+		[&](int) { __atomic_store_n((int *)go, 1, __ATOMIC_SEQ_CST); });
+	if (go[1]) {
+		fprintf(stderr, "queued_ms: a hold timed out before the host had enqueued\n");
+		exit(1);
+	}
+	CK(cudaFreeHost((void *)go));
+	return ms;
 }
 
 /* `kernels` empty kernels of one block on stream s, the second on as programmatic dependents of

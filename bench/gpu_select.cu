@@ -6,9 +6,9 @@
  * cumulative mass reaches p. Two sorts are timed: CUB's segmented radix sort, and a single CUB
  * radix sort over (head, score) keys, which is the faster on few long segments; the ratio is given
  * to the faster. CUDA events after warm-up, median of 50 runs of one call each (and, for ours, of
- * bursts of 10 calls, per call, and of 10 calls captured in a CUDA graph); the same three ways, the
- * launch floor (three empty kernels launched as the threshold's passes are) and the threshold less
- * it; random normal scores. Also the threshold given the scan's ring (its first histogram, built
+ * bursts of 10 calls, per call, of 10 calls captured in a CUDA graph, and of one call alone but
+ * queued behind a held stream, gpu_bench.cuh's queued_ms); the same ways, the launch floor (three
+ * empty kernels launched as the threshold's passes are) and the threshold less it; random normal scores. Also the threshold given the scan's ring (its first histogram, built
  * on the host as kvt_gpu_score builds it), in a graph, less the copy that refills the ring, on
  * these scores and on peaked ones. A profile build (nvcc's -DKVT_SEL_TIMING,
  * through meson's gpu_arch option) also prints when each pass's blocks reached each point.
@@ -326,6 +326,13 @@ int main(void)
 	       "a graph of 10; the threshold: %.2f us each in a graph of 10; its own (less the "
 	       "floor): %.2f us alone, %.2f in a burst, %.2f in a graph\n",
 	       f, fb, fg, ag, a - f, a10 - fb, ag - fg);
+	/* the same, alone but queued behind a held stream (gpu_bench.cuh's queued_ms) */
+	const float aq = 1000.0f * queued_ms(0, 10, RUNS, [&](int) { ours(); }),
+		    fq = 1000.0f * queued_ms(0, 10, RUNS, [](int) { empty_call(3, 0); });
+	printf("  alone but queued behind a held stream (nvbench's blocking kernel: the host's "
+	       "launch latency left out): the threshold %.2f us a call, the floor %.2f us; its own "
+	       "%.2f us\n",
+	       aq, fq, aq - fq);
 	printf("  with budget_max 2048 (the clamp too): %.2f us; threshold + union/compaction into %d "
 	       "KV-head lists: %.2f us as two calls, %.2f us with the union marked by the candidate "
 	       "pass (kvt_gpu_topp_select)\n",
