@@ -33,10 +33,18 @@ struct source {
 template <class F>
 static __device__ void each_of(const source &src, F f)
 {
-	if (src.listed) {
-		for (uint32_t i = threadIdx.x; i < src.ncand; i += SEL_THREADS) {
-			const u64 c = __ldcg(src.cand + i);
-			f(c, kvt_d_keyf((uint32_t)(c >> 24)));
+	if (src.listed) { /* SEL_VEC candidates a thread loaded before any is used, as load_chunk */
+		for (uint32_t i0 = threadIdx.x; i0 < src.ncand; i0 += SEL_VEC * SEL_THREADS) {
+			u64 c[SEL_VEC];
+#pragma unroll
+			for (int k = 0; k < SEL_VEC; k++) {
+				const uint32_t i = i0 + k * SEL_THREADS;
+				c[k] = i < src.ncand ? __ldcg(src.cand + i) : 0;
+			}
+#pragma unroll
+			for (int k = 0; k < SEL_VEC; k++)
+				if (i0 + k * SEL_THREADS < src.ncand)
+					f(c[k], kvt_d_keyf((uint32_t)(c[k] >> 24)));
 		}
 		return;
 	}
