@@ -265,12 +265,13 @@ int main(int argc, char **argv)
 			printf("  kvtier: Top-p selected %.2f%% of indexed tokens (selected_tokens / "
 			       "candidate_tokens over the timed steps); hot-cache hit rate %.1f%%; "
 			       "PCIe %.2f MB per step; %llu budget_max cuts, %llu flushes in the timed "
-			       "steps; output vs exact attention (query of the resident run, before "
-			       "the decode steps): max over heads of ||out - exact|| / ||exact|| = "
-			       "%.3g\n",
+			       "steps; %.1f%% of the query heads' thresholds decided from the scan's "
+			       "histogram; output vs exact attention (query of the resident run, "
+			       "before the decode steps): max over heads of ||out - exact|| / "
+			       "||exact|| = %.3g\n",
 			       100.0 * k.sel_frac, 100.0 * k.hit_rate, k.pcie_per_step / 1e6,
 			       (unsigned long long)k.budget_max_hits, (unsigned long long)k.flushes,
-			       k.err_vs_exact);
+			       100.0 * k.scan_hist, k.err_vs_exact);
 			printf("  kvtier per step: %.3f ms on the stream (events), %.3f ms on the host "
 			       "(wall, append call to attend synchronized); per step by stage, from the "
 			       "library's ns_* counters (the CUDA backend records them with CUDA "

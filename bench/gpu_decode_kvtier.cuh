@@ -44,6 +44,8 @@ struct kvt_result {
 	double hot_bytes = 0; /* the hot cache at the end: rows and their tags */
 	double ns[5] = {0, 0, 0, 0, 0};
 	uint64_t budget_max_hits = 0, flushes = 0;
+	double scan_hist = 0; /* of the timed steps' query-head thresholds, those decided from the
+			       * scan's histogram (kvt_stats.scan_hist_hits) */
 	/* per timed step, with an NVMe tier: bytes and read I/Os from the files, the block cache's
 	 * 4 KiB chunk hits over hits + misses, and the hot cache's missed rows' bytes (what the
 	 * selection needed from beyond HBM) */
@@ -234,6 +236,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		r.ns[3] = (double)(s1.ns_select - s0.ns_select) / steps;
 		r.ns[4] = (double)(s1.ns_attend - s0.ns_attend) / steps;
 		r.budget_max_hits = s1.budget_max_hits - s0.budget_max_hits;
+		r.scan_hist = (double)(s1.scan_hist_hits - s0.scan_hist_hits) / (steps * n_seqs * HQ);
 		r.flushes = s1.flushes - s0.flushes;
 		r.nvme_per_step = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / steps;
 		r.nvme_reads_per_step = (double)(s1.nvme_reads - s0.nvme_reads) / steps;

@@ -137,7 +137,7 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 		const auto mm = std::minmax_element(x, x + N);
 		eligible += kvt_bins_serves(*mm.second, *mm.first, SCALE);
 	}
-	kvt_gpu_bins ring = {SCALE, NULL, NULL, 0}, pristine = ring;
+	kvt_gpu_bins ring = {SCALE, NULL, NULL, 0, NULL}, pristine = ring;
 	CK(cudaMalloc((void **)&ring.count, 4 * nb));
 	CK(cudaMalloc((void **)&ring.dsum, 8 * nb));
 	CK(cudaMalloc((void **)&pristine.count, 4 * nb));

@@ -260,7 +260,7 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 		return gpu_check_err(c);
 	}
 	uint64_t hits = 0, misses = 0, bytes = 0, sel = 0, rescored = 0, unsel = 0, bmax = 0,
-		 bmin = 0;
+		 bmin = 0, scanhist = 0;
 	for (uint32_t i = 0; i < L; i++) {
 		const unsigned long long *k = b->cnt_host + (size_t)i * KVT_GPU_CNT_N;
 		hits += k[KVT_GPU_CNT_HITS];
@@ -271,7 +271,9 @@ static int cu_stats(kvt_cache *c, int layer, kvt_layer_stats *out)
 		unsel += k[KVT_GPU_CNT_RESCORED_UNSEL];
 		bmax += k[KVT_GPU_CNT_BMAX];
 		bmin += k[KVT_GPU_CNT_BMIN];
+		scanhist += k[KVT_GPU_CNT_SCANHIST];
 	}
+	c->st.scan_hist_hits = scanhist;
 	c->st.budget_max_hits = bmax;
 	c->st.budget_min_hits = bmin;
 	c->st.rescored_tokens = rescored;

@@ -56,7 +56,8 @@ enum {
 	KVT_GPU_CNT_RESCORED_UNSEL = 6, /* of them, not selected by the step */
 	KVT_GPU_CNT_BMAX = 7,     /* query-head selections cut to budget_max */
 	KVT_GPU_CNT_BMIN = 8,     /* query-head selections raised to budget_min */
-	KVT_GPU_CNT_N = 9
+	KVT_GPU_CNT_SCANHIST = 9, /* Top-p thresholds decided from the scan's histogram */
+	KVT_GPU_CNT_N = 10
 };
 
 /* The hot cache of one layer (device memory; sets == 0: no cache, every row read from host). */

@@ -56,6 +56,8 @@ typedef struct kvt_gpu_bins {
 	 * most this many scores (resolved from its candidate list; more stream the segment):
 	 * 0 for KVT_BINS_SERVE_DEFAULT; at most KVT_BINS_SERVE_MAX */
 	uint32_t serve_max;
+	/* device: the threshold adds the segments it decided from the ring (or NULL) */
+	unsigned long long *served;
 } kvt_gpu_bins;
 
 #define KVT_BINS_SERVE_DEFAULT 512u /* what the resolution ranks, its cheapest way (SEL_RANK) */

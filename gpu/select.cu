@@ -322,6 +322,8 @@ static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t s
 		st->nmin_key = nmin_key;
 		st->inv_w = -scale; /* k_cand's lbin: the ring's bins */
 		decision_write(st, d, cand_cap);
+		if (ring.served)
+			atomicAdd(ring.served, 1ull);
 	}
 	return true;
 }
@@ -478,7 +480,7 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 		     !aligned16(ring->dsum)))
 		return -EINVAL;
 	sel_scratch sc = carve(scratch, n_seqs, n_q_heads, 1, max_n);
-	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL, 0};
+	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL, 0, NULL};
 	if (scratch_bytes < sc.bytes)
 		return -EINVAL;
 	if (n_seqs == 0)

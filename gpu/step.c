@@ -331,7 +331,10 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	/* the statistics and the ring in one memset (the threshold leaves the ring zeroed, but a
 	 * step that failed between the scan and the threshold would not) */
 	CU(c, cudaMemsetAsync(s->stats, 0, s->zero_bytes, (cudaStream_t)stream));
-	const kvt_gpu_bins *ring = s->ring.count ? &s->ring : NULL;
+	/* the ring, with this layer's counter of the thresholds it decides */
+	kvt_gpu_bins rg = s->ring;
+	rg.served = b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SCANHIST;
+	const kvt_gpu_bins *ring = s->ring.count ? &rg : NULL;
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
 				s->ld, s->stats, ring, b->err, stream));
 	gpu_mark(t, 1, stream);

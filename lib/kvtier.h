@@ -296,6 +296,10 @@ typedef struct kvt_stats {
 					 group of each head's candidates */
 	uint64_t rescored_unselected; /* of those, the ones the step did not select: rows whose K half
 					 was read but not their V (the stage's extra reads) */
+	uint64_t scan_hist_hits;      /* query-head Top-p thresholds decided from the histogram the
+					 scan built (CUDA, with scores past the L2 cache:
+					 doc/selection.md) instead of a pass over the scores; with
+					 rescore_p, those of the first stage */
 } kvt_stats;
 
 /* The size of the first release's kvt_stats: the smallest kvt_get_stats accepts. */

@@ -87,7 +87,7 @@ static void check_bins(uint32_t d, uint32_t S, uint32_t hkv, uint32_t G, uint32_
 	kvt_gpu_segstats *dst[2] = {(kvt_gpu_segstats *)dpoison(sizeof(kvt_gpu_segstats) * segs),
 				    (kvt_gpu_segstats *)dpoison(sizeof(kvt_gpu_segstats) * segs)};
 	kvt_gpu_bins b = {scale, (uint32_t *)dpoison(4 * nb),
-			  (unsigned long long *)dpoison(8 * nb), 0};
+			  (unsigned long long *)dpoison(8 * nb), 0, NULL};
 	CU(cudaMemset(b.count, 0, 4 * nb));
 	CU(cudaMemset(b.dsum, 0, 8 * nb));
 	for (int k = 0; k < 2; k++) {
@@ -196,7 +196,7 @@ void test_scan_bins_arguments(void **state)
 {
 	(void)state;
 	void *p = (void *)16;
-	kvt_gpu_bins b = {0.1f, (uint32_t *)p, (unsigned long long *)p, 0};
+	kvt_gpu_bins b = {0.1f, (uint32_t *)p, (unsigned long long *)p, 0, NULL};
 	const float bad_scales[4] = {0.0f, -1.0f, NAN, INFINITY};
 	for (int i = 0; i < 4; i++) {
 		b.scale = bad_scales[i];

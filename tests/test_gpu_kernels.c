@@ -709,8 +709,8 @@ static void test_arguments(void **state)
 				       0, NULL, NULL, p, p, 1 << 20, NULL, NULL) == -EINVAL,
 		"unaligned scores");
 	{ /* a ring without statistics, at another scale, or serving past KVT_BINS_SERVE_MAX */
-		const kvt_gpu_bins r[3] = {{1.0f, p, p, 0}, {2.0f, p, p, 0},
-					   {1.0f, p, p, KVT_BINS_SERVE_MAX + 1}};
+		const kvt_gpu_bins r[3] = {{1.0f, p, p, 0, NULL}, {2.0f, p, p, 0, NULL},
+					   {1.0f, p, p, KVT_BINS_SERVE_MAX + 1, NULL}};
 		for (int k = 0; k < 3; k++)
 			T_CHECK(kvt_gpu_topp_threshold(1, 4, p, 8, p, 8, 1.0f, 0.9f, 0, 0,
 						       k ? p : NULL, &r[k], p, p, 1 << 20, NULL,

@@ -144,8 +144,10 @@ static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t 
 	const size_t nb = (size_t)segs * KVT_BINS;
 	uint32_t *lc = (uint32_t *)t_alloc(4 * nb);
 	unsigned long long *lh = (unsigned long long *)t_alloc(8 * nb);
+	unsigned long long *dserved = (unsigned long long *)dpoison(8), hserved = 0;
+	CU(cudaMemset(dserved, 0, 8));
 	kvt_gpu_bins ring = {scale, (uint32_t *)dcopy(hc, 4 * nb),
-			     (unsigned long long *)dcopy(hd, 8 * nb), limit};
+			     (unsigned long long *)dcopy(hd, 8 * nb), limit, dserved};
 	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
 	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
 	CU(cudaMemset(derr, 0, 8));
@@ -157,6 +159,9 @@ static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t 
 	uint32_t served = 0;
 	T_CHECK(kvt_gpu_topp_ring_served(scr, S, Hq, &served) == 0, "%s: ring_served", what);
 	*served_sum += served;
+	fetch(&hserved, dserved, 8); /* the device's counter agrees with the segments' states */
+	T_SOFT(bad, hserved == served, "%s (ring, limit %u): the counter says %llu served, the "
+	       "states %u", what, limit, hserved, served);
 	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
 	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
 	fetch(&herr, derr, 8);
@@ -173,6 +178,7 @@ static void ring_once(const char *what, uint32_t S, uint32_t Hq, const uint32_t 
 		check_window(w2, g, &refs[g], n[g / Hq], p, bmin, bmax, &out[g], bad);
 	cudaFree(ring.count);
 	cudaFree(ring.dsum);
+	cudaFree(dserved);
 	cudaFree(dout);
 	cudaFree(derr);
 	free(out);

@@ -86,7 +86,7 @@ class KvtStats(ctypes.Structure):
             "ns_nvme", "ns_index", "ns_store", "ns_score", "ns_select", "ns_attend")
     ] + [("device", i32), ("pad0", u32)] + [
         (n, u64) for n in ("host_pool_bytes", "host_pool_used", "host_pool_mine",
-                           "rescored_tokens", "rescored_unselected")
+                           "rescored_tokens", "rescored_unselected", "scan_hist_hits")
     ]
 
 
