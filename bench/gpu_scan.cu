@@ -114,6 +114,13 @@ static void drop(setup &s)
 		CK(cudaFree(p));
 }
 
+/* The i-th scan on stream st: of the i-th copy of the index, building the histogram when bins. */
+static void scan(setup &s, int i, bool bins, cudaStream_t st)
+{
+	RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n, s.scores, s.n,
+			 s.stats, bins ? &s.bins : NULL, NULL, st));
+}
+
 /* Median time in microseconds of the scan (and, with prep, the query preparation before it). */
 static float time_scan(setup &s, bool prep, const float *drot, const float *const *dcq,
 		       const float *const *dck, const void *dq)
@@ -122,8 +129,7 @@ static float time_scan(setup &s, bool prep, const float *drot, const float *cons
 		       if (prep)
 			       RC(kvt_gpu_query_prepare(D, KVT_DTYPE_F16, 1, HQ, HKV, drot, dq, dcq,
 							dck, s.qc, NULL));
-		       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n,
-					s.scores, s.n, s.stats, NULL, NULL, NULL));
+		       scan(s, i, false, NULL);
 	       });
 }
 
@@ -133,10 +139,7 @@ static float time_burst(setup &s, int burst, bool bins = false)
 {
 	return 1000.0f / burst * median_ms(0, 5, RUNS, [&](int i) {
 		       for (int b = 0; b < burst; b++)
-			       RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc,
-						s.views[(i * burst + b) % s.copies], s.n_tok, s.n,
-						s.scores, s.n, s.stats, bins ? &s.bins : NULL, NULL,
-						NULL));
+			       scan(s, i * burst + b, bins, NULL);
 	       });
 }
 
@@ -178,12 +181,10 @@ int main(void)
 		const float f = launch_floor_us(1, 20, &fb);
 		const float fg = graph_us(20, [](cudaStream_t st, int) { empty_call(1, st); });
 		const float tg = graph_us(20, [&](cudaStream_t st, int b) {
-			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[b % s.copies], s.n_tok, s.n,
-					 s.scores, s.n, s.stats, NULL, NULL, st));
+			scan(s, b, false, st);
 		});
 		const float tgb = graph_us(20, [&](cudaStream_t st, int b) {
-			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[b % s.copies], s.n_tok, s.n,
-					 s.scores, s.n, s.stats, &s.bins, NULL, st));
+			scan(s, b, true, st);
 		});
 		printf("scan 4096 tokens x %d KV heads: %.2f us per launch timed alone (paper, Hopper: "
 		       "13.0 us; ratio %.2fx faster; goal <= 5 us); %.2f us each in a burst of 20 (ratio "
@@ -194,10 +195,8 @@ int main(void)
 		       "a graph of 20; the scan's own (less the floor): %.2f us alone, %.2f in a burst, "
 		       "%.2f in a graph\n",
 		       f, fb, fg, tg, t - f, tb - fb, tg - fg);
-		const float tq = 1000.0f * queued_ms(0, 10, RUNS, [&](int i) {
-			RC(kvt_gpu_score(D, 1, HQ, HKV, s.qc, s.views[i % s.copies], s.n_tok, s.n,
-					 s.scores, s.n, s.stats, NULL, NULL, NULL));
-		});
+		const float tq =
+			1000.0f * queued_ms(0, 10, RUNS, [&](int i) { scan(s, i, false, NULL); });
 		const float fq = 1000.0f * queued_ms(0, 10, RUNS, [](int) { empty_call(1, 0); });
 		printf("  alone but queued behind a held stream (nvbench's blocking kernel: the "
 		       "host's launch latency left out): the scan %.2f us a launch (goal <= 5 us), "

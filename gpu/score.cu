@@ -570,7 +570,7 @@ static int score_d(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 	if (bins)
 		return score_g<D, true, true>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores,
 					      ld, stats, err, *bins, s);
-	const kvt_gpu_bins none = {0.0f, NULL, NULL, 0};
+	const kvt_gpu_bins none = {}; /* no ring */
 	if (hq / hkv <= 4)
 		return score_g<D, true, false>(n_seqs, hq, hkv, qc, views, n_tokens, max_n, scores,
 					       ld, stats, err, none, s);

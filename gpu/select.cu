@@ -480,7 +480,7 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 		     !aligned16(ring->dsum)))
 		return -EINVAL;
 	sel_scratch sc = carve(scratch, n_seqs, n_q_heads, 1, max_n);
-	sc.ring = ring ? *ring : kvt_gpu_bins{0.0f, NULL, NULL, 0, NULL};
+	sc.ring = ring ? *ring : kvt_gpu_bins{}; /* count NULL: no ring */
 	if (scratch_bytes < sc.bytes)
 		return -EINVAL;
 	if (n_seqs == 0)

@@ -332,8 +332,9 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	 * step that failed between the scan and the threshold would not) */
 	CU(c, cudaMemsetAsync(s->stats, 0, s->zero_bytes, (cudaStream_t)stream));
 	/* the ring, with this layer's counter of the thresholds it decides */
+	unsigned long long *cnt = b->counters + (size_t)layer * KVT_GPU_CNT_N;
 	kvt_gpu_bins rg = s->ring;
-	rg.served = b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_SCANHIST;
+	rg.served = cnt + KVT_GPU_CNT_SCANHIST;
 	const kvt_gpu_bins *ring = s->ring.count ? &rg : NULL;
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
 				s->ld, s->stats, ring, b->err, stream));
@@ -355,13 +356,11 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, c->scale,
 				      c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
 				      rs ? NULL : s->stats, rs ? NULL : ring, s->topp, s->bits,
-				      b->counters + (size_t)layer * KVT_GPU_CNT_N + KVT_GPU_CNT_BMAX,
-				      s->sscratch, s->sbytes, b->err, stream));
+				      cnt + KVT_GPU_CNT_BMAX, s->sscratch, s->sbytes, b->err,
+				      stream));
 	if (rs)
 		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, s->bits,
-						b->counters + (size_t)layer * KVT_GPU_CNT_N +
-							KVT_GPU_CNT_RESCORED,
-						stream));
+						cnt + KVT_GPU_CNT_RESCORED, stream));
 	LAUNCH(c, kvt_gpu_selbits_list(n_seqs * H, s->bits, s->sel, s->ld, s->sel_n, stream));
 	return 0;
 }
