@@ -13,8 +13,10 @@
  *      (max - s) * scale (a log-mass scale: bin 0 holds the largest scores), spanning the scores'
  *      range or the top SEL_SPAN_NATS nats, whatever is less. Its last block picks the bin holding
  *      the Top-p boundary, and the bins holding the bmin-th and bmax-th largest (the clamp).
- *      Given the scan's ring (kvt_gpu_score's bins), a segment it serves decides from it instead,
- *      in every block, without streaming (hist_from_ring; doc/selection.md has when).
+ *      Given the scan's ring (kvt_gpu_score's bins), a pass before it (k_ring, one block a
+ *      segment) decides the segments the ring serves from it (hist_from_ring; doc/selection.md
+ *      has when), whose blocks here then leave without streaming; this pass's grid is then wider
+ *      (SEL_RING_MIN_BLOCKS), so that the segments it declines stream on more of the device.
  *   3. k_cand: the scores of those (at most three) bins are appended to the segment's candidate
  *      list; the last block resolves the threshold, and the clamp, in shared memory: the
  *      candidates sorted by rank up to SEL_RANK of them, or past that a radix select (three
@@ -117,6 +119,17 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 	kvt_d_stat_flush(kmax, nmin, bad, 1, stats + seg);
 }
 
+/* Whether a segment is trivial: no token, a count out of range, a non-finite score (bad), or
+ * p >= 1 unclamped (seg_begin finalizes it). */
+static __device__ bool seg_trivial(uint32_t n, uint32_t max_n, uint32_t bad, float p,
+				   uint32_t bmin, uint32_t bmax)
+{
+	int clamped = 0;
+	if (p >= 1.0f && n <= max_n)
+		clamp_want(n, n, bmin, bmax, &clamped); /* everything, unless bmax cuts it */
+	return n > max_n || n == 0 || bad || (p >= 1.0f && !clamped);
+}
+
 /*
  * A segment's start, as every block of pass 2 sees it (each computes the same from the same
  * statistics): the trivial cases (no token, a non-finite score, a count out of range, p >= 1
@@ -131,10 +144,7 @@ static __device__ bool seg_begin(const kvt_gpu_segstats *gs, uint32_t seg, uint3
 		       bad = __ldcg(&gs->bad);
 	const bool first = blockIdx.x == 0 && threadIdx.x == 0;
 	const float lo = kvt_d_keyf(~nmin), hi = kvt_d_keyf(kmax);
-	int clamped = 0;
-	if (p >= 1.0f && n <= max_n)
-		clamp_want(n, n, bmin, bmax, &clamped); /* everything, unless bmax cuts it */
-	if (n > max_n || n == 0 || bad || (p >= 1.0f && !clamped)) {
+	if (seg_trivial(n, max_n, bad, p, bmin, bmax)) {
 		if (!first)
 			return false;
 		if (n > max_n)
@@ -282,14 +292,14 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 
 /*
  * The histogram from the scan's ring (scanring.h), for a segment whose scores span less than its
- * 64 nats: every block of the segment converts the slots from the max's bin on into bins 0 to
- * SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides, the same way from
- * the same slots. The ring serves when the boundary bins hold at most ring.serve_max candidates
+ * 64 nats: k_ring's one block of the segment converts the slots from the max's bin on into bins 0
+ * to SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides. The ring
+ * serves when the boundary bins hold at most ring.serve_max candidates
  * (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat scores fill its
  * bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose radix resolution costs more than
  * streaming them in the pass's own, finer bins; doc/selection.md): block 0 then writes the
- * decisions once the scratch is zeroed, and true is returned; otherwise the segment takes the
- * pass's own bins. Pass 3 clears the slots (ring_clear). Out of line, as hist_decide.
+ * decisions once the scratch is zeroed, and true is returned; otherwise the segment takes pass
+ * 2's own bins. Pass 3 clears the slots (ring_clear).
  */
 static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
 						   seg_state *st, uint32_t max_key,
@@ -328,6 +338,29 @@ static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t s
 	return true;
 }
 
+/*
+ * The ring's pass (with the scan's ring only, between the zeroing and pass 2): one block a
+ * segment (blockIdx.y) decides from the ring whether it serves the segment, and if so writes the
+ * decisions into the state (hist_from_ring), where pass 2's blocks find them (phase PH_CAND) and
+ * leave. Trivial segments, and those the ring cannot hold, are left to pass 2. Deciding once per
+ * segment, not in every block of pass 2, is what lets pass 2's grid be wider with the ring
+ * (SEL_RING_MIN_BLOCKS), so that the segments the ring declines stream on more of the device.
+ */
+static __global__ void __launch_bounds__(SEL_THREADS)
+	k_ring(const uint32_t *n_tok, uint32_t max_n, uint32_t hq, float scale, float p,
+	       uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats, sel_scratch sc)
+{
+	KVT_PDL_TRIGGER();
+	const uint32_t seg = blockIdx.y, n = n_tok[seg / hq];
+	const uint32_t kmax = __ldcg(&stats[seg].max_key), nk = __ldcg(&stats[seg].nmin_key);
+	if (!seg_trivial(n, max_n, __ldcg(&stats[seg].bad), p, bmin, bmax) &&
+	    kvt_bins_serves(kvt_d_keyf(kmax), kvt_d_keyf(~nk), scale) && /* every score binned */
+	    hist_from_ring(sc.ring, seg, sc.st + seg, kmax, nk, scale, n, p, bmin, bmax,
+			   sc.cand_cap))
+		return; /* hist_from_ring waited before it wrote */
+	KVT_PDL_WAIT(); /* even here: this pass ends only after the zeroing (common.cuh) */
+}
+
 template <bool RING>
 static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
@@ -350,11 +383,9 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 		return;
 	}
 	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
-	if (RING) {
-		const uint32_t nk = __ldcg(&stats[seg].nmin_key);
-		if (kvt_bins_serves(mx, kvt_d_keyf(~nk), scale) && /* the scan binned every score */
-		    hist_from_ring(sc.ring, seg, st, __ldcg(&stats[seg].max_key), nk, scale, n, p,
-				   bmin, bmax, sc.cand_cap))
+	if (RING) { /* k_ring's decisions: a segment it served is done here */
+		KVT_PDL_WAIT();
+		if (__ldcg(&st->phase) == PH_CAND)
 			return;
 	}
 	const bool mass = p < 1.0f;
@@ -409,8 +440,10 @@ SEL_T_HOST(kvt_sel_timing_hist)
 /* ---- launchers --------------------------------------------------------------------------- */
 
 /* Blocks per segment for the threshold's passes: a chunk each, but no more than about
- * SEL_SM_BLOCKS blocks per multiprocessor over all segments (then each takes several chunks). */
-static uint32_t sel_blocks(uint32_t max_n, uint32_t segs)
+ * SEL_SM_BLOCKS blocks per multiprocessor over all segments (then each takes several chunks). For
+ * pass 2 with the scan's ring (`ring`; k_ring decided the segments it serves, whose blocks leave
+ * at once), at least SEL_RING_MIN_BLOCKS where that keeps within four times as many blocks. */
+static uint32_t sel_blocks(uint32_t max_n, uint32_t segs, bool ring)
 {
 	const uint32_t chunks = max_n ? (max_n + SEL_CHUNK - 1) / SEL_CHUNK : 1;
 	int dev = 0, sms = 132;
@@ -419,7 +452,10 @@ static uint32_t sel_blocks(uint32_t max_n, uint32_t segs)
 		(void)cudaGetLastError(); /* the launches that follow report their own errors */
 		sms = 132;
 	}
-	const uint32_t cap = (uint32_t)sms * SEL_SM_BLOCKS / segs;
+	uint32_t cap = (uint32_t)sms * SEL_SM_BLOCKS / segs;
+	const uint32_t most = (uint32_t)sms * SEL_SM_BLOCKS * 4 / segs;
+	if (ring)
+		cap = std::max(cap, std::min(SEL_RING_MIN_BLOCKS, most));
 	return chunks < cap ? chunks : cap ? cap : 1;
 }
 
@@ -495,7 +531,10 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	const uint32_t zb = (uint32_t)std::min<size_t>((zw + SEL_THREADS - 1) / SEL_THREADS, 1024);
 	k_zero<<<zb, SEL_THREADS, 0, s>>>((uint4 *)sc.st, z16, bits.mask, mw);
 	KVT_CU_LAUNCHED();
-	const dim3 grid(sel_blocks(max_n, segs), segs);
+	/* pass 2's grid is wider with the ring (k_ring decided the segments it serves, whose blocks
+	 * leave at once); pass 3 streams every segment, so its grid stays balanced without */
+	const dim3 grid(sel_blocks(max_n, segs, false), segs),
+		hgrid(sel_blocks(max_n, segs, sc.ring.count != NULL), segs);
 	if (!stats) {
 		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
 						     sc.stats);
@@ -503,8 +542,13 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	}
 	/* with the caller's statistics, pass 2 streams its scores while the zeroing runs: it reads
 	 * no scratch before its griddepcontrol.wait, and the statistics come from the caller's
-	 * kernels; after pass 1 it reads pass 1's statistics from its start, so plain stream order */
-	KVT_CU(kvt_launch_dependent(sc.ring.count ? k_hist<true> : k_hist<false>, grid, SEL_THREADS,
+	 * kernels; after pass 1 it reads pass 1's statistics from its start, so plain stream order.
+	 * With the ring (which comes with statistics), the ring's pass between them decides first,
+	 * and pass 2 waits for it before it streams */
+	if (sc.ring.count)
+		KVT_CU(kvt_launch_dependent(k_ring, dim3(1, segs), SEL_THREADS, s, true, n_tokens,
+					    max_n, n_q_heads, scale, p, bmin, bmax, stats, sc));
+	KVT_CU(kvt_launch_dependent(sc.ring.count ? k_hist<true> : k_hist<false>, hgrid, SEL_THREADS,
 				    s, stats != NULL, scores, ld, n_tokens, max_n, n_q_heads, scale,
 				    p, bmin, bmax, stats ? stats : sc.stats, sc, out, err));
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,

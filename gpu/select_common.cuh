@@ -28,6 +28,12 @@
 #ifndef SEL_SM_BLOCKS
 #define SEL_SM_BLOCKS 8
 #endif
+/* With the scan's ring, pass 2 gives each segment at least this many blocks where it has the
+ * chunks: the blocks of the segments the ring serves leave at once (k_ring decided them), so that
+ * those it declines stream on more of the device (doc/selection.md) */
+#ifndef SEL_RING_MIN_BLOCKS
+#define SEL_RING_MIN_BLOCKS 16u
+#endif
 #define SEL_CHUNK 8192u /* scores per block: 8 float4 per thread */
 #define SEL_BINS 2048u  /* log-mass bins, and the mass radix's widest digit */
 #define SEL_CNT_BINS 4096u /* the position radix's digit: 12 bits */
