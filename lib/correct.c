@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Score correction from exact logits (kvt_config.correction_steps, doc/selection.md): a control
+ * Score correction from exact logits (kvt_config.correction_steps, doc/rescoring.md): a control
  * variate that spends no byte beyond what a step reads anyway.
  *
  * The estimate of <q, k> errs by <e_k, x>, where x = P^T (q - c_q) is the query's rotated residual

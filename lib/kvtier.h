@@ -184,7 +184,7 @@ typedef struct kvt_config {
 				     from it as well as from host_bytes (doc/multi-gpu.md) */
 	uint64_t host_pool_bytes; /* the pool's size when this cache creates it; 0: it must exist; a
 				     different size than the existing pool's is -EINVAL */
-	uint32_t correction_steps; /* CPU backend: score corrections from exact logits (doc/selection.md):
+	uint32_t correction_steps; /* CPU backend: score corrections from exact logits (doc/rescoring.md):
 				      a token attended in one of the last correction_steps decode
 				      steps is scored with the error of its estimate measured then,
 				      scaled by how alike the two queries are; in [0, 64]; 0 (default):
@@ -197,7 +197,7 @@ typedef struct kvt_config {
 					 at kvt_cache_create. A growth also leaves half of the memory
 					 then free. Must be 0 when gpu_cache_bytes fixes a size
 					 (with KVT_NONE64, no cache, it is ignored) */
-	float rescore_p;      /* a second stage of the selection (doc/selection.md): the tokens of
+	float rescore_p;      /* a second stage of the selection (doc/rescoring.md): the tokens of
 				 each query head's Top-p(rescore_p) on the estimate are scored
 				 exactly from their keys (the K half of their rows is read), then
 				 Top-p(p) runs on those exact logits and the others' estimates;

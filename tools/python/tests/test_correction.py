@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""Score corrections from exact logits (Config.correction_steps, doc/selection.md) through the
+"""Score corrections from exact logits (Config.correction_steps, doc/rescoring.md) through the
 package on the CPU backend: the field reaches C (a value past 64 is refused naming it), at p = 1
 the outputs are those of a cache without corrections, at p < 1 they change what is selected and
 repeat bit for bit in a twin. The second selection stage (Config.rescore_p) likewise: refused at
