@@ -161,9 +161,10 @@ static void given_ring(const char *what, const std::vector<float> &hs, const flo
 	for (int i = 0; i < HQ; i++)
 		count += a[i].count;
 	printf("  given the scan's ring, %s scores (%.0f tokens selected per head; %u of %d heads "
-	       "span less than its 64 nats): %.2f us without it, each in a graph of 10 (goal <= 25 "
-	       "us); with it, less the ring's copy in (%.2f us):\n",
-	       what, (double)count / HQ, eligible, HQ, without, cg);
+	       "span less than its %.0f nats): %.2f us without it, each in a graph of 10 (goal <= "
+	       "25 us); with it, less the ring's copy in (%.2f us):\n",
+	       what, (double)count / HQ, eligible, HQ, (double)KVT_BINS / KVT_BINS_PER_NAT, without,
+	       cg);
 	for (uint32_t limit : {0u, KVT_BINS_SERVE_MAX}) {
 		ring.serve_max = limit;
 		const float rg = graph_us(10, [&](cudaStream_t st, int) {

@@ -7,28 +7,35 @@
  * operation is written out and rounded as written.
  *
  * The grid is absolute, so every block bins a score the same way without knowing the segment's
- * maximum: with x = s * scale in nats, bin b = floor(-x * KVT_BINS_PER_NAT) (bin 0 holds
- * x in (-1/32, 0]; larger scores have negative bins). A score's term relative to its bin's top
- * edge e_b = -b / 32 is exp(x - e_b), in (e^-1/32, 1]; what is summed is
- * D = round((1 - exp(x - e_b)) 2^21) + KVT_BINS_DOFF (an integer below 65600), so a bin's mass is
- * e^(e_b) (count - 2^-21 (sum D - KVT_BINS_DOFF count)) relative to e^0, exactly and in any order.
+ * maximum: with x = s * scale in nats and G = KVT_BINS_GRID bins a nat (32 unless built
+ * otherwise, below), bin b = floor(-x G) (bin 0 holds x in (-1/G, 0]; larger scores have
+ * negative bins). A score's term relative to its bin's top edge e_b = -b / G is exp(x - e_b), in
+ * (e^-1/G, 1]; what is summed is D = round((1 - exp(x - e_b)) 2^21) + KVT_BINS_DOFF (an integer
+ * below KVT_BINS_DMAX), so a bin's mass is e^(e_b) (count - 2^-21 (sum D - KVT_BINS_DOFF count))
+ * relative to e^0, exactly and in any order.
  *
  * How it is computed, so that its error is bounded whatever |x| is (bench/selection_grid_check.py
  * shows that fl(s scale) - e_b alone errs by up to 2^-16 at large logits): h = fl(s scale) and
  * l = fma(s, scale, -h) give h + l = s scale exactly; b comes from h; y = (h - e_b) + l, where
- * h - e_b is exact (Sterbenz) and y lies within |l| of (-1/32, 0]; 1 - exp(y) is a degree-4
- * polynomial in y (truncation below 2^-31 for |y| <= 2^-5 + 2^-13) evaluated with fmaf, which
- * rounds the same on both sides. The term's error is then below 2^-21.9 of the term, the rounding
- * of D included, within the 2^-21 per term that doc/selection.md's tolerance assumes.
+ * h - e_b is exact (Sterbenz) and y lies within |l| of (-1/G, 0]; 1 - exp(y) is a degree-4
+ * polynomial in y (truncation below 2^-31 for |y| <= 2^-5 + 2^-13, 2^-26 for 2^-4 + 2^-13)
+ * evaluated with fmaf, which rounds the same on both sides. The term's error is then below
+ * 2^-21.9 of the term (2^-21.8 at 1/16 nat), the rounding of D included, within the 2^-21 per
+ * term that doc/selection.md's tolerance assumes.
  *
  * Binned: finite scores with |h| < KVT_BINS_DOMAIN nats (then |l| <= 2^-13, so D lies in
- * [0, 65600) with the offset). Others are not binned: their segment's statistics show them (a
+ * [0, KVT_BINS_DMAX) with the offset). Others are not binned: their segment's statistics show them (a
  * non-finite score, or a max or min past the domain), and such a segment takes the threshold's own
  * passes.
  *
- * The ring: bin b is counted at slot b mod KVT_BINS (64 nats of bins). Two binned scores share a
- * slot only if their bins differ by a multiple of KVT_BINS, that is only in a segment whose
- * scores span 64 nats or more, which its statistics show too.
+ * The ring: bin b is counted at slot b mod KVT_BINS (KVT_BINS / G nats of bins: 64 at 1/32 nat).
+ * Two binned scores share a slot only if their bins differ by a multiple of KVT_BINS, that is only
+ * in a segment whose scores span KVT_BINS / G nats or more, which its statistics show too.
+ *
+ * The width: KVT_BINS_GRID is 32 (1/32 nat); a build with -DKVT_BINS_GRID=16 (1/16 nat, 2048 slots
+ * spanning 128 nats) is the alternative doc/selection.md weighs (the ring's span against its cut
+ * bins' population). Its bounds are checked on the CPU (tests/test_scan_bins builds both), not yet
+ * on the device.
  */
 #ifndef KVT_GPU_SCANBINS_H
 #define KVT_GPU_SCANBINS_H
@@ -37,12 +44,24 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define KVT_BINS 2048u               /* ring slots per query head */
-#define KVT_BINS_PER_NAT 32.0f       /* bin width 1/32 nat */
-#define KVT_BINS_DOMAIN 4096.0f      /* |s scale| binned below it, in nats */
-#define KVT_BINS_DOFF 512            /* added to every D: y up to 2^-13 above 0 makes D -256 */
+#ifndef KVT_BINS_GRID
+#define KVT_BINS_GRID 32 /* bins a nat (the grid: 1/G nat wide) */
+#endif
+#if KVT_BINS_GRID == 32
+#define KVT_BINS_DMAX 65600u /* D's bound: (1 - e^(-1/32 - 2^-13)) 2^21 + 512 = 65282.7 */
+#define KVT_BINS_STEP 0x1.f03f56a88b5d8p-1 /* e^(-1/32), correctly rounded to double */
+#elif KVT_BINS_GRID == 16
+#define KVT_BINS_DMAX 128000u /* (1 - e^(-1/16 - 2^-13)) 2^21 + 512 = 127812.5 */
+#define KVT_BINS_STEP 0x1.e0fabfbc702a4p-1 /* e^(-1/16), correctly rounded to double */
+#else
+#error "KVT_BINS_GRID: 32 or 16 bins a nat, the widths whose bounds are checked"
+#endif
+#define KVT_BINS 2048u                          /* ring slots per query head */
+#define KVT_BINS_PER_NAT ((float)KVT_BINS_GRID) /* bin width 1/G nat */
+#define KVT_BINS_DOMAIN 4096.0f                 /* |s scale| binned below it, in nats */
+#define KVT_BINS_DOFF 512 /* added to every D: y up to 2^-13 above 0 makes D -256 */
 #define KVT_BINS_BLOCK_TOKENS 32768u /* tokens a scan block bins at most: a slot's sum of D fits
-					32 bits in shared memory (2^15 * 65600 < 2^32) */
+					32 bits in shared memory (2^15 KVT_BINS_DMAX < 2^32) */
 
 /*
  * Where kvt_gpu_score adds its histogram: per (sequence, query head) segment, KVT_BINS counts

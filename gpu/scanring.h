@@ -19,9 +19,10 @@
  * kvt_bins_bin(m) - kvt_bins_bin(M) < KVT_BINS: every score's slot then holds its bin alone, the
  * slot of bin b_M + j being (b_M + j) mod KVT_BINS for j = 0, 1, ... Slot j's mass, in the
  * threshold's units (2^-40 of e^(M scale), gpu/select.cu), for its count k and sum of D S, is
- *   2^19 (k 2^21 - (S - KVT_BINS_DOFF k)) e^(e_b - M scale), e_b = -(b_M + j) / 32,
- * with e^(e_b - M scale) = e^(-j / 32) e^c, c = -b_M / 32 - M scale (exact in double, in
- * [-2^-13, 2^-5]): the first factor from kvt_bins_power, the second from kvt_bins_exp_small,
+ *   2^19 (k 2^21 - (S - KVT_BINS_DOFF k)) e^(e_b - M scale), e_b = -(b_M + j) / G,
+ * with e^(e_b - M scale) = e^(-j / G) e^c, c = -b_M / G - M scale (exact in double, in
+ * [-2^-13, 1/G]; G = KVT_BINS_GRID, scanbins.h): the first factor from kvt_bins_power, the second
+ * from kvt_bins_exp_small,
  * both the same sequence of double operations on host and device, so that both convert to the
  * same integers (no table to upload, no libm exp to differ in the last bit).
  */
@@ -34,7 +35,8 @@ KVT_BINS_FN bool kvt_bins_serves(float max, float min, float scale)
 	       kvt_bins_bin(min, scale) - kvt_bins_bin(max, scale) < (int32_t)KVT_BINS;
 }
 
-/* e^c for |c| <= 2^-5 in double: Taylor to c^8 (truncation below 2^-60) evaluated with fma. */
+/* e^c for |c| <= 2^-5 in double: Taylor to c^8 (truncation below 2^-60; 2^-54 for |c| <= 2^-4,
+ * at 1/16 nat) evaluated with fma. */
 KVT_BINS_FN double kvt_bins_exp_small(double c)
 {
 	double p = 0x1.a01a01a01a01ap-16; /* 1/8!, then 1/7! ... 1/2!, 1, 1 */
@@ -48,19 +50,19 @@ KVT_BINS_FN double kvt_bins_exp_small(double c)
 	return fma(c, p, 1.0);
 }
 
-/* c = -b_M / 32 - M scale for a segment whose max M has bin b_M: exact in double (M scale has
+/* c = -b_M / G - M scale for a segment whose max M has bin b_M: exact in double (M scale has
  * at most 48 significant bits, and both terms lie within 2^13 of 0). */
 KVT_BINS_FN double kvt_bins_offset(float max, float scale, int32_t bmax)
 {
 	return (double)-bmax / (double)KVT_BINS_PER_NAT - (double)max * (double)scale;
 }
 
-/* e^(-j/32) for j < KVT_BINS: e^(-1/32) (rounded, 2^-56.5 off) raised to j by squaring; each
+/* e^(-j/G) for j < KVT_BINS: e^(-1/G) (KVT_BINS_STEP, rounded) raised to j by squaring; each
  * squaring doubles the error before it, which stays below 2^-42.6 of the power (all j checked in
  * test_scan_bins), far below the 2^-21 per term the tolerance counts. */
 KVT_BINS_FN double kvt_bins_power(uint32_t j)
 {
-	double r = 1.0, x = 0x1.f03f56a88b5d8p-1; /* e^(-1/32) */
+	double r = 1.0, x = KVT_BINS_STEP;
 	for (; j; j >>= 1) {
 		if (j & 1)
 			r = kvt_bins_dmul(r, x);

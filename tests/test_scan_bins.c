@@ -5,14 +5,17 @@
  * without a GPU (issue 15, point 1). On
  * random score sets of every t_scores distribution, sizes 1 to 70000, several scales and p:
  * - a segment the ring serves (kvt_bins_serves) has every score binned, and a segment it does not
- *   spans 64 nats or more, or reaches past the domain;
- * - kvt_bins_power(j) lies within 2^-42 of e^(-j/32), kvt_bins_exp_small(c) within 2^-52 of e^c;
+ *   spans KVT_BINS / G nats or more (64 at G = 32 bins a nat), or reaches past the domain;
+ * - every D lies below KVT_BINS_DMAX, so that a scan block's slot sums fit 32 bits;
+ * - kvt_bins_power(j) lies within 2^-42 of e^(-j/G), kvt_bins_exp_small(c) within 2^-52 of e^c;
  * - each slot's mass (kvt_bins_mass with those two factors) lies within 2^-21 of its exact mass
  *   (long double) plus one unit of 2^-40;
  * - the set decided from those masses (the cut's bin by the converted prefix, then the bin's
  *   scores one by one with their own terms) differs from the exact Top-p set only in tokens whose
  *   mass-above lies within tol = 2^-19 Z + n 2^-38 of p Z, and covers at least p Z - tol: the
  *   guarantee doc/selection.md states for the GPU threshold.
+ * Built twice: at the library's grid (G = KVT_BINS_GRID, 32) and as test_scan_bins_16 at 1/16 nat,
+ * the width doc/selection.md weighs for the ring.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -20,6 +23,11 @@
 
 #include "common.h"
 #include "gpu/scanring.h"
+
+_Static_assert((uint64_t)KVT_BINS_BLOCK_TOKENS * KVT_BINS_DMAX < (1ull << 32),
+	       "a scan block's slot sums of D fit 32 bits");
+
+#define SPAN_NATS ((long double)KVT_BINS / KVT_BINS_GRID) /* what the ring's slots span */
 
 /* A term as the threshold computes it (exp((s - max) scale) in 2^-40 units, truncated), in long
  * double here: within the per-term bound of the float one. */
@@ -41,7 +49,7 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, floa
 	}
 	g_cases++;
 	if (!kvt_bins_serves(mx, mn, scale)) {
-		const bool far = (long double)(mx - mn) * scale >= 63.9L ||
+		const bool far = (long double)(mx - mn) * scale >= SPAN_NATS - 0.1L ||
 				 fabsl((long double)mx * scale) >= 4095.0L ||
 				 fabsl((long double)mn * scale) >= 4095.0L;
 		T_CHECK(far, "a segment of span %.3Lg nats at scale %g not served",
@@ -62,6 +70,8 @@ static bool check_segment(const float *x, uint32_t n, float scale, float p, floa
 		uint32_t slot = 0, dv = 0;
 		T_CHECK(kvt_bins_of(x[i], scale, &slot, &dv), "score %.9g not binned",
 			(double)x[i]);
+		T_CHECK(dv < KVT_BINS_DMAX, "score %.9g: D %u, bound %u", (double)x[i], dv,
+			KVT_BINS_DMAX);
 		cnt[slot]++;
 		dsum[slot] += dv;
 		const int32_t j = kvt_bins_bin(x[i], scale) - bm;
@@ -138,11 +148,11 @@ static void test_ring_threshold(void **state)
 {
 	(void)state;
 	for (uint32_t j = 0; j < KVT_BINS; j++) {
-		const long double w = expl(-(long double)j / 32);
+		const long double w = expl(-(long double)j / KVT_BINS_GRID);
 		T_CHECK(fabsl(kvt_bins_power(j) - w) <= 0x1p-42L * w,
-			"e^(-%u/32): %.17g, exact %.20Lg", j, kvt_bins_power(j), w);
+			"e^(-%u/%d): %.17g, exact %.20Lg", j, KVT_BINS_GRID, kvt_bins_power(j), w);
 	}
-	for (int i = -64; i <= 1024; i++) {
+	for (int i = -64; i <= 32768 / KVT_BINS_GRID; i++) { /* c in [-2^-9, 1/G] */
 		const double c = i * 0x1p-15;
 		T_CHECK(fabsl(kvt_bins_exp_small(c) - expl(c)) <= 0x1p-52L * expl(c),
 			"e^%.9g: %.17g, exact %.20Lg", c, kvt_bins_exp_small(c), expl(c));
@@ -160,9 +170,9 @@ static void test_ring_threshold(void **state)
 					t_scores(&r, (enum t_dist)d, ns[ni], x);
 					check_segment(x, ns[ni], scales[si], ps[pi], sorted, above);
 				}
-	printf("ring threshold: %llu segments, %llu served by the ring, %llu tokens off the "
-	       "exact set (all within the tolerance)\n",
-	       (unsigned long long)g_cases, (unsigned long long)g_served,
+	printf("ring threshold at 1/%d nat: %llu segments, %llu served by the ring, %llu tokens "
+	       "off the exact set (all within the tolerance)\n",
+	       KVT_BINS_GRID, (unsigned long long)g_cases, (unsigned long long)g_served,
 	       (unsigned long long)g_differ);
 	T_CHECK(g_served > g_cases / 2, "only %llu of %llu segments served",
 		(unsigned long long)g_served, (unsigned long long)g_cases);
