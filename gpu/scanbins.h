@@ -24,9 +24,9 @@
  * term that doc/selection.md's tolerance assumes.
  *
  * Binned: finite scores with |h| < KVT_BINS_DOMAIN nats (then |l| <= 2^-13, so D lies in
- * [0, KVT_BINS_DMAX) with the offset). Others are not binned: their segment's statistics show them (a
- * non-finite score, or a max or min past the domain), and such a segment takes the threshold's own
- * passes.
+ * [0, KVT_BINS_DMAX) with the offset). Others are not binned: their segment's statistics show
+ * them (a non-finite score, or a max or min past the domain), and such a segment takes the
+ * threshold's own passes.
  *
  * The ring: bin b is counted at slot b mod KVT_BINS (KVT_BINS / G nats of bins: 64 at 1/32 nat).
  * Two binned scores share a slot only if their bins differ by a multiple of KVT_BINS, that is only

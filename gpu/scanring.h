@@ -22,9 +22,9 @@
  *   2^19 (k 2^21 - (S - KVT_BINS_DOFF k)) e^(e_b - M scale), e_b = -(b_M + j) / G,
  * with e^(e_b - M scale) = e^(-j / G) e^c, c = -b_M / G - M scale (exact in double, in
  * [-2^-13, 1/G]; G = KVT_BINS_GRID, scanbins.h): the first factor from kvt_bins_power, the second
- * from kvt_bins_exp_small,
- * both the same sequence of double operations on host and device, so that both convert to the
- * same integers (no table to upload, no libm exp to differ in the last bit).
+ * from kvt_bins_exp_small, both the same sequence of double operations on host and device, so
+ * that both convert to the same integers (no table to upload, no libm exp to differ in the last
+ * bit).
  */
 
 /* Whether the ring can serve a segment of finite scores with this max and min (above; the
