@@ -439,21 +439,28 @@ SEL_T_HOST(kvt_sel_timing_hist)
 
 /* ---- launchers --------------------------------------------------------------------------- */
 
+/* The current device's multiprocessors (132 when it cannot say: the launches that follow report
+ * their own errors). */
+static uint32_t sel_sms(void)
+{
+	int dev = 0, sms = 132;
+	if (cudaGetDevice(&dev) != cudaSuccess ||
+	    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+		(void)cudaGetLastError();
+		sms = 132;
+	}
+	return (uint32_t)sms;
+}
+
 /* Blocks per segment for the threshold's passes: a chunk each, but no more than about
  * SEL_SM_BLOCKS blocks per multiprocessor over all segments (then each takes several chunks). For
  * pass 2 with the scan's ring (`ring`; k_ring decided the segments it serves, whose blocks leave
  * at once), at least SEL_RING_MIN_BLOCKS where that keeps within four times as many blocks. */
-static uint32_t sel_blocks(uint32_t max_n, uint32_t segs, bool ring)
+static uint32_t sel_blocks(uint32_t max_n, uint32_t segs, uint32_t sms, bool ring)
 {
 	const uint32_t chunks = max_n ? (max_n + SEL_CHUNK - 1) / SEL_CHUNK : 1;
-	int dev = 0, sms = 132;
-	if (cudaGetDevice(&dev) != cudaSuccess ||
-	    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-		(void)cudaGetLastError(); /* the launches that follow report their own errors */
-		sms = 132;
-	}
-	uint32_t cap = (uint32_t)sms * SEL_SM_BLOCKS / segs;
-	const uint32_t most = (uint32_t)sms * SEL_SM_BLOCKS * 4 / segs;
+	uint32_t cap = sms * SEL_SM_BLOCKS / segs;
+	const uint32_t most = sms * SEL_SM_BLOCKS * 4 / segs;
 	if (ring)
 		cap = std::max(cap, std::min(SEL_RING_MIN_BLOCKS, most));
 	return chunks < cap ? chunks : cap ? cap : 1;
@@ -533,8 +540,9 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	KVT_CU_LAUNCHED();
 	/* pass 2's grid is wider with the ring (k_ring decided the segments it serves, whose blocks
 	 * leave at once); pass 3 streams every segment, so its grid stays balanced without */
-	const dim3 grid(sel_blocks(max_n, segs, false), segs),
-		hgrid(sel_blocks(max_n, segs, sc.ring.count != NULL), segs);
+	const uint32_t sms = sel_sms();
+	const dim3 grid(sel_blocks(max_n, segs, sms, false), segs),
+		hgrid(sel_blocks(max_n, segs, sms, sc.ring.count != NULL), segs);
 	if (!stats) {
 		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
 						     sc.stats);
