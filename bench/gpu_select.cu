@@ -8,10 +8,11 @@
  * to the faster. CUDA events after warm-up, median of 50 runs of one call each (and, for ours, of
  * bursts of 10 calls, per call, of 10 calls captured in a CUDA graph, and of one call alone but
  * queued behind a held stream, gpu_bench.cuh's queued_ms); the same ways, the launch floor (three
- * empty kernels launched as the threshold's passes are) and the threshold less it; random normal scores. Also the threshold given the scan's ring (its first histogram, built
- * on the host as kvt_gpu_score builds it), in a graph, less the copy that refills the ring, on
- * these scores and on peaked ones. A profile build (nvcc's -DKVT_SEL_TIMING,
- * through meson's gpu_arch option) also prints when each pass's blocks reached each point.
+ * empty kernels launched as the threshold's passes are) and the threshold less it; random normal
+ * scores. Also the threshold given the scan's ring (its first histogram, built on the host as
+ * kvt_gpu_score builds it), in a graph, less the copy that refills the ring, on these scores and
+ * on peaked ones. A profile build (nvcc's -DKVT_SEL_TIMING, through meson's gpu_arch option) also
+ * prints when each pass's blocks reached each point.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>

@@ -22,7 +22,8 @@ step's max passes it). For every decode step, layer and query head this prints:
   a segment because its scores' bins span 2048 or more (about 64 nats), and the spans themselves;
   and the share the threshold takes from the ring (gpu/select.cu's hist_from_ring: the span
   within the ring and the cut's 1/32-nat bin within the limit, 512 by default, 4096 at most);
-  the same for a ring of 2048 slots of 1/16 nat (128 nats, not built).
+  the same for a ring of 2048 slots of 1/16 nat (128 nats; scanbins.h's KVT_BINS_GRID 16, a build
+  option).
 
 Scores are the exact logits q.k / sqrt(d) over every token the step attends (the trace's prefill
 plus the decode tokens so far), or with --estimate a RaBitQ 1-bit estimate of them (per-head
@@ -225,9 +226,10 @@ def main() -> int:
     print(f"the scores' span: median {np.median(rg):.1f} nats, 95th percentile "
           f"{np.percentile(rg, 95):.1f}, max {rg.max():.1f}")
     for r in RINGS:
-        print(f"the scan's ring ({BINS} slots of 1/{r} nat{', not built' if r != RINGS[0] else ''}"
-              f"): segments whose bins span {BINS} or more, which take the threshold's own "
-              f"passes: {100.0 * wraps[r] / segs:.2f}%; the threshold takes its first histogram "
+        option = ", a build option" if r != RINGS[0] else ""
+        print(f"the scan's ring ({BINS} slots of 1/{r} nat{option}): segments whose bins span "
+              f"{BINS} or more, which take the threshold's own passes: "
+              f"{100.0 * wraps[r] / segs:.2f}%; the threshold takes its first histogram "
               "from the ring (span within it, the cut's bin within the limit) on " +
               ", ".join(f"{100.0 * v / segs:.2f}% at a limit of {lim}"
                         for lim, v in served[r].items()))

@@ -292,14 +292,14 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
 
 /*
  * The histogram from the scan's ring (scanring.h), for a segment whose scores span less than its
- * 64 nats: k_ring's one block of the segment converts the slots from the max's bin on into bins 0
- * to SEL_BINS - 1 (counts, and masses in 2^-40 units of e^(max scale)) and decides. The ring
- * serves when the boundary bins hold at most ring.serve_max candidates
- * (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat scores fill its
- * bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose radix resolution costs more than
- * streaming them in the pass's own, finer bins; doc/selection.md): block 0 then writes the
- * decisions once the scratch is zeroed, and true is returned; otherwise the segment takes pass
- * 2's own bins. Pass 3 clears the slots (ring_clear).
+ * KVT_BINS slots (64 nats at 1/32 nat): k_ring's one block of the segment converts the slots from
+ * the max's bin on into bins 0 to SEL_BINS - 1 (counts, and masses in 2^-40 units of
+ * e^(max scale)) and decides. The ring serves when the boundary bins hold at most ring.serve_max
+ * candidates (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat
+ * scores fill its bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose radix resolution
+ * costs more than streaming them in the pass's own, finer bins; doc/selection.md): block 0 then
+ * writes the decisions once the scratch is zeroed, and true is returned; otherwise the segment
+ * takes pass 2's own bins. Pass 3 clears the slots (ring_clear).
  */
 static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
 						   seg_state *st, uint32_t max_key,

@@ -70,12 +70,12 @@ size_t kvt_gpu_select_scratch_bytes(uint32_t n_seqs, uint32_t n_q_heads, uint32_
  *   ring:     host struct or NULL: the histogram kvt_gpu_score built as it wrote these scores
  *             (its bins, at this scale, with stats; count and dsum 16-byte aligned). A segment it
  *             serves takes its first histogram from it instead of streaming its scores: scores
- *             spanning less than 64 nats (scanring.h) whose boundary bins of 1/32 nat hold at
- *             most ring->serve_max scores (0: KVT_BINS_SERVE_DEFAULT); the others stream as
- *             without. ring->served, when not NULL, is a device counter the call adds those
- *             segments to (kvt_gpu_topp_ring_served counts them after the fact). Every
- *             segment's slots are left zeroed, ready for the next scan (zero them once before
- *             the first)
+ *             spanning less than its slots (64 nats at the default 1/32 nat a slot, scanbins.h's
+ *             KVT_BINS_GRID) whose boundary bins hold at most ring->serve_max scores (0:
+ *             KVT_BINS_SERVE_DEFAULT); the others stream as without. ring->served, when not
+ *             NULL, is a device counter the call adds those segments to
+ *             (kvt_gpu_topp_ring_served counts them after the fact). Every segment's slots are
+ *             left zeroed, ready for the next scan (zero them once before the first)
  *   out:      device [n_seqs][n_q_heads]
  *   scratch:  device, scratch_bytes >= kvt_gpu_select_scratch_bytes(...), 16-byte aligned;
  *             no initial contents needed

@@ -158,11 +158,11 @@ static __device__ __forceinline__ u64 cut_of(u64 c)
  * The log-mass bin of a score: monotone non-increasing in s (each step rounds monotonically), so
  * bins are ordered like the scores, largest first, and equal scores share one. inv_w > 0: bins of
  * equal width below the max (k_hist's own); inv_w < 0: the scan's ring (scanring.h), bins of
- * 1/32 nat on the absolute grid counted from the max's, at scale -inv_w; 0: one bin. The tag says
- * what the caller knows, at compile time: std::true_type inv_w > 0, ring_tag inv_w < 0,
- * checked_tag<RING> nothing (any of the three, the ring's only when RING: a kernel built without
- * the ring carries no ring code). A tag's value says whether it is a fast one (the scores are all
- * below n: each_quad_of_block_split).
+ * 1/KVT_BINS_GRID nat on the absolute grid counted from the max's, at scale -inv_w; 0: one bin.
+ * The tag says what the caller knows, at compile time: std::true_type inv_w > 0, ring_tag
+ * inv_w < 0, checked_tag<RING> nothing (any of the three, the ring's only when RING: a kernel
+ * built without the ring carries no ring code). A tag's value says whether it is a fast one (the
+ * scores are all below n: each_quad_of_block_split).
  */
 struct ring_tag {
 	static constexpr bool value = true;
