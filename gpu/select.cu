@@ -297,8 +297,8 @@ static __device__ __noinline__ void hist_decide(seg_state *st, const uint32_t *g
  * e^(max scale)) and decides. The ring serves when the boundary bins hold at most ring.serve_max
  * candidates (by default SEL_RANK, so that the resolution ranks them, its cheapest way; flat
  * scores fill its bins of 1/32 nat: 3.7K at the cut of 128K normal scores, whose radix resolution
- * costs more than streaming them in the pass's own, finer bins; doc/selection.md): block 0 then
- * writes the decisions once the scratch is zeroed, and true is returned; otherwise the segment
+ * costs more than streaming them in the pass's own, finer bins; doc/selection.md): its thread 0
+ * then writes the decisions once the scratch is zeroed, and true is returned; otherwise the segment
  * takes pass 2's own bins. Pass 3 clears the slots (ring_clear).
  */
 static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t seg,
@@ -327,7 +327,7 @@ static __device__ __noinline__ bool hist_from_ring(kvt_gpu_bins ring, uint32_t s
 	if (decide_hist(rc, rm, n, p, bmin, bmax, &d) > limit)
 		return false;
 	KVT_PDL_WAIT(); /* the state is zeroed */
-	if (blockIdx.x == 0 && threadIdx.x == 0) {
+	if (threadIdx.x == 0) {
 		st->max_key = max_key;
 		st->nmin_key = nmin_key;
 		st->inv_w = -scale; /* k_cand's lbin: the ring's bins */
@@ -382,12 +382,12 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 		KVT_PDL_WAIT(); /* even here: this pass ends only after the zeroing (common.cuh) */
 		return;
 	}
-	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
 	if (RING) { /* k_ring's decisions: a segment it served is done here */
 		KVT_PDL_WAIT();
 		if (__ldcg(&st->phase) == PH_CAND)
 			return;
 	}
+	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
 	const bool mass = p < 1.0f;
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
 	{
