@@ -140,36 +140,64 @@ static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_
 /* ---- the resolution of a short list: ranked in shared memory ----------------------------- */
 
 /*
- * The m <= SEL_RANK candidates of the list into a[0 .. m) in descending order: each thread counts,
- * for its candidates, those larger (the shared reads are broadcasts), and the count is the place.
- * ckeys are distinct (the positions differ), so the places are a permutation.
+ * The m <= SEL_RANK candidates of the list into a[0 .. m) in descending order: a candidate's place
+ * is the number of candidates larger than it. ckeys are distinct (the positions differ), so the
+ * places are a permutation. The m * m comparisons are spread over the whole block: RANK_PER
+ * candidates a thread, in whole warps of `slots` threads, and `parts` such groups, each counting
+ * over its share of the list (the shared reads are broadcasts) and adding into place[]. Two
+ * candidates a thread compared with the whole list took m shared reads in a row, most of a flat
+ * segment's last block (doc/selection.md).
  */
+#define RANK_PER 4u
+static_assert(SEL_RANK <= SEL_THREADS * RANK_PER, "every candidate has a slot");
 static __device__ void rank_sort(u64 *a, const u64 *cand, uint32_t m)
 {
-	constexpr uint32_t R = SEL_RANK / SEL_THREADS;
-	u64 mine[R];
-	uint32_t place[R];
-#pragma unroll
-	for (uint32_t r = 0; r < R; r++) {
-		const uint32_t i = threadIdx.x + r * SEL_THREADS;
-		mine[r] = i < m ? __ldcg(cand + i) : 0;
-		place[r] = 0;
-		if (i < m)
-			a[i] = mine[r];
+	uint32_t *place = (uint32_t *)(a + SEL_RANK); /* a[] has room past the list (resolve) */
+	const uint32_t tid = threadIdx.x, /* whole warps of RANK_PER candidates a thread */
+		slots = max(32u, ((m + RANK_PER - 1) / RANK_PER + 31) & ~31u),
+		parts = SEL_THREADS / slots, slot = tid % slots, part = tid / slots,
+		share = (m + parts - 1) / parts;
+	for (uint32_t i = tid; i < m; i += SEL_THREADS) {
+		a[i] = __ldcg(cand + i);
+		place[i] = 0;
 	}
 	__syncthreads();
+	if (part < parts) {
+		u64 mine[RANK_PER];
+		uint32_t above[RANK_PER];
+#pragma unroll
+		for (uint32_t r = 0; r < RANK_PER; r++) {
+			const uint32_t i = slot + r * slots;
+			mine[r] = i < m ? a[i] : ~0ull; /* nothing is larger than an empty slot */
+			above[r] = 0;
+		}
+		const uint32_t j1 = min(m, (part + 1) * share);
 #pragma unroll 4
-	for (uint32_t j = 0; j < m; j++) {
-		const u64 x = a[j];
+		for (uint32_t j = part * share; j < j1; j++) {
+			const u64 x = a[j];
 #pragma unroll
-		for (uint32_t r = 0; r < R; r++)
-			place[r] += x > mine[r];
+			for (uint32_t r = 0; r < RANK_PER; r++)
+				above[r] += x > mine[r];
+		}
+#pragma unroll
+		for (uint32_t r = 0; r < RANK_PER; r++)
+			if (slot + r * slots < m && above[r])
+				atomicAdd(&place[slot + r * slots], above[r]);
+	}
+	__syncthreads();
+	u64 v[SEL_RANK / SEL_THREADS];
+	uint32_t at[SEL_RANK / SEL_THREADS];
+#pragma unroll
+	for (uint32_t r = 0; r < SEL_RANK / SEL_THREADS; r++) {
+		const uint32_t i = tid + r * SEL_THREADS;
+		v[r] = i < m ? a[i] : 0;
+		at[r] = i < m ? place[i] : 0;
 	}
 	__syncthreads();
 #pragma unroll
-	for (uint32_t r = 0; r < R; r++)
-		if (threadIdx.x + r * SEL_THREADS < m)
-			a[place[r]] = mine[r];
+	for (uint32_t r = 0; r < SEL_RANK / SEL_THREADS; r++)
+		if (tid + r * SEL_THREADS < m)
+			a[at[r]] = v[r];
 	__syncthreads();
 }
 
@@ -263,10 +291,11 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 					    const u64 *cand, float scale, float p, uint32_t bmin,
 					    uint32_t bmax, kvt_gpu_topp *out)
 {
-	/* the ranked list (SEL_RANK), or rlevel's histograms: up to SEL_CNT_BINS counts, or
-	 * SEL_BINS counts and two words of mass for each */
+	/* the ranked list (SEL_RANK, then its places), or rlevel's histograms: up to SEL_CNT_BINS
+	 * counts, or SEL_BINS counts and two words of mass for each */
 	__shared__ u64 smem64[3 * SEL_BINS / 2];
-	static_assert(SEL_RANK <= 3 * SEL_BINS / 2 && SEL_CNT_BINS <= 3 * SEL_BINS, "shared fits");
+	static_assert(SEL_RANK * 3 / 2 <= 3 * SEL_BINS / 2 && SEL_CNT_BINS <= 3 * SEL_BINS,
+		      "shared fits");
 	__shared__ resolve_state rs;
 	uint32_t *smem = (uint32_t *)smem64;
 	const uint32_t tid = threadIdx.x;
