@@ -140,9 +140,10 @@ static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_
 /* ---- the resolution of a short list: ranked in shared memory ----------------------------- */
 
 /*
- * The m <= SEL_RANK candidates of the list into a[0 .. m) in descending order: a candidate's place
- * is the number of candidates larger than it. ckeys are distinct (the positions differ), so the
- * places are a permutation. The m * m comparisons are spread over the whole block: RANK_PER
+ * The m <= SEL_RANK candidates of the list (list[r]: candidate threadIdx.x + r SEL_THREADS, read
+ * by the caller) into a[0 .. m) in descending order: a candidate's place is the number of
+ * candidates larger than it. ckeys are distinct (the positions differ), so the places are a
+ * permutation. The m * m comparisons are spread over the whole block: RANK_PER
  * candidates a thread, in whole warps of `slots` threads, and `parts` such groups, each counting
  * over its share of the list (the shared reads are broadcasts) and adding into place[]. Two
  * candidates a thread compared with the whole list took m shared reads in a row, most of a flat
@@ -150,16 +151,20 @@ static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_
  */
 #define RANK_PER 4u
 static_assert(SEL_RANK <= SEL_THREADS * RANK_PER, "every candidate has a slot");
-static __device__ void rank_sort(u64 *a, const u64 *cand, uint32_t m)
+static __device__ void rank_sort(u64 *a, const u64 (&list)[SEL_RANK / SEL_THREADS], uint32_t m)
 {
 	uint32_t *place = (uint32_t *)(a + SEL_RANK); /* a[] has room past the list (resolve) */
 	const uint32_t tid = threadIdx.x, /* whole warps of RANK_PER candidates a thread */
 		slots = max(32u, ((m + RANK_PER - 1) / RANK_PER + 31) & ~31u),
 		parts = SEL_THREADS / slots, slot = tid % slots, part = tid / slots,
 		share = (m + parts - 1) / parts;
-	for (uint32_t i = tid; i < m; i += SEL_THREADS) {
-		a[i] = __ldcg(cand + i);
-		place[i] = 0;
+#pragma unroll
+	for (uint32_t r = 0; r < SEL_RANK / SEL_THREADS; r++) {
+		const uint32_t i = tid + r * SEL_THREADS;
+		if (i < m) {
+			a[i] = list[r];
+			place[i] = 0;
+		}
 	}
 	__syncthreads();
 	if (part < parts) {
@@ -288,8 +293,8 @@ static __device__ uint32_t mass_sorted(Tag tag, const u64 *a, uint32_t m, uint32
  */
 template <bool RING>
 static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint32_t n,
-					    const u64 *cand, float scale, float p, uint32_t bmin,
-					    uint32_t bmax, kvt_gpu_topp *out)
+					    const u64 *cand, uint32_t cand_cap, float scale, float p,
+					    uint32_t bmin, uint32_t bmax, kvt_gpu_topp *out)
 {
 	/* the ranked list (SEL_RANK, then its places), or rlevel's histograms: up to SEL_CNT_BINS
 	 * counts, or SEL_BINS counts and two words of mass for each */
@@ -304,6 +309,18 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	const uint32_t b0 = __ldcg(&st->bin[NEED_MASS]);
 	const bool listed = __ldcg(&st->listed);
 	const uint32_t m = __ldcg(&st->ncand);
+	/* read with the state, not after it (two round trips to L2 in a row on the segment's last
+	 * block): the mass decision's, and the head of the list, as far as the list's room goes
+	 * (what lies past m is not used) */
+	const u64 acc = __ldcg(&st->acc);
+	const double target = __ldcg(&st->target);
+	const uint32_t above_mass = __ldcg(&st->above[NEED_MASS]);
+	u64 list[SEL_RANK / SEL_THREADS];
+#pragma unroll
+	for (uint32_t r = 0; r < SEL_RANK / SEL_THREADS; r++) {
+		const uint32_t i = tid + r * SEL_THREADS;
+		list[r] = i < cand_cap ? __ldcg(cand + i) : 0;
+	}
 	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
 	float thresh = kvt_d_keyf(~__ldcg(&st->nmin_key));
 	uint32_t count = n;
@@ -312,21 +329,20 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	 * bitonic sort of 3.7K (doc/selection.md) */
 	const bool sorted = listed && m <= SEL_RANK;
 	if (sorted)
-		rank_sort(a, cand, m);
+		rank_sort(a, list, m);
 	SEL_T(5);
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
-		const uint32_t key = mass_sorted(
-			tag, a, m, b0, mx, inv_w, scale,
-			__ldcg(&st->acc), __ldcg(&st->target), &ge);
+		const uint32_t key =
+			mass_sorted(tag, a, m, b0, mx, inv_w, scale, acc, target, &ge);
 		thresh = kvt_d_keyf(key);
-		count = __ldcg(&st->above[NEED_MASS]) + ge;
+		count = above_mass + ge;
 	} else if (p < 1.0f) {
 		if (tid == 0) {
 			rs.prefix = 0;
-			rs.above = __ldcg(&st->above[NEED_MASS]);
-			rs.acc = __ldcg(&st->acc);
-			rs.target = __ldcg(&st->target);
+			rs.above = above_mass;
+			rs.acc = acc;
+			rs.target = target;
 			rs.want = 0;
 		}
 		__syncthreads();
@@ -473,7 +489,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	if (!last_block(st))
 		return;
 	SEL_T(4);
-	resolve<RING>(st, s, n, cand, scale, p, bmin, bmax, out + seg);
+	resolve<RING>(st, s, n, cand, sc.cand_cap, scale, p, bmin, bmax, out + seg);
 	if (UNION)
 		mark_cut(st, s, n, cand, out + seg, mask);
 	SEL_T(6);
