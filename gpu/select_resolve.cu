@@ -143,11 +143,11 @@ static __device__ u64 rank_cut(Tag tag, const source &src, uint32_t bin, uint32_
  * The m <= SEL_RANK candidates of the list (list[r]: candidate threadIdx.x + r SEL_THREADS, read
  * by the caller) into a[0 .. m) in descending order: a candidate's place is the number of
  * candidates larger than it. ckeys are distinct (the positions differ), so the places are a
- * permutation. The m * m comparisons are spread over the whole block: RANK_PER
- * candidates a thread, in whole warps of `slots` threads, and `parts` such groups, each counting
- * over its share of the list (the shared reads are broadcasts) and adding into place[]. Two
- * candidates a thread compared with the whole list took m shared reads in a row, most of a flat
- * segment's last block (doc/selection.md).
+ * permutation. The m * m comparisons are spread over the whole block: RANK_PER candidates a
+ * thread, in whole warps of `slots` threads, and `parts` such groups, each counting over its share
+ * of the list (the shared reads are broadcasts) and adding into place[]. Two candidates a thread
+ * compared with the whole list took m shared reads in a row, most of a flat segment's last block
+ * (doc/selection.md).
  */
 #define RANK_PER 4u
 static_assert(SEL_RANK <= SEL_THREADS * RANK_PER, "every candidate has a slot");
