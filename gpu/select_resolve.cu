@@ -311,7 +311,8 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	const uint32_t m = __ldcg(&st->ncand);
 	/* read with the state, not after it (two round trips to L2 in a row on the segment's last
 	 * block): the mass decision's, and the head of the list, as far as the list's room goes
-	 * (what lies past m is not used) */
+	 * (what lies past m is not used, nor any of it when the list is not ranked: two loads a
+	 * thread, once a segment, cheaper than waiting for `listed` and m first) */
 	const u64 acc = __ldcg(&st->acc);
 	const double target = __ldcg(&st->target);
 	const uint32_t above_mass = __ldcg(&st->above[NEED_MASS]);
