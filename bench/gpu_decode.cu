@@ -18,6 +18,9 @@
  *   untimed); the last replay is compared with an eager kvt_attend, bit for bit.
  * Times are CUDA-event medians on one stream after warm-up (resident: over --reps launches; kvtier:
  * per step, event before kvt_append to event after kvt_attend, host synchronized between steps).
+ * The PCIe floor: kvtier's PCIe bytes per step (the hot cache's misses) at the H2D rate the naive
+ * offload measured, against the resident kernel and the eager step: with --drift the step is bound
+ * by it (doc/cuda-backend.md).
  * Ratios: kvtier / resident and naive / kvtier, with the goals of the issue (reported, never
  * asserted: a missed goal does not change the exit status). A (context, batch) whose K/V exceeds
  * --max-host-gib is skipped with the reason (1M x batch 8 is 32 GiB, pinned twice at once).
@@ -288,6 +291,14 @@ int main(int argc, char **argv)
 				       "kvt_attend's\n",
 				       k.graph_ms, k.graph_ms / res_ms,
 				       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
+			if (k.pcie_per_step > 0) { /* bytes / (GB/s): the step cannot be faster */
+				const double floor_ms = k.pcie_per_step / (h2d_gbs * 1e6);
+				printf("  PCIe floor: the step's %.2f MB over PCIe at this run's H2D rate "
+				       "(%.1f GB/s) take %.3f ms, %.2fx the resident kernel; the eager "
+				       "step is %.2fx that floor\n",
+				       k.pcie_per_step / 1e6, (double)h2d_gbs, floor_ms,
+				       floor_ms / res_ms, k.ms / floor_ms);
+			}
 		}
 		char kms[32] = "failed", r1[32] = "-", r2[32] = "-", hb[32] = "-";
 		if (k.ok) {

@@ -22,7 +22,9 @@
  * kvtier's tokens/s to full attention's is reported with the issue's anchors (ShadowKV 3.04x,
  * HiSparse > 3x), never asserted. kvtier's layer step is the replay of a captured kvt_attend_graph
  * (with kvt_append eager), as a serving runtime runs its decode loop; --graph 0 keeps the eager
- * kvt_attend, and with the graph on both are printed.
+ * kvt_attend, and with the graph on both are printed. --drift D gives the decode queries
+ * gpu_decode's drift (gpu_decode_workload.cuh): part of each step's selection new, as on a trained
+ * model's queries, so that the hot cache misses as it would there.
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -86,10 +88,12 @@ static options parse(int argc, char **argv)
 			o.max_host_gib = atof(val);
 		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
 			o.run.graph = val[0] == '1';
+		else if (!strcmp(a, "--drift") && atof(val) >= 0.0 && atof(val) <= 1.0)
+			g_drift = (float)atof(val);
 		else {
 			fprintf(stderr, "usage: gpu_throughput [--context N] [--layers N] [--weights-gb X] "
 					"[--host-gib X] [--reserve-gib X] [--batches N,N..] [--steps N] "
-					"[--max-host-gib X] [--graph 0|1]\n");
+					"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1]\n");
 			exit(2);
 		}
 		i++;
@@ -149,8 +153,9 @@ int main(int argc, char **argv)
 		     reserve = o.reserve_gib * 1073741824.0;
 	printf("gpu_throughput on %s (%.1f GB HBM): a decode step of %u layers (%u query heads, %u KV "
 	       "heads, head dim %u, fp16) at context %u, plus %.1f GB of weights read once; kvtier "
-	       "%s\n",
-	       prop.name, hbm / 1e9, L, HQ, HKV, D, n, weights / 1e9, kvt_version_string());
+	       "%s; query drift %.2f (0: the same topic every step)\n",
+	       prop.name, hbm / 1e9, L, HQ, HKV, D, n, weights / 1e9, kvt_version_string(),
+	       (double)g_drift);
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 	const double tw = weights_read_s(weights, sms, st);
