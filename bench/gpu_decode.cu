@@ -21,9 +21,11 @@
  * The PCIe floor: kvtier's PCIe bytes per step (the hot cache's misses) at the H2D rate the naive
  * offload measured, against the resident kernel and the eager step: with --drift the step is bound
  * by it (doc/cuda-backend.md).
- * Ratios: kvtier / resident and naive / kvtier, with the goals of the issue (reported, never
- * asserted: a missed goal does not change the exit status). A (context, batch) whose K/V exceeds
- * --max-host-gib is skipped with the reason (1M x batch 8 is 32 GiB, pinned twice at once).
+ * Ratios: kvtier / resident and naive / kvtier, with the goals of issue 15 (128K x 1 at most 1.0x
+ * the resident kernel, 1M x 1 0.8x, 1M x 8 1.0x; the replayed and the eager step each judged)
+ * and of earlier issues (reported, never asserted: a missed goal does not change the exit
+ * status). A (context, batch) whose K/V exceeds --max-host-gib is skipped with the reason (1M x
+ * batch 8 is 32 GiB, pinned twice at once).
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -316,13 +318,23 @@ int main(int argc, char **argv)
 			       "(%.1f%%)\n",
 			       goal(res_bw >= 0.7 * copy_bw), 100.0 * res_bw / copy_bw);
 		if (n == 131072)
-			printf("  goals at 128K: kvtier <= 1.5x resident: %s; kvtier >= 20x faster than "
+			printf("  goal at 128K (an earlier issue's): kvtier >= 20x faster than "
 			       "naive: %s\n",
-			       k.ok ? goal(k.ms <= 1.5f * res_ms) : "not measured",
 			       k.ok ? goal(naive_ms >= 20.0f * k.ms) : "not measured");
-		if (n == 1048576)
-			printf("  goal at 1M: kvtier <= 1.0x resident: %s\n",
-			       k.ok ? goal(k.ms <= res_ms) : "not measured");
+		/* issue 15's goals: the step against the resident kernel, replayed and eager (which
+		 * of the two is the figure is not decided) */
+		const double most = n == 131072 && B == 1   ? 1.0
+				    : n == 1048576 && B == 1 ? 0.8
+				    : n == 1048576 && B == 8 ? 1.0
+							     : 0.0;
+		if (most > 0.0 && !k.ok)
+			printf("  goal (issue 15): kvtier <= %.1fx resident: not measured\n", most);
+		else if (most > 0.0)
+			printf("  goal (issue 15): kvtier <= %.1fx resident: replayed %s (%.2fx), "
+			       "eager %s (%.2fx)\n",
+			       most, k.graph_ms > 0 ? goal(k.graph_ms <= most * res_ms) : "not run",
+			       k.graph_ms > 0 ? k.graph_ms / res_ms : 0.0,
+			       goal(k.ms <= most * res_ms), k.ms / res_ms);
 		fflush(stdout);
 	}
 	return 0;
