@@ -365,6 +365,21 @@ void test_replay_sweep(void **state)
 		free(out);
 		free(errs);
 	}
+	/* crossed axes with a pair the second stage refuses (rescore 0.95 at p 0.95): that point is
+	 * left out, saying so, and the others run */
+	char *av_cross[] = {"kvbench", "--trace", t.path, "--backend", "cpu", "--json", "--quiet",
+			    "--window", "16", "--flush", "8", "--sinks", "4", "--chunk", "128",
+			    "--sweep", "p=0.5,0.95", "--sweep", "rescore=0,0.95", NULL};
+	rc = run_replay(av_cross, &out, &errs);
+	T_CHECK(rc == 0 && strstr(errs, "p 0.95, rescore 0.95 left out"),
+		"crossed axes with a refused pair: exit %d, stderr '%s'", rc, errs);
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	pts = trace_json_get(&j, &j.nodes[1], "points");
+	T_CHECK(pts && pts->count == 3, "crossed axes: want 3 points, got %u",
+		pts ? pts->count : 0);
+	trace_json_free(&j);
+	free(out);
+	free(errs);
 	char *av_bad[] = {"kvbench", "--trace", t.path, "--sweep", "context=100,200", NULL};
 	rc = run_replay(av_bad, &out, &errs);
 	T_CHECK(rc == 2 && strstr(errs, "the axes are the selection's"),

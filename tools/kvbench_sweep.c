@@ -97,7 +97,7 @@ bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, 
 	po->n_sweep = 0;
 	po->point = true;
 	po->baselines = true;
-	bool topk = false, p_later = false, rs = po->rescore != 0.0f;
+	bool topk = false, p_later = false, rs = po->rescore != 0.0f, sel_axis = false;
 	char flag[32];
 	/* a Top-k point runs p = 1, where the second stage has nothing to do (and kvbench refuses
 	 * the pair): such a point is skipped before its options are set */
@@ -117,8 +117,16 @@ bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, 
 			continue;
 		topk |= !strcmp(ax[a].name, "topk");
 		p_later |= !strcmp(ax[a].name, "p") && v > 0;
+		sel_axis |= !strcmp(ax[a].name, "p") || !strcmp(ax[a].name, "rescore");
 		snprintf(flag, sizeof flag, "--%.20s", ax[a].name);
 		opts_set(po, flag, val);
+	}
+	/* the second stage takes rescore_p in (p, 1] (kvt_config): where the axes cross into a pair
+	 * outside it, that point is left out, saying so, rather than failing the sweep there */
+	if (sel_axis && po->rescore != 0.0f && po->rescore <= po->p) {
+		fprintf(stderr, "kvbench: sweep point p %g, rescore %g left out: the second stage "
+			"takes rescore in (p, 1]\n", (double)po->p, (double)po->rescore);
+		return false;
 	}
 	return !(topk && p_later);
 }
