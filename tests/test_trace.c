@@ -5,7 +5,9 @@
  * wrong shape, truncated array, NaN, bad JSON, missing file, wrong dtype, a header length that
  * lies, ...) fails with a message naming the file and the field; and `kvbench --trace` replays a
  * small trace end to end on the CPU backend (recall 1 at p = 1) and fails, naming the file, on a
- * corrupted one (test_trace_replay.c). Shared helpers: trace_testutil.h.
+ * corrupted one (test_trace_replay.c); the replay's simulated hot cache keeps the rows read most
+ * recently, to the share of a step where its edge falls (test_hot_sim). Shared helpers:
+ * trace_testutil.h.
  */
 #include "trace_testutil.h"
 
@@ -447,6 +449,46 @@ static void test_utf8(void **state)
 	T_CHECK(bad == 0, "%d UTF-8 cases failed", bad);
 }
 
+/* ---- the trace replay's simulated hot cache (tools/kvbench_hotsim.c) ---------------------- */
+
+/* Two rows of four, over five steps: a row read again hits while it is among the two read most
+ * recently; where the edge falls among rows read at the same step, each counts as the share of
+ * them that fits; the first step counts nothing. */
+static void test_hot_sim(void **state)
+{
+	(void)state;
+	enum { A, B, C, D };
+	static const uint64_t s0[] = {A, B}, s1[] = {A, B}, s2[] = {C}, s3[] = {A}, s4[] = {B, D};
+	const uint64_t *steps[] = {s0, s1, s2, s3, s4};
+	const size_t n[] = {2, 2, 1, 1, 2};
+	/* hits after each step: 0 (not counted), 2, 2 (C is new), 2.5 (A is one of the two rows
+	 * read at step 1, of which the cache holds one beside C), 2.5 (B was pushed out by A, D
+	 * is new) */
+	const double want_hits[] = {0, 2, 2, 2.5, 2.5};
+	const uint64_t want_reads[] = {0, 2, 3, 4, 6};
+	kb_lru l;
+	T_CHECK(kb_lru_init(&l, 4, 2, 5) == 0, "kb_lru_init failed");
+	for (uint32_t s = 0; s < 5; s++) {
+		kb_lru_step(&l, s, steps[s], n[s]);
+		T_CHECK(l.hits == want_hits[s] && l.reads == want_reads[s],
+			"after step %u: hits %g of %llu reads, want %g of %llu", s, l.hits,
+			(unsigned long long)l.reads, want_hits[s],
+			(unsigned long long)want_reads[s]);
+	}
+	kb_lru_free(&l);
+	/* no room: nothing hits; room for all: every read after the first hits */
+	for (uint64_t cap = 0; cap <= 4; cap += 4) {
+		T_CHECK(kb_lru_init(&l, 4, cap, 5) == 0, "kb_lru_init failed");
+		for (uint32_t s = 0; s < 5; s++)
+			kb_lru_step(&l, s, steps[s], n[s]);
+		const double want = cap ? 4.0 : 0.0; /* A and B at step 1, A at 3, B at 4 */
+		T_CHECK(l.hits == want && l.reads == 6,
+			"cap %llu: hits %g of %llu reads, want %g of 6", (unsigned long long)cap,
+			l.hits, (unsigned long long)l.reads, want);
+		kb_lru_free(&l);
+	}
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -460,6 +502,7 @@ int main(void)
 		cmocka_unit_test(test_replay_sweep),
 		cmocka_unit_test(test_utf8),
 		cmocka_unit_test(test_replay_utf8),
+		cmocka_unit_test(test_hot_sim),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -164,6 +164,22 @@ void test_replay(void **state)
 		"p = 0.5: recall_mean %g (want in (0.1, 1)), budget_mean %g (want in (0, 1))", rm,
 		bud);
 	T_CHECK(jnum(&j, &j.nodes[1], "layers_replayed") == 1, "--layers 1: want one layer");
+	/* the simulated hot cache: a step reads part of the rows; hit rates in [0, 1], never lower
+	 * in a larger cache (recency: a larger cache holds what a smaller one does) */
+	const trace_json_node *hs = trace_json_get(&j, &j.nodes[1], "hot_sim");
+	T_CHECK(hs, "--json: no hot_sim");
+	const double dem = jnum(&j, hs, "demand_share");
+	const trace_json_node *hr = trace_json_get(&j, hs, "hit_rate");
+	T_CHECK(dem > 0 && dem < 1 && hr && hr->count == KB_HOT_SIZES,
+		"hot_sim: demand_share %g (want in (0, 1)), %u hit rates (want %d)", dem,
+		hr ? hr->count : 0, KB_HOT_SIZES);
+	double prev = 0.0;
+	for (uint32_t c = hr->child; c; c = j.nodes[c].next) {
+		const double x = j.nodes[c].num;
+		T_CHECK(j.nodes[c].type == TJ_NUMBER && x >= prev && x <= 1.0,
+			"hot_sim: hit rate %g after %g (want non-decreasing, at most 1)", x, prev);
+		prev = x;
+	}
 	trace_json_free(&j);
 	free(out);
 	free(errs);

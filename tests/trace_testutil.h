@@ -8,6 +8,7 @@
 #define KVT_TESTS_TRACE_TESTUTIL_H
 
 #include "kvbench.h" /* before common.h, whose fail() macro it would clash with */
+#include "kvbench_trace.h" /* kb_lru, the replay's simulated hot cache */
 #include "common.h"
 #include "trace.h"
 

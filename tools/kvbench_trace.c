@@ -157,11 +157,16 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 {
 	uint32_t lo = rule_sinks(t->o, t->len), hi = lo + t->n_idx;
 	char where[64];
+	size_t nh = 0;
 	for (uint32_t h = 0; h < t->m.n_kv_heads; h++) {
 		const int32_t *p = (const int32_t *)t->pos.host + (size_t)h * t->len;
 		int32_t cnt = t->counts[h];
 		snprintf(where, sizeof where, "layer %u, KV head %u", layer, h);
 		uint32_t sel = check_positions(p, cnt, t->len, lo, hi, where);
+		/* the rows the step reads through the CUDA backend's hot cache: sinks and selected
+		 * (the window's rows live in HBM); positions ascend, so they are distinct */
+		for (int32_t i = 0; i < cnt && (uint32_t)p[i] < hi; i++)
+			t->hot_rows[nh++] = (uint64_t)h * t->cap + (uint32_t)p[i];
 		for (uint32_t g = 0; g < t->group; g++)
 			eval_head(t, layer, step, h * t->group + g, p, cnt);
 		if (t->n_idx) {
@@ -170,6 +175,10 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 			k->n++;
 		}
 	}
+	for (int k = 0; k < KB_HOT_SIZES; k++)
+		kb_lru_step(&t->hot[k], step, t->hot_rows, nh);
+	t->hot_demand += (double)nh / (double)t->hot[0].rows;
+	t->hot_steps++;
 }
 
 static void prefill_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
@@ -234,6 +243,10 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	uint32_t T = m->prefill_tokens;
 	kvt_stats st0, st1;
 	tfetch *f = &t->fetch[l];
+	const uint64_t rows = (uint64_t)m->n_kv_heads * t->cap;
+	for (int k = 0; k < KB_HOT_SIZES; k++)
+		if (kb_lru_init(&t->hot[k], rows, rows >> (5 - k), m->decode_steps) < 0)
+			fail("out of memory", "the simulated hot cache");
 	snap(t, &st0);
 	for (uint32_t s = 0; s < m->decode_steps; s++) {
 		uint16_t *qb = t->q.host;
@@ -266,6 +279,11 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	f->nvme_reads = st1.nvme_reads - st0.nvme_reads;
 	f->candidates = st1.candidate_tokens - st0.candidate_tokens;
 	f->rescored_unselected = st1.rescored_unselected - st0.rescored_unselected;
+	for (int k = 0; k < KB_HOT_SIZES; k++) {
+		t->hot_hits[k] += t->hot[k].hits;
+		t->hot_reads[k] += (double)t->hot[k].reads;
+		kb_lru_free(&t->hot[k]);
+	}
 }
 
 static void run_layer(kb_trace *t, uint32_t l)
@@ -339,6 +357,7 @@ static void trace_setup(kb_trace *t)
 	t->kvs = xcalloc((size_t)m->n_layers * m->n_kv_heads, sizeof(kacc));
 	t->recall = xcalloc(nh * m->decode_steps, sizeof(double));
 	t->fetch = xcalloc(m->n_layers, sizeof(tfetch));
+	t->hot_rows = xcalloc((size_t)m->n_kv_heads * t->cap, sizeof(uint64_t));
 	for (size_t i = 0; i < nh; i++)
 		t->heads[i].recall_min = INFINITY;
 	create_cache(t);
@@ -362,7 +381,7 @@ static void trace_teardown(kb_trace *t)
 	kvt_cache_destroy(t->cache);
 	cudart_close(&t->dev.cu);
 	void *p[] = {t->sel, t->K, t->V, t->Q, t->prob, t->counts, t->heads, t->kvs, t->recall,
-		     t->fetch};
+		     t->fetch, t->hot_rows};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);
 }

@@ -180,6 +180,53 @@ static void print_json_meta(const kb_trace *t)
 	       t->scale);
 }
 
+/* The simulated hot cache's hit rate at size k (kvbench_hotsim.c), over the replayed layers. */
+static double hot_sim_rate(const kb_trace *t, int k)
+{
+	return t->hot_reads[k] > 0 ? t->hot_hits[k] / t->hot_reads[k] : NAN;
+}
+
+static double hot_sim_demand(const kb_trace *t)
+{
+	return t->hot_steps ? t->hot_demand / (double)t->hot_steps : NAN;
+}
+
+/* A number, or null where there is none (a replay of one decode step has no hit rate). */
+static void jval(double v)
+{
+	if (isfinite(v))
+		printf("%.6g", v);
+	else
+		printf("null");
+}
+
+static void print_json_hot_sim(const kb_trace *t)
+{
+	printf(", \"hot_sim\": {\"demand_share\": ");
+	jval(hot_sim_demand(t));
+	printf(", \"share\": [");
+	for (int k = 0; k < KB_HOT_SIZES; k++)
+		printf("%s%.6g", k ? ", " : "", 1.0 / (double)(1u << (5 - k)));
+	printf("], \"hit_rate\": [");
+	for (int k = 0; k < KB_HOT_SIZES; k++) {
+		printf("%s", k ? ", " : "");
+		jval(hot_sim_rate(t, k));
+	}
+	printf("]}");
+}
+
+static void print_text_hot_sim(const kb_trace *t)
+{
+	printf("\nhot cache, simulated (the rows each step reads through it, sinks and "
+	       "selected, kept by recency per layer; hits over the steps after the first): a step "
+	       "reads %.2f %% of a layer's rows; a cache of",
+	       100.0 * hot_sim_demand(t));
+	for (int k = 0; k < KB_HOT_SIZES; k++)
+		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", 1u << (5 - k),
+		       100.0 * hot_sim_rate(t, k));
+	printf("\n");
+}
+
 void trace_print_json(kb_trace *t, double wall)
 {
 	const trace_meta *m = &t->m;
@@ -224,6 +271,7 @@ void trace_print_json(kb_trace *t, double wall)
 	jnum("recall_p5_worst_head", all.p5_min);
 	jnum("recall_p1_worst_head", all.p1_min);
 	print_json_fetch(&all.f);
+	print_json_hot_sim(t);
 	printf(", \"step_time\": \"%s\"}\n", time_source(t));
 }
 
@@ -295,6 +343,7 @@ void trace_print_text(kb_trace *t, double wall)
 		       rel_err(f.err2, f.full2), f.p5_min, f.p1_min);
 	}
 	print_text_fetch(t);
+	print_text_hot_sim(t);
 	fig all = figures(t, UINT32_MAX);
 	double pa[2];
 	pooled(t, UINT32_MAX, pa);

@@ -1,0 +1,69 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A simulated hot cache for the trace replay (kvbench --trace): how often the rows a decode step
+ * reads through the CUDA backend's hot cache (its sinks and selected rows) would be in a cache of
+ * a given size that keeps the rows used most recently, on any backend and on real queries. The
+ * CUDA backend's cache is 8-way set associative with LRU ways; this one is fully associative, so
+ * it reads a little higher. Steps are its unit of time: rows read in the same step are equally
+ * recent, and where the cache's edge falls among them it holds the share of them that fits (so a
+ * row there counts as that share of a hit: the mean over the orders in which they could have
+ * been evicted). doc/kvbench.md, "Trace replay", has what it reports.
+ */
+#include "kvbench_trace.h"
+
+#include <stdlib.h>
+
+int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps)
+{
+	*l = (kb_lru){.cap = cap, .rows = rows, .steps = steps};
+	l->last = malloc(rows * sizeof(int32_t) + 1);
+	l->at = calloc((size_t)steps + 1, sizeof(uint64_t));
+	if (!l->last || !l->at) {
+		kb_lru_free(l);
+		return -1;
+	}
+	for (uint64_t r = 0; r < rows; r++)
+		l->last[r] = -1;
+	return 0;
+}
+
+void kb_lru_free(kb_lru *l)
+{
+	free(l->last);
+	free(l->at);
+	l->last = NULL;
+	l->at = NULL;
+}
+
+void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
+{
+	/* what the cache holds after the steps before this one: every row last read at a step past
+	 * `edge`, and `part` of those read at `edge` */
+	int64_t edge = -1;
+	double part = 0.0;
+	uint64_t held = 0;
+	for (int64_t u = (int64_t)step - 1; u >= 0; u--) {
+		const uint64_t k = l->at[u];
+		if (held + k > l->cap) {
+			edge = u;
+			part = (double)(l->cap - held) / (double)k;
+			break;
+		}
+		held += k;
+	}
+	for (size_t i = 0; i < n; i++) {
+		const int32_t s = l->last[rows[i]];
+		const double hit = s < 0 ? 0.0 : s > edge ? 1.0 : s == edge ? part : 0.0;
+		if (step > 0) { /* the first step's reads all miss, whatever the size */
+			l->hits += hit;
+			l->reads++;
+		}
+	}
+	for (size_t i = 0; i < n; i++) {
+		int32_t *s = &l->last[rows[i]];
+		if (*s >= 0)
+			l->at[*s]--;
+		*s = (int32_t)step;
+		l->at[step]++;
+	}
+}
