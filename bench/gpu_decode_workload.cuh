@@ -164,8 +164,18 @@ static void launch_fill_kv(const gen_tables &g, uint16_t *k, uint16_t *v, uint32
 	CK(cudaGetLastError());
 }
 
-/* The decode queries' drift (gpu_decode --drift; 0: every step looks for the same topic). */
+/* The decode queries' drift (--drift D of the benches that use this workload; 0: every step
+ * looks for the same topic). */
 static float g_drift = 0.0f;
+
+/* Takes `--drift D` (D in [0, 1]) into g_drift: whether a = flag, val = its value was that. */
+static bool drift_option(const char *a, const char *val)
+{
+	if (strcmp(a, "--drift") || !(atof(val) >= 0.0 && atof(val) <= 1.0))
+		return false;
+	g_drift = (float)atof(val);
+	return true;
+}
 
 static void launch_fill_q(const gen_tables &g, uint16_t *q, uint32_t n, uint32_t step,
 			  uint32_t focus_n, int prefill, uint32_t p0, cudaStream_t st)

@@ -96,9 +96,7 @@ static options parse(int argc, char **argv)
 			o.run.warmup = std::max(1, atoi(val));
 		else if (!strcmp(a, "--dir"))
 			o.dir = val;
-		else if (!strcmp(a, "--drift") && atof(val) >= 0.0 && atof(val) <= 1.0)
-			g_drift = (float)atof(val);
-		else {
+		else if (!drift_option(a, val)) {
 			fprintf(stderr,
 				"usage: gpu_spilled [--contexts N,..] [--batches N,..] "
 				"[--gpu-cache-mibs N,..] [--nvme-cache-mib N] [--nvme-qd N <= 1024] "

@@ -88,9 +88,7 @@ static options parse(int argc, char **argv)
 			o.max_host_gib = atof(val);
 		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
 			o.run.graph = val[0] == '1';
-		else if (!strcmp(a, "--drift") && atof(val) >= 0.0 && atof(val) <= 1.0)
-			g_drift = (float)atof(val);
-		else {
+		else if (!drift_option(a, val)) {
 			fprintf(stderr, "usage: gpu_throughput [--context N] [--layers N] [--weights-gb X] "
 					"[--host-gib X] [--reserve-gib X] [--batches N,N..] [--steps N] "
 					"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1]\n");

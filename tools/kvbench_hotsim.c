@@ -51,16 +51,13 @@ void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 		}
 		held += k;
 	}
-	for (size_t i = 0; i < n; i++) {
-		const int32_t s = l->last[rows[i]];
-		const double hit = s < 0 ? 0.0 : s > edge ? 1.0 : s == edge ? part : 0.0;
-		if (step > 0) { /* the first step's reads all miss, whatever the size */
-			l->hits += hit;
-			l->reads++;
-		}
-	}
+	/* the rows are distinct, so a row's update leaves the others' hits as the edge gave them */
 	for (size_t i = 0; i < n; i++) {
 		int32_t *s = &l->last[rows[i]];
+		if (step > 0) { /* the first step's reads all miss, whatever the size */
+			l->hits += *s < 0 ? 0.0 : *s > edge ? 1.0 : *s == edge ? part : 0.0;
+			l->reads++;
+		}
 		if (*s >= 0)
 			l->at[*s]--;
 		*s = (int32_t)step;

@@ -245,7 +245,7 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	tfetch *f = &t->fetch[l];
 	const uint64_t rows = (uint64_t)m->n_kv_heads * t->cap;
 	for (int k = 0; k < KB_HOT_SIZES; k++)
-		if (kb_lru_init(&t->hot[k], rows, rows >> (5 - k), m->decode_steps) < 0)
+		if (kb_lru_init(&t->hot[k], rows, rows / KB_HOT_DEN(k), m->decode_steps) < 0)
 			fail("out of memory", "the simulated hot cache");
 	snap(t, &st0);
 	for (uint32_t s = 0; s < m->decode_steps; s++) {

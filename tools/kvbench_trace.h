@@ -48,8 +48,10 @@ int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps);
 void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
 void kb_lru_free(kb_lru *l);
 
-/* The simulated caches' sizes: 1/32, 1/16, 1/8, 1/4 and 1/2 of a layer's rows. */
+/* The simulated caches' sizes: 1/32, 1/16, 1/8, 1/4 and 1/2 of a layer's rows (1 / KB_HOT_DEN(k)
+ * for k < KB_HOT_SIZES). */
 #define KB_HOT_SIZES 5
+#define KB_HOT_DEN(k) (32u >> (k))
 
 typedef struct kb_trace {
 	const opts *o;

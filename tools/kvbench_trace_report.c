@@ -123,12 +123,19 @@ static const char *time_source(const kb_trace *t)
 
 /* ---- JSON ----------------------------------------------------------------------------------- */
 
-static void jnum(const char *key, double v)
+/* A number, or null where there is none (a replay of one decode step has no hit rate). */
+static void jval(double v)
 {
 	if (isfinite(v))
-		printf(", \"%s\": %.6g", key, v);
+		printf("%.6g", v);
 	else
-		printf(", \"%s\": null", key);
+		printf("null");
+}
+
+static void jnum(const char *key, double v)
+{
+	printf(", \"%s\": ", key);
+	jval(v);
 }
 
 static void print_json_fetch(const tfetch *f)
@@ -191,22 +198,13 @@ static double hot_sim_demand(const kb_trace *t)
 	return t->hot_steps ? t->hot_demand / (double)t->hot_steps : NAN;
 }
 
-/* A number, or null where there is none (a replay of one decode step has no hit rate). */
-static void jval(double v)
-{
-	if (isfinite(v))
-		printf("%.6g", v);
-	else
-		printf("null");
-}
-
 static void print_json_hot_sim(const kb_trace *t)
 {
 	printf(", \"hot_sim\": {\"demand_share\": ");
 	jval(hot_sim_demand(t));
 	printf(", \"share\": [");
 	for (int k = 0; k < KB_HOT_SIZES; k++)
-		printf("%s%.6g", k ? ", " : "", 1.0 / (double)(1u << (5 - k)));
+		printf("%s%.6g", k ? ", " : "", 1.0 / KB_HOT_DEN(k));
 	printf("], \"hit_rate\": [");
 	for (int k = 0; k < KB_HOT_SIZES; k++) {
 		printf("%s", k ? ", " : "");
@@ -222,7 +220,7 @@ static void print_text_hot_sim(const kb_trace *t)
 	       "reads %.2f %% of a layer's rows; a cache of",
 	       100.0 * hot_sim_demand(t));
 	for (int k = 0; k < KB_HOT_SIZES; k++)
-		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", 1u << (5 - k),
+		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", KB_HOT_DEN(k),
 		       100.0 * hot_sim_rate(t, k));
 	printf("\n");
 }
