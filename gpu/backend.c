@@ -189,7 +189,7 @@ int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 		/* a graph replays this copy whenever it runs: into a slot no check reads, and from
 		 * now on errors are not put on sequences (err_seq) */
 		b->err_graphs = true;
-		LAUNCH(c, kvt_gpu_store_word(b->err, b->err_host + GPU_ERR_SLOTS, stream));
+		LAUNCH(c, kvt_gpu_store_words(b->err, b->err_host + GPU_ERR_SLOTS, 1, stream));
 		return 0;
 	}
 	const uint32_t slot = (uint32_t)(b->err_issued % GPU_ERR_SLOTS);
@@ -199,7 +199,7 @@ int gpu_err_copy_batch(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
 	for (uint32_t i = 0; ls && i < n_seqs; i++)
 		b->err_uids[(size_t)slot * c->cfg.max_seqs + i] = ls[i]->seq_uid;
 	((volatile unsigned long long *)b->err_host)[slot] = ERR_PENDING;
-	LAUNCH(c, kvt_gpu_store_word(b->err, b->err_host + slot, stream));
+	LAUNCH(c, kvt_gpu_store_words(b->err, b->err_host + slot, 1, stream));
 	b->err_issued++;
 	return 0;
 }

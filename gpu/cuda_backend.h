@@ -84,9 +84,9 @@ struct gpu_layer {
 	size_t g_sel_bytes;
 	void *jobs;             /* index jobs and views of one build, device */
 	uint64_t steps, selected;
-	/* the hot cache's memory and, self-sized (hot.c), the measure of one step: the
-	 * selected-token counter copied before and after it (the second behind snap_ev), the
-	 * selections the host counted in it and its batch size */
+	/* the hot cache's memory and, self-sized (hot.c), the measure of one step: the fetch
+	 * counters copied before and after it (the second behind snap_ev), the selections the host
+	 * counted in it and its batch size */
 	void *hot_mem;
 	size_t hot_bytes;
 	cudaEvent_t snap_ev;
@@ -94,6 +94,7 @@ struct gpu_layer {
 	bool hot_frozen;        /* a step was captured: the cache is never replaced */
 	uint64_t snap_host_sel;
 	uint32_t snap_seqs;
+	uint64_t hot_to_fill;   /* empty ways left before misses may grow it (gpu/hotsize.h) */
 };
 
 /* Stage times: CUDA events around the stages of a step or an index build, read back (and added to
@@ -131,8 +132,8 @@ struct gpu_cache {
 	bool staging_pending;
 	bool hot_auto;                /* the hot cache sizes itself (hot.c) */
 	uint64_t hot_cap_layer;       /* its bound per layer, bytes */
-	uint64_t *hot_snap;           /* [L][2] pinned: a layer's selected counter before and after a
-					 step */
+	uint64_t *hot_snap;           /* [L][2][HOT_SNAP_W] pinned: a layer's fetch counters before
+					 and after a step (hot.c) */
 	uint64_t stamp;
 	void *host;                   /* host scratch for descriptors, max_seqs entries */
 	size_t jobs_bytes;

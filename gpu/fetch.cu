@@ -559,19 +559,76 @@ extern "C" int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *st
 	return kvt_gpu_upload_bump(dst, src, bytes, NULL, stream);
 }
 
-static __global__ void k_store_word(const unsigned long long *src, unsigned long long *dst)
+/* Every row of the cache `from` into `to` (empty, more sets), one warp a way: the same tags, row
+ * and epoch, in the row's set of `to`, the first empty way; a row whose set of `to` is full (eight
+ * rows of `from` hashed to it) is dropped, read from the host tier again when next selected. */
+static __global__ void k_hot_move(kvt_gpu_hot from, kvt_gpu_hot to, uint32_t row_bytes)
 {
-	/* the kernels before this one have ended, so their writes (atomics) to *src are visible */
-	*(volatile unsigned long long *)dst = *(const volatile unsigned long long *)src;
+	const uint64_t slots = (uint64_t)from.sets * KVT_GPU_HOT_WAYS;
+	const uint32_t lane = threadIdx.x & 31;
+	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t w = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / 32; w < slots;
+	     w += warps) {
+		const unsigned long long hi = from.tag_hi[w];
+		if (!hi)
+			continue; /* an empty way: the same for the whole warp */
+		const unsigned long long lo = from.tag_lo[w];
+		long long claimed = -1;
+		if (lane == 0) {
+			const size_t s0 = (size_t)set_of(hi, (uint32_t)(lo >> 32), (uint32_t)lo,
+							 to.sets) * KVT_GPU_HOT_WAYS;
+			for (uint32_t i = 0; i < KVT_GPU_HOT_WAYS && claimed < 0; i++)
+				if (atomicCAS(&to.tag_hi[s0 + i], 0ull, hi) == 0ull)
+					claimed = (long long)(s0 + i);
+		}
+		claimed = __shfl_sync(0xffffffffu, claimed, 0);
+		if (claimed < 0)
+			continue;
+		const uint4 *src = (const uint4 *)((const char *)from.rows + w * row_bytes);
+		uint4 *dst = (uint4 *)((char *)to.rows + (size_t)claimed * row_bytes);
+		for (uint32_t i = lane; i < row_bytes / 16; i += 32)
+			dst[i] = src[i];
+		if (lane == 0) {
+			to.tag_lo[claimed] = lo;
+			to.last_use[claimed] = from.last_use[w];
+		}
+	}
+}
+
+extern "C" int kvt_gpu_hot_move(kvt_gpu_hot from, kvt_gpu_hot to, uint32_t row_bytes,
+				void *stream)
+{
+	if (!to.sets || to.sets < from.sets || row_bytes % 16 || !to.tag_hi || !to.tag_lo ||
+	    !to.last_use || !to.rows)
+		return -EINVAL;
+	if (!from.sets)
+		return 0;
+	if (!from.tag_hi || !from.tag_lo || !from.last_use || !from.rows)
+		return -EINVAL;
+	const uint64_t warps = (uint64_t)from.sets * KVT_GPU_HOT_WAYS;
+	const uint32_t blocks = (uint32_t)((warps + 7) / 8 < 8192 ? (warps + 7) / 8 : 8192);
+	k_hot_move<<<blocks, 256, 0, KVT_STREAM(stream)>>>(from, to, row_bytes);
+	KVT_CU_LAUNCHED();
+	return 0;
+}
+
+static __global__ void k_store_words(const unsigned long long *src, unsigned long long *dst,
+				     uint32_t n)
+{
+	/* the kernels before this one have ended, so their writes (atomics) to src are visible */
+	volatile unsigned long long *d = dst;
+	const volatile unsigned long long *s = src;
+	for (uint32_t i = 0; i < n; i++)
+		d[i] = s[i];
 	__threadfence_system();
 }
 
-extern "C" int kvt_gpu_store_word(const unsigned long long *src, unsigned long long *dst,
-				  void *stream)
+extern "C" int kvt_gpu_store_words(const unsigned long long *src, unsigned long long *dst,
+				   uint32_t n, void *stream)
 {
-	if (!src || !dst)
+	if (!src || !dst || !n)
 		return -EINVAL;
-	k_store_word<<<1, 1, 0, KVT_STREAM(stream)>>>(src, dst);
+	k_store_words<<<1, 1, 0, KVT_STREAM(stream)>>>(src, dst, n);
 	KVT_CU_LAUNCHED();
 	return 0;
 }

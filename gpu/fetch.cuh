@@ -222,12 +222,22 @@ int kvt_gpu_upload(void *dst, const void *src, size_t bytes, void *stream);
 /* kvt_gpu_upload that also adds 1 to the device word *bump (NULL: none) before the bytes land. */
 int kvt_gpu_upload_bump(void *dst, const void *src, size_t bytes, uint32_t *bump, void *stream);
 /*
- * The 64-bit device word *src stored into *dst, pinned host memory mapped for the device, by a
- * one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8 bytes does, without
- * starting the copy engine between two kernels of a step (the error word's mirror slots, the hot
- * cache's counter snapshots). Returns 0, -EINVAL or -EIO.
+ * The rows of the hot cache `from` moved into `to` (zeroed, at least as many sets), each to its set
+ * of `to` with its tags and epoch; the few whose set of `to` fills up are dropped. Neither cache
+ * may be read or written by other work meanwhile. Returns 0, -EINVAL (to smaller than from or
+ * without sets, a NULL array of a cache with sets, row_bytes not a multiple of 16) or -EIO.
+ * Asynchronous.
  */
-int kvt_gpu_store_word(const unsigned long long *src, unsigned long long *dst, void *stream);
+int kvt_gpu_hot_move(kvt_gpu_hot from, kvt_gpu_hot to, uint32_t row_bytes, void *stream);
+
+/*
+ * The n 64-bit device words at src stored into dst, pinned host memory mapped for the device, by a
+ * one-thread kernel in stream order: what a D2H cudaMemcpyAsync of the 8n bytes does, without
+ * starting the copy engine between two kernels of a step (the error word's mirror slots, the hot
+ * cache's counter snapshots). Returns 0, -EINVAL (a NULL pointer, n 0) or -EIO.
+ */
+int kvt_gpu_store_words(const unsigned long long *src, unsigned long long *dst, uint32_t n,
+			void *stream);
 
 #ifdef __cplusplus
 }

@@ -2,49 +2,69 @@
 /*
  * The hot-token cache's memory (gpu/fetch.cuh has its policy): one device allocation per layer,
  * either fixed at set-up (gpu_cache_bytes given: split evenly over the layers) or self-sized
- * (gpu_cache_bytes 0, the default): each layer's cache starts empty and grows, between steps, to
- * about twice the rows a step of that layer reads through it (sinks and selected rows of the batch,
- * measured), within its share of gpu_cache_max_bytes (default: a quarter of the device memory free
- * at set-up) and half of the memory free at the time. It never shrinks.
+ * (gpu_cache_bytes 0, the default): each layer's cache starts empty and grows, between steps, by
+ * the rule of gpu/hotsize.h (twice a step's rows; twice its size when, full, it misses more than a
+ * quarter of them) within its share of gpu_cache_max_bytes (default: a quarter of the device memory
+ * free at set-up) and half of the memory free at the time. It never shrinks.
  *
- * The measure never synchronizes: the layer's selected-token counter is copied to pinned memory
- * before and after an eager step, the second copy behind an event, so the difference is that one
- * step's selection whatever graph replays ran between steps; a later step of the layer reads it if
- * the event has completed (else a later one does). A growth allocates the larger cache and frees
- * the old one after a device synchronization, so it happens a few times over a sequence's life
- * (each at least 1.5x the last); the rows it held are read again from the host tier once. The
- * first step of a layer captured into a CUDA graph freezes that layer's cache for good (a growth
- * would free memory the graph's kernels keep reading): size it with eager steps first.
+ * The measure never synchronizes: the layer's fetch counters (hits, misses, selected tokens) are
+ * copied to pinned memory before and after an eager step, the second copy behind an event, so the
+ * difference is that one step's counts, whatever graph replays ran between steps; a later step of
+ * the layer reads it if the event has completed (else a later one does). A growth allocates the
+ * larger cache, moves the rows the old one held into it and frees the old one, with device
+ * synchronizations, so it happens a few times over a sequence's life (each at least 1.5x the
+ * last). kvt_select's steps fetch nothing (kvt_gather does, unmeasured): they grow the cache on
+ * their demand alone. The first step of a layer captured into a CUDA graph freezes that layer's
+ * cache for good (a growth would free memory the graph's kernels keep reading): size it with eager
+ * steps first.
  */
 #include "cuda_backend.h"
+#include "hotsize.h"
 
-/* Rows a growth takes beyond twice the measured demand, so that slow growth does not resize each
- * step: the new size is at least 1.5x the old. */
-#define HOT_GROWTH_NUM 3u
-#define HOT_GROWTH_DEN 2u
+/* The fetch counters a measure copies: the first HOT_SNAP_W of a layer's (fetch.cuh). */
+#define HOT_SNAP_W (KVT_GPU_CNT_SELECTED + 1)
+_Static_assert(KVT_GPU_CNT_HITS < HOT_SNAP_W && KVT_GPU_CNT_MISSES < HOT_SNAP_W,
+	       "a measure copies the hit and miss counters");
 
 static size_t way_bytes(const kvt_cache *c)
 {
 	return c->row_bytes + KVT_GPU_HOT_TAG_BYTES;
 }
 
-/* Point the layer's cache at mem (sets sets, zeroed: every way empty). mem is cudaMalloc's (256-byte
+/* Point a layer's cache at mem (sets sets, zeroed: every way empty). mem is cudaMalloc's (256-byte
  * aligned), so each set's tags are 64-byte and its epochs 16-byte aligned (row_bytes % 16 == 0):
  * the kernels read a set's as whole 16-byte words (fetch_rows.cuh, fetch.cu). */
-static void lay_out(const kvt_cache *c, struct gpu_layer *y, void *mem, uint64_t sets)
+static void lay_out(const kvt_cache *c, kvt_gpu_hot *h, void *mem, uint64_t sets)
 {
 	const uint64_t slots = sets * KVT_GPU_HOT_WAYS;
-	y->hot.sets = (uint32_t)sets;
-	y->hot.tag_hi = (unsigned long long *)mem;
-	y->hot.tag_lo = sets ? y->hot.tag_hi + slots : NULL;
-	y->hot.rows = sets ? (void *)(y->hot.tag_lo + slots) : NULL;
-	y->hot.last_use = sets ? (uint32_t *)((char *)y->hot.rows + slots * c->row_bytes) : NULL;
-	if (!sets)
-		y->hot.tag_hi = NULL;
+	h->sets = (uint32_t)sets;
+	h->tag_hi = sets ? (unsigned long long *)mem : NULL;
+	h->tag_lo = sets ? h->tag_hi + slots : NULL;
+	h->rows = sets ? (void *)(h->tag_lo + slots) : NULL;
+	h->last_use = sets ? (uint32_t *)((char *)h->rows + slots * c->row_bytes) : NULL;
 }
 
-/* A cache of `sets` sets for the layer, replacing its old one. quiet: a growth, where no device
- * memory is not an error (-ENOMEM returned, nothing recorded, the old cache kept). */
+/* Wait for the device, then move the rows of the layer's cache into `to` (kvt_gpu_hot_move), wait
+ * for that. */
+static int move_rows(kvt_cache *c, const struct gpu_layer *y, kvt_gpu_hot to)
+{
+	cudaError_t e = cudaDeviceSynchronize(); /* the old cache may still be read or written */
+	if (e == cudaSuccess) {
+		const int rc = kvt_gpu_hot_move(y->hot, to, (uint32_t)c->row_bytes, NULL);
+		e = rc < 0 ? cudaGetLastError() : cudaDeviceSynchronize();
+		if (rc < 0 && e == cudaSuccess)
+			return kvt_seterr(c, rc, "moving the hot cache's rows: %s",
+					  kvt_strerror(rc));
+	}
+	if (e != cudaSuccess)
+		return kvt_seterr(c, -EIO, "moving the hot cache's rows into a larger one: %s",
+				  cudaGetErrorString(e));
+	return 0;
+}
+
+/* A cache of `sets` sets for the layer. quiet: a growth, where no device memory is not an error
+ * (-ENOMEM returned, nothing recorded, the old cache kept); the old cache's rows move into the new
+ * one, and on any failure the old cache stays as it was. */
 static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool quiet)
 {
 	const size_t bytes = (size_t)(sets * KVT_GPU_HOT_WAYS * way_bytes(c));
@@ -63,18 +83,19 @@ static int alloc_sets(kvt_cache *c, struct gpu_layer *y, uint64_t sets, bool qui
 	} else {
 		KVT_TRY(gpu_dalloc(c, &mem, bytes, "the hot-token cache"));
 	}
+	kvt_gpu_hot to = y->hot; /* the counters and the epoch stay */
+	lay_out(c, &to, mem, sets);
 	if (y->hot_mem) {
-		const cudaError_t e = cudaDeviceSynchronize(); /* the old cache may still be read */
-		if (e != cudaSuccess) {
+		const int rc = move_rows(c, y, to);
+		if (rc < 0) {
 			gpu_dfree(c, mem);
-			return kvt_seterr(c, -EIO, "cudaDeviceSynchronize before replacing the hot "
-					  "cache: %s", cudaGetErrorString(e));
+			return rc;
 		}
 		gpu_dfree(c, y->hot_mem);
 	}
 	y->hot_mem = mem;
 	y->hot_bytes = bytes;
-	lay_out(c, y, mem, sets);
+	y->hot = to;
 	return 0;
 }
 
@@ -99,7 +120,7 @@ int gpu_hot_init(kvt_cache *c)
 		cap = free_b / KVT_GPU_HOT_AUTO_SHARE;
 	}
 	b->hot_cap_layer = cap / L;
-	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, 2 * sizeof(uint64_t) * L,
+	KVT_TRY(gpu_pinned_alloc(c, (void **)&b->hot_snap, 2 * HOT_SNAP_W * sizeof(uint64_t) * L,
 				 "the hot cache's measures"));
 	for (uint32_t i = 0; i < L; i++)
 		CU(c, cudaEventCreateWithFlags(&b->lay[i].snap_ev, cudaEventDisableTiming));
@@ -115,32 +136,37 @@ void gpu_hot_fini(kvt_cache *c)
 		if (y->snap_ev)
 			cudaEventDestroy(y->snap_ev);
 	}
-	gpu_pinned_free(c, b->hot_snap, 2 * sizeof(uint64_t) * c->cfg.n_layers);
+	gpu_pinned_free(c, b->hot_snap, 2 * HOT_SNAP_W * sizeof(uint64_t) * c->cfg.n_layers);
 }
 
-/* Queue the copy of the layer's selected-token counter into its pinned slot i (0: before a step,
- * 1: after it). */
+/* The layer's measure slot i (0: before a step, 1: after it): HOT_SNAP_W pinned words. */
+static uint64_t *snap_slot(const struct gpu_cache *b, uint32_t layer, int i)
+{
+	return b->hot_snap + (2 * (size_t)layer + (size_t)i) * HOT_SNAP_W;
+}
+
+/* Queue the copy of the layer's fetch counters into its measure slot i. */
 static int snap(kvt_cache *c, uint32_t layer, int i, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
-	LAUNCH(c, kvt_gpu_store_word(b->counters + (size_t)layer * KVT_GPU_CNT_N +
-					     KVT_GPU_CNT_SELECTED,
-				     (unsigned long long *)&b->hot_snap[2 * (size_t)layer + i],
-				     stream));
+	LAUNCH(c, kvt_gpu_store_words(b->counters + (size_t)layer * KVT_GPU_CNT_N,
+				      (unsigned long long *)snap_slot(b, layer, i), HOT_SNAP_W,
+				      stream));
 	return 0;
 }
 
-/* Grow the layer's cache to hold twice `demand` rows, within its bounds. */
-static int grow(kvt_cache *c, struct gpu_layer *y, uint64_t demand)
+/* Grow the layer's cache by gpu/hotsize.h's rule on a measure, within its bounds. */
+static int grow(kvt_cache *c, struct gpu_layer *y, uint64_t demand, uint64_t reads,
+		uint64_t misses)
 {
 	struct gpu_cache *b = gpu_of(c);
 	const uint64_t have = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
-	if (have >= 2 * demand)
+	uint64_t rows = kvt_hot_rows_wanted(have, demand, reads, misses, &y->hot_to_fill);
+	if (rows == have)
 		return 0;
-	uint64_t rows = 2 * demand;
-	if (rows < have * HOT_GROWTH_NUM / HOT_GROWTH_DEN)
-		rows = have * HOT_GROWTH_NUM / HOT_GROWTH_DEN;
 	const uint64_t way = way_bytes(c);
+	if ((have + KVT_GPU_HOT_WAYS) * way > b->hot_cap_layer)
+		return 0; /* at its share of the bound already: no need to ask the device */
 	size_t free_b = 0, total = 0;
 	CU(c, cudaMemGetInfo(&free_b, &total));
 	/* the old cache is freed after the new one is made: both must fit */
@@ -153,6 +179,8 @@ static int grow(kvt_cache *c, struct gpu_layer *y, uint64_t demand)
 	if (sets <= y->hot.sets)
 		return 0; /* at its bound */
 	const int rc = alloc_sets(c, y, sets, true);
+	if (rc == 0)
+		y->hot_to_fill = sets * KVT_GPU_HOT_WAYS - have; /* the ways it added */
 	return rc == -ENOMEM ? 0 : rc; /* out of memory: the cache stays as it was */
 }
 
@@ -178,10 +206,15 @@ int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *str
 		CU(c, q);
 		y->snap_pending = false;
 		/* rows the measured step read through the cache: its selected rows (counted on the
-		 * device by an attend, on the host by a select) and its batch's sinks */
-		const uint64_t sel = b->hot_snap[2 * (size_t)layer + 1] - b->hot_snap[2 * (size_t)layer] +
+		 * device by an attend, on the host by a select) and its batch's sinks; and of the
+		 * rows it fetched, those read from the host tier */
+		const uint64_t *s0 = snap_slot(b, layer, 0), *s1 = snap_slot(b, layer, 1);
+		const uint64_t sel = s1[KVT_GPU_CNT_SELECTED] - s0[KVT_GPU_CNT_SELECTED] +
 				     y->snap_host_sel;
-		KVT_TRY(grow(c, y, sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs));
+		const uint64_t misses = s1[KVT_GPU_CNT_MISSES] - s0[KVT_GPU_CNT_MISSES];
+		const uint64_t reads = misses + s1[KVT_GPU_CNT_HITS] - s0[KVT_GPU_CNT_HITS];
+		KVT_TRY(grow(c, y, sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs,
+			     reads, misses));
 	}
 	KVT_TRY(snap(c, layer, 0, stream));
 	y->snap_host_sel = y->selected;

@@ -167,11 +167,12 @@ typedef struct kvt_config {
 				 seed 0 (so seed 2^64 - 1 cannot be asked for) */
 	uint64_t gpu_cache_bytes; /* CUDA backend: the hot-token cache. 0 (default): self-sized, each
 				     layer's growing between steps to about twice the rows a step of
-				     that layer reads (selected rows and sinks of the batch), within
-				     gpu_cache_max_bytes; never shrunk (doc/cuda-backend.md). A value
-				     <= 1 TiB: that much device memory from the start, split evenly
-				     over the layers, never resized. KVT_NONE64: no hot cache (every
-				     selected row is read from the host tier each step) */
+				     that layer reads (selected rows and sinks of the batch), and
+				     doubling while, full, it misses more than a quarter of them,
+				     within gpu_cache_max_bytes; never shrunk (doc/cuda-backend.md).
+				     A value <= 1 TiB: that much device memory from the start, split
+				     evenly over the layers, never resized. KVT_NONE64: no hot cache
+				     (every selected row is read from the host tier each step) */
 	uint32_t nvme_flags;  /* kvt_nvme_flags; 0 (default): files the cache created are removed at
 				 kvt_cache_destroy (and by a failed kvt_cache_create) */
 	uint32_t pad1;        /* must be zero (explicit padding) */

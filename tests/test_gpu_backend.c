@@ -202,7 +202,9 @@ static void test_hot_cache(void **state)
 
 /*
  * The self-sized hot cache (gpu_cache_bytes 0): empty at first, grown from the measured selections
- * within a few steps to about twice a step's rows, the outputs those of the CPU throughout; with
+ * within a few steps to about twice a step's rows (this workload's steps read nearly the same
+ * rows, so misses do not grow it further: tests/test_hot_size.c checks that rule), the outputs
+ * those of the CPU throughout; with
  * gpu_cache_max_bytes set, it stays within its layer's share of it.
  */
 static void test_hot_auto(void **state)

@@ -3,7 +3,9 @@
  * The list of a spilled fetch's misses (gpu/fetch.cuh; part of test_gpu_kernels, whose main runs
  * it), on fresh random selections of three sequences of two KV heads, some of their block table
  * entries NULL (on NVMe), after a warm-up fetch has put every third sink or selected row in the hot
- * cache:
+ * cache and kvt_gpu_hot_move has moved that cache into a larger one, as a growth of the self-sized
+ * cache does (so the lookup's hits below are the moved rows, found in their new sets, and the
+ * fill's checked contents include them):
  * - kvt_gpu_fetch_lookup_spilled lists exactly the sink and selected rows of the sequences flagged
  *   KVT_GPU_FETCH_SPILLED that miss the hot cache and lie in NULL blocks, as (item, row, position),
  *   compared as sets (the device writes them in no fixed order): not the hits, not the rows of
@@ -14,7 +16,7 @@
  * - kvt_gpu_spill_scatter writes addr[i] into row miss[i] where addr[i] != 0 and nothing else;
  * - kvt_gpu_fetch_fill then serves every row with its content (kvt_gpu_rows_copy), the staged ones
  *   from the host's staging, and reports the one row left unstaged as FILL_BLOCK;
- * - the launchers' argument checks.
+ * - the launchers' argument checks (kvt_gpu_hot_move's too).
  * The list lives in pinned, mapped host memory, as gpu/spilled.c keeps it.
  */
 #include "gpu_kernels.h"
@@ -248,6 +250,31 @@ static uint32_t wanted_list(const struct spill_batch *b, kvt_gpu_spill_miss *wan
 	return n;
 }
 
+/* A hot cache of `sets` sets, every way empty. */
+static kvt_gpu_hot hot_alloc(uint32_t sets)
+{
+	const size_t ways = (size_t)sets * KVT_GPU_HOT_WAYS;
+	kvt_gpu_hot hot;
+	memset(&hot, 0, sizeof hot);
+	hot.tag_hi = (unsigned long long *)dpoison(8 * ways);
+	hot.tag_lo = (unsigned long long *)dpoison(8 * ways);
+	hot.last_use = (uint32_t *)dpoison(4 * ways);
+	hot.rows = dpoison(ways * SP_RB);
+	hot.sets = sets;
+	CU(cudaMemset(hot.tag_hi, 0, 8 * ways));
+	CU(cudaMemset(hot.tag_lo, 0, 8 * ways));
+	CU(cudaMemset(hot.last_use, 0, 4 * ways));
+	return hot;
+}
+
+static void hot_free(kvt_gpu_hot *hot)
+{
+	cudaFree(hot->tag_hi);
+	cudaFree(hot->tag_lo);
+	cudaFree(hot->last_use);
+	cudaFree(hot->rows);
+}
+
 /* After the lookup: items, positions, hits in the cache, misses NULL, window rows in the ring. */
 static void check_lookup(const struct spill_batch *b, const void **rows, const void *drows,
 			 const void *dpos, const void *ditems, const kvt_gpu_hot *hot, int *bad)
@@ -258,7 +285,7 @@ static void check_lookup(const struct spill_batch *b, const void **rows, const v
 	fetch(pos, dpos, 4 * (size_t)NI * mr);
 	fetch(items, ditems, sizeof(kvt_gpu_rows) * NI);
 	const uintptr_t h0 = (uintptr_t)hot->rows,
-			h1 = h0 + (size_t)SP_SETS * KVT_GPU_HOT_WAYS * SP_RB;
+			h1 = h0 + (size_t)hot->sets * KVT_GPU_HOT_WAYS * SP_RB;
 	for (uint32_t s = 0; s < SP_NS; s++)
 		for (uint32_t h = 0; h < SP_H; h++) {
 			const struct seq_spec *q = &g_specs[s];
@@ -441,17 +468,8 @@ void test_spill_list(void **state)
 	make_rows(&b);
 	make_descriptors(&b);
 	const uint32_t NI = SP_NS * SP_H, mr = b.max_rows;
-	const size_t ways = (size_t)SP_SETS * KVT_GPU_HOT_WAYS, nr = (size_t)NI * mr;
-	kvt_gpu_hot hot;
-	memset(&hot, 0, sizeof hot);
-	hot.tag_hi = (unsigned long long *)dpoison(8 * ways);
-	hot.tag_lo = (unsigned long long *)dpoison(8 * ways);
-	hot.last_use = (uint32_t *)dpoison(4 * ways);
-	hot.rows = dpoison(ways * SP_RB);
-	hot.sets = SP_SETS;
-	CU(cudaMemset(hot.tag_hi, 0, 8 * ways));
-	CU(cudaMemset(hot.tag_lo, 0, 8 * ways));
-	CU(cudaMemset(hot.last_use, 0, 4 * ways));
+	const size_t nr = (size_t)NI * mr;
+	kvt_gpu_hot hot = hot_alloc(SP_SETS);
 	void *dfs = dcopy(b.fs, sizeof b.fs), *dws = dcopy(b.ws, sizeof b.ws);
 	void *drows = dpoison(sizeof(void *) * nr), *ditems = dpoison(sizeof(kvt_gpu_rows) * NI),
 	     *dpos = dpoison(4 * nr);
@@ -464,6 +482,14 @@ void test_spill_list(void **state)
 	T_CHECK(rc == 0, "warm-up kvt_gpu_fetch: %d", rc);
 	fetch(&herr, derr, 8);
 	T_CHECK(herr == 0, "warm-up: error word 0x%llx", herr);
+	/* the warmed rows into a cache of 3 SP_SETS + 1 sets, where each lands in another set (at
+	 * most 6 of them in one: none is dropped) */
+	kvt_gpu_hot grown = hot_alloc(3 * SP_SETS + 1);
+	rc = kvt_gpu_hot_move(hot, grown, SP_RB, NULL);
+	T_CHECK(rc == 0, "kvt_gpu_hot_move: %d", rc);
+	CU(cudaDeviceSynchronize());
+	hot_free(&hot);
+	hot = grown;
 
 	/* the lookup, epoch 2, into a list as long as gpu/spilled.c makes it */
 	uint32_t cap = 0;
@@ -529,10 +555,7 @@ void test_spill_list(void **state)
 	cudaFreeHost(miss);
 	cudaFreeHost(addr);
 	cudaFreeHost(stage);
-	cudaFree(hot.tag_hi);
-	cudaFree(hot.tag_lo);
-	cudaFree(hot.last_use);
-	cudaFree(hot.rows);
+	hot_free(&hot);
 	cudaFree(dfs);
 	cudaFree(dws);
 	cudaFree(drows);
@@ -566,6 +589,18 @@ void test_spill_arguments(void **state)
 	T_CHECK(kvt_gpu_spill_scatter(p, NULL, 1, p, 8, NULL) == -EINVAL, "scatter: addr NULL");
 	T_CHECK(kvt_gpu_spill_scatter(p, p, 1, NULL, 8, NULL) == -EINVAL, "scatter: rows NULL");
 	T_CHECK(kvt_gpu_spill_scatter(NULL, NULL, 0, p, 8, NULL) == 0, "scatter of nothing");
+	kvt_gpu_hot a = hot_alloc(4), b = hot_alloc(8), none_hot;
+	memset(&none_hot, 0, sizeof none_hot);
+	T_CHECK(kvt_gpu_hot_move(b, a, SP_RB, NULL) == -EINVAL, "move: into fewer sets");
+	T_CHECK(kvt_gpu_hot_move(a, b, 100, NULL) == -EINVAL, "move: row_bytes 100");
+	T_CHECK(kvt_gpu_hot_move(none_hot, none_hot, SP_RB, NULL) == -EINVAL, "move: into no sets");
+	T_CHECK(kvt_gpu_hot_move(none_hot, b, SP_RB, NULL) == 0, "move: from an empty cache");
+	kvt_gpu_hot half = b;
+	half.rows = NULL;
+	T_CHECK(kvt_gpu_hot_move(a, half, SP_RB, NULL) == -EINVAL, "move: into a cache, no rows");
+	T_CHECK(kvt_gpu_hot_move(half, b, SP_RB, NULL) == -EINVAL, "move: from a cache, no rows");
+	hot_free(&a);
+	hot_free(&b);
 	CU(cudaDeviceSynchronize());
 	cudaFree(p);
 }

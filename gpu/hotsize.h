@@ -1,0 +1,50 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The self-sized hot cache's sizing rule (gpu/hot.c applies it; tests/test_hot_size.c checks it
+ * without a GPU). After each measured eager step of a layer the cache should hold:
+ * - twice the rows the step read through it (its selected rows and its batch's sinks), so that
+ *   the rows of one step stay for the next;
+ * - twice what it holds, when it is full and the step missed more than KVT_HOT_MISS_NUM /
+ *   KVT_HOT_MISS_DEN of those rows: queries whose selection drifts come back to rows over many
+ *   steps, not only from the last one (issue 15, point 3). Full: the measured misses since the
+ *   last growth have filled the ways it added (a growth keeps the rows it held), so a cache still
+ *   filling does not grow for its own cold misses, and one that holds every row a workload reads
+ *   stops missing and growing;
+ * - at least KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN of the old size when it grows, so slow growth
+ *   does not resize each step (each resize synchronizes the device).
+ * The caller bounds the result (its share of gpu_cache_max_bytes, half of the free memory) and
+ * never shrinks the cache.
+ */
+#ifndef KVT_GPU_HOTSIZE_H
+#define KVT_GPU_HOTSIZE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define KVT_HOT_GROWTH_NUM 3u
+#define KVT_HOT_GROWTH_DEN 2u
+#define KVT_HOT_MISS_NUM 1u
+#define KVT_HOT_MISS_DEN 4u
+
+/*
+ * The rows the cache should hold after a measure of `reads` rows read through it, `misses` of them
+ * from the host tier, and `demand` rows asked for (its selected rows and sinks), when it holds
+ * `have`: `have` itself when it should not grow. *to_fill counts the empty ways the cache still has
+ * to fill before misses may grow it; this takes the measure's misses off it. The caller, when it
+ * grows the cache, sets *to_fill to the ways it added.
+ */
+static inline uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
+					   uint64_t misses, uint64_t *to_fill)
+{
+	uint64_t rows = 2 * demand;
+	const bool full = *to_fill <= misses;
+	*to_fill = full ? 0 : *to_fill - misses;
+	if (full && misses * KVT_HOT_MISS_DEN > reads * KVT_HOT_MISS_NUM && rows < 2 * have)
+		rows = 2 * have;
+	if (rows <= have)
+		return have;
+	const uint64_t least = have * KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN;
+	return rows > least ? rows : least;
+}
+
+#endif

@@ -1,0 +1,127 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The self-sized hot cache's sizing rule (gpu/hotsize.h), on the CPU:
+ * - demand: an empty cache grows to twice a step's rows; one that holds twice the demand stays;
+ * - a growth is at least 1.5x the old size;
+ * - misses: a full cache whose step missed more than a quarter of its rows doubles (exactly a
+ *   quarter does not); one still filling the ways of its last growth does not, whatever it
+ *   misses, and the measure takes its misses off the ways left; demand still grows it meanwhile;
+ * - over a run of measures: steady queries keep the cache at twice the demand; drifting ones
+ *   double it each time it has filled, until the bound the caller applies or until it holds the
+ *   rows the queries come back to, where it stops missing and growing.
+ */
+#include "common.h"
+#include "gpu/hotsize.h"
+
+/* The rule with f ways left to fill; *after gets the count it leaves. */
+static uint64_t want(uint64_t have, uint64_t demand, uint64_t reads, uint64_t misses, uint64_t f,
+		     uint64_t *after)
+{
+	const uint64_t r = kvt_hot_rows_wanted(have, demand, reads, misses, &f);
+	*after = f;
+	return r;
+}
+
+static void test_cases(void **state)
+{
+	(void)state;
+	static const struct {
+		uint64_t have, demand, reads, misses, to_fill, rows, to_fill_after;
+		const char *what;
+	} cs[] = {
+		{0, 100, 100, 100, 0, 200, 0, "empty: twice the demand"},
+		{0, 0, 0, 0, 0, 0, 0, "empty, no demand: stays empty"},
+		{200, 100, 100, 10, 0, 200, 0, "twice the demand, few misses: stays"},
+		{500, 100, 100, 10, 0, 500, 0, "above the demand: never shrinks"},
+		{200, 100, 100, 30, 0, 400, 0, "full, 30 % missed: doubles"},
+		{200, 100, 100, 25, 0, 200, 0, "exactly a quarter missed: stays"},
+		{200, 100, 100, 26, 0, 400, 0, "just above a quarter: doubles"},
+		{400, 100, 100, 60, 150, 400, 90, "filling: misses fill it, no growth"},
+		{400, 100, 100, 60, 60, 800, 0, "the measure that fills it: doubles"},
+		{200, 150, 150, 100, 500, 300, 400, "filling: demand still grows it"},
+		{1000, 600, 600, 0, 0, 1500, 0, "a growth is at least 1.5x"},
+		{1000, 100, 0, 0, 0, 1000, 0, "kvt_select's measure: no reads, no miss growth"},
+		{1ull << 40, 1ull << 39, 1ull << 39, 1ull << 39, 0, 1ull << 41, 0, "large counts"},
+	};
+	int nfail = 0;
+	for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+		uint64_t f;
+		const uint64_t r = want(cs[i].have, cs[i].demand, cs[i].reads, cs[i].misses,
+					cs[i].to_fill, &f);
+		T_SOFT(&nfail, r == cs[i].rows && f == cs[i].to_fill_after,
+		       "%s: have %llu demand %llu reads %llu misses %llu to fill %llu: got %llu "
+		       "rows (to fill %llu), wanted %llu (to fill %llu)",
+		       cs[i].what, (unsigned long long)cs[i].have, (unsigned long long)cs[i].demand,
+		       (unsigned long long)cs[i].reads, (unsigned long long)cs[i].misses,
+		       (unsigned long long)cs[i].to_fill, (unsigned long long)r,
+		       (unsigned long long)f, (unsigned long long)cs[i].rows,
+		       (unsigned long long)cs[i].to_fill_after);
+	}
+	T_CHECK(nfail == 0, "%d of the rule's cases failed", nfail);
+}
+
+/*
+ * The rule applied as gpu/hot.c applies it, within a bound of `cap` rows, over 60 measures of 1000
+ * rows: the first (an empty cache) misses them all, later ones a share miss_pct while the cache
+ * holds fewer than `reused` rows (the rows the queries come back to) and none once it holds them.
+ * Returns the rows reached; *growths and *last (the measure of the last growth) say how.
+ */
+static uint64_t run(uint32_t miss_pct, uint64_t reused, uint64_t cap, uint32_t *growths,
+		    uint32_t *last)
+{
+	const uint64_t demand = 1000;
+	uint64_t have = 0, to_fill = 0;
+	*growths = 0;
+	*last = 0;
+	for (uint32_t m = 0; m < 60; m++) {
+		uint64_t misses = demand * miss_pct / 100;
+		if (m == 0 || have >= reused)
+			misses = m == 0 ? demand : 0;
+		uint64_t r = kvt_hot_rows_wanted(have, demand, demand, misses, &to_fill);
+		r = r < cap ? r : cap;
+		if (r > have) {
+			to_fill = r - have;
+			have = r;
+			++*growths;
+			*last = m;
+		}
+	}
+	return have;
+}
+
+static void test_runs(void **state)
+{
+	(void)state;
+	const uint64_t never = UINT64_MAX, unbounded = UINT64_MAX;
+	uint32_t g, last;
+	uint64_t r = run(5, never, unbounded, &g, &last);
+	printf("steady (5 %% missed): %llu rows, %u growths\n", (unsigned long long)r, g);
+	T_CHECK(r == 2000 && g == 1, "steady: %llu rows after %u growths, wanted 2000 after 1",
+		(unsigned long long)r, g);
+	/* 400 misses a measure fill 2000 new ways in 5 measures, 4000 in 10, ...: 2000 at measure
+	 * 0, then 4000, 8000, 16000, 32000 at measures 5, 10, 20, 40 */
+	r = run(40, never, unbounded, &g, &last);
+	printf("drifting (40 %% missed): %llu rows, %u growths, the last at measure %u\n",
+	       (unsigned long long)r, g, last);
+	T_CHECK(r == 32000 && g == 5 && last == 40,
+		"drifting: %llu rows after %u growths (the last at %u), wanted 32000 after 5 (at "
+		"40)",
+		(unsigned long long)r, g, last);
+	r = run(40, never, 10000, &g, &last);
+	T_CHECK(r == 10000 && g == 4 && last == 20,
+		"drifting, bounded: %llu rows after %u growths (the last at %u), wanted 10000 "
+		"after 4 (at 20)", (unsigned long long)r, g, last);
+	r = run(40, 6000, unbounded, &g, &last);
+	T_CHECK(r == 8000 && g == 3, "drifting over 6000 rows: %llu rows after %u growths, wanted "
+		"8000 after 3", (unsigned long long)r, g);
+	r = run(40, never, 1500, &g, &last);
+	T_CHECK(r == 1500 && g == 1, "bounded below the demand: %llu rows after %u growths",
+		(unsigned long long)r, g);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases),
+					   cmocka_unit_test(test_runs)};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
