@@ -18,6 +18,9 @@
  *   untimed); the last replay is compared with an eager kvt_attend, bit for bit.
  * Times are CUDA-event medians on one stream after warm-up (resident: over --reps launches; kvtier:
  * per step, event before kvt_append to event after kvt_attend, host synchronized between steps).
+ * --gpu-cache-mib fixes the hot cache's size; --hot-max-mib bounds the self-sized one (the default
+ * bound, a quarter of the free HBM, is what one layer of a 32-layer model would share with 31
+ * others: --hot-max-mib 1100 gives this layer its 32nd part of an H200's).
  * The PCIe floor: kvtier's PCIe bytes per step (the hot cache's misses) at the H2D rate the naive
  * offload measured, against the resident kernel and the eager step: with --drift the step is bound
  * by it (doc/cuda-backend.md).
@@ -84,6 +87,8 @@ static options parse(int argc, char **argv)
 			o.run.budget_max = (uint32_t)strtoul(val, NULL, 0);
 		else if (!strcmp(a, "--gpu-cache-mib"))
 			o.run.gpu_cache_mib = atol(val);
+		else if (!strcmp(a, "--hot-max-mib"))
+			o.run.gpu_cache_max = (uint64_t)strtoull(val, NULL, 0) << 20;
 		else if (!strcmp(a, "--max-host-gib"))
 			o.max_host_gib = atof(val);
 		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
@@ -92,7 +97,8 @@ static options parse(int argc, char **argv)
 			fprintf(stderr,
 				"usage: gpu_decode [--contexts N,N..] [--batches N,N..] [--steps N] "
 				"[--warmup N] [--reps N>=20] [--budget-max N] [--gpu-cache-mib N] "
-				"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1]\n");
+				"[--hot-max-mib N] [--max-host-gib X] [--drift D in [0, 1]] "
+				"[--graph 0|1]\n");
 			exit(2);
 		}
 		i++;
@@ -266,13 +272,15 @@ int main(int argc, char **argv)
 		const kvt_result k = run_kvtier(o.run, g, B, n, dq, dout, st);
 		if (k.ok) {
 			printf("  kvtier: Top-p selected %.2f%% of indexed tokens (selected_tokens / "
-			       "candidate_tokens over the timed steps); hot-cache hit rate %.1f%%; "
+			       "candidate_tokens over the timed steps); hot-cache hit rate %.1f%% "
+			       "(the cache reached %.1f MB); "
 			       "PCIe %.2f MB per step; %llu budget_max cuts, %llu flushes in the timed "
 			       "steps; %.1f%% of the query heads' thresholds decided from the scan's "
 			       "histogram; output vs exact attention (query of the resident run, "
 			       "before the decode steps): max over heads of ||out - exact|| / "
 			       "||exact|| = %.3g\n",
-			       100.0 * k.sel_frac, 100.0 * k.hit_rate, k.pcie_per_step / 1e6,
+			       100.0 * k.sel_frac, 100.0 * k.hit_rate, k.hot_bytes / 1e6,
+			       k.pcie_per_step / 1e6,
 			       (unsigned long long)k.budget_max_hits, (unsigned long long)k.flushes,
 			       100.0 * k.scan_hist, k.err_vs_exact);
 			printf("  kvtier per step: %.3f ms on the stream (events), %.3f ms on the host "
