@@ -6,8 +6,8 @@
  * lies, ...) fails with a message naming the file and the field; and `kvbench --trace` replays a
  * small trace end to end on the CPU backend (recall 1 at p = 1) and fails, naming the file, on a
  * corrupted one (test_trace_replay.c); the replay's simulated hot cache keeps the rows read most
- * recently, to the share of a step where its edge falls (test_hot_sim). Shared helpers:
- * trace_testutil.h.
+ * recently, to the share of a step where its edge falls, and its self-sized one follows the CUDA
+ * backend's rule (test_hot_sim). Shared helpers: trace_testutil.h.
  */
 #include "trace_testutil.h"
 
@@ -453,7 +453,7 @@ static void test_utf8(void **state)
 
 /* Two rows of four, over five steps: a row read again hits while it is among the two read most
  * recently; where the edge falls among rows read at the same step, each counts as the share of
- * them that fits; the first step counts nothing. */
+ * them that fits; the first step counts nothing. Then the self-sized cache on two sequences. */
 static void test_hot_sim(void **state)
 {
 	(void)state;
@@ -485,6 +485,30 @@ static void test_hot_sim(void **state)
 		T_CHECK(l.hits == want && l.reads == 6,
 			"cap %llu: hits %g of %llu reads, want %g of 6", (unsigned long long)cap,
 			l.hits, (unsigned long long)l.reads, want);
+		kb_lru_free(&l);
+	}
+	/* self-sized (gpu/hotsize.h's rule), 100 rows, ten steps of ten rows: the same ten every
+	 * step grow it once, to twice the demand, and hit from then on; ten new ones every step
+	 * double it each time its misses have filled it (after steps 0, 2, 4, 8: 20, 40, 80, then
+	 * 160 cut to the 100 rows) and never hit */
+	for (int drift = 0; drift < 2; drift++) {
+		T_CHECK(kb_lru_init(&l, 100, 0, 10) == 0, "kb_lru_init failed");
+		l.grows = true;
+		const uint64_t want_cap[10] = {20, 20, 40, 40, 80, 80, 80, 80, 100, 100};
+		for (uint32_t s = 0; s < 10; s++) {
+			uint64_t r[10];
+			for (uint64_t i = 0; i < 10; i++)
+				r[i] = drift ? 10 * s + i : i;
+			kb_lru_step(&l, s, r, 10);
+			T_CHECK(l.cap == (drift ? want_cap[s] : 20),
+				"self-sized, %s rows, after step %u: %llu rows, want %llu",
+				drift ? "new" : "the same", s, (unsigned long long)l.cap,
+				(unsigned long long)(drift ? want_cap[s] : 20));
+		}
+		T_CHECK(l.hits == (drift ? 0.0 : 90.0) && l.reads == 90,
+			"self-sized, %s rows: hits %g of %llu reads, want %g of 90",
+			drift ? "new" : "the same", l.hits, (unsigned long long)l.reads,
+			drift ? 0.0 : 90.0);
 		kb_lru_free(&l);
 	}
 }

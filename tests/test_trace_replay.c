@@ -180,6 +180,13 @@ void test_replay(void **state)
 			"hot_sim: hit rate %g after %g (want non-decreasing, at most 1)", x, prev);
 		prev = x;
 	}
+	/* the self-sized one: some share of the rows (it grows at the first step), a rate */
+	const trace_json_node *ss = trace_json_get(&j, hs, "self_sized");
+	T_CHECK(ss, "hot_sim: no self_sized");
+	const double ssh = jnum(&j, ss, "share"), ssr = jnum(&j, ss, "hit_rate");
+	T_CHECK(ssh > 0 && ssh <= 1 && ssr >= 0 && ssr <= 1,
+		"hot_sim.self_sized: share %g (want in (0, 1]), hit_rate %g (want in [0, 1])", ssh,
+		ssr);
 	trace_json_free(&j);
 	free(out);
 	free(errs);

@@ -7,11 +7,16 @@
  * it reads a little higher. Steps are its unit of time: rows read in the same step are equally
  * recent, and where the cache's edge falls among them it holds the share of them that fits (so a
  * row there counts as that share of a hit: the mean over the orders in which they could have
- * been evicted). doc/kvbench.md, "Trace replay", has what it reports.
+ * been evicted). One more cache sizes itself by the CUDA backend's rule (gpu/hotsize.h), from the
+ * hits and misses it simulates, within the layer's rows (the backend's bound, HBM, is not the
+ * trace's to know). doc/kvbench.md, "Trace replay", has what it reports.
  */
 #include "kvbench_trace.h"
 
+#include <math.h>
 #include <stdlib.h>
+
+#include "gpu/hotsize.h"
 
 int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps)
 {
@@ -52,6 +57,7 @@ void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 		held += k;
 	}
 	/* the rows are distinct, so a row's update leaves the others' hits as the edge gave them */
+	const double hits0 = l->hits;
 	for (size_t i = 0; i < n; i++) {
 		int32_t *s = &l->last[rows[i]];
 		if (step > 0) { /* the first step's reads all miss, whatever the size */
@@ -62,5 +68,15 @@ void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 			l->at[*s]--;
 		*s = (int32_t)step;
 		l->at[step]++;
+	}
+	if (!l->grows)
+		return;
+	/* the backend's rule on this step's measure (the first step's reads all missed) */
+	const uint64_t misses = step ? n - (uint64_t)llround(l->hits - hits0) : n;
+	uint64_t want = kvt_hot_rows_wanted(l->cap, n, n, misses, &l->to_fill);
+	want = want < l->rows ? want : l->rows;
+	if (want > l->cap) {
+		l->to_fill = want - l->cap;
+		l->cap = want;
 	}
 }

@@ -187,7 +187,8 @@ static void print_json_meta(const kb_trace *t)
 	       t->scale);
 }
 
-/* The simulated hot cache's hit rate at size k (kvbench_hotsim.c), over the replayed layers. */
+/* The simulated hot cache's hit rate at size k (kvbench_hotsim.c; KB_HOT_SELF: the self-sized
+ * one), over the replayed layers. */
 static double hot_sim_rate(const kb_trace *t, int k)
 {
 	return t->hot_reads[k] > 0 ? t->hot_hits[k] / t->hot_reads[k] : NAN;
@@ -196,6 +197,12 @@ static double hot_sim_rate(const kb_trace *t, int k)
 static double hot_sim_demand(const kb_trace *t)
 {
 	return t->hot_steps ? t->hot_demand / (double)t->hot_steps : NAN;
+}
+
+/* The self-sized cache's size after the last step, as a share of a layer's rows (mean). */
+static double hot_sim_self_share(const kb_trace *t)
+{
+	return t->hot_layers ? t->hot_self_share / t->hot_layers : NAN;
 }
 
 static void print_json_hot_sim(const kb_trace *t)
@@ -210,7 +217,11 @@ static void print_json_hot_sim(const kb_trace *t)
 		printf("%s", k ? ", " : "");
 		jval(hot_sim_rate(t, k));
 	}
-	printf("]}");
+	printf("], \"self_sized\": {\"share\": ");
+	jval(hot_sim_self_share(t));
+	printf(", \"hit_rate\": ");
+	jval(hot_sim_rate(t, KB_HOT_SELF));
+	printf("}}");
 }
 
 static void print_text_hot_sim(const kb_trace *t)
@@ -222,7 +233,9 @@ static void print_text_hot_sim(const kb_trace *t)
 	for (int k = 0; k < KB_HOT_SIZES; k++)
 		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", KB_HOT_DEN(k),
 		       100.0 * hot_sim_rate(t, k));
-	printf("\n");
+	printf("; the self-sized rule (gpu/hotsize.h) grows to %.1f %% of the rows and hits %.1f "
+	       "%%\n",
+	       100.0 * hot_sim_self_share(t), 100.0 * hot_sim_rate(t, KB_HOT_SELF));
 }
 
 void trace_print_json(kb_trace *t, double wall)
