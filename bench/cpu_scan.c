@@ -9,30 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bench.h"
 #include "half.h"
 #include "internal.h"
-
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static uint64_t next(void)
-{
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return rng;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
-}
-
-static uint64_t median(uint64_t *t, int n)
-{
-	qsort(t, (size_t)n, sizeof *t, cmp_u64);
-	return t[n / 2];
-}
 
 int main(int argc, char **argv)
 {
@@ -55,13 +34,13 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	for (size_t i = 0; i < (size_t)n * words; i++)
-		codes[i] = (uint32_t)next();
+		codes[i] = (uint32_t)bench_next();
 	for (uint32_t i = 0; i < n; i++) {
-		sigma[i] = kvt_f32_to_f16(1.0f + (float)(next() % 1000) / 1000.0f);
-		beta[i] = kvt_f32_to_f16((float)(next() % 1000) / 1000.0f);
+		sigma[i] = kvt_f32_to_f16(1.0f + (float)(bench_next() % 1000) / 1000.0f);
+		beta[i] = kvt_f32_to_f16((float)(bench_next() % 1000) / 1000.0f);
 	}
 	for (uint32_t j = 0; j < d; j++)
-		q[j] = (float)(next() % 2001) / 1000.0f - 1.0f;
+		q[j] = (float)(bench_next() % 2001) / 1000.0f - 1.0f;
 	kvt_query_prepare(d, rot, zero, zero, q, &qc);
 	const size_t bytes = code_bytes + 4u * n; /* codes + sigma + beta */
 	volatile uint64_t sink = 0;
@@ -76,14 +55,14 @@ int main(int argc, char **argv)
 		sink += acc;
 		t[r] = kvt_now_ns() - t0;
 	}
-	double read_gbs = (double)bytes / (double)median(t, reps);
+	double read_gbs = (double)bytes / (double)bench_median(t, (size_t)reps);
 	for (int r = 0; r < reps; r++) {
 		uint64_t t0 = kvt_now_ns();
 		kvt_score(d, &qc, n, codes, sigma, beta, scores);
 		t[r] = kvt_now_ns() - t0;
 		sink += (uint64_t)scores[r % n];
 	}
-	uint64_t med = median(t, reps);
+	uint64_t med = bench_median(t, (size_t)reps);
 	double scan_gbs = (double)bytes / (double)med;
 	printf("cpu_scan: %u tokens x D=%u, one KV head, one core, median of %d\n", n, d, reps);
 	printf("  score:     %8.3f ms  %7.2f GB/s of index  %7.1f M tokens/s\n", (double)med / 1e6,

@@ -2,10 +2,10 @@
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
 # compute-sanitizer memcheck and racecheck on the gpu tests, then (with --bench) the GPU
 # benchmarks (gpu_decode and gpu_throughput also with --drift 0.5; gpu_extend through
-# bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when torch is there), nvme_read and
-# gpu_spilled. Logs go to $OUT (or ./h200-out): summary.txt and one log per stage, six files at
-# most. The build directory is $BUILD (default /tmp/b), configured
-# once. $SANITIZE_TESTS names the gpu tests the sanitizers run (default all five; racecheck of
+# bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when torch is there), nvme_read,
+# cpu_miss_attend and gpu_spilled. Logs go to $OUT (or ./h200-out): summary.txt and one log per
+# stage, six files at most. The build directory is $BUILD (default /tmp/b), configured once.
+# $SANITIZE_TESTS names the gpu tests the sanitizers run (default all five; racecheck of
 # test_gpu_backend alone takes about 210 s, so a call that must stay under 600 s may leave it
 # out). Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
@@ -52,6 +52,9 @@ if [ $bench = 1 ]; then
 	# the NVMe path: the disk's own ceiling, then decode straight from NVMe against host memory
 	# (scratch files in $TMPDIR, else /tmp: O_DIRECT, so no tmpfs)
 	step bench nvme_read "$b/bench/nvme_read"
+	# the host attending the misses itself instead of sending their rows over PCIe (decision (c)
+	# of doc/cuda-backend.md): how fast this host's cores would dispose of them
+	step bench cpu_miss_attend "$b/bench/cpu_miss_attend"
 	step bench gpu_spilled "$b/bench/gpu_spilled" --nvme-cache-mib 256 --gpu-cache-mibs 64,256
 	step bench extend_vs_sdpa python3 bench/extend_vs_sdpa.py "$b/bench/gpu_extend"
 fi
