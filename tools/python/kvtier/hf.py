@@ -48,6 +48,7 @@ Calls are ordered on torch's current CUDA stream. One KvtierCache serves one gen
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import weakref
 from typing import Any, List, Optional, Tuple
@@ -181,11 +182,17 @@ class KvtierCache(_HFCache):
             one kvt_extend per layer, exact), "topp" (kvt_extend with Top-p per query row) or
             "steps" (one token at a time, as decode).
         graphs: CUDA backend: each layer's one-token decode attention is a CUDA graph of
-            kvt_attend_graph, captured at the first decode step of a batch and replayed at every
-            later one (the sequence ids and lengths read from device buffers this cache writes
-            before each replay; kvt_append stays eager). The batch's graphs are captured anew
-            after a crop, reorder or selection of rows. graph_tokens: the longest sequence the
-            graphs serve (kvt_graph_reserve; default the model's max_position_embeddings).
+            kvt_attend_graph, captured after the first graph_warmup decode steps of a batch
+            (eager calls of the same kvt_attend_graph) and replayed at every later one (the
+            sequence ids and lengths read from device buffers this cache writes before each
+            replay; kvt_append stays eager). The batch's graphs are captured anew after a crop,
+            reorder or selection of rows. graph_tokens: the longest sequence the graphs serve
+            (kvt_graph_reserve; default the model's max_position_embeddings). graph_warmup
+            (default 8, at least 1): the eager steps before a layer's capture. The capture
+            freezes the layer's self-sized hot cache (gpu_cache_bytes 0), which sizes itself on
+            eager steps only: after one step it is still empty, and every selected row would
+            cross PCIe at every replay. Queries whose selection drifts from step to step grow
+            it for tens of steps (doc/cuda-backend.md); a fixed gpu_cache_bytes needs one.
         **options: kvtier.Config fields (p, n_sink, window, flush_batch, budget_min, budget_max,
             host_bytes, gpu_cache_bytes, seed, nvme_paths, ...). dtype, backend and device come
             from the first key tensor: CUDA tensors -> CUDA backend on their device, CPU tensors
@@ -219,6 +226,14 @@ class KvtierCache(_HFCache):
         self.graphs = bool(options.pop("graphs", False))
         self.graph_tokens = int(options.pop("graph_tokens", 0) or
                                 getattr(cfg, "max_position_embeddings", 0) or 131072)
+        warmup = options.pop("graph_warmup", 8)
+        try:
+            self.graph_warmup = 0 if isinstance(warmup, bool) else operator.index(warmup)
+        except TypeError:
+            self.graph_warmup = 0
+        if self.graph_warmup < 1:
+            raise ValueError("KvtierCache: graph_warmup = %r, must be an integer >= 1"
+                             % (warmup,))
         self.graph_replays = 0   # decode attentions served by a replayed graph
         self._graph: Optional[dict] = None
         self.options = options
@@ -479,8 +494,9 @@ class KvtierCache(_HFCache):
         return outs[0].unsqueeze(1) if n == 1 else torch.stack(outs, 1)  # [b, n, Hq, D]
 
     def _attend_graph(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """One decode attention of `layer` through its captured graph (captured here the first
-        time, after an eager call of the same kvt_attend_graph whose result is returned)."""
+        """One decode attention of `layer` through its captured graph: the first graph_warmup
+        times an eager call of the same kvt_attend_graph, whose result is returned (the last of
+        them followed by the capture), then a replay."""
         st = self._graph
         if st is None:
             self._kv.graph_reserve(len(self.seqs), self.graph_tokens)
@@ -488,7 +504,7 @@ class KvtierCache(_HFCache):
             st = self._graph = dict(
                 seqs=torch.tensor([s.id for s in self.seqs], dtype=torch.int32, device=dev),
                 lengths=torch.zeros(len(self.seqs), dtype=torch.int32, device=dev),
-                q=torch.empty_like(q), out=torch.empty_like(q), graphs={})
+                q=torch.empty_like(q), out=torch.empty_like(q), graphs={}, eager={})
         # the lengths the step must find (kvt_append has run): the runtime's own bookkeeping
         st["lengths"].copy_(torch.tensor([self._kv.length(s, layer) for s in self.seqs],
                                          dtype=torch.int32))
@@ -498,10 +514,12 @@ class KvtierCache(_HFCache):
         if g is None:
             self._kv.attend_graph(*args)      # warm-up at the graph's shape: this step's result
             out = st["out"].clone()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._kv.attend_graph(*args)
-            st["graphs"][layer] = g
+            st["eager"][layer] = st["eager"].get(layer, 0) + 1
+            if st["eager"][layer] >= self.graph_warmup:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self._kv.attend_graph(*args)
+                st["graphs"][layer] = g
             return out
         g.replay()
         self.graph_replays += 1

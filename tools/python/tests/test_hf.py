@@ -393,13 +393,15 @@ def test_assisted_generation_matches_at_p1(tiny, chunks):
                        torch.stack(ref.scores, 1).float(), torch.float16, "assisted generation")
 
 
-@pytest.mark.parametrize("p", [1.0, 0.9])
-def test_decode_graph_replays_across_256_tokens(tiny, p):
+@pytest.mark.parametrize("p, warmup", [(1.0, None), (0.9, None), (1.0, 1)])
+def test_decode_graph_replays_across_256_tokens(tiny, p, warmup):
     """graphs=True: each layer's decode attention is a CUDA graph of kvt_attend_graph captured
-    at the first decode step and replayed for the other 254 (kvt_append eager between them, the
-    window flushing every 16 tokens). The tokens are those of eager kvt_attend steps of the same
+    after graph_warmup eager decode steps and replayed for the other 255 - graph_warmup
+    (kvt_append eager between them, the window flushing every 16 tokens), at the default
+    warm-up and at one step. The tokens are those of eager kvt_attend steps of the same
     cache options, up to a near-tie of the eager run's top two (the reservation lays the
-    attention out for its bounds, so the last bits of a logit may move)."""
+    attention out for its bounds, so the last bits of a logit may move). The capture froze the
+    self-sized hot cache: empty after one warm-up step, grown after the default's."""
     model = tiny.to(torch.float16)
     g = torch.Generator().manual_seed(17)
     ids = torch.randint(0, 512, (2, PROMPT), generator=g).cuda()
@@ -408,14 +410,22 @@ def test_decode_graph_replays_across_256_tokens(tiny, p):
     try:
         with KvtierCache(model.config, **opts) as eager:
             want, scores = generate(model, ids, eager, new=256)
-        with KvtierCache(model.config, graphs=True, **opts) as cache:
+        wopt = {} if warmup is None else dict(graph_warmup=warmup)
+        with KvtierCache(model.config, graphs=True, **wopt, **opts) as cache:
             got, _ = generate(model, ids, cache, new=256)
             st = cache.stats()
             replays = cache.graph_replays
+            eager_steps = cache.graph_warmup
+            hot = [cache.kvtier.layer_stats(i).hot_rows for i in range(cache.n_layers)]
     finally:
         set_attn(model, "sdpa")
     layers = model.config.num_hidden_layers
-    # 255 decode forward passes: the first captures each layer's graph, 254 replay it
-    assert replays == layers * 254, "%d replays, want %d" % (replays, layers * 254)
+    # 255 decode forward passes: graph_warmup eager ones, then the replays
+    want = layers * (255 - eager_steps)
+    assert replays == want, "%d replays, want %d" % (replays, want)
+    if eager_steps == 1:
+        assert all(h == 0 for h in hot), "hot rows %s, want none (frozen empty)" % hot
+    else:
+        assert all(h > 0 for h in hot), "hot rows %s, want every layer's grown" % hot
     assert st.flushes > 0
     assert_same_tokens(got, want, scores, torch.float16, "graph replay against eager steps")

@@ -131,6 +131,14 @@ def test_chunks_option_checked():
         hf.KvtierCache(CFG, chunks="fast")
 
 
+def test_graph_warmup_checked():
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="graph_warmup = "):
+            hf.KvtierCache(CFG, graph_warmup=bad)
+    assert hf.KvtierCache(CFG).graph_warmup == 8
+    assert hf.KvtierCache(CFG, graph_warmup=1).graph_warmup == 1
+
+
 def test_graphs_need_cuda():
     """graphs=True on CPU tensors is refused when the cache is made, not silently ignored."""
     cache = hf.KvtierCache(CFG, graphs=True, p=1.0)
