@@ -490,25 +490,25 @@ static void test_hot_sim(void **state)
 	/* self-sized (gpu/hotsize.h's rule), 100 rows, ten steps of ten rows: the same ten every
 	 * step grow it once, to twice the demand, and hit from then on; ten new ones every step
 	 * double it each time its misses have filled it (after steps 0, 2, 4, 8: 20, 40, 80, then
-	 * 160 cut to the 100 rows) and never hit */
-	for (int drift = 0; drift < 2; drift++) {
+	 * 160 cut to the 100 rows) and never hit; on demand alone they leave it at 20 */
+	static const char *const what[3] = {"the same rows", "new rows", "new rows, on demand"};
+	for (int drift = 0; drift < 3; drift++) {
 		T_CHECK(kb_lru_init(&l, 100, 0, 10) == 0, "kb_lru_init failed");
-		l.grows = true;
+		l.grows = drift == 2 ? KB_LRU_DEMAND : KB_LRU_RULE;
 		const uint64_t want_cap[10] = {20, 20, 40, 40, 80, 80, 80, 80, 100, 100};
 		for (uint32_t s = 0; s < 10; s++) {
 			uint64_t r[10];
 			for (uint64_t i = 0; i < 10; i++)
 				r[i] = drift ? 10 * s + i : i;
 			kb_lru_step(&l, s, r, 10);
-			T_CHECK(l.cap == (drift ? want_cap[s] : 20),
-				"self-sized, %s rows, after step %u: %llu rows, want %llu",
-				drift ? "new" : "the same", s, (unsigned long long)l.cap,
-				(unsigned long long)(drift ? want_cap[s] : 20));
+			const uint64_t want = drift == 1 ? want_cap[s] : 20;
+			T_CHECK(l.cap == want, "self-sized, %s, step %u: %llu rows, want %llu",
+				what[drift], s, (unsigned long long)l.cap,
+				(unsigned long long)want);
 		}
 		T_CHECK(l.hits == (drift ? 0.0 : 90.0) && l.reads == 90,
-			"self-sized, %s rows: hits %g of %llu reads, want %g of 90",
-			drift ? "new" : "the same", l.hits, (unsigned long long)l.reads,
-			drift ? 0.0 : 90.0);
+			"self-sized, %s: hits %g of %llu reads, want %g of 90", what[drift], l.hits,
+			(unsigned long long)l.reads, drift ? 0.0 : 90.0);
 		kb_lru_free(&l);
 	}
 }

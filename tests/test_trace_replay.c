@@ -187,6 +187,13 @@ void test_replay(void **state)
 	T_CHECK(ssh > 0 && ssh <= 1 && ssr >= 0 && ssr <= 1,
 		"hot_sim.self_sized: share %g (want in (0, 1]), hit_rate %g (want in [0, 1])", ssh,
 		ssr);
+	/* on demand alone: never larger than with the misses counted too */
+	const trace_json_node *dm = trace_json_get(&j, ss, "demand_only");
+	T_CHECK(dm, "hot_sim.self_sized: no demand_only");
+	const double dsh = jnum(&j, dm, "share"), dsr = jnum(&j, dm, "hit_rate");
+	T_CHECK(dsh > 0 && dsh <= ssh && dsr >= 0 && dsr <= 1,
+		"hot_sim.self_sized.demand_only: share %g (want in (0, %g]), hit_rate %g (want in "
+		"[0, 1])", dsh, ssh, dsr);
 	trace_json_free(&j);
 	free(out);
 	free(errs);

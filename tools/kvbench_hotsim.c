@@ -1,15 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A simulated hot cache for the trace replay (kvbench --trace): how often the rows a decode step
- * reads through the CUDA backend's hot cache (its sinks and selected rows) would be in a cache of
- * a given size that keeps the rows used most recently, on any backend and on real queries. The
- * CUDA backend's cache is 8-way set associative with LRU ways; this one is fully associative, so
- * it reads a little higher. Steps are its unit of time: rows read in the same step are equally
- * recent, and where the cache's edge falls among them it holds the share of them that fits (so a
- * row there counts as that share of a hit: the mean over the orders in which they could have
- * been evicted). One more cache sizes itself by the CUDA backend's rule (gpu/hotsize.h), from the
- * hits and misses it simulates, within the layer's rows (the backend's bound, HBM, is not the
- * trace's to know). doc/kvbench.md, "Trace replay", has what it reports.
+ * reads through the CUDA backend's hot cache (its sinks and selected rows) would be in a cache of a
+ * given size that keeps the rows used most recently, on any backend and on real queries. The CUDA
+ * backend's cache is 8-way set associative with LRU ways; this one is fully associative, so it
+ * reads a little higher. Steps are its unit of time: rows read in the same step are equally recent,
+ * and where the cache's edge falls among them it holds the share of them that fits (so a row there
+ * counts as that share of a hit: the mean over the orders in which they could have been evicted).
+ * One more cache sizes itself by the CUDA backend's rule (gpu/hotsize.h), from the hits and misses
+ * it simulates, within the layer's rows (the backend's bound, HBM, is not the trace's to know), and
+ * another by that rule's demand alone, the rule before misses counted. doc/kvbench.md, "Trace
+ * replay", has what it reports.
  */
 #include "kvbench_trace.h"
 
@@ -69,10 +70,13 @@ void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 		*s = (int32_t)step;
 		l->at[step]++;
 	}
-	if (!l->grows)
+	if (l->grows == KB_LRU_FIXED)
 		return;
-	/* the backend's rule on this step's measure (the first step's reads all missed) */
-	const uint64_t misses = step ? n - (uint64_t)llround(l->hits - hits0) : n;
+	/* the backend's rule on this step's measure (the first step's reads all missed); on demand
+	 * alone, as if nothing missed */
+	uint64_t misses = step ? n - (uint64_t)llround(l->hits - hits0) : n;
+	if (l->grows == KB_LRU_DEMAND)
+		misses = 0;
 	uint64_t want = kvt_hot_rows_wanted(l->cap, n, n, misses, &l->to_fill);
 	want = want < l->rows ? want : l->rows;
 	if (want > l->cap) {

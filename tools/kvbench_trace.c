@@ -175,7 +175,7 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 			k->n++;
 		}
 	}
-	for (int k = 0; k <= KB_HOT_SELF; k++)
+	for (int k = 0; k < KB_HOT_ALL; k++)
 		kb_lru_step(&t->hot[k], step, t->hot_rows, nh);
 	t->hot_demand += (double)nh / (double)t->hot[0].rows;
 	t->hot_steps++;
@@ -244,11 +244,12 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	kvt_stats st0, st1;
 	tfetch *f = &t->fetch[l];
 	const uint64_t rows = (uint64_t)m->n_kv_heads * t->cap;
-	for (int k = 0; k <= KB_HOT_SELF; k++)
+	for (int k = 0; k < KB_HOT_ALL; k++)
 		if (kb_lru_init(&t->hot[k], rows, k < KB_HOT_SIZES ? rows / KB_HOT_DEN(k) : 0,
 				m->decode_steps) < 0)
 			fail("out of memory", "the simulated hot cache");
-	t->hot[KB_HOT_SELF].grows = true;
+	t->hot[KB_HOT_SELF].grows = KB_LRU_RULE;
+	t->hot[KB_HOT_DEMAND].grows = KB_LRU_DEMAND;
 	snap(t, &st0);
 	for (uint32_t s = 0; s < m->decode_steps; s++) {
 		uint16_t *qb = t->q.host;
@@ -281,9 +282,10 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	f->nvme_reads = st1.nvme_reads - st0.nvme_reads;
 	f->candidates = st1.candidate_tokens - st0.candidate_tokens;
 	f->rescored_unselected = st1.rescored_unselected - st0.rescored_unselected;
-	t->hot_self_share += (double)t->hot[KB_HOT_SELF].cap / (double)rows;
+	t->hot_self_share[0] += (double)t->hot[KB_HOT_SELF].cap / (double)rows;
+	t->hot_self_share[1] += (double)t->hot[KB_HOT_DEMAND].cap / (double)rows;
 	t->hot_layers++;
-	for (int k = 0; k <= KB_HOT_SELF; k++) {
+	for (int k = 0; k < KB_HOT_ALL; k++) {
 		t->hot_hits[k] += t->hot[k].hits;
 		t->hot_reads[k] += (double)t->hot[k].reads;
 		kb_lru_free(&t->hot[k]);

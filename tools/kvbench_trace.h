@@ -34,13 +34,15 @@ typedef struct tfetch {
  * A simulated hot cache (kvbench_hotsim.c): `cap` of a layer's `rows` rows, kept by recency over
  * `steps` decode steps; kb_lru_step gives it one step's distinct rows. hits / reads is its hit rate
  * over the steps after the first. With `grows` set (after kb_lru_init, with cap 0) it sizes itself
- * by the CUDA backend's rule (gpu/hotsize.h) after each step, within the layer's rows.
+ * after each step within the layer's rows: KB_LRU_RULE by the CUDA backend's rule
+ * (gpu/hotsize.h), KB_LRU_DEMAND by that rule's demand alone (the rule before misses counted).
  */
+enum { KB_LRU_FIXED = 0, KB_LRU_RULE = 1, KB_LRU_DEMAND = 2 };
 typedef struct kb_lru {
 	uint64_t cap, rows;
 	uint32_t steps;
-	bool grows;
-	uint64_t to_fill; /* with grows: the rule's empty ways left to fill */
+	int grows;        /* KB_LRU_FIXED, KB_LRU_RULE or KB_LRU_DEMAND */
+	uint64_t to_fill; /* when it grows: the rule's empty ways left to fill */
 	int32_t *last; /* [rows] the step that last read each row, -1: none yet */
 	uint64_t *at;  /* [steps + 1] rows last read at each step */
 	double hits;
@@ -52,10 +54,13 @@ void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
 void kb_lru_free(kb_lru *l);
 
 /* The simulated caches' sizes: 1/32, 1/16, 1/8, 1/4 and 1/2 of a layer's rows (1 / KB_HOT_DEN(k)
- * for k < KB_HOT_SIZES); then one more, KB_HOT_SELF, that sizes itself. */
+ * for k < KB_HOT_SIZES); then two that size themselves, KB_HOT_SELF by the rule and
+ * KB_HOT_DEMAND by its demand alone. */
 #define KB_HOT_SIZES 5
 #define KB_HOT_DEN(k) (32u >> (k))
 #define KB_HOT_SELF KB_HOT_SIZES
+#define KB_HOT_DEMAND (KB_HOT_SIZES + 1)
+#define KB_HOT_ALL (KB_HOT_SIZES + 2)
 
 typedef struct kb_trace {
 	const opts *o;
@@ -80,12 +85,13 @@ typedef struct kb_trace {
 	kacc *kvs;              /* [n_layers, n_kv_heads] */
 	double *recall;         /* [n_layers, n_q_heads, S] recall of every step, for percentiles */
 	tfetch *fetch;          /* [n_layers] */
-	kb_lru hot[KB_HOT_SIZES + 1]; /* the current layer's simulated caches */
+	kb_lru hot[KB_HOT_ALL]; /* the current layer's simulated caches */
 	uint64_t *hot_rows;     /* [n_kv_heads * cap] a step's rows read through the hot cache */
-	double hot_hits[KB_HOT_SIZES + 1], hot_reads[KB_HOT_SIZES + 1]; /* summed over the layers */
+	double hot_hits[KB_HOT_ALL], hot_reads[KB_HOT_ALL]; /* summed over the layers */
 	double hot_demand;      /* summed over (layer, step): a step's rows / a layer's rows */
 	uint64_t hot_steps;
-	double hot_self_share;  /* summed over the layers: the self-sized cache's size / rows */
+	double hot_self_share[2]; /* summed over the layers: KB_HOT_SELF's and KB_HOT_DEMAND's size
+				     / rows */
 	uint32_t hot_layers;
 	uint64_t nvme_sizes[KB_MAX_NVME]; /* with --nvme: bytes of each file */
 	uint64_t done, total;   /* progress: prefill chunks and decode steps */
