@@ -292,12 +292,15 @@ int main(int argc, char **argv)
 			       k.ms, k.wall_ms, k.ns[0] / 1e3, k.ns[1] / 1e3, k.ns[2] / 1e3,
 			       k.ns[3] / 1e3, k.ns[4] / 1e3);
 			if (k.graph_ms > 0)
-				printf("  kvtier per step with the attention replayed from a CUDA graph "
-				       "(kvt_attend_graph captured once under kvt_graph_reserve; "
-				       "kvt_append eager): %.3f ms on the stream (events), %.2fx the "
-				       "resident kernel; the last replay's output %s an eager "
-				       "kvt_attend's\n",
-				       k.graph_ms, k.graph_ms / res_ms,
+				printf("  kvtier per step with the attention replayed from a CUDA "
+				       "graph (kvt_attend_graph captured once under "
+				       "kvt_graph_reserve; kvt_append eager): %.3f ms on the "
+				       "stream (events), %.2fx the resident kernel; hot-cache hit rate "
+				       "%.1f%% and PCIe %.2f MB per step over the timed replays "
+				       "(the cache frozen by the capture); the last replay's "
+				       "output %s an eager kvt_attend's\n",
+				       k.graph_ms, k.graph_ms / res_ms, 100.0 * k.graph_hit_rate,
+				       k.graph_pcie_per_step / 1e6,
 				       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
 			if (k.pcie_per_step > 0) { /* bytes / (GB/s): the step cannot be faster */
 				const double floor_ms = k.pcie_per_step / (h2d_gbs * 1e6);

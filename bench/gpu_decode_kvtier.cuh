@@ -52,10 +52,13 @@ struct kvt_result {
 	double nvme_per_step = 0, nvme_reads_per_step = 0, bcache_hit_rate = 0, miss_bytes_per_step = 0;
 	double nvme_ms_per_step = 0; /* wall time inside the NVMe reads (kvt_stats ns_nvme) */
 	double spilled_bytes = 0; /* moved to NVMe by the spills */
-	/* kvt_run.graph: the median step (kvt_append + the replay, CUDA events), and whether the last
-	 * replay's output equals an eager kvt_attend's on the same sequences, bit for bit */
+	/* kvt_run.graph: the median step (kvt_append + the replay, CUDA events), and whether the
+	 * last replay's output equals an eager kvt_attend's on the same sequences, bit for bit; the
+	 * timed replays' hot-cache hit rate and PCIe bytes per step (the cache frozen by the
+	 * capture, where the eager steps' figures include its growths) */
 	float graph_ms = 0;
 	bool graph_same = false;
+	double graph_hit_rate = 0, graph_pcie_per_step = 0;
 };
 
 #define KVT_OR_FAIL(call)                                                                          \
@@ -286,7 +289,11 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		CK(cudaStreamEndCapture(st, &graph));
 		CK(cudaGraphInstantiate(&gexec, graph, 0));
 		std::vector<float> tg;
+		kvt_layer_stats g0, g1;
+		g0.size = g1.size = sizeof(kvt_layer_stats);
 		for (int i = 0; i < o.warmup + o.steps; i++) {
+			if (i == o.warmup) /* untimed: the last step has ended */
+				KVT_OR_FAIL(kvt_get_layer_stats(cache, 0, &g0));
 			const uint32_t k = next();
 			CK(cudaMemcpyAsync(gq, sq + k * step_q, step_q * 2, cudaMemcpyDeviceToDevice,
 					   st));
@@ -302,6 +309,10 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 				tg.push_back(ms);
 		}
 		r.graph_ms = median(tg);
+		KVT_OR_FAIL(kvt_get_layer_stats(cache, 0, &g1));
+		const uint64_t gh = g1.hot_hits - g0.hot_hits, gm = g1.hot_misses - g0.hot_misses;
+		r.graph_hit_rate = gh + gm ? (double)gh / (gh + gm) : 0;
+		r.graph_pcie_per_step = (double)(g1.pcie_bytes - g0.pcie_bytes) / o.steps;
 		/* the last replay against an eager step of the same sequences and query */
 		KVT_OR_FAIL(kvt_attend(cache, 0, n_seqs, seqs.data(), gq, out, st));
 		std::vector<uint16_t> he(step_q), hg(step_q);
