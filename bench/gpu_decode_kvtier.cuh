@@ -61,6 +61,13 @@ struct kvt_result {
 	double graph_hit_rate = 0, graph_pcie_per_step = 0;
 };
 
+/* The hot cache's hit rate between two reads of a layer's counters (0 when nothing was read). */
+static inline double hot_hit_rate(const kvt_layer_stats &a, const kvt_layer_stats &b)
+{
+	const uint64_t hits = b.hot_hits - a.hot_hits, miss = b.hot_misses - a.hot_misses;
+	return hits + miss ? (double)hits / (double)(hits + miss) : 0;
+}
+
 #define KVT_OR_FAIL(call)                                                                          \
 	do {                                                                                       \
 		const int rc_ = (call);                                                            \
@@ -227,8 +234,8 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 			r.mean_wall_ms += w / twall.size();
 		const uint64_t cand = s1.candidate_tokens - s0.candidate_tokens;
 		r.sel_frac = cand ? (double)(s1.selected_tokens - s0.selected_tokens) / cand : 0;
-		const uint64_t hits = l1.hot_hits - l0.hot_hits, miss = l1.hot_misses - l0.hot_misses;
-		r.hit_rate = hits + miss ? (double)hits / (hits + miss) : 0;
+		const uint64_t miss = l1.hot_misses - l0.hot_misses;
+		r.hit_rate = hot_hit_rate(l0, l1);
 		r.pcie_per_step = (double)(l1.pcie_bytes - l0.pcie_bytes) / steps;
 		r.hot_bytes = (double)l1.hot_rows * (ROW + KVT_GPU_HOT_TAG_BYTES);
 		r.hbm_bytes = (double)s1.index_bytes + (double)l1.hot_rows * ROW +
@@ -310,8 +317,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		}
 		r.graph_ms = median(tg);
 		KVT_OR_FAIL(kvt_get_layer_stats(cache, 0, &g1));
-		const uint64_t gh = g1.hot_hits - g0.hot_hits, gm = g1.hot_misses - g0.hot_misses;
-		r.graph_hit_rate = gh + gm ? (double)gh / (gh + gm) : 0;
+		r.graph_hit_rate = hot_hit_rate(g0, g1);
 		r.graph_pcie_per_step = (double)(g1.pcie_bytes - g0.pcie_bytes) / o.steps;
 		/* the last replay against an eager step of the same sequences and query */
 		KVT_OR_FAIL(kvt_attend(cache, 0, n_seqs, seqs.data(), gq, out, st));
