@@ -6,6 +6,7 @@
  */
 #include "common.h"
 #include "half.h"
+#include "half_vec.h"
 
 static const uint32_t dims[3] = {64, 128, 256};
 static const uint32_t dtypes[2] = {KVT_DTYPE_F16, KVT_DTYPE_BF16};
@@ -24,6 +25,20 @@ static void test_half_conversions(void **state)
 		T_CHECK(t_fbits(a) == t_fbits(b), "bf16 0x%04x -> f32: got 0x%08x, wanted 0x%08x", h,
 			t_fbits(a), t_fbits(b));
 	}
+	/* the four-lane conversion the attention pass uses, lane for lane the scalar one's bits, on
+	 * every value (nan payloads included) and every lane position */
+	uint16_t all[65536 + 3];
+	for (uint32_t h = 0; h < 65536 + 3; h++)
+		all[h] = (uint16_t)(h * 40503u); /* a permutation: special values meet normal ones */
+	for (uint32_t i = 0; i < 65536; i++)
+		for (int ti = 0; ti < 2; ti++) {
+			const kvt_v4f v = kvt_load4(all, i, dtypes[ti]);
+			for (uint32_t e = 0; e < 4; e++)
+				T_CHECK(t_fbits(v[e]) == t_fbits(kvt_load(all, i + e, dtypes[ti])),
+					"%s 0x%04x in lane %u of four: got 0x%08x, wanted 0x%08x",
+					t_dtype_name(dtypes[ti]), all[i + e], e, t_fbits(v[e]),
+					t_fbits(kvt_load(all, i + e, dtypes[ti])));
+		}
 	/* every fp16 value and the midpoints between neighbours round trip / round to even */
 	t_rng rng;
 	t_rng_seed(&rng, 0x4a1f);
@@ -147,6 +162,128 @@ static void test_attention_group(void **state)
 			free(q);
 			free(got);
 		}
+}
+
+/* ---- the row-by-row rule ------------------------------------------------------------------ */
+
+/*
+ * The pass written out row by row and query by query, with the tests' own conversions: the rule
+ * lib/attention.c documents (each query's logit a float sum over j ascending, the running maximum,
+ * sum and accumulators updated row by row), which the CUDA backend's twins and the score
+ * corrections rely on.
+ */
+static void ref_feed(uint32_t d, uint32_t dt, float scale, uint32_t g, const float *q,
+		     const uint32_t *end, uint32_t first, uint32_t n, const uint16_t *const *rows,
+		     float *m, float *l, float *acc, float *logits)
+{
+	for (uint32_t i = 0; i < n; i++)
+		for (uint32_t h = 0; h < g; h++) {
+			if (end && first + i >= end[h])
+				continue;
+			float raw = 0.0f, *a = acc + (size_t)h * d;
+			for (uint32_t j = 0; j < d; j++)
+				raw += q[(size_t)h * d + j] * (dt == KVT_DTYPE_BF16 ? t_bf2f(rows[i][j])
+										   : t_h2f(rows[i][j]));
+			float s = raw * scale;
+			if (s > m[h]) {
+				float f = expf(m[h] - s);
+				l[h] *= f;
+				for (uint32_t j = 0; j < d; j++)
+					a[j] *= f;
+				m[h] = s;
+			}
+			float w = expf(s - m[h]);
+			l[h] += w;
+			for (uint32_t j = 0; j < d; j++)
+				a[j] += w * (dt == KVT_DTYPE_BF16 ? t_bf2f(rows[i][d + j])
+								  : t_h2f(rows[i][d + j]));
+			if (logits)
+				logits[(size_t)h * n + i] = raw;
+		}
+}
+
+/*
+ * kvt_attention_feed (rows in random pieces, queries masked by random ends) and
+ * kvt_attention_group (logits kept) against that rule, bit for bit: the running state, the
+ * outputs and the logits, for group sizes around the four queries the pass scores together and
+ * rows holding zeros, subnormals and signed values of every range the dtypes take.
+ */
+static void test_attention_rule(void **state)
+{
+	(void)state;
+	enum { N = 150, GMAX = 11 };
+	const uint32_t gs[] = {1, 3, 4, 5, 8, 11};
+	for (int di = 0; di < 3; di++)
+		for (int ti = 0; ti < 2; ti++)
+			for (size_t gi = 0; gi < sizeof gs / sizeof *gs; gi++) {
+				const uint32_t d = dims[di], dt = dtypes[ti], g = gs[gi];
+				const float scale = 1.0f / sqrtf((float)d);
+				t_rng rng;
+				t_rng_seed(&rng, 0x7a1e0000u + di * 100 + ti * 10 + (uint32_t)gi);
+				uint16_t *rows = (uint16_t *)t_alloc(2 * 2 * (size_t)d * N);
+				const uint16_t **rp = (const uint16_t **)t_alloc(sizeof(void *) * N);
+				float *q = (float *)t_alloc(4 * (size_t)GMAX * d);
+				float *acc = (float *)t_alloc(4 * (size_t)GMAX * d);
+				float *racc = (float *)t_alloc(4 * (size_t)GMAX * d);
+				float *out = (float *)t_alloc(4 * (size_t)GMAX * d);
+				float *lg = (float *)t_alloc(4 * (size_t)GMAX * N);
+				float *rlg = (float *)t_alloc(4 * (size_t)GMAX * N);
+				float m[GMAX], l[GMAX], rm[GMAX], rl[GMAX];
+				uint32_t end[GMAX];
+				for (uint32_t i = 0; i < N; i++) {
+					uint16_t *row = rows + (size_t)i * 2 * d;
+					for (uint32_t j = 0; j < 2 * d; j++) {
+						const uint32_t pick = t_below(&rng, 16);
+						float x = (float)t_normal(&rng);
+						if (pick == 0)
+							x = 0.0f;
+						else if (pick == 1) /* fp16 subnormals, tiny bf16 */
+							x *= 1e-6f;
+						else if (pick == 2)
+							x *= 200.0f;
+						row[j] = dt == KVT_DTYPE_BF16 ? t_f2bf(x) : t_f2h(x);
+					}
+					rp[i] = row;
+				}
+				for (uint32_t j = 0; j < g * d; j++)
+					q[j] = (float)(1.5 * t_normal(&rng));
+				const uint32_t first = 1000;
+				for (uint32_t h = 0; h < g; h++) /* some end before the rows, some past */
+					end[h] = first - 5 + t_below(&rng, N + 10);
+				kvt_attention_begin(d, g, m, l, acc);
+				kvt_attention_begin(d, g, rm, rl, racc);
+				ref_feed(d, dt, scale, g, q, end, first, N, rp, rm, rl, racc, NULL);
+				for (uint32_t i = 0; i < N;) {
+					const uint32_t piece = 1 + t_below(&rng, N - i < 20 ? N - i : 20);
+					kvt_attention_feed(d, dt, scale, g, q, end, first + i, piece,
+							   (const void *const *)rp + i, m, l, acc);
+					i += piece;
+				}
+				T_CHECK(!memcmp(m, rm, 4 * g) && !memcmp(l, rl, 4 * g) &&
+						!memcmp(acc, racc, 4 * (size_t)g * d),
+					"d=%u %s g=%u: the masked pass in pieces differs from the rule",
+					d, t_dtype_name(dt), g);
+				/* the whole pass with logits kept, against the rule unmasked */
+				kvt_attention_group(d, dt, scale, g, q, N, (const void *const *)rp, out,
+						    lg);
+				kvt_attention_begin(d, g, rm, rl, racc);
+				ref_feed(d, dt, scale, g, q, NULL, 0, N, rp, rm, rl, racc, rlg);
+				kvt_attention_finish(d, g, rl, racc, racc);
+				T_CHECK(!memcmp(out, racc, 4 * (size_t)g * d),
+					"d=%u %s g=%u: kvt_attention_group's outputs differ from the rule", d,
+					t_dtype_name(dt), g);
+				T_CHECK(!memcmp(lg, rlg, 4 * (size_t)g * N),
+					"d=%u %s g=%u: kvt_attention_group's logits differ from the rule", d,
+					t_dtype_name(dt), g);
+				free(rows);
+				free(rp);
+				free(q);
+				free(acc);
+				free(racc);
+				free(out);
+				free(lg);
+				free(rlg);
+			}
 }
 
 /* ---- kvt_attend with p = 1 against full attention --------------------------------------- */
@@ -298,6 +435,7 @@ int main(void)
 		cmocka_unit_test(test_half_conversions),
 		cmocka_unit_test(test_attention_kernel),
 		cmocka_unit_test(test_attention_group),
+		cmocka_unit_test(test_attention_rule),
 		cmocka_unit_test(test_attend_full_mha),
 		cmocka_unit_test(test_attend_full_gqa),
 	};
