@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "half_vec.h"
 #include "internal.h"
 
 /* y = rot r, each y[j] summed over i in increasing order; rot is row-major, read as columns so the
@@ -21,6 +22,39 @@ static void rotate(uint32_t d, const float *rot, const float *r, float *y)
 		float ri = r[i];
 		for (uint32_t j = 0; j < d; j++)
 			y[j] += rot[(size_t)j * d + i] * ri;
+	}
+}
+
+/*
+ * The same for four vectors at once (rt: their elements interleaved, rt[4 i + e] = r_e[i]; y4 the
+ * same way): lane e of a four-lane vector is vector e, so each y_e[j] is still summed over i in
+ * increasing order, bit for bit rotate's; eight rows of rot are independent chains.
+ */
+static void rotate4(uint32_t d, const float *rot, const float *rt, float *y4)
+{
+	for (uint32_t j = 0; j < d; j += 8) {
+		const float *w = rot + (size_t)j * d;
+		kvt_v4f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0},
+			a7 = {0};
+		for (uint32_t i = 0; i < d; i++) {
+			const kvt_v4f ri = kvt_v4f_load(rt + 4 * (size_t)i);
+			a0 += w[i] * ri;
+			a1 += w[d + i] * ri;
+			a2 += w[2 * d + i] * ri;
+			a3 += w[3 * d + i] * ri;
+			a4 += w[4 * d + i] * ri;
+			a5 += w[5 * d + i] * ri;
+			a6 += w[6 * d + i] * ri;
+			a7 += w[7 * d + i] * ri;
+		}
+		kvt_v4f_store(y4 + 4 * (size_t)j, a0);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 4, a1);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 8, a2);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 12, a3);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 16, a4);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 20, a5);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 24, a6);
+		kvt_v4f_store(y4 + 4 * (size_t)j + 28, a7);
 	}
 }
 
@@ -52,16 +86,31 @@ void kvt_index_build(uint32_t d, const float *rot, const float *c_k, const float
 		     uint16_t *beta)
 {
 	const uint32_t words = d / 32;
-	float r[KVT_MAX_HEAD_DIM], y[KVT_MAX_HEAD_DIM];
+	float r[KVT_MAX_HEAD_DIM], y[KVT_MAX_HEAD_DIM], n2s[4];
+	float rt[4 * KVT_MAX_HEAD_DIM], y4[4 * KVT_MAX_HEAD_DIM];
 	for (uint32_t t = 0; t < n; t++) {
 		const float *k = keys + (size_t)t * key_stride;
 		uint32_t *code = codes + (size_t)t * words;
-		float n2 = 0.0f, l1 = 0.0f;
-		for (uint32_t i = 0; i < d; i++) {
-			r[i] = k[i] - c_k[i];
-			n2 += r[i] * r[i];
+		const uint32_t e = t % 4;
+		if (e == 0) {
+			/* the residuals of this key and the next three (zeros past the last: c_k
+			 * less itself), rotated together */
+			for (uint32_t u = 0; u < 4; u++) {
+				const float *ku = t + u < n ? keys + (size_t)(t + u) * key_stride : c_k;
+				float n2 = 0.0f;
+				for (uint32_t i = 0; i < d; i++) {
+					r[i] = ku[i] - c_k[i];
+					n2 += r[i] * r[i];
+					rt[4 * i + u] = r[i];
+				}
+				n2s[u] = n2;
+			}
+			rotate4(d, rot, rt, y4);
 		}
-		rotate(d, rot, r, y);
+		const float n2 = n2s[e];
+		float l1 = 0.0f;
+		for (uint32_t j = 0; j < d; j++)
+			y[j] = y4[4 * j + e];
 		for (uint32_t w = 0; w < words; w++) {
 			uint32_t bits = 0;
 			for (uint32_t j = 0; j < 32; j++)

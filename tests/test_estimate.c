@@ -154,11 +154,51 @@ static void check_entry(const char *what, uint32_t d, const float *rot, const fl
 		b);
 }
 
+/* fp16, saturated as the index stores sigma and beta (lib/estimate.c's f16_sat) */
+static uint16_t f16_sat_ref(float f)
+{
+	uint16_t h = t_f2h(f);
+	if ((h & 0x7fffu) > 0x7c00u)
+		return 0;
+	return (h & 0x7fffu) == 0x7c00u ? (uint16_t)((h & 0x8000u) | 0x7bffu) : h;
+}
+
+/*
+ * The entry's bits by the float rule the GPU twin reproduces (every sum in index order, in float,
+ * without contraction: y[j] over i ascending, ||r||^2, ||y||_1 and <c_q, k> over their index), written
+ * out here key by key against the library's build of four keys at a time.
+ */
+static void check_entry_bits(const char *what, uint32_t d, const float *rot, const float *c_k,
+			     const float *c_q, const float *k, const uint32_t *code, uint16_t sigma,
+			     uint16_t beta)
+{
+	float r[KVT_MAX_HEAD_DIM], n2 = 0.0f, l1 = 0.0f, b = 0.0f;
+	uint32_t want[KVT_MAX_WORDS] = {0};
+	for (uint32_t i = 0; i < d; i++) {
+		r[i] = k[i] - c_k[i];
+		n2 += r[i] * r[i];
+	}
+	for (uint32_t j = 0; j < d; j++) {
+		float y = 0.0f;
+		for (uint32_t i = 0; i < d; i++)
+			y += rot[j * d + i] * r[i];
+		want[j / 32] |= (uint32_t)(y > 0.0f) << (j % 32);
+		l1 += fabsf(y);
+	}
+	for (uint32_t i = 0; i < d; i++)
+		b += c_q[i] * k[i];
+	const float s = l1 > 0.0f ? n2 / l1 * sqrtf((float)d) : 0.0f;
+	T_CHECK(!memcmp(code, want, d / 8) && sigma == f16_sat_ref(s) && beta == f16_sat_ref(b),
+		"%s d=%u: the entry differs from the float rule (sigma 0x%04x, wanted 0x%04x; beta "
+		"0x%04x, wanted 0x%04x)", what, d, sigma, f16_sat_ref(s), beta, f16_sat_ref(b));
+}
+
 static void test_index_entry(void **state)
 {
 	(void)state;
 	for (int di = 0; di < 3; di++) {
-		uint32_t d = dims[di], words = d / 32, n = 40, stride = d + 3;
+		/* 43 keys: ten blocks of the four the build rotates together and three more */
+		uint32_t d = dims[di], words = d / 32, n = 43, stride = d + 3;
 		t_rng rng;
 		t_rng_seed(&rng, 0x1de0u + d);
 		float *rot = rotation(3, 1, d);
@@ -182,6 +222,8 @@ static void test_index_entry(void **state)
 				 (unsigned long long)rng.seed);
 			check_entry(what, d, rot, c_k, c_q, keys + t * stride, codes + t * words,
 				    sig[t], bet[t]);
+			check_entry_bits(what, d, rot, c_k, c_q, keys + t * stride, codes + t * words,
+					 sig[t], bet[t]);
 			/* one key at a time gives the same bits as the batch */
 			uint32_t c1[KVT_MAX_WORDS];
 			uint16_t s1, b1;
