@@ -421,8 +421,8 @@ def test_decode_graph_replays_across_256_tokens(tiny, p, warmup):
         set_attn(model, "sdpa")
     layers = model.config.num_hidden_layers
     # 255 decode forward passes: graph_warmup eager ones, then the replays
-    want = layers * (255 - eager_steps)
-    assert replays == want, "%d replays, want %d" % (replays, want)
+    want_replays = layers * (255 - eager_steps)
+    assert replays == want_replays, "%d replays, want %d" % (replays, want_replays)
     if eager_steps == 1:
         assert all(h == 0 for h in hot), "hot rows %s, want none (frozen empty)" % hot
     else:
