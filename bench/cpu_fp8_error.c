@@ -1,0 +1,272 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What storing the host tier's K/V rows as fp8 E4M3 would cost in accuracy (decision (b) of
+ * doc/cuda-backend.md: half the bytes of each miss over PCIe and twice the sequences host memory
+ * holds; not built). On kvbench's synthetic workload (tools/workload.h, its default shape:
+ * 32 query heads, 8 KV heads, head_dim 128), each decode query's exact attention over a context's
+ * rows as the library stores them (fp16, the reference) is compared with the same attention over
+ * rows rounded to E4M3 (OCP E4M3FN: round to nearest even, saturated at +-448, subnormals kept):
+ * - K and V with one scale of 1 for every row (vLLM's kv_cache_dtype "fp8" without calibration);
+ * - K and V, each row's K and V scaled by their own absolute maximum / 448 (a scale stored beside
+ *   the row: 8 more bytes a row);
+ * - V alone, then K alone, in E4M3 with a scale a row and the other half fp16: which half the
+ *   error comes from;
+ * - K in INT8 (symmetric, a scale a row: its absolute maximum / 127) and V in E4M3 with a scale a
+ *   row: a uniform grid suits keys, whose elements share a large offset (post-RoPE keys have one),
+ *   better than a float format's relative one.
+ * The peer, measured in the same run: the exact Top-p oracle at p over the fp16 rows (the smallest
+ * set of tokens holding mass p of the exact softmax, attended alone), the error a Top-p selection
+ * at p accepts by its definition (kvtier's attends sinks and the window besides, which lowers it).
+ * Everything is computed in double from the rounded values, so the figures are the storage's
+ * alone. Reported over (layer, query head, step): the output's relative L2 error against the
+ * reference and the total variation distance between the softmax weights (half their L1
+ * distance: the share of attention mass that moves; for the oracle, the mass it leaves out),
+ * median, 95th percentile and maximum. Nothing is asserted.
+ *   cpu_fp8_error [--context N] [--steps N] [--layers N] [--p X] [--seed N]
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "workload.h"
+
+enum { HQ = 32, HKV = 8, G = HQ / HKV, D = 128 };
+/* the rows attended: fp16 (the reference), then E4M3 variants, then the oracle's peer */
+enum { REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, TOPP, KINDS };
+static const char *const kind_name[KINDS] = {
+	"fp16", "E4M3 K and V, scale/tensor", "E4M3 K and V, scale/row", "E4M3 V only, scale/row",
+	"E4M3 K only, scale/row", "INT8 K + E4M3 V, scale/row", "Top-p oracle (fp16)"};
+/* which stored keys and values each kind attends: 0 fp16, 1 E4M3 with one scale, 2 E4M3 with a
+ * scale a row, 3 INT8 with a scale a row (keys only) */
+static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3}, kind_v[TOPP] = {0, 1, 2, 2, 0, 2};
+
+/* x rounded to the nearest E4M3 value (ties to even), saturated at +-448. */
+static double e4m3(double x)
+{
+	const double a = fabs(x);
+	if (a >= 448.0)
+		return copysign(448.0, x);
+	int e;
+	frexp(a, &e); /* a = f 2^e, f in [0.5, 1): the binade's step is 2^(e - 4) */
+	const double step = ldexp(1.0, (e - 4 < -9 ? -9 : e - 4)); /* subnormals: 2^-9 */
+	return copysign(nearbyint(a / step) * step, x);
+}
+
+/* d values rounded to E4M3 under a scale (x / scale rounded, times scale). */
+static void round_row(const double *x, double scale, double *out)
+{
+	for (uint32_t j = 0; j < D; j++)
+		out[j] = e4m3(x[j] / scale) * scale;
+}
+
+/* d values on the symmetric INT8 grid of their absolute maximum (x / s rounded, s = max / 127). */
+static void round_int8(const double *x, double *out)
+{
+	double m = 0.0;
+	for (uint32_t j = 0; j < D; j++)
+		m = fabs(x[j]) > m ? fabs(x[j]) : m;
+	const double scale = m > 0.0 ? m / 127.0 : 1.0;
+	for (uint32_t j = 0; j < D; j++)
+		out[j] = nearbyint(x[j] / scale) * scale;
+}
+
+static double row_scale(const double *x)
+{
+	double m = 0.0;
+	for (uint32_t j = 0; j < D; j++)
+		m = fabs(x[j]) > m ? fabs(x[j]) : m;
+	return m > 0.0 ? m / 448.0 : 1.0;
+}
+
+static void *xmalloc(size_t bytes)
+{
+	void *m = malloc(bytes);
+	if (!m) {
+		fprintf(stderr, "cpu_fp8_error: out of memory for %zu bytes\n", bytes);
+		exit(1);
+	}
+	return m;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	const double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Softmax weights of q over n keys (scale 1/sqrt(D)) into w; the output over v into out. */
+static void attend(const double *q, uint32_t n, const double *k, const double *v, double *w,
+		   double *out)
+{
+	double m = -INFINITY, z = 0.0;
+	for (uint32_t t = 0; t < n; t++) {
+		double s = 0.0;
+		for (uint32_t j = 0; j < D; j++)
+			s += q[j] * k[(size_t)t * D + j];
+		w[t] = s / sqrt((double)D);
+		m = w[t] > m ? w[t] : m;
+	}
+	for (uint32_t t = 0; t < n; t++) {
+		w[t] = exp(w[t] - m);
+		z += w[t];
+	}
+	memset(out, 0, sizeof *out * D);
+	for (uint32_t t = 0; t < n; t++) {
+		w[t] /= z;
+		for (uint32_t j = 0; j < D; j++)
+			out[j] += w[t] * v[(size_t)t * D + j];
+	}
+}
+
+static void report(const char *what, double *x, size_t n)
+{
+	qsort(x, n, sizeof *x, cmp_double);
+	printf(" %-28s median %.3e  p95 %.3e  max %.3e\n", what, x[n / 2], x[(size_t)(0.95 * (n - 1))],
+	       x[n - 1]);
+}
+
+int main(int argc, char **argv)
+{
+	uint32_t ctx = 8192, steps = 4, layers = 2;
+	double p = 0.9;
+	uint64_t seed = 1;
+	for (int i = 1; i + 1 < argc; i += 2) {
+		const char *a = argv[i], *val = argv[i + 1];
+		if (!strcmp(a, "--context") && atol(val) >= 16)
+			ctx = (uint32_t)atol(val);
+		else if (!strcmp(a, "--steps") && atol(val) >= 1)
+			steps = (uint32_t)atol(val);
+		else if (!strcmp(a, "--layers") && atol(val) >= 1)
+			layers = (uint32_t)atol(val);
+		else if (!strcmp(a, "--p") && atof(val) > 0.0 && atof(val) <= 1.0)
+			p = atof(val);
+		else if (!strcmp(a, "--seed"))
+			seed = strtoull(val, NULL, 0);
+		else {
+			fprintf(stderr, "cpu_fp8_error: bad option %s %s\nusage: cpu_fp8_error [--context "
+				"N >= 16] [--steps N] [--layers N] [--p X in (0, 1]] [--seed N]\n", a, val);
+			return 2;
+		}
+	}
+	if (argc % 2 == 0) {
+		fprintf(stderr, "cpu_fp8_error: %s needs a value\n", argv[argc - 1]);
+		return 2;
+	}
+	wl_params wp;
+	wl_params_default(&wp);
+	wp.n_layers = layers;
+	wp.n_q_heads = HQ;
+	wp.n_kv_heads = HKV;
+	wp.head_dim = D;
+	wp.context = ctx;
+	wp.steps = steps;
+	wp.seed = seed;
+	wl *w;
+	if (wl_create(&wp, &w)) {
+		fprintf(stderr, "cpu_fp8_error: wl_create failed\n");
+		return 1;
+	}
+	const size_t rows = (size_t)ctx * D, samples = (size_t)layers * HQ * steps;
+	double *k[4], *v[3]; /* kind_k's and kind_v's stored forms */
+	for (int x = 0; x < 4; x++)
+		k[x] = xmalloc(sizeof(double) * rows);
+	for (int x = 0; x < 3; x++)
+		v[x] = xmalloc(sizeof(double) * rows);
+	double *wt[KINDS], *err[KINDS], *tv[KINDS], *order = xmalloc(sizeof(double) * ctx);
+	for (int x = 0; x < KINDS; x++) {
+		wt[x] = xmalloc(sizeof(double) * ctx);
+		err[x] = xmalloc(sizeof(double) * samples);
+		tv[x] = xmalloc(sizeof(double) * samples);
+	}
+	printf("cpu_fp8_error: kvbench's workload, %u layers x %u query heads (%u KV heads, head_dim "
+	       "%u), context %u, %u decode steps, seed %llu; errors against exact attention over the "
+	       "fp16 rows\n", layers, HQ, HKV, D, ctx, steps, (unsigned long long)seed);
+	size_t at = 0;
+	double saturated = 0.0;
+	for (uint32_t layer = 0; layer < layers; layer++)
+		for (uint32_t h = 0; h < HKV; h++) {
+			float kf[D], vf[D];
+			for (uint32_t t = 0; t < ctx; t++) {
+				wl_token(w, 0, layer, h, t, -1, kf, vf, NULL, NULL);
+				double *kr = k[0] + (size_t)t * D, *vr = v[0] + (size_t)t * D;
+				for (uint32_t j = 0; j < D; j++) { /* stored as fp16, as the library does */
+					kr[j] = wl_f16_to_f32(wl_f32_to_f16(kf[j]));
+					vr[j] = wl_f16_to_f32(wl_f32_to_f16(vf[j]));
+					saturated += fabs(kr[j]) > 448.0 || fabs(vr[j]) > 448.0;
+				}
+				round_row(kr, 1.0, k[1] + (size_t)t * D);
+				round_row(vr, 1.0, v[1] + (size_t)t * D);
+				round_row(kr, row_scale(kr), k[2] + (size_t)t * D);
+				round_row(vr, row_scale(vr), v[2] + (size_t)t * D);
+				round_int8(kr, k[3] + (size_t)t * D);
+			}
+			for (uint32_t s = 0; s < steps; s++) {
+				float qf[G * D];
+				wl_token(w, 0, layer, h, ctx + s, (int32_t)s, kf, vf, qf, NULL);
+				for (uint32_t g = 0; g < G; g++, at++) {
+					double q[D], out[KINDS][D];
+					for (uint32_t j = 0; j < D; j++) /* queries arrive as fp16 too */
+						q[j] = wl_f16_to_f32(wl_f32_to_f16(qf[g * D + j]));
+					for (int x = REF; x < TOPP; x++)
+						attend(q, ctx, k[kind_k[x]], v[kind_v[x]], wt[x], out[x]);
+					/* the oracle: the largest weights until their sum reaches p */
+					memcpy(order, wt[REF], sizeof(double) * ctx);
+					qsort(order, ctx, sizeof(double), cmp_double);
+					double mass = 0.0, cut = order[0];
+					for (uint32_t t = ctx; t-- > 0;) {
+						mass += order[t];
+						cut = order[t];
+						if (mass >= p)
+							break;
+					}
+					double z = 0.0;
+					for (uint32_t t = 0; t < ctx; t++) {
+						wt[TOPP][t] = wt[REF][t] >= cut ? wt[REF][t] : 0.0;
+						z += wt[TOPP][t];
+					}
+					memset(out[TOPP], 0, sizeof out[TOPP]);
+					for (uint32_t t = 0; t < ctx; t++) {
+						wt[TOPP][t] /= z;
+						for (uint32_t j = 0; wt[TOPP][t] > 0.0 && j < D; j++)
+							out[TOPP][j] += wt[TOPP][t] * v[0][(size_t)t * D + j];
+					}
+					double n2 = 0.0;
+					for (uint32_t j = 0; j < D; j++)
+						n2 += out[REF][j] * out[REF][j];
+					for (int x = BOTH_TENSOR; x < KINDS; x++) {
+						double e2 = 0.0, d1 = 0.0;
+						for (uint32_t j = 0; j < D; j++)
+							e2 += (out[x][j] - out[REF][j]) * (out[x][j] - out[REF][j]);
+						for (uint32_t t = 0; t < ctx; t++)
+							d1 += fabs(wt[x][t] - wt[REF][t]);
+						err[x][at] = sqrt(e2 / (n2 > 0.0 ? n2 : 1.0));
+						tv[x][at] = 0.5 * d1;
+					}
+				}
+			}
+			fprintf(stderr, "cpu_fp8_error: %3.0f%%\r", 100.0 * at / samples);
+		}
+	fprintf(stderr, "\n");
+	printf("elements beyond E4M3's 448 (saturated with one scale per tensor): %.0f of %.0f\n",
+	       saturated, 2.0 * layers * HKV * rows);
+	printf("output relative L2 error, over %zu (layer, query head, step):\n", samples);
+	for (int x = BOTH_TENSOR; x < KINDS; x++)
+		report(kind_name[x], err[x], samples);
+	printf("attention mass moved (total variation distance of the softmax weights):\n");
+	for (int x = BOTH_TENSOR; x < KINDS; x++)
+		report(kind_name[x], tv[x], samples);
+	printf("(the oracle: Top-p at p %.2f on the exact weights, no sinks or window)\n", p);
+	for (int x = 0; x < 4; x++)
+		free(k[x]);
+	for (int x = 0; x < 3; x++)
+		free(v[x]);
+	for (int x = 0; x < KINDS; x++) {
+		free(wt[x]);
+		free(err[x]);
+		free(tv[x]);
+	}
+	free(order);
+	wl_destroy(w);
+	return 0;
+}
