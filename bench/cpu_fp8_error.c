@@ -21,17 +21,21 @@
  * alone. Reported over (layer, query head, step): the output's relative L2 error against the
  * reference and the total variation distance between the softmax weights (half their L1
  * distance: the share of attention mass that moves; for the oracle, the mass it leaves out),
- * median, 95th percentile and maximum. Nothing is asserted.
- *   cpu_fp8_error [--context N] [--steps N] [--layers N] [--p X] [--seed N]
+ * median, 95th percentile and maximum. Nothing is asserted. With --trace DIR the rows and queries
+ * are a trained model's (a kvbench trace, doc/trace-format.md): its prefill is the context, its
+ * decode queries the queries, its shape and scale the trace's (--layers, default 2, takes its first
+ * layers; --steps its first steps).
+ *   cpu_fp8_error [--context N] [--steps N] [--layers N] [--p X] [--seed N] [--trace DIR]
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "trace.h"
 #include "workload.h"
 
-enum { HQ = 32, HKV = 8, G = HQ / HKV, D = 128 };
+enum { HQ = 32, HKV = 8, D_MAX = 512 }; /* the workload's heads; the largest head_dim taken */
 /* the rows attended: fp16 (the reference), then E4M3 variants, then the oracle's peer */
 enum { REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, TOPP, KINDS };
 static const char *const kind_name[KINDS] = {
@@ -52,6 +56,8 @@ static double e4m3(double x)
 	const double step = ldexp(1.0, (e - 4 < -9 ? -9 : e - 4)); /* subnormals: 2^-9 */
 	return copysign(nearbyint(a / step) * step, x);
 }
+
+static uint32_t D = 128; /* head_dim: the workload's, or the trace's */
 
 /* d values rounded to E4M3 under a scale (x / scale rounded, times scale). */
 static void round_row(const double *x, double scale, double *out)
@@ -95,16 +101,16 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-/* Softmax weights of q over n keys (scale 1/sqrt(D)) into w; the output over v into out. */
-static void attend(const double *q, uint32_t n, const double *k, const double *v, double *w,
-		   double *out)
+/* Softmax weights of q over n keys (logits times scale) into w; the output over v into out. */
+static void attend(const double *q, uint32_t n, const double *k, const double *v, double scale,
+		   double *w, double *out)
 {
 	double m = -INFINITY, z = 0.0;
 	for (uint32_t t = 0; t < n; t++) {
 		double s = 0.0;
 		for (uint32_t j = 0; j < D; j++)
 			s += q[j] * k[(size_t)t * D + j];
-		w[t] = s / sqrt((double)D);
+		w[t] = s * scale;
 		m = w[t] > m ? w[t] : m;
 	}
 	for (uint32_t t = 0; t < n; t++) {
@@ -126,11 +132,48 @@ static void report(const char *what, double *x, size_t n)
 	       x[n - 1]);
 }
 
+/* Where the rows and queries come from: kvbench's workload, or a trace's layers one at a time. */
+struct source {
+	wl *w;
+	const char *dir;
+	trace_meta m;
+	trace_layer tl;
+	uint32_t layers, nq, nkv, ctx, steps;
+	double scale;
+};
+
+/* Key and value of token t of KV head h on the current layer, as floats. */
+static void source_row(const struct source *src, uint32_t layer, uint32_t h, uint32_t t, float *k,
+		       float *v)
+{
+	if (src->w) {
+		wl_token(src->w, 0, layer, h, t, -1, k, v, NULL, NULL);
+		return;
+	}
+	memcpy(k, src->tl.prefill_k + ((size_t)t * src->nkv + h) * D, sizeof(float) * D);
+	memcpy(v, src->tl.prefill_v + ((size_t)t * src->nkv + h) * D, sizeof(float) * D);
+}
+
+/* The decode queries of step s for the group of KV head h: [group, D] floats. */
+static void source_queries(const struct source *src, uint32_t layer, uint32_t h, uint32_t s,
+			   float *q)
+{
+	const uint32_t G = src->nq / src->nkv;
+	if (src->w) {
+		float k[D_MAX], v[D_MAX];
+		wl_token(src->w, 0, layer, h, src->ctx + s, (int32_t)s, k, v, q, NULL);
+		return;
+	}
+	memcpy(q, src->tl.decode_q + ((size_t)s * src->nq + (size_t)h * G) * D,
+	       sizeof(float) * G * D);
+}
+
 int main(int argc, char **argv)
 {
 	uint32_t ctx = 8192, steps = 4, layers = 2;
 	double p = 0.9;
 	uint64_t seed = 1;
+	struct source src = {0};
 	for (int i = 1; i + 1 < argc; i += 2) {
 		const char *a = argv[i], *val = argv[i + 1];
 		if (!strcmp(a, "--context") && atol(val) >= 16)
@@ -143,9 +186,12 @@ int main(int argc, char **argv)
 			p = atof(val);
 		else if (!strcmp(a, "--seed"))
 			seed = strtoull(val, NULL, 0);
+		else if (!strcmp(a, "--trace"))
+			src.dir = val;
 		else {
 			fprintf(stderr, "cpu_fp8_error: bad option %s %s\nusage: cpu_fp8_error [--context "
-				"N >= 16] [--steps N] [--layers N] [--p X in (0, 1]] [--seed N]\n", a, val);
+				"N >= 16] [--steps N] [--layers N] [--p X in (0, 1]] [--seed N] [--trace "
+				"DIR]\n", a, val);
 			return 2;
 		}
 	}
@@ -153,42 +199,79 @@ int main(int argc, char **argv)
 		fprintf(stderr, "cpu_fp8_error: %s needs a value\n", argv[argc - 1]);
 		return 2;
 	}
-	wl_params wp;
-	wl_params_default(&wp);
-	wp.n_layers = layers;
-	wp.n_q_heads = HQ;
-	wp.n_kv_heads = HKV;
-	wp.head_dim = D;
-	wp.context = ctx;
-	wp.steps = steps;
-	wp.seed = seed;
-	wl *w;
-	if (wl_create(&wp, &w)) {
-		fprintf(stderr, "cpu_fp8_error: wl_create failed\n");
-		return 1;
+	char msg[512];
+	if (src.dir) {
+		if (trace_open(src.dir, &src.m, msg, sizeof msg)) {
+			fprintf(stderr, "cpu_fp8_error: %s\n", msg);
+			return 1;
+		}
+		if (src.m.head_dim > D_MAX) {
+			fprintf(stderr, "cpu_fp8_error: head_dim %u, at most %u\n", src.m.head_dim, D_MAX);
+			return 1;
+		}
+		src.layers = layers < src.m.n_layers ? layers : src.m.n_layers;
+		src.nq = src.m.n_q_heads;
+		src.nkv = src.m.n_kv_heads;
+		D = src.m.head_dim;
+		src.ctx = src.m.prefill_tokens;
+		src.steps = steps < src.m.decode_steps ? steps : src.m.decode_steps;
+		src.scale = src.m.scale > 0.0 ? src.m.scale : 1.0 / sqrt((double)D);
+	} else {
+		wl_params wp;
+		wl_params_default(&wp);
+		wp.n_layers = layers;
+		wp.n_q_heads = HQ;
+		wp.n_kv_heads = HKV;
+		wp.head_dim = D;
+		wp.context = ctx;
+		wp.steps = steps;
+		wp.seed = seed;
+		if (wl_create(&wp, &src.w)) {
+			fprintf(stderr, "cpu_fp8_error: wl_create failed\n");
+			return 1;
+		}
+		src.layers = layers;
+		src.nq = HQ;
+		src.nkv = HKV;
+		src.ctx = ctx;
+		src.steps = steps;
+		src.scale = 1.0 / sqrt((double)D);
 	}
-	const size_t rows = (size_t)ctx * D, samples = (size_t)layers * HQ * steps;
+	ctx = src.ctx;
+	const uint32_t G = src.nq / src.nkv;
+	const size_t rows = (size_t)ctx * D, samples = (size_t)src.layers * src.nq * src.steps;
 	double *k[4], *v[3]; /* kind_k's and kind_v's stored forms */
 	for (int x = 0; x < 4; x++)
 		k[x] = xmalloc(sizeof(double) * rows);
 	for (int x = 0; x < 3; x++)
 		v[x] = xmalloc(sizeof(double) * rows);
 	double *wt[KINDS], *err[KINDS], *tv[KINDS], *order = xmalloc(sizeof(double) * ctx);
+	float *qf = xmalloc(sizeof(float) * G * D);
 	for (int x = 0; x < KINDS; x++) {
 		wt[x] = xmalloc(sizeof(double) * ctx);
 		err[x] = xmalloc(sizeof(double) * samples);
 		tv[x] = xmalloc(sizeof(double) * samples);
 	}
-	printf("cpu_fp8_error: kvbench's workload, %u layers x %u query heads (%u KV heads, head_dim "
-	       "%u), context %u, %u decode steps, seed %llu; errors against exact attention over the "
-	       "fp16 rows\n", layers, HQ, HKV, D, ctx, steps, (unsigned long long)seed);
+	if (src.dir)
+		printf("cpu_fp8_error: trace %s (%s), %u of its layers x %u query heads (%u KV heads, "
+		       "head_dim %u), context %u, %u decode steps", src.dir, src.m.model, src.layers,
+		       src.nq, src.nkv, D, ctx, src.steps);
+	else
+		printf("cpu_fp8_error: kvbench's workload, %u layers x %u query heads (%u KV heads, "
+		       "head_dim %u), context %u, %u decode steps, seed %llu", src.layers, src.nq,
+		       src.nkv, D, ctx, src.steps, (unsigned long long)seed);
+	printf("; errors against exact attention over the fp16 rows\n");
 	size_t at = 0;
 	double saturated = 0.0;
-	for (uint32_t layer = 0; layer < layers; layer++)
-		for (uint32_t h = 0; h < HKV; h++) {
-			float kf[D], vf[D];
+	for (uint32_t layer = 0; layer < src.layers; layer++) {
+		if (src.dir && trace_load_layer(src.dir, &src.m, layer, &src.tl, msg, sizeof msg)) {
+			fprintf(stderr, "cpu_fp8_error: %s\n", msg);
+			return 1;
+		}
+		for (uint32_t h = 0; h < src.nkv; h++) {
+			float kf[D_MAX], vf[D_MAX];
 			for (uint32_t t = 0; t < ctx; t++) {
-				wl_token(w, 0, layer, h, t, -1, kf, vf, NULL, NULL);
+				source_row(&src, layer, h, t, kf, vf);
 				double *kr = k[0] + (size_t)t * D, *vr = v[0] + (size_t)t * D;
 				for (uint32_t j = 0; j < D; j++) { /* stored as fp16, as the library does */
 					kr[j] = wl_f16_to_f32(wl_f32_to_f16(kf[j]));
@@ -201,15 +284,15 @@ int main(int argc, char **argv)
 				round_row(vr, row_scale(vr), v[2] + (size_t)t * D);
 				round_int8(kr, k[3] + (size_t)t * D);
 			}
-			for (uint32_t s = 0; s < steps; s++) {
-				float qf[G * D];
-				wl_token(w, 0, layer, h, ctx + s, (int32_t)s, kf, vf, qf, NULL);
+			for (uint32_t s = 0; s < src.steps; s++) {
+				source_queries(&src, layer, h, s, qf);
 				for (uint32_t g = 0; g < G; g++, at++) {
-					double q[D], out[KINDS][D];
+					double q[D_MAX], out[KINDS][D_MAX];
 					for (uint32_t j = 0; j < D; j++) /* queries arrive as fp16 too */
 						q[j] = wl_f16_to_f32(wl_f32_to_f16(qf[g * D + j]));
 					for (int x = REF; x < TOPP; x++)
-						attend(q, ctx, k[kind_k[x]], v[kind_v[x]], wt[x], out[x]);
+						attend(q, ctx, k[kind_k[x]], v[kind_v[x]], src.scale, wt[x],
+						       out[x]);
 					/* the oracle: the largest weights until their sum reaches p */
 					memcpy(order, wt[REF], sizeof(double) * ctx);
 					qsort(order, ctx, sizeof(double), cmp_double);
@@ -247,9 +330,12 @@ int main(int argc, char **argv)
 			}
 			fprintf(stderr, "cpu_fp8_error: %3.0f%%\r", 100.0 * at / samples);
 		}
+		if (src.dir)
+			trace_layer_free(&src.tl);
+	}
 	fprintf(stderr, "\n");
 	printf("elements beyond E4M3's 448 (saturated with one scale per tensor): %.0f of %.0f\n",
-	       saturated, 2.0 * layers * HKV * rows);
+	       saturated, 2.0 * src.layers * src.nkv * rows);
 	printf("output relative L2 error, over %zu (layer, query head, step):\n", samples);
 	for (int x = BOTH_TENSOR; x < KINDS; x++)
 		report(kind_name[x], err[x], samples);
@@ -267,6 +353,8 @@ int main(int argc, char **argv)
 		free(tv[x]);
 	}
 	free(order);
-	wl_destroy(w);
+	free(qf);
+	if (src.w)
+		wl_destroy(src.w);
 	return 0;
 }
