@@ -10,7 +10,7 @@
  * sum and accumulators are updated as take_rows says. The pass does that arithmetic with four-lane
  * vectors whose lanes are rows (the logits) or elements (the accumulators), never reordering a
  * sum, so the bits are the scalar rule's; the CUDA backend's twins and the score corrections rely
- * on them. It reads rows where they lie (a gather's pointers) and prefetches a block ahead.
+ * on them. It reads rows where they lie (a gather's pointers) and prefetches them AHEAD rows ahead.
  * bench/cpu_miss_attend measures it against a read of the same rows.
  */
 #include <math.h>
