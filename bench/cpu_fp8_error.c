@@ -13,7 +13,10 @@
  *   error comes from;
  * - K in INT8 (symmetric, a scale a row: its absolute maximum / 127) and V in E4M3 with a scale a
  *   row: a uniform grid suits keys, whose elements share a large offset (post-RoPE keys have one),
- *   better than a float format's relative one.
+ *   better than a float format's relative one;
+ * - the same with K's scales per channel over each block of 256 tokens (the host tier's block;
+ *   KIVI's choice for keys, whose outlier channels a row's scale would let dominate the row): 2
+ *   bytes a token of scales instead of 4.
  * The peer, measured in the same run: the exact Top-p oracle at p over the fp16 rows (the smallest
  * set of tokens holding mass p of the exact softmax, attended alone), the error a Top-p selection
  * at p accepts by its definition (kvtier's attends sinks and the window besides, which lowers it).
@@ -37,13 +40,15 @@
 
 enum { HQ = 32, HKV = 8, D_MAX = 512 }; /* the workload's heads; the largest head_dim taken */
 /* the rows attended: fp16 (the reference), then E4M3 variants, then the oracle's peer */
-enum { REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, TOPP, KINDS };
+enum { REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, K_INT8_CH, TOPP, KINDS };
 static const char *const kind_name[KINDS] = {
 	"fp16", "E4M3 K and V, scale/tensor", "E4M3 K and V, scale/row", "E4M3 V only, scale/row",
-	"E4M3 K only, scale/row", "INT8 K + E4M3 V, scale/row", "Top-p oracle (fp16)"};
+	"E4M3 K only, scale/row", "INT8 K + E4M3 V, scale/row", "INT8 K/channel + E4M3 V/row",
+	"Top-p oracle (fp16)"};
 /* which stored keys and values each kind attends: 0 fp16, 1 E4M3 with one scale, 2 E4M3 with a
- * scale a row, 3 INT8 with a scale a row (keys only) */
-static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3}, kind_v[TOPP] = {0, 1, 2, 2, 0, 2};
+ * scale a row, 3 INT8 with a scale a row, 4 INT8 with a scale a channel a block (keys only) */
+static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3, 4}, kind_v[TOPP] = {0, 1, 2, 2, 0, 2, 2};
+enum { BLOCK = 256 }; /* tokens a per-channel scale covers: the host tier's block */
 
 /* x rounded to the nearest E4M3 value (ties to even), saturated at +-448. */
 static double e4m3(double x)
@@ -75,6 +80,20 @@ static void round_int8(const double *x, double *out)
 	const double scale = m > 0.0 ? m / 127.0 : 1.0;
 	for (uint32_t j = 0; j < D; j++)
 		out[j] = nearbyint(x[j] / scale) * scale;
+}
+
+/* The keys of tokens [t0, t0 + n) (rows of D) on the INT8 grid of each channel's absolute maximum
+ * over them. */
+static void round_int8_channels(const double *k, uint32_t t0, uint32_t n, double *out)
+{
+	for (uint32_t j = 0; j < D; j++) {
+		double m = 0.0;
+		for (uint32_t t = t0; t < t0 + n; t++)
+			m = fabs(k[(size_t)t * D + j]) > m ? fabs(k[(size_t)t * D + j]) : m;
+		const double scale = m > 0.0 ? m / 127.0 : 1.0;
+		for (uint32_t t = t0; t < t0 + n; t++)
+			out[(size_t)t * D + j] = nearbyint(k[(size_t)t * D + j] / scale) * scale;
+	}
 }
 
 static double row_scale(const double *x)
@@ -240,8 +259,8 @@ int main(int argc, char **argv)
 	ctx = src.ctx;
 	const uint32_t G = src.nq / src.nkv;
 	const size_t rows = (size_t)ctx * D, samples = (size_t)src.layers * src.nq * src.steps;
-	double *k[4], *v[3]; /* kind_k's and kind_v's stored forms */
-	for (int x = 0; x < 4; x++)
+	double *k[5], *v[3]; /* kind_k's and kind_v's stored forms */
+	for (int x = 0; x < 5; x++)
 		k[x] = xmalloc(sizeof(double) * rows);
 	for (int x = 0; x < 3; x++)
 		v[x] = xmalloc(sizeof(double) * rows);
@@ -284,6 +303,8 @@ int main(int argc, char **argv)
 				round_row(vr, row_scale(vr), v[2] + (size_t)t * D);
 				round_int8(kr, k[3] + (size_t)t * D);
 			}
+			for (uint32_t t0 = 0; t0 < ctx; t0 += BLOCK)
+				round_int8_channels(k[0], t0, ctx - t0 < BLOCK ? ctx - t0 : BLOCK, k[4]);
 			for (uint32_t s = 0; s < src.steps; s++) {
 				source_queries(&src, layer, h, s, qf);
 				for (uint32_t g = 0; g < G; g++, at++) {
@@ -343,7 +364,7 @@ int main(int argc, char **argv)
 	for (int x = BOTH_TENSOR; x < KINDS; x++)
 		report(kind_name[x], tv[x], samples);
 	printf("(the oracle: Top-p at p %.2f on the exact weights, no sinks or window)\n", p);
-	for (int x = 0; x < 4; x++)
+	for (int x = 0; x < 5; x++)
 		free(k[x]);
 	for (int x = 0; x < 3; x++)
 		free(v[x]);
