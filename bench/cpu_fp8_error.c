@@ -71,37 +71,23 @@ static void round_row(const double *x, double scale, double *out)
 		out[j] = e4m3(x[j] / scale) * scale;
 }
 
-/* d values on the symmetric INT8 grid of their absolute maximum (x / s rounded, s = max / 127). */
-static void round_int8(const double *x, double *out)
+/* The scale that puts the largest |x| of n values (stride apart) on a grid's largest value `top`:
+ * 1 for all zeros. */
+static double grid_scale(const double *x, uint32_t n, size_t stride, double top)
 {
 	double m = 0.0;
-	for (uint32_t j = 0; j < D; j++)
-		m = fabs(x[j]) > m ? fabs(x[j]) : m;
-	const double scale = m > 0.0 ? m / 127.0 : 1.0;
-	for (uint32_t j = 0; j < D; j++)
-		out[j] = nearbyint(x[j] / scale) * scale;
+	for (uint32_t i = 0; i < n; i++)
+		m = fabs(x[i * stride]) > m ? fabs(x[i * stride]) : m;
+	return m > 0.0 ? m / top : 1.0;
 }
 
-/* The keys of tokens [t0, t0 + n) (rows of D) on the INT8 grid of each channel's absolute maximum
- * over them. */
-static void round_int8_channels(const double *k, uint32_t t0, uint32_t n, double *out)
+/* n values (stride apart) on the symmetric INT8 grid of their absolute maximum: a row's (stride
+ * 1), or a channel's over a block of tokens (stride D). */
+static void round_int8(const double *x, uint32_t n, size_t stride, double *out)
 {
-	for (uint32_t j = 0; j < D; j++) {
-		double m = 0.0;
-		for (uint32_t t = t0; t < t0 + n; t++)
-			m = fabs(k[(size_t)t * D + j]) > m ? fabs(k[(size_t)t * D + j]) : m;
-		const double scale = m > 0.0 ? m / 127.0 : 1.0;
-		for (uint32_t t = t0; t < t0 + n; t++)
-			out[(size_t)t * D + j] = nearbyint(k[(size_t)t * D + j] / scale) * scale;
-	}
-}
-
-static double row_scale(const double *x)
-{
-	double m = 0.0;
-	for (uint32_t j = 0; j < D; j++)
-		m = fabs(x[j]) > m ? fabs(x[j]) : m;
-	return m > 0.0 ? m / 448.0 : 1.0;
+	const double scale = grid_scale(x, n, stride, 127.0);
+	for (uint32_t i = 0; i < n; i++)
+		out[i * stride] = nearbyint(x[i * stride] / scale) * scale;
 }
 
 static void *xmalloc(size_t bytes)
@@ -299,12 +285,15 @@ int main(int argc, char **argv)
 				}
 				round_row(kr, 1.0, k[1] + (size_t)t * D);
 				round_row(vr, 1.0, v[1] + (size_t)t * D);
-				round_row(kr, row_scale(kr), k[2] + (size_t)t * D);
-				round_row(vr, row_scale(vr), v[2] + (size_t)t * D);
-				round_int8(kr, k[3] + (size_t)t * D);
+				round_row(kr, grid_scale(kr, D, 1, 448.0), k[2] + (size_t)t * D);
+				round_row(vr, grid_scale(vr, D, 1, 448.0), v[2] + (size_t)t * D);
+				round_int8(kr, D, 1, k[3] + (size_t)t * D);
 			}
-			for (uint32_t t0 = 0; t0 < ctx; t0 += BLOCK)
-				round_int8_channels(k[0], t0, ctx - t0 < BLOCK ? ctx - t0 : BLOCK, k[4]);
+			for (uint32_t t0 = 0; t0 < ctx; t0 += BLOCK) /* each channel of each block */
+				for (uint32_t j = 0; j < D; j++)
+					round_int8(k[0] + (size_t)t0 * D + j,
+						   ctx - t0 < BLOCK ? ctx - t0 : BLOCK, D,
+						   k[4] + (size_t)t0 * D + j);
 			for (uint32_t s = 0; s < src.steps; s++) {
 				source_queries(&src, layer, h, s, qf);
 				for (uint32_t g = 0; g < G; g++, at++) {
