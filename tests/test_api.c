@@ -543,6 +543,52 @@ static void test_call_errors(void **state)
 	T_CHECK(nfail == 0, "%d checks failed (listed above)", nfail);
 }
 
+/* The CPU backend names the first element that is not finite, wherever it lies in a long chunk
+ * (its check tests blocks of elements on their bits first), in both input dtypes: a NaN and an
+ * infinity past the first block, the NaN first. Nothing is stored. */
+static void test_nonfinite_named(void **state)
+{
+	(void)state;
+	const uint32_t dtypes[] = {KVT_DTYPE_F16, KVT_DTYPE_BF16};
+	const uint32_t n = 40;
+	const size_t kvn = (size_t)n * NKV * D;
+	uint16_t *k = (uint16_t *)t_alloc(2 * kvn), *v = (uint16_t *)t_alloc(2 * kvn);
+	for (size_t di = 0; di < 2; di++) {
+		const uint32_t dt = dtypes[di];
+		t_rng rng;
+		t_rng_seed(&rng, 5 + di);
+		t_fill(&rng, dt, kvn, 0.5, 1, k, NULL);
+		t_fill(&rng, dt, kvn, 0, 1, v, NULL);
+		/* element 1300 is token 10, KV head 0, element 20; 4000 is past it */
+		const uint16_t nan = dt == KVT_DTYPE_BF16 ? 0x7fc0 : 0x7e00;
+		const uint16_t inf = dt == KVT_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+		k[1300] = nan;
+		k[4000] = inf;
+		kvt_config cfg = t_config(LAYERS, NQ, NKV, D, dt);
+		kvt_cache *c = t_create(&cfg);
+		uint32_t seq;
+		T_CHECK(kvt_seq_open(c, &seq) == 0, "kvt_seq_open: %s", kvt_last_error(c));
+		const int rc = kvt_prefill(c, seq, 0, NULL, k, v, n, NULL);
+		const char *msg = kvt_last_error(c);
+		T_CHECK(rc == -EINVAL && strstr(msg, "k[10, 0, 20] = nan"),
+			"dtype %u: kvt_prefill got %d \"%s\", wanted -EINVAL naming k[10, 0, 20] = nan",
+			dt, rc, msg);
+		T_CHECK(kvt_seq_length(c, seq, 0) == 0, "dtype %u: %lld tokens stored after the "
+			"refusal, wanted 0", dt, (long long)kvt_seq_length(c, seq, 0));
+		/* the NaN mended, the infinity is the first */
+		k[1300] = k[1301];
+		T_CHECK(kvt_prefill(c, seq, 0, NULL, k, v, n, NULL) == -EINVAL &&
+				strstr(kvt_last_error(c), "k[31, 0, 32] = inf"),
+			"dtype %u: got \"%s\", wanted k[31, 0, 32] = inf", dt, kvt_last_error(c));
+		k[4000] = k[4001];
+		T_CHECK(kvt_prefill(c, seq, 0, NULL, k, v, n, NULL) == 0, "dtype %u: a finite "
+			"chunk refused: %s", dt, kvt_last_error(c));
+		kvt_cache_destroy(c);
+	}
+	free(k);
+	free(v);
+}
+
 static void test_strerror_version(void **state)
 {
 	(void)state;
@@ -582,6 +628,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_create_errors),
 		cmocka_unit_test(test_call_errors),
+		cmocka_unit_test(test_nonfinite_named),
 		cmocka_unit_test(test_strerror_version),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
