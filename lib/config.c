@@ -144,8 +144,9 @@ static int check_selection(const kvt_config *cfg)
 	      cfg->window);
 	CHECK(cfg->flush_batch <= 65536, "flush_batch = %u, must be in [1, 65536] (0: 64)",
 	      cfg->flush_batch);
-	CHECK(cfg->correction_steps <= 64, "correction_steps = %u, must be in [0, 64] (0: off)",
-	      cfg->correction_steps);
+	CHECK(cfg->correction_steps <= KVT_MAX_CORRECTION_STEPS,
+	      "correction_steps = %u, must be in [0, %u] (0: off)", cfg->correction_steps,
+	      KVT_MAX_CORRECTION_STEPS);
 	CHECK(cfg->rescore_p == 0.0f || (cfg->rescore_p > cfg->p && cfg->rescore_p <= 1.0f),
 	      "rescore_p = %g, must be 0 (off) or in (p = %g, 1]", (double)cfg->rescore_p,
 	      (double)cfg->p);

@@ -27,6 +27,9 @@
 /* Indexed tokens per sequence and layer the CUDA selection handles (positions and counts fit 24
  * bits), and so the longest sequence a graph reservation bounds (kvtier_graph.h). */
 #define KVT_GPU_SELECT_MAX_N ((1u << 24) - 1)
+/* The most decode steps whose score corrections a sequence remembers (kvt_config.correction_steps;
+ * lib/correct.c keeps one bit per remembered step in a 64-bit word). */
+#define KVT_MAX_CORRECTION_STEPS 64u
 /* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
 #define KVT_TABLE_MIN_BLOCKS 4u
 

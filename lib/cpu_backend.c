@@ -269,7 +269,7 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
-		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores, c->work);
+		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores);
 		uint64_t t1 = kvt_now_ns(); /* the second stage is selection time */
 		if (rs) {
 			int rr = rescore(c, l, h, ni, qf);

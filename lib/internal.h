@@ -369,6 +369,7 @@ struct kvt_cache {
 	uint32_t *graph_ids;      /* [graph_slots] */
 	float *corr_logits;       /* a KV head's attended logits for the score corrections */
 	size_t corr_logits_n;
+	struct kvt_corr_ls *corr_ls; /* the corrections' prediction state (lib/correct.c), or NULL */
 	char err[512];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
 	bool status_new;   /* a sequence was put in error since the last batch checked for it */
@@ -647,10 +648,15 @@ void kvt_out_fill(void *dst, const void *src, size_t src_size);
 /* ---- score corrections from exact logits (lib/correct.c) ------------------------------------ */
 
 /* Add to the scores of query head g of KV head h (its rotated residual x) for the selection number
- * `now` the corrections recorded in the last correction_steps selections before it, the most
- * recent for each token; only index positions below ni. scratch: ni floats. */
+ * `now` the least-squares prediction of each token's estimate error from what the last
+ * correction_steps selections before it measured (lib/correct.c); only index positions below ni.
+ * Called for g = 0 first (it prepares what the group's query heads share), then g = 1 ... G - 1,
+ * with nothing recorded, committed or forgotten in between. Allocates nothing (kvt_corr_reserve). */
 void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
-		    uint64_t now, const float *x, float *scores, float *scratch);
+		    uint64_t now, const float *x, float *scores);
+/* Room for kvt_corr_apply over up to `tokens` index positions (nothing when corrections are off).
+ * -ENOMEM, nothing changed. */
+int kvt_corr_reserve(kvt_cache *c, uint32_t tokens);
 /* Room for the logits of G queries over n attended rows (G x n floats), or NULL when corrections
  * are off. -ENOMEM (in *rc). */
 float *kvt_corr_logits(kvt_cache *c, uint32_t n, int *rc);

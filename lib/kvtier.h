@@ -186,9 +186,9 @@ typedef struct kvt_config {
 	uint64_t host_pool_bytes; /* the pool's size when this cache creates it; 0: it must exist; a
 				     different size than the existing pool's is -EINVAL */
 	uint32_t correction_steps; /* CPU backend: score corrections from exact logits (doc/rescoring.md):
-				      a token attended in one of the last correction_steps decode
-				      steps is scored with the error of its estimate measured then,
-				      scaled by how alike the two queries are; in [0, 64]; 0 (default):
+				      a token attended in some of the last correction_steps decode
+				      steps gets the least-squares prediction of its estimate's error
+				      from the errors those steps measured; in [0, 64]; 0 (default):
 				      off. The CUDA backend refuses a nonzero value (-EOPNOTSUPP), and
 				      so does AUTO where it picks CUDA: ask for the CPU backend */
 	uint32_t pad2;        /* must be zero (explicit padding) */

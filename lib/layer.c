@@ -24,6 +24,7 @@ static int reserve_scratch(kvt_cache *c, uint32_t tokens)
 	uint32_t rows = c->cfg.n_sink + tokens + c->cfg.window + c->cfg.flush_batch;
 	if (tokens <= c->scratch_cap && rows <= c->rows_cap)
 		return 0;
+	KVT_TRY(kvt_corr_reserve(c, tokens));
 	float *s = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * tokens);
 	float *w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * rows);
 	uint8_t *m = kvt_mem_alloc(KVT_MEM_HOST, tokens);

@@ -2,9 +2,11 @@
 /*
  * Score corrections from exact logits (kvt_config.correction_steps, lib/correct.c), CPU backend.
  * Each decode step's selection is checked against a reference built here from the stated rule:
- * a token attended in one of the last R steps is scored estimate + beta * (exact - estimate), the
- * exact logit and estimate of the most recent such step, beta = <x_now, x_then> / <x_then, x_then>
- * of the query heads' rotated residuals. Also: correction off and at p = 1 changes nothing, a
+ * a token attended at some of the last R steps is scored estimate + w . deltas, the deltas (exact
+ * logit minus estimate) of every query head of the group at the most recent 32 / G of those steps,
+ * w the least-squares weights of the query head's rotated residual on theirs (ridge 0.1 of each
+ * one's squared norm; Cholesky; the prediction summed in four running sums), every sum in the
+ * rule's order. Also: correction off and at p = 1 changes nothing, a
  * truncate forgets every correction and a fork's child starts without, a step that fails under an
  * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them,
  * an attend in place (out the same buffer as q) records what a separate out records. And the
@@ -12,6 +14,9 @@
  */
 #include "common.h"
 #include "half.h"
+#ifdef KVT_TEST_LS_MAX /* the library's corrections built here with smaller limits (meson.build) */
+#include "../lib/correct.c"
+#endif
 
 enum { HQ = 4, HKV = 2, G = HQ / HKV, D = 64, CTX = 700, STEPS = 6 };
 #define KROW (HKV * D)
@@ -59,16 +64,86 @@ static kvt_cache *make(uint32_t R, float p, uint32_t *seq)
 
 /* ---- the reference --------------------------------------------------------------------------- */
 
-/* What the reference remembers per (KV head, query head): each index position's last exact-minus-
- * estimate and the step that measured it, and each step's rotated query residual. */
+/* What the reference remembers: per step (1-based), KV head and index position, whether the step
+ * attended it and each query head's exact-minus-estimate then; each step's rotated query residuals. */
 struct ref {
 	uint32_t R;
 	float rp;                      /* rescore_p: the second stage (0: off) */
 	uint64_t rescored, unselected; /* what it read, what of that the step did not select */
-	float delta[HKV][G][CTX];
-	uint32_t stamp[HKV][G][CTX]; /* 1-based step, 0: never */
+	uint8_t seen[STEPS + 1][HKV][CTX];
+	float delta[STEPS + 1][HKV][G][CTX];
 	float x[STEPS + 1][HKV][G][D];
 };
+
+#ifdef KVT_TEST_LS_MAX
+#define REF_LS_MAX KVT_TEST_LS_MAX
+#else
+#define REF_LS_MAX 32u
+#endif
+#define REF_RIDGE 0.1
+
+static double ref_dot(const float *a, const float *b)
+{
+	double s = 0.0;
+	for (uint32_t j = 0; j < D; j++)
+		s += (double)a[j] * b[j];
+	return s;
+}
+
+/* The rule's prediction of token t's estimate error for query head g (residual x) at `step`. */
+static double ref_predict(const struct ref *rf, uint32_t step, uint32_t h, uint32_t g,
+			  const float *x, uint32_t t)
+{
+	const float *xs[REF_LS_MAX];
+	double dl[REF_LS_MAX], A[REF_LS_MAX][REF_LS_MAX], f[REF_LS_MAX][REF_LS_MAX], w[REF_LS_MAX];
+	/* every query head of a step, or (more than REF_LS_MAX of them) the query head's own */
+	const uint32_t mps = G <= REF_LS_MAX ? G : 1, r0 = mps == 1 ? g : 0;
+	uint32_t n = 0, steps = 0;
+	for (uint32_t s = step - 1; s >= 1 && step - s <= rf->R && steps < REF_LS_MAX / mps; s--) {
+		if (!rf->seen[s][h][t])
+			continue;
+		steps++;
+		for (uint32_t r = r0; r < r0 + mps; r++) {
+			const double nn = ref_dot(rf->x[s][h][r], rf->x[s][h][r]);
+			if (!(nn > 0.0 && isfinite(nn)))
+				continue;
+			xs[n] = rf->x[s][h][r];
+			dl[n++] = rf->delta[s][h][r][t];
+		}
+	}
+	for (uint32_t i = 0; i < n; i++)
+		for (uint32_t j = 0; j < n; j++)
+			A[i][j] = ref_dot(xs[i], xs[j]) + (i == j ? REF_RIDGE * ref_dot(xs[i], xs[i]) : 0);
+	for (uint32_t i = 0; i < n; i++) /* Cholesky, row by row */
+		for (uint32_t j = 0; j <= i; j++) {
+			double v = A[i][j];
+			for (uint32_t k = 0; k < j; k++)
+				v -= f[i][k] * f[j][k];
+			if (i == j) {
+				if (!(v > 0.0))
+					return 0.0;
+				f[i][i] = sqrt(v);
+			} else {
+				f[i][j] = v / f[j][j];
+			}
+		}
+	for (uint32_t i = 0; i < n; i++) {
+		double v = ref_dot(x, xs[i]);
+		for (uint32_t k = 0; k < i; k++)
+			v -= f[i][k] * w[k];
+		w[i] = v / f[i][i];
+	}
+	for (uint32_t i = n; i-- > 0;) {
+		double v = w[i];
+		for (uint32_t k = i + 1; k < n; k++)
+			v -= f[k][i] * w[k];
+		w[i] = v / f[i][i];
+	}
+	double sum[4] = {0.0, 0.0, 0.0, 0.0};
+	for (uint32_t i = 0; i < n; i++)
+		sum[i % 4] += w[i] * dl[i];
+	return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
 
 static float exact_logit(const float *q, uint32_t pos, uint32_t h)
 {
@@ -104,16 +179,13 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 		uint32_t bad;
 		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, plain, &clamped, &bad) >=
 				0, "reference Top-p");
-		for (uint32_t t = 0; t < ni; t++) {
-			const uint32_t then = rf->stamp[h][g][t];
-			if (!then || step - then > rf->R)
+		for (uint32_t t = 0; t < ni && rf->R; t++) {
+			bool any = false;
+			for (uint32_t s = step - 1; s >= 1 && step - s <= rf->R; s--)
+				any |= rf->seen[s][h][t] != 0;
+			if (!any)
 				continue;
-			double xy = 0.0, yy = 0.0;
-			for (uint32_t j = 0; j < D; j++) {
-				xy += (double)qc.x[j] * rf->x[then][h][g][j];
-				yy += (double)rf->x[then][h][g][j] * rf->x[then][h][g][j];
-			}
-			float s = sc[t] + (float)(xy / yy * rf->delta[h][g][t]);
+			const float s = sc[t] + (float)ref_predict(rf, step, h, g, qc.x, t);
 			sc[t] = isfinite(s) ? s : sc[t];
 		}
 		if (rf->rp != 0.0f) { /* the second stage: Top-p(rp) of these scores, made exact */
@@ -143,8 +215,8 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 		for (uint32_t t = 0; t < ni; t++)
 			if (mask[t]) {
 				const float d = exact_logit(qf, S + t, h) - raw[g][t];
-				rf->delta[h][g][t] = isfinite(d) ? d : 0.0f;
-				rf->stamp[h][g][t] = step;
+				rf->delta[step][h][g][t] = isfinite(d) ? d : 0.0f;
+				rf->seen[step][h][t] = 1;
 			}
 	}
 }
