@@ -112,8 +112,9 @@ void kvt_corr_commit(kvt_cache *c, struct kvt_layer *l, bool recorded)
 
 /*
  * The prediction's state for one (layer, KV head) at one selection (and, with one measurement a
- * step, one query head), prepared by kvt_corr_apply for g == 0 (every g when G > LS_MAX) and used
- * by the group's other query heads; allocated by kvt_corr_reserve, so applying never allocates.
+ * step, one query head), made by kvt_corr_predict for the group's query heads together (each one
+ * alone when G > LS_MAX) and added by kvt_corr_apply to each head's scores; allocated by
+ * kvt_corr_reserve, so a step never allocates.
  * A measurement is (entry a, query head r of the step): index a * mps + r.
  */
 struct kvt_corr_ls {
@@ -123,9 +124,12 @@ struct kvt_corr_ls {
 	uint32_t na;                           /* entries that count, most recent first */
 	const struct kvt_corr_entry *e[KVT_MAX_CORRECTION_STEPS];
 	uint32_t mps, L;                       /* measurements a step, steps a prediction */
-	uint32_t M, cap_m;                     /* measurements; room of norm and rhs */
+	uint32_t M, cap_m;                     /* measurements; room of norm */
+	uint32_t gn, gmax;                     /* query heads predicted together, at most */
 	double *norm;                          /* [cap_m] squared norms */
-	double *rhs;                           /* [cap_m] products with the query being predicted */
+	double *rhs;                           /* [gmax][cap_m] products with the queries predicted */
+	float *xq;                             /* [gmax][d] their rotated residuals */
+	float *pred;                           /* [gmax][cap] their predictions per position */
 	double *gram;                          /* [LS_GRAM_MAX^2] pairwise products, NaN: not yet */
 	uint32_t nkeys;
 	uint64_t key[LS_KEYS];                 /* a step set: bit a for entry a */
@@ -134,9 +138,10 @@ struct kvt_corr_ls {
 	uint8_t kent[LS_KEYS][LS_MAX];         /* their entries */
 	uint16_t khead[LS_KEYS][LS_MAX];       /* their query heads */
 	double *fac;                           /* [LS_KEYS][LS_MAX^2] Cholesky factors */
-	double w[LS_KEYS][LS_MAX];             /* the weights of the current query head */
+	double *w;                             /* [LS_KEYS][LS_MAX][gmax] weights, by head last */
+	double *tw;                            /* [LS_MAX][gmax]: a set past LS_KEYS, per token */
 	uint32_t slot[LS_HASH];                /* key index + 1, 0: empty */
-	double tfac[LS_MAX * LS_MAX], tw[LS_MAX]; /* a set past LS_KEYS, made per token */
+	double tfac[LS_MAX * LS_MAX], tsol[LS_MAX];
 	uint64_t *mask;                        /* [cap] per index position: the entries holding it */
 	uint32_t *kid;                         /* [cap] its set's key index, LS_NONE: past LS_KEYS */
 	uint32_t cap;
@@ -219,12 +224,12 @@ static bool ls_factor(const kvt_cache *c, struct kvt_corr_ls *p, const uint16_t 
 	return true;
 }
 
-/* w = (L L^T)^-1 rhs[idx]. */
-static void ls_solve(const struct kvt_corr_ls *p, const double *f, const uint16_t *idx, uint32_t n,
+/* w = (L L^T)^-1 rhs[idx] */
+static void ls_solve(const double *rhs, const double *f, const uint16_t *idx, uint32_t n,
 		     double *w)
 {
 	for (uint32_t i = 0; i < n; i++) {
-		double s = p->rhs[idx[i]];
+		double s = rhs[idx[i]];
 		for (uint32_t k = 0; k < i; k++)
 			s -= f[i * LS_MAX + k] * w[k];
 		w[i] = s / f[i * LS_MAX + i];
@@ -258,7 +263,8 @@ static void ls_prepare(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 	const uint32_t R = c->cfg.correction_steps, RL = ring_len(c), G = c->group;
 	*p = (struct kvt_corr_ls){.l = l, .now = now, .h = h, .ni = ni, .g = g, .norm = p->norm,
 				  .rhs = p->rhs, .gram = p->gram, .fac = p->fac, .mask = p->mask,
-				  .kid = p->kid, .cap = p->cap, .cap_m = p->cap_m};
+				  .kid = p->kid, .cap = p->cap, .cap_m = p->cap_m, .gmax = p->gmax,
+				  .xq = p->xq, .pred = p->pred, .w = p->w, .tw = p->tw};
 	for (uint32_t age = 1; age <= R; age++) {
 		if (now <= age)
 			break;
@@ -307,25 +313,44 @@ static void ls_prepare(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 	}
 }
 
-void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
-		    uint64_t now, const float *x, float *scores)
+uint32_t kvt_corr_heads(const kvt_cache *c, const struct kvt_layer *l)
+{
+	if (!c->cfg.correction_steps || !l->corr || !c->corr_ls)
+		return 0;
+	return c->group <= LS_MAX ? c->group : 1;
+}
+
+float *kvt_corr_queries(kvt_cache *c)
+{
+	return c->corr_ls->xq;
+}
+
+void kvt_corr_predict(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g0,
+		      uint32_t gn, uint32_t ni, uint64_t now)
 {
 	const uint32_t G = c->group, d = c->d;
 	struct kvt_corr_ls *p = c->corr_ls;
-	if (!c->cfg.correction_steps || !l->corr || !ni || !p)
-		return;
-	if (g == 0 || G > LS_MAX || p->l != l || p->h != h || p->ni != ni || p->now != now)
-		ls_prepare(c, l, h, g, ni, now);
+	ls_prepare(c, l, h, g0, ni, now);
+	p->gn = gn;
 	if (!p->na)
 		return;
-	for (uint32_t i = 0; i < p->M; i++)
-		p->rhs[i] = dot_d(x, ls_x(c, p, i), d);
-	for (uint32_t k = 0; k < p->nkeys; k++)
-		if (p->kn[k])
-			ls_solve(p, p->fac + (size_t)k * LS_MAX * LS_MAX, p->kidx[k], p->kn[k],
-				 p->w[k]);
+	const uint32_t M = p->M;
+	for (uint32_t gg = 0; gg < gn; gg++)
+		for (uint32_t i = 0; i < M; i++)
+			p->rhs[(size_t)gg * M + i] = dot_d(p->xq + (size_t)gg * d, ls_x(c, p, i), d);
+	for (uint32_t k = 0; k < p->nkeys; k++) {
+		const uint32_t n = p->kn[k];
+		double *w = p->w + (size_t)k * LS_MAX * p->gmax;
+		for (uint32_t gg = 0; n && gg < gn; gg++) {
+			ls_solve(p->rhs + (size_t)gg * M, p->fac + (size_t)k * LS_MAX * LS_MAX,
+				 p->kidx[k], n, p->tsol);
+			for (uint32_t j = 0; j < n; j++)
+				w[(size_t)j * gn + gg] = p->tsol[j];
+		}
+	}
 	uint32_t cur[KVT_MAX_CORRECTION_STEPS] = {0}; /* each entry's next position */
 	const float *at[KVT_MAX_CORRECTION_STEPS];      /* a token's deltas in each entry */
+	double sum[4][LS_MAX];                          /* per head: term j in sum j % 4 */
 	for (uint32_t t = 0; t < ni; t++) {
 		const uint64_t m = p->mask[t];
 		if (!m)
@@ -335,7 +360,7 @@ void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_
 			const uint32_t a = (uint32_t)__builtin_ctzll(b);
 			at[a] = p->e[a]->delta + (size_t)cur[a]++ * G;
 		}
-		const double *w = NULL;
+		const double *w;
 		const uint8_t *ent;
 		const uint16_t *head;
 		uint32_t n;
@@ -344,38 +369,52 @@ void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_
 		if (p->kid[t] != LS_NONE) {
 			const uint32_t k = p->kid[t];
 			n = p->kn[k];
-			w = p->w[k];
+			w = p->w + (size_t)k * LS_MAX * p->gmax;
 			ent = p->kent[k];
 			head = p->khead[k];
 		} else { /* a set past the kept ones: the same arithmetic, made here */
 			n = ls_members(p, ls_key(m, p->L), idx, ex, hx);
-			if (n && ls_factor(c, p, idx, n, p->tfac))
-				ls_solve(p, p->tfac, idx, n, p->tw);
-			else
+			if (n && !ls_factor(c, p, idx, n, p->tfac))
 				n = 0;
+			for (uint32_t gg = 0; n && gg < gn; gg++) {
+				ls_solve(p->rhs + (size_t)gg * M, p->tfac, idx, n, p->tsol);
+				for (uint32_t j = 0; j < n; j++)
+					p->tw[(size_t)j * gn + gg] = p->tsol[j];
+			}
 			w = p->tw;
 			ent = ex;
 			head = hx;
 		}
-		/* four running sums, term j in sum j % 4 */
-		double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-		uint32_t j = 0;
-		for (; j + 4 <= n; j += 4) {
-			s0 += w[j] * at[ent[j]][head[j]];
-			s1 += w[j + 1] * at[ent[j + 1]][head[j + 1]];
-			s2 += w[j + 2] * at[ent[j + 2]][head[j + 2]];
-			s3 += w[j + 3] * at[ent[j + 3]][head[j + 3]];
+		for (uint32_t r = 0; r < 4; r++)
+			for (uint32_t gg = 0; gg < gn; gg++)
+				sum[r][gg] = 0.0;
+		for (uint32_t j = 0; j < n; j++) {
+			const double dl = at[ent[j]][head[j]];
+			const double *wj = w + (size_t)j * gn;
+			double *sj = sum[j & 3];
+			for (uint32_t gg = 0; gg < gn; gg++)
+				sj[gg] += wj[gg] * dl;
 		}
-		if (j < n)
-			s0 += w[j] * at[ent[j]][head[j]];
-		if (j + 1 < n)
-			s1 += w[j + 1] * at[ent[j + 1]][head[j + 1]];
-		if (j + 2 < n)
-			s2 += w[j + 2] * at[ent[j + 2]][head[j + 2]];
-		const double pred = (s0 + s1) + (s2 + s3);
-		const float s = scores[t] + (float)pred;
-		scores[t] = isfinite(s) ? s : scores[t];
+		for (uint32_t gg = 0; gg < gn; gg++)
+			p->pred[(size_t)gg * p->cap + t] =
+				(float)((sum[0][gg] + sum[1][gg]) + (sum[2][gg] + sum[3][gg]));
 	}
+}
+
+void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
+		    uint64_t now, float *scores)
+{
+	const struct kvt_corr_ls *p = c->corr_ls;
+	/* only what kvt_corr_predict made for these heads of this (layer, KV head, selection) */
+	if (!p || p->l != l || p->h != h || p->ni != ni || p->now != now || !p->na || g < p->g ||
+	    g >= p->g + p->gn)
+		return;
+	const float *pred = p->pred + (size_t)(g - p->g) * p->cap;
+	for (uint32_t t = 0; t < ni; t++)
+		if (p->mask[t]) {
+			const float s = scores[t] + pred[t];
+			scores[t] = isfinite(s) ? s : scores[t];
+		}
 }
 
 int kvt_corr_reserve(kvt_cache *c, uint32_t tokens)
@@ -386,40 +425,50 @@ int kvt_corr_reserve(kvt_cache *c, uint32_t tokens)
 	struct kvt_corr_ls *p = c->corr_ls;
 	if (!p) {
 		const uint32_t mps = c->group <= LS_MAX ? c->group : 1;
-		const uint32_t cap_m = R * mps;
+		const uint32_t cap_m = R * mps, gmax = mps;
 		p = kvt_mem_alloc(KVT_MEM_HOST, sizeof *p);
 		double *norm = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m);
-		double *rhs = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m);
+		double *rhs = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m * gmax);
 		double *gram = kvt_mem_alloc(KVT_MEM_HOST,
 					     sizeof(double) * LS_GRAM_MAX * LS_GRAM_MAX);
 		double *fac = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * LS_MAX);
-		if (!p || !norm || !rhs || !gram || !fac) {
+		double *w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * gmax);
+		double *tw = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_MAX * gmax);
+		float *xq = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * gmax * c->d);
+		if (!p || !norm || !rhs || !gram || !fac || !w || !tw || !xq) {
 			kvt_mem_free(KVT_MEM_HOST, p, 0);
 			kvt_mem_free(KVT_MEM_HOST, norm, 0);
 			kvt_mem_free(KVT_MEM_HOST, rhs, 0);
 			kvt_mem_free(KVT_MEM_HOST, gram, 0);
 			kvt_mem_free(KVT_MEM_HOST, fac, 0);
+			kvt_mem_free(KVT_MEM_HOST, w, 0);
+			kvt_mem_free(KVT_MEM_HOST, tw, 0);
+			kvt_mem_free(KVT_MEM_HOST, xq, 0);
 			return kvt_seterr(c, -ENOMEM, "out of memory for the score corrections' "
 					  "prediction");
 		}
 		*p = (struct kvt_corr_ls){.norm = norm, .rhs = rhs, .gram = gram, .fac = fac,
-					  .cap_m = cap_m};
+					  .w = w, .tw = tw, .xq = xq, .cap_m = cap_m, .gmax = gmax};
 		c->corr_ls = p;
 	}
 	if (tokens <= p->cap)
 		return 0;
 	uint64_t *mask = kvt_mem_alloc(KVT_MEM_HOST, sizeof *mask * tokens);
 	uint32_t *kid = kvt_mem_alloc(KVT_MEM_HOST, sizeof *kid * tokens);
-	if (!mask || !kid) {
+	float *pred = kvt_mem_alloc(KVT_MEM_HOST, sizeof *pred * tokens * p->gmax);
+	if (!mask || !kid || !pred) {
 		kvt_mem_free(KVT_MEM_HOST, mask, 0);
 		kvt_mem_free(KVT_MEM_HOST, kid, 0);
+		kvt_mem_free(KVT_MEM_HOST, pred, 0);
 		return kvt_seterr(c, -ENOMEM, "out of memory for the score corrections of %u tokens",
 				  tokens);
 	}
 	kvt_mem_free(KVT_MEM_HOST, p->mask, 0);
 	kvt_mem_free(KVT_MEM_HOST, p->kid, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->pred, 0);
 	p->mask = mask;
 	p->kid = kid;
+	p->pred = pred;
 	p->cap = tokens;
 	p->l = NULL;
 	return 0;
@@ -484,6 +533,10 @@ void kvt_corr_fini(kvt_cache *c)
 	kvt_mem_free(KVT_MEM_HOST, p->fac, 0);
 	kvt_mem_free(KVT_MEM_HOST, p->mask, 0);
 	kvt_mem_free(KVT_MEM_HOST, p->kid, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->pred, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->w, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->tw, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->xq, 0);
 	kvt_mem_free(KVT_MEM_HOST, p, 0);
 	c->corr_ls = NULL;
 }

@@ -261,15 +261,31 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 	const bool rs = c->cfg.rescore_p != 0.0f;
 	if (rs)
 		memset(c->cand + ni, 0, ni);
+	const uint32_t gp = kvt_corr_heads(c, l); /* query heads whose corrections come together */
+	const uint64_t now = l->corr_step + 1;
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM];
 		kvt_qcode qc;
 		uint64_t t0 = kvt_now_ns();
-		load_vec(c, q, (row * c->cfg.n_q_heads + h * G + g) * d, qf);
+		const size_t at = (row * c->cfg.n_q_heads + h * G) * d;
+		load_vec(c, q, at + (size_t)g * d, qf);
 		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
+		if (gp && g % gp == 0) {
+			float *xq = kvt_corr_queries(c);
+			memcpy(xq, qc.x, sizeof *xq * d);
+			for (uint32_t gg = 1; gg < gp; gg++) {
+				float q2[KVT_MAX_HEAD_DIM];
+				kvt_qcode c2;
+				load_vec(c, q, at + (size_t)(g + gg) * d, q2);
+				kvt_query_prepare(d, rot, l->c_q + (size_t)h * d,
+						  l->c_k + (size_t)h * d, q2, &c2);
+				memcpy(xq + (size_t)gg * d, c2.x, sizeof *xq * d);
+			}
+			kvt_corr_predict(c, l, h, g, gp, ni, now);
+		}
 		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
-		kvt_corr_apply(c, l, h, g, ni, l->corr_step + 1, qc.x, c->scores);
+		kvt_corr_apply(c, l, h, g, ni, now, c->scores);
 		uint64_t t1 = kvt_now_ns(); /* the second stage is selection time */
 		if (rs) {
 			int rr = rescore(c, l, h, ni, qf);

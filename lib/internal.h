@@ -647,14 +647,21 @@ void kvt_out_fill(void *dst, const void *src, size_t src_size);
 
 /* ---- score corrections from exact logits (lib/correct.c) ------------------------------------ */
 
-/* Add to the scores of query head g of KV head h (its rotated residual x) for the selection number
- * `now` the least-squares prediction of each token's estimate error from what the last
- * correction_steps selections before it measured (lib/correct.c); only index positions below ni.
- * Called for g = 0 first (it prepares what the group's query heads share), then g = 1 ... G - 1,
- * with nothing recorded, committed or forgotten in between. Allocates nothing (kvt_corr_reserve). */
+/* How many query heads kvt_corr_predict takes together (the group's G, or 1 when G > 32), 0 when
+ * layer l has no corrections to apply; kvt_corr_queries: where their rotated residuals go first
+ * (gn x d floats). */
+uint32_t kvt_corr_heads(const kvt_cache *c, const struct kvt_layer *l);
+float *kvt_corr_queries(kvt_cache *c);
+/* Predict, for query heads g0 .. g0 + gn - 1 of KV head h (their residuals in kvt_corr_queries)
+ * at selection number `now`, each token's estimate error from what the last correction_steps
+ * selections measured (lib/correct.c), for index positions below ni; kvt_corr_apply then adds
+ * head g's to its scores (nothing unless this is what was predicted last). Allocates nothing
+ * (kvt_corr_reserve). */
+void kvt_corr_predict(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g0,
+		      uint32_t gn, uint32_t ni, uint64_t now);
 void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g, uint32_t ni,
-		    uint64_t now, const float *x, float *scores);
-/* Room for kvt_corr_apply over up to `tokens` index positions (nothing when corrections are off).
+		    uint64_t now, float *scores);
+/* Room for kvt_corr_predict over up to `tokens` index positions (nothing when corrections are off).
  * -ENOMEM, nothing changed. */
 int kvt_corr_reserve(kvt_cache *c, uint32_t tokens);
 /* Room for the logits of G queries over n attended rows (G x n floats), or NULL when corrections
