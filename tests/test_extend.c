@@ -6,7 +6,9 @@
  * at a time and attending at p = 1; a varlen batch (an empty entry included) equal to the entries
  * extended alone; bad arguments refused by name with nothing changed; allocation faults that leave
  * every sequence as it was. With KVT_EXTEND_TOPP (Top-p per query row): each entry's last row bit
- * for bit kvt_attend of its query, p = 1 equal to exact attention, every row equal to an oracle
+ * for bit kvt_attend of its query (also with score corrections recorded by earlier decode steps,
+ * which change the rows against a twin without them), p = 1 equal to exact attention, every row
+ * equal to an oracle
  * built from one-token prefills and kvt_attend (with its selection counters), and later tokens of
  * the chunk masked out of an earlier row's selection. With --nvme: a spilled sequence, its rows
  * read from NVMe, equal to the same sequence unspilled (exact and Top-p).
@@ -616,6 +618,65 @@ static void test_topp_last_row(void **state)
 	}
 }
 
+/* With score corrections on (correction_steps), a Top-p row still selects as the kvt_attend after
+ * it does: each entry's last row equals kvt_attend of that query right after the call, bit for
+ * bit, after decode steps that recorded corrections; and the corrections changed the outputs
+ * (against a twin cache without them). */
+static void test_topp_corrected(void **state)
+{
+	(void)state;
+	static const uint32_t all[NS] = {0, 1, 2, 3};
+	static const uint32_t seqs[NS] = {2, 0, 3, 1}, n[NS] = {5, 3, 1, 0};
+	kvt_config cfg = topp_config(KVT_DTYPE_F16, 0.8f, 16, 8, 0);
+	cfg.correction_steps = 4;
+	make_streams(cfg.dtype, 0x70c);
+	kvt_cache *a = make_cache(&cfg);
+	cfg.correction_steps = 0;
+	kvt_cache *z = make_cache(&cfg);
+	uint8_t *oa = t_alloc(out_bytes(a, 9)), *oz = t_alloc(out_bytes(a, 9));
+	uint8_t *o2 = t_alloc(out_bytes(a, NS));
+	bool changed = false;
+	for (uint32_t s = 0; s < NS; s++) {
+		prefill(a, s, 300);
+		prefill(z, s, 300);
+	}
+	for (uint32_t round = 0; round < 3; round++) {
+		for (uint32_t k = 0; k < 3; k++) {
+			decode(a, NS, all, o2);
+			decode(z, NS, all, o2);
+		}
+		extend_ok_flags(a, NS, seqs, n, oa, KVT_EXTEND_TOPP);
+		extend_ok_flags(z, NS, seqs, n, oz, KVT_EXTEND_TOPP);
+		changed |= memcmp(oa, oz, out_bytes(a, 9)) != 0;
+		uint32_t busy[NS], last[NS], m = 0, row = 0;
+		for (uint32_t i = 0; i < NS; row += n[i], i++) {
+			if (!n[i])
+				continue;
+			memcpy(g_bq + (size_t)m * QROW,
+			       g_q[seqs[i]] + (size_t)(len_of(a, seqs[i]) - 1) * QROW, 2ull * QROW);
+			busy[m] = seqs[i];
+			last[m++] = row + n[i] - 1;
+		}
+		T_CHECK(kvt_attend(a, LAYER, m, busy, g_bq, o2, NULL) == 0, "attend: %s",
+			kvt_last_error(a));
+		for (uint32_t i = 0; i < m; i++)
+			T_CHECK(!memcmp(oa + out_bytes(a, last[i]), o2 + out_bytes(a, i),
+					out_bytes(a, 1)),
+				"round %u, seq %u: the last row (%u) differs from kvt_attend of its "
+				"query with corrections on", round, busy[i], last[i]);
+		/* the twin's corrections-free step, so both stay at the same selection count */
+		T_CHECK(kvt_attend(z, LAYER, m, busy, g_bq, o2, NULL) == 0, "attend: %s",
+			kvt_last_error(z));
+	}
+	T_CHECK(changed, "the corrections never changed a Top-p row's output: the test proves "
+		"nothing");
+	free(oa);
+	free(oz);
+	free(o2);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(z);
+}
+
 /* At p = 1 with no budget_max, every indexed token up to a row is selected: the exact outputs. */
 static void test_topp_p1(void **state)
 {
@@ -787,6 +848,7 @@ int main(int argc, char **argv)
 		cmocka_unit_test(test_reference),     cmocka_unit_test(test_twins),
 		cmocka_unit_test(test_varlen),        cmocka_unit_test(test_bad_arguments),
 		cmocka_unit_test(test_faults),        cmocka_unit_test(test_topp_last_row),
+		cmocka_unit_test(test_topp_corrected),
 		cmocka_unit_test(test_topp_p1),       cmocka_unit_test(test_topp_oracle),
 		cmocka_unit_test(test_topp_masking),
 	};
