@@ -128,7 +128,7 @@ struct kvt_corr_ls {
 	uint32_t gn, gmax;                     /* query heads predicted together, at most */
 	double *norm;                          /* [cap_m] squared norms */
 	double *rhs;                           /* [gmax][cap_m] products with the queries predicted */
-	float *xq;                             /* [gmax][d] their rotated residuals */
+	kvt_qcode *qq;                         /* [gmax] their prepared queries */
 	float *pred;                           /* [gmax][cap] their predictions per position */
 	double *gram;                          /* [LS_GRAM_MAX^2] pairwise products, NaN: not yet */
 	uint32_t nkeys;
@@ -264,7 +264,7 @@ static void ls_prepare(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 	*p = (struct kvt_corr_ls){.l = l, .now = now, .h = h, .ni = ni, .g = g, .norm = p->norm,
 				  .rhs = p->rhs, .gram = p->gram, .fac = p->fac, .mask = p->mask,
 				  .kid = p->kid, .cap = p->cap, .cap_m = p->cap_m, .gmax = p->gmax,
-				  .xq = p->xq, .pred = p->pred, .w = p->w, .tw = p->tw};
+				  .qq = p->qq, .pred = p->pred, .w = p->w, .tw = p->tw};
 	for (uint32_t age = 1; age <= R; age++) {
 		if (now <= age)
 			break;
@@ -320,9 +320,9 @@ uint32_t kvt_corr_heads(const kvt_cache *c, const struct kvt_layer *l)
 	return c->group <= LS_MAX ? c->group : 1;
 }
 
-float *kvt_corr_queries(kvt_cache *c)
+kvt_qcode *kvt_corr_queries(kvt_cache *c)
 {
-	return c->corr_ls->xq;
+	return c->corr_ls->qq;
 }
 
 void kvt_corr_predict(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t g0,
@@ -337,7 +337,7 @@ void kvt_corr_predict(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint3
 	const uint32_t M = p->M;
 	for (uint32_t gg = 0; gg < gn; gg++)
 		for (uint32_t i = 0; i < M; i++)
-			p->rhs[(size_t)gg * M + i] = dot_d(p->xq + (size_t)gg * d, ls_x(c, p, i), d);
+			p->rhs[(size_t)gg * M + i] = dot_d(p->qq[gg].x, ls_x(c, p, i), d);
 	for (uint32_t k = 0; k < p->nkeys; k++) {
 		const uint32_t n = p->kn[k];
 		double *w = p->w + (size_t)k * LS_MAX * p->gmax;
@@ -417,6 +417,24 @@ void kvt_corr_apply(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_
 		}
 }
 
+/* The prediction's state and every array it holds (NULL accepted). */
+static void ls_free(struct kvt_corr_ls *p)
+{
+	if (!p)
+		return;
+	kvt_mem_free(KVT_MEM_HOST, p->norm, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->rhs, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->gram, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->fac, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->w, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->tw, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->qq, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->mask, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->kid, 0);
+	kvt_mem_free(KVT_MEM_HOST, p->pred, 0);
+	kvt_mem_free(KVT_MEM_HOST, p, 0);
+}
+
 int kvt_corr_reserve(kvt_cache *c, uint32_t tokens)
 {
 	const uint32_t R = c->cfg.correction_steps;
@@ -427,28 +445,21 @@ int kvt_corr_reserve(kvt_cache *c, uint32_t tokens)
 		const uint32_t mps = c->group <= LS_MAX ? c->group : 1;
 		const uint32_t cap_m = R * mps, gmax = mps;
 		p = kvt_mem_alloc(KVT_MEM_HOST, sizeof *p);
-		double *norm = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m);
-		double *rhs = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m * gmax);
-		double *gram = kvt_mem_alloc(KVT_MEM_HOST,
-					     sizeof(double) * LS_GRAM_MAX * LS_GRAM_MAX);
-		double *fac = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * LS_MAX);
-		double *w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * gmax);
-		double *tw = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_MAX * gmax);
-		float *xq = kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * gmax * c->d);
-		if (!p || !norm || !rhs || !gram || !fac || !w || !tw || !xq) {
-			kvt_mem_free(KVT_MEM_HOST, p, 0);
-			kvt_mem_free(KVT_MEM_HOST, norm, 0);
-			kvt_mem_free(KVT_MEM_HOST, rhs, 0);
-			kvt_mem_free(KVT_MEM_HOST, gram, 0);
-			kvt_mem_free(KVT_MEM_HOST, fac, 0);
-			kvt_mem_free(KVT_MEM_HOST, w, 0);
-			kvt_mem_free(KVT_MEM_HOST, tw, 0);
-			kvt_mem_free(KVT_MEM_HOST, xq, 0);
+		if (p) {
+			*p = (struct kvt_corr_ls){.cap_m = cap_m, .gmax = gmax};
+			p->norm = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m);
+			p->rhs = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * cap_m * gmax);
+			p->gram = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_GRAM_MAX * LS_GRAM_MAX);
+			p->fac = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * LS_MAX);
+			p->w = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_KEYS * LS_MAX * gmax);
+			p->tw = kvt_mem_alloc(KVT_MEM_HOST, sizeof(double) * LS_MAX * gmax);
+			p->qq = kvt_mem_alloc(KVT_MEM_HOST, sizeof(kvt_qcode) * gmax);
+		}
+		if (!p || !p->norm || !p->rhs || !p->gram || !p->fac || !p->w || !p->tw || !p->qq) {
+			ls_free(p);
 			return kvt_seterr(c, -ENOMEM, "out of memory for the score corrections' "
 					  "prediction");
 		}
-		*p = (struct kvt_corr_ls){.norm = norm, .rhs = rhs, .gram = gram, .fac = fac,
-					  .w = w, .tw = tw, .xq = xq, .cap_m = cap_m, .gmax = gmax};
 		c->corr_ls = p;
 	}
 	if (tokens <= p->cap)
@@ -524,20 +535,7 @@ void kvt_corr_fini(kvt_cache *c)
 	kvt_mem_free(KVT_MEM_HOST, c->corr_logits, 0);
 	c->corr_logits = NULL;
 	c->corr_logits_n = 0;
-	struct kvt_corr_ls *p = c->corr_ls;
-	if (!p)
-		return;
-	kvt_mem_free(KVT_MEM_HOST, p->norm, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->rhs, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->gram, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->fac, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->mask, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->kid, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->pred, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->w, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->tw, 0);
-	kvt_mem_free(KVT_MEM_HOST, p->xq, 0);
-	kvt_mem_free(KVT_MEM_HOST, p, 0);
+	ls_free(c->corr_ls);
 	c->corr_ls = NULL;
 }
 

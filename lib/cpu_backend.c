@@ -262,28 +262,28 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 	if (rs)
 		memset(c->cand + ni, 0, ni);
 	const uint32_t gp = kvt_corr_heads(c, l); /* query heads whose corrections come together */
+	kvt_qcode *qq = gp ? kvt_corr_queries(c) : NULL; /* those heads' prepared queries */
 	const uint64_t now = l->corr_step + 1;
+	const float *cq = l->c_q + (size_t)h * d, *ck = l->c_k + (size_t)h * d;
+	const size_t at = (row * c->cfg.n_q_heads + h * G) * d;
 	for (uint32_t g = 0; g < G; g++) {
 		float qf[KVT_MAX_HEAD_DIM];
-		kvt_qcode qc;
+		kvt_qcode own, *qc = gp ? &qq[g % gp] : &own;
 		uint64_t t0 = kvt_now_ns();
-		const size_t at = (row * c->cfg.n_q_heads + h * G) * d;
 		load_vec(c, q, at + (size_t)g * d, qf);
-		kvt_query_prepare(d, rot, l->c_q + (size_t)h * d, l->c_k + (size_t)h * d, qf, &qc);
-		if (gp && g % gp == 0) {
-			float *xq = kvt_corr_queries(c);
-			memcpy(xq, qc.x, sizeof *xq * d);
-			for (uint32_t gg = 1; gg < gp; gg++) {
+		if (!gp) {
+			kvt_query_prepare(d, rot, cq, ck, qf, qc);
+		} else if (g % gp == 0) {
+			/* the heads whose corrections come together, each prepared once for both */
+			for (uint32_t gg = 0; gg < gp; gg++) {
 				float q2[KVT_MAX_HEAD_DIM];
-				kvt_qcode c2;
-				load_vec(c, q, at + (size_t)(g + gg) * d, q2);
-				kvt_query_prepare(d, rot, l->c_q + (size_t)h * d,
-						  l->c_k + (size_t)h * d, q2, &c2);
-				memcpy(xq + (size_t)gg * d, c2.x, sizeof *xq * d);
+				if (gg)
+					load_vec(c, q, at + (size_t)(g + gg) * d, q2);
+				kvt_query_prepare(d, rot, cq, ck, gg ? q2 : qf, &qq[gg]);
 			}
 			kvt_corr_predict(c, l, h, g, gp, ni, now);
 		}
-		kvt_score(d, &qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
+		kvt_score(d, qc, ni, l->codes + (size_t)h * cap * c->words, l->sigma + (size_t)h * cap,
 			  l->beta + (size_t)h * cap, c->scores);
 		kvt_corr_apply(c, l, h, g, ni, now, c->scores);
 		uint64_t t1 = kvt_now_ns(); /* the second stage is selection time */
@@ -299,7 +299,7 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		c->st.ns_score += t1 - t0;
 		c->st.ns_select += kvt_now_ns() - t1;
 		if (rc < 0)
-			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, &qc));
+			return kvt_err_entry(c, i, score_error(c, l, h, h * G + g, i, bad, qf, qc));
 		t->max_hits += clamped < 0;
 		t->min_hits += clamped > 0;
 	}

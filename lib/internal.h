@@ -648,11 +648,11 @@ void kvt_out_fill(void *dst, const void *src, size_t src_size);
 /* ---- score corrections from exact logits (lib/correct.c) ------------------------------------ */
 
 /* How many query heads kvt_corr_predict takes together (the group's G, or 1 when G > 32), 0 when
- * layer l has no corrections to apply; kvt_corr_queries: where their rotated residuals go first
- * (gn x d floats). */
+ * layer l has no corrections to apply; kvt_corr_queries: where those heads' prepared queries go
+ * first (gn of them), which the caller then scores with. */
 uint32_t kvt_corr_heads(const kvt_cache *c, const struct kvt_layer *l);
-float *kvt_corr_queries(kvt_cache *c);
-/* Predict, for query heads g0 .. g0 + gn - 1 of KV head h (their residuals in kvt_corr_queries)
+kvt_qcode *kvt_corr_queries(kvt_cache *c);
+/* Predict, for query heads g0 .. g0 + gn - 1 of KV head h (prepared in kvt_corr_queries)
  * at selection number `now`, each token's estimate error from what the last correction_steps
  * selections measured (lib/correct.c), for index positions below ni; kvt_corr_apply then adds
  * head g's to its scores (nothing unless this is what was predicted last). Allocates nothing
