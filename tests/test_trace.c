@@ -513,6 +513,113 @@ static void test_hot_sim(void **state)
 	}
 }
 
+/* The most hits any cache of `cap` rows gets on the log: every choice of what to keep after each
+ * step (at most cap rows of those it held and those the step read), by dynamic programming over
+ * the held sets of up to eight rows. */
+static uint64_t best_hits(const uint32_t *masks, uint32_t steps, uint32_t rows, uint32_t cap)
+{
+	int64_t best[256], nb[256]; /* the most hits so far with this set held, -1: unreachable */
+	for (uint32_t m = 0; m < 1u << rows; m++)
+		best[m] = m == 0 ? 0 : -1;
+	for (uint32_t s = 0; s < steps; s++) {
+		for (uint32_t m = 0; m < 1u << rows; m++)
+			nb[m] = -1;
+		for (uint32_t m = 0; m < 1u << rows; m++) {
+			if (best[m] < 0)
+				continue;
+			const int64_t h = best[m] + (s ? __builtin_popcount(m & masks[s]) : 0);
+			const uint32_t can = m | masks[s];
+			for (uint32_t k = can;; k = (k - 1) & can) { /* every subset of can */
+				if ((uint32_t)__builtin_popcount(k) <= cap && h > nb[k])
+					nb[k] = h;
+				if (!k)
+					break;
+			}
+		}
+		memcpy(best, nb, sizeof(best));
+	}
+	int64_t most = 0;
+	for (uint32_t m = 0; m < 1u << rows; m++)
+		most = best[m] > most ? best[m] : most;
+	return (uint64_t)most;
+}
+
+/* The offline optimum equals the most hits any choice gets, on random logs of up to eight rows,
+ * at every size; recency and frequency never beat it. Then by hand: frequency keeps a row read
+ * often over one read once (where recency does not), and forgets the reads of a row it drops. */
+static void test_hot_policies(void **state)
+{
+	(void)state;
+	t_rng r;
+	t_rng_seed(&r, 5);
+	for (int trial = 0; trial < 300; trial++) {
+		const uint32_t rows = 1 + (uint32_t)(t_next(&r) % 8),
+			       steps = 1 + (uint32_t)(t_next(&r) % 9);
+		uint32_t masks[9];
+		kb_hotlog g;
+		T_CHECK(kb_hotlog_init(&g, rows, steps) == 0, "kb_hotlog_init failed");
+		for (uint32_t s = 0; s < steps; s++) {
+			masks[s] = (uint32_t)(t_next(&r) & ((1u << rows) - 1));
+			uint64_t row[8];
+			size_t n = 0;
+			for (uint32_t i = 0; i < rows; i++)
+				if (masks[s] >> i & 1)
+					row[n++] = i;
+			T_CHECK(kb_hotlog_step(&g, row, n) == 0, "kb_hotlog_step failed");
+		}
+		for (uint32_t cap = 0; cap <= rows; cap++) {
+			uint64_t opt, freq, reads, reads2;
+			T_CHECK(kb_hot_optimum(&g, cap, &opt, &reads) == 0 &&
+					kb_hot_frequency(&g, cap, KB_HOT_DECAY, &freq, &reads2) == 0,
+				"out of memory");
+			const uint64_t want = best_hits(masks, steps, rows, cap);
+			kb_lru l;
+			T_CHECK(kb_lru_init(&l, rows, cap, steps) == 0, "kb_lru_init failed");
+			for (uint32_t s = 0; s < steps; s++)
+				kb_lru_step(&l, s, g.row + g.first[s], g.first[s + 1] - g.first[s]);
+			T_CHECK(opt == want && freq <= want && l.hits <= (double)want + 1e-9 &&
+					reads == l.reads && reads2 == l.reads,
+				"trial %d (%u rows, %u steps), cap %u: optimum %llu, frequency %llu, "
+				"recency %g of %llu reads; the best is %llu", trial, rows, steps, cap,
+				(unsigned long long)opt, (unsigned long long)freq, l.hits,
+				(unsigned long long)reads, (unsigned long long)want);
+			kb_lru_free(&l);
+		}
+		kb_hotlog_free(&g);
+	}
+	/* one row of room: A A B A B (frequency and the optimum keep A: 2 hits; recency 1), then
+	 * A A A B B B A (frequency never takes B, whose reads it forgets each time it drops it: A
+	 * hits at steps 1, 2 and 6; counting B's three reads would have taken it at step 5, as the
+	 * optimum does) */
+	enum { A, B };
+	static const uint64_t logs[2][7] = {{A, A, B, A, B}, {A, A, A, B, B, B, A}};
+	static const uint32_t len[2] = {5, 7};
+	static const uint64_t want_freq[2] = {2, 3}, want_opt[2] = {2, 4};
+	static const double want_lru[2] = {1, 4};
+	for (int c = 0; c < 2; c++) {
+		kb_hotlog g;
+		kb_lru l;
+		T_CHECK(kb_hotlog_init(&g, 2, len[c]) == 0 && kb_lru_init(&l, 2, 1, len[c]) == 0,
+			"init failed");
+		for (uint32_t s = 0; s < len[c]; s++) {
+			T_CHECK(kb_hotlog_step(&g, &logs[c][s], 1) == 0, "kb_hotlog_step failed");
+			kb_lru_step(&l, s, &logs[c][s], 1);
+		}
+		T_CHECK(kb_hotlog_step(&g, logs[c], 1) < 0, "a step past the log's steps was kept");
+		uint64_t f, o, n;
+		T_CHECK(kb_hot_frequency(&g, 1, KB_HOT_DECAY, &f, &n) == 0 &&
+				kb_hot_optimum(&g, 1, &o, &n) == 0,
+			"out of memory");
+		T_CHECK(f == want_freq[c] && o == want_opt[c] && l.hits == want_lru[c],
+			"log %d: frequency %llu, optimum %llu, recency %g hits; want %llu, %llu, %g", c,
+			(unsigned long long)f, (unsigned long long)o, l.hits,
+			(unsigned long long)want_freq[c], (unsigned long long)want_opt[c],
+			want_lru[c]);
+		kb_hotlog_free(&g);
+		kb_lru_free(&l);
+	}
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -527,6 +634,7 @@ int main(void)
 		cmocka_unit_test(test_utf8),
 		cmocka_unit_test(test_replay_utf8),
 		cmocka_unit_test(test_hot_sim),
+		cmocka_unit_test(test_hot_policies),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

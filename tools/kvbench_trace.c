@@ -177,6 +177,8 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 	}
 	for (int k = 0; k < KB_HOT_ALL; k++)
 		kb_lru_step(&t->hot[k], step, t->hot_rows, nh);
+	if (kb_hotlog_step(&t->hot_log, t->hot_rows, nh) < 0)
+		fail("out of memory", "the simulated hot cache's log");
 	t->hot_demand += (double)nh / (double)t->hot[0].rows;
 	t->hot_steps++;
 }
@@ -248,6 +250,8 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 		if (kb_lru_init(&t->hot[k], rows, k < KB_HOT_SIZES ? rows / KB_HOT_DEN(k) : 0,
 				m->decode_steps) < 0)
 			fail("out of memory", "the simulated hot cache");
+	if (kb_hotlog_init(&t->hot_log, rows, m->decode_steps) < 0)
+		fail("out of memory", "the simulated hot cache's log");
 	t->hot[KB_HOT_SELF].grows = KB_LRU_RULE;
 	t->hot[KB_HOT_DEMAND].grows = KB_LRU_DEMAND;
 	snap(t, &st0);
@@ -285,6 +289,15 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	t->hot_self_share[0] += (double)t->hot[KB_HOT_SELF].cap / (double)rows;
 	t->hot_self_share[1] += (double)t->hot[KB_HOT_DEMAND].cap / (double)rows;
 	t->hot_layers++;
+	for (int k = 0; k < KB_HOT_SIZES; k++) {
+		uint64_t h[2], n[2];
+		if (kb_hot_optimum(&t->hot_log, t->hot[k].cap, &h[0], &n[0]) < 0 ||
+		    kb_hot_frequency(&t->hot_log, t->hot[k].cap, KB_HOT_DECAY, &h[1], &n[1]) < 0)
+			fail("out of memory", "the simulated hot cache's policies");
+		t->hot_opt[k] += (double)h[0];
+		t->hot_freq[k] += (double)h[1];
+	}
+	kb_hotlog_free(&t->hot_log);
 	for (int k = 0; k < KB_HOT_ALL; k++) {
 		t->hot_hits[k] += t->hot[k].hits;
 		t->hot_reads[k] += (double)t->hot[k].reads;

@@ -53,6 +53,37 @@ int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps);
 void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
 void kb_lru_free(kb_lru *l);
 
+/*
+ * A layer's decode reads, kept whole for the policies that need them all (kvbench_hotsim.c):
+ * kb_hotlog_step appends one step's distinct rows (ids below `rows`). Over the log, at a fixed
+ * size of `cap` rows, with whole steps as the unit of time as above (after each step the cache
+ * keeps at most `cap` of the rows it held and the rows the step read):
+ * - kb_hot_optimum: the offline optimum, the rows read again soonest (Belady's rule): no cache of
+ *   that size hits more on these reads, whatever it knows;
+ * - kb_hot_frequency: the rows read most often lately, by a weight that each step multiplies by
+ *   `decay`; a row the cache drops forgets its reads (a cache keeps a count only where it holds
+ *   a row). Ties go by a hash of the row and the step, so in no fixed order, as the GPU's warps
+ *   claim ways (kept in one fixed order, fewer of the rows read again stay: on
+ *   bench/drift_trace.py's queries at 8K, 13 % hits against 20 % at 1/32 of the rows).
+ *   kb_hot_optimum's ties go by a hash of the row: they change no hit.
+ * Both give hits over the reads after the first step (as kb_lru); they return -1 out of memory.
+ */
+typedef struct kb_hotlog {
+	uint64_t rows;
+	uint64_t *row;  /* [n] the steps' rows, one step after another */
+	size_t n, room;
+	size_t *first;  /* [steps + 1] where each step's rows start */
+	uint32_t steps, done;
+} kb_hotlog;
+
+int kb_hotlog_init(kb_hotlog *g, uint64_t rows, uint32_t steps);
+int kb_hotlog_step(kb_hotlog *g, const uint64_t *rows, size_t n);
+void kb_hotlog_free(kb_hotlog *g);
+int kb_hot_optimum(const kb_hotlog *g, uint64_t cap, uint64_t *hits, uint64_t *reads);
+int kb_hot_frequency(const kb_hotlog *g, uint64_t cap, double decay, uint64_t *hits,
+		     uint64_t *reads);
+#define KB_HOT_DECAY 0.9 /* the frequency cache's: a read weighs 0.9 of one a step later */
+
 /* The simulated caches' sizes: 1/32, 1/16, 1/8, 1/4 and 1/2 of a layer's rows (1 / KB_HOT_DEN(k)
  * for k < KB_HOT_SIZES); then two that size themselves, KB_HOT_SELF by the rule and
  * KB_HOT_DEMAND by its demand alone. */
@@ -88,6 +119,9 @@ typedef struct kb_trace {
 	kb_lru hot[KB_HOT_ALL]; /* the current layer's simulated caches */
 	uint64_t *hot_rows;     /* [n_kv_heads * cap] a step's rows read through the hot cache */
 	double hot_hits[KB_HOT_ALL], hot_reads[KB_HOT_ALL]; /* summed over the layers */
+	kb_hotlog hot_log;      /* the current layer's reads */
+	double hot_opt[KB_HOT_SIZES], hot_freq[KB_HOT_SIZES]; /* hits at the fixed sizes, over the
+								layers; reads: hot_reads */
 	double hot_demand;      /* summed over (layer, step): a step's rows / a layer's rows */
 	uint64_t hot_steps;
 	double hot_self_share[2]; /* summed over the layers: KB_HOT_SELF's and KB_HOT_DEMAND's size
