@@ -176,7 +176,8 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 		}
 	}
 	for (int k = 0; k < KB_HOT_ALL; k++)
-		kb_lru_step(&t->hot[k], step, t->hot_rows, nh);
+		if (kb_lru_step(&t->hot[k], step, t->hot_rows, nh) < 0)
+			fail("out of memory", "the simulated hot cache");
 	if (kb_hotlog_step(&t->hot_log, t->hot_rows, nh) < 0)
 		fail("out of memory", "the simulated hot cache's log");
 	t->hot_demand += (double)nh / (double)t->hot[0].rows;
@@ -290,12 +291,10 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	t->hot_self_share[1] += (double)t->hot[KB_HOT_DEMAND].cap / (double)rows;
 	t->hot_layers++;
 	for (int k = 0; k < KB_HOT_SIZES; k++) {
-		uint64_t h[2], n[2];
-		if (kb_hot_optimum(&t->hot_log, t->hot[k].cap, &h[0], &n[0]) < 0 ||
-		    kb_hot_frequency(&t->hot_log, t->hot[k].cap, KB_HOT_DECAY, &h[1], &n[1]) < 0)
-			fail("out of memory", "the simulated hot cache's policies");
-		t->hot_opt[k] += (double)h[0];
-		t->hot_freq[k] += (double)h[1];
+		uint64_t h, n;
+		if (kb_hot_optimum(&t->hot_log, t->hot[k].cap, &h, &n) < 0)
+			fail("out of memory", "the simulated hot cache's optimum");
+		t->hot_opt[k] += (double)h;
 	}
 	kb_hotlog_free(&t->hot_log);
 	for (int k = 0; k < KB_HOT_ALL; k++) {

@@ -31,42 +31,54 @@ typedef struct tfetch {
 } tfetch;
 
 /*
- * A simulated hot cache (kvbench_hotsim.c): `cap` of a layer's `rows` rows, kept by recency over
- * `steps` decode steps; kb_lru_step gives it one step's distinct rows. hits / reads is its hit rate
- * over the steps after the first. With `grows` set (after kb_lru_init, with cap 0) it sizes itself
- * after each step within the layer's rows: KB_LRU_RULE by the CUDA backend's rule
- * (gpu/hotsize.h), KB_LRU_DEMAND by that rule's demand alone (the rule before misses counted).
+ * A simulated hot cache (kvbench_hotsim.c): `cap` of a layer's `rows` rows over `steps` decode
+ * steps, kept by the CUDA backend's rule, fully associative; kb_lru_step gives it one step's
+ * distinct rows. The rule (gpu/fetch.cuh): a row held is a hit and is marked used in this step; then
+ * each miss, in an order the step's warps make (here: by kb_row_hash of the row and the step),
+ * takes a free way or else the way least recently used (ties: the smaller kb_row_hash of the row)
+ * among those no row of this step holds; a miss that finds none is read in place and not kept. So a
+ * cache smaller than a step's rows keeps the rows the step found in it before the new ones. hits /
+ * reads is its hit rate over the steps after the first (the first step's reads all miss). With
+ * `grows` set (after kb_lru_init, with cap 0) it sizes itself after each step within the layer's
+ * rows: KB_LRU_RULE by the CUDA backend's rule (gpu/hotsize.h), KB_LRU_DEMAND by that rule's demand
+ * alone (the rule before misses counted). kb_lru_step returns -1 out of memory.
  */
 enum { KB_LRU_FIXED = 0, KB_LRU_RULE = 1, KB_LRU_DEMAND = 2 };
+typedef struct kb_lru_ent {
+	int32_t last; /* the step that last read the row */
+	uint64_t tie, row;
+} kb_lru_ent;
 typedef struct kb_lru {
 	uint64_t cap, rows;
 	uint32_t steps;
 	int grows;        /* KB_LRU_FIXED, KB_LRU_RULE or KB_LRU_DEMAND */
 	uint64_t to_fill; /* when it grows: the rule's empty ways left to fill */
-	int32_t *last; /* [rows] the step that last read each row, -1: none yet */
-	uint64_t *at;  /* [steps + 1] rows last read at each step */
+	int32_t *last;    /* [rows] the step that last read each held row, -1: not held */
+	uint64_t held;
+	kb_lru_ent *heap; /* the held rows, least recently used first; an entry whose `last` is not
+			     its row's is stale */
+	size_t n_heap, heap_room;
+	kb_lru_ent *fresh; /* a step's misses */
+	size_t fresh_room;
 	double hits;
 	uint64_t reads;
 } kb_lru;
 
 int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps);
-void kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
+int kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
 void kb_lru_free(kb_lru *l);
+/* The simulations' tie-break: a bijection of 64-bit words (splitmix64's finalizer). */
+uint64_t kb_row_hash(uint64_t x);
+#define KB_STEP_MIX 0x9e3779b97f4a7c15ull /* a step's misses go by kb_row_hash(row ^ (step + 1)
+					     * KB_STEP_MIX), ascending */
 
 /*
- * A layer's decode reads, kept whole for the policies that need them all (kvbench_hotsim.c):
- * kb_hotlog_step appends one step's distinct rows (ids below `rows`). Over the log, at a fixed
- * size of `cap` rows, with whole steps as the unit of time as above (after each step the cache
- * keeps at most `cap` of the rows it held and the rows the step read):
- * - kb_hot_optimum: the offline optimum, the rows read again soonest (Belady's rule): no cache of
- *   that size hits more on these reads, whatever it knows;
- * - kb_hot_frequency: the rows read most often lately, by a weight that each step multiplies by
- *   `decay`; a row the cache drops forgets its reads (a cache keeps a count only where it holds
- *   a row). Ties go by a hash of the row and the step, so in no fixed order, as the GPU's warps
- *   claim ways (kept in one fixed order, fewer of the rows read again stay: on
- *   bench/drift_trace.py's queries at 8K, 13 % hits against 20 % at 1/32 of the rows).
- *   kb_hot_optimum's ties go by a hash of the row: they change no hit.
- * Both give hits over the reads after the first step (as kb_lru); they return -1 out of memory.
+ * A layer's decode reads, kept whole for the offline optimum (kvbench_hotsim.c): kb_hotlog_step
+ * appends one step's distinct rows (ids below `rows`). kb_hot_optimum replays them at a fixed size
+ * of `cap` rows with whole steps as the unit of time (after each step the cache keeps at most `cap`
+ * of the rows it held and the rows the step read): it keeps the rows read again soonest (Belady's
+ * rule), so no cache of that size hits more on these reads, whatever it knows. It gives hits over
+ * the reads after the first step (as kb_lru); -1 out of memory.
  */
 typedef struct kb_hotlog {
 	uint64_t rows;
@@ -80,9 +92,6 @@ int kb_hotlog_init(kb_hotlog *g, uint64_t rows, uint32_t steps);
 int kb_hotlog_step(kb_hotlog *g, const uint64_t *rows, size_t n);
 void kb_hotlog_free(kb_hotlog *g);
 int kb_hot_optimum(const kb_hotlog *g, uint64_t cap, uint64_t *hits, uint64_t *reads);
-int kb_hot_frequency(const kb_hotlog *g, uint64_t cap, double decay, uint64_t *hits,
-		     uint64_t *reads);
-#define KB_HOT_DECAY 0.9 /* the frequency cache's: a read weighs 0.9 of one a step later */
 
 /* The simulated caches' sizes: 1/32, 1/16, 1/8, 1/4 and 1/2 of a layer's rows (1 / KB_HOT_DEN(k)
  * for k < KB_HOT_SIZES); then two that size themselves, KB_HOT_SELF by the rule and
@@ -120,8 +129,8 @@ typedef struct kb_trace {
 	uint64_t *hot_rows;     /* [n_kv_heads * cap] a step's rows read through the hot cache */
 	double hot_hits[KB_HOT_ALL], hot_reads[KB_HOT_ALL]; /* summed over the layers */
 	kb_hotlog hot_log;      /* the current layer's reads */
-	double hot_opt[KB_HOT_SIZES], hot_freq[KB_HOT_SIZES]; /* hits at the fixed sizes, over the
-								layers; reads: hot_reads */
+	double hot_opt[KB_HOT_SIZES]; /* the optimum's hits at the fixed sizes, over the layers;
+					 reads: hot_reads */
 	double hot_demand;      /* summed over (layer, step): a step's rows / a layer's rows */
 	uint64_t hot_steps;
 	double hot_self_share[2]; /* summed over the layers: KB_HOT_SELF's and KB_HOT_DEMAND's size

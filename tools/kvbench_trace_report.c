@@ -194,11 +194,10 @@ static double hot_sim_rate(const kb_trace *t, int k)
 	return t->hot_reads[k] > 0 ? t->hot_hits[k] / t->hot_reads[k] : NAN;
 }
 
-/* The same at the fixed size k, by policy: 0 the offline optimum, 1 by frequency. */
-static double hot_sim_policy(const kb_trace *t, int policy, int k)
+/* The offline optimum's hit rate at the fixed size k, over the replayed layers. */
+static double hot_sim_optimum(const kb_trace *t, int k)
 {
-	const double *h = policy ? t->hot_freq : t->hot_opt;
-	return t->hot_reads[k] > 0 ? h[k] / t->hot_reads[k] : NAN;
+	return t->hot_reads[k] > 0 ? t->hot_opt[k] / t->hot_reads[k] : NAN;
 }
 
 static double hot_sim_demand(const kb_trace *t)
@@ -225,13 +224,10 @@ static void print_json_hot_sim(const kb_trace *t)
 		printf("%s", k ? ", " : "");
 		jval(hot_sim_rate(t, k));
 	}
-	static const char *const policy[2] = {"optimum_hit_rate", "frequency_hit_rate"};
-	for (int p = 0; p < 2; p++) {
-		printf("], \"%s\": [", policy[p]);
-		for (int k = 0; k < KB_HOT_SIZES; k++) {
-			printf("%s", k ? ", " : "");
-			jval(hot_sim_policy(t, p, k));
-		}
+	printf("], \"optimum_hit_rate\": [");
+	for (int k = 0; k < KB_HOT_SIZES; k++) {
+		printf("%s", k ? ", " : "");
+		jval(hot_sim_optimum(t, k));
 	}
 	printf("], \"self_sized\": {\"share\": ");
 	jval(hot_sim_self_share(t, 0));
@@ -247,8 +243,8 @@ static void print_json_hot_sim(const kb_trace *t)
 static void print_text_hot_sim(const kb_trace *t)
 {
 	printf("\nhot cache, simulated (the rows each step reads through it, sinks and "
-	       "selected, kept by recency per layer; hits over the steps after the first): a step "
-	       "reads %.2f %% of a layer's rows; a cache of",
+	       "selected, kept by the CUDA backend's rule per layer, fully associative; hits over "
+	       "the steps after the first): a step reads %.2f %% of a layer's rows; a cache of",
 	       100.0 * hot_sim_demand(t));
 	for (int k = 0; k < KB_HOT_SIZES; k++)
 		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", KB_HOT_DEN(k),
@@ -257,15 +253,10 @@ static void print_text_hot_sim(const kb_trace *t)
 	       "%.1f %% (on demand alone, the rule before misses counted: %.1f %%, %.1f %%)",
 	       100.0 * hot_sim_self_share(t, 0), 100.0 * hot_sim_rate(t, KB_HOT_SELF),
 	       100.0 * hot_sim_self_share(t, 1), 100.0 * hot_sim_rate(t, KB_HOT_DEMAND));
-	static const char *const policy[2] = {
-		"the offline optimum (the rows read again soonest; no cache of the size hits more)",
-		"kept by frequency instead (reads weighted by 0.9 a step, forgotten on eviction)"};
-	for (int p = 1; p >= 0; p--) {
-		printf("; %s:", policy[p]);
-		for (int k = 0; k < KB_HOT_SIZES; k++)
-			printf("%s 1/%u %.1f %%", k ? "," : "", KB_HOT_DEN(k),
-			       100.0 * hot_sim_policy(t, p, k));
-	}
+	printf("; the offline optimum (the rows read again soonest: no cache of the size hits "
+	       "more):");
+	for (int k = 0; k < KB_HOT_SIZES; k++)
+		printf("%s 1/%u %.1f %%", k ? "," : "", KB_HOT_DEN(k), 100.0 * hot_sim_optimum(t, k));
 	printf("\n");
 }
 
