@@ -149,7 +149,7 @@ static __device__ __forceinline__ bool fill_row(uint32_t row_bytes, const kvt_gp
 			x[i] = *(const uint4 *)(src + (i * 32 + lane) * 16);
 	long long claimed = -1;
 	if (lane == 0) {
-		const uint32_t set = set_of(q.uid, h, at, hot.sets);
+		const uint32_t set = kvt_hot_set(q.uid, h, at, hot.sets);
 		for (uint32_t tries = 0; tries < KVT_GPU_HOT_WAYS && claimed < 0; tries++) {
 			/* the set's eight epochs in two 16-byte loads from L2 (where the claims'
 			 * atomics are), not eight loads one after another */
@@ -575,8 +575,8 @@ static __global__ void k_hot_move(kvt_gpu_hot from, kvt_gpu_hot to, uint32_t row
 		const unsigned long long lo = from.tag_lo[w];
 		long long claimed = -1;
 		if (lane == 0) {
-			const size_t s0 = (size_t)set_of(hi, (uint32_t)(lo >> 32), (uint32_t)lo,
-							 to.sets) * KVT_GPU_HOT_WAYS;
+			const size_t s0 = (size_t)kvt_hot_set(hi, (uint32_t)(lo >> 32), (uint32_t)lo,
+							      to.sets) * KVT_GPU_HOT_WAYS;
 			for (uint32_t i = 0; i < KVT_GPU_HOT_WAYS && claimed < 0; i++)
 				if (atomicCAS(&to.tag_hi[s0 + i], 0ull, hi) == 0ull)
 					claimed = (long long)(s0 + i);

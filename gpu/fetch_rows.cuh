@@ -8,6 +8,7 @@
 
 #include "common.cuh"
 #include "fetch.cuh"
+#include "hotsize.h"
 
 /* The host-tier row of KV head h at token position pos, or NULL when its block is not in host
  * memory (spilled). */
@@ -18,24 +19,13 @@ static __device__ __forceinline__ char *host_row(void *const *blocks, uint32_t b
 	return b ? b + (size_t)(pos % KVT_BLOCK_TOKENS) * row_bytes : NULL;
 }
 
-/* The hot cache's set of (sequence uid, KV head h, token position pos). */
-static __device__ __forceinline__ uint32_t set_of(unsigned long long uid, uint32_t h, uint32_t pos,
-						  uint32_t sets)
-{
-	unsigned long long x = uid * 0x9e3779b97f4a7c15ull ^ ((unsigned long long)h << 17);
-	x ^= x >> 29;
-	x *= 0xbf58476d1ce4e5b9ull;
-	x ^= x >> 32;
-	return (uint32_t)((x + pos) % sets);
-}
-
 /* The way of the hot cache holding that row, or -1. */
 static __device__ __forceinline__ long long hot_slot(const kvt_gpu_hot &hot, unsigned long long uid,
 						     uint32_t h, uint32_t pos)
 {
 	if (!hot.sets)
 		return -1;
-	const uint32_t set = set_of(uid, h, pos, hot.sets);
+	const uint32_t set = kvt_hot_set(uid, h, pos, hot.sets);
 	const unsigned long long lo = (unsigned long long)h << 32 | pos;
 	/* the set's tags as 16-byte loads issued together (64-byte aligned: hot.c's layout) */
 	static_assert(KVT_GPU_HOT_WAYS % 2 == 0, "a set's tags are whole ulonglong2");

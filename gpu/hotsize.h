@@ -21,6 +21,25 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#ifdef __CUDACC__
+#define KVT_HOT_FN static __host__ __device__ __forceinline__
+#else
+#define KVT_HOT_FN static inline
+#endif
+
+/* The set of (sequence uid, KV head h, token position pos) in a cache of `sets` sets (> 0): a mix
+ * of the sequence and head plus the position, so neighbouring tokens spread over neighbouring
+ * sets. The kernels (fetch_rows.cuh) and kvbench's simulated cache (tools/kvbench_hotsim.c) use
+ * it. */
+KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos, uint32_t sets)
+{
+	unsigned long long x = uid * 0x9e3779b97f4a7c15ull ^ ((unsigned long long)h << 17);
+	x ^= x >> 29;
+	x *= 0xbf58476d1ce4e5b9ull;
+	x ^= x >> 32;
+	return (uint32_t)((x + pos) % sets);
+}
+
 #define KVT_HOT_GROWTH_NUM 3u
 #define KVT_HOT_GROWTH_DEN 2u
 #define KVT_HOT_MISS_NUM 1u
@@ -33,7 +52,7 @@
  * to fill before misses may grow it; this takes the measure's misses off it. The caller, when it
  * grows the cache, sets *to_fill to the ways it added.
  */
-static inline uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
+KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
 					   uint64_t misses, uint64_t *to_fill)
 {
 	uint64_t rows = 2 * demand;

@@ -11,6 +11,8 @@
  */
 #include "trace_testutil.h"
 
+#include "gpu/hotsize.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -451,9 +453,10 @@ static void test_utf8(void **state)
 
 /* ---- the trace replay's simulated hot cache (tools/kvbench_hotsim.c) ---------------------- */
 
-/* By hand, two rows of room: a row held is a hit, and a miss takes the least recently used way not
- * used in this step, or none; no room, nothing hits; room for all, every read after the first
- * does. Then the self-sized cache on two sequences. */
+/* By hand, two rows of room in one set: a row held is a hit, and a miss takes the least recently
+ * used way not used in this step, or none; no room, nothing hits; room for all, every read after
+ * the first does. Two rows of one set in a direct-mapped cache of two sets push each other out.
+ * Then the self-sized cache on two sequences. */
 static void test_hot_sim(void **state)
 {
 	(void)state;
@@ -468,7 +471,7 @@ static void test_hot_sim(void **state)
 	kb_lru l;
 	for (int c = 0; c < 2; c++) {
 		const uint32_t steps = c ? 6 : 3;
-		T_CHECK(kb_lru_init(&l, 4, 2, steps) == 0, "kb_lru_init failed");
+		T_CHECK(kb_lru_init(&l, 4, 2, steps, 2, 0) == 0, "kb_lru_init failed");
 		for (uint32_t s = 0; s < steps; s++) {
 			T_CHECK(kb_lru_step(&l, s, c ? l1[s] : l0[s], c ? 1 : n0[s]) == 0,
 				"kb_lru_step failed");
@@ -482,24 +485,57 @@ static void test_hot_sim(void **state)
 	static const uint64_t s0[] = {A, B}, s1[] = {A, B}, s2[] = {C}, s3[] = {A}, s4[] = {B, D};
 	const uint64_t *steps[] = {s0, s1, s2, s3, s4};
 	const size_t n[] = {2, 2, 1, 1, 2};
-	for (uint64_t cap = 0; cap <= 4; cap += 4) {
-		T_CHECK(kb_lru_init(&l, 4, cap, 5) == 0, "kb_lru_init failed");
+	for (uint32_t cap = 0; cap <= 4; cap += 4) {
+		T_CHECK(kb_lru_init(&l, 4, cap, 5, cap, 0) == 0, "kb_lru_init failed");
 		for (uint32_t s = 0; s < 5; s++)
 			T_CHECK(kb_lru_step(&l, s, steps[s], n[s]) == 0, "kb_lru_step failed");
 		const double want = cap ? 4.0 : 0.0; /* A and B at step 1, A at 3, B at 4 */
-		T_CHECK(l.hits == want && l.reads == 6,
-			"cap %llu: hits %g of %llu reads, want %g of 6", (unsigned long long)cap,
-			l.hits, (unsigned long long)l.reads, want);
+		T_CHECK(l.hits == want && l.reads == 6, "cap %u: hits %g of %llu reads, want %g of 6",
+			cap, l.hits, (unsigned long long)l.reads, want);
 		kb_lru_free(&l);
 	}
-	/* self-sized (gpu/hotsize.h's rule), 100 rows, ten steps of ten rows: the same ten every
+	/* direct mapped, two sets: positions 0 and 2 of KV head 1 share a set (gpu/hotsize.h: the
+	 * head's mix plus the position, modulo the sets); read in turn, they never hit, where 1 and
+	 * 2 (two sets) hit from their second reads on */
+	T_CHECK(kvt_hot_set(KB_HOT_UID, 1, 0, 2) == kvt_hot_set(KB_HOT_UID, 1, 2, 2) &&
+			kvt_hot_set(KB_HOT_UID, 1, 1, 2) != kvt_hot_set(KB_HOT_UID, 1, 2, 2),
+		"kvt_hot_set: positions 0 and 2 should share a set, 1 and 2 not");
+	for (int c = 0; c < 2; c++) {
+		T_CHECK(kb_lru_init(&l, 8, 2, 6, 1, 4) == 0, "kb_lru_init failed");
+		for (uint32_t s = 0; s < 6; s++) {
+			const uint64_t r = 4 + (s % 2 ? 2 : (uint64_t)c); /* KV head 1 */
+			T_CHECK(kb_lru_step(&l, s, &r, 1) == 0, "kb_lru_step failed");
+		}
+		T_CHECK(l.hits == (c ? 4.0 : 0.0) && l.reads == 5,
+			"direct mapped, positions %d and 2: hits %g of %llu, want %g of 5", c, l.hits,
+			(unsigned long long)l.reads, c ? 4.0 : 0.0);
+		kb_lru_free(&l);
+	}
+	/* a growth keeps the rows it held: self-sized, direct mapped, rows 0-9 at steps 0-3 and rows
+	 * 10-29 at step 2 too; it grows to 20 sets after step 0 (nothing held: step 1 misses) and to
+	 * 60 after step 2, whose hits (0-9) it moves into their new sets and hits again at step 3 */
+	T_CHECK(kb_lru_init(&l, 100, 0, 4, 1, 100) == 0, "kb_lru_init failed");
+	l.grows = KB_LRU_RULE;
+	for (uint32_t s = 0; s < 4; s++) {
+		uint64_t r[30];
+		const size_t nr = s == 2 ? 30 : 10;
+		for (uint64_t i = 0; i < nr; i++)
+			r[i] = i;
+		T_CHECK(kb_lru_step(&l, s, r, nr) == 0, "kb_lru_step failed");
+	}
+	T_CHECK(l.cap == 60 && l.hits == 20.0 && l.reads == 50,
+		"growth: %llu rows, hits %g of %llu reads; want 60 rows, 20 hits of 50",
+		(unsigned long long)l.cap, l.hits, (unsigned long long)l.reads);
+	kb_lru_free(&l);
+	/* self-sized (gpu/hotsize.h's rule), 100 rows direct mapped (so whole sets are rows, and ten
+	 * neighbouring positions take ten sets), ten steps of ten rows: the same ten every
 	 * step grow it once, to twice the demand, after the first step (which found no room, so
 	 * the second misses too), and hit from the third on; ten new ones every step
 	 * double it each time its misses have filled it (after steps 0, 2, 4, 8: 20, 40, 80, then
 	 * 160 cut to the 100 rows) and never hit; on demand alone they leave it at 20 */
 	static const char *const what[3] = {"the same rows", "new rows", "new rows, on demand"};
 	for (int drift = 0; drift < 3; drift++) {
-		T_CHECK(kb_lru_init(&l, 100, 0, 10) == 0, "kb_lru_init failed");
+		T_CHECK(kb_lru_init(&l, 100, 0, 10, 1, 100) == 0, "kb_lru_init failed");
 		l.grows = drift == 2 ? KB_LRU_DEMAND : KB_LRU_RULE;
 		const uint64_t want_cap[10] = {20, 20, 40, 40, 80, 80, 80, 80, 100, 100};
 		for (uint32_t s = 0; s < 10; s++) {
@@ -550,25 +586,30 @@ static uint64_t best_hits(const uint32_t *masks, uint32_t steps, uint32_t rows, 
 	return (uint64_t)most;
 }
 
-/* The CUDA backend's rule as kvbench_trace.h states it, written out row by row. */
-static uint64_t rule_hits(const uint32_t *masks, uint32_t steps, uint32_t rows, uint32_t cap)
+/* The CUDA backend's rule as kvbench_trace.h states it, `sets` sets of `ways` ways, rows h * 4 +
+ * pos, written out row by row. */
+static uint64_t rule_hits(const uint32_t *masks, uint32_t steps, uint32_t rows, uint32_t sets,
+			  uint32_t ways)
 {
-	int32_t last[8];
-	uint32_t held = 0;
+	int32_t row_of[8], last[8]; /* [set * ways + way], -1: empty */
 	uint64_t hits = 0;
-	for (uint32_t i = 0; i < rows; i++)
-		last[i] = -1;
+	for (uint32_t w = 0; w < sets * ways; w++)
+		row_of[w] = last[w] = -1;
 	for (uint32_t s = 0; s < steps; s++) {
 		uint32_t fresh[8], nf = 0;
 		for (uint32_t i = 0; i < rows; i++) {
 			if (!(masks[s] >> i & 1))
 				continue;
-			if (last[i] < 0) {
+			int w = -1;
+			for (uint32_t x = 0; x < sets * ways; x++)
+				if (row_of[x] == (int32_t)i)
+					w = (int)x;
+			if (w < 0) {
 				fresh[nf++] = i;
 				continue;
 			}
 			hits += s > 0;
-			last[i] = (int32_t)s;
+			last[w] = (int32_t)s;
 		}
 		for (uint32_t a = 1; a < nf; a++) /* misses by their hash of row and step */
 			for (uint32_t b = a; b > 0; b--) {
@@ -580,29 +621,24 @@ static uint64_t rule_hits(const uint32_t *masks, uint32_t steps, uint32_t rows, 
 				fresh[b] = fresh[b - 1];
 				fresh[b - 1] = t;
 			}
-		for (uint32_t f = 0; f < nf; f++) {
-			if (held >= cap) {
-				int v = -1; /* the least recently used way not used in this step */
-				for (uint32_t i = 0; i < rows; i++)
-					if (last[i] >= 0 && last[i] < (int32_t)s &&
-					    (v < 0 || last[i] < last[v] ||
-					     (last[i] == last[v] && kb_row_hash(i) < kb_row_hash(v))))
-						v = (int)i;
-				if (v < 0)
-					break;
-				last[v] = -1;
-				held--;
-			}
-			last[fresh[f]] = (int32_t)s;
-			held++;
+		for (uint32_t f = 0; f < nf && sets; f++) {
+			const uint32_t w0 = kvt_hot_set(KB_HOT_UID, fresh[f] / 4, fresh[f] % 4, sets) * ways;
+			int v = -1; /* an empty way, else the least recently used not used in this step */
+			for (uint32_t w = w0; w < w0 + ways; w++)
+				if (last[w] != (int32_t)s && (v < 0 || last[w] < last[v]))
+					v = (int)w;
+			if (v < 0)
+				continue;
+			row_of[v] = (int32_t)fresh[f];
+			last[v] = (int32_t)s;
 		}
 	}
 	return hits;
 }
 
-/* On random logs of up to eight rows, at every size: the offline optimum equals the most hits any
- * choice gets, the simulated backend's rule equals the rule written out row by row, and it never
- * beats the optimum. */
+/* On random logs of up to eight rows (two KV heads of four positions), at every size: the offline
+ * optimum equals the most hits any choice gets; the simulated backend's rule, in one set and in
+ * sets of fewer ways, equals the rule written out row by row, and never beats the optimum. */
 static void test_hot_policies(void **state)
 {
 	(void)state;
@@ -627,21 +663,29 @@ static void test_hot_policies(void **state)
 		for (uint32_t cap = 0; cap <= rows; cap++) {
 			uint64_t opt, reads;
 			T_CHECK(kb_hot_optimum(&g, cap, &opt, &reads) == 0, "out of memory");
-			const uint64_t best = best_hits(masks, steps, rows, cap),
-				       rule = rule_hits(masks, steps, rows, cap);
-			kb_lru l;
-			T_CHECK(kb_lru_init(&l, rows, cap, steps) == 0, "kb_lru_init failed");
-			for (uint32_t s = 0; s < steps; s++)
-				T_CHECK(kb_lru_step(&l, s, g.row + g.first[s],
-						    g.first[s + 1] - g.first[s]) == 0,
-					"kb_lru_step failed");
-			T_CHECK(opt == best && l.hits == (double)rule && rule <= best &&
-					reads == l.reads,
-				"trial %d (%u rows, %u steps), cap %u: optimum %llu, the rule %g of "
-				"%llu reads; the best is %llu, the rule written out %llu", trial, rows,
-				steps, cap, (unsigned long long)opt, l.hits, (unsigned long long)reads,
-				(unsigned long long)best, (unsigned long long)rule);
-			kb_lru_free(&l);
+			const uint64_t best = best_hits(masks, steps, rows, cap);
+			T_CHECK(opt == best, "trial %d (%u rows, %u steps), cap %u: optimum %llu, the "
+				"best is %llu", trial, rows, steps, cap, (unsigned long long)opt,
+				(unsigned long long)best);
+			/* one set, or sets of one, two or four ways */
+			for (uint32_t ways = 1; ways <= cap; ways *= 2) {
+				const uint32_t wy = ways == 8 || cap % ways ? cap : ways,
+					       sets = cap / wy;
+				const uint64_t rule = rule_hits(masks, steps, rows, sets, wy);
+				kb_lru l;
+				T_CHECK(kb_lru_init(&l, rows, cap, steps, wy, 4) == 0,
+					"kb_lru_init failed");
+				for (uint32_t s = 0; s < steps; s++)
+					T_CHECK(kb_lru_step(&l, s, g.row + g.first[s],
+							    g.first[s + 1] - g.first[s]) == 0,
+						"kb_lru_step failed");
+				T_CHECK(l.hits == (double)rule && rule <= best && reads == l.reads,
+					"trial %d (%u rows, %u steps), cap %u in %u sets: the rule %g "
+					"of %llu reads, written out %llu; the best is %llu", trial,
+					rows, steps, cap, sets, l.hits, (unsigned long long)reads,
+					(unsigned long long)rule, (unsigned long long)best);
+				kb_lru_free(&l);
+			}
 		}
 		kb_hotlog_free(&g);
 	}

@@ -2,9 +2,8 @@
 /*
  * A simulated hot cache for the trace replay (kvbench --trace): how often the rows a decode step
  * reads through the CUDA backend's hot cache (its sinks and selected rows) would be in a cache of a
- * given size kept by the backend's rule, on any backend and on real queries (kvbench_trace.h
- * states the rule). The CUDA backend's cache is 8-way set associative; this one is fully
- * associative, so it reads a little higher. One more cache sizes itself by the CUDA backend's rule
+ * given size kept by the backend's rule, in its 8-way sets, on any backend and on real queries
+ * (kvbench_trace.h states the rule). One more cache sizes itself by the CUDA backend's rule
  * (gpu/hotsize.h), from the hits and misses it simulates, within the layer's rows (the backend's
  * bound, HBM, is not the trace's to know), and another by that rule's demand alone, the rule
  * before misses counted. Beside them, the offline optimum at the fixed sizes: the most hits any
@@ -45,82 +44,90 @@ static void *reserve(void *p0, size_t *room, size_t n, size_t size)
 
 /* ---- the backend's rule ------------------------------------------------------------------- */
 
-int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps)
+/* Room for `sets` sets: tags and steps of every way empty. */
+static int lru_alloc(kb_lru *l, uint64_t sets)
 {
-	*l = (kb_lru){.cap = cap, .rows = rows, .steps = steps};
-	l->last = malloc(rows * sizeof(int32_t) + 1);
-	if (!l->last)
+	const uint64_t n = sets * l->ways;
+	l->tag = calloc(n + 1, sizeof(uint64_t));
+	l->last = malloc(n * sizeof(int32_t) + 1);
+	if (!l->tag || !l->last)
 		return -1;
-	for (uint64_t r = 0; r < rows; r++)
-		l->last[r] = -1;
+	for (uint64_t i = 0; i < n; i++)
+		l->last[i] = -1;
+	l->sets = sets;
+	l->cap = n;
+	return 0;
+}
+
+int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps, uint32_t ways,
+		uint64_t stride)
+{
+	*l = (kb_lru){.rows = rows, .steps = steps, .ways = ways ? ways : 1,
+		      .stride = stride ? stride : rows + 1};
+	if (lru_alloc(l, cap / l->ways) < 0) {
+		kb_lru_free(l);
+		return -1;
+	}
 	return 0;
 }
 
 void kb_lru_free(kb_lru *l)
 {
+	free(l->tag);
 	free(l->last);
-	free(l->heap);
 	free(l->fresh);
+	l->tag = NULL;
 	l->last = NULL;
-	l->heap = l->fresh = NULL;
-	l->n_heap = l->heap_room = l->fresh_room = 0;
+	l->fresh = NULL;
+	l->fresh_room = 0;
 }
 
-/* Whether a comes before b: the earlier read, then the smaller tie. */
-static int lru_before(const kb_lru_ent *a, const kb_lru_ent *b)
+/* The first way of row r's set. */
+static uint64_t lru_set(const kb_lru *l, uint64_t r)
 {
-	return a->last != b->last ? a->last < b->last : a->tie < b->tie;
+	return (uint64_t)kvt_hot_set(KB_HOT_UID, (uint32_t)(r / l->stride), (uint32_t)(r % l->stride),
+				     (uint32_t)l->sets) * l->ways;
 }
 
-static void lru_push(kb_lru *l, kb_lru_ent e)
+/* The way a miss of step s takes in the set from w0: a free one, else the least recently used
+ * one not used in this step (the first of equals), or -1. */
+static int64_t lru_victim(const kb_lru *l, uint64_t w0, int32_t s)
 {
-	kb_lru_ent *h = l->heap;
-	size_t i = l->n_heap++;
-	while (i && lru_before(&e, &h[(i - 1) / 2])) {
-		h[i] = h[(i - 1) / 2];
-		i = (i - 1) / 2;
+	int64_t best = -1;
+	for (uint64_t w = w0; w < w0 + l->ways; w++)
+		if (l->last[w] != s && (best < 0 || l->last[w] < l->last[best]))
+			best = (int64_t)w;
+	return best;
+}
+
+/* Grows the cache to `sets` sets, moving the rows it held, in order, into the first free way of
+ * their new sets; a row whose new set is full is dropped (gpu/fetch.cu's k_hot_move). */
+static int lru_grow(kb_lru *l, uint64_t sets)
+{
+	kb_lru old = *l;
+	if (lru_alloc(l, sets) < 0) {
+		free(l->tag);
+		free(l->last);
+		l->tag = old.tag;
+		l->last = old.last;
+		l->sets = old.sets;
+		l->cap = old.cap;
+		return -1;
 	}
-	h[i] = e;
-}
-
-static kb_lru_ent lru_pop(kb_lru *l)
-{
-	kb_lru_ent *h = l->heap, top = h[0], e = h[--l->n_heap];
-	const size_t n = l->n_heap;
-	size_t i = 0;
-	for (;;) {
-		size_t c = 2 * i + 1;
-		if (c >= n)
-			break;
-		if (c + 1 < n && lru_before(&h[c + 1], &h[c]))
-			c++;
-		if (!lru_before(&h[c], &e))
-			break;
-		h[i] = h[c];
-		i = c;
+	for (uint64_t i = 0; i < old.cap; i++) {
+		if (!old.tag[i])
+			continue;
+		const uint64_t w0 = lru_set(l, old.tag[i] - 1);
+		for (uint64_t w = w0; w < w0 + l->ways; w++)
+			if (!l->tag[w]) {
+				l->tag[w] = old.tag[i];
+				l->last[w] = old.last[i];
+				break;
+			}
 	}
-	if (n)
-		h[i] = e;
-	return top;
-}
-
-static int lru_stale(const kb_lru *l, const kb_lru_ent *e)
-{
-	return l->last[e->row] != e->last;
-}
-
-/* Drops the stale entries once they outnumber the held rows. */
-static void lru_compact(kb_lru *l)
-{
-	if (l->n_heap < 2 * l->held + 1024)
-		return;
-	size_t n = 0;
-	for (size_t i = 0; i < l->n_heap; i++)
-		if (!lru_stale(l, &l->heap[i]))
-			l->heap[n++] = l->heap[i];
-	l->n_heap = 0;
-	for (size_t i = 0; i < n; i++)
-		lru_push(l, l->heap[i]); /* pushes never pass the entries still to be read */
+	free(old.tag);
+	free(old.last);
+	return 0;
 }
 
 static int fresh_cmp(const void *a, const void *b)
@@ -131,13 +138,10 @@ static int fresh_cmp(const void *a, const void *b)
 
 int kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 {
-	kb_lru_ent *h = reserve(l->heap, &l->heap_room, l->n_heap + n, sizeof(kb_lru_ent));
-	if (!h)
+	kb_lru_ent *f = reserve(l->fresh, &l->fresh_room, n, sizeof(kb_lru_ent));
+	if (!f)
 		return -1;
-	l->heap = h;
-	if (!(h = reserve(l->fresh, &l->fresh_room, n, sizeof(kb_lru_ent))))
-		return -1;
-	l->fresh = h;
+	l->fresh = f;
 	const int32_t s = (int32_t)step;
 	const double hits0 = l->hits;
 	size_t nf = 0;
@@ -146,45 +150,45 @@ int kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 		const uint64_t r = rows[i];
 		if (step > 0) /* the first step's reads all miss, whatever the size */
 			l->reads++;
-		if (l->last[r] < 0) {
-			l->fresh[nf++] = (kb_lru_ent){s, kb_row_hash(r ^ (step + 1ull) * KB_STEP_MIX), r};
+		int64_t way = -1;
+		if (l->sets) {
+			const uint64_t w0 = lru_set(l, r);
+			for (uint64_t w = w0; w < w0 + l->ways && way < 0; w++)
+				if (l->tag[w] == r + 1)
+					way = (int64_t)w;
+		}
+		if (way < 0) {
+			f[nf++] = (kb_lru_ent){kb_row_hash(r ^ (step + 1ull) * KB_STEP_MIX), r};
 			continue;
 		}
 		if (step > 0)
 			l->hits += 1.0;
-		l->last[r] = s;
-		lru_push(l, (kb_lru_ent){s, kb_row_hash(r), r});
+		l->last[way] = s;
 	}
-	/* the fill: each miss takes a free way, else the least recently used one not used in this
-	 * step, else it is read in place */
-	qsort(l->fresh, nf, sizeof(kb_lru_ent), fresh_cmp);
-	for (size_t i = 0; i < nf; i++) {
-		if (l->held >= l->cap) {
-			while (l->n_heap && lru_stale(l, &l->heap[0]))
-				(void)lru_pop(l);
-			if (!l->n_heap || l->heap[0].last == s)
-				break; /* every way is in use this step */
-			l->last[lru_pop(l).row] = -1;
-			l->held--;
+	/* the fill: each miss, in the order of its hash, takes a way of its set not used in this
+	 * step, or is read in place */
+	qsort(f, nf, sizeof(kb_lru_ent), fresh_cmp);
+	for (size_t i = 0; i < nf && l->sets; i++) {
+		const int64_t w = lru_victim(l, lru_set(l, f[i].row), s);
+		if (w >= 0) {
+			l->tag[w] = f[i].row + 1;
+			l->last[w] = s;
 		}
-		const uint64_t r = l->fresh[i].row;
-		l->last[r] = s;
-		l->held++;
-		lru_push(l, (kb_lru_ent){s, kb_row_hash(r), r});
 	}
-	lru_compact(l);
 	if (l->grows == KB_LRU_FIXED)
 		return 0;
 	/* the backend's rule on this step's measure (the first step's reads all missed); on demand
-	 * alone, as if nothing missed */
+	 * alone, as if nothing missed; whole sets, as gpu/hot.c's growth */
 	uint64_t misses = step ? n - (uint64_t)llround(l->hits - hits0) : n;
 	if (l->grows == KB_LRU_DEMAND)
 		misses = 0;
 	uint64_t want = kvt_hot_rows_wanted(l->cap, n, n, misses, &l->to_fill);
 	want = want < l->rows ? want : l->rows;
-	if (want > l->cap) {
-		l->to_fill = want - l->cap;
-		l->cap = want;
+	const uint64_t have = l->cap;
+	if (want / l->ways > l->sets) {
+		if (lru_grow(l, want / l->ways) < 0)
+			return -1;
+		l->to_fill = l->cap - have;
 	}
 	return 0;
 }

@@ -26,6 +26,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "constants.h" /* KVT_GPU_HOT_WAYS */
+
 _Noreturn static void trace_fail(const kb_trace *t)
 {
 	fail("trace", t->err);
@@ -249,7 +251,7 @@ static void decode_layer(kb_trace *t, const trace_layer *tl, uint32_t l)
 	const uint64_t rows = (uint64_t)m->n_kv_heads * t->cap;
 	for (int k = 0; k < KB_HOT_ALL; k++)
 		if (kb_lru_init(&t->hot[k], rows, k < KB_HOT_SIZES ? rows / KB_HOT_DEN(k) : 0,
-				m->decode_steps) < 0)
+				m->decode_steps, KVT_GPU_HOT_WAYS, t->cap) < 0)
 			fail("out of memory", "the simulated hot cache");
 	if (kb_hotlog_init(&t->hot_log, rows, m->decode_steps) < 0)
 		fail("out of memory", "the simulated hot cache's log");

@@ -32,39 +32,40 @@ typedef struct tfetch {
 
 /*
  * A simulated hot cache (kvbench_hotsim.c): `cap` of a layer's `rows` rows over `steps` decode
- * steps, kept by the CUDA backend's rule, fully associative; kb_lru_step gives it one step's
- * distinct rows. The rule (gpu/fetch.cuh): a row held is a hit and is marked used in this step; then
- * each miss, in an order the step's warps make (here: by kb_row_hash of the row and the step),
- * takes a free way or else the way least recently used (ties: the smaller kb_row_hash of the row)
- * among those no row of this step holds; a miss that finds none is read in place and not kept. So a
- * cache smaller than a step's rows keeps the rows the step found in it before the new ones. hits /
- * reads is its hit rate over the steps after the first (the first step's reads all miss). With
- * `grows` set (after kb_lru_init, with cap 0) it sizes itself after each step within the layer's
- * rows: KB_LRU_RULE by the CUDA backend's rule (gpu/hotsize.h), KB_LRU_DEMAND by that rule's demand
- * alone (the rule before misses counted). kb_lru_step returns -1 out of memory.
+ * steps in sets of `ways` ways (cap / ways whole sets), kept by the CUDA backend's rule; row
+ * h * stride + pos is (KV head h, position pos), whose set is gpu/hotsize.h's kvt_hot_set of
+ * sequence KB_HOT_UID. kb_lru_step gives it one step's distinct rows. The rule (gpu/fetch.cuh): a
+ * row held is a hit and is marked used in this step; then each miss, in an order the step's warps
+ * make (here: by kb_row_hash of the row and the step), takes a free way of its set, else the way of
+ * its set least recently used (the first of equals) among those no row of this step holds; a miss
+ * that finds none is read in place and not kept. So a cache smaller than a step's rows keeps the
+ * rows the step found in it before the new ones. hits / reads is its hit rate over the steps after
+ * the first (the first step's reads all miss). With `grows` set (after kb_lru_init, with cap 0)
+ * it sizes itself after each step within the layer's rows: KB_LRU_RULE by the CUDA backend's rule
+ * (gpu/hotsize.h), KB_LRU_DEMAND by that rule's demand alone (the rule before misses counted), in
+ * whole sets, moving its rows as a growth does (gpu/fetch.cu's k_hot_move). kb_lru_init and
+ * kb_lru_step return -1 out of memory. With ways = cap it is one set: fully associative.
  */
 enum { KB_LRU_FIXED = 0, KB_LRU_RULE = 1, KB_LRU_DEMAND = 2 };
+#define KB_HOT_UID 1u
 typedef struct kb_lru_ent {
-	int32_t last; /* the step that last read the row */
 	uint64_t tie, row;
 } kb_lru_ent;
 typedef struct kb_lru {
-	uint64_t cap, rows;
-	uint32_t steps;
+	uint64_t cap, rows, sets, stride;
+	uint32_t steps, ways;
 	int grows;        /* KB_LRU_FIXED, KB_LRU_RULE or KB_LRU_DEMAND */
 	uint64_t to_fill; /* when it grows: the rule's empty ways left to fill */
-	int32_t *last;    /* [rows] the step that last read each held row, -1: not held */
-	uint64_t held;
-	kb_lru_ent *heap; /* the held rows, least recently used first; an entry whose `last` is not
-			     its row's is stale */
-	size_t n_heap, heap_room;
+	uint64_t *tag;    /* [sets * ways] the row a way holds + 1, 0: empty */
+	int32_t *last;    /* [sets * ways] the step that last used the way, -1: empty */
 	kb_lru_ent *fresh; /* a step's misses */
 	size_t fresh_room;
 	double hits;
 	uint64_t reads;
 } kb_lru;
 
-int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps);
+int kb_lru_init(kb_lru *l, uint64_t rows, uint64_t cap, uint32_t steps, uint32_t ways,
+		uint64_t stride);
 int kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n);
 void kb_lru_free(kb_lru *l);
 /* The simulations' tie-break: a bijection of 64-bit words (splitmix64's finalizer). */
