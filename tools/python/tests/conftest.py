@@ -13,7 +13,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 HEADER = os.path.join(ROOT, "lib", "kvtier.h")
 # kvtier.h and the part headers it includes (their text, in order, is the public header's)
 HEADERS = [HEADER, os.path.join(ROOT, "lib", "kvtier_lifecycle.h"),
-           os.path.join(ROOT, "lib", "kvtier_graph.h")]
+           os.path.join(ROOT, "lib", "kvtier_graph.h"), os.path.join(ROOT, "lib", "kvtier_probe.h")]
 
 
 def header_text():
