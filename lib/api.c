@@ -75,6 +75,7 @@ static void cache_free(kvt_cache *c)
 	kvt_mem_free(KVT_MEM_HOST, c->mask, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->cand, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->cand_pos, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->keys, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->rows, 0);
 	kvt_corr_fini(c);
 	kvt_mem_free(KVT_MEM_HOST, c, 0);

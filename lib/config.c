@@ -31,6 +31,7 @@ static int load_sized(const kvt_config *cfg, kvt_config *out)
 	CHECK(out->pad1 == 0, "cfg->pad1 = %u, must be 0", out->pad1);
 	CHECK(out->pad2 == 0, "cfg->pad2 = %u, must be 0", out->pad2);
 	CHECK(out->pad3 == 0, "cfg->pad3 = %u, must be 0", out->pad3);
+	CHECK(out->pad4 == 0, "cfg->pad4 = %u, must be 0", out->pad4);
 	return 0;
 }
 
@@ -150,6 +151,8 @@ static int check_selection(const kvt_config *cfg)
 	CHECK(cfg->rescore_p == 0.0f || (cfg->rescore_p > cfg->p && cfg->rescore_p <= 1.0f),
 	      "rescore_p = %g, must be 0 (off) or in (p = %g, 1]", (double)cfg->rescore_p,
 	      (double)cfg->p);
+	CHECK(cfg->keep_weight == 0.0f || (cfg->keep_weight > 0.0f && cfg->keep_weight <= 1e6f),
+	      "keep_weight = %g, must be 0 (off) or finite in (0, 1e6]", (double)cfg->keep_weight);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
 	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too, "
 	      "KVT_NONE for no floor)",

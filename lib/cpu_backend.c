@@ -224,7 +224,7 @@ static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t
 	int clamped;
 	uint32_t bad = 0, m = 0;
 	memset(cm, 0, ni);
-	if (kvt_topp_mark(c->scores, ni, c->scale, c->cfg.rescore_p, c->cfg.budget_min,
+	if (kvt_topp_mark(c->scores, NULL, ni, c->scale, c->cfg.rescore_p, c->cfg.budget_min,
 			  c->cfg.budget_max, c->work, cm, &clamped, &bad) < 0)
 		return 0; /* a non-finite score: the step's own Top-p reports it */
 	for (uint32_t k = 0; k < ni; k++)
@@ -248,6 +248,25 @@ static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t
 		}
 	}
 	return 0;
+}
+
+/*
+ * keep_weight (doc/selection.md): the keys Top-p ranks the first ni indexed tokens of KV head h by,
+ * the scores with ln(1 + keep_weight) / scale added to those of the kept selection (the last
+ * kvt_select / kvt_attend of the layer that succeeded), in c->keys; NULL when it is off or there
+ * is no kept selection, so that Top-p ranks by the scores themselves.
+ */
+static const float *keep_keys(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t ni)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	if (kvt_sel_slots(c) < 2 || !l->sel_n[H + h] || c->cfg.p >= 1.0f)
+		return NULL;
+	const uint32_t *kept = l->sel + ((size_t)H + h) * l->idx_cap, m = l->sel_n[H + h];
+	const float bonus = logf(1.0f + c->cfg.keep_weight) / c->scale;
+	memcpy(c->keys, c->scores, sizeof(float) * ni);
+	for (uint32_t j = 0; j < m && kept[j] < ni; j++) /* ascending: the rest are past ni */
+		c->keys[kept[j]] = c->scores[kept[j]] + bonus;
+	return c->keys;
 }
 
 static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
@@ -294,8 +313,10 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 		}
 		int clamped;
 		uint32_t bad = 0;
-		int rc = kvt_topp_mark(c->scores, ni, c->scale, c->cfg.p, c->cfg.budget_min,
-				       c->cfg.budget_max, c->work, c->mask, &clamped, &bad);
+		const float *keys = keep_keys(c, l, h, ni);
+		int rc = kvt_topp_mark(c->scores, keys, ni, c->scale, c->cfg.p, c->cfg.budget_min,
+				       c->cfg.budget_max, keys ? c->keys + c->scratch_cap : c->work,
+				       c->mask, &clamped, &bad);
 		c->st.ns_score += t1 - t0;
 		c->st.ns_select += kvt_now_ns() - t1;
 		if (rc < 0)
@@ -398,6 +419,19 @@ static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls)
 	return kvt_rows_prefetch(c);
 }
 
+/* The step succeeded: its selection becomes the kept one (keep_weight). */
+static void keep_commit(kvt_cache *c, struct kvt_layer *l)
+{
+	const uint32_t H = c->cfg.n_kv_heads;
+	if (kvt_sel_slots(c) < 2)
+		return;
+	for (uint32_t h = 0; h < H; h++) {
+		memcpy(l->sel + ((size_t)H + h) * l->idx_cap, l->sel + (size_t)h * l->idx_cap,
+		       sizeof *l->sel * l->sel_n[h]);
+		l->sel_n[H + h] = l->sel_n[h];
+	}
+}
+
 static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 		    const void *q, void *out, uint32_t *sel_n, void *stream)
 {
@@ -416,8 +450,10 @@ static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 		for (uint32_t h = 0; sel_n && h < H; h++)
 			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
-	for (uint32_t i = 0; i < n_seqs; i++)
+	for (uint32_t i = 0; i < n_seqs; i++) {
 		kvt_corr_commit(c, ls[i], out != NULL);
+		keep_commit(c, ls[i]);
+	}
 	return 0;
 }
 

@@ -33,13 +33,17 @@ static int reserve_scratch(kvt_cache *c, uint32_t tokens)
 	const bool rs = c->cfg.rescore_p != 0.0f;
 	uint8_t *cm = rs ? kvt_mem_alloc(KVT_MEM_HOST, 2 * (size_t)tokens) : NULL;
 	int32_t *cp = rs ? kvt_mem_alloc(KVT_MEM_HOST, sizeof(int32_t) * tokens) : NULL;
-	if (!s || !w || !m || !r || (rs && (!cm || !cp))) {
+	/* keep_weight's keys and their threshold's (key, score) pairs */
+	const bool kw = kvt_sel_slots(c) > 1;
+	float *ky = kw ? kvt_mem_alloc(KVT_MEM_HOST, 3 * sizeof(float) * tokens) : NULL;
+	if (!s || !w || !m || !r || (rs && (!cm || !cp)) || (kw && !ky)) {
 		kvt_mem_free(KVT_MEM_HOST, s, 0);
 		kvt_mem_free(KVT_MEM_HOST, w, 0);
 		kvt_mem_free(KVT_MEM_HOST, m, 0);
 		kvt_mem_free(KVT_MEM_HOST, r, 0);
 		kvt_mem_free(KVT_MEM_HOST, cm, 0);
 		kvt_mem_free(KVT_MEM_HOST, cp, 0);
+		kvt_mem_free(KVT_MEM_HOST, ky, 0);
 		return kvt_seterr(c, -ENOMEM, "out of memory growing scratch to %u tokens", tokens);
 	}
 	kvt_mem_free(KVT_MEM_HOST, c->scores, 0);
@@ -48,12 +52,14 @@ static int reserve_scratch(kvt_cache *c, uint32_t tokens)
 	kvt_mem_free(KVT_MEM_HOST, c->rows, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->cand, 0);
 	kvt_mem_free(KVT_MEM_HOST, c->cand_pos, 0);
+	kvt_mem_free(KVT_MEM_HOST, c->keys, 0);
 	c->scores = s;
 	c->work = w;
 	c->mask = m;
 	c->rows = r;
 	c->cand = cm;
 	c->cand_pos = cp;
+	c->keys = ky;
 	c->scratch_cap = tokens;
 	c->rows_cap = rows;
 	return 0;
@@ -61,7 +67,7 @@ static int reserve_scratch(kvt_cache *c, uint32_t tokens)
 
 int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens)
 {
-	const uint32_t H = c->cfg.n_kv_heads, d = c->d;
+	const uint32_t H = c->cfg.n_kv_heads, d = c->d, SH = H * kvt_sel_slots(c);
 	if (tokens <= l->idx_cap && l->c_k)
 		return 0;
 	uint32_t cap = l->idx_cap;
@@ -72,14 +78,14 @@ int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens)
 	KVT_TRY(reserve_scratch(c, cap));
 	float *ck = l->c_k ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
 	float *cq = l->c_q ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
-	uint32_t *sel_n = l->sel_n ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * H);
+	uint32_t *sel_n = l->sel_n ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * SH);
 	uint32_t *codes = NULL, *sel = NULL;
 	uint16_t *sigma = NULL, *beta = NULL;
 	if (cap > l->idx_cap) {
 		codes = regrow(c, l->codes, sizeof(uint32_t) * c->words, l->idx_cap, cap, H);
 		sigma = regrow(c, l->sigma, sizeof(uint16_t), l->idx_cap, cap, H);
 		beta = regrow(c, l->beta, sizeof(uint16_t), l->idx_cap, cap, H);
-		sel = regrow(c, l->sel, sizeof(uint32_t), l->idx_cap, cap, H);
+		sel = regrow(c, l->sel, sizeof(uint32_t), l->idx_cap, cap, SH);
 	}
 	if ((!l->c_k && !ck) || (!l->c_q && !cq) || (!l->sel_n && !sel_n) ||
 	    (cap > l->idx_cap && (!codes || !sigma || !beta || !sel))) {

@@ -161,6 +161,8 @@ static void truncate_layer(kvt_cache *c, struct kvt_layer *l, uint32_t n, uint32
 	l->n_tokens = keep;
 	l->n_indexed = ni;
 	l->sel_epoch = 0;
+	if (kvt_sel_slots(c) > 1 && l->sel_n) /* keep_weight's kept selection: forgotten */
+		memset(l->sel_n + c->cfg.n_kv_heads, 0, sizeof *l->sel_n * c->cfg.n_kv_heads);
 	kvt_corr_forget(c, l);
 }
 
@@ -269,8 +271,9 @@ static int fork_arrays(kvt_cache *c, const struct kvt_layer *p, struct kvt_layer
 	l->beta = dup_array(p->beta, sizeof *p->beta * H * cap, &failed);
 	l->c_k = dup_array(p->c_k, sizeof *p->c_k * H * d, &failed);
 	l->c_q = dup_array(p->c_q, sizeof *p->c_q * H * d, &failed);
-	l->sel = dup_array(p->sel, sizeof *p->sel * H * cap, &failed);
-	l->sel_n = dup_array(p->sel_n, sizeof *p->sel_n * H, &failed);
+	const size_t SH = H * kvt_sel_slots(c); /* with keep_weight, the kept selection too */
+	l->sel = dup_array(p->sel, sizeof *p->sel * SH * cap, &failed);
+	l->sel_n = dup_array(p->sel_n, sizeof *p->sel_n * SH, &failed);
 	l->runs_cap = p->n_runs;
 	l->runs = dup_array(p->runs, sizeof *p->runs * p->n_runs, &failed);
 	KVT_RETURN_IF(failed, c, -ENOMEM, "out of memory copying layer %u of a forked sequence",

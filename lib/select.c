@@ -3,7 +3,9 @@
  * Top-p selection in expected linear time. The threshold is found by partitioning on probability
  * mass (quickselect that keeps the side holding the boundary), never by sorting: each round
  * partitions the remaining candidates three ways around a pivot and keeps only the side where the
- * cumulative mass crosses p, so the expected work is a constant times n.
+ * cumulative mass crosses p, so the expected work is a constant times n. The keyed form orders the
+ * tokens by keys while the mass is the scores' (kvt_config.keep_weight: the last selection's tokens
+ * ranked higher), partitioning (key, score) pairs.
  */
 #include <math.h>
 
@@ -106,6 +108,82 @@ int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, fl
 	}
 }
 
+/* Three-way partition of the pairs a[0..m) (key, score) around key v, as partition3. */
+static void partition3_pairs(float *a, uint32_t m, float v, uint32_t *ng, uint32_t *nl)
+{
+	uint32_t lt = 0, i = 0, gt = m;
+	while (i < gt) {
+		float *x = a + 2 * i, t0 = x[0], t1 = x[1];
+		if (t0 > v) {
+			x[0] = a[2 * lt];
+			x[1] = a[2 * lt + 1];
+			a[2 * lt] = t0;
+			a[2 * lt + 1] = t1;
+			lt++;
+			i++;
+		} else if (t0 < v) {
+			gt--;
+			x[0] = a[2 * gt];
+			x[1] = a[2 * gt + 1];
+			a[2 * gt] = t0;
+			a[2 * gt + 1] = t1;
+		} else {
+			i++;
+		}
+	}
+	*ng = lt;
+	*nl = m - gt;
+}
+
+int kvt_topp_threshold_keyed(const float *scores, const float *keys, uint32_t n, float scale,
+			     float p, float *scratch, float *thresh, uint32_t *bad)
+{
+	float max;
+	if (n == 0)
+		return 0;
+	KVT_TRY(check_finite(scores, n, &max, bad));
+	double z = 0.0;
+	float min = keys[0];
+	for (uint32_t i = 0; i < n; i++) {
+		scratch[2 * i] = keys[i];
+		scratch[2 * i + 1] = scores[i];
+		z += exp((double)(scores[i] - max) * scale);
+		min = keys[i] < min ? keys[i] : min;
+	}
+	if (p >= 1.0f) {
+		*thresh = min;
+		return (int)n;
+	}
+	const double target = (double)p * z;
+	double acc = 0.0;   /* mass of everything above the candidates, always < target */
+	uint32_t above = 0; /* count of it */
+	float *a = scratch;
+	uint32_t m = n;
+	for (;;) {
+		float v = median3(a[0], a[2 * (m / 2)], a[2 * (m - 1)]);
+		uint32_t ng, nl;
+		partition3_pairs(a, m, v, &ng, &nl);
+		double mg = 0.0, me = 0.0;
+		for (uint32_t i = 0; i < ng; i++)
+			mg += exp((double)(a[2 * i + 1] - max) * scale);
+		const uint32_t ne = m - ng - nl;
+		for (uint32_t i = ng; i < ng + ne; i++) /* equal keys may hold different scores */
+			me += exp((double)(a[2 * i + 1] - max) * scale);
+		if (acc + mg >= target) {
+			m = ng; /* the boundary lies strictly above v */
+			continue;
+		}
+		if (acc + mg + me >= target || nl == 0) {
+			*thresh = v;
+			return (int)(above + ng + ne);
+		}
+		acc += mg + me;
+		above += ng + ne;
+		a += 2 * (ng + ne);
+		m = nl;
+	}
+}
+
 float kvt_kth_largest(const float *scores, uint32_t n, uint32_t m, float *scratch)
 {
 	for (uint32_t i = 0; i < n; i++)
@@ -128,16 +206,19 @@ float kvt_kth_largest(const float *scores, uint32_t n, uint32_t m, float *scratc
 	}
 }
 
-int kvt_topp_mark(const float *scores, uint32_t n, float scale, float p, uint32_t bmin,
-		  uint32_t bmax, float *scratch, uint8_t *mask, int *clamped, uint32_t *bad)
+int kvt_topp_mark(const float *scores, const float *keys, uint32_t n, float scale, float p,
+		  uint32_t bmin, uint32_t bmax, float *scratch, uint8_t *mask, int *clamped,
+		  uint32_t *bad)
 {
 	float t;
 	*clamped = 0;
 	if (n == 0)
 		return 0;
-	int count = kvt_topp_threshold(scores, n, scale, p, scratch, &t, bad);
+	int count = keys ? kvt_topp_threshold_keyed(scores, keys, n, scale, p, scratch, &t, bad)
+			 : kvt_topp_threshold(scores, n, scale, p, scratch, &t, bad);
 	if (count < 0)
 		return count;
+	const float *k = keys ? keys : scores;
 	uint32_t want = (uint32_t)count;
 	if (bmax && want > bmax) {
 		want = bmax;
@@ -148,19 +229,19 @@ int kvt_topp_mark(const float *scores, uint32_t n, float scale, float p, uint32_
 	}
 	if (!*clamped) {
 		for (uint32_t i = 0; i < n; i++)
-			mask[i] |= scores[i] >= t;
+			mask[i] |= k[i] >= t;
 		return count;
 	}
 	/* exactly `want` tokens: everything above the want-th largest, then its ties by position */
-	float v = kvt_kth_largest(scores, n, want, scratch);
+	float v = kvt_kth_largest(k, n, want, scratch);
 	uint32_t taken = 0;
 	for (uint32_t i = 0; i < n; i++)
-		if (scores[i] > v) {
+		if (k[i] > v) {
 			mask[i] = 1;
 			taken++;
 		}
 	for (uint32_t i = 0; i < n && taken < want; i++)
-		if (scores[i] == v) {
+		if (k[i] == v) {
 			mask[i] = 1;
 			taken++;
 		}

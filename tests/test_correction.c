@@ -6,11 +6,11 @@
  * logit minus estimate) of every query head of the group at the most recent 32 / G of those steps,
  * w the least-squares weights of the query head's rotated residual on theirs (ridge 0.1 of each
  * one's squared norm; Cholesky; the prediction summed in four running sums), every sum in the
- * rule's order. Also: correction off and at p = 1 changes nothing, a
- * truncate forgets every correction and a fork's child starts without, a step that fails under an
- * allocation fault leaves the corrections (and so every later step) as a fault-free twin has them,
- * an attend in place (out the same buffer as q) records what a separate out records. And the
- * second selection stage (rescore_p), against the same reference extended by its rule.
+ * rule's order. Also: correction off and at p = 1 changes nothing, a truncate forgets every
+ * correction and a fork's child starts without, a step that fails under an allocation fault leaves
+ * the corrections (and so every later step) as a fault-free twin has them, an attend in place
+ * (out the same buffer as q) records what a separate out records. And the second selection stage
+ * (rescore_p), against the same reference extended by its rule.
  */
 #include "common.h"
 #include "half.h"
@@ -18,27 +18,9 @@
 #include "../lib/correct.c"
 #endif
 
-enum { HQ = 4, HKV = 2, G = HQ / HKV, D = 64, CTX = 700, STEPS = 6 };
-#define KROW (HKV * D)
-#define QROW (HQ * D)
-
-static uint16_t g_k[(CTX + 8) * KROW], g_v[(CTX + 8) * KROW], g_q[STEPS][QROW];
-
-static void make_data(uint64_t seed)
-{
-	t_rng r;
-	t_rng_seed(&r, seed);
-	t_fill(&r, KVT_DTYPE_F16, (size_t)(CTX + 8) * KROW, 0.1, 1.0, g_k, NULL);
-	t_fill(&r, KVT_DTYPE_F16, (size_t)(CTX + 8) * KROW, -0.2, 1.0, g_v, NULL);
-	/* a persistent query per head plus a little of a fresh one each step: consecutive queries
-	 * alike, as a head's are, so beta is near 1 but never exactly */
-	float base[QROW];
-	for (uint32_t j = 0; j < QROW; j++)
-		base[j] = (float)t_normal(&r) * 2.5f;
-	for (uint32_t s = 0; s < STEPS; s++)
-		for (uint32_t j = 0; j < QROW; j++)
-			g_q[s][j] = t_f2h(base[j] + (float)t_normal(&r) * 0.8f);
-}
+#define FX_STEPS 6
+#include "decode_fixture.h" /* make_data(seed, 2.5, 0.8): consecutive queries alike, as a head's
+			       are, so beta is near 1 but never exactly */
 
 static float g_rescore; /* config()'s rescore_p (test_rescore sets it) */
 
@@ -55,11 +37,7 @@ static kvt_config config(uint32_t R, float p)
 static kvt_cache *make(uint32_t R, float p, uint32_t *seq)
 {
 	kvt_config cfg = config(R, p);
-	kvt_cache *c = t_create(&cfg);
-	T_CHECK(kvt_seq_open(c, seq) == 0, "open");
-	T_CHECK(kvt_prefill(c, *seq, 0, NULL, g_k, g_v, CTX, NULL) == 0, "prefill: %s",
-		kvt_last_error(c));
-	return c;
+	return fx_open(&cfg, seq);
 }
 
 /* ---- the reference --------------------------------------------------------------------------- */
@@ -94,8 +72,11 @@ static double ref_dot(const float *a, const float *b)
 static double ref_predict(const struct ref *rf, uint32_t step, uint32_t h, uint32_t g,
 			  const float *x, uint32_t t)
 {
-	const float *xs[REF_LS_MAX];
-	double dl[REF_LS_MAX], A[REF_LS_MAX][REF_LS_MAX], f[REF_LS_MAX][REF_LS_MAX], w[REF_LS_MAX];
+	/* n <= REF_LS_MAX (steps * mps), which gcc cannot see with REF_LS_MAX 1 (-Warray-bounds):
+	 * one spare row and column */
+	enum { N = REF_LS_MAX + 1 };
+	const float *xs[N];
+	double dl[N], A[N][N], f[N][N], w[N];
 	/* every query head of a step, or (more than REF_LS_MAX of them) the query head's own */
 	const uint32_t mps = G <= REF_LS_MAX ? G : 1, r0 = mps == 1 ? g : 0;
 	uint32_t n = 0, steps = 0;
@@ -177,7 +158,7 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 		memcpy(sc, raw[g], sizeof sc[0] * ni);
 		int clamped;
 		uint32_t bad;
-		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, plain, &clamped, &bad) >=
+		T_CHECK(kvt_topp_mark(sc, NULL, ni, c->scale, c->cfg.p, 0, 0, work, plain, &clamped, &bad) >=
 				0, "reference Top-p");
 		for (uint32_t t = 0; t < ni && rf->R; t++) {
 			bool any = false;
@@ -190,7 +171,7 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 		}
 		if (rf->rp != 0.0f) { /* the second stage: Top-p(rp) of these scores, made exact */
 			memset(cand, 0, ni);
-			T_CHECK(kvt_topp_mark(sc, ni, c->scale, rf->rp, 0, 0, work, cand, &clamped,
+			T_CHECK(kvt_topp_mark(sc, NULL, ni, c->scale, rf->rp, 0, 0, work, cand, &clamped,
 					      &bad) >= 0, "reference candidates");
 			for (uint32_t t = 0; t < ni; t++)
 				if (cand[t]) {
@@ -198,7 +179,7 @@ static void ref_step(kvt_cache *c, struct ref *rf, uint32_t step, const uint16_t
 					cand_union[t] = 1;
 				}
 		}
-		T_CHECK(kvt_topp_mark(sc, ni, c->scale, c->cfg.p, 0, 0, work, mask, &clamped, &bad) >= 0,
+		T_CHECK(kvt_topp_mark(sc, NULL, ni, c->scale, c->cfg.p, 0, 0, work, mask, &clamped, &bad) >= 0,
 			"reference Top-p");
 	}
 	for (uint32_t t = 0; rf->rp != 0.0f && t < ni; t++) {
@@ -255,7 +236,7 @@ static void check_step(kvt_cache *c, uint32_t seq, struct ref *rf, uint32_t step
 static void test_rule(void **state)
 {
 	(void)state;
-	make_data(11);
+	make_data(11, 2.5f, 0.8f);
 	const uint32_t Rs[] = {1, 2, 64};
 	for (size_t k = 0; k < sizeof Rs / sizeof Rs[0]; k++) {
 		uint32_t seq, changed = 0;
@@ -283,7 +264,7 @@ static void test_rule(void **state)
 static void test_rescore(void **state)
 {
 	(void)state;
-	make_data(17);
+	make_data(17, 2.5f, 0.8f);
 	const struct { uint32_t R; float rp; } cases[] = {{0, 0.95f}, {0, 1.0f}, {8, 0.9f}};
 	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
 		uint32_t seq, changed = 0;
@@ -315,18 +296,11 @@ static void test_rescore(void **state)
 }
 
 /* The outputs of STEPS steps of a cache. */
-static void run_steps(kvt_cache *c, uint32_t seq, uint32_t from, uint32_t to, float *out)
-{
-	for (uint32_t s = from; s < to; s++)
-		T_CHECK(kvt_attend(c, 0, 1, &seq, g_q[s], out + (size_t)s * QROW, NULL) == 0,
-			"attend: %s", kvt_last_error(c));
-}
-
 /* Off, and at p = 1 (everything selected), the outputs are those of a cache without corrections. */
 static void test_neutral(void **state)
 {
 	(void)state;
-	make_data(12);
+	make_data(12, 2.5f, 0.8f);
 	static float a[STEPS * QROW], b[STEPS * QROW];
 	uint32_t sa, sb;
 	kvt_cache *ca = make(0, 1.0f, &sa), *cb = make(8, 1.0f, &sb);
@@ -342,7 +316,7 @@ static void test_neutral(void **state)
 static void test_forget(void **state)
 {
 	(void)state;
-	make_data(13);
+	make_data(13, 2.5f, 0.8f);
 	static float a[STEPS * QROW], b[STEPS * QROW];
 	uint32_t sa, sb;
 	kvt_cache *ca = make(4, 0.8f, &sa), *cb = make(0, 0.8f, &sb);
@@ -370,7 +344,7 @@ static void test_forget(void **state)
 static void test_in_place(void **state)
 {
 	(void)state;
-	make_data(15);
+	make_data(15, 2.5f, 0.8f);
 	kvt_config cfg = config(4, 0.8f);
 	cfg.out_dtype = KVT_DTYPE_F16;
 	kvt_cache *a = t_create(&cfg), *b = t_create(&cfg);
@@ -392,12 +366,9 @@ static void test_in_place(void **state)
 	kvt_cache_destroy(b);
 }
 
-/* Step 2 of a run: attended, or (select) only selected, which records nothing. */
-static void step2(kvt_cache *c, uint32_t s, bool select, float *out)
+static kvt_cache *make_faulted(uint32_t *seq)
 {
-	int rc = select ? kvt_select(c, 0, 1, &s, g_q[2], NULL)
-			: kvt_attend(c, 0, 1, &s, g_q[2], out + 2 * QROW, NULL);
-	T_CHECK(rc >= 0, "step 2: %s", kvt_last_error(c));
+	return make(3, 0.8f, seq);
 }
 
 /*
@@ -405,56 +376,14 @@ static void step2(kvt_cache *c, uint32_t s, bool select, float *out)
  * (retried) or by a kvt_select of its query, it and the steps after give a fault-free twin's
  * outputs bit for bit (what the failed step recorded never counts).
  */
-static void fault_loop(bool select)
-{
-	static float want[STEPS * QROW], got[STEPS * QROW];
-	uint32_t s;
-	kvt_cache *c = make(3, 0.8f, &s);
-	memset(want, 0, sizeof want);
-	run_steps(c, s, 0, 2, want);
-	step2(c, s, select, want);
-	run_steps(c, s, 3, STEPS, want);
-	kvt_cache_destroy(c);
-	const int64_t live0 = kvt_mem_live();
-	uint64_t n = 1, failed = 0;
-	for (;; n++) {
-		c = make(3, 0.8f, &s);
-		memset(got, 0, sizeof got);
-		run_steps(c, s, 0, 2, got);
-		kvt_mem_fail_at(n);
-		int rc = kvt_attend(c, 0, 1, &s, g_q[2], got + 2 * QROW, NULL);
-		int fired = kvt_mem_fired();
-		kvt_mem_fail_at(0);
-		T_CHECK(rc == 0 || (fired && rc == -ENOMEM), "N=%llu: got %d (%s)",
-			(unsigned long long)n, rc, kvt_last_error(c));
-		if (rc < 0) {
-			failed++;
-			memset(got + 2 * QROW, 0, QROW * sizeof(float));
-			step2(c, s, select, got);
-		}
-		/* an attend that succeeded is the twin's step only when the twin attended too */
-		if (rc < 0 || !select) {
-			run_steps(c, s, 3, STEPS, got);
-			T_CHECK(!memcmp(got, want, sizeof got),
-				"N=%llu: outputs differ from the fault-free run", (unsigned long long)n);
-		}
-		kvt_cache_destroy(c);
-		T_CHECK(kvt_mem_live() == live0, "N=%llu: %lld allocations live after destroy, wanted "
-			"%lld", (unsigned long long)n, (long long)kvt_mem_live(), (long long)live0);
-		if (!fired)
-			break;
-	}
-	T_CHECK(failed > 0, "no allocation of the step failed");
-	print_message("%s: %llu allocation faults in a corrected step, each changed nothing\n",
-		      select ? "then select" : "then retried", (unsigned long long)failed);
-}
-
 static void test_faults(void **state)
 {
 	(void)state;
-	make_data(14);
-	fault_loop(false);
-	fault_loop(true);
+	make_data(14, 2.5f, 0.8f);
+	for (int select = 0; select < 2; select++)
+		print_message("%s: %llu allocation faults in a corrected step, each changed nothing\n",
+			      select ? "then select" : "then retried",
+			      (unsigned long long)fx_fault_loop(make_faulted, 2, select));
 }
 
 int main(void)

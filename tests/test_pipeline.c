@@ -284,7 +284,7 @@ static void check_selection(struct run *r, uint32_t layer, const char *when)
 					  scores);
 				int clamped = 0;
 				uint32_t bad = 0;
-				int rc = kvt_topp_mark(scores, ni, c->scale, cfg->p, cfg->budget_min,
+				int rc = kvt_topp_mark(scores, NULL, ni, c->scale, cfg->p, cfg->budget_min,
 						       cfg->budget_max, scr, mask, &clamped, &bad);
 				T_CHECK(rc >= 0, "%s: kvt_topp_mark got %d", r->name, rc);
 				hits_max += clamped < 0;

@@ -2,7 +2,7 @@
 /*
  * Top-p selection (lib/select.c) against the sort-based definition computed in double: the
  * threshold and count, the k-th largest, budget clamping with ties, and rejection of non-finite
- * scores.
+ * scores; the keyed form (ranked by keys, the mass the scores') against its own definition.
  */
 #include "common.h"
 
@@ -81,6 +81,124 @@ static void test_threshold_vs_sort(void **state)
 	free(scr);
 }
 
+/* The keyed definition: pairs sorted by key descending (ties: any order, the boundary key takes
+ * them all), the smallest prefix whose mass of softmax(score * scale) reaches p, threshold = the
+ * key ending it, selected = every key >= threshold. In long double. */
+static const float *ref_keys;
+static int cmp_key_desc(const void *a, const void *b)
+{
+	const float x = ref_keys[*(const uint32_t *)a], y = ref_keys[*(const uint32_t *)b];
+	return (x < y) - (x > y);
+}
+
+static uint32_t ref_topp_keyed(const float *s, const float *k, uint32_t n, float scale, float p,
+			       float *thr)
+{
+	uint32_t *o = t_alloc(sizeof(uint32_t) * n);
+	float mx = s[0];
+	for (uint32_t i = 0; i < n; i++) {
+		o[i] = i;
+		mx = s[i] > mx ? s[i] : mx;
+	}
+	ref_keys = k;
+	qsort(o, n, sizeof *o, cmp_key_desc);
+	long double z = 0, cum = 0;
+	for (uint32_t i = 0; i < n; i++)
+		z += expl(((long double)s[i] - mx) * scale);
+	uint32_t m = n;
+	for (uint32_t i = 0; p < 1 && i < n; i++) {
+		/* every pair of this key at once: the boundary key takes its ties */
+		uint32_t j = i;
+		while (j < n && k[o[j]] == k[o[i]])
+			cum += expl(((long double)s[o[j++]] - mx) * scale) / z;
+		if (cum >= p) {
+			m = j;
+			break;
+		}
+		i = j - 1;
+	}
+	*thr = k[o[m - 1]];
+	uint32_t count = 0;
+	for (uint32_t i = 0; i < n; i++)
+		count += k[i] >= *thr;
+	free(o);
+	return count;
+}
+
+/* Top-p ranked by keys (kvt_config.keep_weight: a third of the tokens ranked higher by a bonus)
+ * with the scores' mass, against the keyed definition; a zero bonus selects the unkeyed set; and
+ * a budget cap keeps the largest keys. */
+static void test_threshold_keyed(void **state)
+{
+	(void)state;
+	const uint32_t ns[] = {1, 3, 10, 257, 4096};
+	const float ps[] = {0.1f, 0.63f, 0.9f, 0.999f, 1.0f}, bonus[] = {0.0f, 0.5f, 3.0f};
+	float *s = t_alloc(sizeof(float) * 4096), *k = t_alloc(sizeof(float) * 4096);
+	float *scr = t_alloc(sizeof(float) * 2 * 4096);
+	uint8_t *mask = t_alloc(4096);
+	int cases = 0;
+	for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+		for (int kind = 0; kind < D_NDIST; kind++)
+			for (size_t bi = 0; bi < 3; bi++) {
+				t_rng rng;
+				t_rng_seed(&rng, 0x6ee0000u + ni * 100 + (uint64_t)kind * 10 + bi);
+				const uint32_t n = ns[ni];
+				const float scale = bi == 2 ? 0.125f : 1.0f;
+				t_scores(&rng, (enum t_dist)kind, n, s);
+				for (uint32_t i = 0; i < n; i++)
+					k[i] = t_next(&rng) % 3 == 0 ? s[i] + bonus[bi] / scale : s[i];
+				for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
+					float thr = NAN, wthr, uthr;
+					uint32_t bad = 0;
+					const uint32_t want =
+						ref_topp_keyed(s, k, n, scale, ps[pi], &wthr);
+					const int got = kvt_topp_threshold_keyed(s, k, n, scale, ps[pi],
+										 scr, &thr, &bad);
+					T_CHECK(got == (int)want && thr == wthr,
+						"%s n=%u p=%g bonus %g: count got %d, wanted %u; "
+						"threshold got %.9g, wanted %.9g", t_dist_name[kind], n,
+						(double)ps[pi], (double)bonus[bi], got, want, (double)thr,
+						(double)wthr);
+					if (bi == 0) {
+						const int u = kvt_topp_threshold(s, n, scale, ps[pi], scr,
+										 &uthr, &bad);
+						T_CHECK(u == got && uthr == thr,
+							"%s n=%u p=%g: keys = scores select %d at %.9g, "
+							"unkeyed %d at %.9g", t_dist_name[kind], n,
+							(double)ps[pi], got, (double)thr, u, (double)uthr);
+					}
+					cases++;
+				}
+				/* a cap below the set keeps the cap's largest keys */
+				const uint32_t cap = n / 4 + 1;
+				int clamped = 0;
+				uint32_t bad = 0;
+				memset(mask, 0, n);
+				const int got = kvt_topp_mark(s, k, n, scale, 0.999f, 0, cap, scr, mask,
+							      &clamped, &bad);
+				uint32_t marked = 0;
+				float low = INFINITY, high = -INFINITY; /* least marked, most unmarked */
+				for (uint32_t i = 0; i < n; i++) {
+					marked += mask[i];
+					if (mask[i])
+						low = k[i] < low ? k[i] : low;
+					else
+						high = k[i] > high ? k[i] : high;
+				}
+				T_CHECK(got >= 0 && (uint32_t)got == marked && marked <= cap &&
+						(clamped == 0 || marked == cap) && low >= high,
+					"%s n=%u bonus %g, cap %u: marked %u (returned %d, clamped %d), "
+					"least marked key %g, most unmarked %g", t_dist_name[kind], n,
+					(double)bonus[bi], cap, marked, got, clamped, (double)low,
+					(double)high);
+			}
+	T_CHECK(cases == 5 * D_NDIST * 3 * 5, "cases run: got %d", cases);
+	free(s);
+	free(k);
+	free(scr);
+	free(mask);
+}
+
 static void test_nonfinite_rejected(void **state)
 {
 	(void)state;
@@ -104,7 +222,7 @@ static void test_nonfinite_rejected(void **state)
 			bad = 9999;
 			int clamped = 0;
 			memset(mask, 0, sizeof mask);
-			rc = kvt_topp_mark(s, N, 1.0f, 0.9f, 2, 10, scr, mask, &clamped, &bad);
+			rc = kvt_topp_mark(s, NULL, N, 1.0f, 0.9f, 2, 10, scr, mask, &clamped, &bad);
 			T_CHECK(rc == -EINVAL && bad == at,
 				"mark with %s at %u: got rc %d bad %u, wanted %d and %u", names[b], at,
 				rc, bad, -EINVAL, at);
@@ -193,7 +311,7 @@ static void check_mark(const char *what, const float *s, uint32_t n, float scale
 	memcpy(mask, pre, n);
 	int clamped = 99;
 	uint32_t bad = 0;
-	int got = kvt_topp_mark(s, n, scale, p, bmin, bmax, scr, mask, &clamped, &bad);
+	int got = kvt_topp_mark(s, NULL, n, scale, p, bmin, bmax, scr, mask, &clamped, &bad);
 	T_CHECK(got == (int)want && clamped == wclamp,
 		"%s n=%u p=%g bmin=%u bmax=%u: returned %d clamped %d, wanted %u and %d (top-p count "
 		"%u)",
@@ -256,6 +374,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_threshold_vs_sort),
+		cmocka_unit_test(test_threshold_keyed),
 		cmocka_unit_test(test_nonfinite_rejected),
 		cmocka_unit_test(test_kth_largest),
 		cmocka_unit_test(test_mark_budget),

@@ -51,6 +51,7 @@ typedef struct opts {
 	uint32_t sinks, window, flush, budget_min, budget_max, dtype, backend;
 	uint32_t correction;    /* kvt_config.correction_steps (CPU backend; 0: off) */
 	float rescore;          /* kvt_config.rescore_p (CPU backend; 0: off) */
+	float keep;             /* kvt_config.keep_weight (CPU backend; 0: off) */
 	uint64_t seed;
 	float p;
 	bool json, quiet;
@@ -203,6 +204,7 @@ typedef struct kb_result {
 	uint32_t correction;
 	uint32_t budget_max;    /* the cap of a Top-p point (0: none; a topk point has its own) */
 	float rescore;          /* kvt_config.rescore_p (0: off) */
+	float keep;             /* kvt_config.keep_weight (0: off) */
 	double rescore_k;       /* its extra key reads per indexed token */
 	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s;
 	double hit_rate, pcie_step;

@@ -19,7 +19,8 @@ static bool same_shape(const kb_result *a, const kb_result *b)
 
 bool kb_is_plain(const kb_result *r)
 {
-	return !r->topk && !r->correction && r->rescore == 0.0f && !r->budget_max;
+	return !r->topk && !r->correction && r->rescore == 0.0f && !r->budget_max &&
+	       r->keep == 0.0f;
 }
 
 double kb_bytes_budget(const kb_result *r)

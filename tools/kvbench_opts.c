@@ -100,6 +100,9 @@ static void usage(FILE *f, const opts *d)
 		"  --rescore P      second selection stage: the Top-P candidates on the estimate are\n"
 		"                   scored exactly from their keys, P in (p, 1] (0 = off, the\n"
 		"                   default)\n"
+		"  --keep W         selection hysteresis: Top-p ranks the last step's selection as\n"
+		"                   if (1 + W) times as probable, W in [0, 1e6] (CPU backend; 0 =\n"
+		"                   off, the default)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
@@ -293,7 +296,7 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache", "--correction", "--rescore", "--sweep"};
+		"--nvme-cache", "--correction", "--rescore", "--keep", "--sweep"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
@@ -343,6 +346,13 @@ static void set_option(opts *o, const char *flag, const char *val)
 		o->rescore = strcmp(val, "0") ? parse_share(flag, val, "expected 0 (off) or a number in "
 								 "(p, 1]")
 					      : 0.0f;
+	} else if (!strcmp(flag, "--keep")) {
+		char *end;
+		errno = 0;
+		const double x = strtod(val, &end);
+		if (errno || end == val || *end || !(x >= 0.0 && x <= 1e6))
+			bad_value(flag, val, "expected a number in [0, 1e6] (0: off)");
+		o->keep = (float)x;
 	} else if (!strcmp(flag, "--p")) {
 		o->p = parse_share(flag, val, "expected a number in (0, 1]");
 	} else if (!strcmp(flag, "--dtype")) {

@@ -267,10 +267,11 @@ void trace_print_json(kb_trace *t, double wall)
 	print_json_meta(t);
 	printf(" \"config\": {\"backend\": \"%s\", \"dtype\": \"%s\", \"p\": %.6g, \"sinks\": %u, "
 	       "\"window\": %u, \"flush\": %u, \"budget_min\": %u, \"budget_max\": %u, "
-	       "\"correction\": %u, \"rescore\": %.6g, \"chunk\": %u, \"seed\": %" PRIu64 "},\n",
+	       "\"correction\": %u, \"rescore\": %.6g, \"keep\": %.6g, \"chunk\": %u, \"seed\": "
+	       "%" PRIu64 "},\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
 	       o->window, o->flush, o->budget_min, o->budget_max, o->correction, (double)o->rescore,
-	       t->chunk, o->seed);
+	       (double)o->keep, t->chunk, o->seed);
 	printf(" \"layers\": [");
 	bool first = true;
 	for (uint32_t l = 0; l < m->n_layers; l++) {
@@ -359,10 +360,10 @@ void trace_print_text(kb_trace *t, double wall)
 	       m->head_dim, m->dtype == TRACE_F16 ? "float16" : "float32", m->prefill_tokens,
 	       m->decode_steps);
 	printf("kvtier: %s backend, %s, p %g, sinks %u, window %u, flush %u, budget %u..%u%s, "
-	       "correction %u, scale %.6g\n\n",
+	       "correction %u, keep %g, scale %.6g\n\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
 	       o->window, o->flush, o->budget_min, o->budget_max, o->budget_max ? "" : " (no cap)",
-	       o->correction, t->scale);
+	       o->correction, (double)o->keep, t->scale);
 	printf("%6s %6s %4s  %11s %10s %11s %9s %9s %9s\n", "layer", "head", "kv", "recall_mean",
 	       "recall_min", "budget_mean", "out_err", "recall_p5", "recall_p1");
 	for (uint32_t l = 0; l < m->n_layers; l++) {
@@ -397,7 +398,8 @@ void trace_summary(const kb_trace *t, kb_result *r)
 	pooled(t, UINT32_MAX, pa);
 	*r = (kb_result){.context = t->m.prefill_tokens, .seqs = 1, .layers = t->n_sel,
 			 .p = t->o->p, .correction = t->o->correction,
-			 .budget_max = t->o->budget_max, .rescore = t->o->rescore};
+			 .budget_max = t->o->budget_max, .rescore = t->o->rescore,
+			 .keep = t->o->keep};
 	r->rescore_k = f.f.candidates ? (double)f.f.rescored_unselected / (double)f.f.candidates
 				      : 0.0;
 	r->recall = f.n ? f.recall_sum / f.n : NAN;

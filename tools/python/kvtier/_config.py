@@ -89,6 +89,7 @@ class Config:
     correction_steps: Optional[int] = None
     gpu_cache_max_bytes: Optional[int] = None
     rescore_p: Optional[float] = None
+    keep_weight: Optional[float] = None
 
     def to_c(self) -> "tuple[_abi.KvtConfig, list]":
         """The kvt_config (size = the mirror's sizeof) and the objects it points into, which must
@@ -109,6 +110,7 @@ class Config:
         c.p = 0.0 if self.p is None else float(self.p)
         c.scale = 0.0 if self.scale is None else float(self.scale)
         c.rescore_p = 0.0 if self.rescore_p is None else float(self.rescore_p)
+        c.keep_weight = 0.0 if self.keep_weight is None else float(self.keep_weight)
         for f in _ZERO_IS_VALUE_32:
             v = getattr(self, f)
             setattr(c, f, 0 if v is None else (NONE if int(v) == 0 else int(v)))

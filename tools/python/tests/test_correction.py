@@ -74,3 +74,25 @@ def test_rescore():
             assert st.rescored_unselected <= st.rescored_tokens
             sel.append(st.selected_tokens)
     assert sel[0] != sel[1]
+
+
+def test_keep_weight():
+    """Config.keep_weight (the selection's hysteresis) reaches the library: a bad value is refused
+    by name; on the CPU backend a weight changes the selections of steps after the first."""
+    with pytest.raises(kvtier.Error, match="keep_weight = -1") as ei:
+        kvtier.Cache(backend="cpu", keep_weight=-1.0, **SHAPE)
+    assert ei.value.code == -errno.EINVAL
+    rng = np.random.default_rng(6)
+    k, v = rand(rng, 600, HKV, D), rand(rng, 600, HKV, D)
+    base = rng.standard_normal((1, HQ, D)) * 2.0
+    qs = [(base + rng.standard_normal((1, HQ, D)) * 2.0).astype(np.float16) for _ in range(6)]
+    sel = []
+    for w in (None, 8.0):
+        with kvtier.Cache(backend="cpu", p=0.8, budget_min=0, keep_weight=w, **SHAPE) as c:
+            s = c.open()
+            for layer in range(SHAPE["n_layers"]):
+                c.prefill(s, layer, None, k, v)
+            for q in qs:
+                c.attend(0, [s], q)
+            sel.append(c.stats().selected_tokens)
+    assert sel[0] != sel[1], "keep_weight changed no selection"
