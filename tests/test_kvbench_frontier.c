@@ -3,7 +3,8 @@
  * kvbench's comparison of a sweep's methods with its p-sweep at equal budget
  * (tools/kvbench_frontier.c) against cases computed by hand: which points make the sweep (plain
  * p, the same shape), the linear interpolation between the two that bracket a budget, nothing
- * outside their range, the budget in bytes (half a row per extra key), and which points are shown.
+ * outside their range, the budget in bytes (half a row per extra key), and which points are shown;
+ * the same at equal simulated misses (a trace replay's keep points).
  */
 #include <math.h>
 
@@ -15,7 +16,8 @@
 static kb_result plain(double budget, double p5, double p1, double min)
 {
 	return (kb_result){.context = 4096, .seqs = 1, .layers = 2, .p = 0.9f, .budget = budget,
-			   .recall_p5 = p5, .recall_p1 = p1, .recall_min = min, .rescore_k = 0.0};
+			   .recall_p5 = p5, .recall_p1 = p1, .recall_min = min, .rescore_k = 0.0,
+			   .misses = NAN}; /* no trace: no simulated misses */
 }
 
 #define NEAR(x, want) T_CHECK(fabs((x) - (want)) < 1e-12, "%s = %.15g, wanted %.15g", #x, (x), (want))
@@ -73,10 +75,45 @@ static void test_interpolation(void **state)
 	printf("]\n");
 }
 
+/*
+ * At equal simulated misses (a trace replay's): plain points with misses 0.03, 0.01 and 0.02 (out
+ * of order, their budgets in another order), a keep point at misses 0.015: halfway between 0.01
+ * (p5 0.70, p1 0.60, min 0.50) and 0.02 (0.80, 0.72, 0.56): 0.75, 0.66, 0.53; at 0.035, past
+ * them: NAN. A keep point is not plain; points without misses (NAN: no trace) make no curve.
+ */
+static void test_misses(void **state)
+{
+	(void)state;
+	kb_result r[5] = {plain(0.2, 0.90, 0.80, 0.60), plain(0.4, 0.70, 0.60, 0.50),
+			  plain(0.3, 0.80, 0.72, 0.56)};
+	r[0].misses = 0.03;
+	r[1].misses = 0.01;
+	r[2].misses = 0.02;
+	r[3] = plain(0.35, 0.76, 0.70, 0.55);
+	r[3].keep = 8.0f;
+	r[3].misses = 0.015;
+	r[4] = plain(0.3, 0.1, 0.1, 0.1);
+	r[4].misses = NAN;
+	T_CHECK(!kb_is_plain(&r[3]), "a keep point is not plain");
+	kb_tail t;
+	T_CHECK(kb_sweep_at_misses(r, 5, &r[3], 0.015, &t) == 3,
+		"three plain points with misses");
+	NEAR(t.p5, 0.75);
+	NEAR(t.p1, 0.66);
+	NEAR(t.min, 0.53);
+	kb_sweep_at_misses(r, 5, &r[3], 0.035, &t);
+	T_CHECK(isnan(t.p5), "past the sweep's misses: %g", t.p5);
+	T_CHECK(kb_print_vs_sweep(r, 4, false) == 1, "the keep point against the sweep");
+	printf("\n[");
+	T_CHECK(kb_print_vs_sweep(r, 4, true) == 1, "one JSON object");
+	printf("]\n");
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_interpolation),
+		cmocka_unit_test(test_misses),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

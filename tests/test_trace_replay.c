@@ -423,6 +423,31 @@ void test_replay_sweep(void **state)
 	trace_json_free(&j);
 	free(out);
 	free(errs);
+	/* the selection's hysteresis as an axis: its points carry keep and the simulated misses,
+	 * and each is compared at equal misses too */
+	char *av_keep[] = {"kvbench", "--trace", t.path, "--backend", "cpu", "--json", "--quiet",
+			   "--window", "16", "--flush", "8", "--sinks", "4", "--chunk", "128",
+			   "--budget-min", "0", "--sweep", "p=0.5,0.7,0.9", "--sweep", "keep=0,8",
+			   NULL};
+	rc = run_replay(av_keep, &out, &errs);
+	T_CHECK(rc == 0, "keep sweep: exit %d, stderr: %s", rc, errs);
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	pts = trace_json_get(&j, &j.nodes[1], "points");
+	vs = trace_json_get(&j, &j.nodes[1], "vs_p_sweep");
+	T_CHECK(pts && pts->count == 6 && vs && vs->count == 3,
+		"keep sweep: want 6 points and 3 compared, got %u and %u", pts ? pts->count : 0,
+		vs ? vs->count : 0);
+	for (uint32_t c = pts->child; c; c = j.nodes[c].next) {
+		const double m = jnum(&j, &j.nodes[c], "misses");
+		T_CHECK(m >= 0 && m <= 1, "keep sweep: a point's misses %g", m);
+	}
+	for (uint32_t c = vs->child; c; c = j.nodes[c].next)
+		T_CHECK(jnum(&j, &j.nodes[c], "keep") == 8 &&
+				trace_json_get(&j, &j.nodes[c], "sweep_p5_at_misses"),
+			"keep sweep: a compared point without keep 8 or sweep_p5_at_misses");
+	trace_json_free(&j);
+	free(out);
+	free(errs);
 	char *av_bad[] = {"kvbench", "--trace", t.path, "--sweep", "context=100,200", NULL};
 	rc = run_replay(av_bad, &out, &errs);
 	T_CHECK(rc == 2 && strstr(errs, "the axes are the selection's"),

@@ -206,6 +206,9 @@ typedef struct kb_result {
 	float rescore;          /* kvt_config.rescore_p (0: off) */
 	float keep;             /* kvt_config.keep_weight (0: off) */
 	double rescore_k;       /* its extra key reads per indexed token */
+	double misses;          /* a trace replay's simulated hot cache of a quarter of a layer's
+				   rows: the rows a step reads over PCIe, per row of the layer (NAN
+				   without a trace) */
 	double recall, recall_min, recall_p5, recall_p1, budget, oracle_budget, err, step_ms, tok_s;
 	double hit_rate, pcie_step;
 	double stage_ms[5];     /* index, store, score, select, attend per (step, layer) */
@@ -359,18 +362,21 @@ bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, 
 typedef struct kb_tail {
 	double p5, p1, min;
 } kb_tail;
-/* A plain point: p alone (no topk, no corrections, no second stage, no budget cap). */
+/* A plain point: p alone (no topk, no corrections, no second stage, no budget cap, no keep). */
 bool kb_is_plain(const kb_result *r);
 /* A point's budget in bytes, in rows: its budget plus half a row per extra key read. */
 double kb_bytes_budget(const kb_result *r);
 /* The p-sweep's tail at `budget`: linear between the two plain points of shape's context, seqs
  * and layers whose budgets bracket it (NANs outside their range; one plain point: only at its own
- * budget). Returns how many plain points that shape has. */
+ * budget). Returns how many plain points that shape has. With misses, the same over the plain
+ * points' simulated misses (kb_result.misses) instead of their budgets. */
 uint32_t kb_sweep_at(const kb_result *r, uint32_t n, const kb_result *shape, double budget,
 		     kb_tail *out);
+uint32_t kb_sweep_at_misses(const kb_result *r, uint32_t n, const kb_result *shape,
+			    double misses, kb_tail *out);
 /* Each point that is not plain, of a shape with two plain points or more, against the sweep at
- * its budget in rows and in bytes: a table, or (json) comma-separated JSON objects. Returns the
- * points shown. */
+ * its budget in rows and in bytes, and (a trace replay's) at its simulated misses: a table, or
+ * (json) comma-separated JSON objects. Returns the points shown. */
 uint32_t kb_print_vs_sweep(const kb_result *r, uint32_t n, bool json);
 
 /* ---- kvbench_svg.c ----------------------------------------------------------------------- */

@@ -138,7 +138,7 @@ static void usage(FILE *f, const opts *d)
 		"                   kvtier's budget\n"
 		"  --topk K         Top-k by kvtier's estimate: p = 1, budget min = max = K\n"
 		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max,\n"
-		"                   correction, rescore\n"
+		"                   correction, rescore, keep\n"
 		"                   (repeatable, crossed; topk points take the first p)\n"
 		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it\n"
 		"Fetch-path stress:\n"
@@ -155,8 +155,9 @@ static void usage(FILE *f, const opts *d)
 		"                   --seed (the library's, %" PRIu64 "), --json, --quiet, --nvme P[,P...]\n"
 		"                   (each layer's sequence spilled after its prefill, so the decode\n"
 		"                   steps read from NVMe) with --nvme-bytes, --nvme-qd, --nvme-cache,\n"
-		"                   --sweep over p, correction, rescore, budget-max (each method\n"
-		"                   against the p-sweep at equal budget), and:\n"
+		"                   --sweep over p, correction, rescore, budget-max, keep (each\n"
+		"                   method against the p-sweep at equal budget and at equal\n"
+		"                   simulated misses), and:\n"
 		"  --layers LIST    with --trace: the trace's layers to replay, e.g. 0,3,8-11 (all)\n"
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
@@ -273,7 +274,7 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 static void add_sweep(opts *o, const char *flag, const char *val)
 {
 	static const char *const axes[] = {"context", "seqs", "p", "topk", "layers", "budget-max",
-					   "correction", "rescore"};
+					   "correction", "rescore", "keep"};
 	const char *eq = strchr(val, '=');
 	size_t n = eq ? (size_t)(eq - val) : 0;
 	bool known = false;
@@ -281,7 +282,7 @@ static void add_sweep(opts *o, const char *flag, const char *val)
 		known |= eq && strlen(axes[i]) == n && !strncmp(val, axes[i], n);
 	if (!known || !eq[1])
 		bad_value(flag, val, "expected NAME=V1,V2,... with NAME context, seqs, p, topk, "
-			  "layers, budget-max, correction or rescore");
+			  "layers, budget-max, correction, rescore or keep");
 	if (o->n_sweep == 4)
 		bad_value(flag, val, "at most 4 --sweep axes");
 	if (!(o->sweep[o->n_sweep++] = strdup(val)))
@@ -472,20 +473,21 @@ static void finish(opts *o)
 	if (o->trace_dir && o->not_trace[0]) {
 		fprintf(stderr, "kvbench: %s does not apply to --trace: the trace gives the shape, and "
 			"the replay takes --p, --sinks, --window, --flush, --budget-min, --budget-max, "
-			"--correction, --rescore, --chunk, --dtype, --backend, --gpu-cache, --nvme (with "
-			"--nvme-bytes, --nvme-qd "
-			"and --nvme-cache), --seed, --layers LIST, --json and --quiet\n", o->not_trace);
+			"--correction, --rescore, --keep, --chunk, --dtype, --backend, --gpu-cache, "
+			"--nvme (with --nvme-bytes, --nvme-qd and --nvme-cache), --seed, --layers LIST, "
+			"--json and --quiet\n", o->not_trace);
 		exit(2);
 	}
 	for (uint32_t a = 0; o->trace_dir && a < o->n_sweep; a++) {
-		static const char *const ok[] = {"p=", "correction=", "rescore=", "budget-max="};
+		static const char *const ok[] = {"p=", "correction=", "rescore=", "budget-max=",
+						 "keep="};
 		bool fine = false;
 		for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 			fine |= !strncmp(o->sweep[a], ok[i], strlen(ok[i]));
 		if (!fine)
 			bad_value("--sweep", o->sweep[a],
-				  "with --trace the axes are the selection's: p, correction, rescore "
-				  "or budget-max (the trace gives the shape)");
+				  "with --trace the axes are the selection's: p, correction, rescore, "
+				  "budget-max or keep (the trace gives the shape)");
 	}
 	int modes = o->capacity + o->plan + (o->stress_s > 0);
 	if (modes > 1) {

@@ -354,6 +354,7 @@ static void result_of(const kb_run *b, kb_result *r)
 	r->budget_max = o->topk ? 0 : o->budget_max;
 	r->rescore = o->rescore;
 	r->keep = o->keep;
+	r->misses = NAN; /* no trace: no simulated hot cache */
 	r->rescore_k = ratio((double)(e->rescored_unselected - s->rescored_unselected),
 			     (double)(e->candidate_tokens - s->candidate_tokens));
 	run_percentiles(b, &r->recall_p5, &r->recall_p1);

@@ -188,9 +188,9 @@ static void bar_label(const kb_result *x, char *out, size_t n)
 {
 	if (x->topk)
 		snprintf(out, n, "%u/%u/k%u", x->context, x->seqs, x->topk);
-	else if (x->correction || x->rescore != 0.0f)
-		snprintf(out, n, "%u/%u/p%.3g/c%u/r%.3g", x->context, x->seqs, (double)x->p,
-			 x->correction, (double)x->rescore);
+	else if (x->correction || x->rescore != 0.0f || x->keep != 0.0f)
+		snprintf(out, n, "%u/%u/p%.3g/c%u/r%.3g/w%.3g", x->context, x->seqs, (double)x->p,
+			 x->correction, (double)x->rescore, (double)x->keep);
 	else
 		snprintf(out, n, "%u/%u/p%.3g", x->context, x->seqs, (double)x->p);
 }

@@ -135,9 +135,10 @@ static void label_of(const opts *po, char *out, size_t n)
 {
 	if (po->topk)
 		snprintf(out, n, "context=%u seqs=%u topk=%u", po->context, po->seqs, po->topk);
-	else if (po->correction || po->rescore != 0.0f)
-		snprintf(out, n, "context=%u seqs=%u p=%.3g corr=%u rescore=%.3g", po->context,
-			 po->seqs, (double)po->p, po->correction, (double)po->rescore);
+	else if (po->correction || po->rescore != 0.0f || po->keep != 0.0f)
+		snprintf(out, n, "context=%u seqs=%u p=%.3g corr=%u rescore=%.3g keep=%.3g",
+			 po->context, po->seqs, (double)po->p, po->correction, (double)po->rescore,
+			 (double)po->keep);
 	else
 		snprintf(out, n, "context=%u seqs=%u p=%.3g", po->context, po->seqs, (double)po->p);
 }
@@ -145,7 +146,8 @@ static void label_of(const opts *po, char *out, size_t n)
 /* ---- output ------------------------------------------------------------------------------ */
 
 static const char *const csv_cols[] = {
-	"context", "seqs", "layers", "p", "topk", "correction", "rescore", "rescore_k_frac", "budget", "oracle_budget", "recall", "recall_min",
+	"context", "seqs", "layers", "p", "topk", "correction", "rescore", "keep", "rescore_k_frac",
+	"budget", "oracle_budget", "recall", "recall_min",
 	"recall_p5", "recall_p1",
 	"output_rel_err", "step_ms_per_layer", "tokens_per_s", "hot_hit_rate", "pcie_bytes_per_step",
 	"ms_index", "ms_store", "ms_score", "ms_select", "ms_attend", "host_bytes_used",
@@ -158,7 +160,8 @@ enum { N_COLS = sizeof(csv_cols) / sizeof(csv_cols[0]) };
 static void values(const kb_result *r, double v[N_COLS])
 {
 	const double x[N_COLS] = {
-		r->context, r->seqs, r->layers, r->p, r->topk, r->correction, r->rescore, r->rescore_k,
+		r->context, r->seqs, r->layers, r->p, r->topk, r->correction, r->rescore, r->keep,
+		r->rescore_k,
 		r->budget, r->oracle_budget,
 		r->recall, r->recall_min, r->recall_p5, r->recall_p1, r->err, r->step_ms, r->tok_s, r->hit_rate, r->pcie_step,
 		r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4],
@@ -226,8 +229,8 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 
 static void print_point_columns(void)
 {
-	printf("context seqs layers      p  topk  corr rescore  budget  oracle  recall    r_p5   r_min  "
-	       "rel_err  ms/layer    tok/s  hit   PCIe MiB/step\n");
+	printf("context seqs layers      p  topk  corr rescore   keep  budget  oracle  recall    r_p5   "
+	       "r_min  rel_err  ms/layer    tok/s  hit   PCIe MiB/step\n");
 }
 
 static void cellf(double v, int w, int prec)
@@ -240,8 +243,8 @@ static void cellf(double v, int w, int prec)
 
 static void print_point(const kb_result *r)
 {
-	printf("%7u %4u %6u %6.3g %5u %5u %7.3g", r->context, r->seqs, r->layers, (double)r->p,
-	       r->topk, r->correction, (double)r->rescore);
+	printf("%7u %4u %6u %6.3g %5u %5u %7.3g %6.3g", r->context, r->seqs, r->layers,
+	       (double)r->p, r->topk, r->correction, (double)r->rescore, (double)r->keep);
 	cellf(r->budget, 7, 4);
 	cellf(r->oracle_budget, 7, 4);
 	cellf(r->recall, 7, 4);
@@ -264,9 +267,12 @@ static void print_base_table(const kb_result *r, uint32_t n)
 	printf("context seqs  method                          budget  recall   r_min  rel_err\n");
 	for (uint32_t i = 0; i < n; i++) {
 		const kb_result *x = &r[i];
-		char m[48];
+		char m[64];
 		if (x->topk)
 			snprintf(m, sizeof m, "topk k=%u (kvtier estimate)", x->topk);
+		else if (x->keep != 0.0f)
+			snprintf(m, sizeof m, "kvtier p=%.3g corr=%u rs=%.3g keep=%.3g", (double)x->p,
+				 x->correction, (double)x->rescore, (double)x->keep);
 		else if (x->correction || x->rescore != 0.0f)
 			snprintf(m, sizeof m, "kvtier p=%.3g corr=%u rs=%.3g", (double)x->p,
 				 x->correction, (double)x->rescore);

@@ -99,6 +99,7 @@ int kb_hot_optimum(const kb_hotlog *g, uint64_t cap, uint64_t *hits, uint64_t *r
  * KB_HOT_DEMAND by its demand alone. */
 #define KB_HOT_SIZES 5
 #define KB_HOT_DEN(k) (32u >> (k))
+#define KB_HOT_QUARTER 3 /* the size of a quarter of the rows: a sweep point's misses */
 #define KB_HOT_SELF KB_HOT_SIZES
 #define KB_HOT_DEMAND (KB_HOT_SIZES + 1)
 #define KB_HOT_ALL (KB_HOT_SIZES + 2)

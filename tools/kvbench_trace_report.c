@@ -400,6 +400,8 @@ void trace_summary(const kb_trace *t, kb_result *r)
 			 .p = t->o->p, .correction = t->o->correction,
 			 .budget_max = t->o->budget_max, .rescore = t->o->rescore,
 			 .keep = t->o->keep};
+	/* the PCIe rows of a step through the simulated cache of a quarter of the rows */
+	r->misses = hot_sim_demand(t) * (1.0 - hot_sim_rate(t, KB_HOT_QUARTER));
 	r->rescore_k = f.f.candidates ? (double)f.f.rescored_unselected / (double)f.f.candidates
 				      : 0.0;
 	r->recall = f.n ? f.recall_sum / f.n : NAN;
@@ -426,9 +428,9 @@ void trace_print_sweep(const opts *o, const trace_meta *m, const char *backend, 
 		       m->prefill_tokens, m->decode_steps);
 		for (uint32_t i = 0; i < n; i++) {
 			printf("%s{\"p\": %.6g, \"correction\": %u, \"rescore\": %.6g, "
-			       "\"budget_max\": %u",
+			       "\"budget_max\": %u, \"keep\": %.6g",
 			       i ? ", " : "", (double)r[i].p, r[i].correction, (double)r[i].rescore,
-			       r[i].budget_max);
+			       r[i].budget_max, (double)r[i].keep);
 			jnum("budget_mean", r[i].budget);
 			jnum("budget_bytes", kb_bytes_budget(&r[i]));
 			jnum("rescore_k_frac", r[i].rescore_k);
@@ -437,6 +439,7 @@ void trace_print_sweep(const opts *o, const trace_meta *m, const char *backend, 
 			jnum("recall_p1", r[i].recall_p1);
 			jnum("recall_min", r[i].recall_min);
 			jnum("output_error", r[i].err);
+			jnum("misses", r[i].misses);
 			jnum("step_ms", r[i].step_ms);
 			printf("}");
 		}
@@ -449,12 +452,14 @@ void trace_print_sweep(const opts *o, const trace_meta *m, const char *backend, 
 	       "sinks %u, window %u, flush %u, budget_min %u\n",
 	       o->trace_dir, m->model, m->prefill_tokens, m->decode_steps, n ? r[0].layers : 0,
 	       backend, o->sinks, o->window, o->flush, o->budget_min);
-	printf("     p  corr rescore  bmax  budget   bytes  recall    r_p5    r_p1   r_min  "
-	       "out_err  ms/step\n");
+	printf("     p  corr rescore  bmax   keep  budget   bytes  recall    r_p5    r_p1   r_min  "
+	       "out_err   misses  ms/step\n");
 	for (uint32_t i = 0; i < n; i++)
-		printf("%6.3g %5u %7.3g %5u %7.4f %7.4f %7.4f %7.4f %7.4f %7.4f %8.2e %8.3f\n",
+		printf("%6.3g %5u %7.3g %5u %6.3g %7.4f %7.4f %7.4f %7.4f %7.4f %7.4f %8.2e %8.5f "
+		       "%8.3f\n",
 		       (double)r[i].p, r[i].correction, (double)r[i].rescore, po[i].budget_max,
-		       r[i].budget, kb_bytes_budget(&r[i]), r[i].recall, r[i].recall_p5,
-		       r[i].recall_p1, r[i].recall_min, r[i].err, r[i].step_ms);
+		       (double)r[i].keep, r[i].budget, kb_bytes_budget(&r[i]), r[i].recall,
+		       r[i].recall_p5, r[i].recall_p1, r[i].recall_min, r[i].err, r[i].misses,
+		       r[i].step_ms);
 	kb_print_vs_sweep(r, n, false);
 }
