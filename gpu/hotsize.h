@@ -53,7 +53,7 @@ KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos
  * grows the cache, sets *to_fill to the ways it added.
  */
 KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
-					   uint64_t misses, uint64_t *to_fill)
+					uint64_t misses, uint64_t *to_fill)
 {
 	uint64_t rows = 2 * demand;
 	const bool full = *to_fill <= misses;

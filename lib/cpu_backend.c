@@ -251,7 +251,7 @@ static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t
 }
 
 /*
- * keep_weight (doc/selection.md): the keys Top-p ranks the first ni indexed tokens of KV head h by,
+ * keep_weight (doc/hysteresis.md): the keys Top-p ranks the first ni indexed tokens of KV head h by,
  * the scores with ln(1 + keep_weight) / scale added to those of the kept selection (the last
  * kvt_select / kvt_attend of the layer that succeeded), in c->keys; NULL when it is off or there
  * is no kept selection, so that Top-p ranks by the scores themselves.

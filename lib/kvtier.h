@@ -214,7 +214,7 @@ typedef struct kvt_config {
 				 as it is), so consecutive steps share more rows and fewer cross
 				 PCIe; 0 (default): off, else finite in (0, 1e6]. Forgotten by
 				 kvt_seq_truncate, copied by kvt_seq_fork. The CUDA backend refuses
-				 a nonzero value (-EOPNOTSUPP) */
+				 a nonzero value (-EOPNOTSUPP), and so does AUTO where it picks CUDA */
 	uint32_t pad4;        /* must be zero (explicit padding) */
 } kvt_config;
 
