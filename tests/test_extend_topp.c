@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * kvt_extend with KVT_EXTEND_TOPP (Top-p per query row) on the CPU backend: each entry's last row
- * bit for bit kvt_attend of its query (also with score corrections recorded by earlier decode
- * steps, which change the rows against a twin without them), p = 1 equal to exact attention, every
+ * bit for bit kvt_attend of its query (also with score corrections recorded, or a selection kept
+ * (keep_weight), by earlier decode steps, which change the rows against a twin without them), p = 1 equal to exact attention, every
  * row equal to an oracle built from one-token prefills and kvt_attend (with its selection
  * counters), and later tokens of the chunk masked out of an earlier row's selection. The shape, the
  * streams and the calls: extend_util.h.
@@ -87,20 +87,21 @@ static void test_topp_last_row(void **state)
 	}
 }
 
-/* With score corrections on (correction_steps), a Top-p row still selects as the kvt_attend after
- * it does: each entry's last row equals kvt_attend of that query right after the call, bit for
- * bit, after decode steps that recorded corrections; and the corrections changed the outputs
- * (against a twin cache without them). */
-static void test_topp_corrected(void **state)
+/* With score corrections on (correction_steps), or the selection's hysteresis (keep_weight), a
+ * Top-p row still selects as the kvt_attend after it does: each entry's last row equals kvt_attend
+ * of that query right after the call, bit for bit, after decode steps that recorded corrections or
+ * kept a selection; and the option changed the outputs (against a twin cache without it). */
+static void topp_after_steps(uint32_t R, float w, const char *what)
 {
-	(void)state;
 	static const uint32_t all[NS] = {0, 1, 2, 3};
 	static const uint32_t seqs[NS] = {2, 0, 3, 1}, n[NS] = {5, 3, 1, 0};
 	kvt_config cfg = topp_config(KVT_DTYPE_F16, 0.8f, 16, 8, 0);
-	cfg.correction_steps = 4;
+	cfg.correction_steps = R;
+	cfg.keep_weight = w;
 	make_streams(cfg.dtype, 0x70c);
 	kvt_cache *a = make_cache(&cfg);
 	cfg.correction_steps = 0;
+	cfg.keep_weight = 0.0f;
 	kvt_cache *z = make_cache(&cfg);
 	uint8_t *oa = t_alloc(out_bytes(a, 9)), *oz = t_alloc(out_bytes(a, 9));
 	uint8_t *o2 = t_alloc(out_bytes(a, NS));
@@ -131,19 +132,25 @@ static void test_topp_corrected(void **state)
 		for (uint32_t i = 0; i < m; i++)
 			T_CHECK(!memcmp(oa + out_bytes(a, last[i]), o2 + out_bytes(a, i),
 					out_bytes(a, 1)),
-				"round %u, seq %u: the last row (%u) differs from kvt_attend of its "
-				"query with corrections on", round, busy[i], last[i]);
-		/* the twin's corrections-free step, so both stay at the same selection count */
+				"%s, round %u, seq %u: the last row (%u) differs from kvt_attend of "
+				"its query", what, round, busy[i], last[i]);
+		/* the twin's step without the option, so both stay at the same selection count */
 		T_CHECK(kvt_attend(z, LAYER, m, busy, g_bq, o2, NULL) == 0, "attend: %s",
 			kvt_last_error(z));
 	}
-	T_CHECK(changed, "the corrections never changed a Top-p row's output: the test proves "
-		"nothing");
+	T_CHECK(changed, "%s never changed a Top-p row's output: the test proves nothing", what);
 	free(oa);
 	free(oz);
 	free(o2);
 	kvt_cache_destroy(a);
 	kvt_cache_destroy(z);
+}
+
+static void test_topp_corrected(void **state)
+{
+	(void)state;
+	topp_after_steps(4, 0.0f, "corrections");
+	topp_after_steps(0, 8.0f, "keep_weight");
 }
 
 /* At p = 1 with no budget_max, every indexed token up to a row is selected: the exact outputs. */
