@@ -2,10 +2,10 @@
 /*
  * kvt_extend with KVT_EXTEND_TOPP (Top-p per query row) on the CPU backend: each entry's last row
  * bit for bit kvt_attend of its query (also with score corrections recorded, or a selection kept
- * (keep_weight), by earlier decode steps, which change the rows against a twin without them), p = 1 equal to exact attention, every
- * row equal to an oracle built from one-token prefills and kvt_attend (with its selection
- * counters), and later tokens of the chunk masked out of an earlier row's selection. The shape, the
- * streams and the calls: extend_util.h.
+ * (keep_weight), by earlier decode steps, which change the rows against a twin without them),
+ * p = 1 equal to exact attention, every row equal to an oracle built from one-token prefills and
+ * kvt_attend (with its selection counters), and later tokens of the chunk masked out of an earlier
+ * row's selection. The shape, the streams and the calls: extend_util.h.
  */
 #include "extend_util.h"
 
