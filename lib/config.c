@@ -31,7 +31,6 @@ static int load_sized(const kvt_config *cfg, kvt_config *out)
 	CHECK(out->pad1 == 0, "cfg->pad1 = %u, must be 0", out->pad1);
 	CHECK(out->pad2 == 0, "cfg->pad2 = %u, must be 0", out->pad2);
 	CHECK(out->pad3 == 0, "cfg->pad3 = %u, must be 0", out->pad3);
-	CHECK(out->pad4 == 0, "cfg->pad4 = %u, must be 0", out->pad4);
 	return 0;
 }
 
@@ -153,6 +152,11 @@ static int check_selection(const kvt_config *cfg)
 	      (double)cfg->p);
 	CHECK(cfg->keep_weight == 0.0f || (cfg->keep_weight > 0.0f && cfg->keep_weight <= 1e6f),
 	      "keep_weight = %g, must be 0 (off) or finite in (0, 1e6]", (double)cfg->keep_weight);
+	CHECK(cfg->keep_steps <= KVT_MAX_KEEP_STEPS,
+	      "keep_steps = %u, must be in [0, %u] (0: 1)", cfg->keep_steps, KVT_MAX_KEEP_STEPS);
+	CHECK(cfg->keep_steps == 0 || cfg->keep_weight != 0.0f,
+	      "keep_steps = %u without keep_weight: it says how many steps keep_weight favors",
+	      cfg->keep_steps);
 	CHECK(cfg->budget_max == 0 || cfg->budget_min <= cfg->budget_max,
 	      "budget_min = %u exceeds budget_max = %u (budget_min defaults to 64; lower it too, "
 	      "KVT_NONE for no floor)",

@@ -29,6 +29,7 @@
 #define KVT_GPU_SELECT_MAX_N ((1u << 24) - 1)
 /* The most decode steps whose score corrections a sequence remembers (kvt_config.correction_steps;
  * lib/correct.c keeps one bit per remembered step in a 64-bit word). */
+#define KVT_MAX_KEEP_STEPS 64u /* kvt_config.keep_steps */
 #define KVT_MAX_CORRECTION_STEPS 64u
 /* Blocks per KV head a block table starts with (lib/layer.c; kvt_footprint_of counts them). */
 #define KVT_TABLE_MIN_BLOCKS 4u

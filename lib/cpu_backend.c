@@ -252,20 +252,19 @@ static int rescore(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t
 
 /*
  * keep_weight (doc/hysteresis.md): the keys Top-p ranks the first ni indexed tokens of KV head h by,
- * the scores with ln(1 + keep_weight) / scale added to those of the kept selection (the last
- * kvt_select / kvt_attend of the layer that succeeded), in c->keys; NULL when it is off or there
- * is no kept selection, so that Top-p ranks by the scores themselves.
+ * the scores with ln(1 + keep_weight) / scale added to those that one of the layer's last
+ * keep_steps kvt_select / kvt_attend calls that succeeded selected (their stamps), in c->keys;
+ * NULL when it is off or nothing was selected yet, so that Top-p ranks by the scores themselves.
  */
 static const float *keep_keys(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint32_t ni)
 {
-	const uint32_t H = c->cfg.n_kv_heads;
-	if (kvt_sel_slots(c) < 2 || !l->sel_n[H + h] || c->cfg.p >= 1.0f)
+	if (kvt_sel_slots(c) < 2 || !l->keep_step || c->cfg.p >= 1.0f)
 		return NULL;
-	const uint32_t *kept = l->sel + ((size_t)H + h) * l->idx_cap, m = l->sel_n[H + h];
+	const uint32_t *stamp = l->sel + ((size_t)c->cfg.n_kv_heads + h) * l->idx_cap;
+	const uint32_t now = l->keep_step, R = c->cfg.keep_steps ? c->cfg.keep_steps : 1;
 	const float bonus = logf(1.0f + c->cfg.keep_weight) / c->scale;
-	memcpy(c->keys, c->scores, sizeof(float) * ni);
-	for (uint32_t j = 0; j < m && kept[j] < ni; j++) /* ascending: the rest are past ni */
-		c->keys[kept[j]] = c->scores[kept[j]] + bonus;
+	for (uint32_t t = 0; t < ni; t++)
+		c->keys[t] = stamp[t] && now - stamp[t] < R ? c->scores[t] + bonus : c->scores[t];
 	return c->keys;
 }
 
@@ -419,16 +418,18 @@ static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls)
 	return kvt_rows_prefetch(c);
 }
 
-/* The step succeeded: its selection becomes the kept one (keep_weight). */
+/* The step succeeded: its selection's positions take its stamp (keep_weight). */
 static void keep_commit(kvt_cache *c, struct kvt_layer *l)
 {
 	const uint32_t H = c->cfg.n_kv_heads;
 	if (kvt_sel_slots(c) < 2)
 		return;
+	const uint32_t now = ++l->keep_step;
 	for (uint32_t h = 0; h < H; h++) {
-		memcpy(l->sel + ((size_t)H + h) * l->idx_cap, l->sel + (size_t)h * l->idx_cap,
-		       sizeof *l->sel * l->sel_n[h]);
-		l->sel_n[H + h] = l->sel_n[h];
+		uint32_t *stamp = l->sel + ((size_t)H + h) * l->idx_cap;
+		const uint32_t *sel = l->sel + (size_t)h * l->idx_cap;
+		for (uint32_t j = 0; j < l->sel_n[h]; j++)
+			stamp[sel[j]] = now;
 	}
 }
 

@@ -75,9 +75,10 @@ struct kvt_layer {
 	uint64_t sel_epoch; /* 0: none */
 	uint32_t sel_tokens, sel_indexed;
 	uint32_t *sel;      /* [n_kv_heads, idx_cap] index positions (not token positions); with
-			       keep_weight, then the same of the last kvt_select / kvt_attend that
-			       succeeded (the kept selection, kvt_sel_slots) */
-	uint32_t *sel_n;    /* [n_kv_heads]; with keep_weight, then the kept selection's */
+			       keep_weight, then [n_kv_heads, idx_cap] stamps: the keep_step that
+			       last selected each index position, 0: none (kvt_sel_slots) */
+	uint32_t *sel_n;    /* [n_kv_heads] (with keep_weight, twice: the second half unused) */
+	uint32_t keep_step; /* with keep_weight: kvt_select / kvt_attend calls that succeeded */
 	struct kvt_spill *spill; /* [n_kv_heads, blk_cap] where blocks are on NVMe, or NULL */
 	uint64_t seq_uid;   /* the owning sequence's uid (NVMe block identity, block cache key) */
 	uint64_t bc_round;  /* the block cache's round of its last step or gather (lib/bcache.c) */
@@ -275,7 +276,7 @@ struct kvt_cache {
 };
 
 /* Copies of a layer's selection arrays (sel, sel_n): 2 with keep_weight (the current selection,
- * then the kept one), else 1. */
+ * then the stamps of the selections it favors), else 1. */
 static inline uint32_t kvt_sel_slots(const kvt_cache *c)
 {
 	return c->cfg.keep_weight != 0.0f ? 2u : 1u;

@@ -161,8 +161,9 @@ static void truncate_layer(kvt_cache *c, struct kvt_layer *l, uint32_t n, uint32
 	l->n_tokens = keep;
 	l->n_indexed = ni;
 	l->sel_epoch = 0;
-	if (kvt_sel_slots(c) > 1 && l->sel_n) /* keep_weight's kept selection: forgotten */
-		memset(l->sel_n + c->cfg.n_kv_heads, 0, sizeof *l->sel_n * c->cfg.n_kv_heads);
+	if (kvt_sel_slots(c) > 1 && l->sel) /* keep_weight's stamps: forgotten */
+		memset(l->sel + (size_t)c->cfg.n_kv_heads * l->idx_cap, 0,
+		       sizeof *l->sel * c->cfg.n_kv_heads * l->idx_cap);
 	kvt_corr_forget(c, l);
 }
 
@@ -271,7 +272,7 @@ static int fork_arrays(kvt_cache *c, const struct kvt_layer *p, struct kvt_layer
 	l->beta = dup_array(p->beta, sizeof *p->beta * H * cap, &failed);
 	l->c_k = dup_array(p->c_k, sizeof *p->c_k * H * d, &failed);
 	l->c_q = dup_array(p->c_q, sizeof *p->c_q * H * d, &failed);
-	const size_t SH = H * kvt_sel_slots(c); /* with keep_weight, the kept selection too */
+	const size_t SH = H * kvt_sel_slots(c); /* with keep_weight, its stamps too */
 	l->sel = dup_array(p->sel, sizeof *p->sel * SH * cap, &failed);
 	l->sel_n = dup_array(p->sel_n, sizeof *p->sel_n * SH, &failed);
 	l->runs_cap = p->n_runs;
@@ -370,6 +371,7 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 		l->centroids = p->centroids;
 		l->cent_keep = p->cent_keep;
 		l->n_runs = p->n_runs;
+		l->keep_step = p->keep_step; /* the stamps copied are of the parent's steps */
 		l->seq_uid = child->uid;
 		l->index = i;
 		c->st.tokens += l->n_tokens;

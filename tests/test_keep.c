@@ -16,18 +16,21 @@
 #include "decode_fixture.h" /* make_data(seed, 2, 2): a fresh part as large as the persistent one,
 			       so consecutive selections overlap but differ */
 
+static uint32_t g_steps; /* make()'s keep_steps (test_rule sets it) */
+
 static kvt_cache *make(float w, uint32_t R, uint32_t *seq)
 {
 	kvt_config cfg = t_config(1, HQ, HKV, D, KVT_DTYPE_F16);
 	cfg.p = 0.8f;
 	cfg.budget_min = KVT_NONE; /* the selection follows the scores alone */
 	cfg.keep_weight = w;
+	cfg.keep_steps = w != 0.0f ? g_steps : 0;
 	cfg.correction_steps = R;
 	return fx_open(&cfg, seq);
 }
 
-/* KV head h's indexed selection of this step by the rule (mask [ni]), the kept one in kept[ni]
- * (NULL: none); plain[ni] receives it without the weight. */
+/* KV head h's indexed selection of this step by the rule (mask [ni]), the favored tokens in
+ * kept[ni] (NULL: none); plain[ni] receives it without the weight. */
 static void ref_select(kvt_cache *c, const uint16_t *q, uint32_t h, float w, const uint8_t *kept,
 		       uint8_t *mask, uint8_t *plain)
 {
@@ -74,18 +77,24 @@ static void gathered(kvt_cache *c, uint32_t seq, uint8_t (*sel)[CTX])
 	}
 }
 
-/* Every step's selection is the rule's (kvt_attend and kvt_select alike), for two weights; the
- * weight changes selections and keeps more of the last step's tokens than no weight. */
+/* Every step's selection is the rule's (kvt_attend and kvt_select alike), for two weights and for
+ * the selections of the last step and of the last three (keep_steps); the weight changes
+ * selections and keeps more of the last step's tokens than no weight. */
 static void test_rule(void **state)
 {
 	(void)state;
 	make_data(21, 2.0f, 2.0f);
-	const float ws[] = {0.5f, 8.0f};
-	for (size_t wi = 0; wi < 2; wi++) {
+	const float ws[] = {0.5f, 8.0f, 8.0f};
+	const uint32_t Rs[] = {0, 1, 3}; /* keep_steps: 0 is 1 */
+	for (size_t wi = 0; wi < 3; wi++) {
 		uint32_t seq, seq0;
+		g_steps = Rs[wi];
 		kvt_cache *c = make(ws[wi], 0, &seq), *c0 = make(0.0f, 0, &seq0);
 		static uint8_t sel[HKV][CTX], prev[HKV][CTX], sel0[HKV][CTX], prev0[HKV][CTX];
-		static uint8_t mask[CTX], plain[CTX];
+		static uint8_t mask[CTX], plain[CTX], fav[CTX];
+		static uint32_t stamp[HKV][CTX]; /* the step (1-based) that last selected a token */
+		memset(stamp, 0, sizeof stamp);
+		const uint32_t R = Rs[wi] ? Rs[wi] : 1;
 		uint64_t changed = 0, kept = 0, kept0 = 0;
 		float out[QROW];
 		for (uint32_t s = 0; s < STEPS; s++) {
@@ -98,11 +107,13 @@ static void test_rule(void **state)
 			gathered(c0, seq0, sel0);
 			const uint32_t ni = c->seqs[seq].layers[0].n_indexed;
 			for (uint32_t h = 0; h < HKV; h++) {
-				ref_select(c, g_q[s], h, ws[wi], s ? prev[h] : NULL, mask, plain);
+				for (uint32_t t = 0; t < ni; t++) /* s steps made before this one */
+					fav[t] = stamp[h][t] && s - stamp[h][t] < R;
+				ref_select(c, g_q[s], h, ws[wi], s ? fav : NULL, mask, plain);
 				for (uint32_t t = 0; t < ni; t++) {
-					T_CHECK(sel[h][t] == mask[t], "w %g step %u KV head %u token %u: "
-						"selected %u, the rule says %u", (double)ws[wi], s, h, t,
-						sel[h][t], mask[t]);
+					T_CHECK(sel[h][t] == mask[t], "w %g R %u step %u KV head %u token "
+						"%u: selected %u, the rule says %u", (double)ws[wi], R, s, h,
+						t, sel[h][t], mask[t]);
 					T_CHECK(sel0[h][t] == plain[t], "no weight, step %u KV head %u "
 						"token %u: selected %u, the rule says %u", s, h, t,
 						sel0[h][t], plain[t]);
@@ -116,14 +127,18 @@ static void test_rule(void **state)
 			}
 			memcpy(prev, sel, sizeof prev);
 			memcpy(prev0, sel0, sizeof prev0);
+			for (uint32_t h = 0; h < HKV; h++)
+				for (uint32_t t = 0; t < ni; t++)
+					stamp[h][t] = sel[h][t] ? s + 1 : stamp[h][t];
 		}
 		T_CHECK(changed > 0 && kept > kept0,
-			"w %g: the weight changed %llu selections and kept %llu of the last step's "
-			"tokens, %llu without it: no test", (double)ws[wi],
+			"w %g R %u: the weight changed %llu selections and kept %llu of the last step's "
+			"tokens, %llu without it: no test", (double)ws[wi], R,
 			(unsigned long long)changed, (unsigned long long)kept,
 			(unsigned long long)kept0);
-		print_message("keep_weight %g: %llu selections changed, %llu tokens kept from the last "
-			      "step (%llu without)\n", (double)ws[wi], (unsigned long long)changed,
+		print_message("keep_weight %g, keep_steps %u: %llu selections changed, %llu tokens kept "
+			      "from the last step (%llu without)\n", (double)ws[wi], R,
+			      (unsigned long long)changed,
 			      (unsigned long long)kept, (unsigned long long)kept0);
 		kvt_cache_destroy(c);
 		kvt_cache_destroy(c0);
@@ -172,7 +187,7 @@ static void test_faults(void **state)
 		      (unsigned long long)fx_fault_loop(make_faulted, 3, false));
 }
 
-/* Out-of-range weights are refused, the text naming the value; 0 and 1e6 are taken. */
+/* Out-of-range weights and steps are refused, the text naming the value; 0 and 1e6 are taken. */
 static void test_bad_weight(void **state)
 {
 	(void)state;
@@ -185,6 +200,20 @@ static void test_bad_weight(void **state)
 			(double)bad[i]);
 		T_CHECK(strstr(kvt_last_error(NULL), "keep_weight = "), "keep_weight %g: the text "
 			"does not name it: %s", (double)bad[i], kvt_last_error(NULL));
+	}
+	const struct {
+		float w;
+		uint32_t R;
+	} bad_steps[] = {{8.0f, KVT_MAX_KEEP_STEPS + 1}, {0.0f, 2}};
+	for (size_t i = 0; i < 2; i++) {
+		kvt_config cfg = t_config(1, HQ, HKV, D, KVT_DTYPE_F16);
+		cfg.keep_weight = bad_steps[i].w;
+		cfg.keep_steps = bad_steps[i].R;
+		kvt_cache *c = NULL;
+		T_CHECK(kvt_cache_create(&cfg, &c) == -EINVAL && !c &&
+				strstr(kvt_last_error(NULL), "keep_steps = "),
+			"keep_weight %g, keep_steps %u: taken, or the text does not name it: %s",
+			(double)bad_steps[i].w, bad_steps[i].R, kvt_last_error(NULL));
 	}
 	const float good[] = {0.0f, 1e6f};
 	for (size_t i = 0; i < 2; i++) {

@@ -52,6 +52,7 @@ typedef struct opts {
 	uint32_t correction;    /* kvt_config.correction_steps (CPU backend; 0: off) */
 	float rescore;          /* kvt_config.rescore_p (CPU backend; 0: off) */
 	float keep;             /* kvt_config.keep_weight (CPU backend; 0: off) */
+	uint32_t keep_steps;    /* kvt_config.keep_steps (0: 1) */
 	uint64_t seed;
 	float p;
 	bool json, quiet;

@@ -195,6 +195,7 @@ void cache_config(const opts *o, const kb_shape *sh, uint64_t host_bytes,
 	cfg->correction_steps = o->correction;
 	cfg->rescore_p = o->rescore;
 	cfg->keep_weight = o->keep;
+	cfg->keep_steps = o->keep != 0.0f ? o->keep_steps : 0;
 	cfg->seed = KVT_EXACT64(o->seed);
 	cfg->gpu_cache_bytes = o->gpu_cache == KB_GPU_CACHE_AUTO ? 0 : KVT_EXACT64(o->gpu_cache);
 	cfg->host_bytes = host_bytes;

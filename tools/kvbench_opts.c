@@ -103,6 +103,7 @@ static void usage(FILE *f, const opts *d)
 		"  --keep W         selection hysteresis: Top-p ranks the last step's selection as\n"
 		"                   if (1 + W) times as probable, W in [0, 1e6] (CPU backend; 0 =\n"
 		"                   off, the default)\n"
+		"  --keep-steps R   with --keep: the selections of the last R steps, 0-64 (0: 1)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
@@ -261,6 +262,7 @@ static bool set_u32(opts *o, const char *flag, const char *val)
 		{"--nvme-qd", &o->nvme_qd, 1, 1024}, {"--model-layers", &o->model_layers, 1, 4096},
 		{"--topk", &o->topk, 1, big}, {"--stress", &o->stress_s, 1, 86400},
 		{"--stress-budget", &o->stress_budget, 1, big}, {"--correction", &o->correction, 0, 64},
+		{"--keep-steps", &o->keep_steps, 0, 64},
 	};
 	for (size_t i = 0; i < sizeof(u32) / sizeof(u32[0]); i++)
 		if (!strcmp(flag, u32[i].name)) {
@@ -297,7 +299,7 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache", "--correction", "--rescore", "--keep", "--sweep"};
+		"--nvme-cache", "--correction", "--rescore", "--keep", "--keep-steps", "--sweep"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
@@ -473,7 +475,8 @@ static void finish(opts *o)
 	if (o->trace_dir && o->not_trace[0]) {
 		fprintf(stderr, "kvbench: %s does not apply to --trace: the trace gives the shape, and "
 			"the replay takes --p, --sinks, --window, --flush, --budget-min, --budget-max, "
-			"--correction, --rescore, --keep, --chunk, --dtype, --backend, --gpu-cache, "
+			"--correction, --rescore, --keep, --keep-steps, --chunk, --dtype, --backend, "
+			"--gpu-cache, "
 			"--nvme (with --nvme-bytes, --nvme-qd and --nvme-cache), --seed, --layers LIST, "
 			"--json and --quiet\n", o->not_trace);
 		exit(2);

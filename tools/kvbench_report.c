@@ -385,7 +385,7 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	     {"sinks", o->sinks, NULL}, {"window", o->window, NULL}, {"flush", o->flush, NULL},
 	     {"budget_min", o->budget_min, NULL}, {"budget_max", o->budget_max, NULL},
 	     {"correction", o->correction, NULL}, {"rescore", o->rescore, NULL},
-	     {"keep", o->keep, NULL});
+	     {"keep", o->keep, NULL}, {"keep_steps", o->keep_steps, NULL});
 	JOBJ("heads", true, {"count", (double)o->layers * o->q_heads, NULL},
 	     {"oracle_budget_min", ho[0], NULL}, {"oracle_budget_median", ho[1], NULL},
 	     {"oracle_budget_max", ho[2], NULL}, {"eff_tokens_min", he[0], NULL},

@@ -267,11 +267,11 @@ void trace_print_json(kb_trace *t, double wall)
 	print_json_meta(t);
 	printf(" \"config\": {\"backend\": \"%s\", \"dtype\": \"%s\", \"p\": %.6g, \"sinks\": %u, "
 	       "\"window\": %u, \"flush\": %u, \"budget_min\": %u, \"budget_max\": %u, "
-	       "\"correction\": %u, \"rescore\": %.6g, \"keep\": %.6g, \"chunk\": %u, \"seed\": "
-	       "%" PRIu64 "},\n",
+	       "\"correction\": %u, \"rescore\": %.6g, \"keep\": %.6g, \"keep_steps\": %u, "
+	       "\"chunk\": %u, \"seed\": %" PRIu64 "},\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
 	       o->window, o->flush, o->budget_min, o->budget_max, o->correction, (double)o->rescore,
-	       (double)o->keep, t->chunk, o->seed);
+	       (double)o->keep, o->keep_steps, t->chunk, o->seed);
 	printf(" \"layers\": [");
 	bool first = true;
 	for (uint32_t l = 0; l < m->n_layers; l++) {

@@ -67,7 +67,7 @@ class KvtConfig(ctypes.Structure):
         ("correction_steps", u32), ("pad2", u32),
         ("gpu_cache_max_bytes", u64),
         ("rescore_p", f32), ("pad3", u32),
-        ("keep_weight", f32), ("pad4", u32),
+        ("keep_weight", f32), ("keep_steps", u32),
     ]
 
 

@@ -90,6 +90,7 @@ class Config:
     gpu_cache_max_bytes: Optional[int] = None
     rescore_p: Optional[float] = None
     keep_weight: Optional[float] = None
+    keep_steps: Optional[int] = None
 
     def to_c(self) -> "tuple[_abi.KvtConfig, list]":
         """The kvt_config (size = the mirror's sizeof) and the objects it points into, which must
@@ -99,7 +100,7 @@ class Config:
         keep: list = []
         for f in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim", "host_bytes",
                   "nvme_cache_bytes", "max_seqs", "nvme_queue_depth", "flush_batch",
-                  "correction_steps", "gpu_cache_max_bytes"):
+                  "correction_steps", "gpu_cache_max_bytes", "keep_steps"):
             v = getattr(self, f)
             setattr(c, f, 0 if v is None else int(v))
         c.device = 0 if self.device is None else int(self.device)

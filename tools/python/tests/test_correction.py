@@ -96,3 +96,12 @@ def test_keep_weight():
                 c.attend(0, [s], q)
             sel.append(c.stats().selected_tokens)
     assert sel[0] != sel[1], "keep_weight changed no selection"
+
+
+def test_keep_steps():
+    """Config.keep_steps reaches the library: without keep_weight it is refused by name."""
+    with pytest.raises(kvtier.Error, match="keep_steps = 2") as ei:
+        kvtier.Cache(backend="cpu", keep_steps=2, **SHAPE)
+    assert ei.value.code == -errno.EINVAL
+    with kvtier.Cache(backend="cpu", keep_weight=8.0, keep_steps=4, **SHAPE):
+        pass
