@@ -1,14 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The selection's hysteresis (kvt_config.keep_weight), CPU backend. Each decode step's selection is
- * checked against a reference built here from the stated rule: every query head's Top-p ranks the
- * indexed tokens by their estimates, those its KV head selected at the last step that succeeded
- * raised by ln(1 + keep_weight) / scale, and counts each token's own estimated mass; the KV head
- * attends the union. The first step (nothing kept) selects as a cache without it; the weight keeps
- * more of the last step's tokens than no weight does. A truncate forgets the kept selection and a
- * fork's child keeps its parent's; a step that fails under an allocation fault (with score
- * corrections on, whose records allocate after the selection) leaves every later step as a
- * fault-free twin's. Out-of-range weights are refused by name.
+ * The selection's hysteresis (kvt_config.keep_weight, keep_steps), CPU backend. Each decode step's
+ * selection is checked against a reference built here from the stated rule: every query head's
+ * Top-p ranks the indexed tokens by their estimates, those its KV head selected at one of the last
+ * keep_steps steps that succeeded raised by ln(1 + keep_weight) / scale, and counts each token's
+ * own estimated mass; the KV head attends the union. The first step (nothing kept) selects as a
+ * cache without it; the weight keeps more of the last step's tokens than no weight does. A
+ * truncate forgets the kept selections and a fork's child keeps its parent's; a step that fails
+ * under an allocation fault (with score corrections on, whose records allocate after the
+ * selection) leaves every later step as a fault-free twin's. Out-of-range weights and steps are
+ * refused by name.
  */
 #include "common.h"
 
