@@ -77,7 +77,7 @@ struct kvt_layer {
 	uint32_t *sel;      /* [n_kv_heads, idx_cap] index positions (not token positions); with
 			       keep_weight, then [n_kv_heads, idx_cap] stamps: the keep_step that
 			       last selected each index position, 0: none (kvt_sel_slots) */
-	uint32_t *sel_n;    /* [n_kv_heads] (with keep_weight, twice: the second half unused) */
+	uint32_t *sel_n;    /* [n_kv_heads] */
 	uint32_t keep_step; /* with keep_weight: kvt_select / kvt_attend calls that succeeded */
 	struct kvt_spill *spill; /* [n_kv_heads, blk_cap] where blocks are on NVMe, or NULL */
 	uint64_t seq_uid;   /* the owning sequence's uid (NVMe block identity, block cache key) */
@@ -275,8 +275,8 @@ struct kvt_cache {
 	bool status_new;   /* a sequence was put in error since the last batch checked for it */
 };
 
-/* Copies of a layer's selection arrays (sel, sel_n): 2 with keep_weight (the current selection,
- * then the stamps of the selections it favors), else 1. */
+/* Halves of a layer's sel: 2 with keep_weight (the current selection, then the stamps of the
+ * selections it favors), else 1. */
 static inline uint32_t kvt_sel_slots(const kvt_cache *c)
 {
 	return c->cfg.keep_weight != 0.0f ? 2u : 1u;

@@ -78,7 +78,7 @@ int kvt_layer_reserve_index(kvt_cache *c, struct kvt_layer *l, uint32_t tokens)
 	KVT_TRY(reserve_scratch(c, cap));
 	float *ck = l->c_k ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
 	float *cq = l->c_q ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(float) * H * d);
-	uint32_t *sel_n = l->sel_n ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * SH);
+	uint32_t *sel_n = l->sel_n ? NULL : kvt_mem_alloc(KVT_MEM_HOST, sizeof(uint32_t) * H);
 	uint32_t *codes = NULL, *sel = NULL;
 	uint16_t *sigma = NULL, *beta = NULL;
 	if (cap > l->idx_cap) {

@@ -274,7 +274,7 @@ static int fork_arrays(kvt_cache *c, const struct kvt_layer *p, struct kvt_layer
 	l->c_q = dup_array(p->c_q, sizeof *p->c_q * H * d, &failed);
 	const size_t SH = H * kvt_sel_slots(c); /* with keep_weight, its stamps too */
 	l->sel = dup_array(p->sel, sizeof *p->sel * SH * cap, &failed);
-	l->sel_n = dup_array(p->sel_n, sizeof *p->sel_n * SH, &failed);
+	l->sel_n = dup_array(p->sel_n, sizeof *p->sel_n * H, &failed);
 	l->runs_cap = p->n_runs;
 	l->runs = dup_array(p->runs, sizeof *p->runs * p->n_runs, &failed);
 	KVT_RETURN_IF(failed, c, -ENOMEM, "out of memory copying layer %u of a forked sequence",

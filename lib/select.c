@@ -37,43 +37,56 @@ static float median3(float a, float b, float c)
 }
 
 /*
- * Three-way partition of a[0..m) around v: on return a[0..*ng) > v, a[*ng..m - *nl) == v,
- * a[m - *nl..m) < v.
+ * Three-way partition of the m elements of `w` floats at a (w 1: a score; w 2: a key, then its
+ * score) around key v: on return elements [0, *ng) have keys > v, [*ng, m - *nl) == v and
+ * [m - *nl, m) < v. Inlined with a constant w.
  */
-static void partition3(float *a, uint32_t m, float v, uint32_t *ng, uint32_t *nl)
+static inline void partition3(float *a, uint32_t w, uint32_t m, float v, uint32_t *ng,
+			      uint32_t *nl)
 {
 	uint32_t lt = 0, i = 0, gt = m;
 	/* Dutch national flag with "greater" first */
 	while (i < gt) {
-		if (a[i] > v) {
-			float t = a[lt];
-			a[lt++] = a[i];
-			a[i++] = t;
-		} else if (a[i] < v) {
-			float t = a[--gt];
-			a[gt] = a[i];
-			a[i] = t;
+		float *x = a + (size_t)w * i, *y;
+		if (x[0] > v) {
+			y = a + (size_t)w * lt++;
+			i++;
+		} else if (x[0] < v) {
+			y = a + (size_t)w * --gt;
 		} else {
 			i++;
+			continue;
+		}
+		for (uint32_t j = 0; j < w; j++) {
+			const float t = x[j];
+			x[j] = y[j];
+			y[j] = t;
 		}
 	}
 	*ng = lt;
 	*nl = m - gt;
 }
 
-int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, float *scratch,
-		       float *thresh, uint32_t *bad)
+/*
+ * The quickselect on mass of both thresholds: elements of w floats in scratch (w 1: the scores;
+ * w 2: (key, score) pairs), ordered by their first float, each massing exp((score - max) * scale).
+ * Tied scores (w 1) mass ne times one term; tied keys (w 2) may hold different scores and sum
+ * their own. Inlined with a constant w, so the unkeyed path is the loop it always was.
+ */
+static inline int threshold(const float *scores, const float *keys, uint32_t w, uint32_t n,
+			    float scale, float p, float *scratch, float *thresh, uint32_t *bad)
 {
 	float max;
 	if (n == 0)
 		return 0;
 	KVT_TRY(check_finite(scores, n, &max, bad));
 	double z = 0.0;
-	float min = scores[0];
+	float min = keys[0];
 	for (uint32_t i = 0; i < n; i++) {
-		scratch[i] = scores[i];
+		scratch[(size_t)w * i] = keys[i];
+		scratch[(size_t)w * i + w - 1] = scores[i];
 		z += exp((double)(scores[i] - max) * scale);
-		min = scores[i] < min ? scores[i] : min;
+		min = keys[i] < min ? keys[i] : min;
 	}
 	if (p >= 1.0f) {
 		*thresh = min;
@@ -85,14 +98,18 @@ int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, fl
 	float *a = scratch;
 	uint32_t m = n;
 	for (;;) {
-		float v = median3(a[0], a[m / 2], a[m - 1]);
+		float v = median3(a[0], a[(size_t)w * (m / 2)], a[(size_t)w * (m - 1)]);
 		uint32_t ng, nl;
-		partition3(a, m, v, &ng, &nl);
-		double mg = 0.0;
+		partition3(a, w, m, v, &ng, &nl);
+		double mg = 0.0, me = 0.0;
 		for (uint32_t i = 0; i < ng; i++)
-			mg += exp((double)(a[i] - max) * scale);
-		uint32_t ne = m - ng - nl;
-		double me = (double)ne * exp((double)(v - max) * scale);
+			mg += exp((double)(a[(size_t)w * i + w - 1] - max) * scale);
+		const uint32_t ne = m - ng - nl;
+		if (w == 1)
+			me = (double)ne * exp((double)(v - max) * scale);
+		else
+			for (uint32_t i = ng; i < ng + ne; i++)
+				me += exp((double)(a[(size_t)w * i + w - 1] - max) * scale);
 		if (acc + mg >= target) {
 			m = ng; /* the boundary lies strictly above v */
 			continue;
@@ -103,85 +120,21 @@ int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, fl
 		}
 		acc += mg + me;
 		above += ng + ne;
-		a += ng + ne;
+		a += (size_t)w * (ng + ne);
 		m = nl;
 	}
 }
 
-/* Three-way partition of the pairs a[0..m) (key, score) around key v, as partition3. */
-static void partition3_pairs(float *a, uint32_t m, float v, uint32_t *ng, uint32_t *nl)
+int kvt_topp_threshold(const float *scores, uint32_t n, float scale, float p, float *scratch,
+		       float *thresh, uint32_t *bad)
 {
-	uint32_t lt = 0, i = 0, gt = m;
-	while (i < gt) {
-		float *x = a + 2 * i, t0 = x[0], t1 = x[1];
-		if (t0 > v) {
-			x[0] = a[2 * lt];
-			x[1] = a[2 * lt + 1];
-			a[2 * lt] = t0;
-			a[2 * lt + 1] = t1;
-			lt++;
-			i++;
-		} else if (t0 < v) {
-			gt--;
-			x[0] = a[2 * gt];
-			x[1] = a[2 * gt + 1];
-			a[2 * gt] = t0;
-			a[2 * gt + 1] = t1;
-		} else {
-			i++;
-		}
-	}
-	*ng = lt;
-	*nl = m - gt;
+	return threshold(scores, scores, 1, n, scale, p, scratch, thresh, bad);
 }
 
 int kvt_topp_threshold_keyed(const float *scores, const float *keys, uint32_t n, float scale,
 			     float p, float *scratch, float *thresh, uint32_t *bad)
 {
-	float max;
-	if (n == 0)
-		return 0;
-	KVT_TRY(check_finite(scores, n, &max, bad));
-	double z = 0.0;
-	float min = keys[0];
-	for (uint32_t i = 0; i < n; i++) {
-		scratch[2 * i] = keys[i];
-		scratch[2 * i + 1] = scores[i];
-		z += exp((double)(scores[i] - max) * scale);
-		min = keys[i] < min ? keys[i] : min;
-	}
-	if (p >= 1.0f) {
-		*thresh = min;
-		return (int)n;
-	}
-	const double target = (double)p * z;
-	double acc = 0.0;   /* mass of everything above the candidates, always < target */
-	uint32_t above = 0; /* count of it */
-	float *a = scratch;
-	uint32_t m = n;
-	for (;;) {
-		float v = median3(a[0], a[2 * (m / 2)], a[2 * (m - 1)]);
-		uint32_t ng, nl;
-		partition3_pairs(a, m, v, &ng, &nl);
-		double mg = 0.0, me = 0.0;
-		for (uint32_t i = 0; i < ng; i++)
-			mg += exp((double)(a[2 * i + 1] - max) * scale);
-		const uint32_t ne = m - ng - nl;
-		for (uint32_t i = ng; i < ng + ne; i++) /* equal keys may hold different scores */
-			me += exp((double)(a[2 * i + 1] - max) * scale);
-		if (acc + mg >= target) {
-			m = ng; /* the boundary lies strictly above v */
-			continue;
-		}
-		if (acc + mg + me >= target || nl == 0) {
-			*thresh = v;
-			return (int)(above + ng + ne);
-		}
-		acc += mg + me;
-		above += ng + ne;
-		a += 2 * (ng + ne);
-		m = nl;
-	}
+	return threshold(scores, keys, 2, n, scale, p, scratch, thresh, bad);
 }
 
 float kvt_kth_largest(const float *scores, uint32_t n, uint32_t m, float *scratch)
@@ -193,7 +146,7 @@ float kvt_kth_largest(const float *scores, uint32_t n, uint32_t m, float *scratc
 	for (;;) {
 		float v = median3(a[0], a[len / 2], a[len - 1]);
 		uint32_t ng, nl;
-		partition3(a, len, v, &ng, &nl);
+		partition3(a, 1, len, v, &ng, &nl);
 		if (m <= ng) {
 			len = ng;
 		} else if (m <= len - nl) {

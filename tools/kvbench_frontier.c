@@ -36,13 +36,21 @@ static double x_of(const kb_result *r, bool misses)
 	return misses ? r->misses : r->budget;
 }
 
-static bool g_by_misses; /* by_x's axis (qsort has no context) */
-
-static int by_x(const void *a, const void *b)
+static int cmp_x(const void *a, const void *b, bool misses)
 {
-	const double x = x_of(*(const kb_result *const *)a, g_by_misses),
-		     y = x_of(*(const kb_result *const *)b, g_by_misses);
+	const double x = x_of(*(const kb_result *const *)a, misses),
+		     y = x_of(*(const kb_result *const *)b, misses);
 	return (x > y) - (x < y);
+}
+
+static int by_budget(const void *a, const void *b)
+{
+	return cmp_x(a, b, false);
+}
+
+static int by_misses(const void *a, const void *b)
+{
+	return cmp_x(a, b, true);
 }
 
 static uint32_t sweep_at(const kb_result *r, uint32_t n, const kb_result *shape, double at,
@@ -53,8 +61,7 @@ static uint32_t sweep_at(const kb_result *r, uint32_t n, const kb_result *shape,
 	for (uint32_t i = 0; i < n; i++)
 		if (kb_is_plain(&r[i]) && same_shape(&r[i], shape) && isfinite(x_of(&r[i], misses)))
 			p[m++] = &r[i];
-	g_by_misses = misses;
-	qsort(p, m, sizeof *p, by_x);
+	qsort(p, m, sizeof *p, misses ? by_misses : by_budget);
 	*out = (kb_tail){NAN, NAN, NAN};
 	for (uint32_t i = 0; i + 1 < m && isfinite(at); i++) {
 		const double b0 = x_of(p[i], misses), b1 = x_of(p[i + 1], misses);
