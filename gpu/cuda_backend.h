@@ -95,6 +95,10 @@ struct gpu_layer {
 	uint64_t snap_host_sel;
 	uint32_t snap_seqs;
 	uint64_t hot_to_fill;   /* empty ways left before misses may grow it (gpu/hotsize.h) */
+	/* the hit and miss counters at the end of the last measure read (valid: have_last), where
+	 * the next measure's hits and misses start, so the gathers between steps count */
+	uint64_t last_hits, last_misses;
+	bool have_last;
 };
 
 /* Stage times: CUDA events around the stages of a step or an index build, read back (and added to

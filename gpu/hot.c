@@ -8,15 +8,17 @@
  * free at set-up) and half of the memory free at the time. It never shrinks.
  *
  * The measure never synchronizes: the layer's fetch counters (hits, misses, selected tokens) are
- * copied to pinned memory before and after an eager step, the second copy behind an event, so the
- * difference is that one step's counts, whatever graph replays ran between steps; a later step of
- * the layer reads it if the event has completed (else a later one does). A growth allocates the
+ * copied to pinned memory before and after an eager step, the second copy behind an event; a later
+ * step of the layer reads it if the event has completed (else a later one does). Its demand (the
+ * selected tokens) is that one step's; its hits and misses run from the end of the last measure
+ * read to its own end, so they include the fetches of kvt_gather between kvt_select steps (a
+ * select fetches nothing; the gather of its selection follows it) and of any steps left unmeasured
+ * while a measure was pending. After a growth the next measure starts at its own step, so misses
+ * that filled the old cache never count against the new one's empty ways. A growth allocates the
  * larger cache, moves the rows the old one held into it and frees the old one, with device
  * synchronizations, so it happens a few times over a sequence's life (each at least 1.5x the
- * last). kvt_select's steps fetch nothing (kvt_gather does, unmeasured): they grow the cache on
- * their demand alone. The first step of a layer captured into a CUDA graph freezes that layer's
- * cache for good (a growth would free memory the graph's kernels keep reading): size it with eager
- * steps first.
+ * last). The first step of a layer captured into a CUDA graph freezes that layer's cache for good
+ * (a growth would free memory the graph's kernels keep reading): size it with eager steps first.
  */
 #include "cuda_backend.h"
 #include "hotsize.h"
@@ -211,10 +213,18 @@ int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *str
 		const uint64_t *s0 = snap_slot(b, layer, 0), *s1 = snap_slot(b, layer, 1);
 		const uint64_t sel = s1[KVT_GPU_CNT_SELECTED] - s0[KVT_GPU_CNT_SELECTED] +
 				     y->snap_host_sel;
-		const uint64_t misses = s1[KVT_GPU_CNT_MISSES] - s0[KVT_GPU_CNT_MISSES];
-		const uint64_t reads = misses + s1[KVT_GPU_CNT_HITS] - s0[KVT_GPU_CNT_HITS];
+		const uint64_t h0 = y->have_last ? y->last_hits : s0[KVT_GPU_CNT_HITS];
+		const uint64_t m0 = y->have_last ? y->last_misses : s0[KVT_GPU_CNT_MISSES];
+		const uint64_t misses = s1[KVT_GPU_CNT_MISSES] - m0;
+		const uint64_t reads = misses + s1[KVT_GPU_CNT_HITS] - h0;
+		const uint32_t sets = y->hot.sets;
+		y->last_hits = s1[KVT_GPU_CNT_HITS];
+		y->last_misses = s1[KVT_GPU_CNT_MISSES];
+		y->have_last = true;
 		KVT_TRY(grow(c, y, sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs,
 			     reads, misses));
+		if (y->hot.sets != sets)
+			y->have_last = false; /* grown: the next measure starts at its own step */
 	}
 	KVT_TRY(snap(c, layer, 0, stream));
 	y->snap_host_sel = y->selected;

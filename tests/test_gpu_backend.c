@@ -13,7 +13,9 @@
  * - hot cache: with a cache far smaller than a step's selection, hundreds of steps of kvt_gather
  *   return K and V rows byte-equal to the rows that were written, while the layer's counters show
  *   hits, misses and evictions;
- * - hot auto: the self-sized hot cache grows from its measures, within its bound;
+ * - hot auto: the self-sized hot cache grows from its measures, within its bound; on queries that
+ *   look for new rows every step, the split form's (kvt_select + kvt_gather) grows on the gathers'
+ *   misses as kvt_attend's does;
  * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
  *   for bit, with a fixed and with the self-sized hot cache (frozen by the capture);
  * - spilled: a sequence spilled to NVMe is attended and gathered in place (issue 14): nothing is
@@ -249,6 +251,91 @@ static void test_hot_auto(void **state)
 		}
 		pair_fini(&p);
 	}
+}
+
+/* Queries that look for new rows every step: each query head of a group is four times the key of
+ * one position of its KV head drawn at random, uploaded over the decode inputs' queries. */
+static void drift_queries(struct pair *p, uint32_t layer, t_rng *rng)
+{
+	for (uint32_t s = 0; s < NSEQ; s++)
+		for (uint32_t h = 0; h < HKV; h++) {
+			const size_t r = row_at(p, layer, s, h, t_below(rng, p->ctx));
+			for (uint32_t g = 0; g < HQ / HKV; g++)
+				for (uint32_t e = 0; e < D; e++)
+					p->hq[((size_t)s * HQ + h * (HQ / HKV) + g) * D + e] =
+						t_f2h(4.0f * t_h2f(p->rows_k[r + e]));
+		}
+	CU(cudaMemcpy(p->dq, p->hq, (size_t)NSEQ * HQ * D * 2, cudaMemcpyHostToDevice));
+}
+
+/*
+ * The self-sized cache counts the misses of kvt_gather: on queries that look for new rows every
+ * step, the split form (kvt_select, then kvt_gather of its selection) grows its cache on misses
+ * as kvt_attend does, far past twice a step's rows (the rule on demand alone would stop within
+ * three times the most a step reads), because a measure's hits and misses run from the end of the
+ * last measure read to its own, the gathers between steps included.
+ */
+static void test_hot_auto_split(void **state)
+{
+	(void)state;
+	const uint32_t steps = g_quick ? 16 : 40, T = 4096 + steps + 8;
+	const size_t slab = (size_t)NSEQ * HKV * T * D;
+	uint64_t rows[2], most[2];
+	for (int split = 0; split < 2; split++) {
+		struct pair p;
+		pair_init(&p, 4096, steps, 0);
+		t_rng rng;
+		t_rng_seed(&rng, 0x5e1f);
+		int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV);
+		void *dko, *dvo, *dpos;
+		CU(cudaMalloc(&dko, slab * 2));
+		CU(cudaMalloc(&dvo, slab * 2));
+		CU(cudaMalloc(&dpos, sizeof(int32_t) * NSEQ * HKV * T));
+		most[split] = 0;
+		for (uint32_t step = 0; step < steps; step++)
+			for (uint32_t layer = 0; layer < LAYERS; layer++) {
+				append_both(&p, layer, step);
+				drift_queries(&p, layer, &rng);
+				kvt_layer_stats a = {.size = sizeof a}, b = {.size = sizeof b};
+				OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &a));
+				if (split) {
+					const int mt = kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL);
+					OK(p.gpu, mt);
+					T_CHECK((uint32_t)mt <= T, "step %u: %d tokens, room for %u",
+						step, mt, T);
+					OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt, dpos, dko,
+							     dvo, NULL));
+				} else {
+					OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout,
+							     NULL));
+				}
+				OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &b));
+				/* the rows it read through the cache: selected, and the sinks */
+				const uint64_t read = b.selected_tokens - a.selected_tokens +
+						      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
+				most[split] = read > most[split] ? read : most[split];
+			}
+		kvt_layer_stats ls = {.size = sizeof ls};
+		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &ls));
+		rows[split] = ls.hot_rows;
+		printf("hot cache, self-sized, drifting queries, %s: %llu rows after %u steps (a step "
+		       "reads at most %llu); %llu hits, %llu misses\n",
+		       split ? "kvt_select + kvt_gather" : "kvt_attend",
+		       (unsigned long long)ls.hot_rows, steps, (unsigned long long)most[split],
+		       (unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
+		free(cnt);
+		cudaFree(dko);
+		cudaFree(dvo);
+		cudaFree(dpos);
+		pair_fini(&p);
+	}
+	T_CHECK(rows[0] > 4 * most[0], "kvt_attend: %llu rows, a step reads at most %llu: the "
+		"queries do not drift enough to test misses", (unsigned long long)rows[0],
+		(unsigned long long)most[0]);
+	T_CHECK(rows[1] > 4 * most[1], "kvt_select + kvt_gather: %llu rows, a step reads at most "
+		"%llu: grown on demand alone", (unsigned long long)rows[1], (unsigned long long)most[1]);
+	T_CHECK(2 * rows[1] >= rows[0], "kvt_select + kvt_gather: %llu rows, kvt_attend %llu",
+		(unsigned long long)rows[1], (unsigned long long)rows[0]);
 }
 
 /*
@@ -632,6 +719,7 @@ int main(void)
 		cmocka_unit_test(test_pipeline),
 		cmocka_unit_test(test_hot_cache),
 		cmocka_unit_test(test_hot_auto),
+		cmocka_unit_test(test_hot_auto_split),
 		cmocka_unit_test(test_graph),
 		cmocka_unit_test(test_bad_key_batch),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
