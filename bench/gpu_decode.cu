@@ -93,16 +93,20 @@ static options parse(int argc, char **argv)
 			o.max_host_gib = atof(val);
 		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
 			o.run.graph = val[0] == '1';
+		else if (!strcmp(a, "--keep") && atof(val) >= 0.0 && atof(val) <= 1e6)
+			o.run.keep_weight = (float)atof(val);
 		else if (!drift_option(a, val)) {
 			fprintf(stderr,
 				"usage: gpu_decode [--contexts N,N..] [--batches N,N..] [--steps N] "
 				"[--warmup N] [--reps N>=20] [--budget-max N] [--gpu-cache-mib N] "
 				"[--hot-max-mib N] [--max-host-gib X] [--drift D in [0, 1]] "
-				"[--graph 0|1]\n");
+				"[--graph 0|1] [--keep W (keep_weight; eager steps only)]\n");
 			exit(2);
 		}
 		i++;
 	}
+	if (o.run.keep_weight > 0.0f) /* kvt_attend_graph has no selection hysteresis */
+		o.run.graph = false;
 	std::sort(o.contexts.begin(), o.contexts.end());
 	std::sort(o.batches.begin(), o.batches.end());
 	return o;
@@ -170,8 +174,9 @@ int main(int argc, char **argv)
 		return 0;
 	const int sms = prop.multiProcessorCount;
 	printf("gpu_decode on %s (%d SMs): one layer, %d query heads, %d KV heads, head dim %d, fp16; "
-	       "kvtier %s; query drift %.2f (0: the same topic every step)\n",
-	       prop.name, sms, HQ, HKV, D, kvt_version_string(), (double)g_drift);
+	       "kvtier %s; query drift %.2f (0: the same topic every step); keep_weight %g%s\n",
+	       prop.name, sms, HQ, HKV, D, kvt_version_string(), (double)g_drift,
+	       (double)o.run.keep_weight, o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 	cudaEvent_t e0, e1, em;

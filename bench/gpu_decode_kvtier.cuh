@@ -25,6 +25,8 @@ struct kvt_run {
 	uint32_t nvme_qd = 0;          /* kvt_config.nvme_queue_depth (0: the library's) */
 	bool graph = false;            /* after the eager steps, the same steps with kvt_attend_graph
 					  captured once and replayed (kvt_append stays eager) */
+	float keep_weight = 0.0f;      /* kvt_config.keep_weight (doc/hysteresis.md); graphs refuse
+					  it, so the caller turns `graph` off with it */
 };
 
 /* The defaults with the graph's replay measured too. */
@@ -117,6 +119,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		cfg.host_bytes += cfg.host_bytes / 32 + ((uint64_t)64 << 20);
 	}
 	cfg.budget_max = o.budget_max;
+	cfg.keep_weight = o.keep_weight;
 	const uint64_t nvme_bytes = cfg.host_bytes + cfg.host_bytes / 8 + ((uint64_t)64 << 20);
 	if (o.nvme_path) {
 		/* 256 rows of payload per block plus its header and checksums, 4 KiB aligned: an

@@ -264,7 +264,7 @@ int main(void)
 	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(bmem, HKV, N);
 	auto ours_fused = [&] {
 		RC(kvt_gpu_topp_select(1, HQ, HKV, scores, N, n_tok, N, SCALE, P, 0, 0, stats, NULL, out,
-				       bits, NULL, scr, sb, NULL, NULL));
+				       bits, NULL, NULL, scr, sb, NULL, NULL));
 		RC(kvt_gpu_selbits_list(HKV, bits, sel, N, sel_n, NULL));
 	};
 	auto ours_budget = [&] {

@@ -299,6 +299,7 @@ static void cu_fini(kvt_cache *c)
 		if (y->indexed)
 			cudaEventDestroy(y->indexed);
 		gpu_dfree(c, y->sel_mem);
+		gpu_dfree(c, y->keep_mem);
 		gpu_dfree(c, y->jobs);
 	}
 	gpu_graph_fini(c); /* before the layers: it frees their graph selections */
@@ -362,9 +363,9 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 	KVT_RETURN_IF(c->cfg.correction_steps, c, -EOPNOTSUPP,
 		      "correction_steps = %u: the CUDA backend has no score correction yet (0, "
 		      "the default, turns it off)", c->cfg.correction_steps);
-	KVT_RETURN_IF(c->cfg.keep_weight != 0.0f, c, -EOPNOTSUPP,
-		      "keep_weight = %g: the CUDA backend has no selection hysteresis yet (0, the "
-		      "default, turns it off)", (double)c->cfg.keep_weight);
+	KVT_RETURN_IF(c->cfg.keep_steps > 1, c, -EOPNOTSUPP,
+		      "keep_steps = %u: the CUDA backend favors the last step's selection only (0 "
+		      "or 1)", c->cfg.keep_steps);
 	KVT_RETURN_IF(c->group > KVT_GPU_MAX_GROUP, c, -EOPNOTSUPP,
 		      "n_q_heads / n_kv_heads = %u, the CUDA backend serves at most %u", c->group,
 		      KVT_GPU_MAX_GROUP);

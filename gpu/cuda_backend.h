@@ -65,6 +65,10 @@ struct gpu_seq_layer {
 	uint64_t blk_gen;
 	uint64_t sel_stamp;     /* which selection of the layer holds this sequence's */
 	uint32_t sel_slot;
+	/* keep_weight: the selection its next step favors (doc/hysteresis.md), as sel_stamp and
+	 * sel_slot name one: its own last, a forked parent's, or none (0) after kvt_seq_truncate */
+	uint64_t keep_stamp;
+	uint32_t keep_slot;
 };
 
 /* Per layer number. */
@@ -79,6 +83,8 @@ struct gpu_layer {
 	uint32_t *sel_n;        /* [seqs][H]: its counts */
 	void *sel_mem;          /* bits and counts, one allocation */
 	size_t sel_bytes;
+	void *keep_mem;         /* keep_weight: a step's copy of the selections it favors */
+	size_t keep_bytes;
 	void *g_sel_mem;        /* kvt_attend_graph's selection, laid out as sel_mem (a replay
 				   never writes over the selection kvt_gather reads) */
 	size_t g_sel_bytes;

@@ -148,6 +148,11 @@ int gpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *
 	const size_t out_row = (size_t)Hq * d * c->out_elem;
 	(void)layer;
 	uint64_t rows = 0, bytes = 0;
+	KVT_RETURN_IF(indexed && c->cfg.keep_weight != 0.0f, c, -EOPNOTSUPP,
+		      "keep_weight = %g: the CUDA backend's kvt_extend has no Top-p rows with the "
+		      "selection hysteresis yet (each row would favor the row before); extend "
+		      "without KVT_EXTEND_TOPP, or attend the rows one by one",
+		      (double)c->cfg.keep_weight);
 	/* the grow of this call's rows may have spilled one of its own sequences (KVT_SPILL_LRU
 	 * picks the batch's last when nothing else is left): refused before any launch, and the
 	 * pipeline reads the victims back */

@@ -114,6 +114,10 @@ void gpu_graph_fini(kvt_cache *c)
 int gpu_graph_reserve(kvt_cache *c, uint32_t max_slots, uint32_t max_tokens, void *stream)
 {
 	struct gpu_cache *b = gpu_of(c);
+	KVT_RETURN_IF(max_slots && c->cfg.keep_weight != 0.0f, c, -EOPNOTSUPP,
+		      "keep_weight = %g: kvt_attend_graph has no selection hysteresis yet (its "
+		      "steps keep no selection a next one could favor); use kvt_attend",
+		      (double)c->cfg.keep_weight);
 	if (!max_slots) {
 		CU(c, cudaDeviceSynchronize()); /* captured graphs may still read the records */
 		gpu_graph_fini(c);

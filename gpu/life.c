@@ -37,6 +37,7 @@ int gpu_truncate(kvt_cache *c, struct kvt_layer *l, uint32_t layer, uint32_t ni,
 	struct gpu_seq_layer *g = l->dev;
 	if (!g)
 		return 0;
+	g->keep_stamp = 0; /* keep_weight's favored selection: forgotten, as on the CPU */
 	/* the window after the call: index positions [ni, n_tokens - n_sink); those below the old
 	 * index count were not in the ring since they were indexed */
 	const uint32_t end = n_tokens > c->cfg.n_sink ? n_tokens - c->cfg.n_sink : 0;
@@ -67,6 +68,10 @@ int gpu_fork(kvt_cache *c, struct kvt_layer *from, struct kvt_layer *to, uint32_
 		return 0;
 	/* on failure the caller frees `to`, and with it the mirror made here */
 	KVT_TRY(gpu_mirror_get(c, to, &g));
+	/* keep_weight: the child's next step favors what the parent's would (the CPU copies the
+	 * stamps), read from the parent's slot of the layer's last selection while it stands */
+	g->keep_stamp = p->keep_stamp;
+	g->keep_slot = p->keep_slot;
 	if (p->codes) {
 		KVT_TRY(gpu_mirror_reserve(c, to, g, layer, p->cap, stream));
 		if (from->n_indexed)

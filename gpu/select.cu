@@ -105,16 +105,19 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 
 /* ---- pass 1: max, min, finiteness (when the scan did not gather them) ------------------ */
 
+/* KEEP: of the keys (kvt_gpu_keep), the largest of which the masses are reckoned from. */
+template <bool KEEP>
 static __global__ void __launch_bounds__(SEL_THREADS)
 	k_stats(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
-		kvt_gpu_segstats *stats)
+		kvt_gpu_segstats *stats, kvt_gpu_keep keep, uint32_t group)
 {
 	const uint32_t seg = blockIdx.y, seq = seg / hq;
 	const uint32_t n = n_tok[seq], nn = n > max_n ? 0 : n;
+	const keep_row kr = keep_of(keep, seg, group);
 	uint32_t kmax = 0, nmin = 0, bad = 0;
 	each_of_block(scores + (size_t)seg * ld, nn, [&](uint32_t i, float f) {
 		if (i < nn)
-			kvt_d_stat(f, i, &kmax, &nmin, &bad);
+			kvt_d_stat(KEEP ? keep_key(kr, i, f) : f, i, &kmax, &nmin, &bad);
 	});
 	kvt_d_stat_flush(kmax, nmin, bad, 1, stats + seg);
 }
@@ -361,12 +364,15 @@ static __global__ void __launch_bounds__(SEL_THREADS)
 	KVT_PDL_WAIT(); /* even here: this pass ends only after the zeroing (common.cuh) */
 }
 
-template <bool RING>
+/* KEEP (never with RING): binned by the keys (kvt_gpu_keep), each massing its score. */
+template <bool RING, bool KEEP>
 static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_hist(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t max_n, uint32_t hq,
 	       float scale, float p, uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats,
-	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err)
+	       sel_scratch sc, kvt_gpu_topp *out, unsigned long long *err, kvt_gpu_keep keep,
+	       uint32_t group)
 {
+	static_assert(!(RING && KEEP), "the ring bins scores, not keys");
 	SEL_T(0);
 	/* pass 3 (a programmatic dependent launch) may be scheduled once every block of this pass
 	 * has started: its blocks take the places of this pass's blocks as they leave, and wait for
@@ -389,6 +395,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	}
 	const float mx = kvt_d_keyf(__ldcg(&stats[seg].max_key));
 	const bool mass = p < 1.0f;
+	const keep_row kr = keep_of(keep, seg, group);
 	for (uint32_t b = tid; b < SEL_BINS; b += SEL_THREADS)
 	{
 		hc[b] = 0;
@@ -401,7 +408,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 									 auto fast) {
 		if (!decltype(fast)::value && i >= n)
 			return;
-		const uint32_t b = lbin(f, mx, inv_w, fast);
+		const uint32_t b = lbin(KEEP ? keep_key(kr, i, f) : f, mx, inv_w, fast);
 		atomicAdd(&hc[b], 1u);
 		if (mass)
 			hm.add(b, f, mx, scale);
@@ -506,10 +513,14 @@ static bool aligned16(const void *p)
 static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const float *scores,
 		size_t ld, const uint32_t *n_tokens, uint32_t max_n, float scale, float p,
 		uint32_t bmin, uint32_t bmax, const kvt_gpu_segstats *stats, const kvt_gpu_bins *ring,
-		kvt_gpu_topp *out, kvt_gpu_selbits bits, void *scratch, size_t scratch_bytes,
-		unsigned long long *err, void *stream)
+		kvt_gpu_topp *out, kvt_gpu_selbits bits, const kvt_gpu_keep *keep, void *scratch,
+		size_t scratch_bytes, unsigned long long *err, void *stream)
 {
 	if (!scores || !n_tokens || !out || !scratch || n_q_heads == 0)
+		return -EINVAL;
+	/* the keys' statistics are pass 1's: the scan's (and its ring) are the scores' */
+	const kvt_gpu_keep kp = keep && keep->mask ? *keep : kvt_gpu_keep{};
+	if (kp.mask && (stats || ring || !(kp.bonus >= 0.0f) || !isfinite(kp.bonus)))
 		return -EINVAL;
 	if (ld % 4 || max_n > ld || max_n > KVT_GPU_SELECT_MAX_N || !aligned16(scores) || !aligned16(scratch))
 		return -EINVAL;
@@ -543,9 +554,10 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	const uint32_t sms = sel_sms();
 	const dim3 grid(sel_blocks(max_n, segs, sms, false), segs),
 		hgrid(sel_blocks(max_n, segs, sms, sc.ring.count != NULL), segs);
+	const uint32_t group = n_q_heads / n_kv_heads;
 	if (!stats) {
-		k_stats<<<grid, SEL_THREADS, 0, s>>>(scores, ld, n_tokens, max_n, n_q_heads,
-						     sc.stats);
+		(kp.mask ? k_stats<true> : k_stats<false>)<<<grid, SEL_THREADS, 0, s>>>(
+			scores, ld, n_tokens, max_n, n_q_heads, sc.stats, kp, group);
 		KVT_CU_LAUNCHED();
 	}
 	/* with the caller's statistics, pass 2 streams its scores while the zeroing runs: it reads
@@ -556,11 +568,13 @@ static int topp(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads, const 
 	if (sc.ring.count)
 		KVT_CU(kvt_launch_dependent(k_ring, dim3(1, segs), SEL_THREADS, s, true, n_tokens,
 					    max_n, n_q_heads, scale, p, bmin, bmax, stats, sc));
-	KVT_CU(kvt_launch_dependent(sc.ring.count ? k_hist<true> : k_hist<false>, hgrid, SEL_THREADS,
-				    s, stats != NULL, scores, ld, n_tokens, max_n, n_q_heads, scale,
-				    p, bmin, bmax, stats ? stats : sc.stats, sc, out, err));
+	auto hist = sc.ring.count ? k_hist<true, false> : kp.mask ? k_hist<false, true>
+								   : k_hist<false, false>;
+	KVT_CU(kvt_launch_dependent(hist, hgrid, SEL_THREADS, s, stats != NULL, scores, ld,
+				    n_tokens, max_n, n_q_heads, scale, p, bmin, bmax,
+				    stats ? stats : sc.stats, sc, out, err, kp, group));
 	KVT_CU(kvt_sel_launch_cand(grid, s, scores, ld, n_tokens, n_q_heads, scale, p, bmin, bmax,
-				   sc, out, bits, n_q_heads / n_kv_heads));
+				   sc, out, bits, group, kp));
 	return 0;
 }
 
@@ -573,7 +587,7 @@ extern "C" int kvt_gpu_topp_threshold(uint32_t n_seqs, uint32_t n_q_heads, const
 {
 	const kvt_gpu_selbits none = {};
 	return topp(n_seqs, n_q_heads, 1, scores, ld, n_tokens, max_n, scale, p, bmin, bmax, stats,
-		    ring, out, none, scratch, scratch_bytes, err, stream);
+		    ring, out, none, NULL, scratch, scratch_bytes, err, stream);
 }
 
 extern "C" int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
@@ -581,15 +595,17 @@ extern "C" int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t
 				   uint32_t max_n, float scale, float p, uint32_t bmin,
 				   uint32_t bmax, const kvt_gpu_segstats *stats,
 				   const kvt_gpu_bins *ring, kvt_gpu_topp *out, kvt_gpu_selbits bits,
-				   unsigned long long *clamps, void *scratch, size_t scratch_bytes,
-				   unsigned long long *err, void *stream)
+				   const kvt_gpu_keep *keep, unsigned long long *clamps,
+				   void *scratch, size_t scratch_bytes, unsigned long long *err,
+				   void *stream)
 {
 	/* all of kvt_gpu_selbits_count's checks too: nothing is launched unless all can be */
 	if (!kvt_gpu_selbits_fit(bits, max_n) || n_kv_heads == 0 || n_q_heads % n_kv_heads ||
 	    n_q_heads / n_kv_heads > KVT_GPU_MAX_GROUP)
 		return -EINVAL;
 	const int rc = topp(n_seqs, n_q_heads, n_kv_heads, scores, ld, n_tokens, max_n, scale, p,
-			    bmin, bmax, stats, ring, out, bits, scratch, scratch_bytes, err, stream);
+			    bmin, bmax, stats, ring, out, bits, keep, scratch, scratch_bytes, err,
+			    stream);
 	if (rc < 0 || n_seqs == 0)
 		return rc;
 	return kvt_gpu_selbits_count(n_seqs, n_q_heads, n_kv_heads, out, bits, clamps, stream);

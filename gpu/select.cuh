@@ -174,6 +174,19 @@ int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_hea
 			  void *stream);
 
 /*
+ * The selection's hysteresis (kvt_config.keep_weight, doc/hysteresis.md) as kvt_gpu_topp_select
+ * takes it: the tokens whose bit is set in their item's mask (item s n_kv_heads + h; bit t % 32 of
+ * word mask[item * words + t / 32], tokens past 32 words none) rank by their score plus bonus
+ * (float addition, as the CPU's keys), while the mass each counts stays its score's. The masses are
+ * reckoned from the largest key, so the tolerance's Z and 2^-40 units are those of the keys' max.
+ */
+typedef struct kvt_gpu_keep {
+	const uint32_t *mask; /* device [items][words], or NULL: no token is favored */
+	uint32_t words;
+	float bonus; /* finite, >= 0 */
+} kvt_gpu_keep;
+
+/*
  * kvt_gpu_topp_threshold then kvt_gpu_topp_union_bits, with the same results (out, bits, clamps),
  * but the union marked by the threshold's candidate pass instead of a pass of its own over the
  * scores: the final cut's bin is known once the histogram has been walked (the Top-p boundary's,
@@ -181,15 +194,18 @@ int kvt_gpu_selbits_count(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_hea
  * an earlier bin as it lists the boundary bins' candidates, and each segment's last block adds
  * those of the candidates its cut marks (of the whole segment when the list overflowed). The
  * scores are read twice after the scan instead of three times. Arguments as for the two calls;
- * bits need no initial contents (they are zeroed first). Returns 0, -EINVAL or -EIO.
- * Asynchronous, allocation-free, capturable.
+ * bits need no initial contents (they are zeroed first). keep: host struct or NULL; with a mask,
+ * every segment ranks by its item's keys (kvt_gpu_keep): thresh, the clamp and cut are then keys'
+ * (key(s) of kvt_gpu_topp.cut is the token's key), and stats and ring must be NULL (the scan
+ * gathers them over scores, not keys; pass 1 gathers them over the keys). Returns 0, -EINVAL or
+ * -EIO. Asynchronous, allocation-free, capturable.
  */
 int kvt_gpu_topp_select(uint32_t n_seqs, uint32_t n_q_heads, uint32_t n_kv_heads,
 			const float *scores, size_t ld, const uint32_t *n_tokens, uint32_t max_n,
 			float scale, float p, uint32_t bmin, uint32_t bmax,
 			const kvt_gpu_segstats *stats, const kvt_gpu_bins *ring, kvt_gpu_topp *out,
-			kvt_gpu_selbits bits, unsigned long long *clamps, void *scratch,
-			size_t scratch_bytes, unsigned long long *err, void *stream);
+			kvt_gpu_selbits bits, const kvt_gpu_keep *keep, unsigned long long *clamps,
+			void *scratch, size_t scratch_bytes, unsigned long long *err, void *stream);
 
 #ifdef __cplusplus
 }

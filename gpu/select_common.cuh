@@ -417,6 +417,42 @@ static __device__ __forceinline__ void mark_nibble(uint32_t *mask, uint32_t i, u
 		atomicOr(mask + i / 32, w);
 }
 
+/* ---- the selection's hysteresis (kvt_gpu_keep, select.cuh) ------------------------------ */
+
+/* A segment's view of kvt_gpu_keep: its item's row of the mask (NULL: none), and the bonus. */
+struct keep_row {
+	const uint32_t *m;
+	uint32_t words;
+	float bonus;
+};
+
+static __device__ __forceinline__ keep_row keep_of(const kvt_gpu_keep &k, uint32_t seg,
+						   uint32_t group)
+{
+	return keep_row{k.mask ? k.mask + (size_t)(seg / group) * k.words : nullptr, k.words,
+			k.bonus};
+}
+
+/* The bits of positions i .. i + 3 (i a multiple of 4) in the low nibble (r.m given). */
+static __device__ __forceinline__ uint32_t keep_nib(const keep_row &r, uint32_t i)
+{
+	return i / 32 < r.words ? (__ldg(r.m + i / 32) >> (i % 32)) & 15u : 0u;
+}
+
+/* The key of score x at position i: x + bonus where the bit is set (as the CPU adds it). */
+static __device__ __forceinline__ float keep_key(const keep_row &r, uint32_t i, float x)
+{
+	return r.m && i / 32 < r.words && ((__ldg(r.m + i / 32) >> (i % 32)) & 1u)
+		       ? __fadd_rn(x, r.bonus)
+		       : x;
+}
+
+/* The position a ckey holds. */
+static __device__ __forceinline__ uint32_t ckey_pos(u64 c)
+{
+	return (SEL_MAX_N - 1) - (uint32_t)(c & (SEL_MAX_N - 1));
+}
+
 /* ---- the block's decision over a histogram ----------------------------------------------- */
 
 /* Block-wide exclusive prefix over threads in index order of a count and a mass. */
@@ -545,11 +581,12 @@ static __device__ __forceinline__ pick decide(Get get, uint32_t above0, u64 acc0
 }
 
 /* Pass 3 (select_resolve.cu): candidates, then the exact resolution by each segment's last block;
- * with bits.mask, also the union's bits of each group of `group` query heads (kvt_gpu_topp_select).
+ * with bits.mask, also the union's bits of each group of `group` query heads (kvt_gpu_topp_select),
+ * and with keep.mask ranked by the keys (no ring then).
  * Launched by kvt_gpu_topp_threshold after passes 1 and 2. */
 cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
 				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
-				kvt_gpu_selbits bits, uint32_t group);
+				kvt_gpu_selbits bits, uint32_t group, kvt_gpu_keep keep);
 
 #endif

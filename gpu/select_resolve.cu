@@ -20,16 +20,24 @@ static __device__ void ring_clear(const kvt_gpu_bins &ring, uint32_t seg)
 		d[e] = make_ulonglong2(0, 0);
 }
 
-/* Where the resolution reads its scores: the candidate list, or the whole segment. */
+/* Where the resolution reads its scores: the candidate list, or the whole segment; kr: the keys
+ * (kvt_gpu_keep), kr.m NULL when they are the scores. */
 struct source {
 	const u64 *cand;
 	uint32_t ncand;
 	bool listed;
 	const float *s;
 	uint32_t n;
+	keep_row kr;
 };
 
-/* f(ckey, score) for each score of the source in this thread's share. */
+/* The score a candidate's mass is reckoned from: its key, or with keys the segment's score. */
+static __device__ __forceinline__ float cand_score(const source &src, u64 c, float key)
+{
+	return src.kr.m ? __ldg(src.s + ckey_pos(c)) : key;
+}
+
+/* f(ckey, key, score) for each score of the source in this thread's share. */
 template <class F>
 static __device__ void each_of(const source &src, F f)
 {
@@ -43,15 +51,19 @@ static __device__ void each_of(const source &src, F f)
 			}
 #pragma unroll
 			for (int k = 0; k < SEL_VEC; k++)
-				if (i0 + k * SEL_THREADS < src.ncand)
-					f(c[k], kvt_d_keyf((uint32_t)(c[k] >> 24)));
+				if (i0 + k * SEL_THREADS < src.ncand) {
+					const float key = kvt_d_keyf((uint32_t)(c[k] >> 24));
+					f(c[k], key, cand_score(src, c[k], key));
+				}
 		}
 		return;
 	}
 	for (uint32_t c0 = 0; c0 < src.n; c0 += SEL_CHUNK)
 		each_in_chunk(src.s, c0, src.n, [&](uint32_t i, float x) {
-			if (i < src.n)
-				f(ckey(kvt_d_fkey(x), i), x);
+			if (i < src.n) {
+				const float key = keep_key(src.kr, i, x);
+				f(ckey(kvt_d_fkey(key), i), key, x);
+			}
 		});
 }
 
@@ -85,8 +97,8 @@ static __device__ void rlevel(Tag tag, const source &src, uint32_t bin, float mx
 			hm.zero(b);
 	}
 	__syncthreads();
-	each_of(src, [&](u64 c, float x) {
-		if ((c >> top) != (prefix >> top) || lbin(x, mx, inv_w, tag) != bin)
+	each_of(src, [&](u64 c, float key, float x) {
+		if ((c >> top) != (prefix >> top) || lbin(key, mx, inv_w, tag) != bin)
 			return;
 		const uint32_t d = (uint32_t)(c >> SHIFT) & (bins - 1);
 		atomicAdd(&hc[d], 1u);
@@ -235,9 +247,9 @@ static __device__ uint32_t first_of(Tag tag, const u64 *a, uint32_t m, uint32_t 
  * Returns its key; *ge is the number of b's candidates at or above it.
  */
 template <class Tag>
-static __device__ uint32_t mass_sorted(Tag tag, const u64 *a, uint32_t m, uint32_t b, float mx,
-				       float inv_w, float scale, u64 acc, double target,
-				       uint32_t *ge)
+static __device__ uint32_t mass_sorted(Tag tag, const source &src, const u64 *a, uint32_t m,
+				       uint32_t b, float mx, float inv_w, float scale, u64 acc,
+				       double target, uint32_t *ge)
 {
 	__shared__ uint32_t istar, hi, end;
 	const uint32_t E = (m + SEL_THREADS - 1) / SEL_THREADS, i0 = threadIdx.x * E,
@@ -251,7 +263,7 @@ static __device__ uint32_t mass_sorted(Tag tag, const u64 *a, uint32_t m, uint32
 		const float x = kvt_d_keyf((uint32_t)(a[i] >> 24));
 		if (lbin(x, mx, inv_w, tag) != b)
 			return false;
-		*t = term(x, mx, scale);
+		*t = term(cand_score(src, a[i], x), mx, scale);
 		return true;
 	};
 	uint32_t c = 0, tc;
@@ -294,7 +306,8 @@ static __device__ uint32_t mass_sorted(Tag tag, const u64 *a, uint32_t m, uint32
 template <bool RING>
 static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint32_t n,
 					    const u64 *cand, uint32_t cand_cap, float scale, float p,
-					    uint32_t bmin, uint32_t bmax, kvt_gpu_topp *out)
+					    uint32_t bmin, uint32_t bmax, kvt_gpu_topp *out,
+					    keep_row kr)
 {
 	/* the ranked list (SEL_RANK, then its places), or rlevel's histograms: up to SEL_CNT_BINS
 	 * counts, or SEL_BINS counts and two words of mass for each */
@@ -322,7 +335,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 		const uint32_t i = tid + r * SEL_THREADS;
 		list[r] = i < cand_cap ? __ldcg(cand + i) : 0;
 	}
-	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n};
+	const source src = {.cand = cand, .ncand = m, .listed = listed, .s = s, .n = n, .kr = kr};
 	float thresh = kvt_d_keyf(~__ldcg(&st->nmin_key));
 	uint32_t count = n;
 	u64 *a = smem64;
@@ -335,7 +348,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
 	if (p < 1.0f && sorted) {
 		uint32_t ge;
 		const uint32_t key =
-			mass_sorted(tag, a, m, b0, mx, inv_w, scale, acc, target, &ge);
+			mass_sorted(tag, src, a, m, b0, mx, inv_w, scale, acc, target, &ge);
 		thresh = kvt_d_keyf(key);
 		count = above_mass + ge;
 	} else if (p < 1.0f) {
@@ -377,7 +390,7 @@ static __device__ __noinline__ void resolve(seg_state *st, const float *s, uint3
  */
 static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s, uint32_t n,
 					     const u64 *cand, const kvt_gpu_topp *out,
-					     uint32_t *mask)
+					     uint32_t *mask, keep_row kr)
 {
 	__syncthreads(); /* thread 0's finalize is visible to the block past here */
 	if (!out->marked)
@@ -387,7 +400,7 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
 		const uint32_t m = __ldcg(&st->ncand);
 		for (uint32_t i = threadIdx.x; i < m; i += SEL_THREADS) {
 			const u64 c = __ldcg(cand + i);
-			const uint32_t pos = (SEL_MAX_N - 1) - (uint32_t)(c & (SEL_MAX_N - 1));
+			const uint32_t pos = ckey_pos(c);
 			if (((c >> 24) << 32 | (0xffffffffu - pos)) >= cut)
 				atomicOr(mask + pos / 32, 1u << pos % 32);
 		}
@@ -398,7 +411,8 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
 			uint32_t nib = 0;
 #pragma unroll
 			for (int e = 0; e < 4; e++) {
-				const u64 c = (u64)kvt_d_fkey(x[e]) << 32 | (0xffffffffu - (i + e));
+				const float key = keep_key(kr, i + e, x[e]);
+				const u64 c = (u64)kvt_d_fkey(key) << 32 | (0xffffffffu - (i + e));
 				nib |= (i + e < n && c >= cut ? 1u : 0u) << e;
 			}
 			mark_nibble(mask, i, nib);
@@ -410,12 +424,13 @@ static __device__ __noinline__ void mark_cut(const seg_state *st, const float *s
  * before the final cut's (fbin) as the scores stream, the candidates the cut marks after the
  * resolution, and all tokens of a segment that marks all without a resolution.
  */
-template <bool UNION, bool RING>
+template <bool UNION, bool RING, bool KEEP>
 static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	k_cand(const float *scores, size_t ld, const uint32_t *n_tok, uint32_t hq, float scale,
 	       float p, uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
-	       kvt_gpu_selbits bits, uint32_t group)
+	       kvt_gpu_selbits bits, uint32_t group, kvt_gpu_keep keep)
 {
+	static_assert(!(RING && KEEP), "the ring bins scores, not keys");
 	SEL_T(0);
 	const uint32_t seg = blockIdx.y, seq = seg / hq, tid = threadIdx.x, lane = tid % 32;
 	seg_state *st = sc.st + seg;
@@ -443,6 +458,7 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 		return;
 	}
 	const float mx = kvt_d_keyf(__ldcg(&st->max_key)), inv_w = __ldcg(&st->inv_w);
+	const keep_row kr = KEEP ? keep_of(keep, seg, group) : keep_row{nullptr, 0, 0.0f};
 	const uint32_t b0 = __ldcg(&st->bin[0]), b1 = __ldcg(&st->bin[1]), b2 = __ldcg(&st->bin[2]);
 	const uint32_t fbin = UNION ? __ldcg(&st->fbin) : 0;
 	const bool listed = __ldcg(&st->listed);
@@ -451,10 +467,18 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	/* a float4's four scores: the union's nibble of the tokens before the final cut's bin, and
 	 * the boundary bins' scores appended to the list (past n and with one bin, when not fast,
 	 * each score is tested; a warp whose quads hold no candidate skips the votes) */
-	auto quad = [&](uint32_t i0, const float (&x)[4], auto fast) {
+	auto quad = [&](uint32_t i0, const float (&x0)[4], auto fast) {
 		constexpr bool F = decltype(fast)::value;
 		uint32_t nib = 0;
 		bool in[4], any = false;
+		/* with keys, each score's key (the bits of the quad's four positions in one word) */
+		float x[4] = {x0[0], x0[1], x0[2], x0[3]};
+		if (KEEP) {
+			const uint32_t kn = (F || i0 < n) ? keep_nib(kr, i0) : 0u;
+#pragma unroll
+			for (int e = 0; e < 4; e++)
+				x[e] = (kn >> e) & 1u ? __fadd_rn(x0[e], kr.bonus) : x0[e];
+		}
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
 			const uint32_t i = i0 + e;
@@ -490,9 +514,9 @@ static __global__ void __launch_bounds__(SEL_THREADS, SEL_MIN_BLOCKS)
 	if (!last_block(st))
 		return;
 	SEL_T(4);
-	resolve<RING>(st, s, n, cand, sc.cand_cap, scale, p, bmin, bmax, out + seg);
+	resolve<RING>(st, s, n, cand, sc.cand_cap, scale, p, bmin, bmax, out + seg, kr);
 	if (UNION)
-		mark_cut(st, s, n, cand, out + seg, mask);
+		mark_cut(st, s, n, cand, out + seg, mask, kr);
 	SEL_T(6);
 }
 
@@ -503,12 +527,14 @@ SEL_T_HOST(kvt_sel_timing_cand)
 cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, size_t ld,
 				const uint32_t *n_tok, uint32_t hq, float scale, float p,
 				uint32_t bmin, uint32_t bmax, sel_scratch sc, kvt_gpu_topp *out,
-				kvt_gpu_selbits bits, uint32_t group)
+				kvt_gpu_selbits bits, uint32_t group, kvt_gpu_keep keep)
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	auto k = bits.mask ? (sc.ring.count ? k_cand<true, true> : k_cand<true, false>)
-			   : (sc.ring.count ? k_cand<false, true> : k_cand<false, false>);
+	auto k = keep.mask ? (bits.mask ? k_cand<true, false, true> : k_cand<false, false, true>)
+		 : bits.mask ? (sc.ring.count ? k_cand<true, true, false> : k_cand<true, false, false>)
+			     : (sc.ring.count ? k_cand<false, true, false>
+					      : k_cand<false, false, false>);
 	return kvt_launch_dependent(k, grid, SEL_THREADS, s, true, scores, ld, n_tok, hq, scale, p,
-				    bmin, bmax, sc, out, bits, group);
+				    bmin, bmax, sc, out, bits, group, keep);
 }

@@ -8,6 +8,8 @@
  * allocation once the scratch fits and the hot cache stops growing, and no host synchronization,
  * so it can be captured in a CUDA graph after warm-up steps at the same shape (gpu/hot.c).
  */
+#include <math.h>
+
 #include "cuda_backend.h"
 
 /* The per-step scratch of a batch, carved from the arena. */
@@ -29,6 +31,7 @@ struct step_scratch {
 	uint32_t ld;
 	kvt_gpu_selbits bits; /* the step's selection as bits, and its counts ([n][H]): the layer's,
 				 or a graph step's own */
+	kvt_gpu_keep keep;    /* keep_weight: the selections the step favors (keep_snapshot) */
 	uint32_t *sel_n;
 	void *sscratch;
 	size_t sbytes;
@@ -54,6 +57,7 @@ static struct step_scratch carve(const kvt_cache *c, char *base, uint32_t n, uin
 {
 	const uint32_t H = c->cfg.n_kv_heads, Hq = c->cfg.n_q_heads;
 	struct step_scratch s;
+	s.keep = (kvt_gpu_keep){0}; /* a step's own: keep_snapshot's */
 	size_t o = 0;
 #define PIECE(field, type, count)                                                                  \
 	do {                                                                                       \
@@ -349,15 +353,17 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 		LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni,
 					      c->scale, c->cfg.rescore_p, c->cfg.budget_min,
 					      c->cfg.budget_max, s->stats, ring, s->topp_r, rbits, NULL,
-					      s->sscratch, s->sbytes, b->err, stream));
+					      NULL, s->sscratch, s->sbytes, b->err, stream));
 		LAUNCH(c, kvt_gpu_rescore(d, c->cfg.dtype, n_seqs, Hq, H, s->fetch, hot, q,
 					  s->topp_r, s->scores, s->ld, max_ni, stream));
 	}
+	/* with keep_weight's keys, pass 1 gathers their statistics (the scan's are the scores') */
+	const bool own = rs || s->keep.mask;
 	LAUNCH(c, kvt_gpu_topp_select(n_seqs, Hq, H, s->scores, s->ld, s->ntok, max_ni, c->scale,
 				      c->cfg.p, c->cfg.budget_min, c->cfg.budget_max,
-				      rs ? NULL : s->stats, rs ? NULL : ring, s->topp, s->bits,
-				      cnt + KVT_GPU_CNT_BMAX, s->sscratch, s->sbytes, b->err,
-				      stream));
+				      own ? NULL : s->stats, own ? NULL : ring, s->topp, s->bits,
+				      &s->keep, cnt + KVT_GPU_CNT_BMAX, s->sscratch, s->sbytes,
+				      b->err, stream));
 	if (rs)
 		LAUNCH(c, kvt_gpu_rescore_count(n_seqs * H, rbits, s->bits,
 						cnt + KVT_GPU_CNT_RESCORED, stream));
@@ -428,6 +434,57 @@ static int read_counts(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt
 	return kvt_layers_check_status(c, n_seqs, ls, true);
 }
 
+/* Whether the layer's last selection holds what entry ls[i]'s next step favors (keep_weight). */
+static bool keep_valid(const struct gpu_layer *y, const struct kvt_layer *l)
+{
+	const struct gpu_seq_layer *g = l->dev;
+	return g && g->keep_stamp && g->keep_stamp == y->stamp;
+}
+
+/*
+ * keep_weight (doc/hysteresis.md): before the step lays out its own selection over the layer's,
+ * the bits each entry's step favors (its last selection on the layer, or a forked parent's, where
+ * the layer's last selection holds it: keep_valid) copied into y->keep_mem, item i * H + h in the
+ * words of that selection's layout, the others' zeroed; *keep names them, or no mask when nothing
+ * is favored (keep_weight 0, p >= 1 as on the CPU, or no entry's selection stands).
+ */
+static int keep_snapshot(kvt_cache *c, uint32_t layer, uint32_t n_seqs,
+			 struct kvt_layer *const *ls, void *stream, kvt_gpu_keep *keep)
+{
+	struct gpu_layer *y = &gpu_of(c)->lay[layer];
+	const uint32_t H = c->cfg.n_kv_heads, words = y->bits.words;
+	*keep = (kvt_gpu_keep){0};
+	if (c->cfg.keep_weight == 0.0f || c->cfg.p >= 1.0f || !y->bits.mask || !words)
+		return 0;
+	bool any = false;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		any |= keep_valid(y, ls[i]);
+	if (!any)
+		return 0;
+	const size_t row = sizeof(uint32_t) * H * words;
+	KVT_TRY(gpu_grow(c, &y->keep_mem, &y->keep_bytes, row * n_seqs, stream,
+			 "the selections keep_weight favors"));
+	const cudaStream_t st = (cudaStream_t)stream;
+	CU(c, cudaMemsetAsync(y->keep_mem, 0, row * n_seqs, st));
+	/* one copy per run of entries whose favored selections lie in consecutive slots */
+	for (uint32_t i = 0, run; i < n_seqs; i += run) {
+		run = 1;
+		if (!keep_valid(y, ls[i]))
+			continue;
+		const uint32_t slot = ((const struct gpu_seq_layer *)ls[i]->dev)->keep_slot;
+		while (i + run < n_seqs && keep_valid(y, ls[i + run]) &&
+		       ((const struct gpu_seq_layer *)ls[i + run]->dev)->keep_slot == slot + run)
+			run++;
+		CU(c, cudaMemcpyAsync((char *)y->keep_mem + row * i,
+				      (const char *)y->bits.mask + row * slot, row * run,
+				      cudaMemcpyDeviceToDevice, st));
+	}
+	keep->mask = (const uint32_t *)y->keep_mem;
+	keep->words = words;
+	keep->bonus = logf(1.0f + c->cfg.keep_weight) / c->scale; /* the CPU's (cpu_backend.c) */
+	return 0;
+}
+
 int gpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_layer *const *ls,
 	     const void *q, void *out, uint32_t *sel_n, void *stream)
 {
@@ -446,12 +503,15 @@ int gpu_step_copy(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_laye
 		KVT_TRY(gpu_mirror_sync_blocks(c, ls[i], g, stream));
 	}
 	KVT_TRY(gpu_hot_before_step(c, layer, n_seqs, stream));
+	kvt_gpu_keep keep;
+	KVT_TRY(keep_snapshot(c, layer, n_seqs, ls, stream, &keep));
 	/* the layer's selection buffer is regrown or rewritten from here: no earlier selection in it
 	 * stays readable */
 	y->stamp = ++b->stamp;
 	struct step_scratch s;
 	uint32_t max_ni, max_rows, split;
 	KVT_TRY(step_setup(c, layer, n_seqs, ls, false, stream, &s, &max_ni, &max_rows, &split));
+	s.keep = keep;
 	KVT_TRY(gpu_wait_index(c, layer, stream));
 	struct gpu_timing *t = gpu_timing(c, stream, T_STEP);
 	gpu_mark(t, 0, stream);
@@ -475,8 +535,8 @@ int gpu_step_copy(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_laye
 	gpu_mark(t, 3, stream);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		struct gpu_seq_layer *g = ls[i]->dev;
-		g->sel_stamp = y->stamp;
-		g->sel_slot = i;
+		g->sel_stamp = g->keep_stamp = y->stamp;
+		g->sel_slot = g->keep_slot = i;
 	}
 	y->steps += n_seqs;
 	if (sel_n) {
@@ -575,6 +635,10 @@ int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, co
 {
 	struct gpu_cache *b = gpu_of(c);
 	const uint32_t n = gb->n_slots;
+	KVT_RETURN_IF(c->cfg.keep_weight != 0.0f, c, -EOPNOTSUPP,
+		      "keep_weight = %g: kvt_attend_graph has no selection hysteresis yet (its "
+		      "steps keep no selection a next one could favor); use kvt_attend",
+		      (double)c->cfg.keep_weight);
 	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
 	struct step_scratch s;
 	KVT_TRY(step_scratch(c, layer, n, b->g_tokens, b->g_tokens, SEL_GRAPH, stream, &s));

@@ -44,9 +44,27 @@ uint64_t sel_key(float x, uint32_t t);
  * of a finite score, the complement of the first non-finite position. */
 kvt_gpu_segstats host_segstats(const float *x, uint32_t n);
 
-/* test_gpu_select.c */
+/* test_gpu_select.c: a segment's reference, computed once for the several thresholds checked
+ * against it: the CPU's threshold and count, and for 0 < p < 1 its keys sorted down with the prefix
+ * sums of their scores' terms in long double (cum[i]: the terms of sorted[0 .. i)) */
+typedef struct {
+	float thr;
+	int cnt;
+	float *sorted;
+	long double *cum;
+} seg_ref;
+/* The references of S x Hq segments of scores hs (keys hk, or NULL: the scores), ld apart. */
+seg_ref *refs_make(uint32_t S, uint32_t Hq, const uint32_t *n, const float *hs, const float *hk,
+		   size_t ld, float scale, float p, uint32_t max_n);
+void refs_free(seg_ref *r, uint32_t segs);
+/* A segment's GPU threshold o within the stated tolerance of r's exact set, its clamp by the rule;
+ * true when its count is the CPU's (then so must its threshold be). */
+bool check_window(const char *what, uint32_t seg, const seg_ref *r, uint32_t n, float p,
+		  uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, int *bad);
+extern uint32_t g_segs, g_exact; /* segments checked, and those equal to the CPU's set */
 void test_select(void **state);
 void test_select_nonfinite(void **state);
+void test_select_keep(void **state);
 
 /* test_gpu_bins.c */
 void test_scan_bins(void **state);

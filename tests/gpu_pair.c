@@ -50,6 +50,7 @@ void upload(struct pair *p, uint32_t n)
 uint64_t g_hot_max;
 float g_bound_delta;
 float g_rescore_p;
+float g_keep_weight;
 
 kvt_config config(uint64_t gpu_cache_bytes)
 {
@@ -62,6 +63,7 @@ kvt_config config(uint64_t gpu_cache_bytes)
 	cfg.gpu_cache_bytes = gpu_cache_bytes;
 	cfg.gpu_cache_max_bytes = g_hot_max;
 	cfg.rescore_p = g_rescore_p;
+	cfg.keep_weight = g_keep_weight;
 	return cfg;
 }
 

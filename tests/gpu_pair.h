@@ -60,6 +60,8 @@ void upload(struct pair *p, uint32_t n);
 extern float g_bound_delta;
 /* config()'s rescore_p (0: off; a test of the second stage sets it) */
 extern float g_rescore_p;
+/* config()'s keep_weight (0: off; a test of the selection's hysteresis sets it) */
+extern float g_keep_weight;
 /* config()'s gpu_cache_max_bytes (a test that bounds the self-sized hot cache sets it) */
 extern uint64_t g_hot_max;
 kvt_config config(uint64_t gpu_cache_bytes);

@@ -9,7 +9,8 @@
  *   rows written;
  * - strided: the _at calls with strided q, k, v and out in three layouts (and one sequence) give
  *   the CPU's dense results and the dense call's bit for bit, writing nothing outside out's rows;
- * - unsupported: what the CUDA backend refuses (score corrections) is refused with -EOPNOTSUPP;
+ * - unsupported: what the CUDA backend refuses (score corrections, keep_steps > 1, graphs with
+ *   keep_weight) is refused with -EOPNOTSUPP;
  * - extend: kvt_extend's exact attention against the CPU backend's, in one range and in many, and
  *   under allocation faults (each changes nothing); with Top-p per query row, against the CPU's;
  * - rescore: the second selection stage against the CPU's.
@@ -247,6 +248,21 @@ static void test_unsupported(void **state)
 	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "correction_steps"),
 		"correction_steps on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
 		kvt_last_error(NULL));
+	/* keep_weight favors the last step's selection only; a captured step keeps none */
+	cfg.correction_steps = 0;
+	cfg.keep_weight = 8.0f;
+	cfg.keep_steps = 2;
+	rc = kvt_cache_create(&cfg, &c);
+	T_CHECK(rc == -EOPNOTSUPP && !c && strstr(kvt_last_error(NULL), "keep_steps"),
+		"keep_steps 2 on CUDA: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
+		kvt_last_error(NULL));
+	cfg.keep_steps = 1;
+	OK(NULL, kvt_cache_create(&cfg, &c));
+	rc = kvt_graph_reserve(c, 2, 4096, NULL);
+	T_CHECK(rc == -EOPNOTSUPP && strstr(kvt_last_error(c), "keep_weight"),
+		"kvt_graph_reserve with keep_weight: got %d (%s), wanted -EOPNOTSUPP naming it", rc,
+		kvt_last_error(c));
+	kvt_cache_destroy(c);
 	struct pair p;
 	pair_init(&p, 512, 8, 64u << 20);
 	const uint32_t a = p.sg[0];

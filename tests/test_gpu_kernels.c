@@ -740,19 +740,19 @@ static void test_arguments(void **state)
 			"list: 65536 items");
 		/* the fused call refuses what either half would, before it launches anything */
 		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, none, NULL,
-					    p, 1 << 20, NULL, NULL) == -EINVAL,
+					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: NULL mask");
 		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 40, p, 40, 1.0f, 0.9f, 0, 0, NULL, NULL, p, bits,
-					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
+					    NULL, NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: bits made for fewer tokens than max_n");
 		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, wide, NULL,
-					    p, 1 << 20, NULL, NULL) == -EINVAL,
+					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: words beyond the chunks");
 		T_CHECK(kvt_gpu_topp_select(1, 4, 3, p, 8, p, 8, 1.0f, 0.9f, 0, 0, NULL, NULL, p, bits, NULL,
-					    p, 1 << 20, NULL, NULL) == -EINVAL,
+					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: query heads not a multiple of KV heads");
 		T_CHECK(kvt_gpu_topp_select(1, 4, 2, p, 8, p, 8, 0.0f, 0.9f, 0, 0, NULL, NULL, p, bits, NULL,
-					    p, 1 << 20, NULL, NULL) == -EINVAL,
+					    NULL, p, 1 << 20, NULL, NULL) == -EINVAL,
 			"select: scale 0");
 		CU(cudaDeviceSynchronize());
 	}
@@ -785,7 +785,8 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_arguments),         cmocka_unit_test(test_index_build),
 		cmocka_unit_test(test_prepare_and_score), cmocka_unit_test(test_select),
-		cmocka_unit_test(test_select_nonfinite),  cmocka_unit_test(test_attend),
+		cmocka_unit_test(test_select_nonfinite),  cmocka_unit_test(test_select_keep),
+		cmocka_unit_test(test_attend),
 		cmocka_unit_test(test_spill_arguments),   cmocka_unit_test(test_spill_list),
 		cmocka_unit_test(test_scan_bins),
 		cmocka_unit_test(test_scan_bins_arguments),

@@ -14,50 +14,58 @@
 /* ---- Top-p selection --------------------------------------------------------------------- */
 
 /* Segments checked, and those whose set equals the CPU's double-precision one. */
-static uint32_t g_segs, g_exact;
+uint32_t g_segs, g_exact;
 
-/*
- * A segment's reference, computed once for the several thresholds checked against it: the CPU's
- * threshold and count (kvt_topp_threshold), and for 0 < p < 1 its scores sorted down with the
- * prefix sums of their terms in long double (cum[i]: the terms of sorted[0 .. i)).
- */
+/* A token's key (what the order is by) and score (what its mass is). */
 typedef struct {
-	float thr;
-	int cnt;
-	float *sorted;
-	long double *cum;
-} seg_ref;
+	float k, s;
+} kpair;
 
-static seg_ref *refs_make(uint32_t S, uint32_t Hq, const uint32_t *n, const float *hs, size_t ld,
-			  float scale, float p, uint32_t max_n)
+static int kpair_desc(const void *a, const void *b)
+{
+	const float x = ((const kpair *)a)->k, y = ((const kpair *)b)->k;
+	return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* hk: the keys (kvt_gpu_keep: the scores with a bonus where a bit is set; the CPU's threshold then
+ * kvt_topp_threshold_keyed), laid out as hs, or NULL: the scores. sorted[] holds the keys, cum[]
+ * their scores' terms, from the largest key (as the GPU reckons them). */
+seg_ref *refs_make(uint32_t S, uint32_t Hq, const uint32_t *n, const float *hs,
+			  const float *hk, size_t ld, float scale, float p, uint32_t max_n)
 {
 	seg_ref *r = (seg_ref *)t_alloc(sizeof(seg_ref) * S * Hq);
-	float *scr_h = (float *)t_alloc(4 * (max_n + 1));
+	float *scr_h = (float *)t_alloc(4 * (2 * (size_t)max_n + 1));
 	for (uint32_t g = 0; g < S * Hq; g++) {
-		const float *x = hs + (size_t)g * ld;
+		const float *x = hs + (size_t)g * ld, *k = hk ? hk + (size_t)g * ld : x;
 		const uint32_t m = n[g / Hq];
 		uint32_t b = 0;
 		r[g].thr = 0.0f;
-		r[g].cnt = kvt_topp_threshold(x, m, scale, p, scr_h, &r[g].thr, &b);
+		r[g].cnt = hk ? kvt_topp_threshold_keyed(x, k, m, scale, p, scr_h, &r[g].thr, &b)
+			      : kvt_topp_threshold(x, m, scale, p, scr_h, &r[g].thr, &b);
 		r[g].sorted = NULL;
 		r[g].cum = NULL;
 		if (m == 0 || p >= 1.0f)
 			continue;
+		kpair *kp = (kpair *)t_alloc(sizeof(kpair) * m);
+		for (uint32_t t = 0; t < m; t++)
+			kp[t] = (kpair){k[t], x[t]};
+		qsort(kp, m, sizeof *kp, kpair_desc);
 		r[g].sorted = (float *)t_alloc(4 * (size_t)m);
 		r[g].cum = (long double *)t_alloc(sizeof(long double) * (m + 1));
-		memcpy(r[g].sorted, x, 4 * (size_t)m);
-		qsort(r[g].sorted, m, 4, t_cmp_desc);
-		const float mx = r[g].sorted[0];
+		const float mx = kp[0].k;
 		r[g].cum[0] = 0.0L;
-		for (uint32_t t = 0; t < m; t++)
+		for (uint32_t t = 0; t < m; t++) {
+			r[g].sorted[t] = kp[t].k;
 			r[g].cum[t + 1] = r[g].cum[t] +
-				expl((long double)((double)(r[g].sorted[t] - mx) * (double)scale));
+				expl((long double)((double)(kp[t].s - mx) * (double)scale));
+		}
+		free(kp);
 	}
 	free(scr_h);
 	return r;
 }
 
-static void refs_free(seg_ref *r, uint32_t segs)
+void refs_free(seg_ref *r, uint32_t segs)
 {
 	for (uint32_t g = 0; g < segs; g++) {
 		free(r[g].sorted);
@@ -75,7 +83,7 @@ static void refs_free(seg_ref *r, uint32_t segs)
  * double over the sorted terms of the reference r (the test's own error is far below tol). Where
  * the count equals the CPU's, the threshold must too. Returns whether it does.
  */
-static bool check_window(const char *what, uint32_t seg, const seg_ref *r, uint32_t n, float p,
+bool check_window(const char *what, uint32_t seg, const seg_ref *r, uint32_t n, float p,
 			 uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, int *bad)
 {
 	if (n == 0 || p >= 1.0f) {
@@ -257,7 +265,7 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 					NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_threshold %d", what, rc);
 	fetch(given, dout, sizeof(kvt_gpu_topp) * segs);
-	seg_ref *refs = refs_make(S, Hq, n, hs, ld, scale, p, max_n);
+	seg_ref *refs = refs_make(S, Hq, n, hs, NULL, ld, scale, p, max_n);
 	check_ring(what, S, Hq, n, max_n, hs, refs, ld, scale, p, bmin, bmax, ds, dn, dst, scr, sb,
 		   bad);
 	rc = kvt_gpu_topp_threshold(S, Hq, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
@@ -373,7 +381,7 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 		T_CHECK(rc == 0, "%s: kvt_gpu_topp_union_bits %d", what, rc);
 		rc = kvt_gpu_topp_select(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, scale, p,
 					 bmin, bmax, (const kvt_gpu_segstats *)dst, NULL, dout2, b2,
-					 dcl + 2, scr, sb, derr, NULL);
+					 NULL, dcl + 2, scr, sb, derr, NULL);
 		T_CHECK(rc == 0, "%s: kvt_gpu_topp_select %d", what, rc);
 		kvt_gpu_topp *out2 = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
 		uint32_t *h1 = (uint32_t *)t_alloc(bb), *h2 = (uint32_t *)t_alloc(bb);
@@ -547,4 +555,3 @@ void test_select_nonfinite(void **state)
 	}
 	free(hs);
 }
-
