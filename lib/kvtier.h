@@ -207,17 +207,21 @@ typedef struct kvt_config {
 				 estimate there (the CPU backend reads it from NVMe) */
 	uint32_t pad3;        /* must be zero (explicit padding); the reserved words are used up:
 				 later fields go past the end (doc/abi.md) */
-	float keep_weight;    /* CPU backend: the selection's hysteresis (doc/hysteresis.md): Top-p
-				 ranks the indexed tokens its KV head selected at one of the layer's
-				 last keep_steps kvt_attend or kvt_select calls that succeeded as if
+	float keep_weight;    /* the selection's hysteresis (doc/hysteresis.md): Top-p ranks the
+				 indexed tokens its KV head selected at one of the layer's last
+				 keep_steps kvt_attend or kvt_select calls that succeeded as if
 				 their estimated probability were (1 + keep_weight) times larger
 				 (their mass counts as it is), so consecutive steps share more rows
 				 and fewer cross PCIe; 0 (default): off, else finite in (0, 1e6].
-				 Forgotten by kvt_seq_truncate, copied by kvt_seq_fork. The CUDA
-				 backend refuses a nonzero value (-EOPNOTSUPP), and so does AUTO
-				 where it picks CUDA */
+				 Forgotten by kvt_seq_truncate, copied by kvt_seq_fork. CUDA
+				 backend: the last step's selection only, and only where that step's
+				 batch included the sequence (a step of another batch on the layer
+				 in between, or one that failed, leaves it nothing to favor);
+				 kvt_graph_reserve, kvt_attend_graph and kvt_extend's Top-p rows
+				 refuse it (-EOPNOTSUPP) */
 	uint32_t keep_steps;  /* with keep_weight: how many of the layer's last steps it favors the
-				 selections of, <= 64; 0 (default): 1. Must be 0 without it */
+				 selections of, <= 64; 0 (default): 1. Must be 0 without it. The
+				 CUDA backend refuses more than 1 (-EOPNOTSUPP) */
 } kvt_config;
 
 /*
