@@ -88,14 +88,19 @@ static options parse(int argc, char **argv)
 			o.max_host_gib = atof(val);
 		else if (!strcmp(a, "--graph") && (!strcmp(val, "0") || !strcmp(val, "1")))
 			o.run.graph = val[0] == '1';
+		else if (!strcmp(a, "--keep") && atof(val) >= 0.0 && atof(val) <= 1e6)
+			o.run.keep_weight = (float)atof(val);
 		else if (!drift_option(a, val)) {
 			fprintf(stderr, "usage: gpu_throughput [--context N] [--layers N] [--weights-gb X] "
 					"[--host-gib X] [--reserve-gib X] [--batches N,N..] [--steps N] "
-					"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1]\n");
+					"[--max-host-gib X] [--drift D in [0, 1]] [--graph 0|1] "
+					"[--keep W (keep_weight; eager steps only)]\n");
 			exit(2);
 		}
 		i++;
 	}
+	if (o.run.keep_weight > 0.0f) /* kvt_attend_graph has no selection hysteresis */
+		o.run.graph = false;
 	std::sort(o.batches.begin(), o.batches.end());
 	return o;
 }
@@ -151,9 +156,10 @@ int main(int argc, char **argv)
 		     reserve = o.reserve_gib * 1073741824.0;
 	printf("gpu_throughput on %s (%.1f GB HBM): a decode step of %u layers (%u query heads, %u KV "
 	       "heads, head dim %u, fp16) at context %u, plus %.1f GB of weights read once; kvtier "
-	       "%s; query drift %.2f (0: the same topic every step)\n",
+	       "%s; query drift %.2f (0: the same topic every step); keep_weight %g%s\n",
 	       prop.name, hbm / 1e9, L, HQ, HKV, D, n, weights / 1e9, kvt_version_string(),
-	       (double)g_drift);
+	       (double)g_drift, (double)o.run.keep_weight,
+	       o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 	const double tw = weights_read_s(weights, sms, st);
