@@ -101,9 +101,10 @@ static void usage(FILE *f, const opts *d)
 		"                   scored exactly from their keys, P in (p, 1] (0 = off, the\n"
 		"                   default)\n"
 		"  --keep W         selection hysteresis: Top-p ranks the last step's selection as\n"
-		"                   if (1 + W) times as probable, W in [0, 1e6] (CPU backend; 0 =\n"
-		"                   off, the default)\n"
-		"  --keep-steps R   with --keep: the selections of the last R steps, 0-64 (0: 1)\n"
+		"                   if (1 + W) times as probable, W in [0, 1e6] (0 = off, the\n"
+		"                   default)\n"
+		"  --keep-steps R   with --keep: the selections of the last R steps, 0-64 (0: 1; the\n"
+		"                   CUDA backend takes 1 only)\n"
 		"  --chunk N        prefill chunk tokens (%u)\n"
 		"  --backend B      cpu, cuda or auto: CUDA when built and a GPU is present (auto)\n",
 		d->sinks, d->window, d->flush, d->budget_min, d->budget_max, d->chunk);
