@@ -1,11 +1,12 @@
 #!/bin/bash
 # The whole GPU check of the CUDA backend in one device call: build, the gpu and unit suites,
 # compute-sanitizer memcheck and racecheck on the gpu tests, then (with --bench) the GPU
-# benchmarks (gpu_decode and gpu_throughput also with --drift 0.5; gpu_extend through
+# benchmarks (gpu_decode and gpu_throughput also with --drift 0.5, gpu_throughput there also
+# eager with and without keep_weight 8; gpu_extend through
 # bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when torch is there), nvme_read,
 # cpu_miss_attend and gpu_spilled. Logs go to $OUT (or ./h200-out): summary.txt and one log per
 # stage, six files at most. The build directory is $BUILD (default /tmp/b), configured once.
-# $SANITIZE_TESTS names the gpu tests the sanitizers run (default all five; racecheck of
+# $SANITIZE_TESTS names the gpu tests the sanitizers run (default all six; racecheck of
 # test_gpu_backend alone takes about 210 s, so a call that must stay under 600 s may leave it
 # out). Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
@@ -34,7 +35,7 @@ step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
 step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
 if [ $sanitize = 1 ]; then
 	for tool in memcheck racecheck; do
-		for t in ${SANITIZE_TESTS:-test_gpu_kernels test_gpu_backend test_gpu_calls test_gpu_graph test_gpu_streams}; do
+		for t in ${SANITIZE_TESTS:-test_gpu_kernels test_gpu_backend test_gpu_calls test_gpu_graph test_gpu_streams test_gpu_keep}; do
 			KVT_TEST_QUICK=1 step sanitizer "$tool $t" compute-sanitizer --tool $tool --error-exitcode 9 "$b/tests/$t"
 			tail -2 "$out/sanitizer.log" >>"$out/summary.txt"
 		done
@@ -49,6 +50,10 @@ if [ $bench = 1 ]; then
 	for x in gpu_decode gpu_throughput; do
 		step bench "$x --drift 0.5" "$b/bench/$x" --drift 0.5
 	done
+	# the selection's hysteresis on the same queries (eager steps: graphs refuse it), against
+	# the eager steps without it (doc/hysteresis.md)
+	step bench "gpu_throughput --drift 0.5 --graph 0" "$b/bench/gpu_throughput" --drift 0.5 --graph 0
+	step bench "gpu_throughput --drift 0.5 --keep 8" "$b/bench/gpu_throughput" --drift 0.5 --keep 8
 	# the NVMe path: the disk's own ceiling, then decode straight from NVMe against host memory
 	# (scratch files in $TMPDIR, else /tmp: O_DIRECT, so no tmpfs)
 	step bench nvme_read "$b/bench/nvme_read"
