@@ -531,8 +531,9 @@ cudaError_t kvt_sel_launch_cand(dim3 grid, cudaStream_t s, const float *scores, 
 {
 	/* k_cand's blocks are scheduled as pass 2's blocks leave (pass 2 allows it from its start),
 	 * hiding this launch's latency behind pass 2's decisions */
-	auto k = keep.mask ? (bits.mask ? k_cand<true, false, true> : k_cand<false, false, true>)
-		 : bits.mask ? (sc.ring.count ? k_cand<true, true, false> : k_cand<true, false, false>)
+	auto k = keep.mask   ? (bits.mask ? k_cand<true, false, true> : k_cand<false, false, true>)
+		 : bits.mask ? (sc.ring.count ? k_cand<true, true, false>
+					      : k_cand<true, false, false>)
 			     : (sc.ring.count ? k_cand<false, true, false>
 					      : k_cand<false, false, false>);
 	return kvt_launch_dependent(k, grid, SEL_THREADS, s, true, scores, ld, n_tok, hq, scale, p,

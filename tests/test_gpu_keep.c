@@ -93,9 +93,10 @@ static uint64_t run(float w, uint32_t steps, struct record *rec, const struct re
 						       &kept);
 			if (d) {
 				parted = true;
-				print_error("keep_weight %g, step %u layer %u: %u of %zu GPU sets "
-					    "differ from the CPU's (within the tolerance the twins part "
-					    "there)\n", (double)w, step, layer, d, items);
+				print_error("keep_weight %g, step %u layer %u: %u of %zu GPU "
+					    "sets differ from the CPU's (within the tolerance the "
+					    "twins part there)\n",
+					    (double)w, step, layer, d, items);
 				break;
 			}
 			const uint32_t k = step * LAYERS + layer;
@@ -106,9 +107,10 @@ static uint64_t run(float w, uint32_t steps, struct record *rec, const struct re
 			} else if (k < cmp->filled) {
 				for (size_t it = 0; it < items; it++) {
 					bool sub;
-					*differ += pos_diff(cmp->pos + (size_t)k * per + it * T_MAX,
-							    cmp->n[(size_t)k * items + it],
-							    pos_g + it * T_MAX, cnt_g[it], &sub) != 0;
+					const int32_t *c = cmp->pos + (size_t)k * per + it * T_MAX;
+					*differ += pos_diff(c, cmp->n[(size_t)k * items + it],
+							    pos_g + it * T_MAX, cnt_g[it],
+							    &sub) != 0;
 				}
 			}
 			memcpy(prev_n + li, cnt_g, sizeof(int32_t) * items);
@@ -117,8 +119,8 @@ static uint64_t run(float w, uint32_t steps, struct record *rec, const struct re
 			attend_both(&p, layer, step, &worst);
 		}
 	}
-	printf("keep_weight %g: %u of %u steps x layers compared, the GPU's sets equal the CPU's%s; "
-	       "worst output error %.3g; %llu positions kept from the step before\n",
+	printf("keep_weight %g: %u of %u steps x layers compared, the GPU's sets equal the "
+	       "CPU's%s; worst output error %.3g; %llu positions kept from the step before\n",
 	       (double)w, compared, steps * LAYERS, parted ? " until they parted" : "", worst,
 	       (unsigned long long)kept);
 	free(cnt_c);

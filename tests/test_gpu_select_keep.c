@@ -27,16 +27,19 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
 	const kvt_gpu_selbits bits = kvt_gpu_selbits_at(bm, items, max_n);
 	const kvt_gpu_keep keep = {(const uint32_t *)dm, words, bonus};
 	kvt_gpu_topp *dout = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * segs);
-	uint32_t *dsel = (uint32_t *)dpoison(4 * items * max_n), *dseln = (uint32_t *)dpoison(4 * items);
+	uint32_t *dsel = (uint32_t *)dpoison(4 * items * max_n);
+	uint32_t *dseln = (uint32_t *)dpoison(4 * items);
 	unsigned long long *derr = (unsigned long long *)dpoison(8), herr = 1;
 	CU(cudaMemset(derr, 0, 8));
-	int rc = kvt_gpu_topp_select(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, scale, p, bmin,
-				     bmax, NULL, NULL, dout, bits, &keep, NULL, scr, sb, derr, NULL);
+	int rc = kvt_gpu_topp_select(S, Hq, Hkv, ds, ld, (const uint32_t *)dn, max_n, scale, p,
+				     bmin, bmax, NULL, NULL, dout, bits, &keep, NULL, scr, sb, derr,
+				     NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_topp_select with keys: %d", what, rc);
 	rc = kvt_gpu_selbits_list((uint32_t)items, bits, dsel, max_n, dseln, NULL);
 	T_CHECK(rc == 0, "%s: kvt_gpu_selbits_list %d", what, rc);
 	kvt_gpu_topp *out = (kvt_gpu_topp *)t_alloc(sizeof(kvt_gpu_topp) * segs);
-	uint32_t *sel = (uint32_t *)t_alloc(4 * items * max_n), *seln = (uint32_t *)t_alloc(4 * items);
+	uint32_t *sel = (uint32_t *)t_alloc(4 * items * max_n);
+	uint32_t *seln = (uint32_t *)t_alloc(4 * items);
 	fetch(out, dout, sizeof(kvt_gpu_topp) * segs);
 	fetch(sel, dsel, 4 * items * max_n);
 	fetch(seln, dseln, 4 * items);
@@ -51,7 +54,8 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
 				const uint32_t seg = s * Hq + h * G + g;
 				const float *k = hk + (size_t)seg * ld;
 				const kvt_gpu_topp *o = &out[seg];
-				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o, bad))
+				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o,
+						 bad))
 					g_exact++;
 				g_segs++;
 				uint32_t mk = 0;
@@ -74,8 +78,8 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
 					m++;
 				}
 			T_SOFT(bad, seln[it] == m && first_diff == UINT32_MAX,
-			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference at "
-			       "entry %u",
+			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference "
+			       "at entry %u",
 			       what, s, h, m, seln[it], first_diff);
 		}
 	refs_free(refs, segs);
@@ -103,15 +107,36 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
  * mask gives the unkeyed call's outputs and bits; keys with the scan's statistics or ring, or a
  * negative or non-finite bonus, are refused.
  */
+/* Mask bits of density `dens` for every item (past n too, which must be ignored), and the keys
+ * they give the scores hs: hk = hs with bonus added where a segment's item has the bit. */
+static void make_keys(t_rng *rng, float dens, float bonus, uint32_t S, uint32_t Hq, uint32_t Hkv,
+		      const uint32_t *n, size_t ld, uint32_t words, const float *hs, float *hk,
+		      uint32_t *hm)
+{
+	for (size_t w = 0; w < (size_t)S * Hkv * words; w++) {
+		uint32_t x = 0;
+		for (int b = 0; b < 32; b++)
+			x |= (t_unif(rng) < dens ? 1u : 0u) << b;
+		hm[w] = x;
+	}
+	memcpy(hk, hs, 4 * (size_t)S * Hq * ld);
+	for (uint32_t seg = 0; seg < S * Hq; seg++) {
+		const uint32_t *row = hm + (size_t)(seg / (Hq / Hkv)) * words;
+		for (uint32_t t = 0; t < n[seg / Hq]; t++)
+			if (row[t / 32] >> (t % 32) & 1u)
+				hk[(size_t)seg * ld + t] += bonus;
+	}
+}
+
 void test_select_keep(void **state)
 {
 	(void)state;
 	enum { S = 3, HQ = 8, HKV = 2 };
 	const uint32_t n[S] = {1, 20000, 3001}, max_n = 20000, words = (max_n + 31) / 32;
-	const size_t ld = 20000, items = (size_t)S * HKV;
+	const size_t ld = 20000, items = (size_t)S * HKV, all = (size_t)S * HQ * ld;
 	const float ps[3] = {0.5f, 0.9f, 0.999f}, ws[2] = {2.0f, 8.0f}, dens[2] = {0.1f, 0.5f};
 	const uint32_t budgets[3][2] = {{0, 0}, {0, 40}, {700, 900}};
-	float *hs = (float *)t_alloc(4 * (size_t)S * HQ * ld), *hk = (float *)t_alloc(4 * (size_t)S * HQ * ld);
+	float *hs = (float *)t_alloc(4 * all), *hk = (float *)t_alloc(4 * all);
 	uint32_t *hm = (uint32_t *)t_alloc(4 * items * words);
 	int bad = 0, cases = 0;
 	const uint32_t segs0 = g_segs;
@@ -120,53 +145,40 @@ void test_select_keep(void **state)
 			continue;
 		t_rng rng;
 		seeded(&rng, 500 + kind);
-		memset(hs, 0xff, 4 * (size_t)S * HQ * ld);
-		for (uint32_t s = 0; s < S; s++)
-			for (uint32_t j = 0; j < HQ; j++)
-				t_scores(&rng, (enum t_dist)kind, n[s], hs + ((size_t)s * HQ + j) * ld);
+		memset(hs, 0xff, 4 * all);
+		for (uint32_t g = 0; g < S * HQ; g++)
+			t_scores(&rng, (enum t_dist)kind, n[g / HQ], hs + (size_t)g * ld);
 		const float scale = kind == D_WIDE ? 1.0f : 0.0883883476f;
-		for (int di = 0; di < 2; di++)
-			for (int wi = g_quick ? 1 : 0; wi < 2; wi++) {
-				/* bits past n too, which must be ignored */
-				for (size_t w = 0; w < items * words; w++) {
-					uint32_t x = 0;
-					for (int b = 0; b < 32; b++)
-						x |= (t_unif(&rng) < dens[di] ? 1u : 0u) << b;
-					hm[w] = x;
-				}
-				const float bonus = logf(1.0f + ws[wi]) / scale;
-				memcpy(hk, hs, 4 * (size_t)S * HQ * ld);
-				for (uint32_t seg = 0; seg < S * HQ; seg++)
-					for (uint32_t t = 0; t < n[seg / HQ]; t++) {
-						const uint32_t *row = hm + (size_t)(seg / (HQ / HKV)) * words;
-						if (row[t / 32] >> (t % 32) & 1u)
-							hk[(size_t)seg * ld + t] += bonus;
-					}
-				for (int pi = 0; pi < 3; pi++)
-					for (int bi = 0; bi < 3; bi += g_quick ? 2 : 1) {
-						char what[128];
-						snprintf(what, sizeof what,
-							 "keys %s density %g w %g p=%g budget [%u, %u]",
-							 t_dist_name[kind], (double)dens[di],
-							 (double)ws[wi], (double)ps[pi], budgets[bi][0],
-							 budgets[bi][1]);
-						check_keep(what, S, HQ, HKV, n, max_n, hs, hk, hm, words,
-							   bonus, ld, scale, ps[pi], budgets[bi][0],
-							   budgets[bi][1], &bad);
-						cases++;
-						T_CHECK(bad == 0, "%d differences", bad);
-					}
+		for (int c = 0; c < 4; c++) {
+			const int di = c / 2, wi = c % 2;
+			if (g_quick && wi == 0)
+				continue;
+			const float bonus = logf(1.0f + ws[wi]) / scale;
+			make_keys(&rng, dens[di], bonus, S, HQ, HKV, n, ld, words, hs, hk, hm);
+			for (int pb = 0; pb < 9; pb++) {
+				const int pi = pb / 3, bi = pb % 3;
+				if (g_quick && bi == 1)
+					continue;
+				char what[128];
+				snprintf(what, sizeof what,
+					 "keys %s density %g w %g p=%g budget [%u, %u]",
+					 t_dist_name[kind], (double)dens[di], (double)ws[wi],
+					 (double)ps[pi], budgets[bi][0], budgets[bi][1]);
+				check_keep(what, S, HQ, HKV, n, max_n, hs, hk, hm, words, bonus, ld,
+					   scale, ps[pi], budgets[bi][0], budgets[bi][1], &bad);
+				cases++;
+				T_CHECK(bad == 0, "%d differences", bad);
 			}
+		}
 	}
 	/* an all-zero mask: the unkeyed call's outputs and bits, byte for byte */
 	{
 		t_rng rng;
 		seeded(&rng, 600);
-		for (uint32_t s = 0; s < S; s++)
-			for (uint32_t j = 0; j < HQ; j++)
-				t_scores(&rng, D_NORMAL, n[s], hs + ((size_t)s * HQ + j) * ld);
+		for (uint32_t g = 0; g < S * HQ; g++)
+			t_scores(&rng, D_NORMAL, n[g / HQ], hs + (size_t)g * ld);
 		memset(hm, 0, 4 * items * words);
-		float *ds = (float *)dcopy(hs, 4 * (size_t)S * HQ * ld);
+		float *ds = (float *)dcopy(hs, 4 * all);
 		void *dn = dcopy(n, 4 * S), *dm = dcopy(hm, 4 * items * words);
 		const size_t sb = kvt_gpu_select_scratch_bytes(S, HQ, HKV, max_n),
 			     bb = kvt_gpu_selbits_bytes(items, max_n);
@@ -176,12 +188,13 @@ void test_select_keep(void **state)
 		kvt_gpu_topp *d1 = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * S * HQ),
 			     *d2 = (kvt_gpu_topp *)dpoison(sizeof(kvt_gpu_topp) * S * HQ);
 		const kvt_gpu_keep zero = {(const uint32_t *)dm, words, 3.0f};
-		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, (const uint32_t *)dn, max_n, 0.088f,
-					    0.9f, 0, 0, NULL, NULL, d1, b1, NULL, NULL, scr, sb, NULL,
-					    NULL) == 0 &&
-				kvt_gpu_topp_select(S, HQ, HKV, ds, ld, (const uint32_t *)dn, max_n,
-						    0.088f, 0.9f, 0, 0, NULL, NULL, d2, b2, &zero,
-						    NULL, scr, sb, NULL, NULL) == 0,
+		const uint32_t *dnn = (const uint32_t *)dn;
+		const float sc = 0.088f, p9 = 0.9f;
+		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, dnn, max_n, sc, p9, 0, 0, NULL, NULL,
+					    d1, b1, NULL, NULL, scr, sb, NULL, NULL) == 0 &&
+				kvt_gpu_topp_select(S, HQ, HKV, ds, ld, dnn, max_n, sc, p9, 0, 0,
+						    NULL, NULL, d2, b2, &zero, NULL, scr, sb, NULL,
+						    NULL) == 0,
 			"select with and without an all-zero mask");
 		kvt_gpu_topp o1[S * HQ], o2[S * HQ];
 		uint32_t *h1 = (uint32_t *)t_alloc(bb), *h2 = (uint32_t *)t_alloc(bb);
@@ -192,19 +205,17 @@ void test_select_keep(void **state)
 		T_CHECK(!memcmp(o1, o2, sizeof o1) && !memcmp(h1, h2, bb),
 			"an all-zero mask changes the selection");
 		/* refused before anything is launched */
-		kvt_gpu_segstats *dst = (kvt_gpu_segstats *)dpoison(sizeof(kvt_gpu_segstats) * S * HQ);
+		void *dst = dpoison(sizeof(kvt_gpu_segstats) * S * HQ);
 		const kvt_gpu_keep neg = {(const uint32_t *)dm, words, -1.0f},
 				   nan_ = {(const uint32_t *)dm, words, NAN};
-		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, (const uint32_t *)dn, max_n, 0.088f,
-					    0.9f, 0, 0, dst, NULL, d2, b2, &zero, NULL, scr, sb, NULL,
-					    NULL) == -EINVAL,
+		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, dnn, max_n, sc, p9, 0, 0, dst, NULL,
+					    d2, b2, &zero, NULL, scr, sb, NULL, NULL) == -EINVAL,
 			"keys with the scan's statistics");
-		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, (const uint32_t *)dn, max_n, 0.088f,
-					    0.9f, 0, 0, NULL, NULL, d2, b2, &neg, NULL, scr, sb, NULL,
-					    NULL) == -EINVAL &&
-				kvt_gpu_topp_select(S, HQ, HKV, ds, ld, (const uint32_t *)dn, max_n,
-						    0.088f, 0.9f, 0, 0, NULL, NULL, d2, b2, &nan_,
-						    NULL, scr, sb, NULL, NULL) == -EINVAL,
+		T_CHECK(kvt_gpu_topp_select(S, HQ, HKV, ds, ld, dnn, max_n, sc, p9, 0, 0, NULL, NULL,
+					    d2, b2, &neg, NULL, scr, sb, NULL, NULL) == -EINVAL &&
+				kvt_gpu_topp_select(S, HQ, HKV, ds, ld, dnn, max_n, sc, p9, 0, 0,
+						    NULL, NULL, d2, b2, &nan_, NULL, scr, sb, NULL,
+						    NULL) == -EINVAL,
 			"a negative or NaN bonus");
 		free(h1);
 		free(h2);
@@ -218,8 +229,8 @@ void test_select_keep(void **state)
 		cudaFree(d1);
 		cudaFree(d2);
 	}
-	printf("select by keys: %d configurations, %u segments checked within the tolerance\n", cases,
-	       g_segs - segs0);
+	printf("select by keys: %d configurations, %u segments checked within the tolerance\n",
+	       cases, g_segs - segs0);
 	free(hs);
 	free(hk);
 	free(hm);
