@@ -335,15 +335,16 @@ static int select_rows(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const void
 	/* the statistics and the ring in one memset (the threshold leaves the ring zeroed, but a
 	 * step that failed between the scan and the threshold would not) */
 	CU(c, cudaMemsetAsync(s->stats, 0, s->zero_bytes, (cudaStream_t)stream));
-	/* the ring, with this layer's counter of the thresholds it decides */
+	/* the ring, with this layer's counter of the thresholds it decides; none is built for a
+	 * step whose only threshold ranks by keep_weight's keys (it bins scores, not keys) */
+	const bool rs = c->cfg.rescore_p != 0.0f;
 	unsigned long long *cnt = b->counters + (size_t)layer * KVT_GPU_CNT_N;
 	kvt_gpu_bins rg = s->ring;
 	rg.served = cnt + KVT_GPU_CNT_SCANHIST;
-	const kvt_gpu_bins *ring = s->ring.count ? &rg : NULL;
+	const kvt_gpu_bins *ring = s->ring.count && (rs || !s->keep.mask) ? &rg : NULL;
 	LAUNCH(c, kvt_gpu_score(d, n_seqs, Hq, H, s->qc, s->views, s->ntok, max_ni, s->scores,
 				s->ld, s->stats, ring, b->err, stream));
 	gpu_mark(t, 1, stream);
-	const bool rs = c->cfg.rescore_p != 0.0f;
 	kvt_gpu_selbits rbits = {0};
 	if (rs) {
 		/* the second stage: the candidates of Top-p(rescore_p) get their exact logits, then

@@ -62,6 +62,13 @@ void refs_free(seg_ref *r, uint32_t segs);
 bool check_window(const char *what, uint32_t seg, const seg_ref *r, uint32_t n, float p,
 		  uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *o, int *bad);
 extern uint32_t g_segs, g_exact; /* segments checked, and those equal to the CPU's set */
+/* Every segment of out by check_window against refs, its cut marking `marked` of its keys hk (the
+ * scores, or keys, laid out as the scores), and each KV head's listed union sel/seln ([S * Hkv]
+ * [max_n]) the union of its group's marks. */
+void check_segments(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
+		    uint32_t max_n, const float *hk, size_t ld, const seg_ref *refs, float p,
+		    uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *out, const uint32_t *sel,
+		    const uint32_t *seln, int *bad);
 void test_select(void **state);
 void test_select_nonfinite(void **state);
 void test_select_keep(void **state);

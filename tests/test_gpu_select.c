@@ -231,12 +231,57 @@ static void check_ring(const char *what, uint32_t S, uint32_t Hq, const uint32_t
 	free(hd);
 }
 
+void check_segments(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
+		    uint32_t max_n, const float *hk, size_t ld, const seg_ref *refs, float p,
+		    uint32_t bmin, uint32_t bmax, const kvt_gpu_topp *out, const uint32_t *sel,
+		    const uint32_t *seln, int *bad)
+{
+	const uint32_t G = Hq / Hkv;
+	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
+	for (uint32_t s = 0; s < S; s++)
+		for (uint32_t h = 0; h < Hkv; h++) {
+			memset(mask, 0, max_n + 1);
+			for (uint32_t g = 0; g < G; g++) {
+				const uint32_t seg = s * Hq + h * G + g;
+				const float *x = hk + (size_t)seg * ld;
+				const kvt_gpu_topp *o = &out[seg];
+				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o, bad))
+					g_exact++;
+				g_segs++;
+				/* the union's expected set: the GPU's marks by its cut */
+				uint32_t mk = 0;
+				for (uint32_t t = 0; o->marked && t < n[s]; t++)
+					if (sel_key(x[t], t) >= o->cut) {
+						mask[t] = 1;
+						mk++;
+					}
+				T_SOFT(bad, mk == o->marked,
+				       "%s segment %u: the cut marks %u tokens, marked says %u", what,
+				       seg, mk, o->marked);
+			}
+			uint32_t m = 0, first_diff = UINT32_MAX;
+			const uint32_t *gsel = sel + ((size_t)s * Hkv + h) * max_n;
+			for (uint32_t t = 0; t < n[s]; t++)
+				if (mask[t]) {
+					if (first_diff == UINT32_MAX &&
+					    (m >= seln[s * Hkv + h] || gsel[m] != t))
+						first_diff = m;
+					m++;
+				}
+			T_SOFT(bad, seln[s * Hkv + h] == m && first_diff == UINT32_MAX,
+			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference at "
+			       "entry %u",
+			       what, s, h, m, seln[s * Hkv + h], first_diff);
+		}
+	free(mask);
+}
+
 /* One configuration of the threshold and union against the CPU on the same scores. */
 static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, const uint32_t *n,
 			 uint32_t max_n, const float *hs, size_t ld, float scale, float p,
 			 uint32_t bmin, uint32_t bmax, int *bad)
 {
-	const uint32_t G = Hq / Hkv, segs = S * Hq;
+	const uint32_t segs = S * Hq;
 	float *ds = (float *)dcopy(hs, 4 * (size_t)segs * ld);
 	void *dn = dcopy(n, 4 * S);
 	const size_t sb = kvt_gpu_select_scratch_bytes(S, Hq, Hkv, max_n);
@@ -285,42 +330,8 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	T_SOFT(bad, !memcmp(given, out, sizeof(kvt_gpu_topp) * segs),
 	       "%s: the threshold with the scan's statistics differs from the one gathering them",
 	       what);
-	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
-	for (uint32_t s = 0; s < S; s++)
-		for (uint32_t h = 0; h < Hkv; h++) {
-			memset(mask, 0, max_n + 1);
-			for (uint32_t g = 0; g < G; g++) {
-				const uint32_t seg = s * Hq + h * G + g;
-				const float *x = hs + (size_t)seg * ld;
-				const kvt_gpu_topp *o = &out[seg];
-				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o, bad))
-					g_exact++;
-				g_segs++;
-				/* the union's expected set: the GPU's marks by its cut */
-				uint32_t mk = 0;
-				for (uint32_t t = 0; o->marked && t < n[s]; t++)
-					if (sel_key(x[t], t) >= o->cut) {
-						mask[t] = 1;
-						mk++;
-					}
-				T_SOFT(bad, mk == o->marked,
-				       "%s segment %u: the cut marks %u tokens, marked says %u", what,
-				       seg, mk, o->marked);
-			}
-			uint32_t m = 0, first_diff = UINT32_MAX;
-			const uint32_t *gsel = sel + ((size_t)s * Hkv + h) * max_n;
-			for (uint32_t t = 0; t < n[s]; t++)
-				if (mask[t]) {
-					if (first_diff == UINT32_MAX &&
-					    (m >= seln[s * Hkv + h] || gsel[m] != t))
-						first_diff = m;
-					m++;
-				}
-			T_SOFT(bad, seln[s * Hkv + h] == m && first_diff == UINT32_MAX,
-			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference at "
-			       "entry %u",
-			       what, s, h, m, seln[s * Hkv + h], first_diff);
-		}
+	check_segments(what, S, Hq, Hkv, n, max_n, hs, ld, refs, p, bmin, bmax, out, sel, seln,
+		       bad);
 	/* the union's bits alone, listed again from a view that starts at the second item: what a
 	 * gather of a later run of a step's slots does; the same positions and counts; and the
 	 * clamps it counts, those of the segments' outputs */
@@ -424,7 +435,6 @@ static void check_select(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv
 	free(hst);
 	free(given);
 	cudaFree(dst);
-	free(mask);
 	free(out);
 	free(sel);
 	free(seln);

@@ -18,7 +18,7 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
 		       uint32_t words, float bonus, size_t ld, float scale, float p,
 		       uint32_t bmin, uint32_t bmax, int *bad)
 {
-	const uint32_t G = Hq / Hkv, segs = S * Hq;
+	const uint32_t segs = S * Hq;
 	const size_t items = (size_t)S * Hkv, bb = kvt_gpu_selbits_bytes(items, max_n);
 	float *ds = (float *)dcopy(hs, 4 * (size_t)segs * ld);
 	void *dn = dcopy(n, 4 * S), *dm = dcopy(hm, 4 * items * words);
@@ -46,44 +46,9 @@ static void check_keep(const char *what, uint32_t S, uint32_t Hq, uint32_t Hkv, 
 	fetch(&herr, derr, 8);
 	T_SOFT(bad, herr == 0, "%s: error word 0x%llx", what, herr);
 	seg_ref *refs = refs_make(S, Hq, n, hs, hk, ld, scale, p, max_n);
-	uint8_t *mask = (uint8_t *)t_alloc(max_n + 1);
-	for (uint32_t s = 0; s < S; s++)
-		for (uint32_t h = 0; h < Hkv; h++) {
-			memset(mask, 0, max_n + 1);
-			for (uint32_t g = 0; g < G; g++) {
-				const uint32_t seg = s * Hq + h * G + g;
-				const float *k = hk + (size_t)seg * ld;
-				const kvt_gpu_topp *o = &out[seg];
-				if (check_window(what, seg, &refs[seg], n[s], p, bmin, bmax, o,
-						 bad))
-					g_exact++;
-				g_segs++;
-				uint32_t mk = 0;
-				for (uint32_t t = 0; o->marked && t < n[s]; t++)
-					if (sel_key(k[t], t) >= o->cut) {
-						mask[t] = 1;
-						mk++;
-					}
-				T_SOFT(bad, mk == o->marked,
-				       "%s segment %u: the cut marks %u keys, marked says %u", what,
-				       seg, mk, o->marked);
-			}
-			const size_t it = (size_t)s * Hkv + h;
-			uint32_t m = 0, first_diff = UINT32_MAX;
-			for (uint32_t t = 0; t < n[s]; t++)
-				if (mask[t]) {
-					if (first_diff == UINT32_MAX &&
-					    (m >= seln[it] || sel[it * max_n + m] != t))
-						first_diff = m;
-					m++;
-				}
-			T_SOFT(bad, seln[it] == m && first_diff == UINT32_MAX,
-			       "%s seq %u KV head %u: union of %u tokens, got %u, first difference "
-			       "at entry %u",
-			       what, s, h, m, seln[it], first_diff);
-		}
+	check_segments(what, S, Hq, Hkv, n, max_n, hk, ld, refs, p, bmin, bmax, out, sel, seln,
+		       bad);
 	refs_free(refs, segs);
-	free(mask);
 	free(out);
 	free(sel);
 	free(seln);
