@@ -16,7 +16,9 @@
  *   better than a float format's relative one;
  * - the same with K's scales per channel over each block of 256 tokens (the host tier's block;
  *   KIVI's choice for keys, whose outlier channels a row's scale would let dominate the row): 2
- *   bytes a token of scales instead of 4.
+ *   bytes a token of scales instead of 4;
+ * - both again with V in INT8 with a scale a row instead of E4M3: a value row's elements spread
+ *   around zero, where INT8's uniform grid is finer than E4M3's over most of the range.
  * The peer, measured in the same run: the exact Top-p oracle at p over the fp16 rows (the smallest
  * set of tokens holding mass p of the exact softmax, attended alone), the error a Top-p selection
  * at p accepts by its definition (kvtier's attends sinks and the window besides, which lowers it).
@@ -40,14 +42,17 @@
 
 enum { HQ = 32, HKV = 8, D_MAX = 512 }; /* the workload's heads; the largest head_dim taken */
 /* the rows attended: fp16 (the reference), then E4M3 variants, then the oracle's peer */
-enum { REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, K_INT8_CH, TOPP, KINDS };
+enum {
+	REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, K_INT8_CH, KV_INT8, KV_INT8_CH, TOPP, KINDS
+};
 static const char *const kind_name[KINDS] = {
 	"fp16", "E4M3 K and V, scale/tensor", "E4M3 K and V, scale/row", "E4M3 V only, scale/row",
 	"E4M3 K only, scale/row", "INT8 K + E4M3 V, scale/row", "INT8 K/channel + E4M3 V/row",
-	"Top-p oracle (fp16)"};
+	"INT8 K and V, scale/row", "INT8 K/channel + INT8 V/row", "Top-p oracle (fp16)"};
 /* which stored keys and values each kind attends: 0 fp16, 1 E4M3 with one scale, 2 E4M3 with a
  * scale a row, 3 INT8 with a scale a row, 4 INT8 with a scale a channel a block (keys only) */
-static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3, 4}, kind_v[TOPP] = {0, 1, 2, 2, 0, 2, 2};
+static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3, 4, 3, 4};
+static const int kind_v[TOPP] = {0, 1, 2, 2, 0, 2, 2, 3, 3};
 enum { BLOCK = 256 }; /* tokens a per-channel scale covers: the host tier's block */
 
 /* x rounded to the nearest E4M3 value (ties to even), saturated at +-448. */
@@ -245,10 +250,10 @@ int main(int argc, char **argv)
 	ctx = src.ctx;
 	const uint32_t G = src.nq / src.nkv;
 	const size_t rows = (size_t)ctx * D, samples = (size_t)src.layers * src.nq * src.steps;
-	double *k[5], *v[3]; /* kind_k's and kind_v's stored forms */
+	double *k[5], *v[4]; /* kind_k's and kind_v's stored forms */
 	for (int x = 0; x < 5; x++)
 		k[x] = xmalloc(sizeof(double) * rows);
-	for (int x = 0; x < 3; x++)
+	for (int x = 0; x < 4; x++)
 		v[x] = xmalloc(sizeof(double) * rows);
 	double *wt[KINDS], *err[KINDS], *tv[KINDS], *order = xmalloc(sizeof(double) * ctx);
 	float *qf = xmalloc(sizeof(float) * G * D);
@@ -288,6 +293,7 @@ int main(int argc, char **argv)
 				round_row(kr, grid_scale(kr, D, 1, 448.0), k[2] + (size_t)t * D);
 				round_row(vr, grid_scale(vr, D, 1, 448.0), v[2] + (size_t)t * D);
 				round_int8(kr, D, 1, k[3] + (size_t)t * D);
+				round_int8(vr, D, 1, v[3] + (size_t)t * D);
 			}
 			for (uint32_t t0 = 0; t0 < ctx; t0 += BLOCK) /* each channel of each block */
 				for (uint32_t j = 0; j < D; j++)
@@ -355,7 +361,7 @@ int main(int argc, char **argv)
 	printf("(the oracle: Top-p at p %.2f on the exact weights, no sinks or window)\n", p);
 	for (int x = 0; x < 5; x++)
 		free(k[x]);
-	for (int x = 0; x < 3; x++)
+	for (int x = 0; x < 4; x++)
 		free(v[x]);
 	for (int x = 0; x < KINDS; x++) {
 		free(wt[x]);
