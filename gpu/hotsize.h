@@ -43,7 +43,9 @@ KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos
 #define KVT_HOT_GROWTH_NUM 3u
 #define KVT_HOT_GROWTH_DEN 2u
 #define KVT_HOT_MISS_NUM 1u
+#ifndef KVT_HOT_MISS_DEN /* an experiment may set it (bench/hot_batch.c) */
 #define KVT_HOT_MISS_DEN 4u
+#endif
 
 /*
  * The rows the cache should hold after a measure of `reads` rows read through it, `misses` of them

@@ -89,6 +89,7 @@ typedef struct opts {
 	/* --trace DIR: the shape comes from the trace; --layers is a list of its layers */
 	const char *trace_dir;
 	const char *layer_list;   /* --layers with --trace ("0,3,8-11"); NULL: every layer */
+	const char *hot_log;      /* --hot-log FILE with --trace: the simulated cache's reads */
 	char not_trace[64];       /* an option given that a trace replay does not take */
 } opts;
 

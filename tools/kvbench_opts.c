@@ -161,6 +161,9 @@ static void usage(FILE *f, const opts *d)
 		"                   method against the p-sweep at equal budget and at equal\n"
 		"                   simulated misses), and:\n"
 		"  --layers LIST    with --trace: the trace's layers to replay, e.g. 0,3,8-11 (all)\n"
+		"  --hot-log FILE   with --trace: write the rows each step reads through the\n"
+		"                   simulated hot cache (bench/hot_batch replays several such logs\n"
+		"                   as one batch sharing a cache)\n"
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
 		"  --quiet          no progress on stderr, no per-step table (per-head rows with\n"
@@ -300,7 +303,8 @@ static bool trace_takes(const char *flag)
 	static const char *const ok[] = {"--trace", "--p", "--sinks", "--window", "--flush",
 		"--budget-min", "--budget-max", "--chunk", "--dtype", "--backend", "--gpu-cache",
 		"--seed", "--layers", "--json", "--quiet", "--nvme", "--nvme-bytes", "--nvme-qd",
-		"--nvme-cache", "--correction", "--rescore", "--keep", "--keep-steps", "--sweep"};
+		"--nvme-cache", "--correction", "--rescore", "--keep", "--keep-steps", "--sweep",
+		"--hot-log"};
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
 		if (!strcmp(flag, ok[i]))
 			return true;
@@ -336,6 +340,10 @@ static void set_option(opts *o, const char *flag, const char *val)
 	}
 	if (o->trace_dir && !strcmp(flag, "--layers")) {
 		o->layer_list = val; /* a list of the trace's layers, checked against the trace */
+		return;
+	}
+	if (o->trace_dir && !strcmp(flag, "--hot-log")) {
+		o->hot_log = val;
 		return;
 	}
 	if (set_u32(o, flag, val))
@@ -464,6 +472,10 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 static void finish(opts *o)
 {
 	char v[32];
+	if (o->hot_log && o->n_sweep) {
+		fprintf(stderr, "kvbench: --hot-log writes one replay's reads: leave out --sweep\n");
+		exit(2);
+	}
 	if (o->topk) {
 		if (o->rescore != 0.0f) {
 			fprintf(stderr, "kvbench: --topk runs p = 1, where --rescore has nothing to do "

@@ -182,6 +182,12 @@ static void eval_step(kb_trace *t, uint32_t layer, uint32_t step)
 			fail("out of memory", "the simulated hot cache");
 	if (kb_hotlog_step(&t->hot_log, t->hot_rows, nh) < 0)
 		fail("out of memory", "the simulated hot cache's log");
+	if (t->hot_file) {
+		const uint64_t rec[KB_HOT_LOG_WORDS] = {layer, step, t->hot[0].rows, t->cap, nh};
+		if (fwrite(rec, sizeof rec, 1, t->hot_file) != 1 ||
+		    fwrite(t->hot_rows, sizeof(uint64_t), nh, t->hot_file) != nh)
+			fail("cannot write the hot-cache log", t->o->hot_log);
+	}
 	t->hot_demand += (double)nh / (double)t->hot[0].rows;
 	t->hot_steps++;
 }
@@ -380,6 +386,8 @@ static void trace_setup(kb_trace *t)
 	t->hot_rows = xcalloc((size_t)m->n_kv_heads * t->cap, sizeof(uint64_t));
 	for (size_t i = 0; i < nh; i++)
 		t->heads[i].recall_min = INFINITY;
+	if (t->o->hot_log && !(t->hot_file = fopen(t->o->hot_log, "wb")))
+		fail("cannot create the hot-cache log", t->o->hot_log);
 	create_cache(t);
 	size_t rows = t->chunk;
 	buf_alloc(&t->dev, &t->q, rows * m->n_q_heads * t->d * 2);
@@ -400,6 +408,9 @@ static void trace_teardown(kb_trace *t)
 		t->dev.cu.event_destroy_(t->ev[i]);
 	kvt_cache_destroy(t->cache);
 	cudart_close(&t->dev.cu);
+	if (t->hot_file && fclose(t->hot_file))
+		fail("cannot write the hot-cache log", t->o->hot_log);
+	t->hot_file = NULL;
 	void *p[] = {t->sel, t->K, t->V, t->Q, t->prob, t->counts, t->heads, t->kvs, t->recall,
 		     t->fetch, t->hot_rows};
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)

@@ -74,6 +74,15 @@ uint64_t kb_row_hash(uint64_t x);
 					     * KB_STEP_MIX), ascending */
 
 /*
+ * `kvbench --trace DIR --hot-log FILE` writes the rows each replayed decode step reads through the
+ * simulated hot cache, one record per (layer, step) in replay order, in the host's byte order:
+ * KB_HOT_LOG_WORDS uint64 words (layer, step, the layer's rows, the stride, n), then n uint64 row
+ * ids, ascending: KV head h's position p is h * stride + p, and the layer has rows = n_kv_heads *
+ * stride of them. bench/hot_batch replays several logs as one batch sharing a cache.
+ */
+#define KB_HOT_LOG_WORDS 5
+
+/*
  * A layer's decode reads, kept whole for the offline optimum (kvbench_hotsim.c): kb_hotlog_step
  * appends one step's distinct rows (ids below `rows`). kb_hot_optimum replays them at a fixed size
  * of `cap` rows with whole steps as the unit of time (after each step the cache keeps at most `cap`
@@ -131,6 +140,7 @@ typedef struct kb_trace {
 	uint64_t *hot_rows;     /* [n_kv_heads * cap] a step's rows read through the hot cache */
 	double hot_hits[KB_HOT_ALL], hot_reads[KB_HOT_ALL]; /* summed over the layers */
 	kb_hotlog hot_log;      /* the current layer's reads */
+	FILE *hot_file;         /* --hot-log: where each step's reads are written (KB_HOT_LOG_*) */
 	double hot_opt[KB_HOT_SIZES]; /* the optimum's hits at the fixed sizes, over the layers;
 					 reads: hot_reads */
 	double hot_demand;      /* summed over (layer, step): a step's rows / a layer's rows */
