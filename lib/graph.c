@@ -6,6 +6,9 @@
  * kvt_attend over each run of consecutive valid slots. A backend with an attend_graph verb (CUDA)
  * reads them on the device instead.
  */
+#include <stdio.h>
+#include <string.h>
+
 #include "internal.h"
 
 int kvt_graph_slot_error(kvt_cache *c, uint32_t layer, uint32_t slot, uint32_t cause,
@@ -151,8 +154,17 @@ KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch
 		int rc = kvt_attend(c, layer, n, c->graph_ids, (const char *)q + i * qrow,
 				    (char *)out + i * orow, stream);
 		if (rc < 0) {
-			if (c->err_entry >= 0)
-				c->err_entry += (int32_t)i;
+			/* the text and the entry name the slot; the failure was counted once */
+			char detail[sizeof c->err];
+			const int32_t e = c->err_entry;
+			memcpy(detail, c->err, sizeof detail);
+			if (e >= 0)
+				snprintf(c->err, sizeof c->err, "slot %u (entry %d of the kvt_attend "
+					 "of slots %u-%u): %.400s", i + (uint32_t)e, e, i, i + n - 1, detail);
+			else
+				snprintf(c->err, sizeof c->err, "the kvt_attend of slots %u-%u: %.400s", i,
+					 i + n - 1, detail);
+			c->err_entry = e >= 0 ? e + (int32_t)i : -1;
 			return rc;
 		}
 		i += n;

@@ -84,7 +84,9 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
  * Returns 0. Errors: -EINVAL (NULL cache, batch, seqs, q or out; pad != 0; n_slots == 0 or above
  * the reservation; no reservation; layer), the slot errors above, and kvt_attend's (the cpu
  * backend attends each run of consecutive valid slots with one kvt_attend, so after such an error
- * the out rows of earlier runs may be written, as kvt_attend's out may be).
+ * the out rows of earlier runs may be written, as kvt_attend's out may be; kvt_last_error_entry
+ * gives the slot, and the text names it before that kvt_attend's own text, whose entries count
+ * from the run's first slot).
  * CUDA backend: asynchronous on `stream`, no host synchronization and no allocation: capture it
  * after a warm-up call at the same n_slots (which freezes the self-sized hot cache, as for
  * kvt_attend), then replay while kvt_append (eager, between replays) grows the sequences; the

@@ -320,6 +320,49 @@ static void test_slot_errors(void **state)
 	fx_teardown(&f);
 }
 
+/* An error of the kvt_attend of a later run of valid slots (a NaN in the query of slot 3, in the run
+ * of slots 2-3 after slot 0's): -EINVAL, kvt_last_error_entry the slot, a text that names the slot
+ * beside the entry of that kvt_attend its own text names, one error counted; the padded rows
+ * untouched; the good batch still gives the baseline's rows. */
+static void test_attend_error(void **state)
+{
+	(void)state;
+	struct fx f;
+	fx_setup(&f);
+	int nfail = 0;
+	good_batch(&f);
+	g_seqs[0] = (int32_t)f.s[0];
+	g_seqs[1] = -1;
+	g_seqs[2] = (int32_t)f.s[1];
+	g_seqs[3] = (int32_t)f.s[2];
+	g_seqs[4] = -1;
+	static uint16_t q[8 * QROW];
+	memcpy(q, g_q, sizeof q);
+	q[3 * QROW + 1 * D + 5] = QNAN; /* slot 3, query head 1, element 5 */
+	poison(g_out, sizeof g_out);
+	kvt_stats st0 = {.size = sizeof st0}, st1 = {.size = sizeof st1};
+	T_CHECK(kvt_get_stats(f.c, &st0) == 0, "kvt_get_stats");
+	int rc = kvt_attend_graph(f.c, 0, &g_b, q, g_out, NULL);
+	const char *msg = kvt_last_error(f.c);
+	T_CHECK(kvt_get_stats(f.c, &st1) == 0, "kvt_get_stats");
+	T_SOFT(&nfail, st1.errors == st0.errors + 1, "NaN in slot 3's query: %llu errors counted, "
+	       "wanted 1", (unsigned long long)(st1.errors - st0.errors));
+	T_SOFT(&nfail, rc == -EINVAL, "NaN in slot 3's query: got %d (%s), wanted -EINVAL; \"%s\"",
+	       rc, kvt_strerror(rc), msg);
+	T_SOFT(&nfail, kvt_last_error_entry(f.c) == 3,
+	       "NaN in slot 3's query: kvt_last_error_entry %d, wanted 3; \"%s\"",
+	       kvt_last_error_entry(f.c), msg);
+	T_SOFT(&nfail, t_contains(msg, "slot 3") && t_contains(msg, "q[1, 1, 5]"),
+	       "NaN in slot 3's query: the detail \"%s\" does not name slot 3 and its entry in the "
+	       "kvt_attend of slots 2-3 (q[1, 1, 5])", msg);
+	T_SOFT(&nfail, first_written(g_out + QROW, sizeof(float) * QROW) < 0 &&
+			       first_written(g_out + 4 * QROW, sizeof(float) * 4 * QROW) < 0,
+	       "NaN in slot 3's query: a padded row was written");
+	expect_intact(&f, "after the NaN in slot 3", &nfail);
+	T_CHECK(nfail == 0, "%d checks failed (listed above)", nfail);
+	fx_teardown(&f);
+}
+
 /* ---- equivalence over 200 decode steps ------------------------------------------------------ */
 
 #define STEPS 200
@@ -469,6 +512,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_bad_arguments),
 		cmocka_unit_test(test_slot_errors),
+		cmocka_unit_test(test_attend_error),
 		cmocka_unit_test(test_equivalence),
 		cmocka_unit_test(test_reserve_drop),
 	};
