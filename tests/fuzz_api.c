@@ -3,7 +3,8 @@
  * Fuzz target of the public API's call sequences on the CPU backend: the first bytes of the input
  * choose a small cache configuration (layers, heads, head_dim, dtypes, window, sinks, flush batch,
  * p, budgets, sequences, a host tier small enough to fill, correction_steps from the first byte's
- * high bits), the rest a sequence of at most 64 calls (open, close, prefill, append, attend, select
+ * high bits, keep_weight and keep_steps from the head_dim byte's, rescore_p from the p byte's), the
+ * rest a sequence of at most 64 calls (open, close, prefill, append, attend, select
  * and gather, length, stats, layer stats, spill and restore, truncate, fork, read_rows and
  * write_rows with or without a kvt_rows_layout, extend with or without a kvt_io_layout, and the
  * _at forms of prefill, append, attend and select) with bounded sizes, sequence ids and layers
@@ -46,6 +47,7 @@
 
 #include "fuzz_api.h"
 #include "host/alloc.h"
+#include "lib/constants.h" /* KVT_MAX_KEEP_STEPS */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -382,14 +384,25 @@ static void configure(struct fz *z, struct in *in)
 	c.correction_steps = cs < 32 ? 0 : cs < 112 ? 1 + (cs - 32) % 8 : 64 - (127 - cs) * 4;
 	c.n_kv_heads = 1 + byte(in) % 2;
 	c.n_q_heads = c.n_kv_heads * (1 + byte(in) % 2);
-	c.head_dim = byte(in) % 8 == 7 ? 128 : 64;
+	/* the selection's hysteresis from the bits of the head_dim byte that head_dim leaves: off
+	 * for half, else keep_weight 0.5, 2, 8 or 32 over keep_steps 0 (1), 1, 2 or the most */
+	const uint8_t hb = byte(in);
+	c.head_dim = hb % 8 == 7 ? 128 : 64;
+	static const float kw[4] = {0.5f, 2.0f, 8.0f, 32.0f};
+	static const uint32_t ks[4] = {0, 1, 2, KVT_MAX_KEEP_STEPS};
+	c.keep_weight = hb >> 7 ? kw[hb >> 3 & 3] : 0.0f;
+	c.keep_steps = c.keep_weight != 0.0f ? ks[hb >> 5 & 3] : 0;
 	c.dtype = byte(in) & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
 	uint8_t o = byte(in) % 3;
 	c.out_dtype = o == 0 ? KVT_DTYPE_F32 : o == 1 ? KVT_DTYPE_F16 : KVT_DTYPE_BF16;
 	c.window = windows[byte(in) % 4];
 	c.n_sink = sinks[byte(in) % 4];
 	c.flush_batch = 1 + byte(in) % 8;
-	c.p = ps[byte(in) % 4];
+	/* the second stage from the bits of the p byte that p leaves: off for three quarters, else
+	 * rescore_p halfway between p and 1 (off at p = 1, where it has nothing to do) */
+	const uint8_t pb = byte(in);
+	c.p = ps[pb % 4];
+	c.rescore_p = pb >> 2 & 3 || c.p >= 1.0f ? 0.0f : c.p + (1.0f - c.p) / 2;
 	uint8_t b = byte(in);
 	c.budget_min = bmin[b % 4];
 	c.budget_max = b & 4 ? 96 : 0;

@@ -313,9 +313,10 @@ void do_attend_graph(struct fz *z, struct in *in)
 				CHECK(out[s * orow + k] == 0xa5, "kvt_attend_graph wrote padded slot %u",
 				      s);
 		}
-		/* score corrections (correction_steps) learn from each step: a second step of the
-		 * same query may select otherwise */
-		if (z->cfg.correction_steps == 0 &&
+		/* score corrections (correction_steps) learn from each step, and the hysteresis
+		 * (keep_weight) favors the last: a second step of the same query may select
+		 * otherwise */
+		if (z->cfg.correction_steps == 0 && z->cfg.keep_weight == 0.0f &&
 		    kvt_attend(z->c, layer, n, seqs, qv, ref, NULL) == 0)
 			for (uint32_t i = 0; i < n; i++)
 				CHECK(!memcmp(out + at[i] * orow, ref + i * orow, orow),
