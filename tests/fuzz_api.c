@@ -390,8 +390,8 @@ static void configure(struct fz *z, struct in *in)
 	c.head_dim = hb % 8 == 7 ? 128 : 64;
 	static const float kw[4] = {0.5f, 2.0f, 8.0f, 32.0f};
 	static const uint32_t ks[4] = {0, 1, 2, KVT_MAX_KEEP_STEPS};
-	c.keep_weight = hb >> 7 ? kw[hb >> 3 & 3] : 0.0f;
-	c.keep_steps = c.keep_weight != 0.0f ? ks[hb >> 5 & 3] : 0;
+	c.keep_weight = hb >> 7 ? kw[(hb >> 3) & 3] : 0.0f;
+	c.keep_steps = c.keep_weight != 0.0f ? ks[(hb >> 5) & 3] : 0;
 	c.dtype = byte(in) & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
 	uint8_t o = byte(in) % 3;
 	c.out_dtype = o == 0 ? KVT_DTYPE_F32 : o == 1 ? KVT_DTYPE_F16 : KVT_DTYPE_BF16;
@@ -402,7 +402,7 @@ static void configure(struct fz *z, struct in *in)
 	 * rescore_p halfway between p and 1 (off at p = 1, where it has nothing to do) */
 	const uint8_t pb = byte(in);
 	c.p = ps[pb % 4];
-	c.rescore_p = pb >> 2 & 3 || c.p >= 1.0f ? 0.0f : c.p + (1.0f - c.p) / 2;
+	c.rescore_p = ((pb >> 2) & 3) != 0 || c.p >= 1.0f ? 0.0f : c.p + (1.0f - c.p) / 2;
 	uint8_t b = byte(in);
 	c.budget_min = bmin[b % 4];
 	c.budget_max = b & 4 ? 96 : 0;
