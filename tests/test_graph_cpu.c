@@ -320,9 +320,9 @@ static void test_slot_errors(void **state)
 	fx_teardown(&f);
 }
 
-/* An error of the kvt_attend of a later run of valid slots (a NaN in the query of slot 3, in the run
- * of slots 2-3 after slot 0's): -EINVAL, kvt_last_error_entry the slot, a text that names the slot
- * beside the entry of that kvt_attend its own text names, one error counted; the padded rows
+/* An error of the kvt_attend of a later run of valid slots (a NaN in the query of slot 3, in the
+ * run of slots 2-3 after slot 0's): -EINVAL, kvt_last_error_entry the slot, a text that names the
+ * slot beside the entry of that kvt_attend its own text names, one error counted; the padded rows
  * untouched; the good batch still gives the baseline's rows. */
 static void test_attend_error(void **state)
 {
