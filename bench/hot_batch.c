@@ -14,7 +14,8 @@
  * the second half of the steps (after most growths); and the misses per step in the second half as
  * a share of the batch's rows (what crosses PCIe, in rows). Nothing is asserted.
  *
- *   hot_batch [--layer L] LOG...       (L: a layer every log has; default the first log's first)
+ *   hot_batch [--layer L|all] LOG...   (L: a layer every log has, default the first log's first;
+ *                                      all: every layer of every log, each a sequence)
  *
  * The rule's miss threshold (gpu/hotsize.h's KVT_HOT_MISS_DEN, default 4: grow while a full cache
  * misses more than a quarter of its reads) can be set for an experiment by building this by hand,
@@ -22,6 +23,7 @@
  * bench/hot_batch.c tools/kvbench_hotsim.c -lm
  */
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,36 +144,78 @@ static void replay(const struct log *g, int n, uint32_t steps, const char *name)
 	kb_lru_free(&l);
 }
 
+/* The distinct layers of path's records, in the order they first appear, into l[0 .. *n). */
+static void scan_layers(const char *path, uint64_t *l, int *n, int max)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		die(path, "cannot open");
+	uint64_t rec[KB_HOT_LOG_WORDS];
+	*n = 0;
+	while (fread(rec, sizeof rec, 1, f) == 1) {
+		int k = 0;
+		while (k < *n && l[k] != rec[0])
+			k++;
+		if (k == *n) {
+			if (*n == max)
+				die(path, "more layers than hot_batch takes");
+			l[(*n)++] = rec[0];
+		}
+		if (rec[4] > rec[2] || fseek(f, (long)(rec[4] * sizeof(uint64_t)), SEEK_CUR))
+			die(path, "not a hot-cache log (kvbench --trace DIR --hot-log FILE writes one)");
+	}
+	fclose(f);
+}
+
+enum { MAX_LAYERS = 1024 };
+
 int main(int argc, char **argv)
 {
 	uint64_t layer = UINT64_MAX;
+	bool all = false;
 	int a = 1;
 	if (a + 1 < argc && !strcmp(argv[a], "--layer")) {
 		char *end;
+		all = !strcmp(argv[a + 1], "all");
 		layer = strtoull(argv[a + 1], &end, 10);
-		if (*end || end == argv[a + 1])
-			die(argv[a + 1], "--layer takes a layer number");
+		if (!all && (*end || end == argv[a + 1]))
+			die(argv[a + 1], "--layer takes a layer number or all");
 		a += 2;
 	}
-	const int n = argc - a;
-	if (n < 1 || !strncmp(argv[a], "--", 2)) {
-		fprintf(stderr, "usage: hot_batch [--layer L] LOG...  (kvbench --trace DIR --hot-log "
-			"LOG writes one)\n");
+	const int logs = argc - a;
+	if (logs < 1 || !strncmp(argv[a], "--", 2)) {
+		fprintf(stderr, "usage: hot_batch [--layer L|all] LOG...  (kvbench --trace DIR "
+			"--hot-log LOG writes one)\n");
 		return 2;
 	}
-	struct log *g = xrealloc(NULL, sizeof *g * (size_t)n);
+	/* the sequences: each log's chosen layer, or (all) each layer of each log */
+	static uint64_t ls[MAX_LAYERS];
+	struct log *g = NULL;
+	int n = 0;
 	uint32_t steps = UINT32_MAX;
-	for (int i = 0; i < n; i++) {
-		load(&g[i], argv[a + i], &layer);
-		if (g[i].rows != g[0].rows || g[i].stride != g[0].stride)
-			die(argv[a + i], "its layer's rows differ from the first log's");
-		steps = g[i].steps < steps ? g[i].steps : steps;
+	for (int i = 0; i < logs; i++) {
+		int nl = 1;
+		if (all)
+			scan_layers(argv[a + i], ls, &nl, MAX_LAYERS);
+		for (int k = 0; k < nl; k++, n++) {
+			uint64_t y = all ? ls[k] : layer;
+			g = xrealloc(g, sizeof *g * (size_t)(n + 1));
+			load(&g[n], argv[a + i], &y);
+			layer = all ? layer : y;
+			if (g[n].rows != g[0].rows || g[n].stride != g[0].stride)
+				die(argv[a + i], "its layer's rows differ from the first log's");
+			steps = g[n].steps < steps ? g[n].steps : steps;
+		}
 	}
-	printf("hot_batch: layer %" PRIu64 ", %" PRIu64 " rows a sequence, %u steps, %d sequence%s; "
-	       "each alone, then all in one cache\n", layer, g[0].rows, steps, n, n > 1 ? "s" : "");
+	if (all)
+		printf("hot_batch: every layer of each log a sequence, ");
+	else
+		printf("hot_batch: layer %" PRIu64 ", ", layer);
+	printf("%" PRIu64 " rows a sequence, %u steps, %d sequence%s; each alone, then all in one "
+	       "cache\n", g[0].rows, steps, n, n > 1 ? "s" : "");
 	char name[64];
 	for (int i = 0; n > 1 && i < n; i++) {
-		snprintf(name, sizeof name, "  log %d alone", i + 1);
+		snprintf(name, sizeof name, "  sequence %d alone", i + 1);
 		replay(&g[i], 1, steps, name);
 	}
 	snprintf(name, sizeof name, "  batch of %d", n);

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
 """kvbench --trace --hot-log and bench/hot_batch agree: a log replayed alone by hot_batch gives
-the self-sized cache kvbench's own simulation reports (share of the rows and hit rate), and a
-batch of two copies of it is replayed as two sequences sharing one cache.
+the self-sized cache kvbench's own simulation reports (share of the rows and hit rate), whether
+its layer is named by default or by --layer all (a one-layer trace), and a batch of two copies of
+it is replayed as two sequences sharing one cache.
 
     hot_batch_check.py PYTHON DRIFT_TRACE_PY WORKDIR KVBENCH HOT_BATCH
 """
@@ -22,12 +23,14 @@ def main():
     want = json.loads(out)['hot_sim']['self_sized']
     text = subprocess.run([hot_batch, log, log], check=True, capture_output=True,
                           text=True).stdout
-    line = re.compile(r'^  (log 1 alone|log 2 alone|batch of 2): .*holds ([0-9.]+) % of the '
-                      r'rows, hits ([0-9.]+) %', re.M)
+    text += subprocess.run([hot_batch, '--layer', 'all', log], check=True, capture_output=True,
+                           text=True).stdout
+    line = re.compile(r'^  (sequence 1 alone|sequence 2 alone|batch of 2|batch of 1): .*holds '
+                      r'([0-9.]+) % of the rows, hits ([0-9.]+) %', re.M)
     got = {m.group(1): (m.group(2), m.group(3)) for m in line.finditer(text)}
     expect = ('%.1f' % (100 * want['share']), '%.1f' % (100 * want['hit_rate']))
     bad = []
-    for name in ('log 1 alone', 'log 2 alone'):
+    for name in ('sequence 1 alone', 'sequence 2 alone', 'batch of 1'):
         if got.get(name) != expect:
             bad.append('%s: %s, kvbench says %s' % (name, got.get(name), expect))
     if 'batch of 2' not in got or not 0 < float(got['batch of 2'][0]) <= 100:
