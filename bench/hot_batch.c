@@ -31,8 +31,8 @@
 #include "kvbench_trace.h"
 #include "constants.h" /* KVT_GPU_HOT_WAYS */
 
-/* One log's reads on the chosen layer: steps [0, steps), step s's rows row[first[s] ..
- * first[s + 1]). */
+/* One sequence of the batch, a log's reads on one layer: steps [0, steps), step s's rows
+ * row[first[s] .. first[s + 1]). */
 struct log {
 	const char *path;
 	uint64_t rows, stride;
@@ -103,7 +103,7 @@ static void load(struct log *g, const char *path, uint64_t *layer)
 		die(path, "no step of the layer");
 }
 
-/* The batch of logs g[0 .. n) sharing one self-sized cache over `steps` steps. */
+/* The batch of sequences g[0 .. n) sharing one self-sized cache over `steps` steps. */
 static void replay(const struct log *g, int n, uint32_t steps, const char *name)
 {
 	const uint64_t rows = g[0].rows, total = rows * (uint64_t)n;
