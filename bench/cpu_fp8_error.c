@@ -21,7 +21,9 @@
  *   around zero, where INT8's uniform grid is finer than E4M3's over most of the range.
  * The peer, measured in the same run: the exact Top-p oracle at p over the fp16 rows (the smallest
  * set of tokens holding mass p of the exact softmax, attended alone), the error a Top-p selection
- * at p accepts by its definition (kvtier's attends sinks and the window besides, which lowers it).
+ * at p accepts by its definition (kvtier's attends sinks and the window besides, which lowers it);
+ * and the same oracle over the rows of the last INT8 form (its softmax, its set, its values), the
+ * two errors together, against the same fp16 reference.
  * Everything is computed in double from the rounded values, so the figures are the storage's
  * alone. Reported over (layer, query head, step): the output's relative L2 error against the
  * reference and the total variation distance between the softmax weights (half their L1
@@ -43,12 +45,14 @@
 enum { HQ = 32, HKV = 8, D_MAX = 512 }; /* the workload's heads; the largest head_dim taken */
 /* the rows attended: fp16 (the reference), then E4M3 variants, then the oracle's peer */
 enum {
-	REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, K_INT8_CH, KV_INT8, KV_INT8_CH, TOPP, KINDS
+	REF, BOTH_TENSOR, BOTH_ROW, V_ONLY, K_ONLY, K_INT8, K_INT8_CH, KV_INT8, KV_INT8_CH, TOPP, TOPP8,
+	KINDS
 };
 static const char *const kind_name[KINDS] = {
 	"fp16", "E4M3 K and V, scale/tensor", "E4M3 K and V, scale/row", "E4M3 V only, scale/row",
 	"E4M3 K only, scale/row", "INT8 K + E4M3 V, scale/row", "INT8 K/channel + E4M3 V/row",
-	"INT8 K and V, scale/row", "INT8 K/channel + INT8 V/row", "Top-p oracle (fp16)"};
+	"INT8 K and V, scale/row", "INT8 K/channel + INT8 V/row", "Top-p oracle (fp16)",
+	"Top-p oracle over INT8 rows"};
 /* which stored keys and values each kind attends: 0 fp16, 1 E4M3 with one scale, 2 E4M3 with a
  * scale a row, 3 INT8 with a scale a row, 4 INT8 with a scale a channel a block (keys only) */
 static const int kind_k[TOPP] = {0, 1, 2, 0, 2, 3, 4, 3, 4};
@@ -132,6 +136,33 @@ static void attend(const double *q, uint32_t n, const double *k, const double *v
 		w[t] /= z;
 		for (uint32_t j = 0; j < D; j++)
 			out[j] += w[t] * v[(size_t)t * D + j];
+	}
+}
+
+/* The exact Top-p oracle over weights w of n tokens: the largest until their sum reaches p, their
+ * weights renormalized into w_out (0 elsewhere) and their values' mix into out. */
+static void topp_oracle(const double *w, const double *v, uint32_t n, double p, double *order,
+			double *w_out, double *out)
+{
+	memcpy(order, w, sizeof(double) * n);
+	qsort(order, n, sizeof(double), cmp_double);
+	double mass = 0.0, cut = order[0];
+	for (uint32_t t = n; t-- > 0;) {
+		mass += order[t];
+		cut = order[t];
+		if (mass >= p)
+			break;
+	}
+	double z = 0.0;
+	for (uint32_t t = 0; t < n; t++) {
+		w_out[t] = w[t] >= cut ? w[t] : 0.0;
+		z += w_out[t];
+	}
+	memset(out, 0, sizeof *out * D);
+	for (uint32_t t = 0; t < n; t++) {
+		w_out[t] /= z;
+		for (uint32_t j = 0; w_out[t] > 0.0 && j < D; j++)
+			out[j] += w_out[t] * v[(size_t)t * D + j];
 	}
 }
 
@@ -309,27 +340,9 @@ int main(int argc, char **argv)
 					for (int x = REF; x < TOPP; x++)
 						attend(q, ctx, k[kind_k[x]], v[kind_v[x]], src.scale, wt[x],
 						       out[x]);
-					/* the oracle: the largest weights until their sum reaches p */
-					memcpy(order, wt[REF], sizeof(double) * ctx);
-					qsort(order, ctx, sizeof(double), cmp_double);
-					double mass = 0.0, cut = order[0];
-					for (uint32_t t = ctx; t-- > 0;) {
-						mass += order[t];
-						cut = order[t];
-						if (mass >= p)
-							break;
-					}
-					double z = 0.0;
-					for (uint32_t t = 0; t < ctx; t++) {
-						wt[TOPP][t] = wt[REF][t] >= cut ? wt[REF][t] : 0.0;
-						z += wt[TOPP][t];
-					}
-					memset(out[TOPP], 0, sizeof out[TOPP]);
-					for (uint32_t t = 0; t < ctx; t++) {
-						wt[TOPP][t] /= z;
-						for (uint32_t j = 0; wt[TOPP][t] > 0.0 && j < D; j++)
-							out[TOPP][j] += wt[TOPP][t] * v[0][(size_t)t * D + j];
-					}
+					topp_oracle(wt[REF], v[0], ctx, p, order, wt[TOPP], out[TOPP]);
+					topp_oracle(wt[KV_INT8_CH], v[kind_v[KV_INT8_CH]], ctx, p, order,
+						    wt[TOPP8], out[TOPP8]);
 					double n2 = 0.0;
 					for (uint32_t j = 0; j < D; j++)
 						n2 += out[REF][j] * out[REF][j];
@@ -358,7 +371,8 @@ int main(int argc, char **argv)
 	printf("attention mass moved (total variation distance of the softmax weights):\n");
 	for (int x = BOTH_TENSOR; x < KINDS; x++)
 		report(kind_name[x], tv[x], samples);
-	printf("(the oracle: Top-p at p %.2f on the exact weights, no sinks or window)\n", p);
+	printf("(the oracles: Top-p at p %.2f on the exact weights of the fp16 rows, or of the INT8 "
+	       "rows; no sinks or window)\n", p);
 	for (int x = 0; x < 5; x++)
 		free(k[x]);
 	for (int x = 0; x < 4; x++)
