@@ -31,14 +31,11 @@
 #include "kvbench_trace.h"
 #include "constants.h" /* KVT_GPU_HOT_WAYS */
 
-/* One sequence of the batch, a log's reads on one layer: steps [0, steps), step s's rows
- * row[first[s] .. first[s + 1]). */
+/* One sequence of the batch: a log's reads on one layer, as kvbench keeps a layer's reads for its
+ * offline optimum (kb_hotlog), and the stride of its row ids. */
 struct log {
-	const char *path;
-	uint64_t rows, stride;
-	uint32_t steps;
-	size_t *first;
-	uint64_t *row;
+	kb_hotlog h;
+	uint64_t stride;
 };
 
 static _Noreturn void die(const char *path, const char *what)
@@ -55,67 +52,95 @@ static void *xrealloc(void *p, size_t bytes)
 	return p;
 }
 
-/* The records of `layer` (UINT64_MAX: the file's first record's) from path; *layer set. */
-static void load(struct log *g, const char *path, uint64_t *layer)
+/* A layer of a log and its records (steps). */
+struct layer_steps {
+	uint64_t layer;
+	uint32_t steps;
+};
+
+/* The layers of path's records, in the order each first appears, with their record counts, into
+ * ls[0 .. return value); every record header checked. */
+static int scan(const char *path, struct layer_steps *ls, int max)
 {
 	FILE *f = fopen(path, "rb");
 	if (!f)
 		die(path, "cannot open");
-	*g = (struct log){.path = path};
-	size_t n_rows = 0, room = 0, first_room = 0;
 	uint64_t rec[KB_HOT_LOG_WORDS];
+	int n = 0;
 	while (fread(rec, sizeof rec, 1, f) == 1) {
-		const uint64_t l = rec[0], step = rec[1], rows = rec[2], stride = rec[3], n = rec[4];
-		if (!stride || rows % stride || n > rows)
+		const uint64_t rows = rec[2], stride = rec[3], m = rec[4];
+		if (!stride || rows % stride || m > rows ||
+		    fseek(f, (long)(m * sizeof(uint64_t)), SEEK_CUR))
 			die(path, "not a hot-cache log (kvbench --trace DIR --hot-log FILE writes one)");
-		if (*layer == UINT64_MAX)
-			*layer = l;
-		if (l != *layer) {
-			if (fseek(f, (long)(n * sizeof(uint64_t)), SEEK_CUR))
-				die(path, "truncated");
-			continue;
+		int k = 0;
+		while (k < n && ls[k].layer != rec[0])
+			k++;
+		if (k == n) {
+			if (n == max)
+				die(path, "more layers than hot_batch takes");
+			ls[n++] = (struct layer_steps){rec[0], 0};
 		}
-		if (step != g->steps)
-			die(path, "the layer's steps are not in order");
-		g->rows = rows;
-		g->stride = stride;
-		if (n_rows + n > room) {
-			room = 2 * (n_rows + n);
-			g->row = xrealloc(g->row, room * sizeof(uint64_t));
-		}
-		if (fread(g->row + n_rows, sizeof(uint64_t), n, f) != n)
-			die(path, "truncated");
-		for (uint64_t i = 0; i < n; i++)
-			if (g->row[n_rows + i] >= rows)
-				die(path, "a row id beyond the layer's rows");
-		if (g->steps + 2 > first_room) {
-			first_room = 2 * (g->steps + 2);
-			g->first = xrealloc(g->first, first_room * sizeof(size_t));
-		}
-		g->first[g->steps] = n_rows;
-		n_rows += n;
-		g->first[++g->steps] = n_rows;
+		ls[k].steps++;
 	}
 	if (ferror(f))
 		die(path, "read error");
 	fclose(f);
-	if (!g->steps)
-		die(path, "no step of the layer");
+	if (!n)
+		die(path, "no record");
+	return n;
+}
+
+/* The `steps` records of `layer` from path, in step order, into g. */
+static void load(struct log *g, const char *path, uint64_t layer, uint32_t steps)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		die(path, "cannot open");
+	uint64_t rec[KB_HOT_LOG_WORDS], *ids = NULL;
+	size_t room = 0;
+	g->h = (kb_hotlog){0};
+	while (fread(rec, sizeof rec, 1, f) == 1) {
+		const uint64_t step = rec[1], rows = rec[2], n = rec[4];
+		if (rec[0] != layer) {
+			if (fseek(f, (long)(n * sizeof(uint64_t)), SEEK_CUR))
+				die(path, "truncated");
+			continue;
+		}
+		if (!g->h.first) {
+			if (kb_hotlog_init(&g->h, rows, steps) < 0)
+				die("memory", "out of memory");
+			g->stride = rec[3];
+		}
+		if (rows != g->h.rows || rec[3] != g->stride || step != g->h.done)
+			die(path, "the layer's records are not one layer's steps in order");
+		if (n > room)
+			ids = xrealloc(ids, (room = n) * sizeof(uint64_t));
+		if (fread(ids, sizeof(uint64_t), n, f) != n)
+			die(path, "truncated");
+		for (uint64_t i = 0; i < n; i++)
+			if (ids[i] >= rows)
+				die(path, "a row id beyond the layer's rows");
+		if (kb_hotlog_step(&g->h, ids, n) < 0)
+			die("memory", "out of memory");
+	}
+	free(ids);
+	fclose(f);
 }
 
 /* The batch of sequences g[0 .. n) sharing one self-sized cache over `steps` steps. */
 static void replay(const struct log *g, int n, uint32_t steps, const char *name)
 {
-	const uint64_t rows = g[0].rows, total = rows * (uint64_t)n;
+	const uint64_t rows = g[0].h.rows, total = rows * (uint64_t)n;
 	kb_lru l;
 	if (kb_lru_init(&l, total, 0, steps, KVT_GPU_HOT_WAYS, g[0].stride) < 0)
 		die("memory", "out of memory");
 	l.grows = KB_LRU_RULE;
 	size_t room = 0;
 	for (int i = 0; i < n; i++)
-		for (uint32_t s = 0; s < steps; s++)
-			room = g[i].first[s + 1] - g[i].first[s] > room ? g[i].first[s + 1] - g[i].first[s]
-									: room;
+		for (uint32_t s = 0; s < steps; s++) {
+			const size_t m = g[i].h.first[s + 1] - g[i].h.first[s];
+			room = m > room ? m : room;
+		}
 	uint64_t *ids = xrealloc(NULL, room * (size_t)n * sizeof(uint64_t));
 	double hits_half = 0.0;
 	uint64_t reads_half = 0, cap = 0;
@@ -123,8 +148,8 @@ static void replay(const struct log *g, int n, uint32_t steps, const char *name)
 	for (uint32_t s = 0; s < steps; s++) {
 		size_t m = 0;
 		for (int i = 0; i < n; i++) /* sequence i's rows after those of 0 .. i - 1 */
-			for (size_t j = g[i].first[s]; j < g[i].first[s + 1]; j++)
-				ids[m++] = (uint64_t)i * rows + g[i].row[j];
+			for (size_t j = g[i].h.first[s]; j < g[i].h.first[s + 1]; j++)
+				ids[m++] = (uint64_t)i * rows + g[i].h.row[j];
 		if (s == steps / 2) {
 			hits_half = l.hits;
 			reads_half = l.reads;
@@ -142,29 +167,6 @@ static void replay(const struct log *g, int n, uint32_t steps, const char *name)
 	       100.0 * (r2 - h2) / (double)(steps - steps / 2) / (double)total);
 	free(ids);
 	kb_lru_free(&l);
-}
-
-/* The distinct layers of path's records, in the order they first appear, into l[0 .. *n). */
-static void scan_layers(const char *path, uint64_t *l, int *n, int max)
-{
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		die(path, "cannot open");
-	uint64_t rec[KB_HOT_LOG_WORDS];
-	*n = 0;
-	while (fread(rec, sizeof rec, 1, f) == 1) {
-		int k = 0;
-		while (k < *n && l[k] != rec[0])
-			k++;
-		if (k == *n) {
-			if (*n == max)
-				die(path, "more layers than hot_batch takes");
-			l[(*n)++] = rec[0];
-		}
-		if (rec[4] > rec[2] || fseek(f, (long)(rec[4] * sizeof(uint64_t)), SEEK_CUR))
-			die(path, "not a hot-cache log (kvbench --trace DIR --hot-log FILE writes one)");
-	}
-	fclose(f);
 }
 
 enum { MAX_LAYERS = 1024 };
@@ -188,31 +190,34 @@ int main(int argc, char **argv)
 			"--hot-log LOG writes one)\n");
 		return 2;
 	}
-	/* the sequences: each log's chosen layer, or (all) each layer of each log */
-	static uint64_t ls[MAX_LAYERS];
+	/* the sequences: each log's chosen layer (by default the first log's first), or (all) each
+	 * layer of each log */
+	static struct layer_steps ls[MAX_LAYERS];
 	struct log *g = NULL;
 	int n = 0;
 	uint32_t steps = UINT32_MAX;
 	for (int i = 0; i < logs; i++) {
-		int nl = 1;
-		if (all)
-			scan_layers(argv[a + i], ls, &nl, MAX_LAYERS);
-		for (int k = 0; k < nl; k++, n++) {
-			uint64_t y = all ? ls[k] : layer;
+		const int nl = scan(argv[a + i], ls, MAX_LAYERS);
+		layer = layer == UINT64_MAX ? ls[0].layer : layer;
+		for (int k = 0; k < nl; k++) {
+			if (!all && ls[k].layer != layer)
+				continue;
 			g = xrealloc(g, sizeof *g * (size_t)(n + 1));
-			load(&g[n], argv[a + i], &y);
-			layer = all ? layer : y;
-			if (g[n].rows != g[0].rows || g[n].stride != g[0].stride)
+			load(&g[n], argv[a + i], ls[k].layer, ls[k].steps);
+			if (g[n].h.rows != g[0].h.rows || g[n].stride != g[0].stride)
 				die(argv[a + i], "its layer's rows differ from the first log's");
-			steps = g[n].steps < steps ? g[n].steps : steps;
+			steps = g[n].h.done < steps ? g[n].h.done : steps;
+			n++;
 		}
+		if (!all && n != i + 1)
+			die(argv[a + i], "has no record of the layer");
 	}
 	if (all)
 		printf("hot_batch: every layer of each log a sequence, ");
 	else
 		printf("hot_batch: layer %" PRIu64 ", ", layer);
 	printf("%" PRIu64 " rows a sequence, %u steps, %d sequence%s; each alone, then all in one "
-	       "cache\n", g[0].rows, steps, n, n > 1 ? "s" : "");
+	       "cache\n", g[0].h.rows, steps, n, n > 1 ? "s" : "");
 	char name[64];
 	for (int i = 0; n > 1 && i < n; i++) {
 		snprintf(name, sizeof name, "  sequence %d alone", i + 1);
@@ -220,10 +225,8 @@ int main(int argc, char **argv)
 	}
 	snprintf(name, sizeof name, "  batch of %d", n);
 	replay(g, n, steps, name);
-	for (int i = 0; i < n; i++) {
-		free(g[i].first);
-		free(g[i].row);
-	}
+	for (int i = 0; i < n; i++)
+		kb_hotlog_free(&g[i].h);
 	free(g);
 	return 0;
 }
