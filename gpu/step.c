@@ -636,10 +636,7 @@ int gpu_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *gb, co
 {
 	struct gpu_cache *b = gpu_of(c);
 	const uint32_t n = gb->n_slots;
-	KVT_RETURN_IF(c->cfg.keep_weight != 0.0f, c, -EOPNOTSUPP,
-		      "keep_weight = %g: kvt_attend_graph has no selection hysteresis yet (its "
-		      "steps keep no selection a next one could favor); use kvt_attend",
-		      (double)c->cfg.keep_weight);
+	/* no keep_weight here: gpu_graph_reserve refused the reservation these steps need */
 	KVT_TRY(gpu_hot_before_step(c, layer, n, stream));
 	struct step_scratch s;
 	KVT_TRY(step_scratch(c, layer, n, b->g_tokens, b->g_tokens, SEL_GRAPH, stream, &s));

@@ -217,8 +217,8 @@ typedef struct kvt_config {
 				 backend: the last step's selection only, and only where that step's
 				 batch included the sequence (a step of another batch on the layer
 				 in between, or one that failed, leaves it nothing to favor);
-				 kvt_graph_reserve, kvt_attend_graph and kvt_extend's Top-p rows
-				 refuse it (-EOPNOTSUPP) */
+				 kvt_graph_reserve (so kvt_attend_graph, which needs its
+				 reservation) and kvt_extend's Top-p rows refuse it (-EOPNOTSUPP) */
 	uint32_t keep_steps;  /* with keep_weight: how many of the layer's last steps it favors the
 				 selections of, <= 64; 0 (default): 1. Must be 0 without it. The
 				 CUDA backend refuses more than 1 (-EOPNOTSUPP) */
