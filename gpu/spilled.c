@@ -298,7 +298,7 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	}
 	if (w.rc < 0)
 		return kvt_err_entry(c, w.rc_seq,
-				     kvt_seterr(c, w.rc, "seqs[%u]: %s", w.rc_seq, w.why));
+				     kvt_err_wrap(c, w.rc, "seqs[%u]: %s", w.rc_seq, w.why));
 	b->sp_used = true; /* the scatter reads the list, the fill and attention the rows */
 	LAUNCH(c, kvt_gpu_spill_scatter(miss, addr, n, rows, max_rows, stream));
 	return 0;

@@ -9,18 +9,33 @@
 /* Detail of the last failed kvt_cache_create, per thread: there is no cache to hold it yet. */
 static _Thread_local char create_err[512];
 
-int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...)
+static int set_text(kvt_cache *c, int code, bool count, const char *fmt, va_list ap)
 {
 	char *buf = c ? c->err : create_err;
 	size_t cap = c ? sizeof c->err : sizeof create_err;
-	va_list ap;
-	va_start(ap, fmt);
 	vsnprintf(buf, cap, fmt, ap);
-	va_end(ap);
 	if (c) {
-		c->st.errors++;
+		c->st.errors += count;
 		c->err_entry = -1;
 	}
+	return code;
+}
+
+int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	set_text(c, code, true, fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	set_text(c, code, false, fmt, ap);
+	va_end(ap);
 	return code;
 }
 

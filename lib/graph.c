@@ -38,9 +38,19 @@ int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, v
 {
 	/* failed calls too: a reserve or a block-table sync before the failure may have moved what
 	 * a record names, and the undo leaves the host state consistent. A record that cannot be
-	 * made reads as no sequence (its slots pad and report), so the call's own result stands. */
-	if (c->graph_slots && c->ops->graph_publish)
-		(void)c->ops->graph_publish(c, n, seqs, layer, stream);
+	 * made reads as no sequence (its slots pad and report), so the call's own result stands,
+	 * and its error text, entry and count too. */
+	if (c->graph_slots && c->ops->graph_publish) {
+		char text[sizeof c->err];
+		const int32_t entry = c->err_entry;
+		const uint64_t errors = c->st.errors;
+		memcpy(text, c->err, sizeof text);
+		if (c->ops->graph_publish(c, n, seqs, layer, stream) < 0) {
+			memcpy(c->err, text, sizeof text);
+			c->err_entry = entry;
+			c->st.errors = errors;
+		}
+	}
 	return (int)rc;
 }
 
@@ -158,14 +168,13 @@ KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch
 			char detail[sizeof c->err];
 			const int32_t e = c->err_entry;
 			memcpy(detail, c->err, sizeof detail);
-			if (e >= 0)
-				snprintf(c->err, sizeof c->err, "slot %u (entry %d of the kvt_attend "
-					 "of slots %u-%u): %.400s", i + (uint32_t)e, e, i, i + n - 1, detail);
-			else
-				snprintf(c->err, sizeof c->err, "the kvt_attend of slots %u-%u: %.400s", i,
-					 i + n - 1, detail);
-			c->err_entry = e >= 0 ? e + (int32_t)i : -1;
-			return rc;
+			if (e < 0)
+				return kvt_err_wrap(c, rc, "the kvt_attend of slots %u-%u: %.400s", i,
+						    i + n - 1, detail);
+			return kvt_err_entry(c, i + (uint32_t)e,
+					     kvt_err_wrap(c, rc, "slot %u (entry %d of the kvt_attend of "
+							  "slots %u-%u): %.400s", i + (uint32_t)e, e,
+							  i, i + n - 1, detail));
 		}
 		i += n;
 	}

@@ -19,8 +19,13 @@
 
 /* ---- errors (lib/error.c) ---------------------------------------------------------------- */
 
-/* Record the detail of an error on `c` (or on the calling thread when c is NULL) and return `code`. */
+/* Record the detail of an error on `c` (or on the calling thread when c is NULL) and return `code`;
+ * counts the failed call in kvt_stats.errors. */
 int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Rewrite the detail of an error already set on c (by kvt_seterr, so already counted: one failed
+ * call counts once however often its text is wrapped) and return `code`. */
+int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
 /* The error just set (rc, from kvt_seterr) concerns entry i of the failing call's batch. */
 int kvt_err_entry(kvt_cache *c, uint32_t i, int rc);
 

@@ -282,7 +282,7 @@ typedef struct kvt_stats {
 	uint64_t hot_hits;            /* sink and selected rows served from the device hot cache (CUDA) */
 	uint64_t hot_misses;          /* sink and selected rows read from the host tier (CUDA) */
 	uint64_t pcie_bytes;          /* bytes of rows read from the host tier over PCIe (CUDA) */
-	uint64_t errors;              /* calls that returned an error */
+	uint64_t errors;              /* calls that returned an error, each once */
 	/* NVMe tier */
 	uint64_t spills, restores;    /* kvt_seq_spill / kvt_seq_restore that moved data */
 	uint64_t auto_spills;         /* sequences spilled by KVT_SPILL_LRU */

@@ -124,7 +124,7 @@ static uint32_t blocks_for(uint32_t tokens)
 }
 
 /* Make l's block table hold `blocks` per KV head. */
-static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
+static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks, struct kvt_err *e)
 {
 	if (blocks <= l->blk_cap)
 		return 0;
@@ -136,7 +136,7 @@ static int reserve_table(kvt_cache *c, struct kvt_layer *l, uint32_t blocks)
 		sp = regrow(c, l->spill, sizeof *sp, l->blk_cap, cap, c->cfg.n_kv_heads);
 	if (!t || (l->spill && !sp)) {
 		kvt_mem_free(KVT_MEM_HOST, t, 0);
-		return kvt_seterr(c, -ENOMEM, "out of memory growing a block table to %u blocks", cap);
+		return kvt_err_set(e, -ENOMEM, "no memory for a block table of %u blocks", cap);
 	}
 	kvt_mem_free(KVT_MEM_HOST, l->blocks, 0);
 	l->blocks = t;
@@ -228,13 +228,13 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		return kvt_tier_undo(c, &m, host_full(c, bytes, need, free));
 	uint32_t done = 0;
 	int rc = 0;
-	struct kvt_err e = {"no memory for a block table"}; /* reserve_table says no more */
+	struct kvt_err e = {""}; /* what reserve_table or kvt_extents_take found */
 	for (; done < n && rc == 0; done++) {
 		struct kvt_layer *l = ls[done];
 		uint32_t want = blocks_for(new_tokens[done]), have = l->n_blocks;
 		if (want <= have)
 			continue;
-		rc = reserve_table(c, l, want);
+		rc = reserve_table(c, l, want, &e);
 		for (uint32_t h = 0; h < H && rc == 0; h++) {
 			rc = kvt_extents_take(&c->host, want - have,
 					      l->blocks + (size_t)h * l->blk_cap + have, &e);

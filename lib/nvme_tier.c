@@ -371,7 +371,7 @@ int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep)
 		if (rc < 0) {
 			char why[sizeof c->err];
 			snprintf(why, sizeof why, "%s", c->err);
-			return kvt_tier_undo(c, &m, kvt_seterr(c, (int)rc,
+			return kvt_tier_undo(c, &m, kvt_err_wrap(c, (int)rc,
 				"automatic spill (KVT_SPILL_LRU) to free %llu bytes of host tier "
 				"failed: %s", (unsigned long long)bytes, why));
 		}
@@ -397,19 +397,21 @@ static uint32_t count_spilled(const kvt_cache *c, struct kvt_seq *s, uint64_t af
 }
 
 /* Read the n blocks of s spilled after generation `after` into host blocks, then free their NVMe
- * copies. On failure nothing changes (the host blocks go back, the NVMe copies stay valid). */
-static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t after, uint32_t n)
+ * copies. On failure nothing changes (the host blocks go back, the NVMe copies stay valid) and
+ * *err says why: the caller sets the call's error, once. */
+static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t after, uint32_t n,
+		     struct kvt_err *err)
 {
 	void **host = kvt_mem_alloc(KVT_MEM_HOST, sizeof *host * n);
 	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
 	struct kvt_nvme_block_id *ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *ids * n);
-	struct kvt_err err = {"no memory for the block lists"};
-	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host, &err) : -ENOMEM;
+	struct kvt_err why = {"no memory for the block lists"};
+	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host, &why) : -ENOMEM;
 	if (rc < 0) {
 		kvt_mem_free(KVT_MEM_HOST, host, 0);
 		kvt_mem_free(KVT_MEM_HOST, locs, 0);
 		kvt_mem_free(KVT_MEM_HOST, ids, 0);
-		return kvt_seterr(c, rc, "restoring seq %u: %s", slot, err.msg);
+		return kvt_err_set(err, rc, "restoring seq %u: %s", slot, why.msg);
 	}
 	uint32_t i = 0;
 	FOR_EACH_BLOCK(c, s, l, h, b)
@@ -421,7 +423,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 		}
 	}
 	uint64_t t0 = kvt_now_ns();
-	rc = kvt_nvme_read_blocks(c->nvme, n, locs, ids, host, &err);
+	rc = kvt_nvme_read_blocks(c->nvme, n, locs, ids, host, &why);
 	c->st.ns_nvme += kvt_now_ns() - t0;
 	if (rc == 0) {
 		i = 0;
@@ -433,7 +435,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 		kvt_nvme_free(c->nvme, n, locs);
 	} else {
 		kvt_extents_give(&c->host, n, host);
-		rc = kvt_seterr(c, rc, "restoring seq %u: %s", slot, err.msg);
+		rc = kvt_err_set(err, rc, "restoring seq %u: %s", slot, why.msg);
 	}
 	kvt_mem_free(KVT_MEM_HOST, host, 0);
 	kvt_mem_free(KVT_MEM_HOST, locs, 0);
@@ -461,17 +463,15 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 		struct kvt_seq *s = &c->seqs[i];
 		uint32_t n = s->open ? count_spilled(c, s, m->gen) : 0;
-		if (n && read_back(c, s, i, m->gen, n) < 0) {
-			char sub[sizeof c->err];
-			snprintf(sub, sizeof sub, "%s", c->err);
-			return kvt_seterr(c, rc, "%s; then reading back seq %u, spilled to make room, "
-					  "failed too (it stays spilled, its NVMe copy valid): %.200s",
-					  why, i, sub);
-		}
+		struct kvt_err e;
+		if (n && read_back(c, s, i, m->gen, n, &e) < 0)
+			return kvt_err_wrap(c, rc, "%s; then reading back seq %u, spilled to make room, "
+					    "failed too (it stays spilled, its NVMe copy valid): %.200s",
+					    why, i, e.msg);
 	}
 	c->st.spills = m->spills;
 	c->st.auto_spills = m->auto_spills;
-	return kvt_seterr(c, rc, "%s", why);
+	return kvt_err_wrap(c, rc, "%s", why);
 }
 
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
@@ -492,9 +492,10 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 		      slot, (unsigned long long)bytes,
 		      (unsigned long long)kvt_extents_free_bytes(&c->host),
 		      (unsigned long long)c->host.capacity);
-	int rc = read_back(c, s, slot, 0, n);
+	struct kvt_err e;
+	int rc = read_back(c, s, slot, 0, n, &e);
 	if (rc < 0)
-		return kvt_tier_undo(c, &m, rc);
+		return kvt_tier_undo(c, &m, kvt_seterr(c, rc, "%s", e.msg));
 	kvt_bcache_drop(c, s->layers, c->cfg.n_layers);
 	c->st.restores++;
 	return (int64_t)n * (int64_t)KVT_BLOCK_TOKENS * (int64_t)c->row_bytes;

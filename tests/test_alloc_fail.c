@@ -60,7 +60,12 @@ struct iter {
 	do {                                                                                       \
 		struct state before_, after_;                                                      \
 		observe((it)->c, (it)->seqs, (it)->nseqs, &before_);                               \
+		const uint64_t errors_ = t_stats((it)->c).errors;                                  \
 		int rc_ = (expr);                                                                  \
+		const uint64_t counted_ = t_stats((it)->c).errors - errors_;                      \
+		T_CHECK(counted_ == (rc_ < 0), "N=%llu %s: returned %d and counted %llu errors "  \
+			"in kvt_stats.errors, wanted %d (\"%s\")", (unsigned long long)(it)->n,     \
+			what, rc_, (unsigned long long)counted_, rc_ < 0, kvt_last_error((it)->c));  \
 		if (rc_ == -ENOMEM) {                                                              \
 			(it)->enomem++;                                                            \
 			observe((it)->c, (it)->seqs, (it)->nseqs, &after_);                        \

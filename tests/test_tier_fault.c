@@ -306,14 +306,17 @@ static void test_auto_spill_faults(void **state)
 				int64_t len = kvt_seq_length(r->c, b, 1);
 				T_CHECK(len == 0 && f.host_bytes_used == a.host_bytes_used &&
 						f.tokens == a.tokens && f.nvme_bytes_used == 0 &&
-						f.auto_spills == 0 && on_nvme(r) == 0,
+						f.auto_spills == 0 && on_nvme(r) == 0 &&
+						f.errors == a.errors + 1,
 					"%s: the failed prefill changed: B layer 1 length %lld (wanted 0), "
 					"host_bytes_used %llu -> %llu, tokens %llu -> %llu, nvme_bytes_used "
-					"%llu, auto_spills %llu, A's blocks on NVMe %u (wanted 0 0 0)", name,
+					"%llu, auto_spills %llu, A's blocks on NVMe %u (wanted 0 0 0), "
+					"errors %llu -> %llu (wanted +1: one failed call)", name,
 					(long long)len, (unsigned long long)a.host_bytes_used,
 					(unsigned long long)f.host_bytes_used, (unsigned long long)a.tokens,
 					(unsigned long long)f.tokens, (unsigned long long)f.nvme_bytes_used,
-					(unsigned long long)f.auto_spills, on_nvme(r));
+					(unsigned long long)f.auto_spills, on_nvme(r),
+					(unsigned long long)a.errors, (unsigned long long)f.errors);
 				check_all_layers(r, "A after the failed auto spill (host copy)");
 				rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
 				T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc,
@@ -359,6 +362,7 @@ int main(void)
 		cmocka_unit_test(test_shuffled),     cmocka_unit_test(test_auto_spill_faults),
 		cmocka_unit_test(test_alloc_faults),   cmocka_unit_test(test_auto_spill_alloc_faults),
 		cmocka_unit_test(test_lru_failed_call_unspills),
+		cmocka_unit_test(test_lru_undo_read_fails),
 		cmocka_unit_test(test_lru_no_room_spills_nothing),
 	};
 	return cmocka_run_group_tests(tests, setup, NULL);

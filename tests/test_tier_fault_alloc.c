@@ -11,9 +11,9 @@
 
 #include "tier_fault.h"
 
-/* What a call that failed for want of memory must leave as it was. */
+/* What a call that failed for want of memory must leave as it was (errors: one more). */
 struct tier_state {
-	uint64_t host_used, nvme_used, tokens;
+	uint64_t host_used, nvme_used, tokens, errors;
 	uint32_t on_nvme;
 };
 
@@ -25,6 +25,7 @@ static void tier_observe(struct run *r, struct tier_state *o)
 	o->host_used = st.host_bytes_used;
 	o->nvme_used = st.nvme_bytes_used;
 	o->tokens = st.tokens;
+	o->errors = st.errors;
 	o->on_nvme = spilled;
 }
 
@@ -42,15 +43,28 @@ struct afail {
 #define UNDER_FAULT(r, a, what, rc, expr)                                                           \
 	do {                                                                                        \
 		struct tier_state b_, f_;                                                           \
-		if ((r)->c)                                                                         \
+		const bool had_ = (r)->c != NULL;                                                   \
+		if (had_)                                                                           \
 			tier_observe((r), &b_);                                                     \
 		int64_t rc_ = (expr);                                                               \
+		if (rc_ >= 0 && had_) {                                                             \
+			tier_observe((r), &f_);                                                     \
+			T_CHECK(f_.errors == b_.errors, "N=%llu %s: succeeded but counted %llu "     \
+				"errors in kvt_stats.errors (%s)", (unsigned long long)(a)->n, what, \
+				(unsigned long long)(f_.errors - b_.errors), kvt_last_error((r)->c));\
+		}                                                                                   \
 		if (rc_ == -ENOMEM) {                                                               \
 			(a)->enomem++;                                                              \
 			(a)->fired |= kvt_mem_fired();                                              \
 			kvt_mem_fail_at(0);                                                         \
-			if ((r)->c) {                                                               \
+			if (had_) {                                                                 \
 				tier_observe((r), &f_);                                             \
+				T_CHECK(f_.errors == b_.errors + 1, "N=%llu %s: one failed call "    \
+					"counted %llu times in kvt_stats.errors (%s)",               \
+					(unsigned long long)(a)->n, what,                            \
+					(unsigned long long)(f_.errors - b_.errors),                 \
+					kvt_last_error((r)->c));                                     \
+				f_.errors = b_.errors;                                              \
 				T_CHECK(memcmp(&b_, &f_, sizeof b_) == 0,                           \
 					"N=%llu %s: -ENOMEM (%s) changed host bytes %llu -> %llu, "  \
 					"NVMe bytes %llu -> %llu, blocks on NVMe %u -> %u",           \
@@ -199,9 +213,12 @@ void test_auto_spill_alloc_faults(void **state)
 			failed++;
 			kvt_stats f = t_stats(r->c);
 			int64_t len = kvt_seq_length(r->c, b, 1);
-			T_CHECK(len == 0 && f.tokens == a.tokens, "%s: the failed prefill changed B: layer 1 "
-				"length %lld (wanted 0), tokens %llu -> %llu", name, (long long)len,
-				(unsigned long long)a.tokens, (unsigned long long)f.tokens);
+			T_CHECK(len == 0 && f.tokens == a.tokens && f.errors == a.errors + 1,
+				"%s: the failed prefill changed B: layer 1 length %lld (wanted 0), tokens "
+				"%llu -> %llu, errors %llu -> %llu (wanted +1: one failed call; \"%s\")",
+				name, (long long)len, (unsigned long long)a.tokens,
+				(unsigned long long)f.tokens, (unsigned long long)a.errors,
+				(unsigned long long)f.errors, kvt_last_error(r->c));
 			T_CHECK(on_nvme(r) == 0 && f.spills == a.spills &&
 					f.auto_spills == a.auto_spills &&
 					f.nvme_bytes_used == a.nvme_bytes_used,
@@ -252,6 +269,22 @@ static void check_layer0(struct run *r, uint32_t seq, rows_t *k, rows_t *v, cons
 	expect_rows(&view, 0, do_gather(&view, 0), what);
 }
 
+/* The two-victim script's cache (12 host blocks, KVT_SPILL_LRU) and its sequences: A and C
+ * with layer 0 of TOKENS tokens (g_k and g_k2), B with layer 0 of g_k2. */
+static void open_three(struct run *r, const char *name, uint32_t *a, uint32_t *cs, uint32_t *b)
+{
+	const kvt_config cfg = run_config(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
+	int rc = kvt_cache_create(&cfg, &r->c);
+	tt_unlink(&r->f);
+	T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
+	T_CHECK(kvt_seq_open(r->c, a) == 0 && kvt_seq_open(r->c, cs) == 0 &&
+			kvt_seq_open(r->c, b) == 0, "%s: seq_open", name);
+	T_CHECK(kvt_prefill(r->c, *a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
+			kvt_prefill(r->c, *cs, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0 &&
+			kvt_prefill(r->c, *b, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0,
+		"%s: prefills of layer 0 (%s)", name, kvt_last_error(r->c));
+}
+
 /*
  * Two victims: sequences A and C hold layer 0 only (4 blocks each, 2 of them spillable), B layer 0,
  * in a host tier of 12 blocks; B's layer 1 needs 4 blocks, so the LRU spills A, then C. Each
@@ -270,21 +303,12 @@ void test_lru_failed_call_unspills(void **state)
 			 (unsigned long long)n);
 		int64_t live = kvt_mem_live();
 		int fds = tt_fd_count();
-		const kvt_config cfg = run_config(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
-		int rc = kvt_cache_create(&cfg, &r->c);
-		tt_unlink(&r->f);
-		T_CHECK(rc == 0, "%s: create got %d (%s)", name, rc, kvt_last_error(NULL));
-		uint32_t a = 0, cs = 0, b = 0;
-		T_CHECK(kvt_seq_open(r->c, &a) == 0 && kvt_seq_open(r->c, &cs) == 0 &&
-				kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
-		T_CHECK(kvt_prefill(r->c, a, 0, NULL, g_k[0], g_v[0], TOKENS, NULL) == 0 &&
-				kvt_prefill(r->c, cs, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0 &&
-				kvt_prefill(r->c, b, 0, NULL, g_k2[0], g_v2[0], TOKENS, NULL) == 0,
-			"%s: prefills of layer 0 (%s)", name, kvt_last_error(r->c));
+		uint32_t a, cs, b;
+		open_three(r, name, &a, &cs, &b);
 		struct hook_state h = {.n = n, .kind = K_EIO};
 		kvt_nvme_set_cqe_hook(r->c->nvme, hook, &h);
 		kvt_stats st0 = t_stats(r->c);
-		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		int rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
 		kvt_nvme_set_cqe_hook(r->c->nvme, NULL, NULL);
 		if (rc) {
 			T_CHECK(rc == -EIO, "%s: prefill got %d (%s), wanted -EIO", name, rc,
@@ -294,16 +318,19 @@ void test_lru_failed_call_unspills(void **state)
 			T_CHECK(seq_on_nvme(r, a) == 0 && seq_on_nvme(r, cs) == 0 &&
 					st.spills == st0.spills && st.auto_spills == st0.auto_spills &&
 					st.nvme_bytes_used == st0.nvme_bytes_used &&
-					st.host_bytes_used == st0.host_bytes_used,
+					st.host_bytes_used == st0.host_bytes_used &&
+					st.errors == st0.errors + 1,
 				"%s: the failed prefill left: A's blocks on NVMe %u, C's %u (wanted 0 0), "
 				"spills %llu -> %llu, auto_spills %llu -> %llu, nvme_bytes_used %llu -> "
-				"%llu, host_bytes_used %llu -> %llu (wanted unchanged)", name,
+				"%llu, host_bytes_used %llu -> %llu (wanted unchanged), errors +%llu "
+				"(wanted +1)", name,
 				seq_on_nvme(r, a), seq_on_nvme(r, cs), (unsigned long long)st0.spills,
 				(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
 				(unsigned long long)st.auto_spills, (unsigned long long)st0.nvme_bytes_used,
 				(unsigned long long)st.nvme_bytes_used,
 				(unsigned long long)st0.host_bytes_used,
-				(unsigned long long)st.host_bytes_used);
+				(unsigned long long)st.host_bytes_used,
+				(unsigned long long)(st.errors - st0.errors));
 			check_layer0(r, a, &g_k, &g_v, "A after the failed call");
 			check_layer0(r, cs, &g_k2, &g_v2, "C after the failed call");
 			rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
@@ -327,6 +354,80 @@ void test_lru_failed_call_unspills(void **state)
 	T_CHECK(failed == n - 1 && failed >= 2 * NKV, "two LRU victims: %llu of %llu faults failed "
 		"the prefill, wanted all and >= %d", (unsigned long long)failed,
 		(unsigned long long)(n - 1), 2 * NKV);
+}
+
+/* A disk that fails every completion from the n-th on (kvt_nvme_set_cqe_hook). */
+static int dead_from(void *ctx, uint64_t nth, int res)
+{
+	struct hook_state *h = (struct hook_state *)ctx;
+	if (nth < h->n)
+		return res;
+	h->fired = 1;
+	return res < 0 ? res : -EIO;
+}
+
+/*
+ * The undo's own failure: the script of test_lru_failed_call_unspills on a disk that dies at
+ * completion n. Where it dies during A's spill nothing was spilled; where it dies during C's, the
+ * undo cannot read A back either. Then the prefill returns -EIO, counted once, naming both
+ * failures; A stays spilled with a valid NVMe copy and C on the host, and once the disk is back
+ * both read back byte for byte and the prefill succeeds.
+ */
+void test_lru_undo_read_fails(void **state)
+{
+	(void)state;
+	uint64_t n = 1, stayed = 0;
+	for (; n < 1000; n++) {
+		struct run run, *r = &run;
+		char name[160];
+		snprintf(name, sizeof name, "two LRU victims, disk dead from completion %llu",
+			 (unsigned long long)n);
+		int64_t live = kvt_mem_live();
+		int fds = tt_fd_count();
+		uint32_t a, cs, b;
+		open_three(r, name, &a, &cs, &b);
+		struct hook_state h = {.n = n};
+		kvt_nvme_set_cqe_hook(r->c->nvme, dead_from, &h);
+		const kvt_stats st0 = t_stats(r->c);
+		int rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		const kvt_stats st = t_stats(r->c);
+		kvt_nvme_set_cqe_hook(r->c->nvme, NULL, NULL);
+		if (!h.fired) {
+			T_CHECK(rc == 0, "%s: prefill got %d (%s), wanted 0", name, rc,
+				kvt_last_error(r->c));
+			kvt_cache_destroy(r->c);
+			TT_CHECK_RELEASED(name, live, fds);
+			break;
+		}
+		const char *msg = kvt_last_error(r->c);
+		const int undo_failed = strstr(msg, "then reading back seq") != NULL;
+		stayed += undo_failed;
+		const uint32_t on_a = seq_on_nvme(r, a), on_c = seq_on_nvme(r, cs);
+		T_CHECK(rc == -EIO && st.errors == st0.errors + 1 && on_c == 0 &&
+				on_a == (undo_failed ? NKV : 0) &&
+				kvt_seq_length(r->c, b, 1) == 0,
+			"%s: prefill got %d (\"%s\"), errors +%llu, blocks on NVMe A %u C %u, B's "
+			"layer 1 length %lld; wanted -EIO, +1, A %d C 0, 0", name, rc, msg,
+			(unsigned long long)(st.errors - st0.errors), on_a, on_c,
+			(long long)kvt_seq_length(r->c, b, 1), undo_failed ? NKV : 0);
+		if (undo_failed)
+			T_CHECK(strstr(msg, "automatic spill") && strstr(msg, "stays spilled"),
+				"%s: \"%s\" names neither the spill's failure nor A's state", name,
+				msg);
+		check_layer0(r, a, &g_k, &g_v, "A after the failed call (disk back)");
+		check_layer0(r, cs, &g_k2, &g_v2, "C after the failed call (disk back)");
+		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
+		T_CHECK(rc == 0, "%s: retried prefill got %d (%s)", name, rc, kvt_last_error(r->c));
+		check_layer0(r, a, &g_k, &g_v, "A after the retry");
+		check_layer0(r, cs, &g_k2, &g_v2, "C after the retry");
+		kvt_cache_destroy(r->c);
+		TT_CHECK_RELEASED(name, live, fds);
+	}
+	print_message("two LRU victims, disk dead from completion 1..%llu: in %llu the undo could "
+		      "not read A back and left it spilled\n", (unsigned long long)(n - 1),
+		      (unsigned long long)stayed);
+	T_CHECK(stayed > 0, "the disk died during C's spill in none of %llu runs",
+		(unsigned long long)(n - 1));
 }
 
 /*
@@ -354,12 +455,14 @@ void test_lru_no_room_spills_nothing(void **state)
 	rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
 	kvt_stats st = t_stats(r->c);
 	T_CHECK(rc == -ENOSPC && seq_on_nvme(r, a) == 0 && st.spills == st0.spills &&
-			st.auto_spills == st0.auto_spills && st.nvme_bytes_used == 0,
+			st.auto_spills == st0.auto_spills && st.nvme_bytes_used == 0 &&
+			st.errors == st0.errors + 1,
 		"%s: prefill got %d (%s), A's blocks on NVMe %u, spills %llu -> %llu, auto_spills "
-		"%llu -> %llu, nvme_bytes_used %llu; wanted -ENOSPC, 0, unchanged, 0", r->name, rc,
-		kvt_last_error(r->c), seq_on_nvme(r, a), (unsigned long long)st0.spills,
-		(unsigned long long)st.spills, (unsigned long long)st0.auto_spills,
-		(unsigned long long)st.auto_spills, (unsigned long long)st.nvme_bytes_used);
+		"%llu -> %llu, nvme_bytes_used %llu, errors +%llu; wanted -ENOSPC, 0, unchanged, 0, "
+		"+1", r->name, rc, kvt_last_error(r->c), seq_on_nvme(r, a),
+		(unsigned long long)st0.spills, (unsigned long long)st.spills,
+		(unsigned long long)st0.auto_spills, (unsigned long long)st.auto_spills,
+		(unsigned long long)st.nvme_bytes_used, (unsigned long long)(st.errors - st0.errors));
 	check_layer0(r, a, &g_k, &g_v, "A after the refused prefill");
 	kvt_cache_destroy(r->c);
 	TT_CHECK_RELEASED(r->name, live, fds);

@@ -84,6 +84,7 @@ int hook(void *ctx, uint64_t nth, int res);
 void test_alloc_faults(void **state);
 void test_auto_spill_alloc_faults(void **state);
 void test_lru_failed_call_unspills(void **state);
+void test_lru_undo_read_fails(void **state);
 void test_lru_no_room_spills_nothing(void **state);
 
 #endif
