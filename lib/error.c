@@ -9,6 +9,7 @@
 /* Detail of the last failed kvt_cache_create, per thread: there is no cache to hold it yet. */
 static _Thread_local char create_err[512];
 
+__attribute__((format(printf, 4, 0)))
 static int set_text(kvt_cache *c, int code, bool count, const char *fmt, va_list ap)
 {
 	char *buf = c ? c->err : create_err;

@@ -453,6 +453,8 @@ void kvt_tier_mark(const kvt_cache *c, struct kvt_tier_mark *m)
 /*
  * Undo the automatic spills since m: the victims' host blocks went back to the free stack and nothing
  * took them since (the failed call gave back what it took), so the room to read them back is there.
+ * A victim whose read-back fails stays spilled (its NVMe copy valid, nothing lost); the others are
+ * still read back, and the spill counters count those that stay.
  */
 int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 {
@@ -460,17 +462,25 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 		return rc; /* nothing was spilled */
 	char why[sizeof c->err];
 	snprintf(why, sizeof why, "%s", c->err);
+	uint32_t stayed = 0, first = 0;
+	struct kvt_err first_err = {""};
 	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 		struct kvt_seq *s = &c->seqs[i];
 		uint32_t n = s->open ? count_spilled(c, s, m->gen) : 0;
 		struct kvt_err e;
-		if (n && read_back(c, s, i, m->gen, n, &e) < 0)
-			return kvt_err_wrap(c, rc, "%s; then reading back seq %u, spilled to make room, "
-					    "failed too (it stays spilled, its NVMe copy valid): %.200s",
-					    why, i, e.msg);
+		if (!n || read_back(c, s, i, m->gen, n, &e) == 0)
+			continue;
+		if (stayed++ == 0) {
+			first = i;
+			first_err = e;
+		}
 	}
-	c->st.spills = m->spills;
-	c->st.auto_spills = m->auto_spills;
+	c->st.spills = m->spills + stayed;
+	c->st.auto_spills = m->auto_spills + stayed;
+	if (stayed)
+		return kvt_err_wrap(c, rc, "%s; then reading back seq %u failed too (%u sequence(s) "
+				    "spilled to make room stay spilled, their NVMe copies valid): %.200s",
+				    why, first, stayed, first_err.msg);
 	return kvt_err_wrap(c, rc, "%s", why);
 }
 

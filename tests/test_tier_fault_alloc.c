@@ -370,8 +370,8 @@ static int dead_from(void *ctx, uint64_t nth, int res)
  * The undo's own failure: the script of test_lru_failed_call_unspills on a disk that dies at
  * completion n. Where it dies during A's spill nothing was spilled; where it dies during C's, the
  * undo cannot read A back either. Then the prefill returns -EIO, counted once, naming both
- * failures; A stays spilled with a valid NVMe copy and C on the host, and once the disk is back
- * both read back byte for byte and the prefill succeeds.
+ * failures; A stays spilled with a valid NVMe copy (and the spill counters count it) and C on the
+ * host, and once the disk is back both read back byte for byte and the prefill succeeds.
  */
 void test_lru_undo_read_fails(void **state)
 {
@@ -411,9 +411,16 @@ void test_lru_undo_read_fails(void **state)
 			(unsigned long long)(st.errors - st0.errors), on_a, on_c,
 			(long long)kvt_seq_length(r->c, b, 1), undo_failed ? NKV : 0);
 		if (undo_failed)
-			T_CHECK(strstr(msg, "automatic spill") && strstr(msg, "stays spilled"),
+			T_CHECK(strstr(msg, "automatic spill") && strstr(msg, "stay spilled"),
 				"%s: \"%s\" names neither the spill's failure nor A's state", name,
 				msg);
+		/* the counters count the spill that stays, and only it */
+		T_CHECK(st.spills == st0.spills + (uint64_t)undo_failed &&
+				st.auto_spills == st0.auto_spills + (uint64_t)undo_failed,
+			"%s: spills %llu -> %llu, auto_spills %llu -> %llu, wanted +%d", name,
+			(unsigned long long)st0.spills, (unsigned long long)st.spills,
+			(unsigned long long)st0.auto_spills, (unsigned long long)st.auto_spills,
+			undo_failed);
 		check_layer0(r, a, &g_k, &g_v, "A after the failed call (disk back)");
 		check_layer0(r, cs, &g_k2, &g_v2, "C after the failed call (disk back)");
 		rc = kvt_prefill(r->c, b, 1, NULL, g_k2[1], g_v2[1], TOKENS, NULL);
