@@ -24,12 +24,8 @@ int kvt_seq_set_status(kvt_cache *c, uint32_t seq, int rc, const char *fmt, ...)
 		vsnprintf(s->status_text, KVT_STATUS_TEXT, fmt, ap);
 		va_end(ap);
 	}
-	/* graph steps pad its slots from now on, as the other calls refuse it: this has no stream,
-	 * so the refresh went on the legacy stream, which a replay on a non-blocking stream does not
-	 * wait for; the records are in place before it returns, as kvt_seq_close's are */
-	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
-	if (c->graph_slots && c->ops->quiesce)
-		(void)c->ops->quiesce(c);
+	/* graph steps pad its slots from now on, as the other calls refuse it */
+	kvt_graph_touch_now(c, seq);
 	return 0;
 }
 
@@ -133,11 +129,8 @@ KVT_API int kvt_seq_close(kvt_cache *c, uint32_t seq)
 	clear_status(s);
 	memset(s, 0, sizeof *s);
 	c->st.seqs_open--;
-	/* a graph step naming the id from now on pads its slot: the cleared records are in place
-	 * before the call returns, whatever stream the next replay runs on */
-	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
-	if (c->graph_slots && c->ops->quiesce)
-		(void)c->ops->quiesce(c);
+	/* a graph step naming the id from now on pads its slot */
+	kvt_graph_touch_now(c, seq);
 	return 0;
 }
 

@@ -15,8 +15,8 @@ static int set_text(kvt_cache *c, int code, bool count, const char *fmt, va_list
 	char *buf = c ? c->err : create_err;
 	size_t cap = c ? sizeof c->err : sizeof create_err;
 	vsnprintf(buf, cap, fmt, ap);
-	if (c) {
-		c->st.errors += count;
+	if (c && count) {
+		c->st.errors++;
 		c->err_entry = -1;
 	}
 	return code;
@@ -38,6 +38,20 @@ int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
 	set_text(c, code, false, fmt, ap);
 	va_end(ap);
 	return code;
+}
+
+void kvt_err_keep(const kvt_cache *c, struct kvt_err_state *s)
+{
+	memcpy(s->text, c->err, sizeof s->text);
+	s->entry = c->err_entry;
+	s->errors = c->st.errors;
+}
+
+void kvt_err_put(kvt_cache *c, const struct kvt_err_state *s)
+{
+	memcpy(c->err, s->text, sizeof c->err);
+	c->err_entry = s->entry;
+	c->st.errors = s->errors;
 }
 
 int kvt_err_entry(kvt_cache *c, uint32_t i, int rc)

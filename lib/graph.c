@@ -41,17 +41,23 @@ int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, v
 	 * made reads as no sequence (its slots pad and report), so the call's own result stands,
 	 * and its error text, entry and count too. */
 	if (c->graph_slots && c->ops->graph_publish) {
-		char text[sizeof c->err];
-		const int32_t entry = c->err_entry;
-		const uint64_t errors = c->st.errors;
-		memcpy(text, c->err, sizeof text);
-		if (c->ops->graph_publish(c, n, seqs, layer, stream) < 0) {
-			memcpy(c->err, text, sizeof text);
-			c->err_entry = entry;
-			c->st.errors = errors;
-		}
+		struct kvt_err_state kept;
+		kvt_err_keep(c, &kept);
+		(void)c->ops->graph_publish(c, n, seqs, layer, stream);
+		kvt_err_put(c, &kept);
 	}
 	return (int)rc;
+}
+
+void kvt_graph_touch_now(kvt_cache *c, uint32_t seq)
+{
+	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
+	if (!c->graph_slots || !c->ops->quiesce)
+		return;
+	struct kvt_err_state kept;
+	kvt_err_keep(c, &kept);
+	(void)c->ops->quiesce(c);
+	kvt_err_put(c, &kept);
 }
 
 void kvt_graph_fini(kvt_cache *c)

@@ -23,11 +23,23 @@
  * counts the failed call in kvt_stats.errors. */
 int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Rewrite the detail of an error already set on c (by kvt_seterr, so already counted: one failed
- * call counts once however often its text is wrapped) and return `code`. */
+ * call counts once however often its text is wrapped; the entry it names stays) and return
+ * `code`. */
 int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 /* The error just set (rc, from kvt_seterr) concerns entry i of the failing call's batch. */
 int kvt_err_entry(kvt_cache *c, uint32_t i, int rc);
+#define KVT_ERR_TEXT 512
+/* A cache's error state (text, entry, count), kept around a verb whose own errors do not decide
+ * the call's result (a clean-up after a failure, a best-effort sync after a success): what the
+ * verb reports is dropped, and the call's error stands as it was. */
+struct kvt_err_state {
+	char text[KVT_ERR_TEXT];
+	int32_t entry;
+	uint64_t errors;
+};
+void kvt_err_keep(const kvt_cache *c, struct kvt_err_state *s);
+void kvt_err_put(kvt_cache *c, const struct kvt_err_state *s);
 
 #define KVT_RETURN_IF(cond, c, err, ...)                                                            \
 	do {                                                                                       \
@@ -158,6 +170,10 @@ struct kvt_backend_ops;
  * cannot be made reads as no sequence (graph slots naming it pad and report). Returns rc. */
 int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, void *stream,
 		    int64_t rc);
+/* kvt_graph_touch of sequence `seq` on every layer, with no stream, its records in place when it
+ * returns (a replay on a non-blocking stream does not wait for the legacy stream). What the wait
+ * meets is dropped: the call's error state stands. */
+void kvt_graph_touch_now(kvt_cache *c, uint32_t seq);
 /* The error of a graph step's slot the device could not serve (cause: KVT_SLOT_*,
  * lib/constants.h), as kvt_seterr: -EINVAL; padded: the slot was skipped (CUDA), else
  * the call wrote nothing (cpu). */
@@ -275,7 +291,7 @@ struct kvt_cache {
 	float *corr_logits;       /* a KV head's attended logits for the score corrections */
 	size_t corr_logits_n;
 	struct kvt_corr_ls *corr_ls; /* the corrections' prediction state (lib/correct.c), or NULL */
-	char err[512];
+	char err[KVT_ERR_TEXT];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
 	bool status_new;   /* a sequence was put in error since the last batch checked for it */
 };
