@@ -20,7 +20,8 @@
  *   -ECANCELED, -EAGAIN, -EINTR, -EBUSY, -ETIMEDOUT, -ENODATA, -ENOLINK, -EREMOTEIO, -EILSEQ,
  *   -EBADE, -ETIME, -EFBIG, -EROFS, -EBADF, -EFAULT, -EOVERFLOW, -ENXIO. kvt_last_error() gives the detail.
  * - A call that fails changes nothing that the caller can observe (except the last-error text and the
- *   error counter in kvt_stats), unless its comment says otherwise.
+ *   error counter in kvt_stats, which it raises by one), unless its comment says otherwise. A call
+ *   that succeeds leaves the counter as it was.
  * - Pointers to tensors are host pointers for the CPU backend and device pointers for the CUDA
  *   backend. Tensors are dense, row-major, in the cache's dtype unless stated otherwise.
  * - Streams are `void *` (a cudaStream_t for the CUDA backend, ignored by the CPU backend).
