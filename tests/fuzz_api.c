@@ -3,7 +3,8 @@
  * Fuzz target of the public API's call sequences on the CPU backend: the first bytes of the input
  * choose a small cache configuration (layers, heads, head_dim, dtypes, window, sinks, flush batch,
  * p, budgets, sequences, a host tier small enough to fill, correction_steps from the first byte's
- * high bits, keep_weight and keep_steps from the head_dim byte's, rescore_p from the p byte's), the
+ * high bits, keep_weight and keep_steps from the head_dim byte's, rescore_p from the p byte's,
+ * allocation faults from the host tier byte's), the
  * rest a sequence of at most 64 calls (open, close, prefill, append, attend, select
  * and gather, length, stats, layer stats, spill and restore, truncate, fork, read_rows and
  * write_rows with or without a kvt_rows_layout, extend with or without a kvt_io_layout, and the
@@ -18,7 +19,8 @@
  * size the header gives for the strides used: the extent of a strided view, of the largest slot
  * of a mapping; layout structs allocated at the size they claim); every call returns success or a
  * code of the header's list, with a kvt_last_error text when it fails; a layout the header's rules
- * refuse is refused; a call that fails changes no sequence's length on any layer, and one that
+ * refuse is refused; every call counts one error in kvt_stats.errors when it fails and none when it
+ * succeeds; a call that fails changes no sequence's length on any layer, and one that
  * succeeds changes exactly the lengths it should (prefill, append, extend and write_rows add their
  * rows, truncate by n gives length - n on every layer, a fork's child gets the parent's lengths and
  * seqs_open grows by one); read_rows returns to - from, a failed read writes nothing of k and v,
@@ -26,7 +28,9 @@
  * rows written read back bit for bit; an out view gets nothing outside its (token, head) rows,
  * and nothing at all from a failed call when it is not dense; a gather's counts fit max_tokens,
  * sum to its return value, and give ascending positions within the sequence; after
- * kvt_cache_destroy no allocation is live.
+ * kvt_cache_destroy no allocation is live. With allocation faults on (a configuration byte's
+ * bits), an op byte may make its call's n-th allocation fail (n <= 32): the call must keep every
+ * property above, failing with -ENOMEM or not.
  *
 
  * fuzz_api.c holds the configuration, the input bytes, the basic calls (open, close, prefill,
@@ -62,7 +66,8 @@ static int documented(int64_t rc)
 	       rc == -ENOENT || rc == -E2BIG;
 }
 
-void check_rc(struct fz *z, const char *call, int64_t rc)
+/* Abort unless rc is success or a code of the header's list with a kvt_last_error text. */
+static void check_rc(struct fz *z, const char *call, int64_t rc)
 {
 	if (rc >= 0)
 		return;
@@ -70,6 +75,32 @@ void check_rc(struct fz *z, const char *call, int64_t rc)
 	      (long long)rc, kvt_strerror((int)rc));
 	const char *m = kvt_last_error(z->c);
 	CHECK(m && m[0], "%s returned %lld without a kvt_last_error text", call, (long long)rc);
+}
+
+static uint64_t errors_now(struct fz *z)
+{
+	kvt_stats st = {.size = sizeof st};
+	CHECK(kvt_get_stats(z->c, &st) == 0, "kvt_get_stats failed: %s", kvt_last_error(z->c));
+	return st.errors;
+}
+
+uint64_t call_begin(struct fz *z)
+{
+	const uint64_t errors = errors_now(z);
+	kvt_mem_fail_at(z->fail_at);
+	return errors;
+}
+
+int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
+{
+	kvt_mem_fail_at(0);
+	z->fail_at = 0;
+	check_rc(z, call, rc);
+	const uint64_t counted = errors_now(z) - errors0;
+	CHECK(counted == (rc < 0), "%s returned %lld and counted %llu errors in kvt_stats.errors, "
+	      "wanted %d (\"%s\")", call, (long long)rc, (unsigned long long)counted, rc < 0,
+	      rc < 0 ? kvt_last_error(z->c) : "");
+	return rc;
 }
 
 /* Truncating conversions (any rounding will do for fuzz inputs). */
@@ -136,8 +167,7 @@ static void do_prefill(struct fz *z, struct in *in)
 			 : NULL;
 	void *k = values(z, kvn, mode), *v = values(z, kvn, 0);
 	int64_t before = length(z, seq, layer);
-	int rc = kvt_prefill(z->c, seq, layer, q, k, v, n, NULL);
-	check_rc(z, "kvt_prefill", rc);
+	int rc = (int)FZ_CALL(z, "kvt_prefill", kvt_prefill(z->c, seq, layer, q, k, v, n, NULL));
 	if (rc < 0)
 		CHECK(length(z, seq, layer) == before, "a failed prefill (%d) changed the length of %u "
 		      "on layer %u from %lld to %lld", rc, seq, layer, (long long)before,
@@ -165,8 +195,7 @@ static void do_append(struct fz *z, struct in *in)
 	int64_t before[MAXS];
 	for (uint32_t i = 0; i < n; i++)
 		before[i] = length(z, seqs[i], layer);
-	int rc = kvt_append(z->c, layer, n, seqs, k, v, NULL);
-	check_rc(z, "kvt_append", rc);
+	int rc = (int)FZ_CALL(z, "kvt_append", kvt_append(z->c, layer, n, seqs, k, v, NULL));
 	for (uint32_t i = 0; rc < 0 && i < n; i++)
 		CHECK(length(z, seqs[i], layer) == before[i], "a failed append (%d) changed the length "
 		      "of %u on layer %u", rc, seqs[i], layer);
@@ -181,13 +210,12 @@ static void do_attend(struct fz *z, struct in *in, int split)
 	void *q = values(z, (size_t)n * z->cfg.n_q_heads * z->cfg.head_dim, mode & 3 ? mode : 0);
 	if (!split) {
 		void *out = malloc((size_t)n * z->cfg.n_q_heads * z->cfg.head_dim * z->osz);
-		check_rc(z, "kvt_attend", kvt_attend(z->c, layer, n, seqs, q, out, NULL));
+		(void)FZ_CALL(z, "kvt_attend", kvt_attend(z->c, layer, n, seqs, q, out, NULL));
 		free(out);
 		free(q);
 		return;
 	}
-	int rc = kvt_select(z->c, layer, n, seqs, q, NULL);
-	check_rc(z, "kvt_select", rc);
+	int rc = (int)FZ_CALL(z, "kvt_select", kvt_select(z->c, layer, n, seqs, q, NULL));
 	free(q);
 	/* max_tokens: the selection's, or less (must be refused), or more */
 	uint8_t how = byte(in);
@@ -205,8 +233,8 @@ static void do_attend(struct fz *z, struct in *in, int split)
 		k = malloc(rows * z->esz);
 		v = malloc(rows * z->esz);
 	}
-	int g = kvt_gather(z->c, layer, n, seqs, mt, counts, pos, k, v, NULL);
-	check_rc(z, "kvt_gather", g);
+	int g = (int)FZ_CALL(z, "kvt_gather",
+			     kvt_gather(z->c, layer, n, seqs, mt, counts, pos, k, v, NULL));
 	if (g >= 0) {
 		int64_t sum = 0;
 		for (size_t i = 0; i < pairs; i++) {
@@ -236,13 +264,13 @@ static void do_stats(struct fz *z, struct in *in)
 		kvt_layer_stats ls;
 		memset(&ls, 0, sizeof ls);
 		ls.size = sizeof ls;
-		check_rc(z, "kvt_get_layer_stats",
-			 kvt_get_layer_stats(z->c, (uint32_t)(b >> 1) % (z->cfg.n_layers + 1), &ls));
+		(void)FZ_CALL(z, "kvt_get_layer_stats",
+			      kvt_get_layer_stats(z->c, (uint32_t)(b >> 1) % (z->cfg.n_layers + 1), &ls));
 	} else {
 		kvt_stats st;
 		memset(&st, 0, sizeof st);
 		st.size = sizeof st;
-		check_rc(z, "kvt_get_stats", kvt_get_stats(z->c, &st));
+		(void)FZ_CALL(z, "kvt_get_stats", kvt_get_stats(z->c, &st));
 	}
 }
 
@@ -305,18 +333,23 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 
 static void step(struct fz *z, struct in *in)
 {
-	uint8_t op = byte(in) % 17;
-	uint32_t s;
+	/* the op byte's quotient by 17, which picks no op: with faults on, 8..15 make the next
+	 * checked call fail its n-th allocation */
+	static const uint8_t nth[8] = {1, 2, 3, 4, 6, 10, 16, 32};
+	const uint8_t ob = byte(in), op = ob % 17;
+	if (z->faults && ob / 17 >= 8)
+		z->fail_at = nth[ob / 17 - 8];
+	uint32_t s, layer;
 	int rc;
 	switch (op) {
 	case 0:
-		rc = kvt_seq_open(z->c, &s);
-		check_rc(z, "kvt_seq_open", rc);
+		rc = (int)FZ_CALL(z, "kvt_seq_open", kvt_seq_open(z->c, &s));
 		if (rc == 0 && z->n_ids < 8)
 			z->ids[z->n_ids++] = s;
 		break;
 	case 1:
-		check_rc(z, "kvt_seq_close", kvt_seq_close(z->c, pick_seq(z, in)));
+		s = pick_seq(z, in);
+		(void)FZ_CALL(z, "kvt_seq_close", kvt_seq_close(z->c, s));
 		break;
 	case 2: case 3:
 		do_prefill(z, in);
@@ -332,15 +365,16 @@ static void step(struct fz *z, struct in *in)
 		break;
 	case 7:
 		s = pick_seq(z, in);
-		check_rc(z, "kvt_seq_length", length(z, s, byte(in) % (z->cfg.n_layers + 1)));
+		layer = byte(in) % (z->cfg.n_layers + 1);
+		(void)FZ_CALL(z, "kvt_seq_length", length(z, s, layer));
 		break;
 	case 8:
 		do_stats(z, in);
 		break;
 	case 9:
 		s = pick_seq(z, in);
-		check_rc(z, "kvt_seq_spill", kvt_seq_spill(z->c, s));
-		check_rc(z, "kvt_seq_restore", kvt_seq_restore(z->c, s));
+		(void)FZ_CALL(z, "kvt_seq_spill", kvt_seq_spill(z->c, s));
+		(void)FZ_CALL(z, "kvt_seq_restore", kvt_seq_restore(z->c, s));
 		break;
 	case 10:
 		do_truncate(z, in);
@@ -407,7 +441,10 @@ static void configure(struct fz *z, struct in *in)
 	c.budget_min = bmin[b % 4];
 	c.budget_max = b & 4 ? 96 : 0;
 	c.max_seqs = 1 + (b >> 3) % MAXS;
-	c.host_bytes = (uint64_t)(1 + byte(in) % 16) << 18; /* 256 KiB .. 4 MiB */
+	/* 256 KiB .. 4 MiB of host tier; the byte's high nibble 13..15 turns allocation faults on */
+	const uint8_t tb = byte(in);
+	c.host_bytes = (uint64_t)(1 + tb % 16) << 18;
+	z->faults = tb >> 4 >= 13;
 	z->cfg = c;
 	z->esz = 2;
 	z->osz = c.out_dtype == KVT_DTYPE_F32 ? 4 : 2;

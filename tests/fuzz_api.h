@@ -8,6 +8,7 @@
 #ifndef KVT_TESTS_FUZZ_API_H
 #define KVT_TESTS_FUZZ_API_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -45,10 +46,22 @@ struct fz {
 	uint32_t ids[8];   /* ids handed out (open or closed) and a few never handed out */
 	uint32_t n_ids;
 	uint64_t rng;
+	uint64_t fail_at; /* the allocation the next checked call is made to fail (1-based), 0: none */
+	bool faults;      /* the configuration turned allocation faults on */
 };
 
-/* Abort unless rc is success or a code of the header's list with a kvt_last_error text. */
-void check_rc(struct fz *z, const char *call, int64_t rc);
+/* Right before a library call: its kvt_stats.errors, and z->fail_at armed. */
+uint64_t call_begin(struct fz *z);
+/* Right after it: disarm z->fail_at, and abort unless rc is success or a code of the header's
+ * list with a kvt_last_error text, and unless the call counted one error in kvt_stats.errors
+ * when it failed and none when it succeeded (errors0: call_begin's); returns rc. */
+int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc);
+/* Make the library call `expr` between call_begin and check_call; its result. */
+#define FZ_CALL(z, call, expr)                                                                     \
+	__extension__({                                                                            \
+		const uint64_t fz_errors0_ = call_begin(z);                                        \
+		check_call((z), (call), fz_errors0_, (expr));                                      \
+	})
 
 /* Elements of n values in the cache's dtype: normal-ish, large, zero, or with one NaN/infinity. */
 void *values(struct fz *z, size_t n, uint8_t mode);

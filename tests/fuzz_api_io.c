@@ -178,12 +178,13 @@ void do_compute_at(struct fz *z, struct in *in)
 	}
 	struct snap want;
 	snap(z, &want);
+	const uint64_t errors0 = call_begin(z);
 	int rc = which == 0 ? kvt_prefill_at(z->c, seq, layer, io.t[0], io.t[1], io.t[2], n, io.plo,
 					     NULL)
 		 : which == 1 ? kvt_append_at(z->c, layer, n, seqs, io.t[1], io.t[2], io.plo, NULL)
 		 : which == 2 ? kvt_attend_at(z->c, layer, n, seqs, io.t[0], io.t[3], io.plo, NULL)
 			      : kvt_select_at(z->c, layer, n, seqs, io.t[0], io.plo, NULL);
-	check_rc(z, name[which], rc);
+	check_call(z, name[which], errors0, rc);
 	if (!io.ok)
 		CHECK(rc < 0, "%s accepted a layout the header refuses (returned %d)", name[which],
 		      rc);
@@ -232,11 +233,12 @@ void do_extend(struct fz *z, struct in *in)
 	struct snap want;
 	snap(z, &want);
 	const char *call = at & 1 ? "kvt_extend_at" : "kvt_extend";
+	const uint64_t errors0 = call_begin(z);
 	int rc = at & 1 ? kvt_extend_at(z->c, layer, n, seqs, cu, io.t[0], io.t[1], io.t[2], io.t[3],
 					flags, io.plo, NULL)
 			: kvt_extend(z->c, layer, n, seqs, cu, io.t[0], io.t[1], io.t[2], io.t[3],
 				     flags, NULL);
-	check_rc(z, call, rc);
+	check_call(z, call, errors0, rc);
 	CHECK(rc <= 0, "%s returned %d", call, rc);
 	if (!io.ok)
 		CHECK(rc < 0, "%s accepted a layout the header refuses (returned %d)", call, rc);
@@ -259,7 +261,7 @@ void do_attend_graph(struct fz *z, struct in *in)
 	const uint8_t b = byte(in);
 	if (b & 1) {
 		const uint32_t slots = (b >> 1) % 9, tokens = (uint32_t)byte(in) * 8;
-		check_rc(z, "kvt_graph_reserve", kvt_graph_reserve(z->c, slots, tokens, NULL));
+		(void)FZ_CALL(z, "kvt_graph_reserve", kvt_graph_reserve(z->c, slots, tokens, NULL));
 		return;
 	}
 	uint32_t seqs[MAXS];
@@ -296,8 +298,8 @@ void do_attend_graph(struct fz *z, struct in *in)
 	memset(out, 0xa5, ns * orow);
 	struct snap before, after;
 	snap(z, &before);
-	const int rc = kvt_attend_graph(z->c, layer, &gb, q, out, NULL);
-	check_rc(z, "kvt_attend_graph", rc);
+	const int rc = (int)FZ_CALL(z, "kvt_attend_graph", kvt_attend_graph(z->c, layer, &gb, q, out,
+									       NULL));
 	snap(z, &after);
 	expect(z, &before, "kvt_attend_graph", rc);
 	if (rc == 0) {

@@ -28,8 +28,7 @@ void do_truncate(struct fz *z, struct in *in)
 		   : b & 4 ? UINT32_MAX : (uint32_t)lo - b / 8 % 4;
 	struct snap want;
 	snap(z, &want);
-	int rc = kvt_seq_truncate(z->c, seq, n, NULL);
-	check_rc(z, "kvt_seq_truncate", rc);
+	int rc = (int)FZ_CALL(z, "kvt_seq_truncate", kvt_seq_truncate(z->c, seq, n, NULL));
 	CHECK(rc <= 0, "kvt_seq_truncate returned %d", rc);
 	if (rc == 0)
 		grow(z, &want, seq, UINT32_MAX, -(int64_t)n);
@@ -45,8 +44,8 @@ void do_fork(struct fz *z, struct in *in)
 	kvt_stats st = {.size = sizeof st};
 	CHECK(kvt_get_stats(z->c, &st) == 0, "kvt_get_stats failed");
 	uint64_t open = st.seqs_open;
-	int rc = kvt_seq_fork(z->c, parent, b % 32 == 0 ? NULL : &child, NULL);
-	check_rc(z, "kvt_seq_fork", rc);
+	int rc = (int)FZ_CALL(z, "kvt_seq_fork",
+			      kvt_seq_fork(z->c, parent, b % 32 == 0 ? NULL : &child, NULL));
 	CHECK(rc <= 0, "kvt_seq_fork returned %d", rc);
 	if (b % 32 == 0)
 		CHECK(rc < 0, "kvt_seq_fork with a NULL child returned %d", rc);
@@ -240,10 +239,11 @@ void do_read_rows(struct fz *z, struct in *in)
 	void *lo = how & 1 && !r.null ? sized(&r.lo, sizeof r.lo, r.lo.size) : NULL;
 	struct snap want;
 	snap(z, &want);
+	const uint64_t errors0 = call_begin(z);
 	int rc = how & 1 ? kvt_seq_read_rows_at(z->c, seq, layer, from, to, k, v, lo, NULL)
 			 : kvt_seq_read_rows(z->c, seq, layer, from, to, k, v, NULL);
 	const char *call = how & 1 ? "kvt_seq_read_rows_at" : "kvt_seq_read_rows";
-	check_rc(z, call, rc);
+	check_call(z, call, errors0, rc);
 	expect(z, &want, call, rc);
 	if (how & 1 && !r.ok)
 		CHECK(rc < 0, "%s accepted a layout the header refuses (returned %d)", call, rc);
@@ -297,10 +297,11 @@ void do_write_rows(struct fz *z, struct in *in)
 	void *lo = how & 1 && !r.null ? sized(&r.lo, sizeof r.lo, r.lo.size) : NULL;
 	struct snap want;
 	snap(z, &want);
+	const uint64_t errors0 = call_begin(z);
 	int rc = how & 1 ? kvt_seq_write_rows_at(z->c, seq, layer, from, to, k, v, lo, NULL)
 			 : kvt_seq_write_rows(z->c, seq, layer, from, to, k, v, NULL);
 	const char *call = how & 1 ? "kvt_seq_write_rows_at" : "kvt_seq_write_rows";
-	check_rc(z, call, rc);
+	check_call(z, call, errors0, rc);
 	if (how & 1 && !r.ok)
 		CHECK(rc < 0, "%s accepted a layout the header refuses (returned %d)", call, rc);
 	if (rc >= 0) {
