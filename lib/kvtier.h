@@ -390,7 +390,8 @@ KVT_API int64_t kvt_seq_length(kvt_cache *cache, uint32_t seq, uint32_t layer);
  * -ENOMEM; with KVT_SPILL_LRU also the I/O errors of the automatic spill (-EIO, -ECANCELED, ...).
  * A failed call changes nothing: with KVT_SPILL_LRU no sequence is spilled when spilling all the
  * candidates could not make the room, and the victims of a call that fails after spilling are read
- * back (their residency and the spill counters as before).
+ * back (their residency and the spill counters as before). Only a victim whose read-back fails too
+ * stays spilled, its NVMe copy valid (the text says so, and the spill counters count it).
  * CUDA backend: asynchronous on `stream`; the chunk is indexed on a low-priority stream of the cache
  * that the layer's next call waits for on the device. Keys are not inspected on the host: a
  * non-finite key gets a finite (meaningless) index entry, and in the first chunk it makes the

@@ -4,7 +4,7 @@
  * choose a small cache configuration (layers, heads, head_dim, dtypes, window, sinks, flush batch,
  * p, budgets, sequences, a host tier small enough to fill, correction_steps from the first byte's
  * high bits, keep_weight and keep_steps from the head_dim byte's, rescore_p from the p byte's,
- * allocation faults from the host tier byte's), the
+ * allocation faults and an NVMe tier with or without KVT_SPILL_LRU from the host tier byte's), the
  * rest a sequence of at most 64 calls (open, close, prefill, append, attend, select
  * and gather, length, stats, layer stats, spill and restore, truncate, fork, read_rows and
  * write_rows with or without a kvt_rows_layout, extend with or without a kvt_io_layout, and the
@@ -28,9 +28,11 @@
  * rows written read back bit for bit; an out view gets nothing outside its (token, head) rows,
  * and nothing at all from a failed call when it is not dense; a gather's counts fit max_tokens,
  * sum to its return value, and give ascending positions within the sequence; after
- * kvt_cache_destroy no allocation is live. With allocation faults on (a configuration byte's
- * bits), an op byte may make its call's n-th allocation fail (n <= 32): the call must keep every
- * property above, failing with -ENOMEM or not.
+ * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
+ * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
+ * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
+ * property above, whether it fails or not (with an NVMe tier any code of the header's list is
+ * accepted).
  *
 
  * fuzz_api.c holds the configuration, the input bytes, the basic calls (open, close, prefill,
@@ -42,16 +44,20 @@
  * (fuzz_replay.h) replays tests/fuzz_corpus/api/ under meson test.
  */
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fuzz_api.h"
 #include "host/alloc.h"
-#include "lib/constants.h" /* KVT_MAX_KEEP_STEPS */
+#include "host/nvme_store.h" /* kvt_nvme_available, kvt_nvme_set_cqe_hook */
+#include "lib/constants.h"   /* KVT_MAX_KEEP_STEPS */
+#include "lib/internal.h"    /* the cache's store, for the completion hook */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -60,8 +66,12 @@ uint8_t byte(struct in *in)
 	return in->at < in->n ? in->p[in->at++] : 0;
 }
 
-static int documented(int64_t rc)
+/* The codes a call may return: without an NVMe tier the argument and capacity codes; with one,
+ * any of the header's list (an I/O completion's own code is passed on). */
+static int documented(const struct fz *z, int64_t rc)
 {
+	if (z->cfg.n_nvme)
+		return strcmp(kvt_strerror((int)rc), "unknown error code") != 0;
 	return rc == -EINVAL || rc == -ENOMEM || rc == -ENOSPC || rc == -EOPNOTSUPP ||
 	       rc == -ENOENT || rc == -E2BIG;
 }
@@ -71,7 +81,7 @@ static void check_rc(struct fz *z, const char *call, int64_t rc)
 {
 	if (rc >= 0)
 		return;
-	CHECK(documented(rc), "%s returned %lld (%s), not a code of the header's list", call,
+	CHECK(documented(z, rc), "%s returned %lld (%s), not a code of the header's list", call,
 	      (long long)rc, kvt_strerror((int)rc));
 	const char *m = kvt_last_error(z->c);
 	CHECK(m && m[0], "%s returned %lld without a kvt_last_error text", call, (long long)rc);
@@ -82,6 +92,24 @@ static uint64_t errors_now(struct fz *z)
 	kvt_stats st = {.size = sizeof st};
 	CHECK(kvt_get_stats(z->c, &st) == 0, "kvt_get_stats failed: %s", kvt_last_error(z->c));
 	return st.errors;
+}
+
+/* The completion shim: the io_fail_at-th completion since it was armed fails with -EIO. */
+static int io_fault(void *ctx, uint64_t nth, int res)
+{
+	struct fz *z = ctx;
+	if (nth != z->io_fail_at || res < 0)
+		return res;
+	z->io_fired = true;
+	return -EIO;
+}
+
+/* Arm the n-th NVMe completion from now to fail, in whichever later call makes it. */
+static void arm_io_fault(struct fz *z, uint64_t n)
+{
+	z->io_fail_at = n;
+	z->io_fired = false;
+	kvt_nvme_set_cqe_hook(z->c->nvme, io_fault, z);
 }
 
 uint64_t call_begin(struct fz *z)
@@ -95,6 +123,11 @@ int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
 {
 	kvt_mem_fail_at(0);
 	z->fail_at = 0;
+	if (z->io_fired) {
+		kvt_nvme_set_cqe_hook(z->c->nvme, NULL, NULL);
+		z->io_fail_at = 0;
+		z->io_fired = false;
+	}
 	check_rc(z, call, rc);
 	const uint64_t counted = errors_now(z) - errors0;
 	CHECK(counted == (rc < 0), "%s returned %lld and counted %llu errors in kvt_stats.errors, "
@@ -161,6 +194,10 @@ static void do_prefill(struct fz *z, struct in *in)
 {
 	uint32_t seq = pick_seq(z, in), layer = byte(in) % (z->cfg.n_layers + 1);
 	uint32_t n = byte(in) % (MAXT + 1);
+	/* with an NVMe tier, chunks up to 8 x MAXT tokens: only full indexed blocks (256 tokens)
+	 * spill, so that spills, LRU victims and reads of spilled rows happen */
+	if (z->cfg.n_nvme)
+		n *= 8;
 	uint8_t mode = byte(in), with_q = byte(in) & 1;
 	size_t kvn = (size_t)(n ? n : 1) * z->cfg.n_kv_heads * z->cfg.head_dim;
 	void *q = with_q ? values(z, (size_t)(n ? n : 1) * z->cfg.n_q_heads * z->cfg.head_dim, mode)
@@ -334,11 +371,14 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 static void step(struct fz *z, struct in *in)
 {
 	/* the op byte's quotient by 17, which picks no op: with faults on, 8..15 make the next
-	 * checked call fail its n-th allocation */
+	 * checked call fail its n-th allocation, and with an NVMe tier 4..7 the n-th I/O completion
+	 * from now fail, in whichever call makes it */
 	static const uint8_t nth[8] = {1, 2, 3, 4, 6, 10, 16, 32};
-	const uint8_t ob = byte(in), op = ob % 17;
-	if (z->faults && ob / 17 >= 8)
-		z->fail_at = nth[ob / 17 - 8];
+	const uint8_t ob = byte(in), op = ob % 17, q = ob / 17;
+	if (z->faults && q >= 8)
+		z->fail_at = nth[q - 8];
+	else if (z->faults && z->cfg.n_nvme && q >= 4)
+		arm_io_fault(z, nth[(q - 4) * 2]);
 	uint32_t s, layer;
 	int rc;
 	switch (op) {
@@ -441,24 +481,74 @@ static void configure(struct fz *z, struct in *in)
 	c.budget_min = bmin[b % 4];
 	c.budget_max = b & 4 ? 96 : 0;
 	c.max_seqs = 1 + (b >> 3) % MAXS;
-	/* 256 KiB .. 4 MiB of host tier; the byte's high nibble 13..15 turns allocation faults on */
+	/* 256 KiB .. 4 MiB of host tier; the byte's high nibble turns on allocation (and I/O)
+	 * faults and an NVMe tier of one 4 MiB file with or without KVT_SPILL_LRU (setup_nvme);
+	 * none of the seeds before these existed had 5..9 or 12 there */
+	enum { F = 1, N = 2, L = 4 };
+	static const uint8_t mode[16] = {0, 0, 0, 0, 0, N, N | L, N | F, N | L | F, N | L | F,
+					 0, 0, N | L, F, F, F};
 	const uint8_t tb = byte(in);
 	c.host_bytes = (uint64_t)(1 + tb % 16) << 18;
-	z->faults = tb >> 4 >= 13;
+	z->faults = mode[tb >> 4] & F;
+	z->nvme = mode[tb >> 4] & N;
+	c.spill_policy = mode[tb >> 4] & L ? KVT_SPILL_LRU : KVT_SPILL_NONE;
 	z->cfg = c;
 	z->esz = 2;
 	z->osz = c.out_dtype == KVT_DTYPE_F32 ? 4 : 2;
+}
+
+/* Open descriptors of this process. */
+static int fd_count(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	int n = 0;
+	if (!d)
+		return -1;
+	while (readdir(d))
+		n++;
+	closedir(d);
+	return n;
+}
+
+/* The NVMe tier the configuration asked for: one fresh 4 MiB file in $KVT_TEST_DIR, else $TMPDIR,
+ * else /tmp (removed once the cache holds it), a 1 MiB block cache. Where io_uring is refused the
+ * input runs without the tier. */
+static void setup_nvme(struct fz *z, char *path, size_t n)
+{
+	struct kvt_err why;
+	if (!z->nvme || !kvt_nvme_available(&why)) {
+		z->cfg.spill_policy = KVT_SPILL_NONE;
+		return;
+	}
+	const char *dir = getenv("KVT_TEST_DIR");
+	if (!dir || !dir[0])
+		dir = getenv("TMPDIR");
+	snprintf(path, n, "%s/kvt-fuzz-api-XXXXXX", dir && dir[0] ? dir : "/tmp");
+	const int fd = mkstemp(path);
+	CHECK(fd >= 0, "mkstemp(%s): %s", path, strerror(errno));
+	close(fd);
+	z->nvme_path = path;
+	z->nvme_bytes = (uint64_t)4 << 20;
+	z->cfg.n_nvme = 1;
+	z->cfg.nvme_paths = &z->nvme_path;
+	z->cfg.nvme_bytes = &z->nvme_bytes;
+	z->cfg.nvme_cache_bytes = (uint64_t)1 << 20;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct in in = {data, size, 0};
 	struct fz z;
+	char path[4096];
 	memset(&z, 0, sizeof z);
 	configure(&z, &in);
 	z.rng = 0x9e3779b97f4a7c15ull ^ size;
 	int64_t live = kvt_mem_live();
+	const int fds = fd_count();
+	setup_nvme(&z, path, sizeof path);
 	int rc = kvt_cache_create(&z.cfg, &z.c);
+	if (z.cfg.n_nvme)
+		unlink(path);
 	CHECK(rc == 0, "kvt_cache_create of a valid configuration: %d (%s)", rc,
 	      kvt_last_error(NULL));
 	/* a few ids that were never handed out */
@@ -468,6 +558,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	kvt_cache_destroy(z.c);
 	CHECK(kvt_mem_live() == live, "live allocations %lld after destroy, %lld before",
 	      (long long)kvt_mem_live(), (long long)live);
+	CHECK(fd_count() == fds, "%d descriptors open after destroy, %d before", fd_count(), fds);
 	return 0;
 }
 

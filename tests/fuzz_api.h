@@ -47,7 +47,12 @@ struct fz {
 	uint32_t n_ids;
 	uint64_t rng;
 	uint64_t fail_at; /* the allocation the next checked call is made to fail (1-based), 0: none */
-	bool faults;      /* the configuration turned allocation faults on */
+	uint64_t io_fail_at; /* the NVMe completion (counted from when it was armed) made to fail */
+	bool io_fired;       /* and it has failed, in the call now checked */
+	bool faults;      /* the configuration turned allocation (and I/O) faults on */
+	bool nvme;        /* and asked for an NVMe tier */
+	const char *nvme_path;
+	uint64_t nvme_bytes;
 };
 
 /* Right before a library call: its kvt_stats.errors, and z->fail_at armed. */
