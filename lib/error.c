@@ -7,10 +7,10 @@
 #include "internal.h"
 
 /* Detail of the last failed kvt_cache_create, per thread: there is no cache to hold it yet. */
-static _Thread_local char create_err[512];
+static _Thread_local char create_err[KVT_ERR_TEXT];
 
-__attribute__((format(printf, 4, 0)))
-static int set_text(kvt_cache *c, int code, bool count, const char *fmt, va_list ap)
+__attribute__((format(printf, 3, 0)))
+static void set_text(kvt_cache *c, bool count, const char *fmt, va_list ap)
 {
 	char *buf = c ? c->err : create_err;
 	size_t cap = c ? sizeof c->err : sizeof create_err;
@@ -19,14 +19,13 @@ static int set_text(kvt_cache *c, int code, bool count, const char *fmt, va_list
 		c->st.errors++;
 		c->err_entry = -1;
 	}
-	return code;
 }
 
 int kvt_seterr(kvt_cache *c, int code, const char *fmt, ...)
 {
 	va_list ap;
 	va_start(ap, fmt);
-	set_text(c, code, true, fmt, ap);
+	set_text(c, true, fmt, ap);
 	va_end(ap);
 	return code;
 }
@@ -35,7 +34,7 @@ int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
 {
 	va_list ap;
 	va_start(ap, fmt);
-	set_text(c, code, false, fmt, ap);
+	set_text(c, false, fmt, ap);
 	va_end(ap);
 	return code;
 }

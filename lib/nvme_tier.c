@@ -477,11 +477,11 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 	}
 	c->st.spills = m->spills + stayed;
 	c->st.auto_spills = m->auto_spills + stayed;
-	if (stayed)
-		return kvt_err_wrap(c, rc, "%s; then reading back seq %u failed too (%u sequence(s) "
-				    "spilled to make room stay spilled, their NVMe copies valid): %.200s",
-				    why, first, stayed, first_err.msg);
-	return kvt_err_wrap(c, rc, "%s", why);
+	if (!stayed)
+		return rc; /* read_back reports through e: the call's text is as it was */
+	return kvt_err_wrap(c, rc, "%s; then reading back seq %u failed too (%u sequence(s) spilled "
+			    "to make room stay spilled, their NVMe copies valid): %.200s", why, first,
+			    stayed, first_err.msg);
 }
 
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
