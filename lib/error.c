@@ -12,6 +12,8 @@ static _Thread_local char create_err[KVT_ERR_TEXT];
 __attribute__((format(printf, 3, 0)))
 static void set_text(kvt_cache *c, bool count, const char *fmt, va_list ap)
 {
+	if (c && c->err_mute)
+		return;
 	char *buf = c ? c->err : create_err;
 	size_t cap = c ? sizeof c->err : sizeof create_err;
 	vsnprintf(buf, cap, fmt, ap);
@@ -39,23 +41,15 @@ int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
 	return code;
 }
 
-void kvt_err_keep(const kvt_cache *c, struct kvt_err_state *s)
+void kvt_err_mute(kvt_cache *c, bool on)
 {
-	memcpy(s->text, c->err, sizeof s->text);
-	s->entry = c->err_entry;
-	s->errors = c->st.errors;
-}
-
-void kvt_err_put(kvt_cache *c, const struct kvt_err_state *s)
-{
-	memcpy(c->err, s->text, sizeof c->err);
-	c->err_entry = s->entry;
-	c->st.errors = s->errors;
+	c->err_mute += on ? 1u : (uint32_t)-1;
 }
 
 int kvt_err_entry(kvt_cache *c, uint32_t i, int rc)
 {
-	c->err_entry = (int32_t)i;
+	if (!c->err_mute)
+		c->err_entry = (int32_t)i;
 	return rc;
 }
 

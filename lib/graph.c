@@ -41,10 +41,9 @@ int kvt_graph_touch(kvt_cache *c, uint32_t n, const uint32_t *seqs, int layer, v
 	 * made reads as no sequence (its slots pad and report), so the call's own result stands,
 	 * and its error text, entry and count too. */
 	if (c->graph_slots && c->ops->graph_publish) {
-		struct kvt_err_state kept;
-		kvt_err_keep(c, &kept);
+		kvt_err_mute(c, true);
 		(void)c->ops->graph_publish(c, n, seqs, layer, stream);
-		kvt_err_put(c, &kept);
+		kvt_err_mute(c, false);
 	}
 	return (int)rc;
 }
@@ -54,10 +53,9 @@ void kvt_graph_touch_now(kvt_cache *c, uint32_t seq)
 	kvt_graph_touch(c, 1, &seq, -1, NULL, 0);
 	if (!c->graph_slots || !c->ops->quiesce)
 		return;
-	struct kvt_err_state kept;
-	kvt_err_keep(c, &kept);
+	kvt_err_mute(c, true);
 	(void)c->ops->quiesce(c);
-	kvt_err_put(c, &kept);
+	kvt_err_mute(c, false);
 }
 
 void kvt_graph_fini(kvt_cache *c)

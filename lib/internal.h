@@ -30,16 +30,11 @@ int kvt_err_wrap(kvt_cache *c, int code, const char *fmt, ...)
 /* The error just set (rc, from kvt_seterr) concerns entry i of the failing call's batch. */
 int kvt_err_entry(kvt_cache *c, uint32_t i, int rc);
 #define KVT_ERR_TEXT 512
-/* A cache's error state (text, entry, count), kept around a verb whose own errors do not decide
- * the call's result (a clean-up after a failure, a best-effort sync after a success): what the
- * verb reports is dropped, and the call's error stands as it was. */
-struct kvt_err_state {
-	char text[KVT_ERR_TEXT];
-	int32_t entry;
-	uint64_t errors;
-};
-void kvt_err_keep(const kvt_cache *c, struct kvt_err_state *s);
-void kvt_err_put(kvt_cache *c, const struct kvt_err_state *s);
+/* Around a verb whose own errors do not decide the call's result (a clean-up after a failure, a
+ * best-effort sync after a success): between kvt_err_mute(c, true) and kvt_err_mute(c, false),
+ * kvt_seterr, kvt_err_wrap and kvt_err_entry record nothing on c (text, entry, count), so the
+ * call's error stands as it was. */
+void kvt_err_mute(kvt_cache *c, bool on);
 
 #define KVT_RETURN_IF(cond, c, err, ...)                                                            \
 	do {                                                                                       \
@@ -293,6 +288,7 @@ struct kvt_cache {
 	struct kvt_corr_ls *corr_ls; /* the corrections' prediction state (lib/correct.c), or NULL */
 	char err[KVT_ERR_TEXT];
 	int32_t err_entry; /* kvt_last_error_entry: the failed batch call's entry, or -1 */
+	uint32_t err_mute; /* kvt_err_mute depth: > 0, errors are not recorded */
 	bool status_new;   /* a sequence was put in error since the last batch checked for it */
 };
 

@@ -142,15 +142,14 @@ static int undo_grow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 {
 	/* queued device work may still write the grown blocks: drained before they are reused
 	 * (its own error, on a device that failed already, adds nothing to rc) */
-	struct kvt_err_state kept; /* rc's text stands: what the clean-up meets adds nothing to it */
-	kvt_err_keep(c, &kept);
+	kvt_err_mute(c, true); /* rc's text stands: what the clean-up meets adds nothing to it */
 	if (c->ops->quiesce)
 		(void)c->ops->quiesce(c);
 	kvt_layers_ungrow(c, n, ls);
 	/* and the backend's window copies (a stored chunk may have written over slots of theirs) */
 	for (uint32_t i = 0; i < n && c->ops->rewind; i++)
 		(void)c->ops->rewind(c, ls[i], stream);
-	kvt_err_put(c, &kept);
+	kvt_err_mute(c, false);
 	return kvt_tier_undo(c, m, rc);
 }
 
