@@ -279,11 +279,72 @@ static void test_failed_prefill_retry(void **state)
 	free(v);
 }
 
+/*
+ * A growth whose first heads fit in the mapped extent and whose next head needs a new one: when
+ * mapping it fails, the heads already served give their blocks back (layer.c), so the host tier's
+ * use is as before the call. 3 heads of head_dim 256: a block is 256 KiB, an extent 256 blocks;
+ * 85 blocks per head leave one free, which head 0 of the next block takes.
+ */
+static void test_grow_across_extents(void **state)
+{
+	(void)state;
+	enum { H = 3, DD = 256, FIRST = 85 * 256 };
+	kvt_config cfg = t_config(1, 3, H, DD, KVT_DTYPE_BF16);
+	cfg.host_bytes = (uint64_t)80 << 20;
+	kvt_cache *c = t_create(&cfg);
+	uint32_t s;
+	T_CHECK(kvt_seq_open(c, &s) == 0, "seq_open");
+	size_t kvn = (size_t)(FIRST + 1) * H * DD;
+	uint16_t *k = (uint16_t *)t_alloc(2 * kvn), *v = (uint16_t *)t_alloc(2 * kvn);
+	t_rng rng;
+	t_rng_seed(&rng, 0xe47);
+	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0.2, 1, k, NULL);
+	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0, 1, v, NULL);
+	T_CHECK(kvt_prefill(c, s, 0, NULL, k, v, FIRST, NULL) == 0, "first chunk: %s",
+		kvt_last_error(c));
+	const kvt_stats before = t_stats(c);
+	T_CHECK(before.host_bytes_used == (uint64_t)255 << 18,
+		"host tier used %llu bytes, wanted 255 blocks of 256 KiB",
+		(unsigned long long)before.host_bytes_used);
+	int failures = 0;
+	for (uint64_t n = 1; n < 1000; n++) {
+		kvt_mem_fail_at(n);
+		int rc = kvt_prefill(c, s, 0, NULL, k + (size_t)FIRST * H * DD,
+				     v + (size_t)FIRST * H * DD, 1, NULL);
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(rc == -ENOMEM, "N=%llu: prefill got %d (%s), wanted -ENOMEM",
+			(unsigned long long)n, rc, kvt_last_error(c));
+		failures++;
+		const kvt_stats st = t_stats(c);
+		T_CHECK(st.host_bytes_used == before.host_bytes_used,
+			"N=%llu: after the failed prefill the host tier used %llu bytes, wanted %llu",
+			(unsigned long long)n, (unsigned long long)st.host_bytes_used,
+			(unsigned long long)before.host_bytes_used);
+		T_CHECK(st.errors == before.errors + (uint64_t)failures,
+			"N=%llu: errors got %llu, wanted %llu", (unsigned long long)n,
+			(unsigned long long)st.errors,
+			(unsigned long long)(before.errors + (uint64_t)failures));
+		T_CHECK(kvt_seq_length(c, s, 0) == FIRST, "N=%llu: length got %lld, wanted %d",
+			(unsigned long long)n, (long long)kvt_seq_length(c, s, 0), FIRST);
+	}
+	T_CHECK(failures > 0, "no allocation of the growth could be failed");
+	const kvt_stats after = t_stats(c);
+	T_CHECK(after.host_bytes_used == (uint64_t)258 << 18,
+		"host tier used %llu bytes after the retry, wanted 258 blocks",
+		(unsigned long long)after.host_bytes_used);
+	kvt_cache_destroy(c);
+	free(k);
+	free(v);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_fail_nth_allocation),
 		cmocka_unit_test(test_failed_prefill_retry),
+		cmocka_unit_test(test_grow_across_extents),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
