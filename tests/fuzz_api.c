@@ -44,7 +44,6 @@
  * (fuzz_replay.h) replays tests/fuzz_corpus/api/ under meson test.
  */
 
-#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -53,6 +52,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "fd_count.h"
 #include "fuzz_api.h"
 #include "host/alloc.h"
 #include "host/nvme_store.h" /* kvt_nvme_available, kvt_nvme_set_cqe_hook */
@@ -497,19 +497,6 @@ static void configure(struct fz *z, struct in *in)
 	z->osz = c.out_dtype == KVT_DTYPE_F32 ? 4 : 2;
 }
 
-/* Open descriptors of this process. */
-static int fd_count(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	int n = 0;
-	if (!d)
-		return -1;
-	while (readdir(d))
-		n++;
-	closedir(d);
-	return n;
-}
-
 /* The NVMe tier the configuration asked for: one fresh 4 MiB file in $KVT_TEST_DIR, else $TMPDIR,
  * else /tmp (removed once the cache holds it), a 1 MiB block cache. Where io_uring is refused the
  * input runs without the tier. */
@@ -544,7 +531,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	configure(&z, &in);
 	z.rng = 0x9e3779b97f4a7c15ull ^ size;
 	int64_t live = kvt_mem_live();
-	const int fds = fd_count();
+	const int fds = t_fd_count();
 	setup_nvme(&z, path, sizeof path);
 	int rc = kvt_cache_create(&z.cfg, &z.c);
 	if (z.cfg.n_nvme)
@@ -558,7 +545,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	kvt_cache_destroy(z.c);
 	CHECK(kvt_mem_live() == live, "live allocations %lld after destroy, %lld before",
 	      (long long)kvt_mem_live(), (long long)live);
-	CHECK(fd_count() == fds, "%d descriptors open after destroy, %d before", fd_count(), fds);
+	CHECK(t_fd_count() == fds, "%d descriptors open after destroy, %d before", t_fd_count(), fds);
 	return 0;
 }
 

@@ -6,11 +6,11 @@
 #ifndef KVT_TEST_NVME_UTIL_H
 #define KVT_TEST_NVME_UTIL_H
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include "common.h"
+#include "fd_count.h"
 #include "host/nvme_store.h"
 
 #define NV_MAX_FILES 4
@@ -103,19 +103,6 @@ static inline struct kvt_nvme *nv_open(nv_files *f, const char *dir, uint32_t n_
 				       uint64_t bytes, uint32_t qd, uint32_t bounce)
 {
 	return nv_open_ex(f, dir, n_files, bytes, qd, bounce, 0, NULL);
-}
-
-/* Open descriptors of this process (for leak checks). */
-static inline int nv_fd_count(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	int n = 0;
-	if (!d)
-		return -1;
-	for (struct dirent *e; (e = readdir(d));)
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n - 1; /* the descriptor of the listing itself */
 }
 
 /* Exit 77 (meson's skip) when this kernel or build has no io_uring. */

@@ -42,7 +42,7 @@ static struct kvt_layer *layer_of(struct bworld *w, uint32_t s, uint32_t l)
 static void bw_open(struct bworld *w, uint64_t cache_bytes)
 {
 	w->live = kvt_mem_live();
-	w->fds = tt_fd_count();
+	w->fds = t_fd_count();
 	kvt_config cfg = t_config(LAYERS, NQ, NKV, D, KVT_DTYPE_F16);
 	tt_make_files(&w->f, 1, (uint64_t)16 << 20);
 	cfg.nvme_paths = w->f.ptrs;

@@ -110,7 +110,7 @@ static void test_spill_once(void **state)
 	(void)state;
 	for (int order = 0; order < 2; order++) {
 		int64_t live = kvt_mem_live();
-		int fds = tt_fd_count();
+		int fds = t_fd_count();
 		struct run r;
 		run_open(&r);
 		/* blocks 0 and 1 of each layer and head are full and indexed: shared, spillable */
@@ -237,7 +237,7 @@ static int op_truncate(struct run *r)
 static void fault_loop(const char *name, int (*op)(struct run *), bool io)
 {
 	int64_t live = kvt_mem_live();
-	int fds = tt_fd_count();
+	int fds = t_fd_count();
 	uint64_t n;
 	int fired = 1;
 	for (n = 1; fired; n++) {

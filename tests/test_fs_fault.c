@@ -190,7 +190,7 @@ static enum kvt_sys_call one_create(uint64_t n, int e, uint32_t *failed, uint32_
 	listing(dir, before, sizeof before);
 	kvt_config cfg = fs_config(ptrs, bytes, NFILES);
 	int64_t live = kvt_mem_live();
-	int fds = nv_fd_count();
+	int fds = t_fd_count();
 	kvt_cache *c = NULL;
 	kvt_sys_fail_at(n, e);
 	int rc = kvt_cache_create(&cfg, &c);
@@ -236,7 +236,7 @@ static enum kvt_sys_call one_create(uint64_t n, int e, uint32_t *failed, uint32_
 	}
 	T_CHECK(kvt_mem_live() == live, "%s: live allocations got %lld, wanted %lld", name,
 		(long long)kvt_mem_live(), (long long)live);
-	T_CHECK(nv_fd_count() == fds, "%s: open descriptors got %d, wanted %d", name, nv_fd_count(),
+	T_CHECK(t_fd_count() == fds, "%s: open descriptors got %d, wanted %d", name, t_fd_count(),
 		fds);
 	listing(dir, after, sizeof after);
 	remove_dir(dir);
@@ -507,7 +507,7 @@ static void test_not_a_file(void **state)
 	uint64_t bytes[1] = {FILE_BYTES};
 	kvt_config cfg = fs_config(ptrs, bytes, 1);
 	int64_t live = kvt_mem_live();
-	int fds = nv_fd_count();
+	int fds = t_fd_count();
 	kvt_cache *c = NULL;
 	int rc = kvt_cache_create(&cfg, &c);
 	char msg[1024];
@@ -520,9 +520,9 @@ static void test_not_a_file(void **state)
 	T_CHECK(strstr(msg, path) && strstr(msg, "neither a regular file nor a block device"),
 		"a FIFO as the NVMe file: the text \"%s\" does not name the path and the reason",
 		msg);
-	T_CHECK(kvt_mem_live() == live && nv_fd_count() == fds, "a FIFO as the NVMe file: live "
+	T_CHECK(kvt_mem_live() == live && t_fd_count() == fds, "a FIFO as the NVMe file: live "
 		"allocations %lld (wanted %lld), descriptors %d (wanted %d)",
-		(long long)kvt_mem_live(), (long long)live, nv_fd_count(), fds);
+		(long long)kvt_mem_live(), (long long)live, t_fd_count(), fds);
 	T_CHECK(kept, "a FIFO as the NVMe file: the FIFO is gone or changed after the refusal");
 }
 

@@ -308,7 +308,7 @@ static void test_model(void **state)
 	struct bufs *b = t_alloc(sizeof *b);
 	uint64_t totals[T_N] = {0};
 	int64_t live = kvt_mem_live();
-	int fds = nv_fd_count();
+	int fds = t_fd_count();
 	uint64_t s;
 	for (s = first_seed; s < first_seed + n_seeds && !g_fail; s++)
 		run_seed(s, n_steps, b, totals);
@@ -328,8 +328,8 @@ static void test_model(void **state)
 	T_CHECK(!g_fail, "a seed did not match the reference (above)");
 	T_CHECK(kvt_mem_live() == live, "live allocations got %lld after every seed, wanted %lld",
 		(long long)kvt_mem_live(), (long long)live);
-	T_CHECK(nv_fd_count() == fds, "open descriptors got %d after every seed, wanted %d",
-		nv_fd_count(), fds);
+	T_CHECK(t_fd_count() == fds, "open descriptors got %d after every seed, wanted %d",
+		t_fd_count(), fds);
 	T_CHECK(n_seeds < 8 || (totals[T_FAILED] > 0 && totals[T_EXACT] > 0 &&
 				totals[T_AUTO_SPILLS] >= 2 * totals[T_LRU_SEEDS]),
 		"faults that failed a call got %llu, exact checks %llu, automatic spills %llu in %llu "

@@ -233,7 +233,7 @@ static void test_round_trip(void **state)
 	(void)state;
 	nv_files f;
 	int64_t live0 = kvt_mem_live();
-	int fds0 = nv_fd_count();
+	int fds0 = t_fd_count();
 	/* Three files; 64 KiB bounce slots, so blocks of up to 300 rows x 512 B span several. */
 	struct kvt_nvme *st = nv_open(&f, nv_dir(), 3, (uint64_t)64 << 20, 16, 64 << 10);
 	printf("store: %s\n", kvt_nvme_status(st));
@@ -279,10 +279,10 @@ static void test_round_trip(void **state)
 	kvt_nvme_close(st);
 	free_written(w, N);
 	free(w);
-	T_CHECK(kvt_mem_live() == live0 && nv_fd_count() == fds0,
+	T_CHECK(kvt_mem_live() == live0 && t_fd_count() == fds0,
 		"leak: live %lld (was %lld), fds %d "
 		"(were %d)",
-		(long long)kvt_mem_live(), (long long)live0, nv_fd_count(), fds0);
+		(long long)kvt_mem_live(), (long long)live0, t_fd_count(), fds0);
 }
 
 /* Fill two small files to -ENOSPC: the failing call changes nothing; freed space is reused. */

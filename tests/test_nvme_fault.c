@@ -217,7 +217,7 @@ static void test_completion_faults(void **state)
 {
 	(void)state;
 	int64_t live0 = kvt_mem_live();
-	int fds0 = nv_fd_count();
+	int fds0 = t_fd_count();
 	struct fixture x;
 	fixture_open(&x, 2024);
 	for (int shuffled = 0; shuffled < 2; shuffled++)
@@ -247,10 +247,10 @@ static void test_completion_faults(void **state)
 		(unsigned long long)s.reordered, (unsigned long long)s.bytes_used,
 		(unsigned long long)s.bad_frees);
 	fixture_close(&x);
-	T_CHECK(kvt_mem_live() == live0 && nv_fd_count() == fds0,
+	T_CHECK(kvt_mem_live() == live0 && t_fd_count() == fds0,
 		"leak: live %lld (was %lld), fds %d "
 		"(were %d)",
-		(long long)kvt_mem_live(), (long long)live0, nv_fd_count(), fds0);
+		(long long)kvt_mem_live(), (long long)live0, t_fd_count(), fds0);
 }
 
 /*
@@ -261,7 +261,7 @@ static void test_alloc_faults(void **state)
 {
 	(void)state;
 	int64_t live0 = kvt_mem_live();
-	int fds0 = nv_fd_count();
+	int fds0 = t_fd_count();
 	int failed = 0;
 	for (uint64_t n = 1;; n++) {
 		nv_files f;
@@ -318,11 +318,11 @@ static void test_alloc_faults(void **state)
 		}
 		int fired = kvt_mem_fired();
 		kvt_mem_fail_at(0);
-		T_CHECK(kvt_mem_live() == live0 && nv_fd_count() == fds0,
+		T_CHECK(kvt_mem_live() == live0 && t_fd_count() == fds0,
 			"allocation fault %llu: live "
 			"%lld (was %lld), fds %d (were %d)",
 			(unsigned long long)n, (long long)kvt_mem_live(), (long long)live0,
-			nv_fd_count(), fds0);
+			t_fd_count(), fds0);
 		if (!fired)
 			break;
 		failed++;

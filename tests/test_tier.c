@@ -31,7 +31,7 @@ static uint64_t round_trip(const char *name, uint32_t layers, uint32_t nq, uint3
 	cfg.nvme_queue_depth = qd;
 	struct world *w = (struct world *)t_alloc(sizeof *w);
 	int64_t live = kvt_mem_live();
-	int fds = tt_fd_count();
+	int fds = t_fd_count();
 	w_open(w, name, cfg, n_files, (uint64_t)64 << 20, NS, 2600, seed, 1);
 	if (slot) {
 		char want[64];

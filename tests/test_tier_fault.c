@@ -76,7 +76,7 @@ static int script(const char *what, enum kind kind, uint64_t n, uint64_t shuffle
 	snprintf(name, sizeof name, "%s: %s at completion %llu%s", what, kind_name[kind],
 		 (unsigned long long)n, shuffle ? " (shuffled)" : "");
 	int64_t live = kvt_mem_live();
-	int fds = tt_fd_count();
+	int fds = t_fd_count();
 	run_open(r, name, qd);
 	struct hook_state h = {.n = n, .kind = kind};
 	if (shuffle)
@@ -176,8 +176,8 @@ static int script(const char *what, enum kind kind, uint64_t n, uint64_t shuffle
 	kvt_cache_destroy(r->c);
 	T_CHECK(kvt_mem_live() == live, "%s: live allocations got %lld after destroy, wanted %lld",
 		name, (long long)kvt_mem_live(), (long long)live);
-	T_CHECK(tt_fd_count() == fds, "%s: open descriptors got %d after destroy, wanted %d", name,
-		tt_fd_count(), fds);
+	T_CHECK(t_fd_count() == fds, "%s: open descriptors got %d after destroy, wanted %d", name,
+		t_fd_count(), fds);
 	return fired;
 }
 
@@ -280,7 +280,7 @@ static void test_auto_spill_faults(void **state)
 			snprintf(name, sizeof name, "auto spill in a prefill: %s at completion %llu",
 				 kind_name[kind], (unsigned long long)n);
 			int64_t live = kvt_mem_live();
-			int fds = tt_fd_count();
+			int fds = t_fd_count();
 			run_open_cfg(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
 			uint32_t b = 0;
 			T_CHECK(kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);

@@ -114,7 +114,7 @@ static int afail_script(struct afail *a)
 {
 	struct run run, *r = &run;
 	int64_t live = kvt_mem_live();
-	int fds = tt_fd_count();
+	int fds = t_fd_count();
 	kvt_mem_fail_at(a->n);
 	afail_create(r, a);
 	int64_t rc;
@@ -196,7 +196,7 @@ void test_auto_spill_alloc_faults(void **state)
 		snprintf(name, sizeof name, "auto spill in a prefill: allocation %llu failed",
 			 (unsigned long long)n);
 		int64_t live = kvt_mem_live();
-		int fds = tt_fd_count();
+		int fds = t_fd_count();
 		run_open_cfg(r, name, 8, 12 * BLOCK_BYTES, KVT_SPILL_LRU);
 		uint32_t b = 0;
 		T_CHECK(kvt_seq_open(r->c, &b) == 0, "%s: seq_open", name);
@@ -302,7 +302,7 @@ void test_lru_failed_call_unspills(void **state)
 		snprintf(name, sizeof name, "two LRU victims, -EIO at completion %llu",
 			 (unsigned long long)n);
 		int64_t live = kvt_mem_live();
-		int fds = tt_fd_count();
+		int fds = t_fd_count();
 		uint32_t a, cs, b;
 		open_three(r, name, &a, &cs, &b);
 		struct hook_state h = {.n = n, .kind = K_EIO};
@@ -383,7 +383,7 @@ void test_lru_undo_read_fails(void **state)
 		snprintf(name, sizeof name, "two LRU victims, disk dead from completion %llu",
 			 (unsigned long long)n);
 		int64_t live = kvt_mem_live();
-		int fds = tt_fd_count();
+		int fds = t_fd_count();
 		uint32_t a, cs, b;
 		open_three(r, name, &a, &cs, &b);
 		struct hook_state h = {.n = n};
@@ -447,7 +447,7 @@ void test_lru_no_room_spills_nothing(void **state)
 	(void)state;
 	struct run run, *r = &run;
 	int64_t live = kvt_mem_live();
-	int fds = tt_fd_count();
+	int fds = t_fd_count();
 	const kvt_config cfg =
 		run_config(r, "LRU without enough to spill", 0, 7 * BLOCK_BYTES, KVT_SPILL_LRU);
 	int rc = kvt_cache_create(&cfg, &r->c);

@@ -16,14 +16,13 @@ static inline void tt_make_files(tt_files *f, uint32_t n, uint64_t bytes)
 #define TT_MAX_FILES NV_MAX_FILES
 #define tt_dir nv_dir
 #define tt_unlink nv_unlink
-#define tt_fd_count nv_fd_count
 #define tt_skip_unless_available nv_skip_unless_available
 
 /* After kvt_cache_destroy: as many allocations and descriptors live as before the case (a macro, so
  * that a failure names the case's line). */
 #define TT_CHECK_RELEASED(name, live, fds)                                                         \
-	T_CHECK(kvt_mem_live() == (live) && tt_fd_count() == (fds),                                \
+	T_CHECK(kvt_mem_live() == (live) && t_fd_count() == (fds),                                 \
 		"%s: after destroy live allocations %lld (wanted %lld), descriptors %d (wanted %d)",  \
-		(name), (long long)kvt_mem_live(), (long long)(live), tt_fd_count(), (fds))
+		(name), (long long)kvt_mem_live(), (long long)(live), t_fd_count(), (fds))
 
 #endif
