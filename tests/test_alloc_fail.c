@@ -280,63 +280,108 @@ static void test_failed_prefill_retry(void **state)
 }
 
 /*
- * A growth whose first heads fit in the mapped extent and whose next head needs a new one: when
- * mapping it fails, the heads already served give their blocks back (layer.c), so the host tier's
- * use is as before the call. 3 heads of head_dim 256: a block is 256 KiB, an extent 256 blocks;
- * 85 blocks per head leave one free, which head 0 of the next block takes.
+ * Growths whose first part fits in the mapped extent and whose next part needs a new one: when
+ * mapping it fails, what was already served goes back (layer.c), so the host tier's use is as before
+ * the call. 3 KV heads of head_dim 256: a block is 256 KiB, an extent 256 blocks.
  */
-static void test_grow_across_extents(void **state)
+enum { XH = 3, XD = 256, XBLK = 1 << 18 };
+
+struct grow_call {
+	kvt_cache *c;
+	uint32_t seqs[2], n;   /* the sequences the call grows (layer 0) */
+	const uint16_t *k, *v; /* one token per sequence */
+	bool append;           /* kvt_append of both, else kvt_prefill of seqs[0] */
+};
+
+static int grow_once(const struct grow_call *g)
 {
-	(void)state;
-	enum { H = 3, DD = 256, FIRST = 85 * 256 };
-	kvt_config cfg = t_config(1, 3, H, DD, KVT_DTYPE_BF16);
+	return g->append ? kvt_append(g->c, 0, g->n, g->seqs, g->k, g->v, NULL)
+			 : kvt_prefill(g->c, g->seqs[0], 0, NULL, g->k, g->v, 1, NULL);
+}
+
+/* Fail each allocation of the call in turn until it succeeds; each failure changes nothing and is
+ * counted once. Returns the host-tier bytes in use after the success. */
+static uint64_t fail_each(const char *name, const struct grow_call *g)
+{
+	const kvt_stats before = t_stats(g->c);
+	int64_t len[2];
+	for (uint32_t i = 0; i < g->n; i++)
+		len[i] = kvt_seq_length(g->c, g->seqs[i], 0);
+	uint64_t failures = 0;
+	for (uint64_t n = 1; n < 1000; n++) {
+		kvt_mem_fail_at(n);
+		int rc = grow_once(g);
+		kvt_mem_fail_at(0);
+		if (rc == 0)
+			break;
+		T_CHECK(rc == -ENOMEM, "%s, N=%llu: got %d (%s), wanted -ENOMEM", name,
+			(unsigned long long)n, rc, kvt_last_error(g->c));
+		failures++;
+		const kvt_stats st = t_stats(g->c);
+		T_CHECK(st.host_bytes_used == before.host_bytes_used,
+			"%s, N=%llu: after the failure the host tier used %llu bytes, wanted %llu",
+			name, (unsigned long long)n, (unsigned long long)st.host_bytes_used,
+			(unsigned long long)before.host_bytes_used);
+		T_CHECK(st.errors == before.errors + failures,
+			"%s, N=%llu: errors got %llu, wanted %llu", name, (unsigned long long)n,
+			(unsigned long long)st.errors, (unsigned long long)(before.errors + failures));
+		for (uint32_t i = 0; i < g->n; i++)
+			T_CHECK(kvt_seq_length(g->c, g->seqs[i], 0) == len[i],
+				"%s, N=%llu: seq %u's length got %lld, wanted %lld", name,
+				(unsigned long long)n, g->seqs[i],
+				(long long)kvt_seq_length(g->c, g->seqs[i], 0), (long long)len[i]);
+	}
+	T_CHECK(failures > 0, "%s: no allocation could be failed", name);
+	for (uint32_t i = 0; i < g->n; i++)
+		T_CHECK(kvt_seq_length(g->c, g->seqs[i], 0) == len[i] + 1,
+			"%s: seq %u's length after the retry got %lld, wanted %lld", name,
+			g->seqs[i], (long long)kvt_seq_length(g->c, g->seqs[i], 0),
+			(long long)len[i] + 1);
+	return t_stats(g->c).host_bytes_used;
+}
+
+/* Sequences of full_blocks[i] full blocks per head, then the growth by one token each. */
+static void grow_case(const char *name, uint32_t n, const uint32_t *full_blocks, bool append,
+		      uint64_t want_after)
+{
+	kvt_config cfg = t_config(1, XH, XH, XD, KVT_DTYPE_BF16);
 	cfg.host_bytes = (uint64_t)80 << 20;
 	kvt_cache *c = t_create(&cfg);
-	uint32_t s;
-	T_CHECK(kvt_seq_open(c, &s) == 0, "seq_open");
-	size_t kvn = (size_t)(FIRST + 1) * H * DD;
+	uint32_t most = 0;
+	for (uint32_t i = 0; i < n; i++)
+		most = full_blocks[i] > most ? full_blocks[i] : most;
+	size_t kvn = ((size_t)most * 256 + 2) * XH * XD;
 	uint16_t *k = (uint16_t *)t_alloc(2 * kvn), *v = (uint16_t *)t_alloc(2 * kvn);
 	t_rng rng;
 	t_rng_seed(&rng, 0xe47);
 	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0.2, 1, k, NULL);
 	t_fill(&rng, KVT_DTYPE_BF16, kvn, 0, 1, v, NULL);
-	T_CHECK(kvt_prefill(c, s, 0, NULL, k, v, FIRST, NULL) == 0, "first chunk: %s",
-		kvt_last_error(c));
-	const kvt_stats before = t_stats(c);
-	T_CHECK(before.host_bytes_used == (uint64_t)255 << 18,
-		"host tier used %llu bytes, wanted 255 blocks of 256 KiB",
-		(unsigned long long)before.host_bytes_used);
-	int failures = 0;
-	for (uint64_t n = 1; n < 1000; n++) {
-		kvt_mem_fail_at(n);
-		int rc = kvt_prefill(c, s, 0, NULL, k + (size_t)FIRST * H * DD,
-				     v + (size_t)FIRST * H * DD, 1, NULL);
-		kvt_mem_fail_at(0);
-		if (rc == 0)
-			break;
-		T_CHECK(rc == -ENOMEM, "N=%llu: prefill got %d (%s), wanted -ENOMEM",
-			(unsigned long long)n, rc, kvt_last_error(c));
-		failures++;
-		const kvt_stats st = t_stats(c);
-		T_CHECK(st.host_bytes_used == before.host_bytes_used,
-			"N=%llu: after the failed prefill the host tier used %llu bytes, wanted %llu",
-			(unsigned long long)n, (unsigned long long)st.host_bytes_used,
-			(unsigned long long)before.host_bytes_used);
-		T_CHECK(st.errors == before.errors + (uint64_t)failures,
-			"N=%llu: errors got %llu, wanted %llu", (unsigned long long)n,
-			(unsigned long long)st.errors,
-			(unsigned long long)(before.errors + (uint64_t)failures));
-		T_CHECK(kvt_seq_length(c, s, 0) == FIRST, "N=%llu: length got %lld, wanted %d",
-			(unsigned long long)n, (long long)kvt_seq_length(c, s, 0), FIRST);
+	struct grow_call g = {.c = c, .n = n, .k = k, .v = v, .append = append};
+	for (uint32_t i = 0; i < n; i++) {
+		T_CHECK(kvt_seq_open(c, &g.seqs[i]) == 0, "%s: seq_open", name);
+		T_CHECK(kvt_prefill(c, g.seqs[i], 0, NULL, k + 2 * XH * XD, v + 2 * XH * XD,
+				    full_blocks[i] * 256, NULL) == 0,
+			"%s: prefill of seq %u: %s", name, i, kvt_last_error(c));
 	}
-	T_CHECK(failures > 0, "no allocation of the growth could be failed");
-	const kvt_stats after = t_stats(c);
-	T_CHECK(after.host_bytes_used == (uint64_t)258 << 18,
-		"host tier used %llu bytes after the retry, wanted 258 blocks",
-		(unsigned long long)after.host_bytes_used);
+	uint64_t after = fail_each(name, &g);
+	T_CHECK(after == want_after, "%s: host tier used %llu bytes after the retry, wanted %llu",
+		name, (unsigned long long)after, (unsigned long long)want_after);
 	kvt_cache_destroy(c);
 	free(k);
 	free(v);
+}
+
+static void test_grow_across_extents(void **state)
+{
+	(void)state;
+	/* 85 blocks per head leave one block free: head 0 of the next token takes it, head 1 must
+	 * map the second extent, and head 0 gives its block back when that fails */
+	const uint32_t one[1] = {85};
+	grow_case("prefill, the second head maps", 1, one, false, (uint64_t)258 * XBLK);
+	/* 42 + 42 blocks per head leave 4: the first sequence's 3 heads fit, the second's head 0
+	 * takes the last block and head 1 maps; the first sequence's growth is undone too */
+	const uint32_t two[2] = {42, 42};
+	grow_case("append of two sequences, the second maps", 2, two, true, (uint64_t)258 * XBLK);
 }
 
 int main(void)
