@@ -20,7 +20,8 @@
  * of a mapping; layout structs allocated at the size they claim); every call returns success or a
  * code of the header's list, with a kvt_last_error text when it fails; a layout the header's rules
  * refuse is refused; every call counts one error in kvt_stats.errors when it fails and none when it
- * succeeds; a call that fails changes no sequence's length on any layer, and one that
+ * succeeds; a call that fails changes no sequence's length on any layer, nor the host and NVMe
+ * tiers' use (unless it counted a spill: victims an undo could not read back), and one that
  * succeeds changes exactly the lengths it should (prefill, append, extend and write_rows add their
  * rows, truncate by n gives length - n on every layer, a fork's child gets the parent's lengths and
  * seqs_open grows by one); read_rows returns to - from, a failed read writes nothing of k and v,
@@ -87,11 +88,11 @@ static void check_rc(struct fz *z, const char *call, int64_t rc)
 	CHECK(m && m[0], "%s returned %lld without a kvt_last_error text", call, (long long)rc);
 }
 
-static uint64_t errors_now(struct fz *z)
+static kvt_stats stats_now(struct fz *z)
 {
 	kvt_stats st = {.size = sizeof st};
 	CHECK(kvt_get_stats(z->c, &st) == 0, "kvt_get_stats failed: %s", kvt_last_error(z->c));
-	return st.errors;
+	return st;
 }
 
 /* The completion shim: the io_fail_at-th completion since it was armed fails with -EIO. */
@@ -114,9 +115,9 @@ static void arm_io_fault(struct fz *z, uint64_t n)
 
 uint64_t call_begin(struct fz *z)
 {
-	const uint64_t errors = errors_now(z);
+	z->before = stats_now(z);
 	kvt_mem_fail_at(z->fail_at);
-	return errors;
+	return z->before.errors;
 }
 
 int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
@@ -129,10 +130,18 @@ int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
 		z->io_fired = false;
 	}
 	check_rc(z, call, rc);
-	const uint64_t counted = errors_now(z) - errors0;
+	const kvt_stats st = stats_now(z), *b = &z->before;
+	const uint64_t counted = st.errors - errors0;
 	CHECK(counted == (rc < 0), "%s returned %lld and counted %llu errors in kvt_stats.errors, "
 	      "wanted %d (\"%s\")", call, (long long)rc, (unsigned long long)counted, rc < 0,
 	      rc < 0 ? kvt_last_error(z->c) : "");
+	CHECK(rc >= 0 || st.spills != b->spills ||
+		      (st.host_bytes_used == b->host_bytes_used &&
+		       st.nvme_bytes_used == b->nvme_bytes_used),
+	      "%s failed (%lld, \"%s\") and moved rows: host tier %llu -> %llu bytes, NVMe tier "
+	      "%llu -> %llu", call, (long long)rc, kvt_last_error(z->c),
+	      (unsigned long long)b->host_bytes_used, (unsigned long long)st.host_bytes_used,
+	      (unsigned long long)b->nvme_bytes_used, (unsigned long long)st.nvme_bytes_used);
 	return rc;
 }
 

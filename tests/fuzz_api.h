@@ -53,13 +53,17 @@ struct fz {
 	bool nvme;        /* and asked for an NVMe tier */
 	const char *nvme_path;
 	uint64_t nvme_bytes;
+	kvt_stats before; /* kvt_get_stats right before the call now checked */
 };
 
-/* Right before a library call: its kvt_stats.errors, and z->fail_at armed. */
+/* Right before a library call: its kvt_stats.errors (all of them in z->before), and z->fail_at
+ * armed. */
 uint64_t call_begin(struct fz *z);
 /* Right after it: disarm z->fail_at, and abort unless rc is success or a code of the header's
- * list with a kvt_last_error text, and unless the call counted one error in kvt_stats.errors
- * when it failed and none when it succeeded (errors0: call_begin's); returns rc. */
+ * list with a kvt_last_error text, unless the call counted one error in kvt_stats.errors when it
+ * failed and none when it succeeded (errors0: call_begin's), and unless a failed call left the
+ * host and NVMe tiers' use as they were (but where it spilled for good: an undo whose read-back
+ * failed); returns rc. */
 int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc);
 /* Make the library call `expr` between call_begin and check_call; its result. */
 #define FZ_CALL(z, call, expr)                                                                     \
