@@ -10,7 +10,7 @@
  *   - faults: the N-th allocation, and the N-th I/O completion turned into -EIO, failing a fork of a
  *     spilled parent or a truncation that must restore, for N = 1, 2, ...: each failure is a
  *     documented code and leaves both sequences as they were (lengths, host and NVMe bytes of each,
- *     attention), and nothing leaks.
+ *     the host tier's and the NVMe tier's use, attention), and nothing leaks.
  * Exits 77 (skip) where the kernel refuses io_uring or the build has no liburing.
  */
 #include "common.h"
@@ -190,7 +190,7 @@ static void test_restore_truncate(void **state)
 
 struct snap {
 	int64_t len[2][NL];
-	uint64_t host[2], nvme[2], nvme_used;
+	uint64_t host[2], nvme[2], nvme_used, host_used; /* host_used: the whole tier's */
 	float out[2][NL][QROW];
 };
 
@@ -207,6 +207,7 @@ static void snap(struct run *r, struct snap *s)
 		}
 	}
 	s->nvme_used = nvme_used(r->c);
+	s->host_used = t_stats(r->c).host_bytes_used;
 }
 
 struct cqe_fault {
@@ -270,11 +271,13 @@ static void fault_loop(const char *name, int (*op)(struct run *), bool io)
 				"sequence's length or attention", name, (unsigned long long)n);
 			T_CHECK(restored || (!memcmp(s0.host, s1.host, sizeof s0.host) &&
 					     !memcmp(s0.nvme, s1.nvme, sizeof s0.nvme) &&
-					     s0.nvme_used == s1.nvme_used),
+					     s0.nvme_used == s1.nvme_used &&
+					     s0.host_used == s1.host_used),
 				"%s N=%llu: a failed call moved rows (child nvme %llu -> %llu, used %llu -> "
-				"%llu)", name, (unsigned long long)n, (unsigned long long)s0.nvme[1],
-				(unsigned long long)s1.nvme[1], (unsigned long long)s0.nvme_used,
-				(unsigned long long)s1.nvme_used);
+				"%llu, host tier %llu -> %llu)", name, (unsigned long long)n,
+				(unsigned long long)s0.nvme[1], (unsigned long long)s1.nvme[1],
+				(unsigned long long)s0.nvme_used, (unsigned long long)s1.nvme_used,
+				(unsigned long long)s0.host_used, (unsigned long long)s1.host_used);
 		} else {
 			T_CHECK(rc == 0, "%s N=%llu: got %d", name, (unsigned long long)n, rc);
 		}
