@@ -6,7 +6,10 @@
  * at a time and attending at p = 1; a varlen batch (an empty entry included) equal to the entries
  * extended alone; bad arguments refused by name with nothing changed; allocation faults that leave
  * every sequence as it was. With --nvme: a spilled sequence, its rows read from NVMe, equal to the
- * same sequence unspilled (exact and Top-p). Top-p per query row: test_extend_topp.c.
+ * same sequence unspilled (exact and Top-p); and the CUDA backend's way on the CPU's kernels
+ * (ops->read_rows_spilled off): spilled entries restored first, equal to the unspilled, and a batch
+ * that cannot be in the host tier at once refused with -ENOSPC, each entry alone then served.
+ * Top-p per query row: test_extend_topp.c.
  */
 #include "extend_util.h"
 
@@ -421,11 +424,117 @@ static void test_spilled(void **state)
 	tt_unlink(&f);
 }
 
+/* ---- (5) a backend that reads only the host tier: spilled entries restored first ------------- */
+
+/* The CUDA backend's way (ops->read_rows_spilled false) on the CPU backend's kernels: kvt_extend
+ * and kvt_seq_read_rows restore spilled sequences before they read them (lib/lifecycle.c). */
+static struct kvt_backend_ops g_restoring;
+
+static void restore_first(kvt_cache *c)
+{
+	g_restoring = *c->ops;
+	g_restoring.read_rows_spilled = false;
+	c->ops = &g_restoring;
+}
+
+static uint64_t nvme_of(kvt_cache *c, uint32_t s)
+{
+	uint64_t host = 0, nvme = 0;
+	T_CHECK(kvt_seq_bytes(c, s, &host, &nvme) == 0, "kvt_seq_bytes: %s", kvt_last_error(c));
+	return nvme;
+}
+
+/* host_bytes: the tiered cache's; its sequences 0 and 1 spilled, then one kvt_extend of both. */
+static void restored_case(uint64_t host_bytes, bool fits)
+{
+	tt_files f;
+	tt_make_files(&f, 1, 64ull << 20);
+	make_streams(KVT_DTYPE_F16, 0x5b112);
+	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
+	kvt_cache *b = make_cache(&cfg);
+	cfg.n_nvme = 1;
+	cfg.nvme_paths = (const char *const *)f.ptrs;
+	cfg.nvme_bytes = f.bytes;
+	cfg.host_bytes = host_bytes;
+	cfg.spill_policy = KVT_SPILL_LRU;
+	kvt_cache *a = make_cache(&cfg);
+	tt_unlink(&f);
+	restore_first(a);
+	static const uint32_t seqs[] = {0, 1}, n[] = {45, 3};
+	for (kvt_cache *c = a; c; c = c == a ? b : NULL) {
+		prefill(c, 0, 700);
+		prefill(c, 1, 600);
+	}
+	/* (in the small tier, seq 1's prefill already spilled seq 0) */
+	T_CHECK(kvt_seq_spill(a, 0) >= 0 && kvt_seq_spill(a, 1) >= 0 && nvme_of(a, 0) > 0 &&
+			nvme_of(a, 1) > 0,
+		"spill: %s", kvt_last_error(a));
+	uint8_t *oa = t_alloc(out_bytes(a, 48)), *ob = t_alloc(out_bytes(a, 48));
+	if (fits) {
+		extend_ok(a, 2, seqs, n, oa);
+		extend_ok(b, 2, seqs, n, ob);
+		T_CHECK(!memcmp(oa, ob, out_bytes(a, 48)),
+			"restored outputs differ from unspilled");
+		T_CHECK(t_stats(a).restores == 2 && nvme_of(a, 0) == 0 && nvme_of(a, 1) == 0,
+			"both sequences restored: restores %llu, NVMe bytes %llu and %llu",
+			(unsigned long long)t_stats(a).restores, (unsigned long long)nvme_of(a, 0),
+			(unsigned long long)nvme_of(a, 1));
+	} else {
+		/* the batch cannot be in the host tier at once: restoring seq 1 spills seq 0 again,
+		 * and the call refuses (kvtier.h: the restore, and what it spilled, stay) */
+		int rc = extend_flags(a, 2, seqs, n, oa, 0);
+		T_CHECK(rc == -ENOSPC &&
+				strstr(kvt_last_error(a), "cannot all be in the host tier"),
+			"a batch larger than the host tier: got %d (%s), wanted -ENOSPC", rc,
+			kvt_last_error(a));
+		T_CHECK(len_of(a, 0) == 700 && len_of(a, 1) == 600,
+			"the failed call changed a length");
+		/* nothing lost: each alone fits, and equals the unspilled sequence */
+		for (uint32_t i = 0; i < 2; i++) {
+			extend_ok(a, 1, seqs + i, n + i, oa);
+			extend_ok(b, 1, seqs + i, n + i, ob);
+			T_CHECK(!memcmp(oa, ob, out_bytes(a, n[i])),
+				"seq %u alone: restored outputs differ from unspilled", i);
+		}
+	}
+	/* kvt_seq_read_rows of a spilled sequence restores it too */
+	T_CHECK(kvt_seq_spill(a, 0) >= 0 && nvme_of(a, 0) > 0, "spill again: %s",
+		kvt_last_error(a));
+	const uint32_t rows = len_of(a, 0);
+	uint16_t *ka = t_alloc(2ull * rows * KROW), *va = t_alloc(2ull * rows * KROW);
+	uint16_t *kb = t_alloc(2ull * rows * KROW), *vb = t_alloc(2ull * rows * KROW);
+	T_CHECK(kvt_seq_read_rows(a, 0, LAYER, 0, rows, ka, va, NULL) == (int)rows &&
+		kvt_seq_read_rows(b, 0, LAYER, 0, rows, kb, vb, NULL) == (int)rows,
+		"read_rows: %s", kvt_last_error(a));
+	T_CHECK(!memcmp(ka, kb, 2ull * rows * KROW) && !memcmp(va, vb, 2ull * rows * KROW) &&
+		nvme_of(a, 0) == 0, "read_rows of a spilled sequence: rows differ or not restored");
+	same_decode(a, b, 2, "restored vs unspilled");
+	free(ka);
+	free(va);
+	free(kb);
+	free(vb);
+	free(oa);
+	free(ob);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
+static void test_restored(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	restored_case(64ull << 20, true);
+	/* 64 KiB blocks (256 tokens x 2 x 64 x 2 bytes): each sequence holds 2 resident blocks
+	 * and 4 spilled; 10 blocks hold the resident ones and one sequence's spilled, not both */
+	restored_case(10ull << 16, false);
+}
+
 int main(int argc, char **argv)
 {
 	t_warm_runtime();
 	if (argc > 1 && !strcmp(argv[1], "--nvme")) {
-		const struct CMUnitTest tests[] = {cmocka_unit_test(test_spilled)};
+		const struct CMUnitTest tests[] = {cmocka_unit_test(test_spilled),
+						   cmocka_unit_test(test_restored)};
 		return cmocka_run_group_tests(tests, NULL, NULL);
 	}
 	const struct CMUnitTest tests[] = {
