@@ -118,7 +118,12 @@ struct kvt_seq {
 	 * CUDA kernels'), with its text; batch calls naming the sequence fail until a truncation */
 	int status;
 	char *status_text; /* [KVT_STATUS_TEXT] when status != 0, else NULL */
+	/* KVT_PIN_*: held in the host tier by the call running (kvt_pipe_resident), never the
+	 * victim of an automatic spill nor a holder whose shared blocks one moves */
+	uint8_t pinned;
 };
+
+enum { KVT_PIN_NONE, KVT_PIN_HOLD, KVT_PIN_RESTORE /* held, and to be restored */ };
 
 #define KVT_STATUS_TEXT 256u
 
@@ -502,8 +507,9 @@ int kvt_pipe_truncate(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t n
 /* Make child (a free slot) a copy of parent sharing its full blocks. */
 int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, void *stream);
 /* Restore the spilled sequences among seqs[i] with cu[i + 1] > cu[i] when the backend reads only
- * the host tier (!ops->read_rows_spilled): all of them resident, or an error. kvt_extend's batch
- * and kvt_seq_read_rows' one sequence. */
+ * the host tier (!ops->read_rows_spilled): all of them resident, or an error. Checked first
+ * (-ENOSPC, nothing restored) that they fit at once; their restores never spill a sequence of the
+ * batch. kvt_extend's batch and kvt_seq_read_rows' one sequence. */
 int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
 		      uint32_t layer, void *stream);
 /* m NULL: dense rows (ops->read_rows), else placed by m (ops->read_rows_at, which must exist). */
@@ -612,12 +618,11 @@ void kvt_corr_free(kvt_cache *c, struct kvt_layer *l);
 
 int kvt_tier_init(kvt_cache *c);
 void kvt_tier_fini(kvt_cache *c);
-/* Spill least recently used sequences (idle ones first, never `keep`) until `bytes` of host tier
- * are free (KVT_SPILL_LRU). */
 /*
- * Spill least recently used sequences (never `keep`) until `bytes` of host tier are free. Checked
- * first: -ENOSPC without spilling anything when all candidates together cannot free enough; a spill
- * that fails after others undoes them (kvt_tier_undo). Errors: -ENOSPC, the spill's errors.
+ * Spill least recently used sequences (idle ones first, never `keep` nor a pinned one) until
+ * `bytes` of host tier are free (KVT_SPILL_LRU). Checked first: -ENOSPC without spilling anything
+ * when all candidates together cannot free enough; a spill that fails after others undoes them
+ * (kvt_tier_undo). Errors: -ENOSPC, the spill's errors.
  */
 int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep);
 /* Where the automatic spills of a call begin, so that a call failing later can undo them. */
@@ -635,6 +640,13 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc);
  * stays, a shared one moves for all its holders. */
 int64_t kvt_tier_spill(kvt_cache *c, struct kvt_seq *s, uint32_t slot, const struct kvt_seq *keep);
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot);
+/*
+ * Whether kvt_tier_restore of each sequence pinned KVT_PIN_RESTORE can succeed one after the other
+ * (the call's other sequences pinned KVT_PIN_HOLD): their spilled blocks (one shared by several
+ * counted once) within the free host tier plus, under KVT_SPILL_LRU, what spilling the unpinned
+ * sequences would free. Changes nothing; -ENOSPC naming `what`, the bytes and host_bytes when not.
+ */
+int kvt_tier_room_for(kvt_cache *c, const char *what);
 /* Free the NVMe copies of a layer's spilled blocks (those no other sequence holds). */
 void kvt_tier_drop(kvt_cache *c, struct kvt_layer *l);
 /* The identity block b of KV head h of l has on NVMe as written (sp: its entry of l->spill; a forked

@@ -21,6 +21,7 @@
  * work) runs before the first change, so a failed call changes nothing the caller can observe
  * (a spilled sequence may be left restored, as a step leaves it).
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -384,29 +385,46 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 
 /* ---- row ranges ------------------------------------------------------------------------------ */
 
+/* The sequences pinned KVT_PIN_RESTORE (the first of them seqs[first]) read back, one by one. */
+static int restore_pinned(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, uint32_t first,
+			  void *stream)
+{
+	char what[160];
+	snprintf(what, sizeof what, "seqs[%u] = %u and the other spilled sequences of the batch "
+		 "(the %s backend attends only rows in host memory)", first, seqs[first],
+		 c->ops->name);
+	KVT_TRY(kvt_tier_room_for(c, what));
+	if (c->ops->may_block)
+		KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
+	for (uint32_t i = first; i < n_seqs; i++) {
+		struct kvt_seq *s = &c->seqs[seqs[i]];
+		if (s->pinned != KVT_PIN_RESTORE)
+			continue;
+		int64_t rc = kvt_tier_restore(c, s, seqs[i]); /* never spills a pinned sequence */
+		if (rc < 0)
+			return (int)rc;
+	}
+	return 0;
+}
+
 int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
 		      uint32_t layer, void *stream)
 {
 	if (c->ops->read_rows_spilled)
 		return 0;
-	for (int pass = 0; pass < 2; pass++)
-		for (uint32_t i = 0; i < n_seqs; i++) {
-			struct kvt_seq *s = &c->seqs[seqs[i]];
-			if (cu[i + 1] == cu[i] || !kvt_layer_spilled(c, &s->layers[layer]))
-				continue;
-			/* the second pass finds one that restoring a later entry spilled again */
-			KVT_RETURN_IF(pass, c, -ENOSPC,
-				      "seqs[%u] = %u and the other sequences of the batch cannot all be "
-				      "in the host tier at once (host_bytes = %llu): the %s backend "
-				      "attends only rows in host memory",
-				      i, seqs[i], (unsigned long long)c->host.capacity, c->ops->name);
-			if (c->ops->may_block)
-				KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
-			int64_t rc = kvt_tier_restore(c, s, seqs[i]);
-			if (rc < 0)
-				return (int)rc;
-		}
-	return 0;
+	uint32_t first = n_seqs;
+	for (uint32_t i = 0; i < n_seqs; i++) {
+		struct kvt_seq *s = &c->seqs[seqs[i]];
+		if (cu[i + 1] == cu[i])
+			continue;
+		s->pinned = kvt_layer_spilled(c, &s->layers[layer]) ? KVT_PIN_RESTORE : KVT_PIN_HOLD;
+		if (s->pinned == KVT_PIN_RESTORE && first == n_seqs)
+			first = i;
+	}
+	int rc = first < n_seqs ? restore_pinned(c, n_seqs, seqs, first, stream) : 0;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		c->seqs[seqs[i]].pinned = KVT_PIN_NONE;
+	return rc;
 }
 
 int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t layer,

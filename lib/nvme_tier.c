@@ -146,6 +146,12 @@ static bool same_block(const struct kvt_layer *x, const struct kvt_layer *l, uin
 		     x; x = NULL)                                                                   \
 			if (same_block(x, l, h, b))
 
+/* s stays in the host tier: the `keep` of the spill at hand, or pinned by the call. */
+static bool kept(const struct kvt_seq *s, const struct kvt_seq *keep)
+{
+	return s == keep || s->pinned != KVT_PIN_NONE;
+}
+
 /*
  * Whether block (h, b) of l, a layer of s, is spilled with s: resident, all its tokens sinks or
  * indexed (flushes read window rows from the host tier), and when shared, so in every holder and
@@ -163,7 +169,7 @@ static bool may_spill(const kvt_cache *c, const struct kvt_seq *s, const struct 
 		return true;
 	FOR_EACH_HOLDER(c, l, h, b, x)
 	{
-		if (&c->seqs[s_] == keep || b >= spillable_blocks(c, x))
+		if (kept(&c->seqs[s_], keep) || b >= spillable_blocks(c, x))
 			return false;
 		if (first && &c->seqs[s_] < s)
 			*first = false;
@@ -309,7 +315,7 @@ static uint32_t pick_victim(const kvt_cache *c, const struct kvt_seq *keep)
 		uint32_t victim = UINT32_MAX;
 		for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 			const struct kvt_seq *s = &c->seqs[i];
-			if (!s->open || s == keep || (pass == 0 && s->last_use >= c->call_start))
+			if (!s->open || kept(s, keep) || (pass == 0 && s->last_use >= c->call_start))
 				continue;
 			if ((victim == UINT32_MAX || s->last_use < c->seqs[victim].last_use) &&
 			    has_spillable(c, s, keep))
@@ -327,7 +333,7 @@ static uint64_t spillable_bytes(const kvt_cache *c, const struct kvt_seq *keep)
 	uint64_t n = 0;
 	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 		const struct kvt_seq *s = &c->seqs[i];
-		if (!s->open || s == keep)
+		if (!s->open || kept(s, keep))
 			continue;
 		FOR_EACH_BLOCK(c, s, l, h, b)
 		{
@@ -482,6 +488,38 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 	return kvt_err_wrap(c, rc, "%s; then reading back seq %u failed too (%u sequence(s) spilled "
 			    "to make room stay spilled, their NVMe copies valid): %.200s", why, first,
 			    stayed, first_err.msg);
+}
+
+int kvt_tier_room_for(kvt_cache *c, const char *what)
+{
+	KVT_TRY(need_tier(c));
+	uint64_t blocks = 0;
+	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
+		struct kvt_seq *s = &c->seqs[i];
+		if (!s->open || s->pinned != KVT_PIN_RESTORE)
+			continue;
+		FOR_EACH_BLOCK(c, s, l, h, b)
+		{
+			if (!spilled_after(l, (size_t)h * l->blk_cap + b, 0))
+				continue;
+			bool first = true; /* counted for its restored holder of the lowest slot */
+			if (shared(c, l, h, b))
+				FOR_EACH_HOLDER(c, l, h, b, x)
+				{
+					first &= s_ > i || c->seqs[s_].pinned != KVT_PIN_RESTORE;
+				}
+			blocks += first;
+		}
+	}
+	const uint64_t need = blocks * c->host.block_bytes, free = kvt_extents_free_bytes(&c->host);
+	const uint64_t can = c->cfg.spill_policy == KVT_SPILL_LRU ? spillable_bytes(c, NULL) : 0;
+	KVT_RETURN_IF(need > free + can, c, -ENOSPC,
+		      "%s cannot all be in the host tier at once: reading them back needs %llu "
+		      "bytes, %llu are free of host_bytes = %llu, and spilling the sequences the "
+		      "call does not use would free %llu more; nothing was restored",
+		      what, (unsigned long long)need, (unsigned long long)free,
+		      (unsigned long long)c->host.capacity, (unsigned long long)can);
+	return 0;
 }
 
 int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)

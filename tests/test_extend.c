@@ -8,7 +8,8 @@
  * every sequence as it was. With --nvme: a spilled sequence, its rows read from NVMe, equal to the
  * same sequence unspilled (exact and Top-p); and the CUDA backend's way on the CPU's kernels
  * (ops->read_rows_spilled off): spilled entries restored first, equal to the unspilled, and a batch
- * that cannot be in the host tier at once refused with -ENOSPC, each entry alone then served.
+ * that cannot be in the host tier at once refused with -ENOSPC before anything moved, each entry
+ * alone then served.
  * Top-p per query row: test_extend_topp.c.
  */
 #include "extend_util.h"
@@ -444,26 +445,38 @@ static uint64_t nvme_of(kvt_cache *c, uint32_t s)
 	return nvme;
 }
 
-/* host_bytes: the tiered cache's; its sequences 0 and 1 spilled, then one kvt_extend of both. */
-static void restored_case(uint64_t host_bytes, bool fits)
+/* An untiered cache *b and a tiered one *a (host_bytes, one NVMe file, restoring first), each
+ * with NS sequences open and the streams of `seed`. */
+static void restoring_pair(uint64_t seed, uint64_t host_bytes, bool lru, kvt_cache **a,
+			   kvt_cache **b)
 {
 	tt_files f;
 	tt_make_files(&f, 1, 64ull << 20);
-	make_streams(KVT_DTYPE_F16, 0x5b112);
+	make_streams(KVT_DTYPE_F16, seed);
 	kvt_config cfg = config(KVT_DTYPE_F16, KVT_DTYPE_F32, 0);
-	kvt_cache *b = make_cache(&cfg);
+	*b = make_cache(&cfg);
 	cfg.n_nvme = 1;
 	cfg.nvme_paths = (const char *const *)f.ptrs;
 	cfg.nvme_bytes = f.bytes;
 	cfg.host_bytes = host_bytes;
-	cfg.spill_policy = KVT_SPILL_LRU;
-	kvt_cache *a = make_cache(&cfg);
+	cfg.spill_policy = lru ? KVT_SPILL_LRU : cfg.spill_policy;
+	*a = make_cache(&cfg);
 	tt_unlink(&f);
-	restore_first(a);
+	restore_first(*a);
+}
+
+/* host_bytes: the tiered cache's; its sequences 0 and 1 spilled, then one kvt_extend of both;
+ * with `idle`, sequence 2 holds 700 resident tokens the restores must spill. */
+static void restored_case(uint64_t host_bytes, bool fits, bool idle)
+{
+	kvt_cache *a, *b;
+	restoring_pair(0x5b112, host_bytes, true, &a, &b);
 	static const uint32_t seqs[] = {0, 1}, n[] = {45, 3};
 	for (kvt_cache *c = a; c; c = c == a ? b : NULL) {
 		prefill(c, 0, 700);
 		prefill(c, 1, 600);
+		if (idle)
+			prefill(c, 2, 700);
 	}
 	/* (in the small tier, seq 1's prefill already spilled seq 0) */
 	T_CHECK(kvt_seq_spill(a, 0) >= 0 && kvt_seq_spill(a, 1) >= 0 && nvme_of(a, 0) > 0 &&
@@ -479,9 +492,13 @@ static void restored_case(uint64_t host_bytes, bool fits)
 			"both sequences restored: restores %llu, NVMe bytes %llu and %llu",
 			(unsigned long long)t_stats(a).restores, (unsigned long long)nvme_of(a, 0),
 			(unsigned long long)nvme_of(a, 1));
+		T_CHECK(!idle || nvme_of(a, 2) > 0,
+			"the idle sequence was not spilled to make room");
 	} else {
-		/* the batch cannot be in the host tier at once: restoring seq 1 spills seq 0 again,
-		 * and the call refuses (kvtier.h: the restore, and what it spilled, stay) */
+		/* the batch cannot be in the host tier at once: refused before anything is
+		 * restored (restoring seq 1 would have spilled seq 0 again) */
+		const kvt_stats st0 = t_stats(a);
+		const uint64_t nv0 = nvme_of(a, 0), nv1 = nvme_of(a, 1);
 		int rc = extend_flags(a, 2, seqs, n, oa, 0);
 		T_CHECK(rc == -ENOSPC &&
 				strstr(kvt_last_error(a), "cannot all be in the host tier"),
@@ -489,6 +506,15 @@ static void restored_case(uint64_t host_bytes, bool fits)
 			kvt_last_error(a));
 		T_CHECK(len_of(a, 0) == 700 && len_of(a, 1) == 600,
 			"the failed call changed a length");
+		const kvt_stats st1 = t_stats(a);
+		T_CHECK(st1.restores == st0.restores && st1.spills == st0.spills &&
+				st1.host_bytes_used == st0.host_bytes_used && nvme_of(a, 0) == nv0 &&
+				nvme_of(a, 1) == nv1,
+			"the refused call moved rows: restores %llu -> %llu, spills %llu -> %llu, "
+			"host tier %llu -> %llu bytes", (unsigned long long)st0.restores,
+			(unsigned long long)st1.restores, (unsigned long long)st0.spills,
+			(unsigned long long)st1.spills, (unsigned long long)st0.host_bytes_used,
+			(unsigned long long)st1.host_bytes_used);
 		/* nothing lost: each alone fits, and equals the unspilled sequence */
 		for (uint32_t i = 0; i < 2; i++) {
 			extend_ok(a, 1, seqs + i, n + i, oa);
@@ -519,14 +545,45 @@ static void restored_case(uint64_t host_bytes, bool fits)
 	kvt_cache_destroy(b);
 }
 
+/* A fork and its parent in one batch: the blocks they share were spilled once, and are read back
+ * once, so a host tier that holds them once takes the batch. */
+static void restored_fork_case(void)
+{
+	kvt_cache *a, *b;
+	restoring_pair(0x5b113, 8ull << 16, false, &a, &b); /* 8 blocks of 64 KiB */
+	/* seq 0: 3 blocks per head; its fork (slot 3) shares blocks 0 and 1 and copies block 2 */
+	for (kvt_cache *c = a; c; c = c == a ? b : NULL) {
+		prefill(c, 0, 700);
+		uint32_t kid = 0;
+		T_CHECK(kvt_seq_close(c, 3) == 0 && kvt_seq_fork(c, 0, &kid, NULL) == 0 && kid == 3,
+			"fork into slot 3: got %u (%s)", kid, kvt_last_error(c));
+	}
+	T_CHECK(kvt_seq_spill(a, 0) > 0 && nvme_of(a, 3) > 0, "spill of the shared blocks: %s",
+		kvt_last_error(a));
+	static const uint32_t seqs[] = {0, 3}, n[] = {5, 9};
+	uint8_t *oa = t_alloc(out_bytes(a, 14)), *ob = t_alloc(out_bytes(a, 14));
+	extend_ok(a, 2, seqs, n, oa);
+	extend_ok(b, 2, seqs, n, ob);
+	T_CHECK(!memcmp(oa, ob, out_bytes(a, 14)), "fork and parent: restored outputs differ");
+	T_CHECK(nvme_of(a, 0) == 0 && nvme_of(a, 3) == 0, "fork and parent not both restored");
+	free(oa);
+	free(ob);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
 static void test_restored(void **state)
 {
 	(void)state;
 	tt_skip_unless_available();
-	restored_case(64ull << 20, true);
+	restored_case(64ull << 20, true, false);
 	/* 64 KiB blocks (256 tokens x 2 x 64 x 2 bytes): each sequence holds 2 resident blocks
 	 * and 4 spilled; 10 blocks hold the resident ones and one sequence's spilled, not both */
-	restored_case(10ull << 16, false);
+	restored_case(10ull << 16, false, false);
+	/* 14 blocks: the idle sequence's 6 resident blocks leave 4 free, and spilling its 4 indexed
+	 * ones makes room for the batch's 8 */
+	restored_case(14ull << 16, true, true);
+	restored_fork_case();
 }
 
 int main(int argc, char **argv)
