@@ -48,6 +48,8 @@ struct model {
 	float p;
 	kvt_cache *t, *ref;
 	int lru;		/* T spills automatically (KVT_SPILL_LRU) from a small host tier */
+	int restore_first;	/* T restores spilled sequences before extend and read_rows read
+				   them (the CUDA backend's way: ops->read_rows_spilled off) */
 	struct tstate pre;	/* T's counters before the call under a fault (arm) */
 	nv_files f;
 	struct mseq s[MAXS];
@@ -55,6 +57,7 @@ struct model {
 	/* counts for the summary */
 	uint64_t ops[OP_NOPS], faults_fired, faults_failed, faults_recovered, exact_checks;
 	uint64_t host_full; /* calls refused by the small host tier of a KVT_SPILL_LRU seed */
+	uint64_t restores_kept; /* failed calls of a restoring seed that kept their restores */
 };
 
 extern int g_fail; /* a mismatch was found: stop the seed */
