@@ -141,9 +141,10 @@ int judge(struct model *m, const struct fault *f, enum op op, int64_t rc)
 			 a.restores > b.restores &&
 			 !strstr(kvt_last_error(m->t), "cannot all be in the host tier");
 	m->restores_kept += kept;
-	M_CHECK(m, kept || !memcmp(&a, &b, sizeof a), "%s failed under an injected %s fault (n %llu) but "
-		"changed the tiered cache: spills %llu -> %llu, restores %llu -> %llu, auto spills "
-		"%llu -> %llu, host bytes %llu -> %llu, NVMe bytes %llu -> %llu", op_name[op],
+	M_CHECK(m, kept || !memcmp(&a, &b, sizeof a),
+		"%s failed under an injected %s fault (n %llu) but changed the tiered cache: spills "
+		"%llu -> %llu, restores %llu -> %llu, auto spills %llu -> %llu, host bytes %llu -> "
+		"%llu, NVMe bytes %llu -> %llu", op_name[op],
 		fkind_name[f->kind], (unsigned long long)f->n, (unsigned long long)b.spills,
 		(unsigned long long)a.spills, (unsigned long long)b.restores,
 		(unsigned long long)a.restores, (unsigned long long)b.auto_spills,
@@ -338,15 +339,16 @@ static void test_model(void **state)
 		print_message(" %s %llu", op_name[o], (unsigned long long)totals[o]);
 	print_message("; faults fired %llu (failed as documented %llu, recovered %llu); exact p = 1 "
 		      "checks %llu; KVT_SPILL_LRU seeds %llu, tiered spills %llu (automatic %llu), calls "
-		      "refused by the small host tier %llu; restoring seeds %llu, their restores %llu, "
-		      "failed calls that kept theirs %llu\n",
+		      "refused by the small host tier %llu; restoring seeds %llu, their restores "
+		      "%llu, failed calls that kept theirs %llu\n",
 		      (unsigned long long)totals[T_FIRED], (unsigned long long)totals[T_FAILED],
 		      (unsigned long long)totals[T_RECOVERED], (unsigned long long)totals[T_EXACT],
 		      (unsigned long long)totals[T_LRU_SEEDS], (unsigned long long)totals[T_SPILLS],
 		      (unsigned long long)totals[T_AUTO_SPILLS],
 		      (unsigned long long)totals[T_HOST_FULL],
 		      (unsigned long long)totals[T_RESTORING_SEEDS],
-		      (unsigned long long)totals[T_RESTORES], (unsigned long long)totals[T_RESTORES_KEPT]);
+		      (unsigned long long)totals[T_RESTORES],
+		      (unsigned long long)totals[T_RESTORES_KEPT]);
 	T_CHECK(!g_fail, "a seed did not match the reference (above)");
 	T_CHECK(kvt_mem_live() == live, "live allocations got %lld after every seed, wanted %lld",
 		(long long)kvt_mem_live(), (long long)live);
