@@ -58,7 +58,7 @@ struct model {
 	uint64_t ops[OP_NOPS], faults_fired, faults_failed, faults_recovered, exact_checks;
 	uint64_t host_full; /* calls refused by the small host tier of a KVT_SPILL_LRU seed */
 	uint64_t restores_kept; /* failed calls of a restoring seed that kept their restores */
-	uint64_t victims_stayed; /* failed calls whose undo left an automatic spill's victim spilled */
+	uint64_t victims_stayed; /* failed calls whose undo left a victim spilled */
 };
 
 extern int g_fail; /* a mismatch was found: stop the seed */
