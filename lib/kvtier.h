@@ -522,10 +522,9 @@ typedef enum kvt_extend_flags {
  * outputs agree with the CPU's within the dtype's precision, not bit for bit, and a non-finite
  * value in V reaches the outputs of earlier rows of its 64-row tile too. A spilled sequence is
  * restored once the inputs are checked (kvt_seq_restore's errors; the restore, and sequences it
- * spilled to make room, stay if the call then fails; -ENOSPC, with nothing restored, when the
- * batch's spilled sequences cannot all be in the host tier at once, which restoring them never
- * spills one of the batch to achieve; -ENOSPC when making room for the new rows spilled one of
- * them);
+ * spilled to make room, stay if the call then fails; the restores never spill a sequence of the
+ * batch, and -ENOSPC, with nothing restored, when the batch's spilled sequences cannot all be in
+ * the host tier at once; -ENOSPC when making room for the new rows spilled one of them);
  * growing the staging buffer synchronizes the device (-EINVAL while `stream` is being captured).
  * With KVT_EXTEND_TOPP each query row is one decode step of kvt_attend's kernels at the lengths
  * the row sees (its selection within the threshold's tolerance of the CPU's; the last row of an
