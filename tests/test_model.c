@@ -125,8 +125,11 @@ static int documented(const struct fault *f, int64_t rc)
 int judge(struct model *m, const struct fault *f, enum op op, int64_t rc)
 {
 	/* the small host tier of a KVT_SPILL_LRU seed may not hold what one call needs beside the
-	 * blocks that cannot spill (tail blocks not indexed yet): refused, as if never made */
-	int full = m->lru && !f->fired && rc == -ENOSPC && strstr(kvt_last_error(m->t), "host tier");
+	 * blocks that cannot spill (tail blocks not indexed yet): refused, as if never made (an
+	 * injected allocation fault may then hit the undo's read-back: the refusal stays the
+	 * call's code) */
+	int full = m->lru && (!f->fired || f->kind == F_MEM) && rc == -ENOSPC &&
+		   strstr(kvt_last_error(m->t), "host tier");
 	if (!full && (!f->fired || rc >= 0)) {
 		m->faults_recovered += f->fired && rc >= 0;
 		return 1;
