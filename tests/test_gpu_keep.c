@@ -10,7 +10,8 @@
  * step's selection depends on the one before, so a set that differs (the GPU's threshold may, by
  * the tolerance gpu/select.cuh states) parts the histories: the comparison stops there, printing
  * it. The same steps without keep_weight select otherwise, and keep fewer of the last step's
- * tokens than with it. Exits 77 (skipped) when no CUDA device is present.
+ * tokens than with it. A plain kvt_attend captured into a CUDA graph with the weight replays as
+ * its eager twin steps, bit for bit. Exits 77 (skipped) when no CUDA device is present.
  */
 #include "gpu_pair.h"
 
@@ -157,12 +158,72 @@ static void test_keep(void **state)
 	free(rec.pos);
 }
 
+/*
+ * A plain kvt_attend captured into a CUDA graph with keep_weight 8 (doc/hysteresis.md: the capture
+ * records the copies of what the captured batch's slots favor): each replay favors the selection
+ * the replay before it wrote, as an eager step favors its last. Two pairs fed the same tokens; on
+ * the first the step is captured after eager warm-up steps and replayed, on the second the same
+ * steps run eagerly, with the query changing between steps: every replay's output equals its
+ * eager twin's bit for bit.
+ */
+static void test_keep_captured(void **state)
+{
+	(void)state;
+	struct pair a, b;
+	g_keep_weight = 8.0f;
+	pair_init(&a, 3000, 16, 64u << 20);
+	pair_init(&b, 3000, 16, 64u << 20);
+	g_keep_weight = 0.0f;
+	cudaStream_t st;
+	CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+	const size_t ob = sizeof(float) * NSEQ * HQ * D;
+	/* one token appended (the captured step replays this length), then warm-up steps on both */
+	struct pair *ps[2] = {&a, &b};
+	for (int k = 0; k < 2; k++) {
+		decode_inputs(ps[k], 0, 0);
+		struct pair *q = ps[k];
+		OK(q->gpu, kvt_append(q->gpu, 0, NSEQ, q->sg, q->dk, q->dv, st));
+		for (int w = 0; w < 3; w++)
+			OK(q->gpu, kvt_attend(q->gpu, 0, NSEQ, q->sg, q->dq, q->dout, st));
+		CU(cudaStreamSynchronize(st));
+	}
+	cudaGraph_t graph;
+	cudaGraphExec_t exec;
+	CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+	int rc = kvt_attend(a.gpu, 0, NSEQ, a.sg, a.dq, a.dout, st);
+	CU(cudaStreamEndCapture(st, &graph));
+	T_CHECK(rc == 0, "kvt_attend with keep_weight while capturing: %d: %s", rc,
+		kvt_last_error(a.gpu));
+	CU(cudaGraphInstantiate(&exec, graph, 0));
+	for (uint32_t r = 0; r < 6; r++) {
+		decode_inputs(&a, 0, r + 1); /* the queries of another step, into the captured dq */
+		decode_inputs(&b, 0, r + 1);
+		CU(cudaMemset(a.dout, 0xff, ob));
+		CU(cudaGraphLaunch(exec, st));
+		OK(b.gpu, kvt_attend(b.gpu, 0, NSEQ, b.sg, b.dq, b.dout, st));
+		CU(cudaStreamSynchronize(st));
+		CU(cudaMemcpy(a.out_g, a.dout, ob, cudaMemcpyDeviceToHost));
+		CU(cudaMemcpy(b.out_g, b.dout, ob, cudaMemcpyDeviceToHost));
+		T_CHECK(!memcmp(a.out_g, b.out_g, ob),
+			"replay %u with keep_weight differs from its eager twin (first output "
+			"%.9g, wanted %.9g)", r, a.out_g[0], b.out_g[0]);
+	}
+	printf("keep_weight 8: 6 replays of a captured kvt_attend equal their eager twin's "
+	       "steps\n");
+	cudaGraphExecDestroy(exec);
+	cudaGraphDestroy(graph);
+	cudaStreamDestroy(st);
+	pair_fini(&a);
+	pair_fini(&b);
+}
+
 int main(void)
 {
 	if (!gpu_tests_start())
 		return 77;
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_keep),
+		cmocka_unit_test(test_keep_captured),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
