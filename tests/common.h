@@ -297,6 +297,17 @@ static inline kvt_cache *t_create(const kvt_config *cfg)
 }
 
 /* kvt_get_stats or fail. */
+/* Give c the CUDA backend's way with spilled rows on its own (the CPU's) kernels: a copy of its
+ * ops with read_rows_spilled off, so that kvt_extend and kvt_seq_read_rows restore spilled
+ * sequences first (lib/lifecycle.c's kvt_pipe_resident). One copy per test file. */
+static inline void t_restore_first(kvt_cache *c)
+{
+	static struct kvt_backend_ops restoring;
+	restoring = *c->ops;
+	restoring.read_rows_spilled = false;
+	c->ops = &restoring;
+}
+
 /*
  * Create one small cache and store a token in it (which maps and, where a GPU is present, pins a
  * host-tier extent), so that what the process keeps open for good afterwards (the CUDA runtime's

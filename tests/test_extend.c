@@ -427,17 +427,6 @@ static void test_spilled(void **state)
 
 /* ---- (5) a backend that reads only the host tier: spilled entries restored first ------------- */
 
-/* The CUDA backend's way (ops->read_rows_spilled false) on the CPU backend's kernels: kvt_extend
- * and kvt_seq_read_rows restore spilled sequences before they read them (lib/lifecycle.c). */
-static struct kvt_backend_ops g_restoring;
-
-static void restore_first(kvt_cache *c)
-{
-	g_restoring = *c->ops;
-	g_restoring.read_rows_spilled = false;
-	c->ops = &g_restoring;
-}
-
 static uint64_t nvme_of(kvt_cache *c, uint32_t s)
 {
 	uint64_t host = 0, nvme = 0;
@@ -462,7 +451,7 @@ static void restoring_pair(uint64_t seed, uint64_t host_bytes, bool lru, kvt_cac
 	cfg.spill_policy = lru ? KVT_SPILL_LRU : cfg.spill_policy;
 	*a = make_cache(&cfg);
 	tt_unlink(&f);
-	restore_first(*a);
+	t_restore_first(*a);
 }
 
 /* host_bytes: the tiered cache's; its sequences 0 and 1 spilled, then one kvt_extend of both;

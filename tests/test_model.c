@@ -212,12 +212,8 @@ static void model_open(struct model *m, uint64_t seed)
 	m->t = t_create(&cfg);
 	nv_unlink(&m->f);
 	m->restore_first = seed / 4 % 2 == 1;
-	if (m->restore_first) {
-		static struct kvt_backend_ops restoring;
-		restoring = *m->t->ops;
-		restoring.read_rows_spilled = false;
-		m->t->ops = &restoring;
-	}
+	if (m->restore_first)
+		t_restore_first(m->t);
 	for (int i = 0; i < MAXS; i++)
 		for (int l = 0; l < NL; l++) {
 			m->s[i].k[l] = t_alloc(sizeof(float) * CAP * ROW);
