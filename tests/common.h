@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "internal.h"
+#include "fd_count.h"
 
 /*
  * Fail the current cmocka test when `cond` is false, after printing where, the condition, and a
@@ -306,32 +307,6 @@ static inline void t_restore_first(kvt_cache *c)
 	restoring = *c->ops;
 	restoring.read_rows_spilled = false;
 	c->ops = &restoring;
-}
-
-/*
- * Create one small cache and store a token in it (which maps and, where a GPU is present, pins a
- * host-tier extent), so that what the process keeps open for good afterwards (the CUDA runtime's
- * device descriptors and its context) is open before a test takes its baseline of descriptors.
- */
-static inline void t_warm_runtime(void)
-{
-	kvt_config cfg = KVT_CONFIG_INIT;
-	cfg.n_layers = 1;
-	cfg.n_q_heads = 1;
-	cfg.n_kv_heads = 1;
-	cfg.head_dim = 64;
-	cfg.backend = KVT_BACKEND_CPU;
-	cfg.host_bytes = 1u << 20;
-	kvt_cache *c = NULL;
-	uint16_t kv[64];
-	uint32_t seq;
-	for (int i = 0; i < 64; i++)
-		kv[i] = 0x3c00; /* 1.0 */
-	if (kvt_cache_create(&cfg, &c) < 0)
-		return;
-	if (kvt_seq_open(c, &seq) == 0)
-		kvt_prefill(c, seq, 0, NULL, kv, kv, 1, NULL);
-	kvt_cache_destroy(c);
 }
 
 /* Whether text contains needle, ignoring case (error details are checked for the values named). */

@@ -531,24 +531,6 @@ static void setup_nvme(struct fz *z, char *path, size_t n)
 	z->cfg.nvme_cache_bytes = (uint64_t)1 << 20;
 }
 
-/* Where this build has the CUDA backend and finds a device, the first cache's probe and pinning
- * start the CUDA runtime, whose descriptors (/dev/nvidia*, about 40) stay open until the process
- * exits. One cache created and destroyed before the first input's count makes them part of it. */
-static void warm_up_runtime(void)
-{
-	static int done;
-	struct in none = {NULL, 0, 0};
-	struct fz w;
-	if (done)
-		return;
-	done = 1;
-	memset(&w, 0, sizeof w);
-	configure(&w, &none);
-	CHECK(kvt_cache_create(&w.cfg, &w.c) == 0, "warm-up kvt_cache_create: %s",
-	      kvt_last_error(NULL));
-	kvt_cache_destroy(w.c);
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct in in = {data, size, 0};
@@ -557,7 +539,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	memset(&z, 0, sizeof z);
 	configure(&z, &in);
 	z.rng = 0x9e3779b97f4a7c15ull ^ size;
-	warm_up_runtime();
+	static int warm; /* the CUDA runtime's descriptors, once open, stay open (fd_count.h) */
+	if (!warm) {
+		t_warm_runtime();
+		warm = 1;
+	}
 	int64_t live = kvt_mem_live();
 	const int fds = t_fd_count();
 	setup_nvme(&z, path, sizeof path);
