@@ -4,7 +4,9 @@
  * choose a small cache configuration (layers, heads, head_dim, dtypes, window, sinks, flush batch,
  * p, budgets, sequences, a host tier small enough to fill, correction_steps from the first byte's
  * high bits, keep_weight and keep_steps from the head_dim byte's, rescore_p from the p byte's,
- * allocation faults and an NVMe tier with or without KVT_SPILL_LRU from the host tier byte's), the
+ * allocation faults and an NVMe tier with or without KVT_SPILL_LRU from the host tier byte's, and
+ * with that tier, for a quarter of the inputs, the CUDA backend's restore-first way with spilled
+ * rows on the CPU's kernels from the dtype byte's), the
  * rest a sequence of at most 64 calls (open, close, prefill, append, attend, select
  * and gather, length, stats, layer stats, spill and restore, truncate, fork, read_rows and
  * write_rows with or without a kvt_rows_layout, extend with or without a kvt_io_layout, and the
@@ -21,14 +23,15 @@
  * code of the header's list, with a kvt_last_error text when it fails; a layout the header's rules
  * refuse is refused; every call counts one error in kvt_stats.errors when it fails and none when it
  * succeeds; a call that fails changes no sequence's length on any layer, nor the host and NVMe
- * tiers' use (unless it counted a spill: victims an undo could not read back), and one that
- * succeeds changes exactly the lengths it should (prefill, append, extend and write_rows add their
- * rows, truncate by n gives length - n on every layer, a fork's child gets the parent's lengths and
- * seqs_open grows by one); read_rows returns to - from, a failed read writes nothing of k and v,
- * a read through a layout writes the dense read's rows into the slots named and nothing else;
- * rows written read back bit for bit; an out view gets nothing outside its (token, head) rows,
- * and nothing at all from a failed call when it is not dense; a gather's counts fit max_tokens,
- * sum to its return value, and give ascending positions within the sequence; after
+ * tiers' use (unless it counted a spill: victims an undo could not read back; or, restoring
+ * first, it kept the restores it made), and one that succeeds changes exactly the lengths it
+ * should (prefill, append, extend and write_rows add their rows, truncate by n gives length - n
+ * on every layer, a fork's child gets the parent's lengths and seqs_open grows by one);
+ * read_rows returns to - from, a failed read writes nothing of k and v, a read through a layout
+ * writes the dense read's rows into the slots named and nothing else; rows written read back bit
+ * for bit; an out view gets nothing outside its (token, head) rows, and nothing at all from a
+ * failed call when it is not dense; a gather's counts fit max_tokens, sum to its return value,
+ * and give ascending positions within the sequence; after
  * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
  * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
  * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
@@ -135,7 +138,10 @@ int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
 	CHECK(counted == (rc < 0), "%s returned %lld and counted %llu errors in kvt_stats.errors, "
 	      "wanted %d (\"%s\")", call, (long long)rc, (unsigned long long)counted, rc < 0,
 	      rc < 0 ? kvt_last_error(z->c) : "");
+	/* a restore-first cache's failed kvt_extend or kvt_seq_read_rows keeps the restores it made
+	 * (kvtier.h) */
 	CHECK(rc >= 0 || st.spills != b->spills ||
+		      (z->restore_first && st.restores != b->restores) ||
 		      (st.host_bytes_used == b->host_bytes_used &&
 		       st.nvme_bytes_used == b->nvme_bytes_used),
 	      "%s failed (%lld, \"%s\") and moved rows: host tier %llu -> %llu bytes, NVMe tier "
@@ -475,7 +481,11 @@ static void configure(struct fz *z, struct in *in)
 	static const uint32_t ks[4] = {0, 1, 2, KVT_MAX_KEEP_STEPS};
 	c.keep_weight = hb >> 7 ? kw[(hb >> 3) & 3] : 0.0f;
 	c.keep_steps = c.keep_weight != 0.0f ? ks[(hb >> 5) & 3] : 0;
-	c.dtype = byte(in) & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
+	/* with an NVMe tier, the bits of the dtype byte that the dtype leaves ask for the restore-first
+	 * way for a quarter of the inputs (none of the NVMe seeds before it had 0 there) */
+	const uint8_t db = byte(in);
+	c.dtype = db & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
+	z->restore_first = ((db >> 1) & 3) == 0;
 	uint8_t o = byte(in) % 3;
 	c.out_dtype = o == 0 ? KVT_DTYPE_F32 : o == 1 ? KVT_DTYPE_F16 : KVT_DTYPE_BF16;
 	c.window = windows[byte(in) % 4];
@@ -552,6 +562,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		unlink(path);
 	CHECK(rc == 0, "kvt_cache_create of a valid configuration: %d (%s)", rc,
 	      kvt_last_error(NULL));
+	z.restore_first = z.restore_first && z.cfg.n_nvme;
+	if (z.restore_first) { /* as tests/common.h's t_restore_first: a backend reading no NVMe */
+		static struct kvt_backend_ops restoring;
+		restoring = *z.c->ops;
+		restoring.read_rows_spilled = false;
+		z.c->ops = &restoring;
+	}
 	/* a few ids that were never handed out */
 	z.ids[z.n_ids++] = 7;
 	for (int i = 0; i < 64 && in.at < in.n; i++)

@@ -51,6 +51,7 @@ struct fz {
 	bool io_fired;       /* and it has failed, in the call now checked */
 	bool faults;      /* the configuration turned allocation (and I/O) faults on */
 	bool nvme;        /* and asked for an NVMe tier */
+	bool restore_first; /* and the CUDA backend's way: kvt_extend and read_rows restore first */
 	const char *nvme_path;
 	uint64_t nvme_bytes;
 	kvt_stats before; /* kvt_get_stats right before the call now checked */
@@ -63,7 +64,7 @@ uint64_t call_begin(struct fz *z);
  * list with a kvt_last_error text, unless the call counted one error in kvt_stats.errors when it
  * failed and none when it succeeded (errors0: call_begin's), and unless a failed call left the
  * host and NVMe tiers' use as they were (but where it spilled for good: an undo whose read-back
- * failed); returns rc. */
+ * failed; or, restoring first, where it kept its restores); returns rc. */
 int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc);
 /* Make the library call `expr` between call_begin and check_call; its result. */
 #define FZ_CALL(z, call, expr)                                                                     \
