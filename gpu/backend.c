@@ -360,6 +360,8 @@ static int cu_init_inner(kvt_cache *c, struct gpu_cache *b)
 		      "device %d cannot use host pointers of registered memory: the zero-copy "
 		      "host tier needs it",
 		      c->cfg.device);
+	CU(c, cudaDeviceGetAttribute(&attr, cudaDevAttrPageableMemoryAccess, c->cfg.device));
+	b->pageable_access = attr != 0;
 	KVT_RETURN_IF(c->cfg.correction_steps, c, -EOPNOTSUPP,
 		      "correction_steps = %u: the CUDA backend has no score correction yet (0, "
 		      "the default, turns it off)", c->cfg.correction_steps);
@@ -502,6 +504,7 @@ static const struct kvt_backend_ops ops = {
 	.layer_fini = cu_layer_fini,
 	.enter = cu_enter,
 	.may_block = cu_may_block,
+	.unreachable = gpu_unreachable,
 	.reserve = gpu_reserve,
 	.centroids = gpu_centroids,
 	.store = gpu_store,

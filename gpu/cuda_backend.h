@@ -141,6 +141,7 @@ struct gpu_cache {
 	cudaEvent_t staging_ev, ready;
 	bool staging_pending;
 	bool hot_auto;                /* the hot cache sizes itself (hot.c) */
+	bool pageable_access;         /* the device reads pageable host memory (runtime.c) */
 	uint64_t hot_cap_layer;       /* its bound per layer, bytes */
 	uint64_t *hot_snap;           /* [L][2][HOT_SNAP_W] pinned: a layer's fetch counters before
 					 and after a step (hot.c) */
@@ -255,6 +256,9 @@ kvt_gpu_fetch_seq gpu_mirror_fetch(const kvt_cache *c, struct kvt_layer *l,
 int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why);
 int gpu_find_device(const char *busid, int32_t *device, struct kvt_err *why);
 extern const struct kvt_mem_hooks gpu_mem_hooks;
+/* ops->unreachable: "pageable host memory" for such a p where the device cannot read it; NULL
+ * while `stream` is being captured, where the runtime cannot tell, and for any other memory */
+const char *gpu_unreachable(kvt_cache *c, const void *p, void *stream);
 
 /* backend.c */
 int gpu_check_err(kvt_cache *c);

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The CUDA runtime as the library needs it outside the kernels: finding the device and its PCI bus
- * id (for NUMA placement), and the pinning and device-memory hooks a cache's allocation context
- * takes (the probe and mem_hooks slots of the backend table).
+ * id (for NUMA placement), whether the kernels can reach a caller's tensor, and the pinning and
+ * device-memory hooks a cache's allocation context takes (the probe, unreachable and mem_hooks
+ * slots of the backend table).
  */
 #include "cuda_backend.h"
 
@@ -55,6 +56,30 @@ static int pin(void *p, size_t bytes)
 static void unpin(void *p)
 {
 	cudaHostUnregister(p);
+}
+
+const char *gpu_unreachable(kvt_cache *c, const void *p, void *stream)
+{
+	const struct gpu_cache *b = c->be;
+	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+	struct cudaPointerAttributes a;
+	if (b->pageable_access)
+		return NULL;
+	/* not asked inside a capture: which runtime calls a capture tolerates is not ours to bet on */
+	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+		(void)cudaGetLastError(); /* not sticky: the next launch must not see it */
+		return NULL;
+	}
+	if (st != cudaStreamCaptureStatusNone)
+		return NULL;
+	if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return NULL;
+	}
+	/* refused only where the runtime gives no device address for it: memory it does not know
+	 * and cannot map (another allocator's device memory keeps its own address) */
+	return a.type == cudaMemoryTypeUnregistered && !a.devicePointer ? "pageable host memory"
+									 : NULL;
 }
 
 const struct kvt_mem_hooks gpu_mem_hooks = {

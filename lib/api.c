@@ -364,6 +364,9 @@ KVT_API int kvt_gather(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint
 	KVT_RETURN_IF(!counts, c, -EINVAL, "counts is NULL");
 	KVT_RETURN_IF(!k_out != !v_out, c, -EINVAL, "%s is NULL but %s is not",
 		      !k_out ? "k_out" : "v_out", !k_out ? "v_out" : "k_out");
+	static const char *const names[] = {"pos", "k_out", "v_out"};
+	const void *const ptrs[] = {pos, k_out, v_out};
+	KVT_TRY(kvt_check_reach(c, "kvt_gather", 3, names, ptrs, stream));
 	KVT_TRY(batch_args(c, layer, n_seqs, seqs, &ls, stream));
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, n_seqs, seqs, NULL);

@@ -196,14 +196,16 @@ KVT_API int kvt_seq_fork(kvt_cache *c, uint32_t parent, uint32_t *child, void *s
 }
 
 /* The checks of a row range [from, to) of seq on layer; *out: its state. */
-static int range_args(kvt_cache *c, uint32_t seq, uint32_t layer, uint32_t from, uint32_t to,
-		      const void *k, const void *v, struct kvt_seq **out)
+static int range_args(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
+		      uint32_t to, const void *k, const void *v, struct kvt_seq **out, void *stream)
 {
+	static const char *const names[] = {"k", "v"};
+	const void *const ptrs[] = {k, v};
 	KVT_TRY(kvt_seq_lookup(c, seq, out));
 	KVT_TRY(kvt_check_layer(c, layer));
 	KVT_RETURN_IF(!k || !v, c, -EINVAL, "%s is NULL", !k ? "k" : "v");
 	KVT_RETURN_IF(to <= from, c, -EINVAL, "to = %u, must be > from = %u", to, from);
-	return 0;
+	return kvt_check_reach(c, call, 2, names, ptrs, stream);
 }
 
 static int read_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t layer, uint32_t from,
@@ -212,7 +214,7 @@ static int read_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t laye
 	struct kvt_seq *s = NULL;
 	struct kvt_rows_map m;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
+	KVT_TRY(range_args(c, call, seq, layer, from, to, k, v, &s, stream));
 	const uint32_t n = s->layers[layer].n_tokens;
 	KVT_RETURN_IF(to > n, c, -EINVAL, "to = %u, must be <= %u, the tokens seq %u holds on layer %u",
 		      to, n, seq, layer);
@@ -248,7 +250,7 @@ static int write_rows(kvt_cache *c, const char *call, uint32_t seq, uint32_t lay
 	struct kvt_seq *s = NULL;
 	struct kvt_rows_map m;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
-	KVT_TRY(range_args(c, seq, layer, from, to, k, v, &s));
+	KVT_TRY(range_args(c, call, seq, layer, from, to, k, v, &s, stream));
 	const uint32_t n = s->layers[layer].n_tokens;
 	KVT_RETURN_IF(from != n, c, -EINVAL,
 		      "from = %u, must be %u: rows are written at the end of seq %u on layer %u", from,

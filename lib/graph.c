@@ -147,6 +147,12 @@ KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch
 		      "batch->n_slots = %u is outside [1, %u] (kvt_graph_reserve's max_slots)",
 		      b->n_slots, c->graph_slots);
 	KVT_TRY(kvt_check_layer(c, layer));
+	{
+		static const char *const names[] = {"q", "out", "batch->seqs", "batch->lengths",
+						    "batch->valid"};
+		const void *const ptrs[] = {q, out, b->seqs, b->lengths, b->valid};
+		KVT_TRY(kvt_check_reach(c, "kvt_attend_graph", 5, names, ptrs, stream));
+	}
 	if (c->ops->attend_graph) {
 		if (c->ops->enter)
 			KVT_TRY(c->ops->enter(c, stream));

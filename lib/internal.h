@@ -228,12 +228,18 @@ struct kvt_io {
 };
 
 /*
- * Check `lo` for a call of n rows (-EINVAL naming `call`, the field, its value and the limit), then
+ * Check that the backend's kernels reach io's tensors (kvt_check_reach) and `lo` for a call of n
+ * rows (-EINVAL naming `call`, the field, its value and the limit), then
  * gather each strided input into the cache's scratch (grown: -ENOMEM) through ops->copy_strided
  * (NULL: -EOPNOTSUPP). Changes nothing of the cache but the scratch. A dense layout: no copy.
  */
 int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32_t n,
 		 struct kvt_io *io, void *stream);
+/* -EINVAL naming `call`, the tensor and why, for the first of ptr[0, n) (names[i]; NULL ones
+ * skipped) that the backend's kernels cannot reach (ops->unreachable). Changes nothing.
+ * kvt_io_begin checks its tensors so. */
+int kvt_check_reach(kvt_cache *c, const char *call, uint32_t n, const char *const names[],
+		    const void *const ptr[], void *stream);
 /* After the dense call returned rc: a strided out is scattered when rc >= 0. Returns rc, or the
  * copy's error. */
 int kvt_io_end(kvt_cache *c, struct kvt_io *io, int rc, void *stream);
@@ -377,6 +383,10 @@ struct kvt_backend_ops {
 	int (*enter)(kvt_cache *c, void *stream);
 	/* Whether the call may block the host and allocate now (a stream being captured may not). */
 	int (*may_block)(kvt_cache *c, void *stream, const char *what);
+	/* Why the kernels cannot reach tensor memory at p (a short phrase), or NULL where they can
+	 * or the backend cannot tell; NULL: every pointer is taken. CUDA: pageable host memory on
+	 * a device without pageable memory access, not asked while `stream` is being captured. */
+	const char *(*unreachable)(kvt_cache *c, const void *p, void *stream);
 	/* -EINVAL naming a non-finite element of x [rows, heads, head_dim]; NULL: not checked. */
 	int (*check_finite)(kvt_cache *c, const char *name, const void *x, uint32_t rows,
 			    uint32_t heads);

@@ -120,6 +120,19 @@ static int layout_check(kvt_cache *c, const char *call, const kvt_io_layout *lo,
 	return 0;
 }
 
+int kvt_check_reach(kvt_cache *c, const char *call, uint32_t n, const char *const names[],
+		    const void *const ptr[], void *stream)
+{
+	for (uint32_t i = 0; i < n && c->ops->unreachable; i++) {
+		const char *why = ptr[i] ? c->ops->unreachable(c, ptr[i], stream) : NULL;
+		KVT_RETURN_IF(why, c, -EINVAL,
+			      "%s: %s = %p is %s, which the %s backend's kernels cannot reach: pass "
+			      "device memory, managed memory or pinned host memory", call, names[i],
+			      ptr[i], why, c->ops->name);
+	}
+	return 0;
+}
+
 int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32_t n,
 		 struct kvt_io *io, void *stream)
 {
@@ -127,6 +140,7 @@ int kvt_io_begin(kvt_cache *c, const char *call, const kvt_io_layout *lo, uint32
 	struct kvt_strided s[IO_N];
 	bool strided[IO_N];
 	io->user_out = NULL;
+	KVT_TRY(kvt_check_reach(c, call, IO_N, io_name, (const void *const *)ptr, stream));
 	if (!lo)
 		return 0;
 	KVT_TRY(layout_check(c, call, lo, n, ptr, s, strided));

@@ -23,7 +23,11 @@
  *   error counter in kvt_stats, which it raises by one), unless its comment says otherwise. A call
  *   that succeeds leaves the counter as it was.
  * - Pointers to tensors are host pointers for the CPU backend and device pointers for the CUDA
- *   backend. Tensors are dense, row-major, in the cache's dtype unless stated otherwise.
+ *   backend (managed and pinned host memory serve too, the latter read over PCIe). The CUDA backend
+ *   refuses pageable host memory where the device cannot read it: -EINVAL naming the call and the
+ *   tensor, nothing changed (not checked inside a stream capture; a pointer into freed memory or
+ *   another process's stays the caller's to get right). Tensors are dense, row-major, in the
+ *   cache's dtype unless stated otherwise.
  * - Streams are `void *` (a cudaStream_t for the CUDA backend, ignored by the CPU backend).
  * - Thread safety: calls on one cache must be serialized by the caller. Distinct caches may be used
  *   from distinct threads concurrently.

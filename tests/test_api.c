@@ -543,6 +543,135 @@ static void test_call_errors(void **state)
 	T_CHECK(nfail == 0, "%d checks failed (listed above)", nfail);
 }
 
+/* A backend whose kernels cannot reach some memory (the CUDA backend: pageable host memory, where
+ * the device cannot read it) refuses a tensor there, naming the call, the tensor and why, before
+ * anything changes: the cpu backend's ops with an unreachable hook that refuses one buffer. */
+static const void *far_mem;
+static size_t far_bytes;
+
+static const char *far_unreachable(kvt_cache *c, const void *p, void *stream)
+{
+	(void)c;
+	(void)stream;
+	const char *x = (const char *)p, *lo = (const char *)far_mem;
+	return x >= lo && x < lo + far_bytes ? "far memory" : NULL;
+}
+
+struct reach_case {
+	const char *name, *needle; /* needle: "<call>: <tensor> = " */
+	int (*call)(struct fx *f, const void *far);
+};
+
+#define REACH(fn, ...)                                                                             \
+	static int fn(struct fx *f, const void *far)                                               \
+	{                                                                                          \
+		uint32_t ab[2] = {f->a, f->b};                                                     \
+		(void)ab;                                                                          \
+		__VA_ARGS__                                                                        \
+	}
+REACH(r_ga_pos, { return kvt_gather(f->c, 0, 1, &f->a, 64, f->counts, (int32_t *)far, NULL,
+				     NULL, NULL); })
+REACH(r_ga_kout, { return kvt_gather(f->c, 0, 1, &f->a, 64, f->counts, f->pos, (void *)far,
+				      f->vout, NULL); })
+REACH(r_pf_q, { return kvt_prefill(f->c, f->a, 1, far, f->k, f->v, 4, NULL); })
+REACH(r_pf_k, { return kvt_prefill(f->c, f->a, 1, f->q, far, f->v, 4, NULL); })
+REACH(r_pf_v, { return kvt_prefill(f->c, f->a, 1, f->q, f->k, far, 4, NULL); })
+REACH(r_ap_k, { return kvt_append(f->c, 0, 2, ab, far, f->v, NULL); })
+REACH(r_at_q, { return kvt_attend(f->c, 0, 1, &f->a, far, f->out, NULL); })
+REACH(r_at_out, { return kvt_attend(f->c, 0, 1, &f->a, f->q, (void *)far, NULL); })
+REACH(r_sel_q, { return kvt_select(f->c, 0, 1, &f->a, far, NULL); })
+REACH(r_ex_v, {
+	const uint32_t cu[3] = {0, 2, 3};
+	return kvt_extend(f->c, 0, 2, ab, cu, f->q, f->k, far, f->out, 0, NULL);
+})
+REACH(r_ex_out, {
+	const uint32_t cu[3] = {0, 2, 3};
+	return kvt_extend(f->c, 0, 2, ab, cu, f->q, f->k, f->v, (void *)far, 0, NULL);
+})
+REACH(r_rr_k, { return kvt_seq_read_rows(f->c, f->a, 0, 0, 8, (void *)far, f->kout, NULL); })
+REACH(r_wr_v, { return kvt_seq_write_rows(f->c, f->a, 0, 30, 32, f->k, far, NULL); })
+REACH(r_ag_q, {
+	const int32_t seqs[1] = {(int32_t)f->a};
+	const kvt_graph_batch b = {.n_slots = 1, .seqs = seqs};
+	return kvt_attend_graph(f->c, 0, &b, far, f->out, NULL);
+})
+REACH(r_ag_seqs, {
+	const kvt_graph_batch b = {.n_slots = 1, .seqs = (const int32_t *)far};
+	return kvt_attend_graph(f->c, 0, &b, f->q, f->out, NULL);
+})
+
+static const struct reach_case reach_cases[] = {
+	{"gather pos", "kvt_gather: pos = ", r_ga_pos},
+	{"gather k_out", "kvt_gather: k_out = ", r_ga_kout},
+	{"prefill q", "kvt_prefill_at: q = ", r_pf_q},
+	{"prefill k", "kvt_prefill_at: k = ", r_pf_k},
+	{"prefill v", "kvt_prefill_at: v = ", r_pf_v},
+	{"append k", "kvt_append_at: k = ", r_ap_k},
+	{"attend q", "kvt_attend_at: q = ", r_at_q},
+	{"attend out", "kvt_attend_at: out = ", r_at_out},
+	{"select q", "kvt_select_at: q = ", r_sel_q},
+	{"extend v", "kvt_extend_at: v = ", r_ex_v},
+	{"extend out", "kvt_extend_at: out = ", r_ex_out},
+	{"read_rows k", "kvt_seq_read_rows: k = ", r_rr_k},
+	{"write_rows v", "kvt_seq_write_rows: v = ", r_wr_v},
+	{"attend_graph q", "kvt_attend_graph: q = ", r_ag_q},
+	{"attend_graph batch->seqs", "kvt_attend_graph: batch->seqs = ", r_ag_seqs},
+};
+
+static void test_unreachable_named(void **state)
+{
+	(void)state;
+	struct fx *f = (struct fx *)t_alloc(sizeof *f);
+	fixture(f);
+	static struct kvt_backend_ops far_ops;
+	far_ops = *f->c->ops;
+	far_ops.unreachable = far_unreachable;
+	f->c->ops = &far_ops;
+	T_CHECK(kvt_graph_reserve(f->c, 2, 64, NULL) == 0, "kvt_graph_reserve: %s",
+		kvt_last_error(f->c));
+	/* a copy of every input, so that a call the check missed would still run on good data */
+	far_bytes = (size_t)BUF_TOKENS * NQ * D * 4;
+	void *far = t_alloc(far_bytes);
+	memcpy(far, f->q, (size_t)BUF_TOKENS * NQ * D * 2);
+	far_mem = far;
+	uint32_t open[2] = {f->a, f->b};
+	int nfail = 0;
+	for (size_t i = 0; i < sizeof reach_cases / sizeof *reach_cases; i++) {
+		const struct reach_case *t = &reach_cases[i];
+		struct snap before, after;
+		snapshot(f->c, open, &before);
+		const int rc = t->call(f, far);
+		const char *msg = kvt_last_error(f->c);
+		snapshot(f->c, open, &after);
+		T_SOFT(&nfail, rc == -EINVAL && strstr(msg, t->needle) && strstr(msg, "far memory"),
+		       "[%s]: got %d \"%s\", wanted -EINVAL naming \"%s...far memory\"", t->name, rc,
+		       msg, t->needle);
+		T_SOFT(&nfail, after.st.errors == before.st.errors + 1 &&
+				       after.st.tokens == before.st.tokens &&
+				       after.st.steps == before.st.steps &&
+				       after.st.host_bytes_used == before.st.host_bytes_used,
+		       "[%s]: errors %llu -> %llu, tokens %llu -> %llu, steps %llu -> %llu", t->name,
+		       (unsigned long long)before.st.errors, (unsigned long long)after.st.errors,
+		       (unsigned long long)before.st.tokens, (unsigned long long)after.st.tokens,
+		       (unsigned long long)before.st.steps, (unsigned long long)after.st.steps);
+		for (uint32_t q = 0; q < 2; q++)
+			for (uint32_t l = 0; l < LAYERS; l++)
+				T_SOFT(&nfail, before.len[q][l] == after.len[q][l],
+				       "[%s]: seq %u layer %u length %lld -> %lld", t->name, open[q], l,
+				       (long long)before.len[q][l], (long long)after.len[q][l]);
+	}
+	/* memory the hook takes is served as before */
+	int rc = kvt_gather(f->c, 0, 1, &f->a, 64, f->counts, f->pos, f->kout, f->vout, NULL);
+	T_CHECK(rc == 30 * NKV, "gather after the refusals got %d, wanted %d (%s)", rc, 30 * NKV,
+		kvt_last_error(f->c));
+	rc = kvt_attend(f->c, 0, 1, &f->a, f->q, f->out, NULL);
+	T_CHECK(rc == 0, "attend after the refusals got %d (%s)", rc, kvt_last_error(f->c));
+	free(far);
+	fixture_fini(f);
+	free(f);
+	T_CHECK(nfail == 0, "%d checks failed (listed above)", nfail);
+}
+
 /* The CPU backend names the first element that is not finite, wherever it lies in a long chunk
  * (its check tests blocks of elements on their bits first), in both input dtypes: a NaN and an
  * infinity past the first block, the NaN first. Nothing is stored. */
@@ -629,6 +758,7 @@ int main(void)
 		cmocka_unit_test(test_create_errors),
 		cmocka_unit_test(test_call_errors),
 		cmocka_unit_test(test_nonfinite_named),
+		cmocka_unit_test(test_unreachable_named),
 		cmocka_unit_test(test_strerror_version),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
