@@ -256,9 +256,11 @@ kvt_gpu_fetch_seq gpu_mirror_fetch(const kvt_cache *c, struct kvt_layer *l,
 int gpu_probe(int device, char *busid, size_t n, struct kvt_err *why);
 int gpu_find_device(const char *busid, int32_t *device, struct kvt_err *why);
 extern const struct kvt_mem_hooks gpu_mem_hooks;
-/* ops->unreachable: "pageable host memory" for such a p where the device cannot read it; NULL
- * while `stream` is being captured, where the runtime cannot tell, and for any other memory */
-const char *gpu_unreachable(kvt_cache *c, const void *p, void *stream);
+/* ops->unreachable: the first of p[0, n) that is pageable host memory where the device cannot
+ * read it ("pageable host memory"); n while `stream` is being captured, where the runtime cannot
+ * tell, and for any other memory */
+uint32_t gpu_unreachable(kvt_cache *c, uint32_t n, const void *const p[], const char **why,
+			 void *stream);
 
 /* backend.c */
 int gpu_check_err(kvt_cache *c);

@@ -58,28 +58,36 @@ static void unpin(void *p)
 	cudaHostUnregister(p);
 }
 
-const char *gpu_unreachable(kvt_cache *c, const void *p, void *stream)
+uint32_t gpu_unreachable(kvt_cache *c, uint32_t n, const void *const p[], const char **why,
+			 void *stream)
 {
 	const struct gpu_cache *b = c->be;
 	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-	struct cudaPointerAttributes a;
 	if (b->pageable_access)
-		return NULL;
+		return n;
 	/* not asked inside a capture: which runtime calls a capture tolerates is not ours to bet on */
 	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
 		(void)cudaGetLastError(); /* not sticky: the next launch must not see it */
-		return NULL;
+		return n;
 	}
 	if (st != cudaStreamCaptureStatusNone)
-		return NULL;
-	if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-		(void)cudaGetLastError();
-		return NULL;
+		return n;
+	for (uint32_t i = 0; i < n; i++) {
+		struct cudaPointerAttributes a;
+		if (!p[i])
+			continue;
+		if (cudaPointerGetAttributes(&a, p[i]) != cudaSuccess) {
+			(void)cudaGetLastError();
+			continue;
+		}
+		/* refused only where the runtime gives no device address for it: memory it does not
+		 * know and cannot map (another allocator's device memory keeps its own address) */
+		if (a.type == cudaMemoryTypeUnregistered && !a.devicePointer) {
+			*why = "pageable host memory";
+			return i;
+		}
 	}
-	/* refused only where the runtime gives no device address for it: memory it does not know
-	 * and cannot map (another allocator's device memory keeps its own address) */
-	return a.type == cudaMemoryTypeUnregistered && !a.devicePointer ? "pageable host memory"
-									 : NULL;
+	return n;
 }
 
 const struct kvt_mem_hooks gpu_mem_hooks = {

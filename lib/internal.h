@@ -383,10 +383,12 @@ struct kvt_backend_ops {
 	int (*enter)(kvt_cache *c, void *stream);
 	/* Whether the call may block the host and allocate now (a stream being captured may not). */
 	int (*may_block)(kvt_cache *c, void *stream, const char *what);
-	/* Why the kernels cannot reach tensor memory at p (a short phrase), or NULL where they can
-	 * or the backend cannot tell; NULL: every pointer is taken. CUDA: pageable host memory on
-	 * a device without pageable memory access, not asked while `stream` is being captured. */
-	const char *(*unreachable)(kvt_cache *c, const void *p, void *stream);
+	/* The first of p[0, n) (NULL ones skipped) that the kernels cannot reach, and why in *why
+	 * (a short phrase); n where they reach all or the backend cannot tell. NULL: every pointer
+	 * is taken. CUDA: pageable host memory on a device without pageable memory access; nothing
+	 * is asked while `stream` is being captured. */
+	uint32_t (*unreachable)(kvt_cache *c, uint32_t n, const void *const p[], const char **why,
+				void *stream);
 	/* -EINVAL naming a non-finite element of x [rows, heads, head_dim]; NULL: not checked. */
 	int (*check_finite)(kvt_cache *c, const char *name, const void *x, uint32_t rows,
 			    uint32_t heads);

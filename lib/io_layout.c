@@ -123,13 +123,12 @@ static int layout_check(kvt_cache *c, const char *call, const kvt_io_layout *lo,
 int kvt_check_reach(kvt_cache *c, const char *call, uint32_t n, const char *const names[],
 		    const void *const ptr[], void *stream)
 {
-	for (uint32_t i = 0; i < n && c->ops->unreachable; i++) {
-		const char *why = ptr[i] ? c->ops->unreachable(c, ptr[i], stream) : NULL;
-		KVT_RETURN_IF(why, c, -EINVAL,
-			      "%s: %s = %p is %s, which the %s backend's kernels cannot reach: pass "
-			      "device memory, managed memory or pinned host memory", call, names[i],
-			      ptr[i], why, c->ops->name);
-	}
+	const char *why = NULL;
+	const uint32_t i = c->ops->unreachable ? c->ops->unreachable(c, n, ptr, &why, stream) : n;
+	KVT_RETURN_IF(i < n, c, -EINVAL,
+		      "%s: %s = %p is %s, which the %s backend's kernels cannot reach: pass device "
+		      "memory, managed memory or pinned host memory", call, names[i], ptr[i], why,
+		      c->ops->name);
 	return 0;
 }
 

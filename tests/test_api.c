@@ -549,12 +549,18 @@ static void test_call_errors(void **state)
 static const void *far_mem;
 static size_t far_bytes;
 
-static const char *far_unreachable(kvt_cache *c, const void *p, void *stream)
+static uint32_t far_unreachable(kvt_cache *c, uint32_t n, const void *const p[],
+				const char **why, void *stream)
 {
 	(void)c;
 	(void)stream;
-	const char *x = (const char *)p, *lo = (const char *)far_mem;
-	return x >= lo && x < lo + far_bytes ? "far memory" : NULL;
+	const char *lo = (const char *)far_mem;
+	for (uint32_t i = 0; i < n; i++)
+		if ((const char *)p[i] >= lo && (const char *)p[i] < lo + far_bytes) {
+			*why = "far memory";
+			return i;
+		}
+	return n;
 }
 
 struct reach_case {
