@@ -27,7 +27,8 @@
  * first, it kept the restores it made), and one that succeeds changes exactly the lengths it
  * should (prefill, append, extend and write_rows add their rows, truncate by n gives length - n
  * on every layer, a fork's child gets the parent's lengths and seqs_open grows by one);
- * read_rows returns to - from, a failed read writes nothing of k and v, a read through a layout
+ * read_rows returns to - from, a failed read writes nothing of k and v (but for an NVMe read's
+ * failure, which may leave them partly written with the rows' bytes only), a read through a layout
  * writes the dense read's rows into the slots named and nothing else; rows written read back bit
  * for bit; an out view gets nothing outside its (token, head) rows, and nothing at all from a
  * failed call when it is not dense; a gather's counts fit max_tokens, sum to its return value,
