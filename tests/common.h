@@ -20,7 +20,7 @@
 #include <cmocka.h>
 
 #include "internal.h"
-#include "fd_count.h"
+#include "harness.h"
 
 /*
  * Fail the current cmocka test when `cond` is false, after printing where, the condition, and a
@@ -298,17 +298,6 @@ static inline kvt_cache *t_create(const kvt_config *cfg)
 }
 
 /* kvt_get_stats or fail. */
-/* Give c the CUDA backend's way with spilled rows on its own (the CPU's) kernels: a copy of its
- * ops with read_rows_spilled off, so that kvt_extend and kvt_seq_read_rows restore spilled
- * sequences first (lib/lifecycle.c's kvt_pipe_resident). One copy per test file. */
-static inline void t_restore_first(kvt_cache *c)
-{
-	static struct kvt_backend_ops restoring;
-	restoring = *c->ops;
-	restoring.read_rows_spilled = false;
-	c->ops = &restoring;
-}
-
 /* Whether text contains needle, ignoring case (error details are checked for the values named). */
 static inline int t_contains(const char *text, const char *needle)
 {

@@ -57,7 +57,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "fd_count.h"
+#include "harness.h"
 #include "fuzz_api.h"
 #include "host/alloc.h"
 #include "host/nvme_store.h" /* kvt_nvme_available, kvt_nvme_set_cqe_hook */
@@ -550,7 +550,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	memset(&z, 0, sizeof z);
 	configure(&z, &in);
 	z.rng = 0x9e3779b97f4a7c15ull ^ size;
-	static int warm; /* the CUDA runtime's descriptors, once open, stay open (fd_count.h) */
+	static int warm; /* the CUDA runtime's descriptors, once open, stay open (harness.h) */
 	if (!warm) {
 		t_warm_runtime();
 		warm = 1;
@@ -564,12 +564,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	CHECK(rc == 0, "kvt_cache_create of a valid configuration: %d (%s)", rc,
 	      kvt_last_error(NULL));
 	z.restore_first = z.restore_first && z.cfg.n_nvme;
-	if (z.restore_first) { /* as tests/common.h's t_restore_first: a backend reading no NVMe */
-		static struct kvt_backend_ops restoring;
-		restoring = *z.c->ops;
-		restoring.read_rows_spilled = false;
-		z.c->ops = &restoring;
-	}
+	if (z.restore_first)
+		t_restore_first(z.c);
 	/* a few ids that were never handed out */
 	z.ids[z.n_ids++] = 7;
 	for (int i = 0; i < 64 && in.at < in.n; i++)

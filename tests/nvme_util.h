@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "common.h"
-#include "fd_count.h"
+#include "harness.h"
 #include "host/nvme_store.h"
 
 #define NV_MAX_FILES 4

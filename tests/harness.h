@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: MIT */
-/* Open descriptors of this process, and what a test runs before it counts them, for leak checks
- * (no cmocka: the fuzz harnesses use it too). */
-#ifndef KVT_TEST_FD_COUNT_H
-#define KVT_TEST_FD_COUNT_H
+/* What the cmocka tests and the fuzz harnesses share (no cmocka here): open descriptors of this
+ * process and what a test runs before it counts them, for leak checks; the CUDA backend's way
+ * with spilled rows on the CPU's kernels. */
+#ifndef KVT_TEST_HARNESS_H
+#define KVT_TEST_HARNESS_H
 
 #include <dirent.h>
 #include <stdint.h>
 
-#include "kvtier.h"
+#include "internal.h"
 
 static inline int t_fd_count(void)
 {
@@ -45,6 +46,17 @@ static inline void t_warm_runtime(void)
 	if (kvt_seq_open(c, &seq) == 0)
 		kvt_prefill(c, seq, 0, NULL, kv, kv, 1, NULL);
 	kvt_cache_destroy(c);
+}
+
+/* Give c the CUDA backend's way with spilled rows on its own (the CPU's) kernels: a copy of its
+ * ops with read_rows_spilled off, so that kvt_extend and kvt_seq_read_rows restore spilled
+ * sequences first (lib/lifecycle.c's kvt_pipe_resident). One copy per test file. */
+static inline void t_restore_first(kvt_cache *c)
+{
+	static struct kvt_backend_ops restoring;
+	restoring = *c->ops;
+	restoring.read_rows_spilled = false;
+	c->ops = &restoring;
 }
 
 #endif
