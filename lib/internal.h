@@ -521,7 +521,8 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 /* Restore the spilled sequences among seqs[i] with cu[i + 1] > cu[i] when the backend reads only
  * the host tier (!ops->read_rows_spilled): all of them resident, or an error. Checked first
  * (-ENOSPC, nothing restored) that they fit at once; their restores never spill a sequence of the
- * batch. kvt_extend's batch and kvt_seq_read_rows' one sequence. */
+ * batch. kvt_extend's batch, and kvt_seq_read_rows' one sequence where its range has a spilled
+ * block. */
 int kvt_pipe_resident(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, const uint32_t *cu,
 		      uint32_t layer, void *stream);
 /* m NULL: dense rows (ops->read_rows), else placed by m (ops->read_rows_at, which must exist). */
@@ -568,6 +569,8 @@ int kvt_layer_reserve_run(kvt_cache *c, struct kvt_layer *l);
 void kvt_layer_note_run(struct kvt_layer *l, uint32_t first, uint32_t total, uint32_t ni);
 /* Whether a block of l's rows is on NVMe (cached per blocks_gen). */
 bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l);
+/* Whether a block holding rows [from, to) of l (from < to <= l's tokens) is on NVMe. */
+bool kvt_range_spilled(const kvt_cache *c, const struct kvt_layer *l, uint32_t from, uint32_t to);
 /* Free everything a layer holds. */
 void kvt_layer_free(kvt_cache *c, struct kvt_layer *l);
 

@@ -65,7 +65,8 @@ KVT_API int kvt_seq_fork(kvt_cache *cache, uint32_t parent, uint32_t *child, voi
  * Copy the rows of tokens [from, to) of `seq` on `layer` into k and v, dense
  * [to - from, n_kv_heads, head_dim] each (dtype): e.g. to hand a prefix to another engine. Rows of
  * spilled blocks are read from NVMe and verified (through the block cache on the CPU backend; the
- * CUDA backend restores the sequence first). Returns to - from.
+ * CUDA backend restores the sequence first, when the range has such rows: rows stored after a
+ * spill are in host memory and read as they are). Returns to - from.
  * Errors: -EINVAL (NULL, layer, to <= from, to past the sequence's length: the text names the
  * values), -ENOENT; for spilled rows the NVMe read's errors (-EIO, -EBADMSG naming the block) and
  * -ENOSPC (CPU: block cache too small; CUDA: kvt_seq_restore's), after which k and v may be partly

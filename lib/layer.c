@@ -280,6 +280,15 @@ bool kvt_layer_spilled(const kvt_cache *c, struct kvt_layer *l)
 	return l->spilled;
 }
 
+bool kvt_range_spilled(const kvt_cache *c, const struct kvt_layer *l, uint32_t from, uint32_t to)
+{
+	for (uint32_t h = 0; h < c->cfg.n_kv_heads; h++)
+		for (uint32_t b = from / KVT_BLOCK_TOKENS; b <= (to - 1) / KVT_BLOCK_TOKENS; b++)
+			if (!l->blocks[(size_t)h * l->blk_cap + b])
+				return true;
+	return false;
+}
+
 void kvt_layer_free(kvt_cache *c, struct kvt_layer *l)
 {
 	if (c->ops->layer_fini)

@@ -435,7 +435,10 @@ int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t 
 	const uint32_t one[2] = {0, 1};
 	if (c->ops->enter)
 		KVT_TRY(c->ops->enter(c, stream));
-	KVT_TRY(kvt_pipe_resident(c, 1, &slot, one, layer, stream));
+	/* a backend that reads only the host tier restores the sequence when the range needs it:
+	 * rows appended after a spill are in host memory */
+	if (!c->ops->read_rows_spilled && kvt_range_spilled(c, l, from, to))
+		KVT_TRY(kvt_pipe_resident(c, 1, &slot, one, layer, stream));
 	if (m)
 		KVT_TRY(c->ops->read_rows_at(c, l, from, to, k, v, m, stream));
 	else

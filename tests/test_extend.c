@@ -561,6 +561,51 @@ static void restored_fork_case(void)
 	kvt_cache_destroy(b);
 }
 
+/* Rows stored after a spill are in host memory: kvt_seq_read_rows of them needs no restore, where
+ * the host tier could not hold the whole sequence; a range with spilled rows is refused then,
+ * nothing restored. */
+static void restored_tail_case(void)
+{
+	kvt_cache *a, *b;
+	restoring_pair(0x5b114, 6ull << 16, false, &a, &b); /* 6 blocks of 64 KiB */
+	for (kvt_cache *c = a; c; c = c == a ? b : NULL)
+		prefill(c, 0, 700); /* 2 full blocks and a partial one per KV head */
+	T_CHECK(kvt_seq_spill(a, 0) > 0 && nvme_of(a, 0) > 0, "spill: %s", kvt_last_error(a));
+	for (kvt_cache *c = a; c; c = c == a ? b : NULL)
+		prefill(c, 0, 100); /* rows 700-799: the partial block and a new one, 4 blocks held */
+	const kvt_stats st0 = t_stats(a);
+	const uint64_t nv0 = nvme_of(a, 0);
+	const uint32_t from = 700, to = 800, rows = to - from;
+	uint16_t *ka = t_alloc(2ull * 300 * KROW), *va = t_alloc(2ull * 300 * KROW);
+	uint16_t *kb = t_alloc(2ull * rows * KROW), *vb = t_alloc(2ull * rows * KROW);
+	int rc = kvt_seq_read_rows(a, 0, LAYER, from, to, ka, va, NULL);
+	T_CHECK(rc == (int)rows && kvt_seq_read_rows(b, 0, LAYER, from, to, kb, vb, NULL) == (int)rows,
+		"read_rows of rows stored after the spill: %d (%s)", rc, kvt_last_error(a));
+	T_CHECK(!memcmp(ka, kb, 2ull * rows * KROW) && !memcmp(va, vb, 2ull * rows * KROW),
+		"rows stored after the spill read back different");
+	const kvt_stats st1 = t_stats(a);
+	T_CHECK(st1.restores == st0.restores && nvme_of(a, 0) == nv0 &&
+			st1.host_bytes_used == st0.host_bytes_used,
+		"a read of host rows restored: restores %llu -> %llu, host tier %llu -> %llu bytes",
+		(unsigned long long)st0.restores, (unsigned long long)st1.restores,
+		(unsigned long long)st0.host_bytes_used, (unsigned long long)st1.host_bytes_used);
+	/* rows 500-799 include block 1's, spilled: restoring needs 4 blocks, 2 are free */
+	rc = kvt_seq_read_rows(a, 0, LAYER, 500, to, ka, va, NULL);
+	const kvt_stats st2 = t_stats(a);
+	T_CHECK(rc == -ENOSPC && strstr(kvt_last_error(a), "cannot all be in the host tier") &&
+			st2.restores == st0.restores && nvme_of(a, 0) == nv0 &&
+			st2.host_bytes_used == st0.host_bytes_used,
+		"a read of spilled rows without room: got %d (%s), restores %llu -> %llu", rc,
+		kvt_last_error(a), (unsigned long long)st0.restores,
+		(unsigned long long)st2.restores);
+	free(ka);
+	free(va);
+	free(kb);
+	free(vb);
+	kvt_cache_destroy(a);
+	kvt_cache_destroy(b);
+}
+
 static void test_restored(void **state)
 {
 	(void)state;
@@ -573,6 +618,7 @@ static void test_restored(void **state)
 	 * ones makes room for the batch's 8 */
 	restored_case(14ull << 16, true, true);
 	restored_fork_case();
+	restored_tail_case();
 }
 
 int main(int argc, char **argv)
