@@ -390,9 +390,13 @@ static int restore_pinned(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, u
 			  void *stream)
 {
 	char what[160];
-	snprintf(what, sizeof what, "seqs[%u] = %u and the other spilled sequences of the batch "
-		 "(the %s backend attends only rows in host memory)", first, seqs[first],
-		 c->ops->name);
+	if (n_seqs == 1)
+		snprintf(what, sizeof what, "seq %u (the %s backend reads rows only from host memory)",
+			 seqs[0], c->ops->name);
+	else
+		snprintf(what, sizeof what, "seqs[%u] = %u and the other spilled sequences of the "
+			 "batch (the %s backend reads rows only from host memory)", first, seqs[first],
+			 c->ops->name);
 	KVT_TRY(kvt_tier_room_for(c, what));
 	if (c->ops->may_block)
 		KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));
