@@ -494,6 +494,30 @@ static void test_spilled(void **state)
 					!memcmp(hv + o, p.rows_v + row_at(&p, 1, 0, h, (uint32_t)at), D * 2),
 				"gathered row %d of KV head %u (position %d) differs", t, h, at);
 		}
+	/* kvt_seq_read_rows of the spilled sequence: its range has spilled rows, so the backend
+	 * restores it first (lib/lifecycle.c), and the rows are the ones written */
+	const size_t rb = (size_t)2048 * HKV * D * 2;
+	void *rk, *rv;
+	uint16_t *xk = malloc(rb), *xv = malloc(rb);
+	CU(cudaMalloc(&rk, rb));
+	CU(cudaMalloc(&rv, rb));
+	OK(p.gpu, kvt_seq_read_rows(p.gpu, s, 1, 0, 2048, rk, rv, NULL));
+	CU(cudaMemcpy(xk, rk, rb, cudaMemcpyDeviceToHost));
+	CU(cudaMemcpy(xv, rv, rb, cudaMemcpyDeviceToHost));
+	for (uint32_t t = 0; t < 2048; t++)
+		for (uint32_t h = 0; h < HKV; h++)
+			T_CHECK(!memcmp(xk + ((size_t)t * HKV + h) * D, p.rows_k + row_at(&p, 1, 0, h, t),
+					D * 2) &&
+					!memcmp(xv + ((size_t)t * HKV + h) * D,
+						p.rows_v + row_at(&p, 1, 0, h, t), D * 2),
+				"read_rows of the spilled sequence: row %u of KV head %u differs", t, h);
+	OK(p.gpu, kvt_get_stats(p.gpu, &st));
+	T_CHECK(st.restores == 1, "read_rows of the spilled sequence: %llu restores, wanted 1",
+		(unsigned long long)st.restores);
+	CU(cudaFree(rk));
+	CU(cudaFree(rv));
+	free(xk);
+	free(xv);
 	/* a failed or corrupt read fails the step with the block named, delivers nothing, and the
 	 * sequence attends as before once the fault is gone: every completion of a cold step */
 	uint32_t failed = 0;
