@@ -65,7 +65,8 @@ uint32_t gpu_unreachable(kvt_cache *c, uint32_t n, const void *const p[], const 
 	enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
 	if (b->pageable_access)
 		return n;
-	/* not asked inside a capture: which runtime calls a capture tolerates is not ours to bet on */
+	/* not asked inside a capture: which runtime calls a capture tolerates is not ours to bet
+	 * on */
 	if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
 		(void)cudaGetLastError(); /* not sticky: the next launch must not see it */
 		return n;

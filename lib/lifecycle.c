@@ -389,14 +389,15 @@ int kvt_pipe_fork(kvt_cache *c, struct kvt_seq *parent, struct kvt_seq *child, v
 static int restore_pinned(kvt_cache *c, uint32_t n_seqs, const uint32_t *seqs, uint32_t first,
 			  void *stream)
 {
-	char what[160];
+	char who[80], what[160];
 	if (n_seqs == 1)
-		snprintf(what, sizeof what, "seq %u (the %s backend reads rows only from host memory)",
-			 seqs[0], c->ops->name);
+		snprintf(who, sizeof who, "seq %u", seqs[0]);
 	else
-		snprintf(what, sizeof what, "seqs[%u] = %u and the other spilled sequences of the "
-			 "batch (the %s backend reads rows only from host memory)", first, seqs[first],
-			 c->ops->name);
+		snprintf(who, sizeof who,
+			 "seqs[%u] = %u and the other spilled sequences of the batch", first,
+			 seqs[first]);
+	snprintf(what, sizeof what, "%s (the %s backend reads rows only from host memory)", who,
+		 c->ops->name);
 	KVT_TRY(kvt_tier_room_for(c, what));
 	if (c->ops->may_block)
 		KVT_TRY(c->ops->may_block(c, stream, "restoring a spilled sequence"));

@@ -482,8 +482,9 @@ static void configure(struct fz *z, struct in *in)
 	static const uint32_t ks[4] = {0, 1, 2, KVT_MAX_KEEP_STEPS};
 	c.keep_weight = hb >> 7 ? kw[(hb >> 3) & 3] : 0.0f;
 	c.keep_steps = c.keep_weight != 0.0f ? ks[(hb >> 5) & 3] : 0;
-	/* with an NVMe tier, the bits of the dtype byte that the dtype leaves ask for the restore-first
-	 * way for a quarter of the inputs (none of the NVMe seeds before it had 0 there) */
+	/* with an NVMe tier, the bits of the dtype byte that the dtype leaves ask for the
+	 * restore-first way for a quarter of the inputs (none of the NVMe seeds before it had 0
+	 * there) */
 	const uint8_t db = byte(in);
 	c.dtype = db & 1 ? KVT_DTYPE_BF16 : KVT_DTYPE_F16;
 	z->restore_first = ((db >> 1) & 3) == 0;

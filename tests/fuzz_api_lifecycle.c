@@ -230,6 +230,15 @@ static int rows_call(struct fz *z, struct in *in, int write, struct rows_call *a
 	return 1;
 }
 
+/* a's range read into k and v: kvt_seq_read_rows_at through lo when a.how asks, else the dense
+ * call */
+static int read_as(struct fz *z, const struct rows_call *a, void *k, void *v, void *lo)
+{
+	if (a->how & 1)
+		return kvt_seq_read_rows_at(z->c, a->seq, a->layer, a->from, a->to, k, v, lo, NULL);
+	return kvt_seq_read_rows(z->c, a->seq, a->layer, a->from, a->to, k, v, NULL);
+}
+
 void do_read_rows(struct fz *z, struct in *in)
 {
 	struct rows_call a;
@@ -245,8 +254,7 @@ void do_read_rows(struct fz *z, struct in *in)
 	struct snap want;
 	snap(z, &want);
 	const uint64_t errors0 = call_begin(z);
-	int rc = how & 1 ? kvt_seq_read_rows_at(z->c, seq, layer, from, to, k, v, lo, NULL)
-			 : kvt_seq_read_rows(z->c, seq, layer, from, to, k, v, NULL);
+	int rc = read_as(z, &a, k, v, lo);
 	const char *call = how & 1 ? "kvt_seq_read_rows_at" : "kvt_seq_read_rows";
 	check_call(z, call, errors0, rc);
 	expect(z, &want, call, rc);
@@ -261,11 +269,11 @@ void do_read_rows(struct fz *z, struct in *in)
 		 * again, its fault spent, gives them (where it fails too, there is nothing to
 		 * compare with) */
 		uint8_t *k2 = patterned(bytes), *v2 = patterned(bytes);
-		int rc2 = how & 1 ? kvt_seq_read_rows_at(z->c, seq, layer, from, to, k2, v2, lo, NULL)
-				  : kvt_seq_read_rows(z->c, seq, layer, from, to, k2, v2, NULL);
+		int rc2 = read_as(z, &a, k2, v2, lo);
 		for (size_t i = 0; rc2 >= 0 && i < bytes; i++)
 			CHECK((k[i] == PAT || k[i] == k2[i]) && (v[i] == PAT || v[i] == v2[i]),
-			      "failed %s (%d) wrote byte %zu, and not the rows' bytes", call, rc, i);
+			      "failed %s (%d) wrote byte %zu, and not the rows' bytes", call, rc,
+			      i);
 		free(k2);
 		free(v2);
 	} else if (rc < 0) {

@@ -650,21 +650,23 @@ static void test_unreachable_named(void **state)
 		const char *msg = kvt_last_error(f->c);
 		snapshot(f->c, open, &after);
 		T_SOFT(&nfail, rc == -EINVAL && strstr(msg, t->needle) && strstr(msg, "far memory"),
-		       "[%s]: got %d \"%s\", wanted -EINVAL naming \"%s...far memory\"", t->name, rc,
-		       msg, t->needle);
+		       "[%s]: got %d \"%s\", wanted -EINVAL naming \"%s...far memory\"", t->name,
+		       rc, msg, t->needle);
 		T_SOFT(&nfail, after.st.errors == before.st.errors + 1 &&
 				       after.st.tokens == before.st.tokens &&
 				       after.st.steps == before.st.steps &&
 				       after.st.host_bytes_used == before.st.host_bytes_used,
-		       "[%s]: errors %llu -> %llu, tokens %llu -> %llu, steps %llu -> %llu", t->name,
-		       (unsigned long long)before.st.errors, (unsigned long long)after.st.errors,
-		       (unsigned long long)before.st.tokens, (unsigned long long)after.st.tokens,
-		       (unsigned long long)before.st.steps, (unsigned long long)after.st.steps);
+		       "[%s]: errors %llu -> %llu, tokens %llu -> %llu, steps %llu -> %llu",
+		       t->name, (unsigned long long)before.st.errors,
+		       (unsigned long long)after.st.errors, (unsigned long long)before.st.tokens,
+		       (unsigned long long)after.st.tokens, (unsigned long long)before.st.steps,
+		       (unsigned long long)after.st.steps);
 		for (uint32_t q = 0; q < 2; q++)
 			for (uint32_t l = 0; l < LAYERS; l++)
 				T_SOFT(&nfail, before.len[q][l] == after.len[q][l],
-				       "[%s]: seq %u layer %u length %lld -> %lld", t->name, open[q], l,
-				       (long long)before.len[q][l], (long long)after.len[q][l]);
+				       "[%s]: seq %u layer %u length %lld -> %lld", t->name,
+				       open[q], l, (long long)before.len[q][l],
+				       (long long)after.len[q][l]);
 	}
 	/* memory the hook takes is served as before */
 	int rc = kvt_gather(f->c, 0, 1, &f->a, 64, f->counts, f->pos, f->kout, f->vout, NULL);

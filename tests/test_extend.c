@@ -572,14 +572,15 @@ static void restored_tail_case(void)
 		prefill(c, 0, 700); /* 2 full blocks and a partial one per KV head */
 	T_CHECK(kvt_seq_spill(a, 0) > 0 && nvme_of(a, 0) > 0, "spill: %s", kvt_last_error(a));
 	for (kvt_cache *c = a; c; c = c == a ? b : NULL)
-		prefill(c, 0, 100); /* rows 700-799: the partial block and a new one, 4 blocks held */
+		prefill(c, 0, 100); /* rows 700-799: the partial block and a new one; 4 held */
 	const kvt_stats st0 = t_stats(a);
 	const uint64_t nv0 = nvme_of(a, 0);
 	const uint32_t from = 700, to = 800, rows = to - from;
 	uint16_t *ka = t_alloc(2ull * 300 * KROW), *va = t_alloc(2ull * 300 * KROW);
 	uint16_t *kb = t_alloc(2ull * rows * KROW), *vb = t_alloc(2ull * rows * KROW);
 	int rc = kvt_seq_read_rows(a, 0, LAYER, from, to, ka, va, NULL);
-	T_CHECK(rc == (int)rows && kvt_seq_read_rows(b, 0, LAYER, from, to, kb, vb, NULL) == (int)rows,
+	T_CHECK(rc == (int)rows &&
+			kvt_seq_read_rows(b, 0, LAYER, from, to, kb, vb, NULL) == (int)rows,
 		"read_rows of rows stored after the spill: %d (%s)", rc, kvt_last_error(a));
 	T_CHECK(!memcmp(ka, kb, 2ull * rows * KROW) && !memcmp(va, vb, 2ull * rows * KROW),
 		"rows stored after the spill read back different");

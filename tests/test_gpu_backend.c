@@ -505,12 +505,13 @@ static void test_spilled(void **state)
 	CU(cudaMemcpy(xk, rk, rb, cudaMemcpyDeviceToHost));
 	CU(cudaMemcpy(xv, rv, rb, cudaMemcpyDeviceToHost));
 	for (uint32_t t = 0; t < 2048; t++)
-		for (uint32_t h = 0; h < HKV; h++)
-			T_CHECK(!memcmp(xk + ((size_t)t * HKV + h) * D, p.rows_k + row_at(&p, 1, 0, h, t),
-					D * 2) &&
-					!memcmp(xv + ((size_t)t * HKV + h) * D,
-						p.rows_v + row_at(&p, 1, 0, h, t), D * 2),
-				"read_rows of the spilled sequence: row %u of KV head %u differs", t, h);
+		for (uint32_t h = 0; h < HKV; h++) {
+			const size_t at = ((size_t)t * HKV + h) * D, w = row_at(&p, 1, 0, h, t);
+			T_CHECK(!memcmp(xk + at, p.rows_k + w, D * 2) &&
+					!memcmp(xv + at, p.rows_v + w, D * 2),
+				"read_rows of the spilled sequence: row %u of KV head %u "
+				"differs", t, h);
+		}
 	OK(p.gpu, kvt_get_stats(p.gpu, &st));
 	T_CHECK(st.restores == 1, "read_rows of the spilled sequence: %llu restores, wanted 1",
 		(unsigned long long)st.restores);

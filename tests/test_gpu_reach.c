@@ -20,12 +20,13 @@ static void refused(kvt_cache *c, int pageable, const char *what, int rc, const 
 {
 	const char *msg = kvt_last_error(c);
 	if (pageable) {
-		T_CHECK(rc >= 0, "%s on a device that reads pageable memory: %d (%s)", what, rc, msg);
+		T_CHECK(rc >= 0, "%s on a device that reads pageable memory: %d (%s)", what, rc,
+			msg);
 		return;
 	}
 	T_CHECK(rc == -EINVAL && strstr(msg, needle) && strstr(msg, "pageable host memory"),
-		"%s: got %d \"%s\", wanted -EINVAL naming \"%s\" and pageable host memory", what, rc,
-		msg, needle);
+		"%s: got %d \"%s\", wanted -EINVAL naming \"%s\" and pageable host memory", what,
+		rc, msg, needle);
 }
 
 static void test_reach(void **state)
@@ -71,9 +72,11 @@ static void test_reach(void **state)
 		"kvt_seq_read_rows: v = ");
 	OK(c, kvt_select(c, 0, 1, &seq, dq, NULL));
 	refused(c, pageable, "kvt_gather",
-		kvt_gather(c, 0, 1, &seq, T0 + 16, counts, dpos, hk, dk, NULL), "kvt_gather: k_out = ");
+		kvt_gather(c, 0, 1, &seq, T0 + 16, counts, dpos, hk, dk, NULL),
+		"kvt_gather: k_out = ");
 	if (!pageable)
-		T_CHECK(kvt_seq_length(c, seq, 0) == T0, "length %lld after the refusals, wanted %d",
+		T_CHECK(kvt_seq_length(c, seq, 0) == T0,
+			"length %lld after the refusals, wanted %d",
 			(long long)kvt_seq_length(c, seq, 0), T0);
 	/* the context is healthy: an attention into device memory, then into pinned host memory */
 	OK(c, kvt_attend(c, 0, 1, &seq, dq, dout, NULL));
