@@ -17,9 +17,9 @@
  *   hot_batch [--layer L|all] LOG...   (L: a layer every log has, default the first log's first;
  *                                      all: every layer of every log, each a sequence)
  *
- * The rule's miss threshold (gpu/hotsize.h's KVT_HOT_MISS_DEN, default 4: grow while a full cache
- * misses more than a quarter of its reads) can be set for an experiment by building this by hand,
- * from the repository root: cc -O2 -DKVT_HOT_MISS_DEN=8u -Itools -Ilib -I. -o hot_batch8
+ * The rule's miss threshold (gpu/hotsize.h's KVT_HOT_MISS_DEN, default 8: grow while a full cache
+ * misses more than an eighth of its reads) can be set for an experiment by building this by hand,
+ * from the repository root: cc -O2 -DKVT_HOT_MISS_DEN=4u -Itools -Ilib -I. -o hot_batch4
  * bench/hot_batch.c tools/kvbench_hotsim.c -lm
  */
 #include <inttypes.h>

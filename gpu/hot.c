@@ -157,13 +157,26 @@ static int snap(kvt_cache *c, uint32_t layer, int i, void *stream)
 	return 0;
 }
 
+/* The rows of the layer's contexts: every open sequence's tokens on each KV head. */
+static uint64_t served_rows(const kvt_cache *c, uint32_t layer)
+{
+	uint64_t n = 0;
+	for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
+		if (c->seqs[s].open)
+			n += c->seqs[s].layers[layer].n_tokens;
+	return n * c->cfg.n_kv_heads;
+}
+
 /* Grow the layer's cache by gpu/hotsize.h's rule on a measure, within its bounds. */
-static int grow(kvt_cache *c, struct gpu_layer *y, uint64_t demand, uint64_t reads,
-		uint64_t misses)
+static int grow(kvt_cache *c, uint32_t layer, uint64_t demand, uint64_t reads, uint64_t misses)
 {
 	struct gpu_cache *b = gpu_of(c);
+	struct gpu_layer *y = &b->lay[layer];
 	const uint64_t have = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
-	uint64_t rows = kvt_hot_rows_wanted(have, demand, reads, misses, &y->hot_to_fill);
+	/* whole sets: the served rows rounded up to one */
+	const uint64_t served = (served_rows(c, layer) + KVT_GPU_HOT_WAYS - 1) /
+				KVT_GPU_HOT_WAYS * KVT_GPU_HOT_WAYS;
+	uint64_t rows = kvt_hot_rows_wanted(have, demand, reads, misses, served, &y->hot_to_fill);
 	if (rows == have)
 		return 0;
 	const uint64_t way = way_bytes(c);
@@ -221,8 +234,9 @@ int gpu_hot_before_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, void *str
 		y->last_hits = s1[KVT_GPU_CNT_HITS];
 		y->last_misses = s1[KVT_GPU_CNT_MISSES];
 		y->have_last = true;
-		KVT_TRY(grow(c, y, sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs,
-			     reads, misses));
+		KVT_TRY(grow(c, layer,
+			     sel + (uint64_t)c->cfg.n_sink * c->cfg.n_kv_heads * y->snap_seqs, reads,
+			     misses));
 		if (y->hot.sets != sets)
 			y->have_last = false; /* grown: the next measure starts at its own step */
 	}

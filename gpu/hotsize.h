@@ -11,9 +11,12 @@
  *   filling does not grow for its own cold misses, and one that holds every row a workload reads
  *   stops missing and growing;
  * - at least KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN of the old size when it grows, so slow growth
- *   does not resize each step (each resize synchronizes the device).
- * The caller bounds the result (its share of gpu_cache_max_bytes, half of the free memory) and
- * never shrinks the cache.
+ *   does not resize each step (each resize synchronizes the device);
+ * - never more than the rows of the contexts it serves: a cache that holds them all hits no more
+ *   for being larger (at 1M x 1 on drifting queries the doubling rule would otherwise have taken
+ *   6.4 GB for a layer whose whole K/V is 4.3 GB).
+ * The caller bounds the result further (its share of gpu_cache_max_bytes, half of the free memory)
+ * and never shrinks the cache.
  */
 #ifndef KVT_GPU_HOTSIZE_H
 #define KVT_GPU_HOTSIZE_H
@@ -42,20 +45,24 @@ KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos
 
 #define KVT_HOT_GROWTH_NUM 3u
 #define KVT_HOT_GROWTH_DEN 2u
+/* an eighth, not a quarter: on the H200 at 128K x 8 on drifting queries a quarter stopped the
+ * cache at 2.2 GB a layer, missing 75 MB a step, where an eighth reached 4.0 GB and 48 MB
+ * (doc/hysteresis.md, session 36) */
 #define KVT_HOT_MISS_NUM 1u
 #ifndef KVT_HOT_MISS_DEN /* an experiment may set it (bench/hot_batch.c) */
-#define KVT_HOT_MISS_DEN 4u
+#define KVT_HOT_MISS_DEN 8u
 #endif
 
 /*
  * The rows the cache should hold after a measure of `reads` rows read through it, `misses` of them
  * from the host tier, and `demand` rows asked for (its selected rows and sinks), when it holds
- * `have`: `have` itself when it should not grow. *to_fill counts the empty ways the cache still has
- * to fill before misses may grow it; this takes the measure's misses off it. The caller, when it
- * grows the cache, sets *to_fill to the ways it added.
+ * `have` and its contexts have `served` rows: `have` itself when it should not grow. *to_fill
+ * counts the empty ways the cache still has to fill before misses may grow it; this takes the
+ * measure's misses off it. The caller, when it grows the cache, sets *to_fill to the ways it
+ * added.
  */
 KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
-					uint64_t misses, uint64_t *to_fill)
+					uint64_t misses, uint64_t served, uint64_t *to_fill)
 {
 	uint64_t rows = 2 * demand;
 	const bool full = *to_fill <= misses;
@@ -65,7 +72,9 @@ KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t
 	if (rows <= have)
 		return have;
 	const uint64_t least = have * KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN;
-	return rows > least ? rows : least;
+	rows = rows > least ? rows : least;
+	rows = rows < served ? rows : served;
+	return rows > have ? rows : have;
 }
 
 #endif

@@ -3,9 +3,10 @@
  * The self-sized hot cache's sizing rule (gpu/hotsize.h), on the CPU:
  * - demand: an empty cache grows to twice a step's rows; one that holds twice the demand stays;
  * - a growth is at least 1.5x the old size;
- * - misses: a full cache whose step missed more than a quarter of its rows doubles (exactly a
- *   quarter does not); one still filling the ways of its last growth does not, whatever it
+ * - misses: a full cache whose step missed more than an eighth of its rows doubles (exactly an
+ *   eighth does not); one still filling the ways of its last growth does not, whatever it
  *   misses, and the measure takes its misses off the ways left; demand still grows it meanwhile;
+ * - never past the rows of the contexts served, and never shrunk by that bound;
  * - over a run of measures: steady queries keep the cache at twice the demand; drifting ones
  *   double it each time it has filled, until the bound the caller applies or until it holds the
  *   rows the queries come back to, where it stops missing and growing.
@@ -14,10 +15,10 @@
 #include "gpu/hotsize.h"
 
 /* The rule with f ways left to fill; *after gets the count it leaves. */
-static uint64_t want(uint64_t have, uint64_t demand, uint64_t reads, uint64_t misses, uint64_t f,
-		     uint64_t *after)
+static uint64_t want(uint64_t have, uint64_t demand, uint64_t reads, uint64_t misses,
+		     uint64_t served, uint64_t f, uint64_t *after)
 {
-	const uint64_t r = kvt_hot_rows_wanted(have, demand, reads, misses, &f);
+	const uint64_t r = kvt_hot_rows_wanted(have, demand, reads, misses, served, &f);
 	*after = f;
 	return r;
 }
@@ -25,35 +26,42 @@ static uint64_t want(uint64_t have, uint64_t demand, uint64_t reads, uint64_t mi
 static void test_cases(void **state)
 {
 	(void)state;
+	const uint64_t M = UINT64_MAX; /* no bound from the served rows */
 	static const struct {
-		uint64_t have, demand, reads, misses, to_fill, rows, to_fill_after;
+		uint64_t have, demand, reads, misses, served, to_fill, rows, to_fill_after;
 		const char *what;
 	} cs[] = {
-		{0, 100, 100, 100, 0, 200, 0, "empty: twice the demand"},
-		{0, 0, 0, 0, 0, 0, 0, "empty, no demand: stays empty"},
-		{200, 100, 100, 10, 0, 200, 0, "twice the demand, few misses: stays"},
-		{500, 100, 100, 10, 0, 500, 0, "above the demand: never shrinks"},
-		{200, 100, 100, 30, 0, 400, 0, "full, 30 % missed: doubles"},
-		{200, 100, 100, 25, 0, 200, 0, "exactly a quarter missed: stays"},
-		{200, 100, 100, 26, 0, 400, 0, "just above a quarter: doubles"},
-		{400, 100, 100, 60, 150, 400, 90, "filling: misses fill it, no growth"},
-		{400, 100, 100, 60, 60, 800, 0, "the measure that fills it: doubles"},
-		{200, 150, 150, 100, 500, 300, 400, "filling: demand still grows it"},
-		{1000, 600, 600, 0, 0, 1500, 0, "a growth is at least 1.5x"},
-		{1000, 100, 0, 0, 0, 1000, 0, "kvt_select's measure: no reads, no miss growth"},
-		{1ull << 40, 1ull << 39, 1ull << 39, 1ull << 39, 0, 1ull << 41, 0, "large counts"},
+		{0, 100, 100, 100, M, 0, 200, 0, "empty: twice the demand"},
+		{0, 0, 0, 0, M, 0, 0, 0, "empty, no demand: stays empty"},
+		{200, 100, 100, 10, M, 0, 200, 0, "twice the demand, 10 % missed: stays"},
+		{500, 100, 100, 10, M, 0, 500, 0, "above the demand: never shrinks"},
+		{200, 100, 100, 30, M, 0, 400, 0, "full, 30 % missed: doubles"},
+		{2000, 1000, 1000, 125, M, 0, 2000, 0, "exactly an eighth missed: stays"},
+		{2000, 1000, 1000, 126, M, 0, 4000, 0, "just above an eighth: doubles"},
+		{400, 100, 100, 60, M, 150, 400, 90, "filling: misses fill it, no growth"},
+		{400, 100, 100, 60, M, 60, 800, 0, "the measure that fills it: doubles"},
+		{200, 150, 150, 100, M, 500, 300, 400, "filling: demand still grows it"},
+		{1000, 600, 600, 0, M, 0, 1500, 0, "a growth is at least 1.5x"},
+		{1000, 100, 0, 0, M, 0, 1000, 0, "kvt_select's measure: no reads, no miss growth"},
+		{1ull << 40, 1ull << 39, 1ull << 39, 1ull << 39, M, 0, 1ull << 41, 0, "large"},
+		{0, 100, 100, 100, 150, 0, 150, 0, "empty: twice the demand, within the rows"},
+		{200, 100, 100, 30, 300, 0, 300, 0, "doubling stops at the served rows"},
+		{1000, 600, 600, 0, 1200, 0, 1200, 0, "a growth of 1.5x too"},
+		{400, 300, 300, 100, 300, 0, 400, 0, "more than the served rows: stays, unshrunk"},
+		{300, 100, 100, 90, 300, 0, 300, 0, "holds every served row: stays"},
 	};
 	int nfail = 0;
 	for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
 		uint64_t f;
 		const uint64_t r = want(cs[i].have, cs[i].demand, cs[i].reads, cs[i].misses,
-					cs[i].to_fill, &f);
+					cs[i].served, cs[i].to_fill, &f);
 		T_SOFT(&nfail, r == cs[i].rows && f == cs[i].to_fill_after,
-		       "%s: have %llu demand %llu reads %llu misses %llu to fill %llu: got %llu "
-		       "rows (to fill %llu), wanted %llu (to fill %llu)",
+		       "%s: have %llu demand %llu reads %llu misses %llu served %llu to fill %llu: "
+		       "got %llu rows (to fill %llu), wanted %llu (to fill %llu)",
 		       cs[i].what, (unsigned long long)cs[i].have, (unsigned long long)cs[i].demand,
 		       (unsigned long long)cs[i].reads, (unsigned long long)cs[i].misses,
-		       (unsigned long long)cs[i].to_fill, (unsigned long long)r,
+		       (unsigned long long)cs[i].served, (unsigned long long)cs[i].to_fill,
+		       (unsigned long long)r,
 		       (unsigned long long)f, (unsigned long long)cs[i].rows,
 		       (unsigned long long)cs[i].to_fill_after);
 	}
@@ -77,7 +85,8 @@ static uint64_t run(uint32_t miss_pct, uint64_t reused, uint64_t cap, uint32_t *
 		uint64_t misses = demand * miss_pct / 100;
 		if (m == 0 || have >= reused)
 			misses = m == 0 ? demand : 0;
-		uint64_t r = kvt_hot_rows_wanted(have, demand, demand, misses, &to_fill);
+		uint64_t r = kvt_hot_rows_wanted(have, demand, demand, misses, UINT64_MAX,
+						 &to_fill);
 		r = r < cap ? r : cap;
 		if (r > have) {
 			to_fill = r - have;

@@ -182,8 +182,7 @@ int kb_lru_step(kb_lru *l, uint32_t step, const uint64_t *rows, size_t n)
 	uint64_t misses = step ? n - (uint64_t)llround(l->hits - hits0) : n;
 	if (l->grows == KB_LRU_DEMAND)
 		misses = 0;
-	uint64_t want = kvt_hot_rows_wanted(l->cap, n, n, misses, &l->to_fill);
-	want = want < l->rows ? want : l->rows;
+	const uint64_t want = kvt_hot_rows_wanted(l->cap, n, n, misses, l->rows, &l->to_fill);
 	const uint64_t have = l->cap;
 	if (want / l->ways > l->sets) {
 		if (lru_grow(l, want / l->ways) < 0)
