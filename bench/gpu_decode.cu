@@ -24,7 +24,8 @@
  * The PCIe floor: kvtier's PCIe bytes per step (the hot cache's misses) at the H2D rate the naive
  * offload measured, against the resident kernel and the eager step: with --drift the step is bound
  * by it (doc/cuda-backend.md). Then the step's floor: that plus the step's own score and select
- * (the selection names the rows, so they come first): no kernel of today's row format beats it.
+ * (the selection names the rows, so they come first): with today's row format and stage order,
+ * no kernel beats it.
  * Ratios: kvtier / resident and naive / kvtier, with the goals of issue 15 (128K x 1 at most 1.0x
  * the resident kernel, 1M x 1 0.8x, 1M x 8 1.0x; the replayed and the eager step each judged)
  * and of earlier issues (reported, never asserted: a missed goal does not change the exit
