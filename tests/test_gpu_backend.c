@@ -15,7 +15,7 @@
  *   hits, misses and evictions;
  * - hot auto: the self-sized hot cache grows from its measures, within its bound; on queries that
  *   look for new rows every step, the split form's (kvt_select + kvt_gather) grows on the gathers'
- *   misses as kvt_attend's does;
+ *   misses as kvt_attend's does; at 200 tokens it stops at the rows its contexts have;
  * - graph: kvt_attend captured into a CUDA graph and replayed gives the eager call's output bit
  *   for bit, with a fixed and with the self-sized hot cache (frozen by the capture);
  * - spilled: a sequence spilled to NVMe is attended and gathered in place (issue 14): nothing is
@@ -339,6 +339,46 @@ static void test_hot_auto_split(void **state)
 		"%llu: grown on demand alone", (unsigned long long)rows[1], (unsigned long long)most[1]);
 	T_CHECK(2 * rows[1] >= rows[0], "kvt_select + kvt_gather: %llu rows, kvt_attend %llu",
 		(unsigned long long)rows[1], (unsigned long long)rows[0]);
+}
+
+/* The self-sized cache never holds more rows than its contexts have: at 200 tokens drifting
+ * queries select nearly every indexed token, so twice a step's rows (and the misses' doublings)
+ * would pass the rows there are; the cache stops at them, in whole sets of 8 ways. */
+static void test_hot_auto_served(void **state)
+{
+	(void)state;
+	const uint32_t ctx = 200, steps = 24;
+	struct pair p;
+	pair_init(&p, ctx, steps, 0);
+	t_rng rng;
+	t_rng_seed(&rng, 0x5e2f);
+	uint64_t most = 0;
+	for (uint32_t step = 0; step < steps; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			append_both(&p, layer, step);
+			drift_queries(&p, layer, &rng);
+			kvt_layer_stats a = {.size = sizeof a}, b = {.size = sizeof b};
+			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &a));
+			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
+			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &b));
+			const uint64_t read = b.selected_tokens - a.selected_tokens +
+					      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
+			most = read > most ? read : most;
+		}
+	const uint64_t served = ((uint64_t)NSEQ * HKV * (ctx + steps) + 7) / 8 * 8;
+	for (uint32_t layer = 0; layer < LAYERS; layer++) {
+		kvt_layer_stats ls = {.size = sizeof ls};
+		OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &ls));
+		printf("hot cache, self-sized, %u tokens a sequence, layer %u: %llu rows, %llu "
+		       "served (a step reads at most %llu)\n", ctx + steps, layer,
+		       (unsigned long long)ls.hot_rows, (unsigned long long)served,
+		       (unsigned long long)most);
+		T_CHECK(ls.hot_rows > 0 && ls.hot_rows <= served, "layer %u: %llu rows, %llu served",
+			layer, (unsigned long long)ls.hot_rows, (unsigned long long)served);
+	}
+	T_CHECK(2 * most > served, "a step reads at most %llu of %llu rows: too few to test the "
+		"bound", (unsigned long long)most, (unsigned long long)served);
+	pair_fini(&p);
 }
 
 /*
@@ -748,6 +788,7 @@ int main(void)
 		cmocka_unit_test(test_hot_cache),
 		cmocka_unit_test(test_hot_auto),
 		cmocka_unit_test(test_hot_auto_split),
+		cmocka_unit_test(test_hot_auto_served),
 		cmocka_unit_test(test_graph),
 		cmocka_unit_test(test_bad_key_batch),
 #if KVT_HAVE_LIBURING /* the NVMe tier is built with liburing only */
