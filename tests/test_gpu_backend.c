@@ -269,6 +269,52 @@ static void drift_queries(struct pair *p, uint32_t layer, t_rng *rng)
 }
 
 /*
+ * `steps` decode steps on every layer of p (prefilled with ctx tokens) on queries that look for new
+ * rows every step, through kvt_attend or (split) kvt_select + kvt_gather of its selection. Returns
+ * the most rows a step of a layer read through the hot cache (its selected rows and the sinks).
+ */
+static uint64_t drift_steps(struct pair *p, uint32_t ctx, uint32_t steps, int split, uint64_t seed)
+{
+	const uint32_t T = ctx + steps + 8;
+	const size_t slab = (size_t)NSEQ * HKV * T * D;
+	t_rng rng;
+	t_rng_seed(&rng, seed);
+	int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV);
+	void *dko, *dvo, *dpos;
+	CU(cudaMalloc(&dko, slab * 2));
+	CU(cudaMalloc(&dvo, slab * 2));
+	CU(cudaMalloc(&dpos, sizeof(int32_t) * NSEQ * HKV * T));
+	uint64_t most = 0;
+	for (uint32_t step = 0; step < steps; step++)
+		for (uint32_t layer = 0; layer < LAYERS; layer++) {
+			append_both(p, layer, step);
+			drift_queries(p, layer, &rng);
+			kvt_layer_stats a = {.size = sizeof a}, b = {.size = sizeof b};
+			OK(p->gpu, kvt_get_layer_stats(p->gpu, layer, &a));
+			if (split) {
+				const int mt = kvt_select(p->gpu, layer, NSEQ, p->sg, p->dq, NULL);
+				OK(p->gpu, mt);
+				T_CHECK((uint32_t)mt <= T, "step %u: %d tokens, room for %u", step,
+					mt, T);
+				OK(p->gpu, kvt_gather(p->gpu, layer, NSEQ, p->sg, T, cnt, dpos, dko,
+						      dvo, NULL));
+			} else {
+				OK(p->gpu,
+				   kvt_attend(p->gpu, layer, NSEQ, p->sg, p->dq, p->dout, NULL));
+			}
+			OK(p->gpu, kvt_get_layer_stats(p->gpu, layer, &b));
+			const uint64_t read = b.selected_tokens - a.selected_tokens +
+					      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
+			most = read > most ? read : most;
+		}
+	free(cnt);
+	cudaFree(dko);
+	cudaFree(dvo);
+	cudaFree(dpos);
+	return most;
+}
+
+/*
  * The self-sized cache counts the misses of kvt_gather: on queries that look for new rows every
  * step, the split form (kvt_select, then kvt_gather of its selection) grows its cache on misses
  * as kvt_attend does, far past twice a step's rows (the rule on demand alone would stop within
@@ -281,43 +327,12 @@ static void drift_queries(struct pair *p, uint32_t layer, t_rng *rng)
 static void test_hot_auto_split(void **state)
 {
 	(void)state;
-	const uint32_t steps = g_quick ? 24 : 48, T = 4096 + steps + 8;
-	const size_t slab = (size_t)NSEQ * HKV * T * D;
+	const uint32_t steps = g_quick ? 24 : 48;
 	uint64_t rows[2], most[2];
 	for (int split = 0; split < 2; split++) {
 		struct pair p;
 		pair_init(&p, 4096, steps, 0);
-		t_rng rng;
-		t_rng_seed(&rng, 0x5e1f);
-		int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV);
-		void *dko, *dvo, *dpos;
-		CU(cudaMalloc(&dko, slab * 2));
-		CU(cudaMalloc(&dvo, slab * 2));
-		CU(cudaMalloc(&dpos, sizeof(int32_t) * NSEQ * HKV * T));
-		most[split] = 0;
-		for (uint32_t step = 0; step < steps; step++)
-			for (uint32_t layer = 0; layer < LAYERS; layer++) {
-				append_both(&p, layer, step);
-				drift_queries(&p, layer, &rng);
-				kvt_layer_stats a = {.size = sizeof a}, b = {.size = sizeof b};
-				OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &a));
-				if (split) {
-					const int mt = kvt_select(p.gpu, layer, NSEQ, p.sg, p.dq, NULL);
-					OK(p.gpu, mt);
-					T_CHECK((uint32_t)mt <= T, "step %u: %d tokens, room for %u",
-						step, mt, T);
-					OK(p.gpu, kvt_gather(p.gpu, layer, NSEQ, p.sg, T, cnt, dpos, dko,
-							     dvo, NULL));
-				} else {
-					OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout,
-							     NULL));
-				}
-				OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &b));
-				/* the rows it read through the cache: selected, and the sinks */
-				const uint64_t read = b.selected_tokens - a.selected_tokens +
-						      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
-				most[split] = read > most[split] ? read : most[split];
-			}
+		most[split] = drift_steps(&p, 4096, steps, split, 0x5e1f);
 		kvt_layer_stats ls = {.size = sizeof ls};
 		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &ls));
 		rows[split] = ls.hot_rows;
@@ -326,10 +341,6 @@ static void test_hot_auto_split(void **state)
 		       split ? "kvt_select + kvt_gather" : "kvt_attend",
 		       (unsigned long long)ls.hot_rows, steps, (unsigned long long)most[split],
 		       (unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
-		free(cnt);
-		cudaFree(dko);
-		cudaFree(dvo);
-		cudaFree(dpos);
 		pair_fini(&p);
 	}
 	T_CHECK(rows[0] > 4 * most[0], "kvt_attend: %llu rows, a step reads at most %llu: the "
@@ -350,21 +361,7 @@ static void test_hot_auto_served(void **state)
 	const uint32_t ctx = 200, steps = 24;
 	struct pair p;
 	pair_init(&p, ctx, steps, 0);
-	t_rng rng;
-	t_rng_seed(&rng, 0x5e2f);
-	uint64_t most = 0;
-	for (uint32_t step = 0; step < steps; step++)
-		for (uint32_t layer = 0; layer < LAYERS; layer++) {
-			append_both(&p, layer, step);
-			drift_queries(&p, layer, &rng);
-			kvt_layer_stats a = {.size = sizeof a}, b = {.size = sizeof b};
-			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &a));
-			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
-			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &b));
-			const uint64_t read = b.selected_tokens - a.selected_tokens +
-					      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
-			most = read > most ? read : most;
-		}
+	const uint64_t most = drift_steps(&p, ctx, steps, 0, 0x5e2f);
 	const uint64_t served = ((uint64_t)NSEQ * HKV * (ctx + steps) + 7) / 8 * 8;
 	for (uint32_t layer = 0; layer < LAYERS; layer++) {
 		kvt_layer_stats ls = {.size = sizeof ls};
