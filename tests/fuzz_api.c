@@ -32,7 +32,10 @@
  * writes the dense read's rows into the slots named and nothing else; rows written read back bit
  * for bit; an out view gets nothing outside its (token, head) rows, and nothing at all from a
  * failed call when it is not dense; a gather's counts fit max_tokens, sum to its return value,
- * and give ascending positions within the sequence; after
+ * and give ascending positions within the sequence; after every call the accounts agree with the
+ * lengths (kvt_get_capacity's open sequences and host-tier use, each open sequence's
+ * kvt_seq_bytes: a block per started block_tokens of each layer and KV head, in the host tier
+ * unless some are on NVMe; check_accounts); after
  * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
  * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
  * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
@@ -384,6 +387,56 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 	return b % 32 == 0 ? own - 1 : b % 32 == 1 ? 0 : b % 32 == 2 ? own + 8 : own;
 }
 
+/*
+ * After each step, the accounts a scheduler reads agree with the lengths: kvt_get_capacity counts
+ * the open sequences; each open sequence holds one block per started block_tokens of each layer
+ * and KV head, all in the host tier unless some are on NVMe (kvt_seq_bytes); and the host tier's
+ * use is what the open sequences hold, each block once (after a fork, blocks may be shared, and
+ * kvt_seq_bytes counts a shared block in each holder).
+ */
+static void check_accounts(struct fz *z)
+{
+	kvt_capacity cap;
+	memset(&cap, 0, sizeof cap);
+	cap.size = sizeof cap;
+	CHECK(kvt_get_capacity(z->c, &cap) == 0, "kvt_get_capacity: %s", kvt_last_error(z->c));
+	CHECK(cap.host_bytes_free <= cap.host_bytes_capacity &&
+		      cap.nvme_bytes_free <= cap.nvme_bytes_capacity &&
+		      cap.max_seqs == z->cfg.max_seqs && cap.block_bytes && cap.block_tokens,
+	      "kvt_get_capacity: host %llu free of %llu, NVMe %llu of %llu, %u sequences at most",
+	      (unsigned long long)cap.host_bytes_free, (unsigned long long)cap.host_bytes_capacity,
+	      (unsigned long long)cap.nvme_bytes_free, (unsigned long long)cap.nvme_bytes_capacity,
+	      cap.max_seqs);
+	uint64_t held = 0;
+	uint32_t open = 0;
+	for (uint32_t s = 0; s < cap.max_seqs; s++) {
+		uint64_t host = 0, nvme = 0, blocks = 0;
+		if (kvt_seq_bytes(z->c, s, &host, &nvme) != 0)
+			continue; /* not open */
+		open++;
+		for (uint32_t l = 0; l < z->cfg.n_layers; l++) {
+			const int64_t len = length(z, s, l);
+			CHECK(len >= 0, "sequence %u: kvt_seq_bytes answers, its length on layer %u "
+			      "is %lld", s, l, (long long)len);
+			blocks += ((uint64_t)len + cap.block_tokens - 1) / cap.block_tokens *
+				  z->cfg.n_kv_heads;
+		}
+		CHECK(host % cap.block_bytes == 0 && host / cap.block_bytes <= blocks &&
+			      (nvme > 0 || host / cap.block_bytes == blocks) &&
+			      (nvme == 0 || z->cfg.n_nvme),
+		      "sequence %u holds %llu host bytes (blocks of %llu) and %llu NVMe bytes for "
+		      "%llu blocks", s, (unsigned long long)host,
+		      (unsigned long long)cap.block_bytes, (unsigned long long)nvme,
+		      (unsigned long long)blocks);
+		held += host;
+	}
+	const uint64_t used = cap.host_bytes_capacity - cap.host_bytes_free;
+	CHECK(open == cap.seqs_open && (z->forked ? used <= held : used == held),
+	      "%u sequences answer kvt_seq_bytes, kvt_get_capacity counts %u open; they hold %llu "
+	      "host bytes, the tier uses %llu%s", open, cap.seqs_open, (unsigned long long)held,
+	      (unsigned long long)used, z->forked ? " (after a fork)" : "");
+}
+
 static void step(struct fz *z, struct in *in)
 {
 	/* the op byte's quotient by 17, which picks no op: with faults on, 8..15 make the next
@@ -569,8 +622,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		t_restore_first(z.c);
 	/* a few ids that were never handed out */
 	z.ids[z.n_ids++] = 7;
-	for (int i = 0; i < 64 && in.at < in.n; i++)
+	for (int i = 0; i < 64 && in.at < in.n; i++) {
 		step(&z, &in);
+		check_accounts(&z);
+	}
 	kvt_cache_destroy(z.c);
 	CHECK(kvt_mem_live() == live, "live allocations %lld after destroy, %lld before",
 	      (long long)kvt_mem_live(), (long long)live);

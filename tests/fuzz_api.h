@@ -52,6 +52,7 @@ struct fz {
 	bool faults;      /* the configuration turned allocation (and I/O) faults on */
 	bool nvme;        /* and asked for an NVMe tier */
 	bool restore_first; /* and the CUDA backend's way: kvt_extend and read_rows restore first */
+	bool forked;        /* a kvt_seq_fork was tried: host blocks may be shared since */
 	const char *nvme_path;
 	uint64_t nvme_bytes;
 	kvt_stats before; /* kvt_get_stats right before the call now checked */

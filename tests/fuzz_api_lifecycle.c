@@ -45,6 +45,7 @@ void do_fork(struct fz *z, struct in *in)
 	kvt_stats st = {.size = sizeof st};
 	CHECK(kvt_get_stats(z->c, &st) == 0, "kvt_get_stats failed");
 	uint64_t open = st.seqs_open;
+	z->forked = true;
 	int rc = (int)FZ_CALL(z, "kvt_seq_fork",
 			      kvt_seq_fork(z->c, parent, b % 32 == 0 ? NULL : &child, NULL));
 	CHECK(rc <= 0, "kvt_seq_fork returned %d", rc);
