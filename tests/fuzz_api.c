@@ -33,9 +33,9 @@
  * for bit; an out view gets nothing outside its (token, head) rows, and nothing at all from a
  * failed call when it is not dense; a gather's counts fit max_tokens, sum to its return value,
  * and give ascending positions within the sequence; after every call the accounts agree with the
- * lengths (kvt_get_capacity's open sequences and host-tier use, each open sequence's
- * kvt_seq_bytes: a block per started block_tokens of each layer and KV head, in the host tier
- * unless some are on NVMe; check_accounts); after
+ * lengths (check_accounts: kvt_get_capacity's open sequences and host and NVMe use, the same as
+ * kvt_get_stats's, are what the open sequences' kvt_seq_bytes hold; each holds a block per
+ * started block_tokens of each layer and KV head, in the host tier unless some are on NVMe); after
  * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
  * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
  * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
@@ -407,7 +407,7 @@ static void check_accounts(struct fz *z)
 	      (unsigned long long)cap.host_bytes_free, (unsigned long long)cap.host_bytes_capacity,
 	      (unsigned long long)cap.nvme_bytes_free, (unsigned long long)cap.nvme_bytes_capacity,
 	      cap.max_seqs);
-	uint64_t held = 0;
+	uint64_t held = 0, held_nvme = 0;
 	uint32_t open = 0;
 	for (uint32_t s = 0; s < cap.max_seqs; s++) {
 		uint64_t host = 0, nvme = 0, blocks = 0;
@@ -429,12 +429,28 @@ static void check_accounts(struct fz *z)
 		      (unsigned long long)cap.block_bytes, (unsigned long long)nvme,
 		      (unsigned long long)blocks);
 		held += host;
+		held_nvme += nvme;
 	}
 	const uint64_t used = cap.host_bytes_capacity - cap.host_bytes_free;
-	CHECK(open == cap.seqs_open && (z->forked ? used <= held : used == held),
+	const uint64_t used_nvme = cap.nvme_bytes_capacity - cap.nvme_bytes_free;
+	CHECK(open == cap.seqs_open && (z->forked ? used <= held : used == held) &&
+		      (z->forked ? used_nvme <= held_nvme : used_nvme == held_nvme),
 	      "%u sequences answer kvt_seq_bytes, kvt_get_capacity counts %u open; they hold %llu "
-	      "host bytes, the tier uses %llu%s", open, cap.seqs_open, (unsigned long long)held,
-	      (unsigned long long)used, z->forked ? " (after a fork)" : "");
+	      "host and %llu NVMe bytes, the tiers use %llu and %llu%s", open, cap.seqs_open,
+	      (unsigned long long)held, (unsigned long long)held_nvme, (unsigned long long)used,
+	      (unsigned long long)used_nvme, z->forked ? " (after a fork)" : "");
+	/* kvt_get_stats reports the same use */
+	const kvt_stats st = stats_now(z);
+	CHECK(st.seqs_open == cap.seqs_open && st.host_bytes_used == used &&
+		      st.host_bytes_capacity == cap.host_bytes_capacity &&
+		      st.nvme_bytes_used == used_nvme &&
+		      st.nvme_bytes_capacity == cap.nvme_bytes_capacity,
+	      "kvt_get_stats: %llu open, host %llu of %llu, NVMe %llu of %llu; kvt_get_capacity: %u "
+	      "open, host %llu of %llu, NVMe %llu of %llu", (unsigned long long)st.seqs_open,
+	      (unsigned long long)st.host_bytes_used, (unsigned long long)st.host_bytes_capacity,
+	      (unsigned long long)st.nvme_bytes_used, (unsigned long long)st.nvme_bytes_capacity,
+	      cap.seqs_open, (unsigned long long)used, (unsigned long long)cap.host_bytes_capacity,
+	      (unsigned long long)used_nvme, (unsigned long long)cap.nvme_bytes_capacity);
 }
 
 static void step(struct fz *z, struct in *in)
