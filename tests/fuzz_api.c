@@ -35,7 +35,8 @@
  * and give ascending positions within the sequence; after every call the accounts agree with the
  * lengths (check_accounts: kvt_get_capacity's open sequences and host and NVMe use, the same as
  * kvt_get_stats's, are what the open sequences' kvt_seq_bytes hold; each holds a block per
- * started block_tokens of each layer and KV head, in the host tier unless some are on NVMe); after
+ * started block_tokens of each layer and KV head, in the host tier or on NVMe, within the sizes
+ * kvt_footprint_of gives); after
  * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
  * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
  * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
@@ -390,9 +391,10 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 /*
  * After each step, the accounts a scheduler reads agree with the lengths: kvt_get_capacity counts
  * the open sequences; each open sequence holds one block per started block_tokens of each layer
- * and KV head, all in the host tier unless some are on NVMe (kvt_seq_bytes); and the host tier's
- * use is what the open sequences hold, each block once (after a fork, blocks may be shared, and
- * kvt_seq_bytes counts a shared block in each holder).
+ * and KV head, each in the host tier or on NVMe, at most at kvt_footprint_of's block sizes
+ * (kvt_seq_bytes); each tier's use is what the open sequences hold, each block once (after a
+ * fork, blocks may be shared, and kvt_seq_bytes counts a shared block in each holder); and
+ * kvt_get_stats reports the same use as kvt_get_capacity.
  */
 static void check_accounts(struct fz *z)
 {
@@ -407,6 +409,14 @@ static void check_accounts(struct fz *z)
 	      (unsigned long long)cap.host_bytes_free, (unsigned long long)cap.host_bytes_capacity,
 	      (unsigned long long)cap.nvme_bytes_free, (unsigned long long)cap.nvme_bytes_capacity,
 	      cap.max_seqs);
+	kvt_footprint fp;
+	memset(&fp, 0, sizeof fp);
+	fp.size = sizeof fp;
+	CHECK(kvt_footprint_of(&z->cfg, 0, &fp) == 0 && fp.block_bytes == cap.block_bytes &&
+		      fp.nvme_block_bytes > fp.block_bytes,
+	      "kvt_footprint_of: blocks of %llu (NVMe %llu), kvt_get_capacity's %llu",
+	      (unsigned long long)fp.block_bytes, (unsigned long long)fp.nvme_block_bytes,
+	      (unsigned long long)cap.block_bytes);
 	uint64_t held = 0, held_nvme = 0;
 	uint32_t open = 0;
 	for (uint32_t s = 0; s < cap.max_seqs; s++) {
@@ -421,13 +431,17 @@ static void check_accounts(struct fz *z)
 			blocks += ((uint64_t)len + cap.block_tokens - 1) / cap.block_tokens *
 				  z->cfg.n_kv_heads;
 		}
+		/* the blocks not in the host tier are on NVMe, each at most kvt_footprint_of's
+		 * block: it counts a 4 KiB I/O alignment, and the harness's files are on
+		 * filesystems whose alignment is 512 bytes to 4 KiB */
+		const uint64_t spilled = blocks - host / cap.block_bytes;
 		CHECK(host % cap.block_bytes == 0 && host / cap.block_bytes <= blocks &&
-			      (nvme > 0 || host / cap.block_bytes == blocks) &&
+			      (nvme > 0) == (spilled > 0) && nvme <= spilled * fp.nvme_block_bytes &&
 			      (nvme == 0 || z->cfg.n_nvme),
-		      "sequence %u holds %llu host bytes (blocks of %llu) and %llu NVMe bytes for "
-		      "%llu blocks", s, (unsigned long long)host,
+		      "sequence %u holds %llu host bytes (blocks of %llu) and %llu NVMe bytes (of "
+		      "%llu) for %llu blocks", s, (unsigned long long)host,
 		      (unsigned long long)cap.block_bytes, (unsigned long long)nvme,
-		      (unsigned long long)blocks);
+		      (unsigned long long)fp.nvme_block_bytes, (unsigned long long)blocks);
 		held += host;
 		held_nvme += nvme;
 	}
