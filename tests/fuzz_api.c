@@ -33,10 +33,10 @@
  * for bit; an out view gets nothing outside its (token, head) rows, and nothing at all from a
  * failed call when it is not dense; a gather's counts fit max_tokens, sum to its return value,
  * and give ascending positions within the sequence; after every call the accounts agree with the
- * lengths (check_accounts: kvt_get_capacity's open sequences and host and NVMe use, the same as
- * kvt_get_stats's, are what the open sequences' kvt_seq_bytes hold; each holds a block per
- * started block_tokens of each layer and KV head, in the host tier or on NVMe, within the sizes
- * kvt_footprint_of gives); after
+ * lengths (harness.h's t_accounts: kvt_get_capacity's open sequences and host and NVMe use, the
+ * same as kvt_get_stats's, are what the open sequences' kvt_seq_bytes hold; each holds a block
+ * per started block_tokens of each layer and KV head, in the host tier or on NVMe, within the
+ * sizes kvt_footprint_of gives); after
  * kvt_cache_destroy no allocation and no descriptor is live. With faults on (a configuration
  * byte's bits), an op byte may make the next call's n-th allocation fail (n <= 32), or with an
  * NVMe tier the n-th I/O completion from then on (-EIO, n <= 16): each call must keep every
@@ -388,83 +388,11 @@ uint32_t pick_size(uint8_t b, uint32_t own)
 	return b % 32 == 0 ? own - 1 : b % 32 == 1 ? 0 : b % 32 == 2 ? own + 8 : own;
 }
 
-/*
- * After each step, the accounts a scheduler reads agree with the lengths: kvt_get_capacity counts
- * the open sequences; each open sequence holds one block per started block_tokens of each layer
- * and KV head, each in the host tier or on NVMe, at most at kvt_footprint_of's block sizes
- * (kvt_seq_bytes); each tier's use is what the open sequences hold, each block once (after a
- * fork, blocks may be shared, and kvt_seq_bytes counts a shared block in each holder); and
- * kvt_get_stats reports the same use as kvt_get_capacity.
- */
+/* After each step, the accounts agree with the lengths (harness.h's t_accounts). */
 static void check_accounts(struct fz *z)
 {
-	kvt_capacity cap;
-	memset(&cap, 0, sizeof cap);
-	cap.size = sizeof cap;
-	CHECK(kvt_get_capacity(z->c, &cap) == 0, "kvt_get_capacity: %s", kvt_last_error(z->c));
-	CHECK(cap.host_bytes_free <= cap.host_bytes_capacity &&
-		      cap.nvme_bytes_free <= cap.nvme_bytes_capacity &&
-		      cap.max_seqs == z->cfg.max_seqs && cap.block_bytes && cap.block_tokens,
-	      "kvt_get_capacity: host %llu free of %llu, NVMe %llu of %llu, %u sequences at most",
-	      (unsigned long long)cap.host_bytes_free, (unsigned long long)cap.host_bytes_capacity,
-	      (unsigned long long)cap.nvme_bytes_free, (unsigned long long)cap.nvme_bytes_capacity,
-	      cap.max_seqs);
-	kvt_footprint fp;
-	memset(&fp, 0, sizeof fp);
-	fp.size = sizeof fp;
-	CHECK(kvt_footprint_of(&z->cfg, 0, &fp) == 0 && fp.block_bytes == cap.block_bytes &&
-		      fp.nvme_block_bytes > fp.block_bytes,
-	      "kvt_footprint_of: blocks of %llu (NVMe %llu), kvt_get_capacity's %llu",
-	      (unsigned long long)fp.block_bytes, (unsigned long long)fp.nvme_block_bytes,
-	      (unsigned long long)cap.block_bytes);
-	uint64_t held = 0, held_nvme = 0;
-	uint32_t open = 0;
-	for (uint32_t s = 0; s < cap.max_seqs; s++) {
-		uint64_t host = 0, nvme = 0, blocks = 0;
-		if (kvt_seq_bytes(z->c, s, &host, &nvme) != 0)
-			continue; /* not open */
-		open++;
-		for (uint32_t l = 0; l < z->cfg.n_layers; l++) {
-			const int64_t len = length(z, s, l);
-			CHECK(len >= 0, "sequence %u: kvt_seq_bytes answers, its length on layer %u "
-			      "is %lld", s, l, (long long)len);
-			blocks += ((uint64_t)len + cap.block_tokens - 1) / cap.block_tokens *
-				  z->cfg.n_kv_heads;
-		}
-		/* the blocks not in the host tier are on NVMe, each at most kvt_footprint_of's
-		 * block: it counts a 4 KiB I/O alignment, and the harness's files are on
-		 * filesystems whose alignment is 512 bytes to 4 KiB */
-		const uint64_t spilled = blocks - host / cap.block_bytes;
-		CHECK(host % cap.block_bytes == 0 && host / cap.block_bytes <= blocks &&
-			      (nvme > 0) == (spilled > 0) && nvme <= spilled * fp.nvme_block_bytes &&
-			      (nvme == 0 || z->cfg.n_nvme),
-		      "sequence %u holds %llu host bytes (blocks of %llu) and %llu NVMe bytes (of "
-		      "%llu) for %llu blocks", s, (unsigned long long)host,
-		      (unsigned long long)cap.block_bytes, (unsigned long long)nvme,
-		      (unsigned long long)fp.nvme_block_bytes, (unsigned long long)blocks);
-		held += host;
-		held_nvme += nvme;
-	}
-	const uint64_t used = cap.host_bytes_capacity - cap.host_bytes_free;
-	const uint64_t used_nvme = cap.nvme_bytes_capacity - cap.nvme_bytes_free;
-	CHECK(open == cap.seqs_open && (z->forked ? used <= held : used == held) &&
-		      (z->forked ? used_nvme <= held_nvme : used_nvme == held_nvme),
-	      "%u sequences answer kvt_seq_bytes, kvt_get_capacity counts %u open; they hold %llu "
-	      "host and %llu NVMe bytes, the tiers use %llu and %llu%s", open, cap.seqs_open,
-	      (unsigned long long)held, (unsigned long long)held_nvme, (unsigned long long)used,
-	      (unsigned long long)used_nvme, z->forked ? " (after a fork)" : "");
-	/* kvt_get_stats reports the same use */
-	const kvt_stats st = stats_now(z);
-	CHECK(st.seqs_open == cap.seqs_open && st.host_bytes_used == used &&
-		      st.host_bytes_capacity == cap.host_bytes_capacity &&
-		      st.nvme_bytes_used == used_nvme &&
-		      st.nvme_bytes_capacity == cap.nvme_bytes_capacity,
-	      "kvt_get_stats: %llu open, host %llu of %llu, NVMe %llu of %llu; kvt_get_capacity: %u "
-	      "open, host %llu of %llu, NVMe %llu of %llu", (unsigned long long)st.seqs_open,
-	      (unsigned long long)st.host_bytes_used, (unsigned long long)st.host_bytes_capacity,
-	      (unsigned long long)st.nvme_bytes_used, (unsigned long long)st.nvme_bytes_capacity,
-	      cap.seqs_open, (unsigned long long)used, (unsigned long long)cap.host_bytes_capacity,
-	      (unsigned long long)used_nvme, (unsigned long long)cap.nvme_bytes_capacity);
+	char why[512];
+	CHECK(t_accounts(z->c, z->forked, why, sizeof why) == 0, "%s", why);
 }
 
 static void step(struct fz *z, struct in *in)

@@ -50,6 +50,7 @@ struct model {
 	int lru;		/* T spills automatically (KVT_SPILL_LRU) from a small host tier */
 	int restore_first;	/* T restores spilled sequences before extend and read_rows read
 				   them (the CUDA backend's way: ops->read_rows_spilled off) */
+	bool forked;		/* a fork was tried: host blocks may be shared since (t_accounts) */
 	struct tstate pre;	/* T's counters before the call under a fault (arm) */
 	nv_files f;
 	struct mseq s[MAXS];

@@ -303,6 +303,7 @@ void op_fork(struct model *m)
 		return;
 	struct fault f;
 	uint32_t a = 0, b = 0;
+	m->forked = true;
 	arm(m, &f);
 	int rt = kvt_seq_fork(m->t, m->s[i].id, &a, NULL);
 	disarm(m, &f);

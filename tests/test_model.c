@@ -24,7 +24,9 @@
  * and an automatic spill's victim whose read-back in the undo meets the fault too, which kvtier.h
  * says stay), and every later result (and an attend over every sequence right
  * after the failure)
- * must still match R's. A call of a KVT_SPILL_LRU seed that needs more host tier than spilling can
+ * must still match R's. After every call the accounts of both caches agree with the lengths
+ * (harness.h's t_accounts: kvt_get_capacity, kvt_seq_bytes, kvt_get_stats, kvt_footprint_of's
+ * block sizes). A call of a KVT_SPILL_LRU seed that needs more host tier than spilling can
  * free is refused (-ENOSPC, "host tier") and is judged alike. A call that recovers from the fault (a
  * resubmitted short read) must give R's result. At the end of each seed, with every sequence
  * closed, no host or NVMe bytes may be left in use; at the end nothing may leak (allocations,
@@ -289,6 +291,9 @@ static void run_seed(uint64_t seed, uint64_t steps, struct bufs *b, uint64_t *to
 		}
 		m.ops[op]++;
 		check_lengths(&m);
+		char why[512];
+		M_CHECK(&m, t_accounts(m.t, m.forked, why, sizeof why) == 0, "tiered: %s", why);
+		M_CHECK(&m, t_accounts(m.ref, m.forked, why, sizeof why) == 0, "reference: %s", why);
 		/* right after a failed call: every layer's attention over every sequence must match */
 		if (m.faults_failed + m.host_full != failed) {
 			g_all = 1;
