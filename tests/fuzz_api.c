@@ -20,7 +20,8 @@
  * Properties: no crash and no access outside the caller's buffers (each an allocation of the exact
  * size the header gives for the strides used: the extent of a strided view, of the largest slot
  * of a mapping; layout structs allocated at the size they claim); every call returns success or a
- * code of the header's list, with a kvt_last_error text when it fails; a layout the header's rules
+ * code of the header's list, with a kvt_last_error text when it fails, and a kvt_last_error_entry
+ * of -1 or an entry of its batch (for -ENOENT, one that is not open); a layout the header's rules
  * refuse is refused; every call counts one error in kvt_stats.errors when it fails and none when it
  * succeeds; a call that fails changes no sequence's length on any layer, nor the host and NVMe
  * tiers' use (unless it counted a spill: victims an undo could not read back; or, restoring
@@ -138,6 +139,14 @@ int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
 		z->io_fired = false;
 	}
 	check_rc(z, call, rc);
+	/* the entry a failed call names is one of its batch's, or none (a runtime takes seqs[entry]
+	 * out of the batch and calls again: kvtier.h) */
+	const int entry = kvt_last_error_entry(z->c);
+	const uint32_t batch_n = z->batch_n, *batch = z->batch;
+	fz_batch(z, NULL, 0);
+	CHECK(rc >= 0 || (entry >= -1 && entry < (int)batch_n), "%s failed (%lld, \"%s\") naming "
+	      "entry %d of a batch of %u", call, (long long)rc, kvt_last_error(z->c), entry,
+	      batch_n);
 	const kvt_stats st = stats_now(z), *b = &z->before;
 	const uint64_t counted = st.errors - errors0;
 	CHECK(counted == (rc < 0), "%s returned %lld and counted %llu errors in kvt_stats.errors, "
@@ -153,6 +162,11 @@ int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc)
 	      "%llu -> %llu", call, (long long)rc, kvt_last_error(z->c),
 	      (unsigned long long)b->host_bytes_used, (unsigned long long)st.host_bytes_used,
 	      (unsigned long long)b->nvme_bytes_used, (unsigned long long)st.nvme_bytes_used);
+	/* -ENOENT is "no such sequence": the entry it names is one (asked last: a failed length
+	 * counts an error of its own) */
+	CHECK(rc != -ENOENT || entry < 0 || !batch || length(z, batch[entry], 0) < 0,
+	      "%s failed with -ENOENT naming entry %d, sequence %u, which is open", call, entry,
+	      batch && entry >= 0 ? batch[entry] : 0);
 	return rc;
 }
 
@@ -252,6 +266,7 @@ static void do_append(struct fz *z, struct in *in)
 	int64_t before[MAXS];
 	for (uint32_t i = 0; i < n; i++)
 		before[i] = length(z, seqs[i], layer);
+	fz_batch(z, seqs, n);
 	int rc = (int)FZ_CALL(z, "kvt_append", kvt_append(z->c, layer, n, seqs, k, v, NULL));
 	for (uint32_t i = 0; rc < 0 && i < n; i++)
 		CHECK(length(z, seqs[i], layer) == before[i], "a failed append (%d) changed the length "
@@ -267,11 +282,13 @@ static void do_attend(struct fz *z, struct in *in, int split)
 	void *q = values(z, (size_t)n * z->cfg.n_q_heads * z->cfg.head_dim, mode & 3 ? mode : 0);
 	if (!split) {
 		void *out = malloc((size_t)n * z->cfg.n_q_heads * z->cfg.head_dim * z->osz);
+		fz_batch(z, seqs, n);
 		(void)FZ_CALL(z, "kvt_attend", kvt_attend(z->c, layer, n, seqs, q, out, NULL));
 		free(out);
 		free(q);
 		return;
 	}
+	fz_batch(z, seqs, n);
 	int rc = (int)FZ_CALL(z, "kvt_select", kvt_select(z->c, layer, n, seqs, q, NULL));
 	free(q);
 	/* max_tokens: the selection's, or less (must be refused), or more */
@@ -290,6 +307,7 @@ static void do_attend(struct fz *z, struct in *in, int split)
 		k = malloc(rows * z->esz);
 		v = malloc(rows * z->esz);
 	}
+	fz_batch(z, seqs, n);
 	int g = (int)FZ_CALL(z, "kvt_gather",
 			     kvt_gather(z->c, layer, n, seqs, mt, counts, pos, k, v, NULL));
 	if (g >= 0) {

@@ -56,17 +56,30 @@ struct fz {
 	const char *nvme_path;
 	uint64_t nvme_bytes;
 	kvt_stats before; /* kvt_get_stats right before the call now checked */
+	/* the batch of the call now checked: its entries (0: a call without one) and its ids (NULL:
+	 * none, or not a uint32_t array); set by fz_batch before it, cleared by check_call */
+	uint32_t batch_n;
+	const uint32_t *batch;
 };
 
 /* Right before a library call: its kvt_stats.errors (all of them in z->before), and z->fail_at
  * armed. */
 uint64_t call_begin(struct fz *z);
 /* Right after it: disarm z->fail_at, and abort unless rc is success or a code of the header's
- * list with a kvt_last_error text, unless the call counted one error in kvt_stats.errors when it
+ * list with a kvt_last_error text, unless a failed call's kvt_last_error_entry is -1 or an entry
+ * of its batch (fz_batch; one that is not open where the call returned -ENOENT), unless the call
+ * counted one error in kvt_stats.errors when it
  * failed and none when it succeeded (errors0: call_begin's), and unless a failed call left the
  * host and NVMe tiers' use as they were (but where it spilled for good: an undo whose read-back
  * failed; or, restoring first, where it kept its restores); returns rc. */
 int64_t check_call(struct fz *z, const char *call, uint64_t errors0, int64_t rc);
+/* The batch of the next checked call, for its kvt_last_error_entry check. */
+static inline void fz_batch(struct fz *z, const uint32_t *seqs, uint32_t n)
+{
+	z->batch = seqs;
+	z->batch_n = n;
+}
+
 /* Make the library call `expr` between call_begin and check_call; its result. */
 #define FZ_CALL(z, call, expr)                                                                     \
 	__extension__({                                                                            \

@@ -178,6 +178,7 @@ void do_compute_at(struct fz *z, struct in *in)
 	}
 	struct snap want;
 	snap(z, &want);
+	fz_batch(z, which ? seqs : NULL, which ? n : 0);
 	const uint64_t errors0 = call_begin(z);
 	int rc = which == 0 ? kvt_prefill_at(z->c, seq, layer, io.t[0], io.t[1], io.t[2], n, io.plo,
 					     NULL)
@@ -233,6 +234,7 @@ void do_extend(struct fz *z, struct in *in)
 	struct snap want;
 	snap(z, &want);
 	const char *call = at & 1 ? "kvt_extend_at" : "kvt_extend";
+	fz_batch(z, seqs, n);
 	const uint64_t errors0 = call_begin(z);
 	int rc = at & 1 ? kvt_extend_at(z->c, layer, n, seqs, cu, io.t[0], io.t[1], io.t[2], io.t[3],
 					flags, io.plo, NULL)
@@ -298,6 +300,7 @@ void do_attend_graph(struct fz *z, struct in *in)
 	memset(out, 0xa5, ns * orow);
 	struct snap before, after;
 	snap(z, &before);
+	fz_batch(z, NULL, ns); /* its ids are int32_t slots */
 	const int rc = (int)FZ_CALL(z, "kvt_attend_graph", kvt_attend_graph(z->c, layer, &gb, q, out,
 									       NULL));
 	snap(z, &after);
