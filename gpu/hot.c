@@ -173,10 +173,14 @@ static int grow(kvt_cache *c, uint32_t layer, uint64_t demand, uint64_t reads, u
 	struct gpu_cache *b = gpu_of(c);
 	struct gpu_layer *y = &b->lay[layer];
 	const uint64_t have = (uint64_t)y->hot.sets * KVT_GPU_HOT_WAYS;
-	/* whole sets: the served rows rounded up to one */
-	const uint64_t served = (served_rows(c, layer) + KVT_GPU_HOT_WAYS - 1) /
-				KVT_GPU_HOT_WAYS * KVT_GPU_HOT_WAYS;
-	uint64_t rows = kvt_hot_rows_wanted(have, demand, reads, misses, served, &y->hot_to_fill);
+	uint64_t rows =
+		kvt_hot_rows_wanted(have, demand, reads, misses, UINT64_MAX, &y->hot_to_fill);
+	if (rows == have)
+		return 0;
+	/* the served rows (a walk over the sequences) only where it would grow, in whole sets */
+	rows = kvt_hot_within(have, rows,
+			      (served_rows(c, layer) + KVT_GPU_HOT_WAYS - 1) / KVT_GPU_HOT_WAYS *
+				      KVT_GPU_HOT_WAYS);
 	if (rows == have)
 		return 0;
 	const uint64_t way = way_bytes(c);

@@ -53,13 +53,21 @@ KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos
 #define KVT_HOT_MISS_DEN 8u
 #endif
 
+/* `rows` within the `served` rows of the cache's contexts, and never below the `have` it holds. */
+KVT_HOT_FN uint64_t kvt_hot_within(uint64_t have, uint64_t rows, uint64_t served)
+{
+	rows = rows < served ? rows : served;
+	return rows > have ? rows : have;
+}
+
 /*
  * The rows the cache should hold after a measure of `reads` rows read through it, `misses` of them
  * from the host tier, and `demand` rows asked for (its selected rows and sinks), when it holds
  * `have` and its contexts have `served` rows: `have` itself when it should not grow. *to_fill
  * counts the empty ways the cache still has to fill before misses may grow it; this takes the
  * measure's misses off it. The caller, when it grows the cache, sets *to_fill to the ways it
- * added.
+ * added. With `served` UINT64_MAX, kvt_hot_within applies that bound afterwards, alike: a caller
+ * for whom counting the served rows costs counts them only when the cache would grow.
  */
 KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t reads,
 					uint64_t misses, uint64_t served, uint64_t *to_fill)
@@ -72,9 +80,7 @@ KVT_HOT_FN uint64_t kvt_hot_rows_wanted(uint64_t have, uint64_t demand, uint64_t
 	if (rows <= have)
 		return have;
 	const uint64_t least = have * KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN;
-	rows = rows > least ? rows : least;
-	rows = rows < served ? rows : served;
-	return rows > have ? rows : have;
+	return kvt_hot_within(have, rows > least ? rows : least, served);
 }
 
 #endif
