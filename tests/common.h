@@ -297,7 +297,6 @@ static inline kvt_cache *t_create(const kvt_config *cfg)
 	return c;
 }
 
-/* kvt_get_stats or fail. */
 /* Whether text contains needle, ignoring case (error details are checked for the values named). */
 static inline int t_contains(const char *text, const char *needle)
 {
@@ -311,6 +310,7 @@ static inline int t_contains(const char *text, const char *needle)
 	return 0;
 }
 
+/* kvt_get_stats or fail. */
 static inline kvt_stats t_stats(kvt_cache *c)
 {
 	kvt_stats st;
