@@ -14,7 +14,8 @@
  *   does not resize each step (each resize synchronizes the device);
  * - never more than the rows of the contexts it serves: a cache that holds them all hits no more
  *   for being larger (at 1M x 1 on drifting queries the doubling rule would otherwise have taken
- *   6.4 GB for a layer whose whole K/V is 4.3 GB).
+ *   6.4 GB for a layer whose whole K/V is 4.3 GB); and a growth that bound cuts short only when it
+ *   still adds an eighth, so a cache at the bound does not follow its contexts a set a step.
  * The caller bounds the result further (its share of gpu_cache_max_bytes, half of the free memory)
  * and never shrinks the cache.
  */
@@ -53,11 +54,18 @@ KVT_HOT_FN uint32_t kvt_hot_set(unsigned long long uid, uint32_t h, uint32_t pos
 #define KVT_HOT_MISS_DEN 8u
 #endif
 
-/* `rows` within the `served` rows of the cache's contexts, and never below the `have` it holds. */
+/* A growth the served rows cut short is made only when it adds at least 1 / KVT_HOT_SERVED_STEP_DEN
+ * of the cache: contexts grow by a token a step, so a cache held at their rows would otherwise grow
+ * by a set nearly every step, and each growth synchronizes the device and copies the cache (at 1M
+ * x 1 one set of 8 rows is a step's append on 8 KV heads). */
+#define KVT_HOT_SERVED_STEP_DEN 8u
+/* `rows` within the `served` rows of the cache's contexts, never below the `have` it holds, and
+ * not a growth to them of less than an eighth of `have`. */
 KVT_HOT_FN uint64_t kvt_hot_within(uint64_t have, uint64_t rows, uint64_t served)
 {
-	rows = rows < served ? rows : served;
-	return rows > have ? rows : have;
+	if (rows <= served)
+		return rows > have ? rows : have;
+	return served > have && served - have >= have / KVT_HOT_SERVED_STEP_DEN ? served : have;
 }
 
 /*

@@ -6,7 +6,9 @@
  * - misses: a full cache whose step missed more than an eighth of its rows doubles (exactly an
  *   eighth does not); one still filling the ways of its last growth does not, whatever it
  *   misses, and the measure takes its misses off the ways left; demand still grows it meanwhile;
- * - never past the rows of the contexts served, and never shrunk by that bound;
+ * - never past the rows of the contexts served, and never shrunk by that bound; a growth that
+ *   bound cuts short only when it adds an eighth, so contexts growing a set of rows a measure do
+ *   not grow a cache at their rows each measure;
  * - over a run of measures: steady queries keep the cache at twice the demand; drifting ones
  *   double it each time it has filled, until the bound the caller applies or until it holds the
  *   rows the queries come back to, where it stops missing and growing.
@@ -49,6 +51,9 @@ static void test_cases(void **state)
 		{1000, 600, 600, 0, 1200, 0, 1200, 0, "a growth of 1.5x too"},
 		{400, 300, 300, 100, 300, 0, 400, 0, "more than the served rows: stays, unshrunk"},
 		{300, 100, 100, 90, 300, 0, 300, 0, "holds every served row: stays"},
+		{800, 600, 600, 0, 899, 0, 800, 0, "the rows cut it to less than an eighth more: stays"},
+		{800, 600, 600, 0, 900, 0, 900, 0, "to an eighth more: grows to the rows"},
+		{800, 100, 100, 90, 808, 0, 800, 0, "drifting at the rows, a set more served: stays"},
 	};
 	int nfail = 0;
 	for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
@@ -128,9 +133,43 @@ static void test_runs(void **state)
 		(unsigned long long)r, g);
 }
 
+/*
+ * Contexts that grow by a set of 8 rows a measure (a token on 8 KV heads), under queries that miss
+ * 40 % of their 1000 rows whatever the cache holds: the cache reaches the served rows, then grows
+ * with them only by an eighth at a time, not a set a measure as a bare clamp to them would.
+ */
+static void test_growing_contexts(void **state)
+{
+	(void)state;
+	const uint64_t demand = 1000, misses = 400;
+	uint64_t have = 0, to_fill = 0, served = 4000;
+	uint32_t growths = 0, at_bound = 0;
+	for (uint32_t m = 0; m < 400; m++, served += 8) {
+		const uint64_t r =
+			kvt_hot_rows_wanted(have, demand, demand, m ? misses : demand, served, &to_fill);
+		T_CHECK(r >= have && r <= served, "measure %u: %llu rows, had %llu, %llu served", m,
+			(unsigned long long)r, (unsigned long long)have, (unsigned long long)served);
+		if (r > have) {
+			T_CHECK(r - have >= have / 8, "measure %u: grew %llu to %llu rows", m,
+				(unsigned long long)have, (unsigned long long)r);
+			at_bound += have > 0 && r == served;
+			to_fill = r - have;
+			have = r;
+			growths++;
+		}
+	}
+	printf("contexts growing 8 rows a measure from 4000 to %llu: %llu rows after %u growths, %u "
+	       "of them to the served rows\n", (unsigned long long)served, (unsigned long long)have,
+	       growths, at_bound);
+	T_CHECK(growths <= 8 && at_bound >= 2 && 8 * have >= 7 * served,
+		"%u growths (%u to the served rows) to %llu rows of %llu served", growths, at_bound,
+		(unsigned long long)have, (unsigned long long)served);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases),
-					   cmocka_unit_test(test_runs)};
+					   cmocka_unit_test(test_runs),
+					   cmocka_unit_test(test_growing_contexts)};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
