@@ -6,7 +6,7 @@
 # bench/extend_vs_sdpa.py, which adds PyTorch SDPA's times when torch is there), nvme_read,
 # cpu_miss_attend and gpu_spilled. Logs go to $OUT (or ./h200-out): summary.txt and one log per
 # stage, six files at most. The build directory is $BUILD (default /tmp/b), configured once.
-# $SANITIZE_TESTS names the gpu tests the sanitizers run (default all six; racecheck of
+# $SANITIZE_TESTS names the gpu tests the sanitizers run (default all eight; racecheck of
 # test_gpu_backend alone takes about 210 s, so a call that must stay under 600 s may leave it
 # out). Usage, on the GPU machine, from the repository root:
 #   source .offline-deps/env.sh && bash bench/h200_check.sh [--bench] [--no-sanitize]
@@ -35,7 +35,7 @@ step build build ninja -C "$b" || { tail -40 "$out/build.log"; exit 1; }
 step tests tests meson test -C "$b" --no-rebuild --suite gpu --suite unit --print-errorlogs
 if [ $sanitize = 1 ]; then
 	for tool in memcheck racecheck; do
-		for t in ${SANITIZE_TESTS:-test_gpu_kernels test_gpu_backend test_gpu_calls test_gpu_graph test_gpu_streams test_gpu_keep}; do
+		for t in ${SANITIZE_TESTS:-test_gpu_kernels test_gpu_backend test_gpu_hot test_gpu_calls test_gpu_graph test_gpu_streams test_gpu_keep test_gpu_reach}; do
 			KVT_TEST_QUICK=1 step sanitizer "$tool $t" compute-sanitizer --tool $tool --error-exitcode 9 "$b/tests/$t"
 			tail -2 "$out/sanitizer.log" >>"$out/summary.txt"
 		done
