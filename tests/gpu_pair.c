@@ -49,6 +49,7 @@ void upload(struct pair *p, uint32_t n)
 
 uint64_t g_hot_max;
 float g_bound_delta;
+float g_p;
 float g_rescore_p;
 float g_keep_weight;
 
@@ -62,6 +63,7 @@ kvt_config config(uint64_t gpu_cache_bytes)
 	cfg.budget_min = 16;
 	cfg.gpu_cache_bytes = gpu_cache_bytes;
 	cfg.gpu_cache_max_bytes = g_hot_max;
+	cfg.p = g_p;
 	cfg.rescore_p = g_rescore_p;
 	cfg.keep_weight = g_keep_weight;
 	return cfg;
