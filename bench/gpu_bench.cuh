@@ -70,6 +70,28 @@ static inline bool bench_device(const char *name, cudaDeviceProp *prop)
 	return true;
 }
 
+/* The NUMA node the current device's PCI function sits on, from sysfs; -1 when unknown. Beside
+ * kvt_stats.host_numa_node it tells whether the host tier's rows cross the sockets' link on the
+ * way to the GPU (runs on two machines of one kind can differ there). */
+static inline int bench_gpu_numa_node(void)
+{
+	int dev = 0, node = -1;
+	char bus[32], path[96];
+	if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof bus, dev) !=
+							   cudaSuccess)
+		return -1;
+	for (char *c = bus; *c; c++)
+		*c = (char)(*c >= 'A' && *c <= 'F' ? *c - 'A' + 'a' : *c);
+	snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", bus);
+	FILE *f = fopen(path, "r");
+	if (f) {
+		if (fscanf(f, "%d", &node) != 1)
+			node = -1;
+		fclose(f);
+	}
+	return node;
+}
+
 /*
  * The median milliseconds of f(i), enqueued on `st` between two CUDA events, over `runs` timings
  * after `warmup` untimed ones (i counts all of them from 0); pre(i) runs before each, outside the

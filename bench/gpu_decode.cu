@@ -175,9 +175,10 @@ int main(int argc, char **argv)
 	if (!bench_device("gpu_decode", &prop))
 		return 0;
 	const int sms = prop.multiProcessorCount;
-	printf("gpu_decode on %s (%d SMs): one layer, %d query heads, %d KV heads, head dim %d, fp16; "
-	       "kvtier %s; query drift %.2f (0: the same topic every step); keep_weight %g%s\n",
-	       prop.name, sms, HQ, HKV, D, kvt_version_string(), (double)g_drift,
+	printf("gpu_decode on %s (%d SMs, NUMA node %d): one layer, %d query heads, %d KV heads, "
+	       "head dim %d, fp16; kvtier %s; query drift %.2f (0: the same topic every step); "
+	       "keep_weight %g%s\n",
+	       prop.name, sms, bench_gpu_numa_node(), HQ, HKV, D, kvt_version_string(), (double)g_drift,
 	       (double)o.run.keep_weight, o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -285,11 +286,11 @@ int main(int argc, char **argv)
 			       "steps; %.1f%% of the query heads' thresholds decided from the scan's "
 			       "histogram; output vs exact attention (query of the resident run, "
 			       "before the decode steps): max over heads of ||out - exact|| / "
-			       "||exact|| = %.3g\n",
+			       "||exact|| = %.3g; host tier on NUMA node %d (-1: first touch)\n",
 			       100.0 * k.sel_frac, 100.0 * k.hit_rate, k.hot_bytes / 1e6,
 			       k.pcie_per_step / 1e6,
 			       (unsigned long long)k.budget_max_hits, (unsigned long long)k.flushes,
-			       100.0 * k.scan_hist, k.err_vs_exact);
+			       100.0 * k.scan_hist, k.err_vs_exact, k.host_numa_node);
 			printf("  kvtier per step: %.3f ms on the stream (events), %.3f ms on the host "
 			       "(wall, append call to attend synchronized); per step by stage, from the "
 			       "library's ns_* counters (the CUDA backend records them with CUDA "

@@ -54,6 +54,7 @@ struct kvt_result {
 	double nvme_per_step = 0, nvme_reads_per_step = 0, bcache_hit_rate = 0, miss_bytes_per_step = 0;
 	double nvme_ms_per_step = 0; /* wall time inside the NVMe reads (kvt_stats ns_nvme) */
 	double spilled_bytes = 0; /* moved to NVMe by the spills */
+	int host_numa_node = -1;  /* kvt_stats.host_numa_node */
 	/* kvt_run.graph: the median step (kvt_append + the replay, CUDA events), and whether the
 	 * last replay's output equals an eager kvt_attend's on the same sequences, bit for bit; the
 	 * timed replays' hot-cache hit rate and PCIe bytes per step (the cache frozen by the
@@ -233,6 +234,7 @@ static kvt_result run_kvtier(const kvt_run &o, const gen_tables &g, uint32_t n_s
 		const double steps = o.steps;
 		r.ms = median(tms);
 		r.wall_ms = median(twall);
+		r.host_numa_node = s1.host_numa_node;
 		for (float w : twall)
 			r.mean_wall_ms += w / twall.size();
 		const uint64_t cand = s1.candidate_tokens - s0.candidate_tokens;
