@@ -63,7 +63,8 @@ kvt_config config(uint64_t gpu_cache_bytes)
 	cfg.budget_min = 16;
 	cfg.gpu_cache_bytes = gpu_cache_bytes;
 	cfg.gpu_cache_max_bytes = g_hot_max;
-	cfg.p = g_p;
+	if (g_p > 0.0f)
+		cfg.p = g_p;
 	cfg.rescore_p = g_rescore_p;
 	cfg.keep_weight = g_keep_weight;
 	return cfg;

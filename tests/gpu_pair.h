@@ -58,7 +58,7 @@ void upload(struct pair *p, uint32_t n);
 /* When > 0, pair_init also makes the CPU caches lo and hi at p -/+ this, fed like the others
  * (append_both feeds them too): the GPU's selection must lie between theirs. */
 extern float g_bound_delta;
-/* config()'s p (0: the default 0.9; a test that selects every indexed token sets 1) */
+/* config()'s p when > 0 (0: t_config's; a test that selects every indexed token sets 1) */
 extern float g_p;
 /* config()'s rescore_p (0: off; a test of the second stage sets it) */
 extern float g_rescore_p;
