@@ -174,8 +174,9 @@ typedef struct kvt_config {
 				     layer's growing between steps to about twice the rows a step of
 				     that layer reads (selected rows and sinks of the batch), and
 				     doubling while, full, it misses more than an eighth of them,
-				     within the rows of its contexts and gpu_cache_max_bytes; never
-				     shrunk (doc/cuda-backend.md).
+				     within the rows of its contexts (followed by an eighth at a
+				     time) and gpu_cache_max_bytes; never shrunk
+				     (doc/cuda-backend.md).
 				     A value <= 1 TiB: that much device memory from the start, split
 				     evenly over the layers, never resized. KVT_NONE64: no hot cache
 				     (every selected row is read from the host tier each step) */
