@@ -157,13 +157,16 @@ static int snap(kvt_cache *c, uint32_t layer, int i, void *stream)
 	return 0;
 }
 
-/* The rows of the layer's contexts: every open sequence's tokens on each KV head. */
+/* The rows of the layer's contexts: every open sequence's tokens on each KV head. The walk stops
+ * at the last open slot: a runtime may ask for many more slots (max_seqs) than it keeps open. */
 static uint64_t served_rows(const kvt_cache *c, uint32_t layer)
 {
-	uint64_t n = 0;
-	for (uint32_t s = 0; s < c->cfg.max_seqs; s++)
-		if (c->seqs[s].open)
+	uint64_t n = 0, seen = 0;
+	for (uint32_t s = 0; s < c->cfg.max_seqs && seen < c->st.seqs_open; s++)
+		if (c->seqs[s].open) {
 			n += c->seqs[s].layers[layer].n_tokens;
+			seen++;
+		}
 	return n * c->cfg.n_kv_heads;
 }
 
@@ -177,15 +180,17 @@ static int grow(kvt_cache *c, uint32_t layer, uint64_t demand, uint64_t reads, u
 		kvt_hot_rows_wanted(have, demand, reads, misses, UINT64_MAX, &y->hot_to_fill);
 	if (rows == have)
 		return 0;
+	const uint64_t way = way_bytes(c);
+	/* at its share of the bound already: no walk, no need to ask the device (a cache there
+	 * whose queries miss wants to grow every step) */
+	if ((have + KVT_GPU_HOT_WAYS) * way > b->hot_cap_layer)
+		return 0;
 	/* the served rows (a walk over the sequences) only where it would grow, in whole sets */
 	rows = kvt_hot_within(have, rows,
 			      (served_rows(c, layer) + KVT_GPU_HOT_WAYS - 1) / KVT_GPU_HOT_WAYS *
 				      KVT_GPU_HOT_WAYS);
 	if (rows == have)
 		return 0;
-	const uint64_t way = way_bytes(c);
-	if ((have + KVT_GPU_HOT_WAYS) * way > b->hot_cap_layer)
-		return 0; /* at its share of the bound already: no need to ask the device */
 	size_t free_b = 0, total = 0;
 	CU(c, cudaMemGetInfo(&free_b, &total));
 	/* the old cache is freed after the new one is made: both must fit */
