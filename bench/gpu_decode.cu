@@ -178,8 +178,9 @@ int main(int argc, char **argv)
 	printf("gpu_decode on %s (%d SMs, NUMA node %d): one layer, %d query heads, %d KV heads, "
 	       "head dim %d, fp16; kvtier %s; query drift %.2f (0: the same topic every step); "
 	       "keep_weight %g%s\n",
-	       prop.name, sms, bench_gpu_numa_node(), HQ, HKV, D, kvt_version_string(), (double)g_drift,
-	       (double)o.run.keep_weight, o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
+	       prop.name, sms, bench_gpu_numa_node(), HQ, HKV, D, kvt_version_string(),
+	       (double)g_drift, (double)o.run.keep_weight,
+	       o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 	cudaEvent_t e0, e1, em;

@@ -154,12 +154,12 @@ int main(int argc, char **argv)
 	const uint32_t n = o.context, L = o.layers;
 	const double hbm = (double)prop.totalGlobalMem, weights = o.weights_gb * 1e9,
 		     reserve = o.reserve_gib * 1073741824.0;
-	printf("gpu_throughput on %s (%.1f GB HBM, NUMA node %d): a decode step of %u layers (%u query heads, %u KV "
-	       "heads, head dim %u, fp16) at context %u, plus %.1f GB of weights read once; kvtier "
-	       "%s; query drift %.2f (0: the same topic every step); keep_weight %g%s\n",
+	printf("gpu_throughput on %s (%.1f GB HBM, NUMA node %d): a decode step of %u layers (%u "
+	       "query heads, %u KV heads, head dim %u, fp16) at context %u, plus %.1f GB of "
+	       "weights read once; kvtier %s; query drift %.2f (0: the same topic every step); "
+	       "keep_weight %g%s\n",
 	       prop.name, hbm / 1e9, bench_gpu_numa_node(), L, HQ, HKV, D, n, weights / 1e9,
-	       kvt_version_string(),
-	       (double)g_drift, (double)o.run.keep_weight,
+	       kvt_version_string(), (double)g_drift, (double)o.run.keep_weight,
 	       o.run.keep_weight > 0.0f ? " (eager steps only)" : "");
 	cudaStream_t st;
 	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * What the CUDA backend's tests through the public interface share (test_gpu_backend.c,
- * test_gpu_hot.c, test_gpu_calls.c and the others): a pair of caches, one CPU and one CUDA, fed the same tokens of kvbench's
- * workload, and the checks on them.
+ * test_gpu_hot.c, test_gpu_calls.c and the others): a pair of caches, one CPU and one CUDA, fed
+ * the same tokens of kvbench's workload, and the checks on them.
  */
 #ifndef KVT_TESTS_GPU_PAIR_H
 #define KVT_TESTS_GPU_PAIR_H

@@ -23,7 +23,8 @@ static void test_hot_cache(void **state)
 	pair_init(&p, 2048, steps, (uint64_t)LAYERS * 128 * (512 + 20));
 	const size_t slab = (size_t)NSEQ * HKV * T * D;
 	uint16_t *ko = malloc(slab * 2), *vo = malloc(slab * 2);
-	int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV), *pos = malloc(sizeof(int32_t) * NSEQ * HKV * T);
+	int32_t *cnt = malloc(sizeof(int32_t) * NSEQ * HKV);
+	int32_t *pos = malloc(sizeof(int32_t) * NSEQ * HKV * T);
 	void *dko, *dvo, *dpos;
 	CU(cudaMalloc(&dko, slab * 2));
 	CU(cudaMalloc(&dvo, slab * 2));
@@ -48,8 +49,8 @@ static void test_hot_cache(void **state)
 				const size_t r = row_at(&p, layer, s, h, (uint32_t)at);
 				T_CHECK(!memcmp(ko + o, p.rows_k + r, D * 2) &&
 						!memcmp(vo + o, p.rows_v + r, D * 2),
-					"step %u layer %u seq %u head %u: row of position %d differs "
-					"from the one written",
+					"step %u layer %u seq %u head %u: row of position %d "
+					"differs from the one written",
 					step, layer, s, h, at);
 			}
 			rows += (uint64_t)cnt[it];
@@ -120,8 +121,8 @@ static void test_hot_auto(void **state)
 		} else {
 			T_CHECK((double)ls.hot_rows >= 1.5 * per_step &&
 					(double)ls.hot_rows <= 8.0 * per_step + 1024,
-				"%llu rows for %.0f selected per step", (unsigned long long)ls.hot_rows,
-				per_step);
+				"%llu rows for %.0f selected per step",
+				(unsigned long long)ls.hot_rows, per_step);
 			T_CHECK(ls.hot_hits > ls.hot_misses, "hits %llu misses %llu",
 				(unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
 		}
@@ -212,8 +213,8 @@ static void test_hot_auto_split(void **state)
 		kvt_layer_stats ls = {.size = sizeof ls};
 		OK(p.gpu, kvt_get_layer_stats(p.gpu, 0, &ls));
 		rows[split] = ls.hot_rows;
-		printf("hot cache, self-sized, drifting queries, %s: %llu rows after %u steps (a step "
-		       "reads at most %llu); %llu hits, %llu misses\n",
+		printf("hot cache, self-sized, drifting queries, %s: %llu rows after %u steps (a "
+		       "step reads at most %llu); %llu hits, %llu misses\n",
 		       split ? "kvt_select + kvt_gather" : "kvt_attend",
 		       (unsigned long long)ls.hot_rows, steps, (unsigned long long)most[split],
 		       (unsigned long long)ls.hot_hits, (unsigned long long)ls.hot_misses);
@@ -223,7 +224,8 @@ static void test_hot_auto_split(void **state)
 		"queries do not drift enough to test misses", (unsigned long long)rows[0],
 		(unsigned long long)most[0]);
 	T_CHECK(rows[1] > 4 * most[1], "kvt_select + kvt_gather: %llu rows, a step reads at most "
-		"%llu: grown on demand alone", (unsigned long long)rows[1], (unsigned long long)most[1]);
+		"%llu: grown on demand alone", (unsigned long long)rows[1],
+		(unsigned long long)most[1]);
 	T_CHECK(2 * rows[1] >= rows[0], "kvt_select + kvt_gather: %llu rows, kvt_attend %llu",
 		(unsigned long long)rows[1], (unsigned long long)rows[0]);
 }
@@ -262,7 +264,8 @@ static void test_hot_auto_served(void **state)
 				(unsigned long long)served);
 			if (b.hot_rows != have[layer]) {
 				T_CHECK(b.hot_rows - have[layer] >= have[layer] / 8,
-					"step %u layer %u: grew from %llu to %llu rows", step, layer,
+					"step %u layer %u: grew from %llu to %llu rows", step,
+					layer,
 					(unsigned long long)have[layer],
 					(unsigned long long)b.hot_rows);
 				growths++;
@@ -270,8 +273,9 @@ static void test_hot_auto_served(void **state)
 				have[layer] = b.hot_rows;
 			}
 		}
-	printf("hot cache, self-sized, %u to %u tokens a sequence: %llu and %llu rows of %llu served "
-	       "after %u growths, %u of them to the served rows (a step reads at most %llu)\n",
+	printf("hot cache, self-sized, %u to %u tokens a sequence: %llu and %llu rows of %llu "
+	       "served after %u growths, %u of them to the served rows (a step reads at most "
+	       "%llu)\n",
 	       ctx + 1, ctx + steps, (unsigned long long)have[0], (unsigned long long)have[1],
 	       (unsigned long long)served, growths, to_served, (unsigned long long)most);
 	T_CHECK(2 * most > served && to_served >= LAYERS, "a step reads at most %llu of %llu rows, "

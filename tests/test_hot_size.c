@@ -51,9 +51,9 @@ static void test_cases(void **state)
 		{1000, 600, 600, 0, 1200, 0, 1200, 0, "a growth of 1.5x too"},
 		{400, 300, 300, 100, 300, 0, 400, 0, "more than the served rows: stays, unshrunk"},
 		{300, 100, 100, 90, 300, 0, 300, 0, "holds every served row: stays"},
-		{800, 600, 600, 0, 899, 0, 800, 0, "the rows cut it to less than an eighth more: stays"},
+		{800, 600, 600, 0, 899, 0, 800, 0, "cut by the rows to less than an eighth: stays"},
 		{800, 600, 600, 0, 900, 0, 900, 0, "to an eighth more: grows to the rows"},
-		{800, 100, 100, 90, 808, 0, 800, 0, "drifting at the rows, a set more served: stays"},
+		{800, 100, 100, 90, 808, 0, 800, 0, "drifting at the rows, a set more: stays"},
 	};
 	int nfail = 0;
 	for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
@@ -145,10 +145,12 @@ static void test_growing_contexts(void **state)
 	uint64_t have = 0, to_fill = 0, served = 4000;
 	uint32_t growths = 0, at_bound = 0;
 	for (uint32_t m = 0; m < 400; m++, served += 8) {
+		const uint64_t miss = m ? misses : demand; /* the first measure misses all */
 		const uint64_t r =
-			kvt_hot_rows_wanted(have, demand, demand, m ? misses : demand, served, &to_fill);
+			kvt_hot_rows_wanted(have, demand, demand, miss, served, &to_fill);
 		T_CHECK(r >= have && r <= served, "measure %u: %llu rows, had %llu, %llu served", m,
-			(unsigned long long)r, (unsigned long long)have, (unsigned long long)served);
+			(unsigned long long)r, (unsigned long long)have,
+			(unsigned long long)served);
 		if (r > have) {
 			T_CHECK(r - have >= have / 8, "measure %u: grew %llu to %llu rows", m,
 				(unsigned long long)have, (unsigned long long)r);
@@ -158,9 +160,9 @@ static void test_growing_contexts(void **state)
 			growths++;
 		}
 	}
-	printf("contexts growing 8 rows a measure from 4000 to %llu: %llu rows after %u growths, %u "
-	       "of them to the served rows\n", (unsigned long long)served, (unsigned long long)have,
-	       growths, at_bound);
+	printf("contexts growing 8 rows a measure from 4000 to %llu: %llu rows after %u growths, "
+	       "%u of them to the served rows\n", (unsigned long long)served,
+	       (unsigned long long)have, growths, at_bound);
 	T_CHECK(growths <= 8 && at_bound >= 2 && 8 * have >= 7 * served,
 		"%u growths (%u to the served rows) to %llu rows of %llu served", growths, at_bound,
 		(unsigned long long)have, (unsigned long long)served);
