@@ -237,6 +237,8 @@ static void test_hot_auto_split(void **state)
  * the contexts grow a token a step it grows again only once they are an eighth past it (a bare
  * clamp to them would grow it a set every other step here). Session 37 first tried zero queries:
  * on the H100 they selected about a third of the indexed tokens, and drifting ones fewer still.
+ * Sequence 0 is first forked and closed, so an open sequence lies past a closed slot: the count
+ * of the served rows must not stop at the number of open sequences.
  */
 static void test_hot_auto_served(void **state)
 {
@@ -246,6 +248,16 @@ static void test_hot_auto_served(void **state)
 	g_p = 1.0f;
 	pair_init(&p, ctx, steps, 0);
 	g_p = 0.0f;
+	uint32_t kc, kg;
+	OK(p.cpu, kvt_seq_fork(p.cpu, p.sc[0], &kc, NULL));
+	OK(p.gpu, kvt_seq_fork(p.gpu, p.sg[0], &kg, NULL));
+	OK(p.cpu, kvt_seq_close(p.cpu, p.sc[0]));
+	OK(p.gpu, kvt_seq_close(p.gpu, p.sg[0]));
+	p.sc[0] = kc;
+	p.sg[0] = kg;
+	/* the NSEQ open slots are not 0..NSEQ-1: one lies at NSEQ or above */
+	T_CHECK(kg >= NSEQ || p.sg[1] >= NSEQ, "open slots %u and %u: no closed slot below them",
+		kg, p.sg[1]);
 	uint64_t most = 0, have[LAYERS] = {0}, served = 0;
 	uint32_t growths = 0, to_served = 0;
 	for (uint32_t step = 0; step < steps; step++)
