@@ -168,10 +168,55 @@ static void test_growing_contexts(void **state)
 		(unsigned long long)have, (unsigned long long)served);
 }
 
+/*
+ * The rule's properties over a million random measures (sizes up to 20000 rows, the served rows
+ * sometimes unbounded): it never shrinks the cache, never grows it past the served rows nor by
+ * less than an eighth, picks one of its candidates (twice the demand, twice the cache, 1.5x the
+ * cache, the served rows), takes the misses off the ways left to fill, grows no less for more
+ * served rows, and gives with the served rows what kvt_hot_within gives afterwards on its
+ * unbounded result (the lazy path gpu/hot.c takes).
+ */
+static void test_properties(void **state)
+{
+	(void)state;
+	t_rng rng;
+	t_rng_seed(&rng, 0x407517e5);
+	const uint64_t M = UINT64_MAX;
+	for (uint32_t i = 0; i < 1000000; i++) {
+		const uint64_t have = t_below(&rng, 4) ? t_below(&rng, 20000) : 0;
+		const uint64_t demand = t_below(&rng, 10000), reads = demand + t_below(&rng, 100);
+		const uint64_t misses = t_below(&rng, (uint32_t)reads + 1);
+		const uint64_t served = t_below(&rng, 8) ? t_below(&rng, 30000) : M;
+		const uint64_t fill = t_below(&rng, 2) ? t_below(&rng, 3000) : 0;
+		const uint64_t more = served == M ? M : served + t_below(&rng, 5000);
+		uint64_t f = fill, f_lazy = fill, f_more = fill;
+		const uint64_t r = kvt_hot_rows_wanted(have, demand, reads, misses, served, &f);
+		const uint64_t lazy = kvt_hot_within(
+			have, kvt_hot_rows_wanted(have, demand, reads, misses, M, &f_lazy), served);
+		const uint64_t r_more = kvt_hot_rows_wanted(have, demand, reads, misses, more, &f_more);
+		const bool candidate = r == have || r == 2 * demand || r == 2 * have ||
+				       r == have * KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN ||
+				       r == served;
+		T_CHECK(r >= have && r <= (served > have ? served : have) &&
+				(r == have || r - have >= have / KVT_HOT_SERVED_STEP_DEN) &&
+				candidate && f == (fill <= misses ? 0 : fill - misses) &&
+				lazy == r && f_lazy == f && r_more >= r,
+			"seed %llx measure %u: have %llu demand %llu reads %llu misses %llu served "
+			"%llu to fill %llu: %llu rows (to fill %llu), lazily %llu, with %llu served "
+			"%llu", (unsigned long long)rng.seed, i, (unsigned long long)have,
+			(unsigned long long)demand, (unsigned long long)reads,
+			(unsigned long long)misses, (unsigned long long)served,
+			(unsigned long long)fill, (unsigned long long)r, (unsigned long long)f,
+			(unsigned long long)lazy, (unsigned long long)more,
+			(unsigned long long)r_more);
+	}
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases),
 					   cmocka_unit_test(test_runs),
-					   cmocka_unit_test(test_growing_contexts)};
+					   cmocka_unit_test(test_growing_contexts),
+					   cmocka_unit_test(test_properties)};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
