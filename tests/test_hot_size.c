@@ -193,7 +193,8 @@ static void test_properties(void **state)
 		const uint64_t r = kvt_hot_rows_wanted(have, demand, reads, misses, served, &f);
 		const uint64_t lazy = kvt_hot_within(
 			have, kvt_hot_rows_wanted(have, demand, reads, misses, M, &f_lazy), served);
-		const uint64_t r_more = kvt_hot_rows_wanted(have, demand, reads, misses, more, &f_more);
+		const uint64_t r_more =
+			kvt_hot_rows_wanted(have, demand, reads, misses, more, &f_more);
 		const bool candidate = r == have || r == 2 * demand || r == 2 * have ||
 				       r == have * KVT_HOT_GROWTH_NUM / KVT_HOT_GROWTH_DEN ||
 				       r == served;
