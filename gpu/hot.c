@@ -3,9 +3,10 @@
  * The hot-token cache's memory (gpu/fetch.cuh has its policy): one device allocation per layer,
  * either fixed at set-up (gpu_cache_bytes given: split evenly over the layers) or self-sized
  * (gpu_cache_bytes 0, the default): each layer's cache starts empty and grows, between steps, by
- * the rule of gpu/hotsize.h (twice a step's rows; twice its size when, full, it misses more than a
- * quarter of them) within its share of gpu_cache_max_bytes (default: a quarter of the device memory
- * free at set-up) and half of the memory free at the time. It never shrinks.
+ * the rule of gpu/hotsize.h (twice a step's rows; twice its size when, full, it misses more than an
+ * eighth of them; never past the rows of its contexts, which it follows an eighth at a time)
+ * within its share of gpu_cache_max_bytes (default: a quarter of the device memory free at set-up)
+ * and half of the memory free at the time. It never shrinks.
  *
  * The measure never synchronizes: the layer's fetch counters (hits, misses, selected tokens) are
  * copied to pinned memory before and after an eager step, the second copy behind an event; a later
