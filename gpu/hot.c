@@ -18,8 +18,9 @@
  * that filled the old cache never count against the new one's empty ways. A growth allocates the
  * larger cache, moves the rows the old one held into it and frees the old one, with device
  * synchronizations, so it happens a few times over a sequence's life (each at least 1.5x the
- * last, or an eighth more where the contexts' rows cut it short). The first step of a layer captured into a CUDA graph freezes that layer's cache for good
- * (a growth would free memory the graph's kernels keep reading): size it with eager steps first.
+ * last, or an eighth more where the contexts' rows cut it short). The first step of a layer
+ * captured into a CUDA graph freezes that layer's cache for good (a growth would free memory the
+ * graph's kernels keep reading): size it with eager steps first.
  */
 #include "cuda_backend.h"
 #include "hotsize.h"
