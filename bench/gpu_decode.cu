@@ -315,7 +315,8 @@ int main(int argc, char **argv)
 				const double floor_ms = k.pcie_per_step / (h2d_gbs * 1e6);
 				/* the selection names the rows, so the step's own score and select
 				 * come before its misses can cross */
-				const double step_floor = floor_ms + (k.ns[2] + k.ns[3]) / 1e6;
+				const double sel_ms = (k.ns[2] + k.ns[3]) / 1e6;
+				const double step_floor = floor_ms + sel_ms;
 				printf("  PCIe floor: the step's %.2f MB over PCIe at this run's H2D rate "
 				       "(%.1f GB/s) take %.3f ms, %.2fx the resident kernel; the eager "
 				       "step is %.2fx that floor. After the step's own score and "
@@ -323,7 +324,7 @@ int main(int argc, char **argv)
 				       "the resident kernel; the eager step is %.2fx that\n",
 				       k.pcie_per_step / 1e6, (double)h2d_gbs, floor_ms,
 				       floor_ms / res_ms, k.ms / floor_ms,
-				       (k.ns[2] + k.ns[3]) / 1e6, step_floor, step_floor / res_ms,
+				       sel_ms, step_floor, step_floor / res_ms,
 				       k.ms / step_floor);
 			}
 		}

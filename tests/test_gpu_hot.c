@@ -145,6 +145,15 @@ static void drift_queries(struct pair *p, uint32_t layer, t_rng *rng)
 	CU(cudaMemcpy(p->dq, p->hq, (size_t)NSEQ * HQ * D * 2, cudaMemcpyHostToDevice));
 }
 
+/* The larger of `most` and the rows a step of a layer read through the hot cache between the
+ * layer's counters a and b: its selected rows and the batch's sinks. */
+static uint64_t max_read(uint64_t most, const kvt_layer_stats *a, const kvt_layer_stats *b)
+{
+	const uint64_t read = b->selected_tokens - a->selected_tokens +
+			      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
+	return read > most ? read : most;
+}
+
 /*
  * `steps` decode steps on every layer of p (prefilled with ctx tokens) on queries that look for new
  * rows every step, through kvt_attend or (split) kvt_select + kvt_gather of its selection. Returns
@@ -180,9 +189,7 @@ static uint64_t drift_steps(struct pair *p, uint32_t ctx, uint32_t steps, int sp
 				   kvt_attend(p->gpu, layer, NSEQ, p->sg, p->dq, p->dout, NULL));
 			}
 			OK(p->gpu, kvt_get_layer_stats(p->gpu, layer, &b));
-			const uint64_t read = b.selected_tokens - a.selected_tokens +
-					      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
-			most = read > most ? read : most;
+			most = max_read(most, &a, &b);
 		}
 	free(cnt);
 	cudaFree(dko);
@@ -267,9 +274,7 @@ static void test_hot_auto_served(void **state)
 			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &a));
 			OK(p.gpu, kvt_attend(p.gpu, layer, NSEQ, p.sg, p.dq, p.dout, NULL));
 			OK(p.gpu, kvt_get_layer_stats(p.gpu, layer, &b));
-			const uint64_t read = b.selected_tokens - a.selected_tokens +
-					      (uint64_t)KVT_DEFAULT_N_SINK * NSEQ * HKV;
-			most = read > most ? read : most;
+			most = max_read(most, &a, &b);
 			served = ((uint64_t)NSEQ * HKV * (ctx + step + 1) + 7) / 8 * 8;
 			T_CHECK(b.hot_rows <= served, "step %u layer %u: %llu rows, %llu served",
 				step, layer, (unsigned long long)b.hot_rows,
