@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, List, NamedTuple, Optional, Union
 
 from . import _abi
-from .errors import check, refuse
+from .errors import U64_MAX, check, refuse, whole
 
 NONE = _abi.NONE32     # explicit zero of a 32-bit field (kvtier.h KVT_NONE)
 NONE64 = _abi.NONE64   # explicit zero of a 64-bit field (KVT_NONE64)
@@ -28,11 +28,31 @@ _ZERO_IS_VALUE_32 = ("n_sink", "window", "budget_min", "budget_max")
 _ZERO_IS_VALUE_64 = ("seed", "gpu_cache_bytes")
 
 
+def _ranges(struct: type) -> dict:
+    """Each integer field of a ctypes struct: (lowest, highest) value its C type holds."""
+    out = {}
+    for name, t in struct._fields_:
+        if t in (ctypes.c_uint8, ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64):
+            out[name] = (0, (1 << 8 * ctypes.sizeof(t)) - 1)
+        elif t in (ctypes.c_int8, ctypes.c_int16, ctypes.c_int32, ctypes.c_int64):
+            out[name] = (-(1 << 8 * ctypes.sizeof(t) - 1), (1 << 8 * ctypes.sizeof(t) - 1) - 1)
+    return out
+
+
+_RANGE = _ranges(_abi.KvtConfig)
+
+
+def _int_field(name: str, value: Any) -> int:
+    """A Config field's int, within its C field's range (ctypes would wrap a larger one)."""
+    lo, hi = _RANGE[name]
+    return whole(name, value, hi, lo)
+
+
 def _dtype_code(name: str, value: Any) -> int:
     if value is None:
         return _abi.DTYPE_DEFAULT
     if isinstance(value, int):
-        return value
+        return _int_field(name, value)
     key = str(value).replace("torch.", "").lower()
     if key not in _DTYPES:
         raise refuse("%s = %r: want float16, bfloat16 or float32" % (name, value))
@@ -43,7 +63,7 @@ def _enum(name: str, value: Any, table: dict) -> int:
     if value is None:
         return 0
     if isinstance(value, int):
-        return value
+        return _int_field(name, value)
     if str(value).lower() not in table:
         raise refuse("%s = %r: want one of %s" % (name, value, ", ".join(table)))
     return table[str(value).lower()]
@@ -57,7 +77,10 @@ class Config:
     as KVT_NONE / KVT_NONE64. gpu_cache_bytes None is the self-sized hot cache, bounded by
     gpu_cache_max_bytes (None: a quarter of the device memory free at creation). Strings are
     accepted for the enums: dtype "float16"/"bfloat16", out_dtype also "float32", backend
-    "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes are accepted too."""
+    "auto"/"cpu"/"cuda", spill_policy "none"/"lru"; torch dtypes are accepted too. An integer
+    field takes an int within its C field's range (0 .. 2**32 - 1 for a uint32_t, 2**64 - 1 for
+    a uint64_t; device a signed 32-bit int): anything else (a negative, a larger int, a float,
+    a bool) is refused with Error -EINVAL naming the field, never wrapped as ctypes would."""
     n_layers: int = 0
     n_q_heads: int = 0
     n_kv_heads: int = 0
@@ -102,8 +125,8 @@ class Config:
                   "nvme_cache_bytes", "max_seqs", "nvme_queue_depth", "flush_batch",
                   "correction_steps", "gpu_cache_max_bytes", "keep_steps"):
             v = getattr(self, f)
-            setattr(c, f, 0 if v is None else int(v))
-        c.device = 0 if self.device is None else int(self.device)
+            setattr(c, f, 0 if v is None else _int_field(f, v))
+        c.device = 0 if self.device is None else _int_field("device", self.device)
         c.dtype = _dtype_code("dtype", self.dtype)
         c.out_dtype = _dtype_code("out_dtype", self.out_dtype)
         c.backend = _enum("backend", self.backend, _BACKENDS)
@@ -114,25 +137,27 @@ class Config:
         c.keep_weight = 0.0 if self.keep_weight is None else float(self.keep_weight)
         for f in _ZERO_IS_VALUE_32:
             v = getattr(self, f)
-            setattr(c, f, 0 if v is None else (NONE if int(v) == 0 else int(v)))
+            setattr(c, f, 0 if v is None else (NONE if _int_field(f, v) == 0 else int(v)))
         for f in _ZERO_IS_VALUE_64:
             v = getattr(self, f)
-            setattr(c, f, 0 if v is None else (NONE64 if int(v) == 0 else int(v)))
+            setattr(c, f, 0 if v is None else (NONE64 if _int_field(f, v) == 0 else int(v)))
         for f in ("device_busid", "host_pool"):
             v = getattr(self, f)
             if v is not None:
                 b = ctypes.c_char_p(str(v).encode())
                 keep.append(b)
                 setattr(c, f, b.value)
-        c.host_pool_bytes = 0 if self.host_pool_bytes is None else int(self.host_pool_bytes)
-        c.nvme_flags = 0 if self.nvme_flags is None else int(self.nvme_flags)
+        for f in ("host_pool_bytes", "nvme_flags"):
+            v = getattr(self, f)
+            setattr(c, f, 0 if v is None else _int_field(f, v))
         paths, sizes = self.nvme_paths or [], self.nvme_bytes or []
         if len(paths) != len(sizes):
             raise refuse("nvme_paths has %d entries, nvme_bytes %d: want one size per file"
                          % (len(paths), len(sizes)))
         if paths:
             arr_p = (ctypes.c_char_p * len(paths))(*[str(p).encode() for p in paths])
-            arr_b = (ctypes.c_uint64 * len(sizes))(*[int(b) for b in sizes])
+            arr_b = (ctypes.c_uint64 * len(sizes))(
+                *[whole("nvme_bytes[%d]" % i, b, U64_MAX) for i, b in enumerate(sizes)])
             keep += [arr_p, arr_b]
             c.nvme_paths = ctypes.cast(arr_p, ctypes.POINTER(ctypes.c_char_p))
             c.nvme_bytes = ctypes.cast(arr_b, ctypes.POINTER(ctypes.c_uint64))
@@ -241,7 +266,8 @@ def footprint(config: Union[Config, dict], n_tokens: int, **kwargs: Any) -> Foot
     c, keep = cfg.to_c()
     out = _abi.KvtFootprint()
     out.size = ctypes.sizeof(out)
-    check(_abi.lib().kvt_footprint_of(ctypes.byref(c), int(n_tokens), ctypes.byref(out)), None,
+    n_tokens = whole("n_tokens", n_tokens, U64_MAX)
+    check(_abi.lib().kvt_footprint_of(ctypes.byref(c), n_tokens, ctypes.byref(out)), None,
           "kvt_footprint_of")
     del keep
     return _fill(Footprint, out)

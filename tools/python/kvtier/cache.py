@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional, Sequence as Seq, Union
 from . import _abi
 from ._tensor import (DTYPE_I32, empty_like_kind, is_torch, pointer, slot_pointer, stream_of,
                       strided_pointer)
-from .errors import Error, check, refuse
+from .errors import U32_MAX, Error, check, refuse, whole
 from ._config import (NONE, NONE64, NVME_KEEP_FILES, Capacity, Config, Footprint, Gathered,
                       LayerStats, ProbeInfo, Stats,
                       _config_of, _fill, footprint, probe, strerror, version, version_number)
@@ -171,14 +171,29 @@ class Cache:
         return s
 
     def _seq_array(self, seqs: Union[SeqLike, Iterable[SeqLike]]) -> "ctypes.Array":
+        """The batch's ids; a sequence refused names its index in Error.entry, as C does (a
+        duplicate: its second place)."""
         if isinstance(seqs, (Sequence, int)):
             seqs = [seqs]
-        ids = [self._seq_id(s) for s in seqs]
+        ids: list = []
+        for i, s in enumerate(seqs):
+            try:
+                ids.append(self._seq_id(s))
+            except Error as e:
+                raise refuse("seqs[%d]: %s" % (i, e.detail), e.code, entry=i) from None
+            if ids[-1] in ids[:-1]:
+                raise refuse("seqs[%d] = seqs[%d] = %d: a sequence appears twice in one batch"
+                             % (ids.index(ids[-1]), i, ids[-1]), entry=i)
         if not ids:
             raise refuse("seqs is empty: want at least one sequence")
-        if len(set(ids)) != len(ids):
-            raise refuse("seqs %s: a sequence appears twice" % ids)
         return (ctypes.c_uint32 * len(ids))(*ids)
+
+    @staticmethod
+    def _rows(start: int, stop: int) -> "tuple[int, int]":
+        start, stop = whole("start", start, U32_MAX), whole("stop", stop, U32_MAX)
+        if stop <= start:
+            raise refuse("rows [%d, %d): want start < stop" % (start, stop))
+        return start, stop
 
     def _layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not \
@@ -240,9 +255,7 @@ class Cache:
         """kvt_seq_truncate: drop the last n_tokens tokens of `seq` on every layer (speculative
         rollback); appending the same tokens again attends as if they had never been dropped.
         CUDA backend: synchronizes the device."""
-        sid = self._seq_id(seq)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise refuse("n_tokens = %r, want an int >= 0" % (n_tokens,))
+        sid, n_tokens = self._seq_id(seq), whole("n_tokens", n_tokens, U32_MAX)
         self._check(_abi.lib().kvt_seq_truncate(self._handle(), sid, n_tokens,
                                                 stream_of([], self.backend)), "kvt_seq_truncate")
 
@@ -262,8 +275,7 @@ class Cache:
         on the cache's device (CUDA backend, queued on torch's current stream)."""
         import numpy as np
         sid, layer = self._seq_id(seq), self._layer(layer)
-        if stop <= start or start < 0:
-            raise refuse("rows [%r, %r): want 0 <= start < stop" % (start, stop))
+        start, stop = self._rows(start, stop)
         shape = (stop - start, self.n_kv_heads, self.head_dim)
         if self.backend == "cuda":
             import torch
@@ -349,6 +361,10 @@ class Cache:
             raise refuse("k_cache: dtype %s, the cache stores %s" % (k_cache.dtype, want))
         if is_torch(slots):
             slots = slots.detach().cpu().numpy()
+        slots = np.asarray(slots)
+        if slots.size and not np.issubdtype(slots.dtype, np.integer):
+            raise refuse("slot_mapping: dtype %s, want integers (slots are not rounded)"
+                         % slots.dtype)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if slots.shape != (n,):
             raise refuse("slot_mapping: want %d slots, got shape %s" % (n, slots.shape))
@@ -369,8 +385,7 @@ class Cache:
         torch on the cache's device for the CUDA backend, queued on torch's current stream); a
         slot of -1 skips the token, the others must be distinct."""
         sid, layer = self._seq_id(seq), self._layer(layer)
-        if stop <= start or start < 0:
-            raise refuse("rows [%r, %r): want 0 <= start < stop" % (start, stop))
+        start, stop = self._rows(start, stop)
         layout, slots, (pk, pv) = self._paged("read_rows_paged", k_cache, v_cache, slot_mapping,
                                               stop - start, False)
         self._check(_abi.lib().kvt_seq_read_rows_at(self._handle(), sid, layer, start, stop, pk,
@@ -459,9 +474,8 @@ class Cache:
         of sequences holding up to `max_tokens` tokens, and keep the device records attend_graph
         reads (max_slots 0 drops the reservation). Within it attend and attend_graph give
         bit-equal outputs; on the CUDA backend a batch beyond it is refused (E2BIG)."""
-        for name, x in (("max_slots", max_slots), ("max_tokens", max_tokens)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-                raise refuse("%s = %r, want an int >= 0" % (name, x))
+        max_slots = whole("max_slots", max_slots, U32_MAX)
+        max_tokens = whole("max_tokens", max_tokens, U32_MAX)
         self._check(_abi.lib().kvt_graph_reserve(self._handle(), max_slots, max_tokens, None),
                     "kvt_graph_reserve")
 
@@ -514,13 +528,12 @@ class Cache:
         """
         ids, layer = self._seq_array(seqs), self._layer(layer)
         lengths = list(lengths)
-        if len(lengths) != len(ids) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
-                                           for n in lengths):
+        if len(lengths) != len(ids):
             raise refuse("lengths = %r: want %d ints >= 0, one per sequence" % (lengths, len(ids)))
         cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        total = cu[-1]
+        for i, n in enumerate(lengths):
+            cu.append(cu[-1] + whole("lengths[%d]" % i, n, U32_MAX))
+        total = whole("sum(lengths)", cu[-1], U32_MAX)
         q_shape, kv_shape = (total, self.n_q_heads, self.head_dim), \
             (total, self.n_kv_heads, self.head_dim)
         (pq, sq), (pk, sk), (pv, sv) = self._sptr("q", q, q_shape), \
@@ -554,7 +567,8 @@ class Cache:
         always a host numpy int32 array [n_seqs, n_kv_heads])."""
         import numpy as np
         ids, layer = self._seq_array(seqs), self._layer(layer)
-        n, h, d, m = len(ids), self.n_kv_heads, self.head_dim, int(max_tokens)
+        n, h, d = len(ids), self.n_kv_heads, self.head_dim
+        m = whole("max_tokens", max_tokens, U32_MAX)
         counts = np.zeros((n, h), dtype=np.int32)
         if self.backend == "cuda":
             import torch

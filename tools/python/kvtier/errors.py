@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import errno as _errno
-from typing import Optional
+import numbers
+from typing import Any, Optional
 
 from . import _abi
 
@@ -42,9 +43,26 @@ class Error(Exception):
         super().__init__(text + (": " + detail if detail else ""))
 
 
-def refuse(detail: str, code: int = -_errno.EINVAL) -> Error:
-    """An Error for an argument the Python layer refuses before calling C."""
-    return Error(code, detail)
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+
+def refuse(detail: str, code: int = -_errno.EINVAL, entry: Optional[int] = None) -> Error:
+    """An Error for an argument the Python layer refuses before calling C; `entry` as
+    Error.entry (the index in a batch of the sequence refused)."""
+    return Error(code, detail, entry=entry)
+
+
+def whole(name: str, value: Any, limit: int, low: int = 0) -> int:
+    """`value` as an int in [low, limit] (the C parameter's range: ctypes would wrap a larger
+    one silently); else Error -EINVAL naming the value and the range. Refuses bools, floats and
+    other non-integers; numpy's integers are accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise refuse("%s = %r: want an int in [%d, %d]" % (name, value, low, limit))
+    v = int(value)
+    if not low <= v <= limit:
+        raise refuse("%s = %d: want an int in [%d, %d]" % (name, v, low, limit))
+    return v
 
 
 def check(rc: int, cache_handle: Optional[int] = None, what: str = "") -> int:
@@ -56,6 +74,6 @@ def check(rc: int, cache_handle: Optional[int] = None, what: str = "") -> int:
     entry = _abi.lib().kvt_last_error_entry(cache_handle) if cache_handle else -1
     if what and not detail:
         detail = what
-    elif what:
+    elif what and not detail.startswith(what):  # C names its function itself
         detail = "%s: %s" % (what, detail)
     raise Error(rc, detail, entry=entry if entry >= 0 else None)
