@@ -166,10 +166,12 @@ KVT_API int kvt_seq_truncate(kvt_cache *c, uint32_t seq, uint32_t n_tokens, void
 	struct kvt_seq *s = NULL;
 	KVT_RETURN_IF(!c, NULL, -EINVAL, "cache is NULL");
 	KVT_TRY(kvt_seq_lookup(c, seq, &s));
+	if (n_tokens == 0) /* changes nothing, the spill policy's order of use included */
+		return 0;
 	struct kvt_lru_mark m;
 	kvt_lru_use(c, &m, 1, &seq, NULL);
 	int rc = (int)kvt_lru_done(c, &m, 1, &seq, kvt_pipe_truncate(c, s, seq, n_tokens, stream));
-	if (rc >= 0 && n_tokens)
+	if (rc >= 0)
 		clear_status(s);
 	return kvt_graph_touch(c, 1, &seq, -1, stream, rc);
 }

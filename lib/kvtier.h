@@ -284,7 +284,8 @@ typedef struct kvt_stats {
 	uint64_t budget_max_hits;     /* query-head selections cut by budget_max */
 	uint64_t budget_min_hits;     /* query-head selections raised to budget_min */
 	uint64_t flushes;             /* lazy window flushes */
-	uint64_t rows_fetched;        /* K/V rows read from the host tier for attention or gather */
+	uint64_t rows_fetched;        /* K/V rows read from the host tier for attention or gather
+					 (kvt_seq_read_rows's not counted) */
 	uint64_t bytes_fetched;
 	uint64_t hot_hits;            /* sink and selected rows served from the device hot cache (CUDA) */
 	uint64_t hot_misses;          /* sink and selected rows read from the host tier (CUDA) */

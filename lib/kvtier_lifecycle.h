@@ -71,7 +71,7 @@ KVT_API int kvt_seq_fork(kvt_cache *cache, uint32_t parent, uint32_t *child, voi
  * values), -ENOENT; for spilled rows the NVMe read's errors (-EIO, -EBADMSG naming the block) and
  * -ENOSPC (CPU: block cache too small; CUDA: kvt_seq_restore's), after which k and v may be partly
  * written (never with unverified bytes). The sequence is not changed (the CUDA backend may leave
- * it restored).
+ * it restored); the read counts as a use for KVT_SPILL_LRU, and not in kvt_stats.rows_fetched.
  * CUDA backend: k and v are device pointers; the copies are queued on `stream`.
  * Thread safety: as every call on the cache.
  */

@@ -448,7 +448,5 @@ int kvt_pipe_read_rows(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint32_t 
 		KVT_TRY(c->ops->read_rows_at(c, l, from, to, k, v, m, stream));
 	else
 		KVT_TRY(c->ops->read_rows(c, l, from, to, k, v, stream));
-	c->st.rows_fetched += (uint64_t)(to - from) * c->cfg.n_kv_heads;
-	c->st.bytes_fetched += (uint64_t)(to - from) * c->cfg.n_kv_heads * c->row_bytes;
-	return (int)(to - from);
+	return (int)(to - from); /* not rows_fetched: those are attention's and gather's */
 }

@@ -293,6 +293,7 @@ static void test_rows(void **state)
 	run_step(c, s, &pre);
 	run_step(c, s, &app);
 	const uint32_t n = 537;
+	const kvt_stats before = t_stats(c);
 	for (uint32_t l = 0; l < NL; l++) {
 		memset(g_buf_k, 0xa5, sizeof g_buf_k);
 		memset(g_buf_v, 0x5a, sizeof g_buf_v);
@@ -303,6 +304,13 @@ static void test_rows(void **state)
 		rc = kvt_seq_read_rows(c, s, l, 250, 263, g_buf_k, g_buf_v, NULL);
 		T_CHECK(rc == 13 && !memcmp(g_buf_k, g_keep[l] + (size_t)250 * ROW, (size_t)13 * ROW * 2),
 			"read_rows [250, 263) layer %u across a block edge: %d", l, rc);
+		const kvt_stats after = t_stats(c);
+		T_CHECK(after.rows_fetched == before.rows_fetched &&
+				after.bytes_fetched == before.bytes_fetched,
+			"read_rows layer %u: rows_fetched %llu -> %llu, bytes_fetched %llu -> %llu; "
+			"wanted unchanged (kvtier.h: attention's and gather's rows only)", l,
+			(unsigned long long)before.rows_fetched, (unsigned long long)after.rows_fetched,
+			(unsigned long long)before.bytes_fetched, (unsigned long long)after.bytes_fetched);
 		/* ingest: written in two ranges, as a prefill in the same two chunks */
 		rc = kvt_seq_write_rows(c, w, l, 0, 300, g_keep[l], g_keepv[l], NULL);
 		T_CHECK(rc == 300, "write_rows [0, 300): %d (%s)", rc, kvt_last_error(c));

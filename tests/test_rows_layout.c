@@ -27,6 +27,7 @@
 
 static uint16_t g_k[NL][NT * ROW], g_v[NL][NT * ROW];             /* the stream, dense */
 static uint16_t g_pk[NSLOT * ROW], g_pv[NSLOT * ROW];             /* a paged buffer */
+static uint16_t g_rk[NSLOT * ROW], g_rv[NSLOT * ROW];             /* another, read into */
 static uint16_t g_sk[NT * SS], g_sv[NT * SS];                     /* a strided view */
 static uint16_t g_dk[NT * ROW], g_dv[NT * ROW], g_q[QROW];
 static int64_t g_map[NT];
@@ -387,7 +388,8 @@ static void test_bad_arguments(void **state)
 
 /* ---- allocation faults -------------------------------------------------------------------------- */
 
-/* write: a paged ingest of 200 tokens after 300 on the last layer; read: a paged read of 200. */
+/* write: a paged ingest of 200 tokens after 300 on the last layer; read: a paged read of 200
+ * into a buffer of NSLOT slots (the map's slots go up to NSLOT - 1). */
 static int op_write(kvt_cache *c, uint32_t s)
 {
 	kvt_rows_layout lo = {sizeof lo, 0, g_map, 0, 0};
@@ -397,7 +399,7 @@ static int op_write(kvt_cache *c, uint32_t s)
 static int op_read(kvt_cache *c, uint32_t s)
 {
 	kvt_rows_layout lo = {sizeof lo, 0, g_map, 0, 0};
-	return kvt_seq_read_rows_at(c, s, 1, 100, 300, g_dk, g_dv, &lo, NULL);
+	return kvt_seq_read_rows_at(c, s, 1, 100, 300, g_rk, g_rv, &lo, NULL);
 }
 
 static void fault_loop(const char *name, int (*op)(kvt_cache *c, uint32_t s), uint32_t want_len)

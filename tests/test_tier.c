@@ -303,35 +303,47 @@ static void test_lru_whole_batch(void **state)
 }
 
 /*
- * A refused call leaves the spill order as it was: a kvt_attend of the least recently used
- * sequence refused for a non-finite query does not make it recently used, so the next automatic
- * spill still takes it (before, the refused call's stamp moved the spill to the next sequence).
+ * A refused call, and one that changes nothing, leave the spill order as it was: a kvt_attend of
+ * the least recently used sequence refused for a non-finite query, or a kvt_seq_truncate of it by
+ * 0 tokens, does not make it recently used, so the next automatic spill still takes it (before,
+ * the refused call's stamp moved the spill to the next sequence, and so did the truncate's).
  */
-static void test_lru_refused_call(void **state)
+static void test_lru_no_use(void **state)
 {
 	(void)state;
 	tt_skip_unless_available();
-	struct world *w = (struct world *)t_alloc(sizeof *w);
-	kvt_config cfg = cap_config(KVT_SPILL_LRU);
-	cfg.host_bytes = 24 * BLOCK_BYTES; /* full after the three prefills */
-	w_open(w, "LRU order after a refused call", cfg, 1, (uint64_t)32 << 20, 3, 600, 0x71e40014u,
-	       0);
-	for (uint32_t s = 0; s < 3; s++)
-		w_prefill_ok(w, s, 2 * KVT_BLOCK_TOKENS);
-	w_query(w, 0, 0);
-	w->q[3] = t_enc(cfg.dtype, NAN);
-	int rc = kvt_attend(w->c, 0, 1, &w->seqs[0], w->q, w->out, NULL);
-	T_CHECK(rc == -EINVAL, "%s: attend with a NaN query got %d (%s), wanted -EINVAL", w->name, rc,
-		kvt_last_error(w->c));
-	const uint32_t idx[1] = {2};
-	w_append_ok(w, 1, idx); /* sequence 2 needs a new block per layer and head: one spill */
-	T_CHECK(w_blocks_on_nvme(w, 0) > 0 && w_blocks_on_nvme(w, 1) == 0,
-		"%s: the automatic spill took %u blocks of sequence 0 and %u of sequence 1; wanted "
-		"sequence 0, the least recently used (the refused attend must not count as a use)",
-		w->name, w_blocks_on_nvme(w, 0), w_blocks_on_nvme(w, 1));
-	w_check_all(w, "after the refused attend and the automatic spill");
-	w_close(w);
-	free(w);
+	static const char *const calls[2] = {"an attend refused for a NaN query",
+					     "a truncate by 0 tokens"};
+	for (int i = 0; i < 2; i++) {
+		struct world *w = (struct world *)t_alloc(sizeof *w);
+		kvt_config cfg = cap_config(KVT_SPILL_LRU);
+		cfg.host_bytes = 24 * BLOCK_BYTES; /* full after the three prefills */
+		w_open(w, "LRU order after a call that is no use", cfg, 1, (uint64_t)32 << 20, 3,
+		       600, 0x71e40014u, 0);
+		for (uint32_t s = 0; s < 3; s++)
+			w_prefill_ok(w, s, 2 * KVT_BLOCK_TOKENS);
+		int rc, want;
+		if (i == 0) {
+			w_query(w, 0, 0);
+			w->q[3] = t_enc(cfg.dtype, NAN);
+			rc = kvt_attend(w->c, 0, 1, &w->seqs[0], w->q, w->out, NULL);
+			want = -EINVAL;
+		} else {
+			rc = kvt_seq_truncate(w->c, w->seqs[0], 0, NULL);
+			want = 0;
+		}
+		T_CHECK(rc == want, "%s: %s got %d (%s), wanted %d", w->name, calls[i], rc,
+			kvt_last_error(w->c), want);
+		const uint32_t idx[1] = {2};
+		w_append_ok(w, 1, idx); /* sequence 2 needs a new block per layer and head: a spill */
+		T_CHECK(w_blocks_on_nvme(w, 0) > 0 && w_blocks_on_nvme(w, 1) == 0,
+			"%s: after %s the automatic spill took %u blocks of sequence 0 and %u of "
+			"sequence 1; wanted sequence 0, the least recently used (that call is no use)",
+			w->name, calls[i], w_blocks_on_nvme(w, 0), w_blocks_on_nvme(w, 1));
+		w_check_all(w, calls[i]);
+		w_close(w);
+		free(w);
+	}
 }
 
 /*
@@ -589,7 +601,7 @@ int main(void)
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_auto_spill_lru),
 		cmocka_unit_test(test_lru_whole_batch),
-		cmocka_unit_test(test_lru_refused_call),
+		cmocka_unit_test(test_lru_no_use),
 		cmocka_unit_test(test_restore_keeps_itself),
 		cmocka_unit_test(test_no_spill_enospc),
 		cmocka_unit_test(test_nvme_full),
