@@ -2,9 +2,9 @@
 /*
  * kvt_graph_reserve and kvt_attend_graph (kvtier_graph.h): the reservation's bounds, the refresh of
  * the backend's per-sequence records after the calls that change a sequence (kvt_graph_touch),
- * and the cpu path of kvt_attend_graph, which reads the slot buffers on the host and runs
- * kvt_attend over each run of consecutive valid slots. A backend with an attend_graph verb (CUDA)
- * reads them on the device instead.
+ * and the cpu path of kvt_attend_graph, which reads the slot buffers on the host and runs one
+ * kvt_attend over the valid slots. A backend with an attend_graph verb (CUDA) reads them on the
+ * device instead.
  */
 #include <stdio.h>
 #include <string.h>
@@ -134,6 +134,57 @@ static int check_slots(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b)
 	return 0;
 }
 
+/*
+ * The cpu path after the slot checks: one kvt_attend over the valid slots' sequences, so the call
+ * is all or nothing as kvt_attend is. Padded slots between valid ones have their query rows
+ * packed into a scratch batch and the outputs scattered back on success (out is then untouched
+ * on failure); a batch without padding is attended in place.
+ */
+static int attend_valid(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b, const void *q,
+			void *out, void *stream)
+{
+	const size_t qrow = (size_t)c->cfg.n_q_heads * c->d * c->elem,
+		     orow = (size_t)c->cfg.n_q_heads * c->d * c->out_elem;
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < b->n_slots; i++)
+		if (slot_valid(b, i))
+			c->graph_ids[n++] = (uint32_t)b->seqs[i];
+	if (n == 0)
+		return 0;
+	char *pq = NULL, *po = NULL;
+	const size_t bytes = (size_t)n * (qrow + orow);
+	if (n < b->n_slots) {
+		pq = (char *)kvt_mem_alloc(KVT_MEM_HOST, bytes);
+		KVT_RETURN_IF(!pq, c, -ENOMEM, "kvt_attend_graph: %zu bytes to pack %u valid slots "
+			      "of %u", bytes, n, b->n_slots);
+		po = pq + (size_t)n * qrow;
+		for (uint32_t i = 0, j = 0; i < b->n_slots; i++)
+			if (slot_valid(b, i))
+				memcpy(pq + (size_t)j++ * qrow, (const char *)q + i * qrow, qrow);
+	}
+	int rc = kvt_attend(c, layer, n, c->graph_ids, pq ? pq : q, po ? po : out, stream);
+	if (rc >= 0 && po)
+		for (uint32_t i = 0, j = 0; i < b->n_slots; i++)
+			if (slot_valid(b, i))
+				memcpy((char *)out + i * orow, po + (size_t)j++ * orow, orow);
+	kvt_mem_free(KVT_MEM_HOST, pq, bytes);
+	if (rc >= 0)
+		return 0;
+	/* the text and the entry name the slot; the failure was counted once */
+	char detail[sizeof c->err];
+	const int32_t e = c->err_entry;
+	memcpy(detail, c->err, sizeof detail);
+	if (e < 0)
+		return kvt_err_wrap(c, rc, "the kvt_attend of the %u valid slots: %.400s", n, detail);
+	uint32_t slot = 0;
+	for (int32_t j = -1; slot < b->n_slots; slot++)
+		if (slot_valid(b, slot) && ++j == e)
+			break;
+	return kvt_err_entry(c, slot, kvt_err_wrap(c, rc, "slot %u (entry %d of the kvt_attend of "
+						     "the %u valid slots): %.400s", slot, e, n,
+						     detail));
+}
+
 KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch *b,
 			     const void *q, void *out, void *stream)
 {
@@ -159,34 +210,5 @@ KVT_API int kvt_attend_graph(kvt_cache *c, uint32_t layer, const kvt_graph_batch
 		return c->ops->attend_graph(c, layer, b, q, out, stream);
 	}
 	KVT_TRY(check_slots(c, layer, b));
-	const size_t qrow = (size_t)c->cfg.n_q_heads * c->d * c->elem,
-		     orow = (size_t)c->cfg.n_q_heads * c->d * c->out_elem;
-	for (uint32_t i = 0; i < b->n_slots;) {
-		if (!slot_valid(b, i)) {
-			i++;
-			continue;
-		}
-		uint32_t n = 0;
-		while (i + n < b->n_slots && slot_valid(b, i + n)) {
-			c->graph_ids[n] = (uint32_t)b->seqs[i + n];
-			n++;
-		}
-		int rc = kvt_attend(c, layer, n, c->graph_ids, (const char *)q + i * qrow,
-				    (char *)out + i * orow, stream);
-		if (rc < 0) {
-			/* the text and the entry name the slot; the failure was counted once */
-			char detail[sizeof c->err];
-			const int32_t e = c->err_entry;
-			memcpy(detail, c->err, sizeof detail);
-			if (e < 0)
-				return kvt_err_wrap(c, rc, "the kvt_attend of slots %u-%u: %.400s", i,
-						    i + n - 1, detail);
-			return kvt_err_entry(c, i + (uint32_t)e,
-					     kvt_err_wrap(c, rc, "slot %u (entry %d of the kvt_attend of "
-							  "slots %u-%u): %.400s", i + (uint32_t)e, e,
-							  i, i + n - 1, detail));
-		}
-		i += n;
-	}
-	return 0;
+	return attend_valid(c, layer, b, q, out, stream);
 }

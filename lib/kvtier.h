@@ -511,7 +511,9 @@ typedef enum kvt_extend_flags {
  *   flags: 0 (exact attention) or KVT_EXTEND_TOPP; other bits are -EINVAL
  * The selections of the entries with new tokens are dropped (kvt_gather needs a new kvt_select).
  * Returns 0. All or nothing over the batch: on failure no sequence changed (out may be partly
- * written). Errors: -EINVAL (NULL pointer, n_seqs == 0 or above max_seqs, layer, flags,
+ * written), except that with KVT_EXTEND_TOPP the entries with new tokens lose their selections,
+ * which the call was rewriting (as a failed kvt_attend's batch does); an entry without new tokens
+ * keeps its selection. Errors: -EINVAL (NULL pointer, n_seqs == 0 or above max_seqs, layer, flags,
  * cu_seqlens[0] != 0, cu_seqlens decreasing, total 0 or above 2^31 - 1, a sequence twice in the
  * batch, a sequence growing past 2^31 - 1 tokens, non-finite key or query: the text names the
  * value), -ENOENT (a sequence not open), -ENOSPC (host tier full) and -ENOMEM, with KVT_SPILL_LRU

@@ -69,9 +69,11 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
 /*
  * kvt_attend over the batch described by `batch` (see kvt_graph_batch): for each valid slot i, the
  * decode step of sequence batch->seqs[i] with query row i of q into row i of out, exactly as
- * kvt_attend of the valid slots' sequences computes it (bit for bit, after kvt_graph_reserve). The
- * selections of a kvt_attend_graph are not kept for kvt_gather, and its steps are counted in
- * kvt_stats' device counters (fetch, hot cache, budget) but not in `steps`.
+ * kvt_attend of the valid slots' sequences computes it (bit for bit, after kvt_graph_reserve). On
+ * the CUDA backend the selections of a kvt_attend_graph are not kept for kvt_gather, and its steps
+ * are counted in kvt_stats' device counters (fetch, hot cache, budget) but not in `steps`; the cpu
+ * backend runs one kvt_attend over the valid slots' sequences, whose selections, counters and
+ * `steps` are kvt_attend's.
  *   q: [n_slots, n_q_heads, head_dim] (dtype); out: [n_slots, n_q_heads, head_dim] (out_dtype)
  * Needs kvt_graph_reserve with max_slots >= n_slots.
  * Slot errors (a sequence id that is not open or repeats an earlier slot's, a length that differs
@@ -83,10 +85,11 @@ KVT_API int kvt_graph_reserve(kvt_cache *cache, uint32_t max_slots, uint32_t max
  * -EINVAL naming the slot, the layer and the cause, as it reports a kernel error.
  * Returns 0. Errors: -EINVAL (NULL cache, batch, seqs, q or out; pad != 0; n_slots == 0 or above
  * the reservation; no reservation; layer), the slot errors above, and kvt_attend's (the cpu
- * backend attends each run of consecutive valid slots with one kvt_attend, so after such an error
- * the out rows of earlier runs may be written, as kvt_attend's out may be; kvt_last_error_entry
- * gives the slot, and the text names it before that kvt_attend's own text, whose entries count
- * from the run's first slot).
+ * backend's one kvt_attend is all or nothing, as kvt_attend is: after such an error no sequence
+ * changed but for the dropped selections kvt_attend documents, and out is untouched where padded
+ * slots lie between valid ones (the rows are packed, then scattered on success; -ENOMEM if the
+ * packing cannot be allocated), else may be partly written; kvt_last_error_entry gives the slot,
+ * and the text names it before that kvt_attend's own text, whose entries count the valid slots).
  * CUDA backend: asynchronous on `stream`, no host synchronization and no allocation: capture it
  * after a warm-up call at the same n_slots (which freezes the self-sized hot cache, as for
  * kvt_attend), then replay while kvt_append (eager, between replays) grows the sequences; the

@@ -237,10 +237,12 @@ int kvt_pipe_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
 	KVT_TRY(kvt_layers_grow_rows(c, n_seqs, ls, total));
-	/* a Top-p extend makes selections (decode steps on the CUDA backend): whatever happens, none
-	 * made before stays readable */
+	/* a Top-p extend makes selections (decode steps on the CUDA backend) in the layers of the
+	 * entries with new tokens: whatever happens, none made before stays readable there. An entry
+	 * without new tokens is left untouched, its selection included. */
 	for (uint32_t i = 0; topp && i < n_seqs; i++)
-		ls[i]->sel_epoch = 0;
+		if (cu[i + 1] > cu[i])
+			ls[i]->sel_epoch = 0;
 	int rc = extend_run(c, layer, n_seqs, ls, cu, q, k, v, out, topp, stream);
 	if (rc < 0)
 		return undo_grow(c, n_seqs, ls, &m, rc, stream);

@@ -264,13 +264,45 @@ static void test_topp_masking(void **state)
 	kvt_cache_destroy(b);
 }
 
+/*
+ * An entry without new tokens is left untouched, its selection included: after a decode step of
+ * both sequences, a Top-p extend of the first alone (the second's entry empty) leaves the second's
+ * selection readable by kvt_gather with the same counts, and drops the first's. (Before, every
+ * entry's selection was dropped.)
+ */
+static void test_topp_empty_entry(void **state)
+{
+	(void)state;
+	make_streams(KVT_DTYPE_F16, 0x3a5d);
+	const kvt_config cfg = topp_config(KVT_DTYPE_F16, 0.9f, 16, 8, 0);
+	const uint32_t seqs[2] = {0, 1}, n[2] = {5, 0};
+	kvt_cache *c = make_cache(&cfg);
+	prefill(c, 0, 120);
+	prefill(c, 1, 150);
+	uint8_t *o = t_alloc(out_bytes(c, 8));
+	decode(c, 2, seqs, o);
+	int32_t before[HKV], after[HKV];
+	int rc = kvt_gather(c, LAYER, 1, &seqs[1], MAXT, before, NULL, NULL, NULL, NULL);
+	T_CHECK(rc > 0, "gather of seq 1 after the decode step: %d (%s)", rc, kvt_last_error(c));
+	extend_ok_flags(c, 2, seqs, n, o, KVT_EXTEND_TOPP);
+	rc = kvt_gather(c, LAYER, 1, &seqs[1], MAXT, after, NULL, NULL, NULL, NULL);
+	T_CHECK(rc > 0 && !memcmp(before, after, sizeof before),
+		"gather of seq 1, the empty entry, after the Top-p extend: %d (%s), counts %s; wanted "
+		"its selection kept", rc, rc < 0 ? kvt_last_error(c) : "", rc > 0 ? "changed" : "-");
+	rc = kvt_gather(c, LAYER, 1, &seqs[0], MAXT, after, NULL, NULL, NULL, NULL);
+	T_CHECK(rc == -EINVAL, "gather of seq 0, which got 5 rows: %d, wanted -EINVAL (its selection "
+		"dropped)", rc);
+	free(o);
+	kvt_cache_destroy(c);
+}
+
 int main(void)
 {
 	t_warm_runtime();
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_topp_last_row), cmocka_unit_test(test_topp_corrected),
 		cmocka_unit_test(test_topp_p1),       cmocka_unit_test(test_topp_oracle),
-		cmocka_unit_test(test_topp_masking),
+		cmocka_unit_test(test_topp_masking),  cmocka_unit_test(test_topp_empty_entry),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -320,10 +320,11 @@ static void test_slot_errors(void **state)
 	fx_teardown(&f);
 }
 
-/* An error of the kvt_attend of a later run of valid slots (a NaN in the query of slot 3, in the
- * run of slots 2-3 after slot 0's): -EINVAL, kvt_last_error_entry the slot, a text that names the
- * slot beside the entry of that kvt_attend its own text names, one error counted; the padded rows
- * untouched; the good batch still gives the baseline's rows. */
+/* An error of the one kvt_attend over the valid slots (a NaN in the query of slot 3, the third
+ * valid slot, after slot 0 and a padded slot): -EINVAL, kvt_last_error_entry the slot, a text that
+ * names the slot beside the entry its own text names, one error counted; nothing of out written
+ * and no step made (the call is all or nothing: before, the run of slot 0 was attended and
+ * counted first); the good batch still gives the baseline's rows. */
 static void test_attend_error(void **state)
 {
 	(void)state;
@@ -352,12 +353,17 @@ static void test_attend_error(void **state)
 	T_SOFT(&nfail, kvt_last_error_entry(f.c) == 3,
 	       "NaN in slot 3's query: kvt_last_error_entry %d, wanted 3; \"%s\"",
 	       kvt_last_error_entry(f.c), msg);
-	T_SOFT(&nfail, t_contains(msg, "slot 3") && t_contains(msg, "q[1, 1, 5]"),
+	T_SOFT(&nfail, t_contains(msg, "slot 3") && t_contains(msg, "q[2, 1, 5]"),
 	       "NaN in slot 3's query: the detail \"%s\" does not name slot 3 and its entry in the "
-	       "kvt_attend of slots 2-3 (q[1, 1, 5])", msg);
-	T_SOFT(&nfail, first_written(g_out + QROW, sizeof(float) * QROW) < 0 &&
-			       first_written(g_out + 4 * QROW, sizeof(float) * 4 * QROW) < 0,
-	       "NaN in slot 3's query: a padded row was written");
+	       "kvt_attend of the 3 valid slots (q[2, 1, 5])", msg);
+	T_SOFT(&nfail, first_written(g_out, sizeof(float) * 8 * QROW) < 0,
+	       "NaN in slot 3's query: out was written (the valid slots are packed around the padded "
+	       "ones and scattered back only on success)");
+	T_SOFT(&nfail, st1.steps == st0.steps && st1.selected_tokens == st0.selected_tokens,
+	       "NaN in slot 3's query: steps %llu -> %llu, selected_tokens %llu -> %llu: the valid "
+	       "slots before it made their steps (one kvt_attend over the valid slots makes none)",
+	       (unsigned long long)st0.steps, (unsigned long long)st1.steps,
+	       (unsigned long long)st0.selected_tokens, (unsigned long long)st1.selected_tokens);
 	expect_intact(&f, "after the NaN in slot 3", &nfail);
 	T_CHECK(nfail == 0, "%d checks failed (listed above)", nfail);
 	fx_teardown(&f);
