@@ -15,44 +15,6 @@
 
 /* ---- the replay ----------------------------------------------------------------------------- */
 
-/* Run kvbench's entry point (kvbench_main, as the executable does) in a child process, since
- * kvbench exits on errors, with stdout and stderr captured into out and errs (NUL-terminated).
- * Returns the exit status. */
-static int run_replay(char **argv, char **out, char **errs)
-{
-	int argc = 0;
-	while (argv[argc])
-		argc++;
-	char po[] = "/tmp/kvt_trace_out_XXXXXX", pe[] = "/tmp/kvt_trace_err_XXXXXX";
-	int fo = mkstemp(po), fe = mkstemp(pe);
-	T_CHECK(fo >= 0 && fe >= 0, "mkstemp failed");
-	fflush(stdout);
-	fflush(stderr);
-	pid_t pid = fork();
-	T_CHECK(pid >= 0, "fork failed");
-	if (pid == 0) {
-		dup2(fo, 1);
-		dup2(fe, 2);
-		int st = kvbench_main(argc, argv);
-		fflush(stdout);
-		fflush(stderr);
-		_exit(st);
-	}
-	int ws = 0;
-	T_CHECK(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws), "kvbench did not exit normally");
-	int rc = WEXITSTATUS(ws);
-	close(fo);
-	close(fe);
-	size_t n;
-	*out = (char *)read_bytes(po, &n);
-	(*out)[n] = 0;
-	*errs = (char *)read_bytes(pe, &n);
-	(*errs)[n] = 0;
-	unlink(po);
-	unlink(pe);
-	return rc;
-}
-
 static double jnum(const trace_json *j, const trace_json_node *o, const char *key)
 {
 	const trace_json_node *x = trace_json_get(j, o, key);
@@ -70,7 +32,7 @@ void test_replay(void **state)
 	char *argv[] = {"kvbench", "--trace", t.path,	 "--backend", "cpu", "--p",
 			"1",	   "--json",  "--quiet", "--window",  "16",  "--flush",
 			"8",	   "--sinks", "4",	 "--chunk",   "128", NULL};
-	int rc = run_replay(argv, &out, &errs);
+	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 0, "replay at p = 1: exit %d, stderr: %s", rc, errs);
 	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
 		"--json output: %s\n%s", err, out);
@@ -108,7 +70,7 @@ void test_replay(void **state)
 			   "--quiet", "--window", "16", "--flush", "8", "--sinks", "4", "--chunk",
 			   "128", "--nvme", img, NULL};
 	char *out_nv, *errs_nv;
-	rc = run_replay(argv_nv, &out_nv, &errs_nv);
+	rc = t_kvbench(argv_nv, NULL, &out_nv, &errs_nv);
 	unlink(img);
 	if (rc != 0 && strstr(errs_nv, "(-95)")) {
 		printf("# --nvme replay skipped: no NVMe tier in this build or kernel\n");
@@ -145,7 +107,7 @@ void test_replay(void **state)
 	/* p = 0.5 on one layer: a subset, recall below 1, budget below 1; the text table */
 	char *argv2[] = {"kvbench", "--trace",	t.path, "--backend=cpu", "--p=0.5", "--layers",
 			 "1",	    "--window", "16",	"--budget-min",	 "0",	    NULL};
-	rc = run_replay(argv2, &out, &errs);
+	rc = t_kvbench(argv2, NULL, &out, &errs);
 	T_CHECK(rc == 0, "replay at p = 0.5: exit %d, stderr: %s", rc, errs);
 	T_CHECK(strstr(out, "recall mean") && strstr(out, "budget_mean"), "text output: %s", out);
 	free(out);
@@ -153,7 +115,7 @@ void test_replay(void **state)
 	char *argv3[] = {"kvbench", "--trace",	    t.path,	"--backend", "cpu",
 			 "--p",	    "0.5",	    "--layers", "1",	     "--window",
 			 "16",	    "--budget-min", "0",	"--json",    NULL};
-	rc = run_replay(argv3, &out, &errs);
+	rc = t_kvbench(argv3, NULL, &out, &errs);
 	T_CHECK(rc == 0, "replay at p = 0.5 --json: exit %d, stderr: %s", rc, errs);
 	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
 	double rm = jnum(&j, &j.nodes[1], "recall_mean");
@@ -226,7 +188,7 @@ void test_replay(void **state)
 			      (char *)bad_opts[i][0],
 			      (char *)bad_opts[i][1],
 			      NULL};
-		rc = run_replay(av, &out, &errs);
+		rc = t_kvbench(av, NULL, &out, &errs);
 		T_CHECK(rc == 2 && strstr(errs, bad_opts[i][2]),
 			"option %s %s: exit %d, stderr '%s', want 2 naming '%s'", bad_opts[i][0],
 			bad_opts[i][1] ? bad_opts[i][1] : "", rc, errs, bad_opts[i][2]);
@@ -234,13 +196,13 @@ void test_replay(void **state)
 		free(errs);
 	}
 	char *av_none[] = {"kvbench", "--json", "--trace", NULL};
-	rc = run_replay(av_none, &out, &errs);
+	rc = t_kvbench(av_none, NULL, &out, &errs);
 	T_CHECK(rc == 2 && strstr(errs, "--trace"), "no trace directory: exit %d, '%s'", rc, errs);
 	free(out);
 	free(errs);
 	/* an option of the synthetic runs: refused, naming it */
 	char *av_shape[] = {"kvbench", "--trace", t.path, "--context", "100", NULL};
-	rc = run_replay(av_shape, &out, &errs);
+	rc = t_kvbench(av_shape, NULL, &out, &errs);
 	T_CHECK(rc == 2 && strstr(errs, "--context"), "--trace with --context: exit %d, '%s'", rc,
 		errs);
 	free(out);
@@ -248,14 +210,14 @@ void test_replay(void **state)
 
 	/* a corrupted file: exit 1, the file named */
 	poke(&t, "layer1.decode.k.npy", -1, 0x7e);
-	rc = run_replay(argv, &out, &errs);
+	rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 1 && strstr(errs, "layer1.decode.k.npy") && strstr(errs, "NaN"),
 		"corrupted trace: exit %d, stderr '%s', want 1 naming layer1.decode.k.npy", rc,
 		errs);
 	free(out);
 	free(errs);
 	truncate_file(&t, "layer0.prefill.q.npy", 1);
-	rc = run_replay(argv, &out, &errs);
+	rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 1 && strstr(errs, "layer0.prefill.q.npy"),
 		"truncated trace: exit %d, stderr '%s'", rc, errs);
 	free(out);
@@ -277,14 +239,14 @@ void test_replay_overflow(void **state)
 	trace_layer_free(&tl);
 	char *argv[] = {"kvbench", "--trace", t.path,	  "--backend", "cpu",
 			"--quiet", "--json",  "--window", "8",	       NULL};
-	int rc = run_replay(argv, &out, &errs);
+	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 1 && strstr(errs, "layer0.prefill.v.npy") && strstr(errs, "bf16"),
 		"overflow: exit %d, stderr '%s'", rc, errs);
 	free(out);
 	free(errs);
 	char *argv2[] = {"kvbench", "--trace",	t.path, "--backend", "cpu",  "--quiet",
 			 "--json",  "--window", "8",	"--dtype",   "bf16", NULL};
-	rc = run_replay(argv2, &out, &errs);
+	rc = t_kvbench(argv2, NULL, &out, &errs);
 	T_CHECK(rc == 0, "bf16: exit %d, stderr '%s'", rc, errs);
 	free(out);
 	free(errs);
@@ -309,7 +271,7 @@ void test_replay_utf8(void **state)
 	T_CHECK(rename(t.path, odd) == 0, "rename %s failed", t.path);
 	char *argv[] = {"kvbench", "--trace", odd,  "--backend", "cpu", "--json",
 			"--quiet", "--window", "8", NULL};
-	int rc = run_replay(argv, &out, &errs);
+	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rename(odd, t.path) == 0, "rename back failed");
 	size_t n = strlen(out), at = t_utf8_bad_at(out, n);
 	T_CHECK(rc == 0 && at == n, "replay from a non-UTF-8 directory name: exit %d, stdout invalid "
@@ -357,7 +319,7 @@ void test_replay_sweep(void **state)
 			"8",	   "--sinks", "4",	  "--chunk",	      "128",
 			"--budget-min", "0",  "--sweep",  "p=0.5,0.7,0.9", "--sweep",
 			"rescore=0,0.95", NULL};
-	int rc = run_replay(argv, &out, &errs);
+	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 0, "trace sweep: exit %d, stderr: %s", rc, errs);
 	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
 		"--json output: %s\n%s", err, out);
@@ -393,7 +355,7 @@ void test_replay_sweep(void **state)
 			      "8",	    "--sinks",	  "4",		"--chunk",   "128",
 			      "--budget-min", "0",	  single[k][0], single[k][1], single[k][2],
 			      single[k][3], NULL};
-		rc = run_replay(av, &out, &errs);
+		rc = t_kvbench(av, NULL, &out, &errs);
 		T_CHECK(rc == 0, "single replay: exit %d, stderr: %s", rc, errs);
 		T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
 			"%s", err);
@@ -413,7 +375,7 @@ void test_replay_sweep(void **state)
 	char *av_cross[] = {"kvbench", "--trace", t.path, "--backend", "cpu", "--json", "--quiet",
 			    "--window", "16", "--flush", "8", "--sinks", "4", "--chunk", "128",
 			    "--sweep", "p=0.5,0.95", "--sweep", "rescore=0,0.95", NULL};
-	rc = run_replay(av_cross, &out, &errs);
+	rc = t_kvbench(av_cross, NULL, &out, &errs);
 	T_CHECK(rc == 0 && strstr(errs, "p 0.95, rescore 0.95 left out"),
 		"crossed axes with a refused pair: exit %d, stderr '%s'", rc, errs);
 	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
@@ -429,7 +391,7 @@ void test_replay_sweep(void **state)
 			   "--window", "16", "--flush", "8", "--sinks", "4", "--chunk", "128",
 			   "--budget-min", "0", "--sweep", "p=0.5,0.7,0.9", "--sweep", "keep=0,8",
 			   NULL};
-	rc = run_replay(av_keep, &out, &errs);
+	rc = t_kvbench(av_keep, NULL, &out, &errs);
 	T_CHECK(rc == 0, "keep sweep: exit %d, stderr: %s", rc, errs);
 	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
 	pts = trace_json_get(&j, &j.nodes[1], "points");
@@ -449,7 +411,7 @@ void test_replay_sweep(void **state)
 	free(out);
 	free(errs);
 	char *av_bad[] = {"kvbench", "--trace", t.path, "--sweep", "context=100,200", NULL};
-	rc = run_replay(av_bad, &out, &errs);
+	rc = t_kvbench(av_bad, NULL, &out, &errs);
 	T_CHECK(rc == 2 && strstr(errs, "the axes are the selection's"),
 		"--trace with a shape axis: exit %d, '%s'", rc, errs);
 	free(out);

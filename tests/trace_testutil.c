@@ -214,3 +214,40 @@ size_t t_utf8_bad_at(const char *s, size_t n)
 			return i;
 	return n;
 }
+
+int t_kvbench(char **argv, const char *dir, char **out, char **errs)
+{
+	int argc = 0;
+	while (argv[argc])
+		argc++;
+	char po[] = "/tmp/kvt_kb_out_XXXXXX", pe[] = "/tmp/kvt_kb_err_XXXXXX";
+	int fo = mkstemp(po), fe = mkstemp(pe);
+	T_CHECK(fo >= 0 && fe >= 0, "mkstemp failed");
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	T_CHECK(pid >= 0, "fork failed");
+	if (pid == 0) {
+		dup2(fo, 1);
+		dup2(fe, 2);
+		if (dir && chdir(dir) != 0)
+			_exit(99);
+		int st = kvbench_main(argc, argv);
+		fflush(stdout);
+		fflush(stderr);
+		_exit(st);
+	}
+	int ws = 0;
+	T_CHECK(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws), "kvbench did not exit normally");
+	int rc = WEXITSTATUS(ws);
+	close(fo);
+	close(fe);
+	size_t n;
+	*out = (char *)read_bytes(po, &n);
+	(*out)[n] = 0;
+	*errs = (char *)read_bytes(pe, &n);
+	(*errs)[n] = 0;
+	unlink(po);
+	unlink(pe);
+	return rc;
+}

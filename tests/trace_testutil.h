@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * What the trace tests share (test_trace.c, which holds main and the format tests, and
- * test_trace_replay.c): a trace directory written from random data, files read and poked, the
- * tests' own UTF-8 check.
+ * test_trace_replay.c; test_kvbench_opts.c runs kvbench through it too): a trace directory
+ * written from random data, files read and poked, kvbench run in a child, the tests' own UTF-8
+ * check.
  */
 #ifndef KVT_TESTS_TRACE_TESTUTIL_H
 #define KVT_TESTS_TRACE_TESTUTIL_H
@@ -50,6 +51,11 @@ void write_meta_text(const tdir *t, const char *text);
 
 /* meta.json as trace_write_meta writes it, with one substring replaced. */
 void edit_meta(const tdir *t, const char *from, const char *to);
+
+/* Run kvbench's entry point (kvbench_main, as the executable does) in a child process, since
+ * kvbench exits on errors, in directory `dir` (NULL: this one), with stdout and stderr captured
+ * into *out and *errs (NUL-terminated; the caller frees them). Returns the exit status. */
+int t_kvbench(char **argv, const char *dir, char **out, char **errs);
 
 /* The tests' own RFC 3629 check, by code point: the length of the valid sequence at s, or 0. */
 size_t t_utf8_ok(const unsigned char *s, size_t n);

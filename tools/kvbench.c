@@ -44,6 +44,7 @@ int kvbench_main(int argc, char **argv)
 		rc = plan_main(&o);
 	else
 		rc = single_run(&o);
+	created_files_end(rc == 0); /* a sweep's CSV and SVGs, a replay's --hot-log */
 	opts_free(&o);
 	return rc;
 }

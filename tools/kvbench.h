@@ -3,8 +3,9 @@
  * kvbench's internal interface, shared by its source files:
  *   kvbench_main.c    the executable's main (everything else is the kvbench static library)
  *   kvbench.c         kvbench_main: the options, then the mode they select
- *   kvbench_common.c  what every mode shares: errors, time, progress, device buffers, the cache
- *                     config and creation, the window rule, the check of gathered positions, JSON
+ *   kvbench_common.c  what every mode shares: errors, the files a failed run removes, time,
+ *                     progress, device buffers, the cache config and creation, the window rule,
+ *                     the check of gathered positions, JSON
  *   kvbench_run.c     one synthetic run: setup, prefill, decode steps, its result
  *   kvbench_opts.c    options (those of --trace too), defaults (kvtier.h's KVT_DEFAULT_*) and --help
  *   kvbench_eval.c    the exact reference and the comparison with what the library attended
@@ -85,6 +86,7 @@ typedef struct opts {
 	/* --stress */
 	uint32_t stress_s;
 	const char *stress_modes; /* comma-separated: many, adversarial, qd, spill (or all) */
+	const char *stress_only;  /* an option given that only --stress takes, for the check */
 	uint32_t stress_budget;   /* budget_max (and min) of adversarial selections */
 	/* --trace DIR: the shape comes from the trace; --layers is a list of its layers */
 	const char *trace_dir;
@@ -243,6 +245,11 @@ _Noreturn void bad_value(const char *flag, const char *val, const char *want);
 _Noreturn void lib_fail(const kvt_cache *c, int64_t rc, const char *what);
 _Noreturn void fail(const char *what, const char *detail);
 void *xcalloc(size_t n, size_t size);
+/* A file this run created (the path is copied): if the run fails it is removed, by an exit
+ * handler wherever the failure exits, or by created_files_end(false). */
+void created_file(const char *path);
+/* The end of the run: keep (it succeeded) or remove the files created_file recorded. */
+void created_files_end(bool keep);
 /* qsort's comparison of doubles, ascending. */
 int kb_cmp_double(const void *a, const void *b);
 /* The 5th (pct[0]) and 1st (pct[1]) percentiles of v[0..n) by nearest rank: the smallest value that

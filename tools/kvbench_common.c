@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * What every kvbench mode shares, so that the synthetic runs (default, --capacity, --plan,
- * --sweep, --stress) and the trace replay report errors, show progress, stage tensors on the
- * device, configure and create their cache, follow the library's window rule and check what
- * kvt_gather returned in one way.
+ * --sweep, --stress) and the trace replay report errors, remove what a failed run created, show
+ * progress, stage tensors on the device, configure and create their cache, follow the library's
+ * window rule and check what kvt_gather returned in one way.
  */
 #include "kvbench.h"
 #include "trace.h"
@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ---- errors and time ---------------------------------------------------------------------- */
 
@@ -66,6 +67,39 @@ void *xcalloc(size_t n, size_t size)
 		exit(1);
 	}
 	return p;
+}
+
+/* ---- files a failed run removes ------------------------------------------------------------ */
+
+static char *created_paths[8];
+static uint32_t n_created;
+
+void created_files_end(bool keep)
+{
+	for (uint32_t i = 0; i < n_created; i++) {
+		if (!keep)
+			unlink(created_paths[i]);
+		free(created_paths[i]);
+	}
+	n_created = 0;
+}
+
+/* At exit: every failure ends in exit(1) (or 2) somewhere, and none of them keeps the files. */
+static void remove_created(void)
+{
+	created_files_end(false);
+}
+
+void created_file(const char *path)
+{
+	static bool at_exit;
+	if (!at_exit && atexit(remove_created) != 0)
+		fail("cannot register the removal of files at exit", path);
+	at_exit = true;
+	if (n_created == sizeof(created_paths) / sizeof(created_paths[0]) ||
+	    !(created_paths[n_created] = strdup(path)))
+		fail("too many files to remove at exit, or out of memory", path);
+	n_created++;
 }
 
 int kb_cmp_double(const void *a, const void *b)
@@ -207,6 +241,9 @@ void cache_config(const opts *o, const kb_shape *sh, uint64_t host_bytes,
 	cfg->nvme_queue_depth = o->nvme_qd;
 	cfg->nvme_cache_bytes = o->nvme_cache;
 	cfg->spill_policy = o->spill;
+	/* files given with --nvme stay where the user put them (the preset's is removed by
+	 * tier_created) */
+	cfg->nvme_flags = o->nvme_own ? 0 : KVT_NVME_KEEP_FILES;
 }
 
 uint64_t nvme_bytes_ample(uint64_t kv_bytes, uint32_t n_files)

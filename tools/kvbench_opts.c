@@ -13,6 +13,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* The --capacity preset: enough sequences that three hosts' worth of K/V must share one, each short
  * enough that kvbench's exact reference keeps the run well under a minute on two cores. */
@@ -90,9 +91,9 @@ static void usage(FILE *f, const opts *d)
 		d->context, d->steps, d->layers, d->seqs, (double)d->p, d->seed, d->q_heads,
 		d->kv_heads, d->head_dim, d->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16");
 	fprintf(f,
-		"  --sinks N        sink tokens always attended (%u)\n"
-		"  --window N       local window W (%u)\n"
-		"  --flush N        flush batch B, >= 1 (%u)\n"
+		"  --sinks N        sink tokens always attended, 0-65536 (%u)\n"
+		"  --window N       local window W, 0-65536 (%u)\n"
+		"  --flush N        flush batch B, 1-65536 (%u)\n"
 		"  --budget-min N   min indexed tokens per query head per step (%u)\n"
 		"  --budget-max N   max indexed tokens per query head per step, 0 = none (%u)\n"
 		"  --correction N   score corrections from the exact logits of the last N steps,\n"
@@ -112,10 +113,11 @@ static void usage(FILE *f, const opts *d)
 		"Tiers (sizes are bytes with an optional K, M, G or T suffix, powers of 1024):\n"
 		"  --host-bytes N   host tier capacity (sized by kvbench: never the limit, or a third\n"
 		"                   of the K/V with --capacity)\n"
-		"  --nvme P[,P...]  files of the NVMe tier (none; %s with --capacity)\n"
-		"  --nvme-bytes N   bytes of each NVMe file (sized by kvbench from the K/V)\n"
+		"  --nvme P[,P...]  files of the NVMe tier, left in place after the run; a regular file\n"
+		"                   that is not empty is refused (none; %s with --capacity)\n"
+		"  --nvme-bytes N   bytes of each NVMe file, >= 4K (sized by kvbench from the K/V)\n"
 		"  --nvme-qd N      NVMe I/Os in flight, 1 .. 1024 (%u%s)\n"
-		"  --nvme-cache N   block cache of direct serving, >= 1M (%s)\n"
+		"  --nvme-cache N   block cache of direct serving, 1M .. 1T (%s)\n"
 		"  --spill P        none or lru: what the cache does when the host tier is full (%s)\n"
 		"  --capacity       the capacity experiment: --seqs %u --context %u --steps %u --spill\n"
 		"                   lru unless given; fill the sequences one by one, decode them all,\n"
@@ -129,7 +131,7 @@ static void usage(FILE *f, const opts *d)
 		"                   planned sequences at --context on --layers layers (scaled)\n"
 		"  --model-layers N the model's layers for the arithmetic (%u)\n"
 		"  --gpu-bytes N    HBM of the GPU (80G)   --weights-bytes N  model weights (15G)\n"
-		"  --gpu-cache N    kvt_config.gpu_cache_bytes, the hot cache, or auto (%s: the\n"
+		"  --gpu-cache N    kvt_config.gpu_cache_bytes, the hot cache, <= 1T, or auto (%s: the\n"
 		"                   library sizes it; --plan counts a quarter of the HBM left after\n"
 		"                   the weights, its bound)\n"
 		"  --plan-host-bytes N, --plan-nvme-bytes N  host memory and NVMe of the deployment\n"
@@ -141,19 +143,24 @@ static void usage(FILE *f, const opts *d)
 		"  --topk K         Top-k by kvtier's estimate: p = 1, budget min = max = K\n"
 		"  --sweep A=V,...  run every point: A one of context, seqs, p, topk, layers, budget-max,\n"
 		"                   correction, rescore, keep\n"
-		"                   (repeatable, crossed; topk points take the first p)\n"
-		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it\n"
+		"                   (repeatable, one axis each, crossed; topk points take the first p)\n"
+		"  --csv FILE       the sweep's points as CSV, and SVG plots next to it (files the\n"
+		"                   sweep creates are removed if it fails)\n"
 		"Fetch-path stress:\n"
 		"  --stress S       S seconds per mode, every fetched row verified\n"
-		"  --stress-mode M  many, adversarial, qd, spill or all, comma-separated (all)\n"
-		"  --stress-budget N  tokens per query head of adversarial selections (%u)\n",
+		"  --stress-mode M  with --stress: many, adversarial, qd, spill or all, comma-\n"
+		"                   separated (all); qd and spill are skipped, saying so, without an\n"
+		"                   NVMe tier\n"
+		"  --stress-budget N  with --stress: tokens per query head of adversarial selections\n"
+		"                   (%u)\n",
 		d->model_layers,
 		d->gpu_cache == KB_GPU_CACHE_AUTO ? "auto" : fmt_bytes(d->gpu_cache, nc, sizeof nc),
 		d->stress_budget);
 	fprintf(f,
 		"Trace replay (doc/trace-format.md): the shape comes from the trace\n"
 		"  --trace DIR      replay a captured trace; takes --p, --sinks, --window, --flush,\n"
-		"                   --budget-min, --budget-max, --chunk, --dtype, --backend, --gpu-cache,\n"
+		"                   --budget-min, --budget-max, --correction, --rescore, --keep,\n"
+		"                   --keep-steps, --chunk, --dtype, --backend, --gpu-cache,\n"
 		"                   --seed (the library's, %" PRIu64 "), --json, --quiet, --nvme P[,P...]\n"
 		"                   (each layer's sequence spilled after its prefill, so the decode\n"
 		"                   steps read from NVMe) with --nvme-bytes, --nvme-qd, --nvme-cache,\n"
@@ -163,7 +170,7 @@ static void usage(FILE *f, const opts *d)
 		"  --layers LIST    with --trace: the trace's layers to replay, e.g. 0,3,8-11 (all)\n"
 		"  --hot-log FILE   with --trace: write the rows each step reads through the\n"
 		"                   simulated hot cache (bench/hot_batch replays several such logs\n"
-		"                   as one batch sharing a cache)\n"
+		"                   as one batch sharing a cache); removed if the replay fails\n"
 		"Output:\n"
 		"  --json           print one JSON object on stdout instead of the table\n"
 		"  --quiet          no progress on stderr, no per-step table (per-head rows with\n"
@@ -175,10 +182,21 @@ static void usage(FILE *f, const opts *d)
 		trace_seed);
 }
 
+/* Set while opts_set applies a --sweep point's value, so that a bad one names --sweep too. */
+static bool from_sweep;
+
 _Noreturn void bad_value(const char *flag, const char *val, const char *want)
 {
-	fprintf(stderr, "kvbench: %s: invalid value '%s' (%s)\n", flag, val, want);
+	fprintf(stderr, "kvbench: %s%s: invalid value '%s' (%s)\n", flag,
+		from_sweep ? " (a --sweep value)" : "", val, want);
 	exit(2);
+}
+
+/* strtoull and strtod skip leading white space and take a sign: a value must start as a number
+ * is written, with a digit (or, with frac, a '.'). */
+static bool starts_plain(const char *val, bool frac)
+{
+	return isdigit((unsigned char)val[0]) || (frac && val[0] == '.');
 }
 
 static uint64_t parse_uint(const char *flag, const char *val, uint64_t lo, uint64_t hi)
@@ -186,7 +204,7 @@ static uint64_t parse_uint(const char *flag, const char *val, uint64_t lo, uint6
 	char *end, want[96];
 	errno = 0;
 	unsigned long long x = strtoull(val, &end, 10);
-	if (errno || end == val || *end || val[0] == '-' || x < lo || x > hi) {
+	if (!starts_plain(val, false) || errno || end == val || *end || x < lo || x > hi) {
 		snprintf(want, sizeof(want), "expected an integer in [%" PRIu64 ", %" PRIu64 "]", lo, hi);
 		bad_value(flag, val, want);
 	}
@@ -207,7 +225,8 @@ static uint64_t parse_size(const char *flag, const char *val, uint64_t lo, uint6
 		shift = 10u * (unsigned)(s - suffixes + 1);
 		end++;
 	}
-	bool ok = !errno && end != val && !*end && val[0] != '-' && x <= (UINT64_MAX >> shift);
+	bool ok = starts_plain(val, false) && !errno && end != val && !*end &&
+		  x <= (UINT64_MAX >> shift);
 	uint64_t bytes = ok ? (uint64_t)x << shift : 0;
 	if (!ok || bytes < lo || bytes > hi) {
 		if (hi == UINT64_MAX)
@@ -256,12 +275,13 @@ static void set_nvme(opts *o, const char *flag, const char *val)
 static bool set_u32(opts *o, const char *flag, const char *val)
 {
 	const uint64_t big = INT32_MAX / 2; /* positions are int32 in kvt_gather */
+	const uint64_t lib = 65536;         /* kvt_config's limit on n_sink, window, flush_batch */
 	const struct { const char *name; uint32_t *dst; uint64_t lo, hi; } u32[] = {
 		{"--context", &o->context, 1, big}, {"--steps", &o->steps, 1, 1u << 20},
 		{"--layers", &o->layers, 1, 4096}, {"--seqs", &o->seqs, 1, 4096},
 		{"--q-heads", &o->q_heads, 1, 1024}, {"--kv-heads", &o->kv_heads, 1, 1024},
-		{"--sinks", &o->sinks, 0, big}, {"--window", &o->window, 0, big},
-		{"--flush", &o->flush, 1, big}, {"--budget-min", &o->budget_min, 0, big},
+		{"--sinks", &o->sinks, 0, lib}, {"--window", &o->window, 0, lib},
+		{"--flush", &o->flush, 1, lib}, {"--budget-min", &o->budget_min, 0, big},
 		{"--budget-max", &o->budget_max, 0, big}, {"--chunk", &o->chunk, 1, 1u << 20},
 		{"--nvme-qd", &o->nvme_qd, 1, 1024}, {"--model-layers", &o->model_layers, 1, 4096},
 		{"--topk", &o->topk, 1, big}, {"--stress", &o->stress_s, 1, 86400},
@@ -289,6 +309,10 @@ static void add_sweep(opts *o, const char *flag, const char *val)
 	if (!known || !eq[1])
 		bad_value(flag, val, "expected NAME=V1,V2,... with NAME context, seqs, p, topk, "
 			  "layers, budget-max, correction, rescore or keep");
+	for (uint32_t i = 0; i < o->n_sweep; i++)
+		if (!strncmp(o->sweep[i], val, n + 1))
+			bad_value(flag, val, "an axis given twice: give all its values in one "
+				  "--sweep");
 	if (o->n_sweep == 4)
 		bad_value(flag, val, "at most 4 --sweep axes");
 	if (!(o->sweep[o->n_sweep++] = strdup(val)))
@@ -311,15 +335,44 @@ static bool trace_takes(const char *flag)
 	return false;
 }
 
-/* A number in (0, 1], or exit naming the flag and `want`. */
-static float parse_share(const char *flag, const char *val, const char *want)
+/* A decimal number as strtod reads it, but starting with a digit or '.', or exit naming the flag
+ * and `want`. */
+static double parse_number(const char *flag, const char *val, const char *want)
 {
 	char *end;
 	errno = 0;
 	double x = strtod(val, &end);
-	if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
+	if (!starts_plain(val, true) || errno || end == val || *end)
+		bad_value(flag, val, want);
+	return x;
+}
+
+/* A number in (0, 1] that stays above 0 as the float the library takes (where 0 would mean its
+ * default), or exit naming the flag and `want`. */
+static float parse_share(const char *flag, const char *val, const char *want)
+{
+	double x = parse_number(flag, val, want);
+	if (!(x > 0.0 && x <= 1.0 && (float)x > 0.0f))
 		bad_value(flag, val, want);
 	return (float)x;
+}
+
+/* --stress-mode: many, adversarial, qd, spill or all, comma-separated, none empty. */
+static void check_stress_modes(const char *flag, const char *val)
+{
+	static const char *const modes[] = {"many", "adversarial", "qd", "spill", "all"};
+	for (const char *p = val;; p++) {
+		size_t n = strcspn(p, ",");
+		bool known = false;
+		for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++)
+			known |= strlen(modes[i]) == n && !strncmp(p, modes[i], n);
+		if (!known)
+			bad_value(flag, val, "expected many, adversarial, qd, spill or all, "
+				  "comma-separated, none empty");
+		p += n;
+		if (!*p)
+			return;
+	}
 }
 
 static void set_option(opts *o, const char *flag, const char *val)
@@ -329,9 +382,13 @@ static void set_option(opts *o, const char *flag, const char *val)
 	static const char *const be_names[] = {"cpu", "cuda", "auto", NULL};
 	static const uint32_t be_codes[] = {KVT_BACKEND_CPU, KVT_BACKEND_CUDA, KVT_BACKEND_AUTO};
 	static const char *const nvme_only[] = {"--nvme-bytes", "--nvme-qd", "--nvme-cache"};
+	static const char *const stress_only[] = {"--stress-mode", "--stress-budget"};
 	for (size_t i = 0; i < sizeof(nvme_only) / sizeof(nvme_only[0]); i++)
 		if (!strcmp(flag, nvme_only[i]))
 			o->nvme_only = nvme_only[i];
+	for (size_t i = 0; i < sizeof(stress_only) / sizeof(stress_only[0]); i++)
+		if (!strcmp(flag, stress_only[i]))
+			o->stress_only = stress_only[i];
 	if (o->trace_dir && !trace_takes(flag))
 		snprintf(o->not_trace, sizeof o->not_trace, "%s", flag);
 	if (!strcmp(flag, "--trace")) {
@@ -342,8 +399,8 @@ static void set_option(opts *o, const char *flag, const char *val)
 		o->layer_list = val; /* a list of the trace's layers, checked against the trace */
 		return;
 	}
-	if (o->trace_dir && !strcmp(flag, "--hot-log")) {
-		o->hot_log = val;
+	if (!strcmp(flag, "--hot-log")) {
+		o->hot_log = val; /* finish() checks that --trace is given */
 		return;
 	}
 	if (set_u32(o, flag, val))
@@ -355,18 +412,19 @@ static void set_option(opts *o, const char *flag, const char *val)
 		if (o->head_dim != 64 && o->head_dim != 128 && o->head_dim != 256)
 			bad_value(flag, val, "expected 64, 128 or 256");
 	} else if (!strcmp(flag, "--rescore")) {
-		o->rescore = strcmp(val, "0") ? parse_share(flag, val, "expected 0 (off) or a number in "
-								 "(p, 1]")
-					      : 0.0f;
+		const char *want = "expected 0 (off) or a number in (p, 1], not 0 as a 32-bit "
+				   "float";
+		const double x = parse_number(flag, val, want);
+		o->rescore = x == 0.0 ? 0.0f : parse_share(flag, val, want);
 	} else if (!strcmp(flag, "--keep")) {
-		char *end;
-		errno = 0;
-		const double x = strtod(val, &end);
-		if (errno || end == val || *end || !(x >= 0.0 && x <= 1e6))
-			bad_value(flag, val, "expected a number in [0, 1e6] (0: off)");
+		const double x = parse_number(flag, val, "expected a number in [0, 1e6] (0: off)");
+		if (!(x >= 0.0 && x <= 1e6) || (x > 0.0 && (float)x == 0.0f))
+			bad_value(flag, val, "expected 0 (off) or a number in (0, 1e6], not 0 as a "
+				  "32-bit float");
 		o->keep = (float)x;
 	} else if (!strcmp(flag, "--p")) {
-		o->p = parse_share(flag, val, "expected a number in (0, 1]");
+		o->p = parse_share(flag, val, "expected a number in (0, 1], not 0 as a 32-bit "
+				   "float");
 	} else if (!strcmp(flag, "--dtype")) {
 		o->dtype = parse_enum(flag, val, dt_names, dt_codes, "expected f16 or bf16");
 	} else if (!strcmp(flag, "--backend")) {
@@ -376,7 +434,7 @@ static void set_option(opts *o, const char *flag, const char *val)
 	} else if (!strcmp(flag, "--host-bytes")) {
 		o->host_bytes = parse_size(flag, val, 1, UINT64_MAX);
 	} else if (!strcmp(flag, "--nvme-bytes")) {
-		o->nvme_bytes = parse_size(flag, val, 1, UINT64_MAX);
+		o->nvme_bytes = parse_size(flag, val, 4096, UINT64_MAX); /* the library's least */
 	} else if (!strcmp(flag, "--nvme-cache")) {
 		o->nvme_cache = parse_size(flag, val, 1ull << 20, 1ull << 40);
 	} else if (!strcmp(flag, "--nvme")) {
@@ -387,16 +445,14 @@ static void set_option(opts *o, const char *flag, const char *val)
 		o->weights_bytes = parse_size(flag, val, 0, UINT64_MAX);
 	} else if (!strcmp(flag, "--gpu-cache")) {
 		o->gpu_cache = !strcmp(val, "auto") ? KB_GPU_CACHE_AUTO
-						    : parse_size(flag, val, 0, UINT64_MAX - 1);
+						    : parse_size(flag, val, 0, 1ull << 40);
 	} else if (!strcmp(flag, "--plan-host-bytes")) {
 		o->plan_host = parse_size(flag, val, 1, UINT64_MAX);
 	} else if (!strcmp(flag, "--plan-nvme-bytes")) {
 		o->plan_nvme = parse_size(flag, val, 0, UINT64_MAX);
 	} else if (!strcmp(flag, "--run-fraction")) {
-		char *end;
-		errno = 0;
-		double x = strtod(val, &end);
-		if (errno || end == val || *end || !(x > 0.0 && x <= 1.0))
+		double x = parse_number(flag, val, "expected a number in (0, 1]");
+		if (!(x > 0.0 && x <= 1.0))
 			bad_value(flag, val, "expected a number in (0, 1]");
 		o->run_fraction = x;
 	} else if (!strcmp(flag, "--sweep")) {
@@ -404,11 +460,30 @@ static void set_option(opts *o, const char *flag, const char *val)
 	} else if (!strcmp(flag, "--csv")) {
 		o->csv = val;
 	} else if (!strcmp(flag, "--stress-mode")) {
+		check_stress_modes(flag, val);
 		o->stress_modes = val;
 	} else {
 		fprintf(stderr, "kvbench: unknown option '%s' (see --help)\n", flag);
 		exit(2);
 	}
+}
+
+/* Every option that takes a value: one given last without it is missing its value, anything else
+ * is unknown. */
+static bool takes_value(const char *flag)
+{
+	static const char *const v[] = {"--context", "--steps", "--layers", "--seqs", "--p",
+		"--seed", "--q-heads", "--kv-heads", "--head-dim", "--dtype", "--sinks", "--window",
+		"--flush", "--budget-min", "--budget-max", "--correction", "--rescore", "--keep",
+		"--keep-steps", "--chunk", "--backend", "--host-bytes", "--nvme", "--nvme-bytes",
+		"--nvme-qd", "--nvme-cache", "--spill", "--model-layers", "--gpu-bytes",
+		"--weights-bytes", "--gpu-cache", "--plan-host-bytes", "--plan-nvme-bytes",
+		"--run-fraction", "--topk", "--sweep", "--csv", "--stress", "--stress-mode",
+		"--stress-budget", "--trace", "--hot-log"};
+	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
+		if (!strcmp(flag, v[i]))
+			return true;
+	return false;
 }
 
 static bool is_switch(const char *a)
@@ -450,12 +525,14 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 		bool known = !strncmp(a, "--", 2) && n < sizeof(flag), has_value = eq || i + 1 < argc;
 		if (!apply && (!known || !has_value))
 			return;
-		if (!known) {
+		if (known) {
+			memcpy(flag, a, n);
+			flag[n] = 0;
+		}
+		if (!known || (!has_value && !takes_value(flag))) {
 			fprintf(stderr, "kvbench: unknown option '%s' (see --help)\n", a);
 			exit(2);
 		}
-		memcpy(flag, a, n);
-		flag[n] = 0;
 		if (!has_value) {
 			fprintf(stderr, "kvbench: %s needs a value (see --help)\n", flag);
 			exit(2);
@@ -472,6 +549,15 @@ static void scan(int argc, char **argv, opts *o, bool apply)
 static void finish(opts *o)
 {
 	char v[32];
+	if (o->hot_log && !o->trace_dir) {
+		fprintf(stderr, "kvbench: --hot-log writes a trace replay's simulated hot-cache "
+			"reads: it needs --trace\n");
+		exit(2);
+	}
+	if (o->stress_only && !o->stress_s) {
+		fprintf(stderr, "kvbench: %s needs --stress\n", o->stress_only);
+		exit(2);
+	}
 	if (o->hot_log && o->n_sweep) {
 		fprintf(stderr, "kvbench: --hot-log writes one replay's reads: leave out --sweep\n");
 		exit(2);
@@ -491,7 +577,7 @@ static void finish(opts *o)
 			"--correction, --rescore, --keep, --keep-steps, --chunk, --dtype, --backend, "
 			"--gpu-cache, "
 			"--nvme (with --nvme-bytes, --nvme-qd and --nvme-cache), --seed, --layers LIST, "
-			"--json and --quiet\n", o->not_trace);
+			"--sweep, --hot-log, --json and --quiet\n", o->not_trace);
 		exit(2);
 	}
 	for (uint32_t a = 0; o->trace_dir && a < o->n_sweep; a++) {
@@ -543,18 +629,55 @@ static void finish(opts *o)
 	}
 }
 
+/* The second stage takes rescore_p in (p, 1] (kvt_config), compared as the floats the library
+ * gets. A sweep over p or rescore leaves out the points outside it instead (kb_point_opts). */
+static void check_rescore(const opts *o)
+{
+	for (uint32_t a = 0; a < o->n_sweep; a++)
+		if (!strncmp(o->sweep[a], "p=", 2) || !strncmp(o->sweep[a], "rescore=", 8))
+			return;
+	if (o->rescore == 0.0f || o->rescore > o->p)
+		return;
+	char v[32], want[96];
+	snprintf(v, sizeof v, "%g", (double)o->rescore);
+	snprintf(want, sizeof want, "expected 0 (off) or a number in (p, 1], and p is %g",
+		 (double)o->p);
+	bad_value("--rescore", v, want);
+}
+
+/* A regular file given with --nvme that holds data is not kvbench's to zero and resize (as the
+ * cache would): refused, as the preset's KB_NVME_DEFAULT is when it exists (tier_sizes). A new
+ * path, an empty file and a block device are used. */
+static void check_nvme_paths(const opts *o)
+{
+	struct stat sb;
+	for (uint32_t i = 0; i < o->n_nvme && !o->nvme_own; i++)
+		if (stat(o->nvme_paths[i], &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0) {
+			fprintf(stderr, "kvbench: --nvme: %s exists and is not empty: kvbench "
+				"does not overwrite it: remove it, or give a new path, an empty "
+				"file or a block device\n", o->nvme_paths[i]);
+			exit(2);
+		}
+}
+
 void parse_args(int argc, char **argv, opts *o)
 {
 	opts_default(o);
 	scan(argc, argv, o, false);
 	scan(argc, argv, o, true);
 	finish(o);
+	/* once, for the command line: not for each sweep point (opts_set), whose p and rescore
+	 * cross, and whose earlier points' caches created the --nvme files */
+	check_rescore(o);
+	check_nvme_paths(o);
 }
 
 void opts_set(opts *o, const char *flag, const char *val)
 {
+	from_sweep = true;
 	set_option(o, flag, val);
 	finish(o);
+	from_sweep = false;
 }
 
 /* The hot cache the plan counts: the fixed size given, or the self-sized cache's default bound (a

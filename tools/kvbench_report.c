@@ -223,6 +223,26 @@ static void json_tiers(const kb_run *b)
 	printf("}, ");
 }
 
+/* --baselines: each baseline's budget, recall and output error over the run, under the names of
+ * the sweep's columns (oracle_topp_budget ...). */
+static void json_baselines(const kb_run *b)
+{
+	static const char *const what[3] = {"budget", "recall", "err"};
+	printf("\"baselines\": {");
+	for (int i = 0; i < KB_N_BASE; i++) {
+		const bacc *x = base_acc(b->base, i);
+		const double v[3] = {mean(x->budget_sum, x->kv_n), mean(x->recall_sum, x->recall_n),
+				     x->full2 > 0 ? sqrt(x->err2 / x->full2) : NAN};
+		for (int k = 0; k < 3; k++) {
+			char key[64];
+			snprintf(key, sizeof key, "%s_%s", kb_base_names[i], what[k]);
+			jmembers(&(jv){key, v[k], NULL}, 1);
+			printf("%s", i + 1 < KB_N_BASE || k < 2 ? ", " : "");
+		}
+	}
+	printf("}, ");
+}
+
 /* The second stage's extra reads over the decode steps (e minus s): keys of indexed tokens it read
  * and the step did not select, per indexed token scored. */
 static double rescore_k_frac(const kvt_stats *e, const kvt_stats *s)
@@ -385,7 +405,8 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	     {"sinks", o->sinks, NULL}, {"window", o->window, NULL}, {"flush", o->flush, NULL},
 	     {"budget_min", o->budget_min, NULL}, {"budget_max", o->budget_max, NULL},
 	     {"correction", o->correction, NULL}, {"rescore", o->rescore, NULL},
-	     {"keep", o->keep, NULL}, {"keep_steps", o->keep_steps, NULL});
+	     {"keep", o->keep, NULL},
+	     {"keep_steps", o->keep != 0.0f ? o->keep_steps : 0, NULL}); /* as applied */
 	JOBJ("heads", true, {"count", (double)o->layers * o->q_heads, NULL},
 	     {"oracle_budget_min", ho[0], NULL}, {"oracle_budget_median", ho[1], NULL},
 	     {"oracle_budget_max", ho[2], NULL}, {"eff_tokens_min", he[0], NULL},
@@ -396,6 +417,8 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 		json_tiers(b);
 	if (ps && ps->n)
 		json_phases(b, ps);
+	if (b->base)
+		json_baselines(b);
 	json_per_step(b);
 	printf("}\n");
 }

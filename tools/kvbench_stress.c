@@ -282,12 +282,17 @@ static void run_mode(const opts *o, const char *mode, uint32_t qd, double second
 	free(b);
 }
 
-/* Whether this build and kernel have an NVMe tier: a throwaway cache on a small file. */
-static bool nvme_available(void)
+/* Whether this build and kernel have an NVMe tier: a throwaway cache on a small file; if not, why
+ * (into why[n]). */
+static bool nvme_available(char *why, size_t n)
 {
 	static const char path[] = "kvbench-probe.img";
-	if (access(path, F_OK) == 0)
+	if (access(path, F_OK) == 0) {
+		snprintf(why, n, "%s, the file kvbench probes for an NVMe tier with, exists in the "
+			 "current directory and kvbench does not overwrite it: remove it or give "
+			 "--nvme", path);
 		return false;
+	}
 	const char *paths[1] = {path};
 	uint64_t bytes[1] = {16ull << 20};
 	kvt_config cfg = KVT_CONFIG_INIT;
@@ -304,8 +309,8 @@ static bool nvme_available(void)
 	unlink(path);
 	kvt_cache_destroy(c);
 	if (rc < 0)
-		fprintf(stderr, "kvbench: stress: no NVMe tier here (%s: %s): the qd and spill modes "
-			"are skipped\n", kvt_strerror(rc), kvt_last_error(NULL));
+		snprintf(why, n, "no NVMe tier here (%s: %s)", kvt_strerror(rc),
+			 kvt_last_error(NULL));
 	return rc == 0;
 }
 
@@ -340,8 +345,18 @@ int stress_main(opts *o)
 		}
 	}
 	free(list);
-	if ((want[2] || want[3]) && !o->n_nvme && !nvme_available())
+	/* the modes that need an NVMe tier, skipped where there is none: said on stderr (stdout may
+	 * be JSON), and in the JSON */
+	char why[512] = "";
+	bool skipped[4] = {false};
+	if ((want[2] || want[3]) && !o->n_nvme && !nvme_available(why, sizeof why)) {
+		const bool both = want[2] && want[3];
+		fprintf(stderr, "kvbench: stress: mode%s %s skipped: %s\n", both ? "s" : "",
+			both ? "qd and spill" : want[2] ? "qd" : "spill", why);
+		skipped[2] = want[2];
+		skipped[3] = want[3];
 		want[2] = want[3] = false;
+	}
 	if (!o->json)
 		printf("kvbench stress: %u s per mode; %u layers, context %u, %u query heads, %u KV "
 		       "heads, head_dim %u; every fetched row verified\n", o->stress_s, o->layers,
@@ -380,7 +395,20 @@ int stress_main(opts *o)
 			       s > 0 ? r->bytes / s : 0, r->p50_ms, r->p99_ms, r->ns_wall / 1e9, s,
 			       r->pcie, r->nvme_read, r->spills, r->restores);
 		}
-		printf("], \"mismatches\": 0}\n");
+		printf("], \"mismatches\": 0");
+		for (int k = 0; k < 2; k++) {
+			printf(k ? ", \"modes_skipped\": [" : ", \"modes_run\": [");
+			for (int m = 0, c = 0; m < 4; m++)
+				if (k ? skipped[m] : want[m])
+					printf("%s\"%s\"", c++ ? ", " : "", all[m]);
+			printf("]");
+		}
+		printf(", \"skipped_because\": ");
+		if (why[0])
+			jstr(why);
+		else
+			printf("null");
+		printf("}\n");
 	} else {
 		printf("all rows verified: no mismatch, no error\n");
 	}

@@ -7,6 +7,8 @@
 #include "kvbench.h"
 #include "constants.h" /* KVT_GPU_HOT_AUTO_SHARE */
 
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -104,7 +106,7 @@ bool kb_point_opts(const opts *o, const kb_axis *ax, uint32_t na, uint32_t idx, 
 	for (uint32_t a = 0, i = idx; a < na; i /= ax[a].n, a++) {
 		const char *val = ax[a].vals[i % ax[a].n];
 		topk |= !strcmp(ax[a].name, "topk") && strcmp(val, "0");
-		rs = !strcmp(ax[a].name, "rescore") ? strcmp(val, "0") != 0 : rs;
+		rs = !strcmp(ax[a].name, "rescore") ? strtod(val, NULL) != 0.0 : rs; /* 0.0: off */
 	}
 	if (topk && rs)
 		return false;
@@ -221,9 +223,16 @@ static void print_json_points(const kb_result *r, uint32_t n, const char *csv, c
 	printf("], \"vs_p_sweep\": [");
 	kb_print_vs_sweep(r, n, true);
 	printf("]");
-	if (csv)
-		printf(", \"csv\": \"%s\", \"svg\": [\"%s\", \"%s\", \"%s\"]", csv, names[0], names[1],
-		       names[2]);
+	if (csv) {
+		printf(", \"csv\": ");
+		jstr(csv);
+		printf(", \"svg\": [");
+		for (int i = 0; i < 3; i++) {
+			printf("%s", i ? ", " : "");
+			jstr(names[i]);
+		}
+		printf("]");
+	}
 	printf("}\n");
 }
 
@@ -296,6 +305,8 @@ static void print_base_table(const kb_result *r, uint32_t n)
 	}
 }
 
+/* The SVG files next to the CSV ("x.csv" -> "x-recall.svg" ...); a path whose names would not fit
+ * is refused (exit 2), never cut. */
 static void svg_names(const char *csv, char names[3][512])
 {
 	static const char *const suf[3] = {"-recall.svg", "-stages.svg", "-capacity.svg"};
@@ -303,7 +314,29 @@ static void svg_names(const char *csv, char names[3][512])
 	if (n > 4 && !strcmp(csv + n - 4, ".csv"))
 		n -= 4;
 	for (int i = 0; i < 3; i++)
-		snprintf(names[i], 512, "%.*s%s", (int)(n < 400 ? n : 400), csv, suf[i]);
+		if (snprintf(names[i], 512, "%.*s%s", (int)n, csv, suf[i]) >= 512) {
+			char want[128];
+			snprintf(want, sizeof want, "expected a path of at most %zu bytes, so that "
+				 "the SVG files' names next to it fit in 511",
+				 511 - strlen(suf[2]) + (strlen(csv) - n));
+			bad_value("--csv", csv, want);
+		}
+}
+
+/* Find out before the run, not after it, that an output file cannot be written; one that this
+ * run creates is removed if the run fails, one that was there is left as it was until then. */
+static void check_output(const char *path, const char *what)
+{
+	int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+	if (fd >= 0) {
+		close(fd);
+		created_file(path);
+		return;
+	}
+	FILE *f = errno == EEXIST ? fopen(path, "a") : NULL;
+	if (!f)
+		fail(what, path);
+	fclose(f);
 }
 
 int sweep_main(opts *o)
@@ -323,11 +356,12 @@ int sweep_main(opts *o)
 	kb_progress prog = {.hook = sweep_progress, .hook_ctx = &bar};
 	for (uint32_t i = 0; i < n; i++)
 		bar.total_w += (double)po[i].context * po[i].seqs * po[i].layers;
-	if (o->csv) { /* find out now, not after the run, that the file cannot be written */
-		FILE *f = fopen(o->csv, "a");
-		if (!f)
-			fail("cannot write the CSV file", o->csv);
-		fclose(f);
+	char names[3][512] = {"", "", ""};
+	if (o->csv) {
+		svg_names(o->csv, names);
+		check_output(o->csv, "cannot write the CSV file");
+		for (int i = 0; i < 3; i++)
+			check_output(names[i], "cannot write the SVG file");
 	}
 	bool table = !o->json;
 	if (table && na)
@@ -353,9 +387,7 @@ int sweep_main(opts *o)
 		}
 	}
 	bar.on = false;
-	char names[3][512] = {"", "", ""};
 	if (o->csv) {
-		svg_names(o->csv, names);
 		if (write_csv(o->csv, res, n) < 0)
 			fail("cannot write the CSV file", o->csv);
 		if (svg_write_all(o->csv, res, n, names) < 0)

@@ -19,6 +19,7 @@
  */
 #include "kvbench_trace.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -43,13 +44,13 @@ static void parse_layers(kb_trace *t)
 		char *end;
 		errno = 0;
 		unsigned long a = strtoul(s, &end, 10), b = a;
-		if (end == s || *s == '-' || *s == '+' || errno)
+		if (!isdigit((unsigned char)*s) || end == s || errno) /* no space, no sign */
 			break;
 		s = end;
 		if (*s == '-') {
 			s++;
 			b = strtoul(s, &end, 10);
-			if (end == s || *s == '-' || *s == '+' || errno || b < a)
+			if (!isdigit((unsigned char)*s) || end == s || errno || b < a)
 				break;
 			s = end;
 		}
@@ -388,6 +389,8 @@ static void trace_setup(kb_trace *t)
 		t->heads[i].recall_min = INFINITY;
 	if (t->o->hot_log && !(t->hot_file = fopen(t->o->hot_log, "wb")))
 		fail("cannot create the hot-cache log", t->o->hot_log);
+	if (t->hot_file) /* a replay that fails leaves no partial log behind */
+		created_file(t->o->hot_log);
 	create_cache(t);
 	size_t rows = t->chunk;
 	buf_alloc(&t->dev, &t->q, rows * m->n_q_heads * t->d * 2);

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "constants.h" /* KVT_GPU_HOT_WAYS */
+
 typedef struct fig {
 	double recall_sum, recall_min, budget_sum, err2, full2, err_max;
 	double p5_min, p1_min;  /* the lowest per-head percentiles */
@@ -243,9 +245,9 @@ static void print_json_hot_sim(const kb_trace *t)
 static void print_text_hot_sim(const kb_trace *t)
 {
 	printf("\nhot cache, simulated (the rows each step reads through it, sinks and "
-	       "selected, kept by the CUDA backend's rule per layer, fully associative; hits over "
-	       "the steps after the first): a step reads %.2f %% of a layer's rows; a cache of",
-	       100.0 * hot_sim_demand(t));
+	       "selected, kept by the CUDA backend's rule per layer, in sets of %u ways chosen by "
+	       "its hash of the row; hits over the steps after the first): a step reads %.2f %% "
+	       "of a layer's rows; a cache of", KVT_GPU_HOT_WAYS, 100.0 * hot_sim_demand(t));
 	for (int k = 0; k < KB_HOT_SIZES; k++)
 		printf(k ? ", 1/%u %.1f %%" : " 1/%u of them hits %.1f %%", KB_HOT_DEN(k),
 		       100.0 * hot_sim_rate(t, k));
@@ -271,7 +273,7 @@ void trace_print_json(kb_trace *t, double wall)
 	       "\"chunk\": %u, \"seed\": %" PRIu64 "},\n",
 	       t->backend, o->dtype == KVT_DTYPE_BF16 ? "bf16" : "f16", (double)o->p, o->sinks,
 	       o->window, o->flush, o->budget_min, o->budget_max, o->correction, (double)o->rescore,
-	       (double)o->keep, o->keep_steps, t->chunk, o->seed);
+	       (double)o->keep, o->keep != 0.0f ? o->keep_steps : 0, t->chunk, o->seed);
 	printf(" \"layers\": [");
 	bool first = true;
 	for (uint32_t l = 0; l < m->n_layers; l++) {
