@@ -89,16 +89,16 @@ static int claim(struct kvt_pool *p, struct kvt_err *err)
 			   p->name, KVT_POOL_SLOTS);
 }
 
-static int name_ok(const char *name)
+bool kvt_pool_name_ok(const char *name)
 {
 	size_t n = strlen(name);
 	if (n == 0 || n > 48)
-		return 0;
+		return false;
 	for (size_t i = 0; i < n; i++)
 		if (!((name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
 		      (name[i] >= '0' && name[i] <= '9') || strchr("._-", name[i])))
-			return 0;
-	return 1;
+			return false;
+	return true;
 }
 
 static void nap_ms(long ms)
@@ -157,7 +157,7 @@ int kvt_pool_attach(struct kvt_pool *p, const char *name, uint64_t total, struct
 	char shm[64];
 	bool created = false;
 	*p = (struct kvt_pool){0};
-	if (!name || !name_ok(name))
+	if (!name || !kvt_pool_name_ok(name))
 		return kvt_err_set(err, -EINVAL,
 				   "host_pool = \"%s\": must be 1 to 48 characters of [A-Za-z0-9._-]",
 				   name ? name : "(null)");

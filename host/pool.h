@@ -15,6 +15,7 @@
 #ifndef KVT_POOL_H
 #define KVT_POOL_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "err.h"
@@ -39,6 +40,8 @@ struct kvt_pool {
  * did not finish in a second), or the errno of shm_open, ftruncate or mmap.
  */
 int kvt_pool_attach(struct kvt_pool *p, const char *name, uint64_t total, struct kvt_err *err);
+/* Whether `name` is a pool name: 1 to 48 characters of [A-Za-z0-9._-] (kvt_config.host_pool). */
+bool kvt_pool_name_ok(const char *name);
 /* Give back every byte this hold charged and release the slot. p->map NULL: nothing. */
 void kvt_pool_detach(struct kvt_pool *p);
 /* Charge `bytes` to the pool (p or p->map NULL: no pool, 0): -ENOSPC naming the pool, its total and use when they do not fit

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "../host/pool.h"
 
 #define CHECK(cond, ...) KVT_RETURN_IF(!(cond), NULL, -EINVAL, __VA_ARGS__)
 
@@ -116,6 +117,8 @@ static int check_tiers(const kvt_config *cfg)
 	      cfg->spill_policy);
 	CHECK(cfg->spill_policy == KVT_SPILL_NONE || cfg->n_nvme > 0,
 	      "spill_policy = LRU (1) needs an NVMe tier, but n_nvme = 0");
+	CHECK(!cfg->host_pool || kvt_pool_name_ok(cfg->host_pool),
+	      "host_pool = \"%.64s\": must be 1 to 48 characters of [A-Za-z0-9._-]", cfg->host_pool);
 	CHECK(cfg->host_pool || cfg->host_pool_bytes == 0,
 	      "host_pool_bytes = %llu but host_pool is NULL", (unsigned long long)cfg->host_pool_bytes);
 	CHECK(cfg->gpu_cache_bytes <= ((uint64_t)1 << 40) || cfg->gpu_cache_bytes == KVT_NONE64,

@@ -123,7 +123,8 @@ typedef struct kvt_config {
 	size_t size;          /* sizeof(kvt_config) */
 	/* model shape */
 	uint32_t n_layers;    /* required, in [1, 4096] */
-	uint32_t n_q_heads;   /* required: query heads, a multiple of n_kv_heads (GQA; equal for MHA) */
+	uint32_t n_q_heads;   /* required: query heads, in [1, 4096], a multiple of n_kv_heads (GQA;
+				 equal for MHA) */
 	uint32_t n_kv_heads;  /* required, in [1, 1024] */
 	uint32_t head_dim;    /* required: 64, 128 or 256 */
 	uint32_t dtype;       /* kvt_dtype of K, V and queries: F16 or BF16; 0 (default): F16 */
@@ -136,12 +137,13 @@ typedef struct kvt_config {
 	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier */
 	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use */
 	uint64_t nvme_cache_bytes;     /* host memory caching blocks read for direct serving, >= 1 MiB
-					  when n_nvme > 0; 0 (default): 64 MiB. Size it to the 4 KiB
-					  chunks one decode step reads from spilled sequences (every
-					  layer, sequence and KV head; a chunk holds 4096 / (4 head_dim)
-					  rows): then steps reuse what they share; 1.5 x that lets a
-					  step's misses be read ahead in one submission; smaller keeps a
-					  part (doc/data-path.md, "Sizing") */
+					  when n_nvme > 0, <= 1 TiB; 0 (default): 64 MiB. Size it to
+					  the 4 KiB chunks one decode step reads from spilled
+					  sequences (every layer, sequence and KV head; a chunk
+					  holds 4096 / (4 head_dim) rows): then steps reuse what
+					  they share; 1.5 x that lets a step's misses be read
+					  ahead in one submission; smaller keeps a part
+					  (doc/data-path.md, "Sizing") */
 	uint32_t max_seqs;    /* sequences open at once, <= 65536; 0 (default): 256 */
 	uint32_t n_nvme;      /* files of the NVMe tier, at most 64; 0 (default): no NVMe tier */
 	uint32_t nvme_queue_depth; /* NVMe I/Os in flight, <= 1024; 0 (default): 32. Its bounce
@@ -337,7 +339,10 @@ typedef struct kvt_cache kvt_cache;
  * cache and 0 is returned; on failure *out is untouched and kvt_last_error(NULL) gives the detail on
  * this thread. Errors: -EINVAL (NULL pointer, a size outside the rule or a nonzero byte past this
  * library's struct, a pad field set, any field out of range: the text names it),
- * -ENOMEM, -EOPNOTSUPP (CUDA backend requested but not built), -ENODEV (CUDA requested, no GPU).
+ * -ENOMEM, -EOPNOTSUPP (CUDA backend requested, or device_busid given, but CUDA not built), -ENODEV
+ * (CUDA requested, no GPU), -EBUSY (an NVMe file held by another cache: nvme_flags), the errors of
+ * opening, sizing and registering the NVMe files (-EIO for a path in a missing directory, say),
+ * and those of attaching host_pool (-ENOSPC, -EAGAIN or shm_open's: doc/multi-gpu.md).
  * Thread safety: may be called from any thread.
  */
 KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out);
@@ -648,9 +653,12 @@ KVT_API int kvt_get_layer_stats(kvt_cache *cache, uint32_t layer, kvt_layer_stat
 typedef struct kvt_capacity {
 	size_t size;                  /* sizeof(kvt_capacity), set by the caller */
 	uint64_t host_bytes_free;     /* host-tier bytes still available to this cache: its own
-					 host_bytes and, with a host pool, the pool's share left */
+					 host_bytes and, with a host pool, the pool's share left;
+					 whole blocks fit: floor(free / block_bytes) of them */
 	uint64_t host_bytes_capacity; /* kvt_config.host_bytes */
-	uint64_t nvme_bytes_free;     /* free bytes in the NVMe files (0 without an NVMe tier) */
+	uint64_t nvme_bytes_free;     /* free bytes in the NVMe files, summed (0 without an NVMe
+					 tier); a spilled block lies within one file, so what fits
+					 is the sum over files of each one's whole blocks */
 	uint64_t nvme_bytes_capacity;
 	uint64_t block_bytes;         /* the host tier's unit: block_tokens rows of one layer and KV head */
 	uint64_t block_tokens;        /* tokens per block */

@@ -342,6 +342,17 @@ static void test_footprint_llama(void **state)
 	rc = kvt_footprint_of(&cfg, (uint64_t)INT32_MAX + 1, &f);
 	T_CHECK(rc == -EINVAL && strstr(kvt_last_error(NULL), "n_tokens"),
 		"%s, 2^31 tokens: got %d \"%s\", wanted %d", name, rc, kvt_last_error(NULL), -EINVAL);
+	/* a host pool name kvt_cache_create refuses is refused here too, without attaching */
+	static const char *const bad_pools[] = {"", "a/b",
+						"a-name-longer-than-the-forty-eight-characters-allowed"};
+	for (int i = 0; i < 3; i++) {
+		cfg.host_pool = bad_pools[i];
+		rc = kvt_footprint_of(&cfg, 10, &f);
+		T_CHECK(rc == -EINVAL && strstr(kvt_last_error(NULL), "host_pool"),
+			"%s, host_pool \"%s\": got %d \"%s\", wanted %d", name, bad_pools[i], rc,
+			kvt_last_error(NULL), -EINVAL);
+	}
+	cfg.host_pool = NULL;
 	cfg.head_dim = 96;
 	rc = kvt_footprint_of(&cfg, 10, &f);
 	T_CHECK(rc == -EINVAL && strstr(kvt_last_error(NULL), "head_dim"),
