@@ -81,6 +81,8 @@ static void test_refused(void **state)
 		{{"--bogus"}, {"unknown option", "--bogus"}},
 		{{"--hot-log", "kb-opts.log"}, {"--hot-log", "--trace"}},
 		{{"--sweep", "p=0.9", "--sweep", "p=0.8"}, {"--sweep", "twice"}},
+		{{"--csv", "kb-opts.csv"}, {"--csv", "--sweep"}},
+		{{"--csv", "kb-opts.csv", "--capacity", "--baselines"}, {"--csv", "--capacity"}},
 	};
 	int nfail = 0;
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -558,6 +558,11 @@ static void finish(opts *o)
 		fprintf(stderr, "kvbench: %s needs --stress\n", o->stress_only);
 		exit(2);
 	}
+	if (o->csv && (o->stress_s || !(o->n_sweep || (o->baselines && !o->capacity && !o->plan)))) {
+		fprintf(stderr, "kvbench: --csv writes the points of a --sweep or of --baselines (not "
+			"with --capacity, --plan or --stress): nothing here would write it\n");
+		exit(2);
+	}
 	if (o->hot_log && o->n_sweep) {
 		fprintf(stderr, "kvbench: --hot-log writes one replay's reads: leave out --sweep\n");
 		exit(2);
