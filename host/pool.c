@@ -30,7 +30,8 @@ struct kvt_pool_map {
 };
 
 /* Start time of process pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 when the
- * process does not exist. */
+ * process does not exist or is dead: a zombie (state Z, or X) keeps its /proc entry until its
+ * parent reaps it, but its memory, which its share paid for, is gone. */
 static uint64_t start_of(int32_t pid)
 {
 	char path[64], buf[1024];
@@ -45,6 +46,8 @@ static uint64_t start_of(int32_t pid)
 	buf[n] = 0;
 	/* the command name may hold spaces and parentheses: count fields after the last ')' */
 	const char *p = strrchr(buf, ')');
+	if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X')) /* field 3, the state */
+		return 0;
 	unsigned long long v = 0;
 	for (int field = 2; p && *p; p++)
 		if (*p == ' ' && ++field == 22)

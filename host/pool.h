@@ -8,8 +8,9 @@
  *
  * Each cache holds a slot (its pid and its bytes); the pool's total use is the sum of the slots.
  * A process that died without destroying its caches leaves slots behind: the next charge that
- * finds the pool short reclaims the slots of processes that no longer exist (kill(pid, 0) fails with
- * ESRCH), so a crash loses no budget. The pool object stays in /dev/shm after its last user; a later
+ * finds the pool short reclaims the slots of processes that no longer exist or are dead zombies
+ * not yet reaped (their /proc/<pid>/stat gone, in state Z or X, or showing another start time: the
+ * pid reused), so a crash loses no budget. The pool object stays in /dev/shm after its last user; a later
  * cache reuses it (with its total), `rm /dev/shm/kvtier.<name>` removes it.
  */
 #ifndef KVT_POOL_H

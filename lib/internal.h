@@ -560,6 +560,11 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 			 const uint32_t *new_tokens);
 /* Give back the blocks of n layers beyond their tokens (the rows a failed call grew). */
 void kvt_layers_ungrow(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls);
+/* What a host-tier-full error adds when the cache draws on a host pool (" and of host pool NAME:
+ * USED of TOTAL bytes used by the caches sharing it, MINE by this one"), else "": into buf[n]
+ * (KVT_POOL_NOTE bytes hold it), which it returns. */
+#define KVT_POOL_NOTE 192
+const char *kvt_pool_note(const kvt_cache *c, char *buf, size_t n);
 /* Let go of l's blocks [keep, n_blocks) per KV head, host-tier or NVMe (a shared block is freed by
  * its last holder). */
 void kvt_layer_drop_blocks(kvt_cache *c, struct kvt_layer *l, uint32_t keep);

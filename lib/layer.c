@@ -188,18 +188,25 @@ void kvt_layer_note_run(struct kvt_layer *l, uint32_t first, uint32_t total, uin
 		l->runs[l->n_runs++] = (struct kvt_run){.from = first, .to = total, .ni = ni};
 }
 
-/* The error of a host tier too full for `bytes`, naming the shared host pool when there is one. */
-static int host_full(kvt_cache *c, uint64_t bytes, uint64_t blocks, uint64_t free)
+const char *kvt_pool_note(const kvt_cache *c, char *buf, size_t n)
 {
-	char pool[192] = "";
 	uint64_t total, used, mine;
 	kvt_pool_usage(&c->pool, &total, &used, &mine);
+	buf[0] = 0;
 	if (total)
-		snprintf(pool, sizeof pool,
+		snprintf(buf, n,
 			 " and of host pool %s: %llu of %llu bytes used by the caches sharing it, "
 			 "%llu by this one",
 			 c->pool.name, (unsigned long long)used, (unsigned long long)total,
 			 (unsigned long long)mine);
+	return buf;
+}
+
+/* The error of a host tier too full for `bytes`, naming the shared host pool when there is one. */
+static int host_full(kvt_cache *c, uint64_t bytes, uint64_t blocks, uint64_t free)
+{
+	char pool[KVT_POOL_NOTE];
+	kvt_pool_note(c, pool, sizeof pool);
 	return kvt_seterr(c, -ENOSPC,
 			  "host tier full: %llu bytes needed (%llu blocks of %zu bytes), %llu free of "
 			  "host_bytes = %llu%s",

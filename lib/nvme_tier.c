@@ -355,13 +355,15 @@ int kvt_tier_make_room(kvt_cache *c, uint64_t bytes, const struct kvt_seq *keep)
 	if (free >= bytes)
 		return 0;
 	uint64_t can = spillable_bytes(c, keep);
+	char pool[KVT_POOL_NOTE];
 	KVT_RETURN_IF(free + can < bytes, c, -ENOSPC,
-		      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu, and "
+		      "host tier full: %llu bytes needed, %llu free of host_bytes = %llu%s, and "
 		      "spilling every indexed block of the other sequences would free only %llu "
 		      "bytes more (no sequence has enough indexed blocks left to spill); nothing was "
 		      "spilled",
 		      (unsigned long long)bytes, (unsigned long long)free,
-		      (unsigned long long)c->host.capacity, (unsigned long long)can);
+		      (unsigned long long)c->host.capacity, kvt_pool_note(c, pool, sizeof pool),
+		      (unsigned long long)can);
 	struct kvt_tier_mark m;
 	kvt_tier_mark(c, &m);
 	while (kvt_extents_free_bytes(&c->host) < bytes) {
@@ -535,11 +537,12 @@ int64_t kvt_tier_restore(kvt_cache *c, struct kvt_seq *s, uint32_t slot)
 	kvt_tier_mark(c, &m);
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, s)); /* never the sequence being restored */
+	char pool[KVT_POOL_NOTE];
 	KVT_RETURN_IF(bytes > kvt_extents_free_bytes(&c->host), c, -ENOSPC,
-		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = %llu",
-		      slot, (unsigned long long)bytes,
+		      "restoring seq %u needs %llu bytes of host tier, %llu free of host_bytes = "
+		      "%llu%s", slot, (unsigned long long)bytes,
 		      (unsigned long long)kvt_extents_free_bytes(&c->host),
-		      (unsigned long long)c->host.capacity);
+		      (unsigned long long)c->host.capacity, kvt_pool_note(c, pool, sizeof pool));
 	struct kvt_err e;
 	int rc = read_back(c, s, slot, 0, n, &e);
 	if (rc < 0)
