@@ -24,7 +24,9 @@
  * the kernels when the step runs, so a replayed graph reads their contents at replay time) and host
  * memory on the cpu backend (read when the call runs).
  *   n_slots: rows of q and out; at most the max_slots of kvt_graph_reserve.
- *   seqs:    [n_slots] int32: the sequence id (kvt_seq_open) each slot holds; < 0 pads the slot.
+ *   seqs:    [n_slots] int32: the sequence id (kvt_seq_open) each slot holds; < 0 pads the slot
+ *            when valid is NULL (with valid, valid alone pads: a valid slot whose id is < 0 is a
+ *            slot error, its sequence not open).
  *   lengths: [n_slots] int32, or NULL: the tokens the runtime expects the slot's sequence to
  *            hold on the layer (kvt_seq_length); a valid slot whose sequence holds another count
  *            is an error.
