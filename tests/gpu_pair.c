@@ -194,6 +194,24 @@ void append_both(struct pair *p, uint32_t layer, uint32_t step)
 	}
 }
 
+static void fork_one(kvt_cache *c, uint32_t *seqs, uint32_t from, uint32_t gone)
+{
+	uint32_t child;
+	OK(c, kvt_seq_fork(c, seqs[from], &child, NULL));
+	OK(c, kvt_seq_close(c, seqs[gone]));
+	seqs[gone] = child;
+}
+
+void fork_both(struct pair *p, uint32_t from, uint32_t gone)
+{
+	fork_one(p->cpu, p->sc, from, gone);
+	fork_one(p->gpu, p->sg, from, gone);
+	if (p->lo) {
+		fork_one(p->lo, p->sl, from, gone);
+		fork_one(p->hi, p->sh, from, gone);
+	}
+}
+
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst)
 {
 	OK(p->cpu, kvt_attend(p->cpu, layer, NSEQ, p->sc, p->hq, p->out_c, NULL));

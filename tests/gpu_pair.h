@@ -74,6 +74,9 @@ void pair_fini(struct pair *p);
 void decode_inputs(struct pair *p, uint32_t layer, uint32_t step);
 /* decode_inputs, then their token appended to both caches */
 void append_both(struct pair *p, uint32_t layer, uint32_t step);
+/* On every cache of the pair: fork sequence `from`, close sequence `gone` (which may be `from`),
+ * and put the child in `gone`'s place of the batch. */
+void fork_both(struct pair *p, uint32_t from, uint32_t gone);
 /* kvt_attend of the decode inputs on both backends; their outputs agree within 1e-3 relative per
  * head (the worst seen in *worst). */
 void attend_both(struct pair *p, uint32_t layer, uint32_t step, double *worst);

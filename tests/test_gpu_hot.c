@@ -255,16 +255,10 @@ static void test_hot_auto_served(void **state)
 	g_p = 1.0f;
 	pair_init(&p, ctx, steps, 0);
 	g_p = 0.0f;
-	uint32_t kc, kg;
-	OK(p.cpu, kvt_seq_fork(p.cpu, p.sc[0], &kc, NULL));
-	OK(p.gpu, kvt_seq_fork(p.gpu, p.sg[0], &kg, NULL));
-	OK(p.cpu, kvt_seq_close(p.cpu, p.sc[0]));
-	OK(p.gpu, kvt_seq_close(p.gpu, p.sg[0]));
-	p.sc[0] = kc;
-	p.sg[0] = kg;
+	fork_both(&p, 0, 0);
 	/* the NSEQ open slots are not 0..NSEQ-1: one lies at NSEQ or above */
-	T_CHECK(kg >= NSEQ || p.sg[1] >= NSEQ, "open slots %u and %u: no closed slot below them",
-		kg, p.sg[1]);
+	T_CHECK(p.sg[0] >= NSEQ || p.sg[1] >= NSEQ, "open slots %u and %u: no closed slot below "
+		"them", p.sg[0], p.sg[1]);
 	uint64_t most = 0, have[LAYERS] = {0}, served = 0;
 	uint32_t growths = 0, to_served = 0;
 	for (uint32_t step = 0; step < steps; step++)

@@ -77,15 +77,8 @@ static uint64_t run(float w, uint32_t steps, struct record *rec, const struct re
 				OK(p.cpu, kvt_seq_truncate(p.cpu, p.sc[s], 4096 + step - 1, NULL));
 				OK(p.gpu, kvt_seq_truncate(p.gpu, p.sg[s], 4096 + step - 1, NULL));
 			}
-		if (step == 3 * steps / 4) { /* sequence 0's child in place of sequence 1 */
-			uint32_t kc, kg;
-			OK(p.cpu, kvt_seq_fork(p.cpu, p.sc[0], &kc, NULL));
-			OK(p.gpu, kvt_seq_fork(p.gpu, p.sg[0], &kg, NULL));
-			OK(p.cpu, kvt_seq_close(p.cpu, p.sc[1]));
-			OK(p.gpu, kvt_seq_close(p.gpu, p.sg[1]));
-			p.sc[1] = kc;
-			p.sg[1] = kg;
-		}
+		if (step == 3 * steps / 4) /* sequence 0's child in place of sequence 1 */
+			fork_both(&p, 0, 1);
 		for (uint32_t layer = 0; layer < LAYERS; layer++) {
 			append_both(&p, layer, step);
 			const size_t li = (size_t)layer * items;

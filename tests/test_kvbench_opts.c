@@ -185,7 +185,7 @@ static void test_sweep_files(void **state)
 	free(out);
 	free(errs);
 
-	char dir[128], q[160], err[ERRLEN];
+	char dir[128], q[160];
 	snprintf(dir, sizeof dir, "%s/q\"d", work);
 	T_CHECK(mkdir(dir, 0700) == 0, "mkdir %s failed", dir);
 	snprintf(q, sizeof q, "%s/x.csv", dir);
@@ -193,8 +193,7 @@ static void test_sweep_files(void **state)
 	rc = t_kvbench(av, work, &out, &errs);
 	trace_json j;
 	T_CHECK(rc == 0, "sweep --csv '%s' --json: exit %d, stderr '%s'", q, rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof err) == 0,
-		"sweep --csv '%s' --json: not JSON: %s\n%s", q, err, out);
+	t_json_stdout("sweep --csv --json", out, &j);
 	const trace_json_node *c = trace_json_get(&j, &j.nodes[1], "csv");
 	T_CHECK(c && c->type == TJ_STRING && !strcmp(c->str, q), "\"csv\" got '%s', want '%s'",
 		c && c->str ? c->str : "(none)", q);
@@ -213,13 +212,12 @@ static void test_sweep_files(void **state)
 static void test_baselines_json(void **state)
 {
 	(void)state;
-	char *av[24], *out, *errs, err[ERRLEN];
+	char *av[24], *out, *errs;
 	args(av, (char *[]){"--baselines", "--json", NULL});
 	int rc = t_kvbench(av, work, &out, &errs);
 	T_CHECK(rc == 0, "--baselines --json: exit %d, stderr '%s'", rc, errs);
 	trace_json j;
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof err) == 0,
-		"--baselines --json: not JSON: %s\n%s", err, out);
+	t_json_stdout("--baselines --json", out, &j);
 	const trace_json_node *b = trace_json_get(&j, &j.nodes[1], "baselines");
 	T_CHECK(b && b->type == TJ_OBJECT, "--baselines --json: no \"baselines\" object");
 	static const char *const keys[] = {"oracle_topp_recall", "oracle_at_budget_budget",
@@ -239,7 +237,7 @@ static void test_baselines_json(void **state)
 static void test_stress_skipped(void **state)
 {
 	(void)state;
-	char probe[128], *av[24], *out, *errs, err[ERRLEN];
+	char probe[128], *av[24], *out, *errs;
 	snprintf(probe, sizeof probe, "%s/kvbench-probe.img", work);
 	write_bytes(probe, "x", 1);
 	args(av, (char *[]){"--stress", "1", "--stress-mode", "spill", "--json", NULL});
@@ -248,8 +246,7 @@ static void test_stress_skipped(void **state)
 	T_CHECK(rc == 0 && strstr(errs, "spill"), "stress, spill skipped: exit %d, stderr '%s'; "
 		"want 0 and a message naming spill", rc, errs);
 	trace_json j;
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof err) == 0,
-		"stress --json: not JSON: %s\n%s", err, out);
+	t_json_stdout("stress --json", out, &j);
 	const trace_json_node *s = trace_json_get(&j, &j.nodes[1], "modes_skipped");
 	T_CHECK(s && s->type == TJ_ARRAY && s->count == 1 && !strcmp(j.nodes[s->child].str, "spill"),
 		"stress --json: modes_skipped got %u entries, want [\"spill\"]", s ? s->count : 0);

@@ -26,7 +26,7 @@ void test_replay(void **state)
 {
 	(void)state;
 	tdir t;
-	char *out, *errs, err[ERRLEN];
+	char *out, *errs;
 	trace_json j;
 	make_trace(&t, TRACE_F16, 2, 300, 24, 3);
 	char *argv[] = {"kvbench", "--trace", t.path,	 "--backend", "cpu", "--p",
@@ -34,8 +34,7 @@ void test_replay(void **state)
 			"8",	   "--sinks", "4",	 "--chunk",   "128", NULL};
 	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 0, "replay at p = 1: exit %d, stderr: %s", rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
-		"--json output: %s\n%s", err, out);
+	t_json_stdout("--json output", out, &j);
 	const trace_json_node *root = &j.nodes[1];
 	double rmin = jnum(&j, root, "recall_min"), bud = jnum(&j, root, "budget_mean"),
 	       oe = jnum(&j, root, "output_error");
@@ -77,8 +76,7 @@ void test_replay(void **state)
 	} else {
 		trace_json jn;
 		T_CHECK(rc == 0, "replay with --nvme: exit %d, stderr: %s", rc, errs_nv);
-		T_CHECK(trace_json_parse(out_nv, strlen(out_nv), "stdout", &jn, err, sizeof(err)) == 0,
-			"--nvme --json output: %s\n%s", err, out_nv);
+		t_json_stdout("--nvme --json output", out_nv, &jn);
 		static const char *const same[] = {"recall_mean", "recall_min", "budget_mean",
 						   "output_error", "recall_p5_worst_head"};
 		for (size_t i = 0; i < sizeof(same) / sizeof(same[0]); i++)
@@ -117,7 +115,7 @@ void test_replay(void **state)
 			 "16",	    "--budget-min", "0",	"--json",    NULL};
 	rc = t_kvbench(argv3, NULL, &out, &errs);
 	T_CHECK(rc == 0, "replay at p = 0.5 --json: exit %d, stderr: %s", rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	t_json_stdout("--json", out, &j);
 	double rm = jnum(&j, &j.nodes[1], "recall_mean");
 	bud = jnum(&j, &j.nodes[1], "budget_mean");
 	/* the 1-bit estimate of random vectors is rough: recall may fall short of p, but some mass
@@ -311,7 +309,7 @@ void test_replay_sweep(void **state)
 {
 	(void)state;
 	tdir t;
-	char *out, *errs, err[ERRLEN];
+	char *out, *errs;
 	trace_json j;
 	make_trace(&t, TRACE_F16, 2, 300, 24, 3);
 	char *argv[] = {"kvbench", "--trace", t.path,	  "--backend",	      "cpu",
@@ -321,8 +319,7 @@ void test_replay_sweep(void **state)
 			"rescore=0,0.95", NULL};
 	int rc = t_kvbench(argv, NULL, &out, &errs);
 	T_CHECK(rc == 0, "trace sweep: exit %d, stderr: %s", rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
-		"--json output: %s\n%s", err, out);
+	t_json_stdout("--json output", out, &j);
 	const trace_json_node *pts = trace_json_get(&j, &j.nodes[1], "points"),
 			      *vs = trace_json_get(&j, &j.nodes[1], "vs_p_sweep");
 	T_CHECK(pts && pts->count == 6 && vs && vs->count == 3,
@@ -357,8 +354,7 @@ void test_replay_sweep(void **state)
 			      single[k][3], NULL};
 		rc = t_kvbench(av, NULL, &out, &errs);
 		T_CHECK(rc == 0, "single replay: exit %d, stderr: %s", rc, errs);
-		T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0,
-			"%s", err);
+		t_json_stdout("--json", out, &j);
 		const uint32_t at = k ? 4 : 1;
 		T_CHECK(jnum(&j, &j.nodes[1], "recall_p5") == p5[at] &&
 				jnum(&j, &j.nodes[1], "budget_mean") == bud[at],
@@ -378,7 +374,7 @@ void test_replay_sweep(void **state)
 	rc = t_kvbench(av_cross, NULL, &out, &errs);
 	T_CHECK(rc == 0 && strstr(errs, "p 0.95, rescore 0.95 left out"),
 		"crossed axes with a refused pair: exit %d, stderr '%s'", rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	t_json_stdout("--json", out, &j);
 	pts = trace_json_get(&j, &j.nodes[1], "points");
 	T_CHECK(pts && pts->count == 3, "crossed axes: want 3 points, got %u",
 		pts ? pts->count : 0);
@@ -393,7 +389,7 @@ void test_replay_sweep(void **state)
 			   NULL};
 	rc = t_kvbench(av_keep, NULL, &out, &errs);
 	T_CHECK(rc == 0, "keep sweep: exit %d, stderr: %s", rc, errs);
-	T_CHECK(trace_json_parse(out, strlen(out), "stdout", &j, err, sizeof(err)) == 0, "%s", err);
+	t_json_stdout("--json", out, &j);
 	pts = trace_json_get(&j, &j.nodes[1], "points");
 	vs = trace_json_get(&j, &j.nodes[1], "vs_p_sweep");
 	T_CHECK(pts && pts->count == 6 && vs && vs->count == 3,

@@ -251,3 +251,10 @@ int t_kvbench(char **argv, const char *dir, char **out, char **errs)
 	unlink(pe);
 	return rc;
 }
+
+void t_json_stdout(const char *what, const char *out, trace_json *j)
+{
+	char err[ERRLEN];
+	T_CHECK(trace_json_parse(out, strlen(out), "stdout", j, err, sizeof err) == 0,
+		"%s: not JSON: %s\n%s", what, err, out);
+}

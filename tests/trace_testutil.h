@@ -57,6 +57,10 @@ void edit_meta(const tdir *t, const char *from, const char *to);
  * into *out and *errs (NUL-terminated; the caller frees them). Returns the exit status. */
 int t_kvbench(char **argv, const char *dir, char **out, char **errs);
 
+/* kvbench's --json stdout `out` parsed into *j (trace_json_free it), or the test fails naming
+ * `what`, the parser's error and the output. */
+void t_json_stdout(const char *what, const char *out, trace_json *j);
+
 /* The tests' own RFC 3629 check, by code point: the length of the valid sequence at s, or 0. */
 size_t t_utf8_ok(const unsigned char *s, size_t n);
 

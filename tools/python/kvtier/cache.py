@@ -176,14 +176,17 @@ class Cache:
         if isinstance(seqs, (Sequence, int)):
             seqs = [seqs]
         ids: list = []
+        first: dict = {}  # id -> its first place, so a batch is checked in one pass
         for i, s in enumerate(seqs):
             try:
-                ids.append(self._seq_id(s))
+                sid = self._seq_id(s)
             except Error as e:
                 raise refuse("seqs[%d]: %s" % (i, e.detail), e.code, entry=i) from None
-            if ids[-1] in ids[:-1]:
+            if sid in first:
                 raise refuse("seqs[%d] = seqs[%d] = %d: a sequence appears twice in one batch"
-                             % (ids.index(ids[-1]), i, ids[-1]), entry=i)
+                             % (first[sid], i, sid), entry=i)
+            first[sid] = i
+            ids.append(sid)
         if not ids:
             raise refuse("seqs is empty: want at least one sequence")
         return (ctypes.c_uint32 * len(ids))(*ids)
