@@ -25,7 +25,10 @@
  * offload measured, against the resident kernel and the eager step: with --drift the step is bound
  * by it (doc/cuda-backend.md). Then the step's floor: that plus the step's own score and select
  * (the selection names the rows, so they come first): with today's row format and stage order,
- * no kernel beats it.
+ * no kernel beats it. Beside it, the host path alone: as many rows as the step missed, read
+ * zero-copy from the pinned K/V at hashed positions by a kernel that does nothing else, against
+ * the step's gather + attend (it tells this machine's host memory and PCIe apart from our kernels
+ * when a step's time moves between machines and its bytes do not).
  * Ratios: kvtier / resident and naive / kvtier, with the goals of issue 15 (128K x 1 at most 1.0x
  * the resident kernel, 1M x 1 0.8x, 1M x 8 1.0x; the replayed and the eager step each judged)
  * and of earlier issues (reported, never asserted: a missed goal does not change the exit
@@ -54,6 +57,33 @@ enum { D = 128, HKV = 8, HQ = 32, G = HQ / HKV, ROW = 4 * D, THREADS = 256 };
 #include "gpu_decode_workload.cuh"
 #include "gpu_decode_resident.cuh"
 #include "gpu_decode_kvtier.cuh"
+
+/* The host path alone: `rows` rows of ROW bytes at hashed positions of pinned host memory (`host`,
+ * `n_rows` rows), read zero-copy by one warp per row (16 B a lane) into device memory and nothing
+ * else: what reading one step's misses costs this machine's host memory and PCIe, without our
+ * gather's plan or the attention around it. `salt` moves the positions from run to run. */
+static __global__ void zero_copy_rows(const uint4 *host, size_t n_rows, uint32_t rows, uint32_t salt,
+				      uint4 *out)
+{
+	const uint32_t w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+	if (w >= rows)
+		return;
+	const size_t r = (((size_t)hash32(((uint64_t)salt << 32) | w) << 16) ^ w) % n_rows;
+	out[(size_t)w * (ROW / 16) + lane] = host[r * (ROW / 16) + lane];
+}
+
+/* Median ms of zero_copy_rows over 10 runs after 2 (each run at other positions). */
+static float zero_copy_ms(const void *host, size_t n_rows, uint32_t rows, uint4 *out,
+			  cudaStream_t st)
+{
+	static_assert(ROW == 32 * 16, "one warp reads one row, 16 B a lane");
+	const uint4 *dev;
+	CK(cudaHostGetDevicePointer((void **)&dev, (void *)host, 0));
+	return median_ms(st, 2, 10, [&](int i) {
+		zero_copy_rows<<<(rows + 7) / 8, 256, 0, st>>>(dev, n_rows, rows, (uint32_t)i, out);
+		CK(cudaGetLastError());
+	});
+}
 
 struct options {
 	std::vector<uint32_t> contexts = {32768, 131072, 524288, 1048576};
@@ -226,8 +256,8 @@ int main(int argc, char **argv)
 	float *dout;
 	CK(cudaMalloc((void **)&dk, max_bytes / 2));
 	CK(cudaMalloc((void **)&dv, max_bytes / 2));
-	CK(cudaHostAlloc((void **)&hk, max_bytes / 2, cudaHostAllocDefault));
-	CK(cudaHostAlloc((void **)&hv, max_bytes / 2, cudaHostAllocDefault));
+	CK(cudaHostAlloc((void **)&hk, max_bytes / 2, cudaHostAllocMapped));
+	CK(cudaHostAlloc((void **)&hv, max_bytes / 2, cudaHostAllocMapped));
 	uint32_t bmax = 0;
 	for (const cfg_t &c : cfgs)
 		bmax = std::max(bmax, c.b);
@@ -311,6 +341,21 @@ int main(int argc, char **argv)
 				       k.graph_ms, k.graph_ms / res_ms, 100.0 * k.graph_hit_rate,
 				       k.graph_pcie_per_step / 1e6,
 				       k.graph_same ? "equals, bit for bit," : "DIFFERS FROM");
+			if (k.pcie_per_step > 0) {
+				/* the same number of rows read zero-copy alone (dk is free here: the
+				 * resident output it fed is already in dout) */
+				const uint32_t rows = (uint32_t)(k.pcie_per_step / ROW);
+				const size_t room = std::min(half / ROW, (size_t)(max_bytes / 2 / ROW));
+				if (rows > 0 && rows <= room) {
+					const float zc = zero_copy_ms(hk, half / ROW, rows, (uint4 *)dk, st);
+					printf("  host path alone: the step's %u miss rows of %d B read "
+					       "zero-copy at hashed positions of the pinned K/V (a warp per "
+					       "row, nothing else): %.3f ms, %.1f GB/s; the step's gather + "
+					       "attend took %.2fx that\n",
+					       rows, ROW, zc, rows * (double)ROW / (zc * 1e6),
+					       k.ns[4] / (zc * 1e6));
+				}
+			}
 			if (k.pcie_per_step > 0) { /* bytes / (GB/s): the step cannot be faster */
 				const double floor_ms = k.pcie_per_step / (h2d_gbs * 1e6);
 				/* the selection names the rows, so the step's own score and select
