@@ -507,6 +507,9 @@ KVT_API int kvt_get_capacity(kvt_cache *c, kvt_capacity *cap)
 		kvt_nvme_get_stats(c->nvme, &ns);
 		k.nvme_bytes_free = ns.bytes_free;
 		k.nvme_bytes_capacity = ns.bytes_used + ns.bytes_free;
+		const struct kvt_nvme_block_id id = {.n_tokens = KVT_BLOCK_TOKENS,
+						     .head_dim = c->cfg.head_dim};
+		k.nvme_block_bytes = kvt_nvme_block_bytes(c->nvme, &id);
 	}
 	kvt_out_fill(cap, &k, sizeof k);
 	return 0;

@@ -666,6 +666,9 @@ typedef struct kvt_capacity {
 	uint64_t index_bytes_per_token; /* index bytes of one indexed token over all layers and KV heads
 					   (the CUDA backend keeps them in HBM) */
 	uint32_t seqs_open, max_seqs;
+	uint64_t nvme_block_bytes;    /* a spilled block in this cache's NVMe files: header, checksums
+					 and payload at the files' own alignment (0 without an NVMe
+					 tier); kvt_footprint's nvme_block_bytes assumes 4 KiB */
 } kvt_capacity;
 
 /* The size of the first release's kvt_capacity: the smallest kvt_get_capacity accepts. */

@@ -65,7 +65,8 @@ typedef struct kvt_footprint {
 	uint64_t nvme_block_bytes;  /* the same block in an NVMe file: header, checksums and payload,
 				       each 4 KiB aligned (doc/nvme-format.md); a store whose files
 				       align to less (512-byte sectors) takes less, one of more
-				       takes more: kvt_seq_bytes reports what a sequence holds */
+				       takes more: a live cache's kvt_capacity.nvme_block_bytes
+				       is its files' own */
 	uint64_t index_token_bytes; /* index of one token over every layer and KV head:
 				       (head_dim / 8 + 4) n_kv_heads n_layers */
 	/* one sequence */

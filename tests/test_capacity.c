@@ -2,7 +2,8 @@
 /*
  * The scheduler-facing calls (kvt_get_capacity, kvt_seq_bytes): the per-token and per-block figures
  * follow from the shape, the free bytes fall by exactly what a prefill takes, a spill moves a
- * sequence's bytes from the host tier to NVMe (and its NVMe bytes are those the files lose), and bad
+ * sequence's bytes from the host tier to NVMe (and its NVMe bytes are those the files lose, a
+ * block's nvme_block_bytes each), and bad
  * arguments are refused by name.
  */
 #include "common.h"
@@ -55,10 +56,12 @@ static void test_figures(void **state)
 		(unsigned long long)k.row_bytes_per_token, (unsigned long long)k.index_bytes_per_token,
 		(unsigned long long)(row * HKV * L), (unsigned long long)((D / 8 + 4) * HKV * L));
 	T_CHECK(k.host_bytes_free == cfg.host_bytes && k.host_bytes_capacity == cfg.host_bytes &&
-			k.nvme_bytes_capacity == 0 && k.seqs_open == 0 && k.max_seqs == cfg.max_seqs,
-		"empty cache: free %llu of %llu, nvme %llu, seqs %u of %u",
+			k.nvme_bytes_capacity == 0 && k.nvme_block_bytes == 0 && k.seqs_open == 0 &&
+			k.max_seqs == cfg.max_seqs,
+		"empty cache: free %llu of %llu, nvme %llu (blocks of %llu), seqs %u of %u",
 		(unsigned long long)k.host_bytes_free, (unsigned long long)k.host_bytes_capacity,
-		(unsigned long long)k.nvme_bytes_capacity, k.seqs_open, k.max_seqs);
+		(unsigned long long)k.nvme_bytes_capacity, (unsigned long long)k.nvme_block_bytes,
+		k.seqs_open, k.max_seqs);
 	uint32_t s;
 	T_CHECK(kvt_seq_open(c, &s) == 0, "seq_open");
 	prefill(c, s);
@@ -92,7 +95,8 @@ static void test_spilled(void **state)
 	kvt_capacity before = capacity(c);
 	uint64_t host0, host1, nvme1;
 	T_CHECK(kvt_seq_bytes(c, s, &host0, NULL) == 0, "kvt_seq_bytes");
-	T_CHECK(kvt_seq_spill(c, s) > 0, "spill: %s", kvt_last_error(c));
+	const int64_t moved = kvt_seq_spill(c, s);
+	T_CHECK(moved > 0, "spill: %s", kvt_last_error(c));
 	kvt_capacity after = capacity(c);
 	T_CHECK(kvt_seq_bytes(c, s, &host1, &nvme1) == 0, "kvt_seq_bytes after the spill");
 	T_CHECK(host1 < host0 && nvme1 > 0 && after.host_bytes_free - before.host_bytes_free ==
@@ -101,6 +105,16 @@ static void test_spilled(void **state)
 		(unsigned long long)host0, (unsigned long long)host1, (unsigned long long)nvme1,
 		(unsigned long long)before.host_bytes_free, (unsigned long long)after.host_bytes_free,
 		(unsigned long long)before.nvme_bytes_free, (unsigned long long)after.nvme_bytes_free);
+	/* a spilled block takes nvme_block_bytes in the files: header, checksums and payload at
+	 * the files' alignment, more than the payload and less than the payload plus a page */
+	const uint64_t blocks = (uint64_t)moved / after.block_bytes;
+	T_CHECK(after.nvme_block_bytes == before.nvme_block_bytes &&
+			after.nvme_block_bytes > after.block_bytes &&
+			after.nvme_block_bytes <= after.block_bytes + 8192 &&
+			nvme1 == blocks * after.nvme_block_bytes,
+		"%llu blocks spilled of %llu bytes each: nvme %llu, wanted %llu",
+		(unsigned long long)blocks, (unsigned long long)after.nvme_block_bytes,
+		(unsigned long long)nvme1, (unsigned long long)(blocks * after.nvme_block_bytes));
 	kvt_cache_destroy(c);
 	tt_unlink(&f);
 }

@@ -131,7 +131,7 @@ class KvtCapacity(ctypes.Structure):
         (n, u64) for n in ("host_bytes_free", "host_bytes_capacity", "nvme_bytes_free",
                            "nvme_bytes_capacity", "block_bytes", "block_tokens",
                            "row_bytes_per_token", "index_bytes_per_token")
-    ] + [("seqs_open", u32), ("max_seqs", u32)]
+    ] + [("seqs_open", u32), ("max_seqs", u32), ("nvme_block_bytes", u64)]
 
 
 def _end_of(struct: type, field: str) -> int:

@@ -64,9 +64,11 @@ def test_sizes_lp64():
     for st in _abi.STRUCTS.values():
         assert ctypes.sizeof(st) >= _abi.SIZE_VER0[st], st.__name__
     # the output structs end with their first release's last field, or past it by what was
-    # added since (kvt_stats: the second selection stage's two counters, scan_hist_hits)
-    grown = {_abi.KvtStats: 24}
-    for st in (_abi.KvtStats, _abi.KvtLayerStats, _abi.KvtProbeInfo, _abi.KvtFootprint):
+    # added since (kvt_stats: the second selection stage's two counters, scan_hist_hits;
+    # kvt_capacity: nvme_block_bytes)
+    grown = {_abi.KvtStats: 24, _abi.KvtCapacity: 8}
+    for st in (_abi.KvtStats, _abi.KvtLayerStats, _abi.KvtProbeInfo, _abi.KvtFootprint,
+               _abi.KvtCapacity):
         assert ctypes.sizeof(st) == _abi.SIZE_VER0[st] + grown.get(st, 0), st.__name__
 
 
