@@ -174,7 +174,10 @@ int kvt_nv_file_open(struct nv_file *f, const char *path, int buffered, const ch
 	if (lock_file(f->fd, &sb) != 0) {
 		int e = errno, pid = e == EWOULDBLOCK ? lock_holder(sb.st_dev, sb.st_ino) : 0;
 		char who[64] = "holder's pid not visible here";
-		if (pid)
+		if (pid == getpid())
+			snprintf(who, sizeof who, "locked by this process, pid %d: the same file "
+				 "under two paths?", pid);
+		else if (pid)
 			snprintf(who, sizeof who, "locked by pid %d", pid);
 		if (e == EWOULDBLOCK)
 			return kvt_err_set(err, -EBUSY,

@@ -393,6 +393,12 @@ void kvt_nvme_close(struct kvt_nvme *st)
 	kvt_mem_free(KVT_MEM_HOST, st, sizeof *st);
 }
 
+void kvt_nvme_keep_none(struct kvt_nvme *st)
+{
+	if (st)
+		st->keep = 0;
+}
+
 int kvt_nvme_available(struct kvt_err *why)
 {
 	struct io_uring r;
@@ -466,6 +472,11 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, stru
 }
 
 void kvt_nvme_close(struct kvt_nvme *st)
+{
+	(void)st;
+}
+
+void kvt_nvme_keep_none(struct kvt_nvme *st)
 {
 	(void)st;
 }

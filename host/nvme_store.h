@@ -142,9 +142,17 @@ int kvt_nvme_open(const struct kvt_nvme_config *cfg, struct kvt_nvme **out, stru
 void kvt_nvme_close(struct kvt_nvme *st);
 
 /*
+ * For an owner whose own set-up failed after kvt_nvme_open: kvt_nvme_close will remove the files
+ * the store created even under KVT_NVME_KEEP (a failed create keeps nothing it made). NULL is
+ * accepted.
+ */
+void kvt_nvme_keep_none(struct kvt_nvme *st);
+
+/*
  * Allocate space for and write n blocks, up to queue_depth I/Os in flight; locs_out[i] receives
  * where blocks[i] went. All or nothing: on any error the space of every block of the call is
- * freed and every locs_out[i] is zeroed (bytes = 0), so no block is ever reported written that was
+ * zeroed on disk (kvt_nvme_discard: what was written does not stay) and freed, and every
+ * locs_out[i] is zeroed (bytes = 0), so no block is ever reported written that was
  * not written in full. Returns 0 or: -EINVAL (a bad block, named: zero or too many rows, a block
  * larger than the whole bounce pool), -ENOSPC (bytes needed and free), -ENOMEM, an I/O error from a
  * completion (-EIO, -ECANCELED, -ENOSPC, ...) or -EIO (a zero-length transfer, retries exhausted).

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The write and free calls of the NVMe store: space for a call's blocks taken all or nothing over
- * the files in turn, the blocks staged and written by the engine (nvme_engine.c), the space given
- * back when the call fails, and frees that drop what the header cache holds for the space.
+ * the files in turn, the blocks staged and written by the engine (nvme_engine.c), the space zeroed
+ * and given back when the call fails, and frees that drop what the header cache holds for the space.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -95,7 +95,9 @@ int kvt_nvme_write_blocks(struct kvt_nvme *st, uint32_t n, const struct kvt_nvme
 	struct kvt_call c = {.write = 1, .n = n, .blocks = blocks, .locs = locs, .err = err};
 	rc = n ? kvt_nv_run_call(st, &c) : 0;
 	if (rc) {
-		/* Nothing of a failed call is reported written: space back, locs zeroed. */
+		/* Nothing of a failed call is reported written: what reached the files zeroed
+		 * (any of its blocks may have), space back, locs zeroed. */
+		kvt_nvme_discard(st, n, locs);
 		for (uint32_t i = 0; i < n; i++)
 			kvt_space_free(&st->files[locs[i].file].space, locs[i].offset,
 				       locs[i].bytes);

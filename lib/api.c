@@ -143,6 +143,7 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 	if (rc < 0) {
 		char why[512];
 		snprintf(why, sizeof why, "%s", kvt_last_error(NULL));
+		kvt_nvme_keep_none(c->nvme); /* a failed create keeps no file it made */
 		cache_free(c);
 		return kvt_seterr(NULL, rc, "%s", why);
 	}
@@ -152,6 +153,7 @@ KVT_API int kvt_cache_create(const kvt_config *cfg, kvt_cache **out)
 		char why[512];
 		snprintf(why, sizeof why, "%s", c->err);
 		const char *name = c->st.backend;
+		kvt_nvme_keep_none(c->nvme);
 		cache_free(c);
 		return kvt_seterr(NULL, rc, "%s backend initialization failed: %s", name,
 				  why[0] ? why : kvt_strerror(rc));

@@ -98,9 +98,15 @@ static int check_tiers(const kvt_config *cfg)
 	CHECK(cfg->n_nvme == 0 || (cfg->nvme_paths && cfg->nvme_bytes),
 	      "n_nvme = %u but nvme_%s is NULL", cfg->n_nvme, cfg->nvme_paths ? "bytes" : "paths");
 	for (uint32_t i = 0; i < cfg->n_nvme; i++) {
-		CHECK(cfg->nvme_paths[i], "nvme_paths[%u] is NULL", i);
-		CHECK(cfg->nvme_bytes[i] > 0, "nvme_bytes[%u] = 0 (%s), must be > 0", i,
-		      cfg->nvme_paths[i]);
+		CHECK(cfg->nvme_paths[i] && cfg->nvme_paths[i][0], "nvme_paths[%u] is %s", i,
+		      cfg->nvme_paths[i] ? "empty" : "NULL");
+		CHECK(cfg->nvme_bytes[i] >= 4096 && cfg->nvme_bytes[i] <= (uint64_t)INT64_MAX,
+		      "nvme_bytes[%u] = %llu (%s), must be in [4096, 2^63)", i,
+		      (unsigned long long)cfg->nvme_bytes[i], cfg->nvme_paths[i]);
+		for (uint32_t j = 0; j < i; j++)
+			CHECK(strcmp(cfg->nvme_paths[i], cfg->nvme_paths[j]) != 0,
+			      "nvme_paths[%u] = %s is nvme_paths[%u] again: one file, one store", i,
+			      cfg->nvme_paths[i], j);
 	}
 	CHECK(cfg->n_nvme == 0 || cfg->nvme_cache_bytes >= ((uint64_t)1 << 20),
 	      "nvme_cache_bytes = %llu, must be >= 1 MiB with an NVMe tier",

@@ -134,8 +134,9 @@ typedef struct kvt_config {
 	int32_t device;       /* CUDA device ordinal, >= 0; default 0 */
 	/* tiers */
 	uint64_t host_bytes;  /* capacity of the host tier for K/V rows; 0 (default): 1 GiB */
-	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier */
-	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use */
+	const char *const *nvme_paths; /* [n_nvme] files (created and sized) for the NVMe tier; no
+					  path given twice */
+	const uint64_t *nvme_bytes;    /* [n_nvme] bytes of each file to use, in [4096, 2^63) */
 	uint64_t nvme_cache_bytes;     /* host memory caching blocks read for direct serving, >= 1 MiB
 					  when n_nvme > 0, <= 1 TiB; 0 (default): 64 MiB. Size it to
 					  the 4 KiB chunks one decode step reads from spilled

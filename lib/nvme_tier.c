@@ -404,8 +404,8 @@ static uint32_t count_spilled(const kvt_cache *c, struct kvt_seq *s, uint64_t af
 	return n;
 }
 
-/* Read the n blocks of s spilled after generation `after` into host blocks, then free their NVMe
- * copies. On failure nothing changes (the host blocks go back, the NVMe copies stay valid) and
+/* Read the n blocks of s spilled after generation `after` into host blocks, then zero and free
+ * their NVMe copies. On failure nothing changes (the host blocks go back, the NVMe copies stay valid) and
  * *err says why: the caller sets the call's error, once. */
 static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t after, uint32_t n,
 		     struct kvt_err *err)
@@ -440,6 +440,8 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 			if (spilled_after(l, (size_t)h * l->blk_cap + b, after))
 				restored_to(c, l, h, b, host[i++]);
 		}
+		/* the rows live in the host tier now: none stays readable in the files */
+		kvt_nvme_discard(c->nvme, n, locs);
 		kvt_nvme_free(c->nvme, n, locs);
 	} else {
 		kvt_extents_give(&c->host, n, host);

@@ -490,6 +490,34 @@ static void test_failed_create_cleans_up(void **state)
 		made);
 	T_CHECK(theirs_left, "failed create: %s, which it did not create, got removed, wanted kept",
 		theirs);
+	/* the same when the store opened and a later step of the create failed, even with
+	 * KVT_NVME_KEEP_FILES: the N-th allocation fails, N = 1, 2, ... until none fires */
+	const char *one[1] = {made};
+	cfg = tier_config(one, bytes, 1);
+	cfg.nvme_flags = KVT_NVME_KEEP_FILES;
+	uint64_t n = 1, failed = 0, left = 0;
+	int fired = 1, kept = 0;
+	for (; fired && n < 4096; n++) {
+		kvt_mem_fail_at(n);
+		rc = kvt_cache_create(&cfg, &c);
+		fired = kvt_mem_fired();
+		kvt_mem_fail_at(0);
+		if (rc == 0) {
+			kvt_cache_destroy(c);
+			kept = exists(made); /* a cache that was made keeps its file */
+		} else {
+			failed++;
+			left += exists(made);
+		}
+		unlink(made);
+	}
+	print_message("KVT_NVME_KEEP_FILES: %llu creates failed by an allocation, of %llu tried\n",
+		      (unsigned long long)failed, (unsigned long long)(n - 1));
+	T_CHECK(!fired && failed > 0 && left == 0 && kept,
+		"KVT_NVME_KEEP_FILES, the N-th allocation failed: %llu of %llu failed creates left "
+		"%s behind (wanted none); the last create %s it (wanted kept)",
+		(unsigned long long)left, (unsigned long long)failed, made,
+		kept ? "kept" : "did not keep");
 }
 
 /* Nonzero bytes in [off, off + n) of fd, or -1 when it cannot be read. */
@@ -606,6 +634,55 @@ static void test_closed_seq_discarded(void **state)
 		f.paths[0]);
 }
 
+/* An injected error on the n-th completion of a write (2: the spill's second block). */
+static int fail_second(void *ctx, uint64_t nth, int res)
+{
+	(void)ctx;
+	return nth == 2 ? -EIO : res;
+}
+
+/*
+ * Space freed while the sequence stays open is zeroed too: a restored sequence's blocks (its rows
+ * are in host memory now), and what a spill that failed part way had written.
+ */
+static void test_freed_space_zeroed(void **state)
+{
+	(void)state;
+	tt_skip_unless_available();
+	tt_files f;
+	tt_make_files(&f, 1, (uint64_t)8 << 20);
+	kvt_config cfg = tier_config(f.ptrs, f.bytes, 1);
+	cfg.nvme_queue_depth = 1; /* the second block's write completes after the first's */
+	kvt_cache *c = t_create(&cfg);
+	int fd = open(f.paths[0], O_RDONLY | O_CLOEXEC);
+	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
+	struct rows *r = t_alloc(sizeof *r);
+	make_rows(r, 8);
+	uint32_t s = fill_and_spill(c, r, "restored");
+	const struct kvt_nvme_loc loc = c->seqs[s].layers[0].spill[1].loc;
+	const long before = nonzero_bytes(fd, loc.offset, loc.bytes);
+	const long bad = restore_and_compare(c, s, r, "restored");
+	const long after = nonzero_bytes(fd, loc.offset, loc.bytes);
+	T_CHECK(bad == -1 && before > 0 && after == 0, "restore: rows %s; the block @ %llu had %ld "
+		"nonzero bytes, then %ld (wanted the rows back and 0)", bad == -1 ? "back" : "WRONG",
+		(unsigned long long)loc.offset, before, after);
+	kvt_nvme_set_cqe_hook(c->nvme, fail_second, NULL);
+	const int64_t m = kvt_seq_spill(c, s);
+	kvt_nvme_set_cqe_hook(c->nvme, NULL, NULL);
+	const long written = nonzero_bytes(fd, 0, f.bytes[0]);
+	print_message("spill with its 2nd write failed: %lld (%s); %ld nonzero bytes in the file\n",
+		      (long long)m, kvt_last_error(c), written);
+	T_CHECK(m == -EIO && written == 0, "spill with its second write failed: got %lld, %ld "
+		"nonzero bytes in the file; wanted -EIO, 0", (long long)m, written);
+	uint64_t nvme = 1;
+	T_CHECK(kvt_seq_bytes(c, s, NULL, &nvme) == 0 && nvme == 0,
+		"after the failed spill: %llu bytes on NVMe, wanted 0", (unsigned long long)nvme);
+	kvt_cache_destroy(c);
+	close(fd);
+	tt_unlink(&f);
+	free(r);
+}
+
 int main(void)
 {
 	t_warm_runtime();
@@ -620,6 +697,7 @@ int main(void)
 		cmocka_unit_test(test_failed_create_cleans_up),
 		cmocka_unit_test(test_destroy_removes_created),
 		cmocka_unit_test(test_closed_seq_discarded),
+		cmocka_unit_test(test_freed_space_zeroed),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -524,18 +524,24 @@ static void test_config_errors(void **state)
 	(void)state;
 	tt_files f;
 	tt_make_files(&f, 1, (uint64_t)1 << 20);
-	const uint64_t zero[1] = {0};
+	const uint64_t zero[1] = {0}, small[1] = {4095}, two[2] = {f.bytes[0], f.bytes[0]};
+	const char *twice[2] = {f.paths[0], f.paths[0]}, *empty[1] = {""};
+	const char *const *paths[] = {NULL, f.ptrs, twice, empty};
+	const uint64_t *bytes[] = {NULL, f.bytes, zero, small, two};
 	struct {
 		const char *name, *field;
 		uint32_t n_nvme;
-		int paths, bytes; /* 0: NULL, 1: the scratch file's, 2: zero bytes */
+		int paths, bytes; /* indices into paths[] and bytes[] */
 		uint32_t policy;
 		uint64_t cache;
 		uint32_t qd;
 	} cases[] = {
 		{"n_nvme = 1, nvme_paths NULL", "nvme_paths", 1, 0, 1, 0, 64u << 20, 0},
 		{"n_nvme = 1, nvme_bytes NULL", "nvme_bytes", 1, 1, 0, 0, 64u << 20, 0},
-		{"nvme_bytes[0] = 0", "nvme_bytes[0]", 1, 1, 2, 0, 64u << 20, 0},
+		{"nvme_bytes[0] = 0", "nvme_bytes[0] = 0", 1, 1, 2, 0, 64u << 20, 0},
+		{"nvme_bytes[0] = 4095", "nvme_bytes[0] = 4095", 1, 1, 3, 0, 64u << 20, 0},
+		{"a path given twice", "nvme_paths[1]", 2, 2, 4, 0, 64u << 20, 0},
+		{"an empty path", "nvme_paths[0] is empty", 1, 3, 1, 0, 64u << 20, 0},
 		{"spill_policy LRU without NVMe", "spill_policy", 0, 0, 0, KVT_SPILL_LRU, 64u << 20, 0},
 		{"nvme_cache_bytes = 1 MiB - 1", "nvme_cache_bytes", 1, 1, 1, 0, (1u << 20) - 1, 0},
 		{"nvme_cache_bytes = 2 TiB", "nvme_cache_bytes", 1, 1, 1, 0, (uint64_t)2 << 40, 0},
@@ -548,8 +554,8 @@ static void test_config_errors(void **state)
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
 		kvt_config cfg = t_config(1, 4, 2, D, KVT_DTYPE_F16);
 		cfg.n_nvme = cases[i].n_nvme;
-		cfg.nvme_paths = cases[i].paths ? f.ptrs : NULL;
-		cfg.nvme_bytes = cases[i].bytes == 1 ? f.bytes : cases[i].bytes == 2 ? zero : NULL;
+		cfg.nvme_paths = paths[cases[i].paths];
+		cfg.nvme_bytes = bytes[cases[i].bytes];
 		cfg.spill_policy = cases[i].policy;
 		cfg.nvme_cache_bytes = cases[i].cache;
 		cfg.nvme_queue_depth = cases[i].qd;
