@@ -288,7 +288,9 @@ int gpu_serve_spilled(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 			       .addr = addr, .stage = b->sp_rows, .got = got, .defer = defer,
 			       .H = H, .per_chunk = kvt_rows_per_chunk(c), .total = total};
 	const struct kvt_nvme_idle idle = {stage_some, &w};
-	KVT_TRY(kvt_rows_prefetch_idle(c, &idle));
+	const int prc = kvt_rows_prefetch_idle(c, &idle);
+	if (prc < 0)
+		return kvt_rows_blame(c, prc, n_seqs, ls);
 	for (uint32_t d = 0; !w.rc && d < w.n_defer; d++)
 		stage_run(&w, w.defer[d], run_end(&w, w.defer[d]));
 	while (!w.rc && w.next < total) {

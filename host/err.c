@@ -5,8 +5,10 @@
 
 int kvt_err_setv(struct kvt_err *e, int code, const char *fmt, va_list ap)
 {
-	if (e)
+	if (e) {
 		vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+		e->item = -1;
+	}
 	return code;
 }
 

@@ -10,9 +10,12 @@
 #define KVT_ERR_H
 
 #include <stdarg.h>
+#include <stdint.h>
 
 struct kvt_err {
 	char msg[512];
+	int64_t item; /* the call's item at fault (a request's index), -1 when none is known; every
+			 kvt_err_set resets it, the caller that knows the item sets it after */
 };
 
 /* Write the detail (printf format) into e, unless e is NULL, and return code. */

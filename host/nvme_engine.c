@@ -82,13 +82,14 @@ void kvt_nv_call_rows(const struct kvt_call *c, uint32_t i, struct kvt_nvme_rows
 	q->out = c->outs[i];
 }
 
-/* How messages name a block: "path @ offset (+bytes), seq S layer L head H tokens a..b gen G". */
+/* How messages name a block: "path @ offset (+bytes), uid U layer L head H tokens a..b gen G" (U:
+ * the id of the sequence that wrote it, kvtier's internal uid, never reused; not a seq slot). */
 void kvt_nv_name_block(const struct kvt_nvme *st, const struct kvt_nvme_loc *l,
 		       const struct kvt_nvme_block_id *id, char *buf, size_t n)
 {
 	const char *path = l->file < st->n_files ? st->files[l->file].path : "?";
 	snprintf(buf, n,
-		 "%s @ %" PRIu64 " (+%u), seq %" PRIu64 " layer %u head %u tokens %" PRIu64
+		 "%s @ %" PRIu64 " (+%u), uid %" PRIu64 " layer %u head %u tokens %" PRIu64
 		 "..%" PRIu64 " gen %" PRIu64,
 		 path, l->offset, l->bytes, id->seq, id->layer, id->kv_head, id->first_token,
 		 id->first_token + id->n_tokens, id->generation);
@@ -415,8 +416,11 @@ static void deliver(struct kvt_nvme *st, struct kvt_call *c, const struct req *r
 		st->stats.checksum_failures++;
 		kvt_hc_drop(st, q.loc.file, q.loc.offset); /* the block is suspect: read it whole */
 		kvt_nv_name_block(st, &q.loc, &q.expect, name, sizeof name);
-		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s",
-			  c->map ? c->map[r->idx] : r->idx, name, why.msg);
+		const uint32_t item = c->map ? c->map[r->idx] : r->idx;
+		const int first = !c->rc;
+		call_fail(st, c, -EBADMSG, "block %u (%s) refused: %s", item, name, why.msg);
+		if (first && c->err)
+			c->err->item = item; /* the block is this request's alone */
 		return;
 	}
 	if (!r->cached)

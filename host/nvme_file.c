@@ -9,8 +9,9 @@
  *     contents are discarded at open where the file system can punch holes, and in any case every
  *     block carries the random id of the store that wrote it (kvt_nv_store_id), which no later
  *     store shares;
- *   - freed blocks of closed sequences are zeroed (kvt_nvme_discard), and at close the blocks still
- *     in use are zeroed too, then a created file is removed unless the caller keeps it;
+ *   - freed blocks are zeroed (kvt_nvme_discard: closed sequences', restored ones, a failed
+ *     write's), and at close the blocks still in use are zeroed too, then a created file is removed
+ *     unless the caller keeps it;
  *   - running out of descriptors is -EMFILE / -ENFILE, a resource, not a missing feature.
  * Only built with liburing.
  */

@@ -43,7 +43,7 @@ struct kvt_nvme_block_id {
 
 /* Payload bytes (n_tokens * head_dim * 4), or 0 when zero or over KVT_NVME_MAX_PAYLOAD. */
 uint32_t kvt_nvme_payload_bytes(const struct kvt_nvme_block_id *id);
-/* Header bytes for a payload: 64 + 4 per started 4 KiB chunk. */
+/* Header bytes for a payload: 72 + 4 per started 4 KiB chunk. */
 uint32_t kvt_nvme_header_bytes(uint32_t payload_bytes);
 /*
  * Where the payload starts in a block: the header rounded up to `align` (a power of two), so the

@@ -20,7 +20,7 @@ static int choose_backend(kvt_cache *c, char *busid, size_t n)
 {
 	const struct kvt_backend_ops *cuda = kvt_cuda_backend_ops;
 	uint32_t want = c->cfg.backend;
-	struct kvt_err why = {"this build has no CUDA backend"};
+	struct kvt_err why = {.msg = "this build has no CUDA backend", .item = -1};
 	int gpu = -ENODEV;
 	if (c->cfg.device_busid) {
 		KVT_RETURN_IF(!cuda, NULL, -EOPNOTSUPP,

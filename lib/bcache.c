@@ -72,6 +72,8 @@ struct kvt_bcache {
 	int32_t *call;                  /* [n_slots] slots the running call uses */
 	struct kvt_rows_key *items;     /* [max_seqs * n_kv_heads] what the plan covers */
 	uint64_t *plan_uid;             /* [n_slots] the reading layer's uid of each planned chunk */
+	uint64_t failed_uid;            /* the reading layer's uid of the request that failed the last
+					   prefetch, when known (a block refused); else UINT64_MAX */
 	uint32_t items_cap;
 };
 
@@ -254,6 +256,7 @@ int kvt_bcache_init(kvt_cache *c)
 	KVT_RETURN_IF(!bc, NULL, -ENOMEM, "out of memory for the block cache");
 	memset(bc, 0, sizeof *bc);
 	c->bc = bc;
+	bc->failed_uid = UINT64_MAX;
 	bc->n_slots = (uint32_t)(c->cfg.nvme_cache_bytes / KVT_NVME_CHUNK);
 	bc->n_buckets = 1;
 	while (bc->n_buckets < 2 * bc->n_slots)
@@ -567,6 +570,7 @@ int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle)
 	uint32_t m = 0;
 	if (!bc || !bc->n_plan)
 		return 0;
+	bc->failed_uid = UINT64_MAX;
 	bc->stamp++; /* a call: the pointers of the last kvt_rows_get expire */
 	demote_uncovered(bc);
 	for (uint32_t r = 0; r < bc->n_plan; r++) {
@@ -589,15 +593,26 @@ int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle)
 	if (!m)
 		return 0;
 	uint64_t t0 = kvt_now_ns();
-	struct kvt_err err;
+	struct kvt_err err = {.item = -1};
 	int rc = kvt_nvme_read_rows_idle(c->nvme, m, c->reqs, idle, &err);
 	c->st.ns_nvme += kvt_now_ns() - t0;
 	for (uint32_t r = 0; r < m; r++)
 		bc->slots[request_slot(bc, &c->reqs[r])].reading = false;
 	if (rc < 0) {
+		if (err.item >= 0 && err.item < m)
+			bc->failed_uid = bc->slots[request_slot(bc, &c->reqs[err.item])].uid;
 		drop_pending(bc, c->reqs, m);
 		return kvt_seterr(c, rc, "prefetching %u chunks of direct serving: %s", m, err.msg);
 	}
 	c->st.nvme_cache_misses += m;
 	return 0;
+}
+
+int kvt_rows_blame(kvt_cache *c, int rc, uint32_t n_seqs, struct kvt_layer *const *ls)
+{
+	const uint64_t uid = c->bc ? c->bc->failed_uid : UINT64_MAX;
+	for (uint32_t i = 0; rc < 0 && uid != UINT64_MAX && i < n_seqs; i++)
+		if (ls[i]->seq_uid == uid)
+			return kvt_err_entry(c, i, rc);
+	return rc;
 }

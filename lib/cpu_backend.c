@@ -415,7 +415,8 @@ static int prefetch(kvt_cache *c, uint32_t n_seqs, struct kvt_layer *const *ls)
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads && kvt_layer_spilled(c, ls[i]); h++)
 			kvt_rows_prefetch_add(c, ls[i], h, positions(c, ls[i], h, pos), pos);
-	return kvt_rows_prefetch(c);
+	const int rc = kvt_rows_prefetch(c);
+	return rc < 0 ? kvt_rows_blame(c, rc, n_seqs, ls) : 0;
 }
 
 /* The step succeeded: its selection's positions take its stamp (keep_weight). */
@@ -671,8 +672,10 @@ static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	uint64_t t0 = kvt_now_ns(), rows = 0, sel0 = c->st.ns_score + c->st.ns_select;
 	struct sel_tally t = {0};
 	int rc = 0;
+	uint32_t failed = 0;
 	for (uint32_t i = 0; i < n_seqs && rc >= 0; i++)
 		for (uint32_t h = 0; h < c->cfg.n_kv_heads && rc >= 0 && cu[i + 1] > cu[i]; h++) {
+			failed = i;
 			const uint32_t n = cu[i + 1] - cu[i];
 			if (indexed) {
 				rc = topp_head(c, layer, ls[i], h, indexed[i], cu[i], n, q, out, i, buf,
@@ -685,8 +688,8 @@ static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	/* the selection's own time went to ns_score and ns_select (mark_head) */
 	c->st.ns_attend += kvt_now_ns() - t0 - (c->st.ns_score + c->st.ns_select - sel0);
 	kvt_mem_free(KVT_MEM_HOST, buf, bytes);
-	if (rc < 0)
-		return rc;
+	if (rc < 0) /* entry `failed`'s rows or scores (as cpu_step names its entry) */
+		return kvt_err_entry(c, failed, rc);
 	/* counted only when every entry was attended: a failed call counts no rows */
 	tally_add(c, &t);
 	c->st.rows_fetched += rows;

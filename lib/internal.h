@@ -731,6 +731,12 @@ int kvt_rows_prefetch(kvt_cache *c);
  */
 struct kvt_nvme_idle;
 int kvt_rows_prefetch_idle(kvt_cache *c, const struct kvt_nvme_idle *idle);
+/*
+ * rc, after a failed prefetch of the step of n_seqs sequences ls[]: when the failure was one
+ * request's (a block refused), the batch entry whose rows it read is named (kvt_err_entry);
+ * a failure of the whole read (an I/O error) names none.
+ */
+int kvt_rows_blame(kvt_cache *c, int rc, uint32_t n_seqs, struct kvt_layer *const *ls);
 /* Whether kvt_rows_get can serve position pos of KV head h without a read: a host-tier row, or a
  * cached chunk that the running prefetch is not reading. */
 bool kvt_rows_ready(const kvt_cache *c, const struct kvt_layer *l, uint32_t h, int32_t pos);

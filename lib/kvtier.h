@@ -295,7 +295,9 @@ typedef struct kvt_stats {
 	uint64_t pcie_bytes;          /* bytes of rows read from the host tier over PCIe (CUDA) */
 	uint64_t errors;              /* calls that returned an error, each once */
 	/* NVMe tier */
-	uint64_t spills, restores;    /* kvt_seq_spill / kvt_seq_restore that moved data */
+	uint64_t spills, restores;    /* spills and restores that moved data: kvt_seq_spill and
+					 KVT_SPILL_LRU's (also in auto_spills); kvt_seq_restore and
+					 a kvt_seq_truncate into spilled blocks */
 	uint64_t auto_spills;         /* sequences spilled by KVT_SPILL_LRU */
 	uint64_t nvme_bytes_used, nvme_bytes_capacity;
 	uint64_t nvme_bytes_written, nvme_bytes_read; /* moved to and from the files */

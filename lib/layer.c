@@ -235,7 +235,7 @@ int kvt_layers_grow_rows(kvt_cache *c, uint32_t n, struct kvt_layer *const *ls,
 		return kvt_tier_undo(c, &m, host_full(c, bytes, need, free));
 	uint32_t done = 0;
 	int rc = 0;
-	struct kvt_err e = {""}; /* what reserve_table or kvt_extents_take found */
+	struct kvt_err e = {.msg = "", .item = -1}; /* what reserve_table or kvt_extents_take found */
 	for (; done < n && rc == 0; done++) {
 		struct kvt_layer *l = ls[done];
 		uint32_t want = blocks_for(new_tokens[done]), have = l->n_blocks;

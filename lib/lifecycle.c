@@ -55,7 +55,7 @@ static int take_blocks(kvt_cache *c, uint32_t n, void **out, const struct kvt_se
 {
 	const uint64_t bytes = (uint64_t)n * c->host.block_bytes;
 	struct kvt_tier_mark m;
-	struct kvt_err e = {""};
+	struct kvt_err e = {.msg = "", .item = -1};
 	kvt_tier_mark(c, &m);
 	if (bytes > kvt_extents_free_bytes(&c->host) && c->cfg.spill_policy == KVT_SPILL_LRU)
 		KVT_TRY(kvt_tier_make_room(c, bytes, keep));

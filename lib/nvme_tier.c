@@ -413,7 +413,7 @@ static int read_back(kvt_cache *c, struct kvt_seq *s, uint32_t slot, uint64_t af
 	void **host = kvt_mem_alloc(KVT_MEM_HOST, sizeof *host * n);
 	struct kvt_nvme_loc *locs = kvt_mem_alloc(KVT_MEM_HOST, sizeof *locs * n);
 	struct kvt_nvme_block_id *ids = kvt_mem_alloc(KVT_MEM_HOST, sizeof *ids * n);
-	struct kvt_err why = {"no memory for the block lists"};
+	struct kvt_err why = {.msg = "no memory for the block lists", .item = -1};
 	int rc = host && locs && ids ? kvt_extents_take(&c->host, n, host, &why) : -ENOMEM;
 	if (rc < 0) {
 		kvt_mem_free(KVT_MEM_HOST, host, 0);
@@ -473,7 +473,7 @@ int kvt_tier_undo(kvt_cache *c, const struct kvt_tier_mark *m, int rc)
 	char why[sizeof c->err];
 	snprintf(why, sizeof why, "%s", c->err);
 	uint32_t stayed = 0, first = 0;
-	struct kvt_err first_err = {""};
+	struct kvt_err first_err = {.msg = "", .item = -1};
 	for (uint32_t i = 0; i < c->cfg.max_seqs; i++) {
 		struct kvt_seq *s = &c->seqs[i];
 		uint32_t n = s->open ? count_spilled(c, s, m->gen) : 0;

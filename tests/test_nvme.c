@@ -369,7 +369,7 @@ static void test_identity_refused(void **state)
 	void *outs[1] = {out};
 	int rc = kvt_nvme_read_blocks(st, 1, &w[0].loc, &e, outs, &nv_err);
 	T_CHECK(rc == -EBADMSG && strstr(nv_err.msg, "generation") &&
-			strstr(nv_err.msg, "seq 0"),
+			strstr(nv_err.msg, "uid 0"),
 		"stale generation: got %d (%s), wanted -EBADMSG naming generation and the block",
 		rc, nv_err.msg);
 	for (uint32_t i = 0; i < bytes; i++)

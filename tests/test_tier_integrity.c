@@ -122,6 +122,20 @@ static void test_corruption(void **state)
 		int rc = w_attend(w, 0, fl->layer);
 		T_CHECK(rc == -EBADMSG, "%s: attend got %d (%s), wanted -EBADMSG", w->name, rc,
 			kvt_last_error(w->c));
+		/* in a batch, the entry whose rows were refused is named: [the other, this one] */
+		const size_t nqd = (size_t)w->nq * w->d;
+		uint16_t *q2 = t_alloc(2 * nqd * sizeof *q2);
+		float *o2 = t_alloc(2 * nqd * sizeof *o2);
+		memcpy(q2, w->q, nqd * sizeof *q2);
+		memcpy(q2 + nqd, w->q, nqd * sizeof *q2);
+		const uint32_t two[2] = {w->seqs[1], w->seqs[0]};
+		rc = kvt_attend(w->c, fl->layer, 2, two, q2, o2, NULL);
+		const int entry = kvt_last_error_entry(w->c);
+		free(q2);
+		free(o2);
+		T_CHECK(rc == -EBADMSG && entry == 1, "%s: attend of [the other sequence, this one] "
+			"got %d (%s), entry %d; wanted -EBADMSG, entry 1", w->name, rc,
+			kvt_last_error(w->c), entry);
 		/* the other layer and the other sequence are served */
 		w_check(w, 0, 1 - fl->layer, "the layer not flipped");
 		w_check(w, 1, fl->layer, "the other sequence");
