@@ -233,6 +233,64 @@ static void test_baselines_json(void **state)
 	free(errs);
 }
 
+/* needles_asked of a run of `steps` decode steps (the small shape). */
+static double needles_asked(const char *steps)
+{
+	char *av[24], *out, *errs;
+	args(av, (char *[]){"--steps", (char *)steps, "--json", NULL});
+	int rc = t_kvbench(av, work, &out, &errs);
+	T_CHECK(rc == 0, "--steps %s --json: exit %d, stderr '%s'", steps, rc, errs);
+	trace_json j;
+	t_json_stdout("--steps --json", out, &j);
+	const trace_json_node *x = trace_json_get(&j, &j.nodes[1], "needles_asked");
+	const double n = x && x->type == TJ_NUMBER ? x->num : -1;
+	trace_json_free(&j);
+	free(out);
+	free(errs);
+	return n;
+}
+
+/*
+ * Figures at the edges: a context within sinks + window indexes no token, so the oracle's figures
+ * are null in the JSON and "-" in the table, never nan; with fewer decode steps than needles per
+ * KV head, every needle is still asked for once.
+ */
+static void test_edge_figures(void **state)
+{
+	(void)state;
+	char *av[24], *out, *errs;
+	args(av, (char *[]){"--context", "50", "--steps", "3", NULL});
+	int rc = t_kvbench(av, work, &out, &errs);
+	T_CHECK(rc == 0 && !strstr(out, "nan") && strstr(out, "no token was indexed"),
+		"--context 50: exit %d, stdout '%s'; want 0, no nan, the budget line saying why", rc,
+		out);
+	free(out);
+	free(errs);
+	args(av, (char *[]){"--context", "50", "--steps", "3", "--json", NULL});
+	rc = t_kvbench(av, work, &out, &errs);
+	T_CHECK(rc == 0, "--context 50 --json: exit %d, stderr '%s'", rc, errs);
+	trace_json j;
+	t_json_stdout("--context 50 --json", out, &j);
+	const trace_json_node *h = trace_json_get(&j, &j.nodes[1], "heads");
+	static const char *const keys[] = {"oracle_budget_min", "oracle_budget_median",
+					   "oracle_budget_max"};
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+		const trace_json_node *x = h ? trace_json_get(&j, h, keys[i]) : NULL;
+		T_CHECK(x && x->type == TJ_NULL, "--context 50: heads.%s got %s %g, want null",
+			keys[i], x ? "a number" : "nothing", x ? x->num : 0.0);
+	}
+	trace_json_free(&j);
+	free(out);
+	free(errs);
+	const double four = needles_asked("4");
+	for (int s = 1; s < 4; s++) {
+		char steps[4] = {(char)('0' + s), 0};
+		const double n = needles_asked(steps);
+		T_CHECK(four > 0 && n == four, "needles_asked with %d decode steps: got %g, want %g "
+			"(4 steps')", s, n, four);
+	}
+}
+
 /* A stress mode skipped for want of an NVMe tier says so on stderr and in the JSON. */
 static void test_stress_skipped(void **state)
 {
@@ -306,7 +364,8 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_refused),	      cmocka_unit_test(test_accepted),
 		cmocka_unit_test(test_nvme_files),     cmocka_unit_test(test_sweep_files),
-		cmocka_unit_test(test_baselines_json), cmocka_unit_test(test_stress_skipped),
+		cmocka_unit_test(test_baselines_json),
+		cmocka_unit_test(test_edge_figures), cmocka_unit_test(test_stress_skipped),
 		cmocka_unit_test(test_trace_files),
 	};
 	return cmocka_run_group_tests(tests, make_work, remove_work);

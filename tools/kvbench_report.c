@@ -34,6 +34,18 @@ static double mean(double sum, uint64_t n)
 
 /* ---- the table --------------------------------------------------------------------------- */
 
+/* A cell of a table (the step rows, the phases): a figure (fixed or, with sci, exponent
+ * notation), or "-" where the table has none. */
+static void cell(double v, int width, int prec, bool sci)
+{
+	if (!isfinite(v))
+		printf(" %*s", width, "-");
+	else if (sci)
+		printf(" %*.*e", width, prec, v);
+	else
+		printf(" %*.*f", width, prec, v);
+}
+
 void print_row(const kb_run *b, int step, const acc *a)
 {
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n);
@@ -41,10 +53,15 @@ void print_row(const kb_run *b, int step, const acc *a)
 		printf("  all");
 	else
 		printf("%5d", step);
-	printf(" %9u  %.4f  %.4f  %.4f  %.4f  %5.2f  %.2e  %8.2f\n",
-	       b->o.context + (step < 0 ? b->steps_total : (uint32_t)step + 1),
-	       mean(a->recall_sum, a->recall_n), a->recall_min, bud, orc, orc > 0 ? bud / orc : 0.0,
-	       sqrt(a->err2 / a->full2),
+	printf(" %9u  %.4f  %.4f ", b->o.context + (step < 0 ? b->steps_total : (uint32_t)step + 1),
+	       mean(a->recall_sum, a->recall_n), a->recall_min);
+	/* no token indexed: "-", not nan */
+	cell(bud, 6, 4, false);
+	printf(" ");
+	cell(orc, 6, 4, false);
+	printf(" ");
+	cell(orc > 0 ? bud / orc : NAN, 5, 2, false);
+	printf("  %.2e  %8.2f\n", sqrt(a->err2 / a->full2),
 	       (double)a->ns / 1e6 / b->o.layers / (step < 0 ? b->steps_total : 1));
 }
 
@@ -94,6 +111,10 @@ void print_phase_line(const phase *ph)
 static void spread(const kb_run *b, const double *sum, double out[3])
 {
 	size_t n = (size_t)b->o.layers * b->o.q_heads;
+	if (sum == b->head_oracle && !b->all.kv_n) { /* no token indexed: no oracle share */
+		out[0] = out[1] = out[2] = NAN;
+		return;
+	}
 	double *v = xcalloc(n, sizeof(double));
 	for (size_t i = 0; i < n; i++)
 		v[i] = sum[i] / ((double)b->o.seqs * b->steps_total);
@@ -425,18 +446,6 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 
 /* ---- the summary in words ---------------------------------------------------------------- */
 
-/* A cell of the phase table: a figure (fixed or, with sci, exponent notation), or "-" where the
- * phase has none. */
-static void cell(double v, int width, int prec, bool sci)
-{
-	if (!isfinite(v))
-		printf(" %*s", width, "-");
-	else if (sci)
-		printf(" %*.*e", width, prec, v);
-	else
-		printf(" %*.*f", width, prec, v);
-}
-
 static void summary_phases(const kb_run *b, const kb_phases *ps)
 {
 	printf("phase              wall_s    lib_ms  ms/layer  recall  budget   b/o  rel_err\n");
@@ -545,9 +554,13 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 		       (double)b->o.rescore, rescore_k_frac(e, &b->st_prefill));
 	printf("output   relative L2 error %.3e; needles found %" PRIu64 " of %" PRIu64 "\n",
 	       sqrt(a->err2 / a->full2), a->needles_found, a->needles);
-	printf("heads    oracle share min %.4f, median %.4f, max %.4f; effective tokens "
-	       "(exp entropy) min %.0f, median %.0f, max %.0f\n",
-	       ho[0], ho[1], ho[2], he[0], he[1], he[2]);
+	if (a->kv_n)
+		printf("heads    oracle share min %.4f, median %.4f, max %.4f; ", ho[0], ho[1],
+		       ho[2]);
+	else
+		printf("heads    ");
+	printf("effective tokens (exp entropy) min %.0f, median %.0f, max %.0f\n", he[0], he[1],
+	       he[2]);
 	printf("time     prefill %.0f ms; decode %.2f ms per step per layer, median %.2f (index "
 	       "%.2f, store %.2f, score %.2f, select %.2f, attend %.2f)\n",
 	       (double)b->ns_prefill / 1e6, (double)a->ns / 1e6 / sl, step_median_ms(b),

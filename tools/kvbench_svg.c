@@ -135,28 +135,46 @@ static void series(FILE *f, const frame *fr, pt *p, uint32_t n, const char *colo
 			py(fr, p[i].y), color);
 }
 
+/*
+ * Recall against budget, a series per method: kvtier's plain Top-p points (kb_is_plain), its other
+ * methods (rescore, corrections, keep, budget_max: points only, as they are several knobs), the
+ * baselines, Top-k. A series is joined by a line only when its points share one shape (context,
+ * sequences, layers): across shapes a line would join unlike points.
+ */
 static int plot_recall(const char *path, const kb_result *r, uint32_t n)
 {
-	enum { KVT, ORACLE, AT, QUEST, TOPK, NS };
+	enum { KVT, ORACLE, AT, QUEST, TOPK, OTHER, NS };
 	static const char *const names[NS] = {"kvtier (Top-p)", "oracle Top-p", "oracle at budget",
-					      "Quest pages", "Top-k estimate"};
+					      "Quest pages", "Top-k estimate",
+					      "kvtier, other methods"};
 	pt *p[NS];
 	uint32_t m[NS] = {0};
+	const kb_result *shape[NS] = {0};
+	bool line[NS];
 	frame fr = {0, 0, 1, 0};
+	for (int s = 0; s < NS; s++)
+		line[s] = s != OTHER;
 	for (int s = 0; s < NS; s++)
 		p[s] = calloc(n ? n : 1, sizeof(pt));
 	for (uint32_t i = 0; i < n; i++) {
 		const kb_result *x = &r[i];
 		pt c[NS] = {{x->budget, x->recall}, {x->base_budget[0], x->base_recall[0]},
 			    {x->base_budget[1], x->base_recall[1]},
-			    {x->base_budget[2], x->base_recall[2]}, {x->budget, x->recall}};
+			    {x->base_budget[2], x->base_recall[2]}, {x->budget, x->recall},
+			    {x->budget, x->recall}};
 		for (int s = 0; s < NS; s++) {
-			if ((s == TOPK) != (x->topk != 0) && (s == KVT || s == TOPK))
+			if ((s == KVT && !kb_is_plain(x)) || (s == TOPK && !x->topk) ||
+			    (s == OTHER && (x->topk || kb_is_plain(x))))
 				continue;
 			if (s == ORACLE && x->topk)
 				continue;
 			if (!isfinite(c[s].x) || !isfinite(c[s].y))
 				continue;
+			if (!shape[s])
+				shape[s] = x;
+			else if (shape[s]->context != x->context || shape[s]->seqs != x->seqs ||
+				 shape[s]->layers != x->layers)
+				line[s] = false;
 			p[s][m[s]++] = c[s];
 			fr.x1 = fmax(fr.x1, c[s].x);
 			fr.y0 = fmin(fr.y0, c[s].y);
@@ -174,7 +192,7 @@ static int plot_recall(const char *path, const kb_result *r, uint32_t n)
 	for (int s = 0, k = 0; s < NS; s++) {
 		if (!m[s])
 			continue;
-		series(f, &fr, p[s], m[s], colors[s], true);
+		series(f, &fr, p[s], m[s], colors[s], line[s]);
 		legend(f, k++, colors[s], names[s]);
 	}
 	for (int s = 0; s < NS; s++)

@@ -374,9 +374,11 @@ void trace_print_text(kb_trace *t, double wall)
 		for (uint32_t h = 0; h < m->n_q_heads && !o->quiet; h++)
 			print_text_head(t, l, h);
 		fig f = figures(t, l);
+		double pl[2]; /* the layer's recalls pooled, as the JSON's recall_p5 and recall_p1 */
+		pooled(t, l, pl);
 		printf("%6u %6s %4s  %11.4f %10.4f %11.4f %9.2e %9.4f %9.4f\n", l, "all", "",
 		       f.recall_sum / f.n, f.recall_min, f.kv_n ? f.budget_sum / f.kv_n : 0,
-		       rel_err(f.err2, f.full2), f.p5_min, f.p1_min);
+		       rel_err(f.err2, f.full2), pl[0], pl[1]);
 	}
 	print_text_fetch(t);
 	print_text_hot_sim(t);

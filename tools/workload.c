@@ -365,6 +365,11 @@ static bool needle_at(const wl *w, uint32_t seq, uint32_t layer, uint32_t kvh, u
 	n->step = (uint32_t)((i * (uint64_t)steps / w->p.n_needles + h % slot) % steps);
 	h = mix64(h);
 	n->head = (uint32_t)(h % w->group);
+	if (steps < w->p.n_needles) { /* needles share steps: each its own query head of the step */
+		const uint64_t base = wl_key(w, S_NEEDLE, seq, layer, kvh, w->p.n_needles);
+		n->step = i % steps;
+		n->head = (uint32_t)((base + i / steps) % w->group);
+	}
 	return true;
 }
 
