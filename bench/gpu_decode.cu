@@ -28,7 +28,11 @@
  * no kernel beats it. Beside it, the host path alone: as many rows as the step missed, read
  * zero-copy from the pinned K/V at hashed positions by a kernel that does nothing else, against
  * the step's gather + attend (it tells this machine's host memory and PCIe apart from our kernels
- * when a step's time moves between machines and its bytes do not).
+ * when a step's time moves between machines and its bytes do not). It is a machine's figure, not
+ * a ceiling: its rows come in random order, one warp each, where the gather reads each block's
+ * rows in order, so at hundreds of thousands of rows the gather beats it (H200: 0.38-0.47x its
+ * time at 512K and 1M x 8 with --drift 0.5; 1.3-3.8x where the step misses few rows and
+ * attention dominates); gpu_gather measures the fetch path against a ceiling.
  * Ratios: kvtier / resident and naive / kvtier, with the goals of issue 15 (128K x 1 at most 1.0x
  * the resident kernel, 1M x 1 0.8x, 1M x 8 1.0x; the replayed and the eager step each judged)
  * and of earlier issues (reported, never asserted: a missed goal does not change the exit
