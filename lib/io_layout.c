@@ -40,6 +40,10 @@ static int view_check(kvt_cache *c, const char *call, const char *name, const kv
 	const uint64_t ts = v->token_stride ? v->token_stride : H * hs;
 	/* head-major: the n rows of one head fit below the next head */
 	const bool head_major = ts >= d && (n == 1 || ts <= (hs - d) / (n - 1));
+	/* (one row: head-major takes any token_stride >= head_dim, so only that can fail) */
+	KVT_RETURN_IF(ts < span && !head_major && n == 1, c, -EINVAL,
+		      "%s: layout->%s.token_stride = %llu, must be 0 or >= head_dim = %llu (one row)",
+		      call, name, (unsigned long long)v->token_stride, (unsigned long long)d);
 	KVT_RETURN_IF(ts < span && !head_major, c, -EINVAL,
 		      "%s: layout->%s.token_stride = %llu with head_stride = %llu: rows of two "
 		      "tokens overlap; must be 0 or >= (heads - 1) * head_stride + head_dim = %llu "
@@ -47,11 +51,14 @@ static int view_check(kvt_cache *c, const char *call, const char *name, const kv
 		      "%llu] for n = %u rows (head-major)", call, name,
 		      (unsigned long long)v->token_stride, (unsigned long long)hs,
 		      (unsigned long long)span, (unsigned long long)d,
-		      (unsigned long long)(n > 1 ? (hs - d) / (n - 1) : hs), n);
+		      (unsigned long long)((hs - d) / (n - 1)), n);
 	KVT_RETURN_IF(n > 1 && ts > (lim - span) / (n - 1), c, -EINVAL,
-		      "%s: layout->%s.token_stride = %llu: %u rows reach past %llu elements (the "
-		      "ptrdiff_t range)", call, name, (unsigned long long)v->token_stride, n,
-		      (unsigned long long)lim);
+		      "%s: layout->%s.token_stride = %llu%s with head_stride = %llu%s: %u rows "
+		      "reach past %llu elements (the ptrdiff_t range); with this head_stride the "
+		      "token_stride must be at most %llu", call, name, (unsigned long long)ts,
+		      v->token_stride ? "" : " (0: the default)", (unsigned long long)hs,
+		      v->head_stride ? "" : " (0: the default)", n, (unsigned long long)lim,
+		      (unsigned long long)((lim - span) / (n - 1)));
 	*s = (struct kvt_strided){.n = n, .heads = heads, .width = d * elem,
 				  .token_pitch = ts * elem, .head_pitch = hs * elem};
 	*dense = (n == 1 || ts == H * d) && (H == 1 || hs == d);

@@ -600,10 +600,11 @@ typedef struct kvt_io_layout {
  * small, unknown flags, a stride below its minimum or past the address range: the text names the
  * field, its value and the limit, e.g. "layout->q.head_stride = 64, must be 0 or in [head_dim =
  * 128, ...]"); -ENOMEM (the scratch; nothing changed). On the CUDA backend the scratch is device
- * memory and the copies are cudaMemcpy2DAsync on `stream` (one per head); growing the scratch
- * synchronizes the device, and is refused (-EINVAL) while `stream` is being captured into a graph:
- * make one call at the largest shape before capturing. A view whose token stride exceeds the
- * device's largest 2D-copy pitch fails with -EIO naming the copy.
+ * memory and the copies are cudaMemcpy2DAsync on `stream` (one when a token's heads are
+ * contiguous, else one per head or one per token, whichever is fewer; a pitch past the device's
+ * 2D-copy limit is copied row by row); growing the scratch synchronizes the device, and is refused
+ * (-EINVAL) while `stream` is being captured into a graph: make one call at the largest shape
+ * before capturing. A copy that fails is -EIO naming the tensor.
  * Thread safety: as every call on the cache.
  */
 KVT_API int kvt_prefill_at(kvt_cache *cache, uint32_t seq, uint32_t layer, const void *q,

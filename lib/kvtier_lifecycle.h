@@ -123,8 +123,8 @@ typedef struct kvt_rows_layout {
  * of a strided slot are left as they were.
  * Errors: kvt_seq_read_rows's, and -EINVAL for the layout (size too small, unknown flags, a stride
  * below its minimum, a slot below -1 or out of range, two tokens on one slot: the text names the
- * field, the index and the value); -ENOMEM (the check for repeated slots needs n words; on the
- * CUDA backend, device memory for a dense copy of the rows and the mapping).
+ * field, the index and the value); -ENOMEM (the check for repeated slots needs 2 n 64-bit words;
+ * on the CUDA backend, device memory for a dense copy of the rows and the mapping).
  * On the CUDA backend k and v are device memory: the rows are read densely into a device scratch
  * of the cache, which a kernel scatters into the slots, on `stream`; the mapping is uploaded from
  * the host array (a pageable copy: the array may change once the call returns), and growing the

@@ -107,8 +107,11 @@ int kvt_rows_map_check(kvt_cache *c, const char *call, const kvt_rows_layout *lo
 		KVT_TRY(slots(c, call, lo->slot_mapping, n, write, max_slot));
 	else
 		KVT_RETURN_IF((int64_t)n - 1 > max_slot, c, -EINVAL,
-			      "%s: %u tokens at slot_stride = %llu pass the ptrdiff_t range", call, n,
-			      (unsigned long long)m->slot_stride);
+			      "%s: %u tokens in slots 0..%u at layout->slot_stride = %llu%s pass the "
+			      "ptrdiff_t range: the largest slot is %lld", call, n, n - 1,
+			      (unsigned long long)m->slot_stride,
+			      lo->slot_stride ? "" : " (0: n_kv_heads * head_stride)",
+			      (long long)max_slot);
 	if (!m->slot && m->head_stride == c->d && m->slot_stride == H * c->d)
 		return 1;
 	KVT_RETURN_IF(!c->ops->read_rows_at, c, -EOPNOTSUPP,

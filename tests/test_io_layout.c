@@ -392,6 +392,10 @@ BAD(b_k_ts_heads, g_lo.k.token_stride = D, AP)
 BAD(b_q_headmajor, (g_lo.q.token_stride = D, g_lo.q.head_stride = 8 * D - 1), PF)
 BAD(b_q_ts_small, (g_lo.q.token_stride = D - 1, g_lo.q.head_stride = 8 * D), EX)
 BAD(b_k_ts_big, g_lo.k.token_stride = UINT64_MAX / 4, EX)
+/* the default token stride (heads x head_stride) past the range: the text says it is the default */
+BAD(b_q_ts_default, g_lo.q.head_stride = (uint64_t)PTRDIFF_MAX / 2 / NQ, PF)
+/* one row: any token stride >= head_dim would do, and the text says so */
+BAD(b_q_ts_one, g_lo.q.token_stride = 8, kvt_attend_at(f->c, 0, 1, f->s, g_in, g_out, &g_lo, NULL))
 BAD(b_out_null, (g_lo.out.head_stride = 1), kvt_attend_at(f->c, 0, 2, f->s, g_in, NULL, &g_lo,
 							  NULL))
 
@@ -416,6 +420,8 @@ static void test_bad_layouts(void **state)
 		{"prefill, head-major q one short", {"layout->q.token_stride = 64", "head_stride = 511", "= 63]"}, b_q_headmajor},
 		{"extend, head-major q token_stride below head_dim", {"layout->q.token_stride = 63", "head-major"}, b_q_ts_small},
 		{"extend, k rows past ptrdiff_t", {"layout->k.token_stride = 4611686018427387903", "ptrdiff_t"}, b_k_ts_big},
+		{"prefill, q's default token_stride past ptrdiff_t", {"layout->q.token_stride = ", "(0: the default)", "must be at most"}, b_q_ts_default},
+		{"attend one row, q token_stride 8", {"layout->q.token_stride = 8", ">= head_dim = 64 (one row)"}, b_q_ts_one},
 		{"attend, out NULL before its view", {"out is NULL"}, b_out_null},
 	};
 	t_rng_seed(&g_rng, 600);
