@@ -185,10 +185,10 @@ static int score_error(kvt_cache *c, const struct kvt_layer *l, uint32_t h, uint
 			  (double)max_abs(c->d, l->c_k + (size_t)h * c->d), (double)sg, (double)bt);
 }
 
-/* Selection counters of kvt_stats, added to c->st by the caller once its call can no longer fail
- * (a Top-p extend) or at once (a step, as before). */
+/* Counters of kvt_stats that a call adds up as it goes, added to c->st by the caller only once
+ * the call can no longer fail (kvtier.h: a failed call changes no counter but `errors`). */
 struct sel_tally {
-	uint64_t selected, max_hits, min_hits, rescored, rescored_unselected;
+	uint64_t selected, max_hits, min_hits, rescored, rescored_unselected, rows;
 };
 
 static void tally_add(kvt_cache *c, const struct sel_tally *t)
@@ -198,6 +198,8 @@ static void tally_add(kvt_cache *c, const struct sel_tally *t)
 	c->st.budget_min_hits += t->min_hits;
 	c->st.rescored_tokens += t->rescored;
 	c->st.rescored_unselected += t->rescored_unselected;
+	c->st.rows_fetched += t->rows;
+	c->st.bytes_fetched += t->rows * c->row_bytes;
 }
 
 /*
@@ -330,22 +332,19 @@ static int mark_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, ui
 	return 0;
 }
 
-/* Score, threshold and union for KV head h of sequence i; fills l->sel for h. */
+/* Score, threshold and union for KV head h of sequence i; fills l->sel for h; its counters into
+ * *t. */
 static int select_head(kvt_cache *c, uint32_t layer, const struct kvt_layer *l, uint32_t h,
-		       const void *q, uint32_t i)
+		       const void *q, uint32_t i, struct sel_tally *t)
 {
 	const uint32_t ni = l->n_indexed;
 	uint32_t *sel = l->sel + (size_t)h * l->idx_cap, m = 0;
-	struct sel_tally t = {0};
-	int rc = mark_head(c, layer, l, h, ni, q, i, i, &t);
-	tally_add(c, &t);
-	if (rc < 0)
-		return rc;
+	KVT_TRY(mark_head(c, layer, l, h, ni, q, i, i, t));
 	for (uint32_t k = 0; k < ni; k++)
 		if (c->mask[k])
 			sel[m++] = k;
 	l->sel_n[h] = m;
-	c->st.selected_tokens += m;
+	t->selected += m;
 	return 0;
 }
 
@@ -365,7 +364,7 @@ static void store_out(const kvt_cache *c, void *out, size_t at, const float *o)
  * chunk's corrections are recorded before its out is stored, so that an out that aliases q (the
  * same buffer, attention in place) never feeds an output to the record as a query. */
 static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32_t h,
-		       const void *q, void *out, uint32_t i)
+		       const void *q, void *out, uint32_t i, struct sel_tally *t)
 {
 	const uint32_t d = c->d, G = c->group;
 	int32_t *pos = (int32_t *)c->work; /* scores and work are free again here */
@@ -395,8 +394,7 @@ static int attend_head(kvt_cache *c, uint32_t layer, struct kvt_layer *l, uint32
 		for (uint32_t g = 0; g < gn; g++)
 			store_out(c, out, at + (size_t)g * d, od + (size_t)g * d);
 	}
-	c->st.rows_fetched += n;
-	c->st.bytes_fetched += (uint64_t)n * c->row_bytes;
+	t->rows += n;
 	c->st.ns_attend += kvt_now_ns() - t0 - t_rec;
 	c->st.ns_score += t_rec; /* the corrections' estimates: scoring's share */
 	return 0;
@@ -438,20 +436,22 @@ static int cpu_step(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_la
 		    const void *q, void *out, uint32_t *sel_n, void *stream)
 {
 	const uint32_t H = c->cfg.n_kv_heads;
+	struct sel_tally t = {0}; /* counted once the step has succeeded */
 	for (uint32_t i = 0; i < n_seqs; i++)
 		for (uint32_t h = 0; h < H; h++)
-			KVT_TRY(select_head(c, layer, ls[i], h, q, i));
+			KVT_TRY(select_head(c, layer, ls[i], h, q, i, &t));
 	if (out)
 		KVT_TRY(prefetch(c, n_seqs, ls));
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		for (uint32_t h = 0; out && h < H; h++) {
-			int rc = attend_head(c, layer, ls[i], h, q, out, i);
+			int rc = attend_head(c, layer, ls[i], h, q, out, i, &t);
 			if (rc < 0)
 				return kvt_err_entry(c, i, rc);
 		}
 		for (uint32_t h = 0; sel_n && h < H; h++)
 			sel_n[(size_t)i * H + h] = ls[i]->sel_n[h];
 	}
+	tally_add(c, &t);
 	for (uint32_t i = 0; i < n_seqs; i++) {
 		kvt_corr_commit(c, ls[i], out != NULL);
 		keep_commit(c, ls[i]);
@@ -691,9 +691,8 @@ static int cpu_extend(kvt_cache *c, uint32_t layer, uint32_t n_seqs, struct kvt_
 	if (rc < 0) /* entry `failed`'s rows or scores (as cpu_step names its entry) */
 		return kvt_err_entry(c, failed, rc);
 	/* counted only when every entry was attended: a failed call counts no rows */
+	t.rows = rows;
 	tally_add(c, &t);
-	c->st.rows_fetched += rows;
-	c->st.bytes_fetched += rows * c->row_bytes;
 	return 0;
 }
 

@@ -308,7 +308,7 @@ typedef struct kvt_stats {
 	uint64_t nvme_cache_hits;     /* 4 KiB payload chunks served from the block cache */
 	uint64_t nvme_cache_misses;   /* chunks read from NVMe for direct serving */
 	uint64_t ns_nvme;             /* wall-clock nanoseconds in NVMe I/O */
-	/* wall-clock nanoseconds spent per stage */
+	/* wall-clock nanoseconds spent per stage (a failed call's time included) */
 	uint64_t ns_index;            /* rotation, codes, sigma, beta (prefill and flushes) */
 	uint64_t ns_store;            /* writing rows to the host tier */
 	uint64_t ns_score;            /* query quantization and bit-plane scoring */
@@ -437,8 +437,10 @@ KVT_API int kvt_append(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  * non-finite score: the text names the batch entry and query head, and the query as the cause, since
  * index entries are finite whatever the keys),
  * -ENOENT, -ENOMEM; for a spilled sequence also the NVMe read's errors (-EIO, -EBADMSG naming the
- * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On any error the batch's
- * selections are dropped and `out` may be partly written.
+ * block) and -ENOSPC (nvme_cache_bytes too small for the selection). On an error met while
+ * selecting or attending (a non-finite score, a failed read) the batch's selections are dropped
+ * and `out` may be partly written; one found in the arguments or the query before that leaves
+ * both as they were. No counter but `errors` moves either way.
  * CUDA backend: asynchronous on `stream` (no host synchronization, no allocation once a step of
  * the same batch and context size has run, except a growth of the self-sized hot cache, so the
  * call can be captured in a CUDA graph after warm-up steps: doc/cuda-backend.md). Errors
@@ -468,8 +470,9 @@ KVT_API int kvt_select(kvt_cache *cache, uint32_t layer, uint32_t n_seqs, const 
  *   counts: host [n_seqs, n_kv_heads] int32, receives each pair's token count (required)
  *   pos: [n_seqs, n_kv_heads, max_tokens] int32 token positions, or NULL
  *   k_out, v_out: [n_seqs, n_kv_heads, max_tokens, head_dim] in dtype, or NULL (both or neither)
- * Returns the total number of tokens copied. Errors: -EINVAL (NULL counts, max_tokens smaller than
- * a count: the text names both, no selection for this layer and sequence list, k_out without v_out),
+ * Returns the sum of counts (the tokens copied, when k_out is given). Errors: -EINVAL (NULL
+ * counts, max_tokens smaller than a count: the text names both, no selection for this layer and
+ * sequence list, k_out without v_out),
  * -ENOENT, and for spilled sequences the errors of kvt_attend's direct serving, after which the
  * output buffers may be partly written (never with unverified bytes).
  * CUDA backend: counts are known when the call returns; the copies into pos, k_out and v_out are

@@ -116,6 +116,61 @@ static void test_entries(void **state)
 	kvt_cache_destroy(c);
 }
 
+/*
+ * A step that fails at entry 1's non-finite score, after entry 0's selection was made, counts
+ * nothing but the error (kvtier.h: a failed call changes no counter but `errors`): no selected
+ * tokens, budget hits or fetched rows of entry 0. A bf16 cache, so that a finite query (1e37) is
+ * too large for the estimate.
+ */
+static void test_failed_step_counts_nothing(void **state)
+{
+	(void)state;
+	kvt_config cfg = t_config(L, HQ, HKV, D, KVT_DTYPE_BF16);
+	cfg.budget_min = 2;
+	cfg.budget_max = 3;
+	kvt_cache *c = t_create(&cfg);
+	static uint16_t k[T * HKV * D], v[T * HKV * D], q[2 * HQ * D];
+	t_rng r;
+	t_rng_seed(&r, 12);
+	t_fill(&r, KVT_DTYPE_BF16, (size_t)T * HKV * D, 0.0, 1.0, k, NULL);
+	t_fill(&r, KVT_DTYPE_BF16, (size_t)T * HKV * D, 0.0, 1.0, v, NULL);
+	t_fill(&r, KVT_DTYPE_BF16, (size_t)2 * HQ * D, 0.0, 1.0, q, NULL);
+	uint32_t s[2];
+	for (int i = 0; i < 2; i++) {
+		T_CHECK(kvt_seq_open(c, &s[i]) == 0, "open: %s", kvt_last_error(c));
+		T_CHECK(kvt_prefill(c, s[i], 0, NULL, k, v, T, NULL) == 0, "prefill: %s",
+			kvt_last_error(c));
+	}
+	for (uint32_t j = 0; j < HQ * D; j++)
+		q[HQ * D + j] = t_f2bf(j & 1 ? 1e37f : -1e37f);
+	static float out[2 * HQ * D];
+	for (int call = 0; call < 2; call++) {
+		const kvt_stats a = t_stats(c);
+		const int rc = call ? kvt_select(c, 0, 2, s, q, NULL)
+				    : kvt_attend(c, 0, 2, s, q, out, NULL);
+		const kvt_stats b = t_stats(c);
+		const char *what = call ? "select" : "attend";
+		T_CHECK(rc == -EINVAL && kvt_last_error_entry(c) == 1, "%s: rc %d entry %d (%s), "
+			"wanted -EINVAL naming entry 1", what, rc, kvt_last_error_entry(c),
+			kvt_last_error(c));
+		T_CHECK(b.errors == a.errors + 1 && b.steps == a.steps &&
+				b.selected_tokens == a.selected_tokens &&
+				b.candidate_tokens == a.candidate_tokens &&
+				b.budget_max_hits == a.budget_max_hits &&
+				b.budget_min_hits == a.budget_min_hits &&
+				b.rows_fetched == a.rows_fetched &&
+				b.bytes_fetched == a.bytes_fetched,
+			"failed %s: errors +%llu, steps +%llu, selected_tokens +%llu, "
+			"budget_max_hits +%llu, rows_fetched +%llu; wanted errors +1 and nothing "
+			"else", what, (unsigned long long)(b.errors - a.errors),
+			(unsigned long long)(b.steps - a.steps),
+			(unsigned long long)(b.selected_tokens - a.selected_tokens),
+			(unsigned long long)(b.budget_max_hits - a.budget_max_hits),
+			(unsigned long long)(b.rows_fetched - a.rows_fetched));
+	}
+	kvt_cache_destroy(c);
+}
+
 /* The status of seq: code and text (the text must contain `has`, "" for none). */
 static void status_is(kvt_cache *c, uint32_t seq, int code, const char *has)
 {
@@ -246,6 +301,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_entries),
+		cmocka_unit_test(test_failed_step_counts_nothing),
 		cmocka_unit_test(test_status),
 		cmocka_unit_test(test_status_late),
 	};
