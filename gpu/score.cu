@@ -527,12 +527,16 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 {
 	/* one wave of resident blocks, each looping over its share of the chunks, so that the
 	 * per-block setup (the B fragments) is paid once per block rather than once per chunk */
-	/* blocks per SM, computed once (a racing first call computes it twice, and sets the
-	 * histogram's shared memory limit twice) */
-	static int occupancy;
+	/* blocks per SM, computed once per device: the shared memory limit is a context's setting
+	 * and the occupancy a device model's (a racing first call computes it twice, and sets the
+	 * limit twice; a device past the table computes it every call) */
+	enum { OCC_DEVICES = 64 };
+	static int occupancy[OCC_DEVICES];
 	const int smem = BINS ? SC_BINS_SMEM : 0;
-	int dev = 0, sms = 0, per_sm = __atomic_load_n(&occupancy, __ATOMIC_RELAXED);
+	int dev = 0, sms = 0, per_sm = 0;
 	KVT_CU(cudaGetDevice(&dev));
+	if (dev >= 0 && dev < OCC_DEVICES)
+		per_sm = __atomic_load_n(&occupancy[dev], __ATOMIC_RELAXED);
 	KVT_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
 	if (per_sm == 0) {
 		if (BINS)
@@ -541,7 +545,8 @@ static int score_g(uint32_t n_seqs, uint32_t hq, uint32_t hkv, const kvt_gpu_qco
 						    smem));
 		KVT_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_score<D, ONE, BINS>,
 								     SC_WARPS * 32, smem));
-		__atomic_store_n(&occupancy, per_sm, __ATOMIC_RELAXED);
+		if (dev >= 0 && dev < OCC_DEVICES)
+			__atomic_store_n(&occupancy[dev], per_sm, __ATOMIC_RELAXED);
 	}
 	const uint32_t items = n_seqs * hkv, chunks = (max_n + SC_TOKENS - 1) / SC_TOKENS;
 	/* blocks per item: as many as fit one wave together, rounded down: the blocks of an item

@@ -29,20 +29,28 @@ struct kvt_pool_map {
 	struct pool_slot slots[KVT_POOL_SLOTS];
 };
 
+/* start_of's answer when it cannot tell (no descriptor left, /proc unreadable): the holder is
+ * taken as alive, so that its share is never given away from under it. */
+#define START_UNKNOWN UINT64_MAX
+
 /* Start time of process pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 when the
  * process does not exist or is dead: a zombie (state Z, or X) keeps its /proc entry until its
- * parent reaps it, but its memory, which its share paid for, is gone. */
+ * parent reaps it, but its memory, which its share paid for, is gone. START_UNKNOWN when the file
+ * cannot be read for another reason. */
 static uint64_t start_of(int32_t pid)
 {
 	char path[64], buf[1024];
 	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return 0;
+		return errno == ENOENT || errno == ESRCH ? 0 : START_UNKNOWN;
 	ssize_t n = read(fd, buf, sizeof buf - 1);
+	const int e = errno;
 	close(fd);
-	if (n <= 0)
+	if (n < 0 && e == ESRCH) /* it exited between the open and the read */
 		return 0;
+	if (n <= 0)
+		return START_UNKNOWN;
 	buf[n] = 0;
 	/* the command name may hold spaces and parentheses: count fields after the last ')' */
 	const char *p = strrchr(buf, ')');
@@ -61,7 +69,10 @@ static void reclaim(struct kvt_pool_map *m)
 	for (uint32_t i = 0; i < KVT_POOL_SLOTS; i++) {
 		struct pool_slot *s = &m->slots[i];
 		int32_t pid = atomic_load(&s->pid);
-		if (pid <= 0 || start_of(pid) == atomic_load(&s->start))
+		if (pid <= 0) /* free, or being claimed or reclaimed */
+			continue;
+		const uint64_t start = start_of(pid);
+		if (start == START_UNKNOWN || start == atomic_load(&s->start))
 			continue;
 		if (!atomic_compare_exchange_strong(&s->pid, &pid, -1))
 			continue;
@@ -75,14 +86,21 @@ static int claim(struct kvt_pool *p, struct kvt_err *err)
 	struct kvt_pool_map *m = p->map;
 	const int32_t me = (int32_t)getpid();
 	const uint64_t start = start_of(me);
+	if (start == START_UNKNOWN || start == 0)
+		return kvt_err_set(err, errno == EMFILE || errno == ENFILE ? -errno : -EIO,
+				   "host pool %s: cannot read this process's start time from "
+				   "/proc/self/stat (%s), which marks its share as its own",
+				   p->name, strerror(errno));
 	for (int pass = 0; pass < 2; pass++) {
 		for (uint32_t i = 0; i < KVT_POOL_SLOTS; i++) {
 			int32_t free_pid = 0;
 			struct pool_slot *s = &m->slots[i];
-			if (!atomic_compare_exchange_strong(&s->pid, &free_pid, me))
+			/* -1 while the slot is filled in: reclaim skips it until pid says whose */
+			if (!atomic_compare_exchange_strong(&s->pid, &free_pid, -1))
 				continue;
 			atomic_store(&s->start, start);
 			atomic_store(&s->bytes, 0);
+			atomic_store(&s->pid, me);
 			p->slot = i;
 			return 0;
 		}

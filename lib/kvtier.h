@@ -711,6 +711,7 @@ KVT_API const char *kvt_strerror(int code);
  * With cache == NULL: the detail of the last failed kvt_cache_create, or of the last call made with a
  * NULL cache, on the calling thread.
  * The text stays valid until the next call on the same cache (or thread, for NULL).
+ * Thread safety: NULL: any thread, which reads its own text; a cache: as every call on the cache.
  */
 KVT_API const char *kvt_last_error(const kvt_cache *cache);
 
@@ -726,12 +727,13 @@ KVT_API const char *kvt_last_error(const kvt_cache *cache);
  * error (kvt_seq_status).
  * CUDA backend: errors the kernels find are reported by a later call: one that a step's batch
  * entry caused (a non-finite score) puts that sequence in error (kvt_seq_status); any other fails
- * the later call and names no entry (-1).
- * Thread safety: as kvt_last_error.
+ * the later call and names no entry (-1). NULL gives -1.
+ * Thread safety: as every call on the cache; NULL: any thread.
  */
 KVT_API int kvt_last_error_entry(const kvt_cache *cache);
 
-/* KVT_VERSION_NUMBER of the library actually loaded, and its "MAJOR.MINOR.PATCH" text. */
+/* KVT_VERSION_NUMBER of the library actually loaded, and its "MAJOR.MINOR.PATCH" text (static).
+ * Thread safety: any thread. */
 KVT_API unsigned kvt_version_number(void);
 KVT_API const char *kvt_version_string(void);
 

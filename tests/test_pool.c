@@ -9,8 +9,10 @@
  */
 #include "common.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -98,6 +100,51 @@ static void test_two_caches(void **state)
 	pool_unlink();
 }
 
+/*
+ * A live cache's share stays charged when /proc cannot be read: with every descriptor in use a
+ * reclaim (here from kvt_get_capacity, and from a charge that finds the pool short) cannot tell
+ * whether a holder lives, and leaves it be. Before, the unreadable /proc/<pid>/stat meant "gone":
+ * a's 2 MiB were uncharged while a still held them, and b could take them again.
+ */
+static void test_unreadable_proc(void **state)
+{
+	(void)state;
+	kvt_config cfg = pool_config(2 * MIB); /* a fills it: a reclaim is tried when it is full */
+	cfg.host_bytes = 8 * MIB; /* and a could take more than the pool has left */
+	kvt_cache *a = t_create(&cfg);
+	T_CHECK(fill(a, 24 * BLOCK_TOKENS, 5) == 0, "a's prefill: %s", kvt_last_error(a));
+	struct rlimit old, low;
+	T_CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0, "getrlimit: %s", strerror(errno));
+	low = old;
+	low.rlim_cur = old.rlim_cur < 1024 ? old.rlim_cur : 1024; /* so that filling it is quick */
+	T_CHECK(setrlimit(RLIMIT_NOFILE, &low) == 0, "setrlimit: %s", strerror(errno));
+	int *fds = t_alloc(sizeof *fds * 1024), n = 0, fd;
+	while (n < 1024 && (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0)
+		fds[n++] = fd;
+	const int e = errno;
+	kvt_capacity cap = {.size = sizeof cap};
+	const int rc = kvt_get_capacity(a, &cap);
+	for (int i = 0; i < n; i++)
+		close(fds[i]);
+	free(fds);
+	T_CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0, "setrlimit back: %s", strerror(errno));
+	T_CHECK(rc == 0 && (e == EMFILE || e == ENFILE), "kvt_get_capacity with no descriptor left "
+		"(%d opened, then %s): %d (%s)", n, strerror(e), rc, kvt_last_error(a));
+	kvt_stats sa = stats_of(a);
+	T_CHECK(sa.host_pool_used == 2 * MIB && sa.host_pool_mine == 2 * MIB,
+		"a's share after a reclaim that could not read /proc: pool used %llu, a's %llu; "
+		"wanted 2 MiB both", (unsigned long long)sa.host_pool_used,
+		(unsigned long long)sa.host_pool_mine);
+	cfg.host_pool_bytes = 0;
+	kvt_cache *b = t_create(&cfg);
+	const int rb = fill(b, 8 * BLOCK_TOKENS, 6);
+	T_CHECK(rb == -ENOSPC, "b's prefill beside a, which fills the pool: got %d (%s), wanted "
+		"-ENOSPC", rb, kvt_last_error(b));
+	kvt_cache_destroy(b);
+	kvt_cache_destroy(a);
+	pool_unlink();
+}
+
 /* A process that dies holding 2 MiB of the pool gives them back to the next charge that finds the
  * pool short: reaped, and also while it is a zombie its parent has not reaped yet (its memory is
  * gone; before, the zombie's /proc entry kept its share charged until the wait). */
@@ -172,6 +219,7 @@ int main(void)
 		cmocka_unit_test(test_refusals),
 		cmocka_unit_test(test_two_caches),
 		cmocka_unit_test(test_dead_process),
+		cmocka_unit_test(test_unreadable_proc),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
