@@ -10,8 +10,10 @@
  * A process that died without destroying its caches leaves slots behind: the next charge that
  * finds the pool short reclaims the slots of processes that no longer exist or are dead zombies
  * not yet reaped (their /proc/<pid>/stat gone, in state Z or X, or showing another start time: the
- * pid reused), so a crash loses no budget. The pool object stays in /dev/shm after its last user; a later
- * cache reuses it (with its total), `rm /dev/shm/kvtier.<name>` removes it.
+ * pid reused), so a crash loses no budget. A holder whose /proc/<pid>/stat cannot be read for
+ * another reason (no descriptor left) is taken as alive: its share is never given away from under
+ * it. The pool object stays in /dev/shm after its last user; a later cache reuses it (with its
+ * total), `rm /dev/shm/kvtier.<name>` removes it.
  */
 #ifndef KVT_POOL_H
 #define KVT_POOL_H
