@@ -581,6 +581,19 @@ static void test_destroy_removes_created(void **state)
 		exists(path) ? "file created" : "no file");
 }
 
+/* A cache on one 8 MiB file of the caller's (it exists before create), NVMe queue depth qd (0: the
+ * default), and *fd a descriptor of the file to look at what stays on it. */
+static kvt_cache *caller_file_cache(tt_files *f, uint32_t qd, int *fd)
+{
+	tt_make_files(f, 1, (uint64_t)8 << 20);
+	kvt_config cfg = tier_config(f->ptrs, f->bytes, 1);
+	cfg.nvme_queue_depth = qd;
+	kvt_cache *c = t_create(&cfg);
+	*fd = open(f->paths[0], O_RDONLY | O_CLOEXEC);
+	T_CHECK(*fd >= 0, "open %s: %s", f->paths[0], strerror(errno));
+	return c;
+}
+
 /*
  * A closed sequence's blocks: zeroed on disk, and their identity (sequence uid, generation, store
  * id) refused at their old place. The cache's destroy zeroes the blocks of sequences still open.
@@ -591,11 +604,8 @@ static void test_closed_seq_discarded(void **state)
 	(void)state;
 	tt_skip_unless_available();
 	tt_files f;
-	tt_make_files(&f, 1, (uint64_t)8 << 20);
-	kvt_config cfg = tier_config(f.ptrs, f.bytes, 1);
-	kvt_cache *c = t_create(&cfg);
-	int fd = open(f.paths[0], O_RDONLY | O_CLOEXEC);
-	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
+	int fd;
+	kvt_cache *c = caller_file_cache(&f, 0, &fd);
 	struct rows *r = t_alloc(sizeof *r);
 	make_rows(r, 6);
 	uint32_t s = fill_and_spill(c, r, "closed seq");
@@ -650,12 +660,9 @@ static void test_freed_space_zeroed(void **state)
 	(void)state;
 	tt_skip_unless_available();
 	tt_files f;
-	tt_make_files(&f, 1, (uint64_t)8 << 20);
-	kvt_config cfg = tier_config(f.ptrs, f.bytes, 1);
-	cfg.nvme_queue_depth = 1; /* the second block's write completes after the first's */
-	kvt_cache *c = t_create(&cfg);
-	int fd = open(f.paths[0], O_RDONLY | O_CLOEXEC);
-	T_CHECK(fd >= 0, "open %s: %s", f.paths[0], strerror(errno));
+	int fd;
+	/* queue depth 1: the second block's write completes after the first's */
+	kvt_cache *c = caller_file_cache(&f, 1, &fd);
 	struct rows *r = t_alloc(sizeof *r);
 	make_rows(r, 8);
 	uint32_t s = fill_and_spill(c, r, "restored");

@@ -111,10 +111,6 @@ void print_phase_line(const phase *ph)
 static void spread(const kb_run *b, const double *sum, double out[3])
 {
 	size_t n = (size_t)b->o.layers * b->o.q_heads;
-	if (sum == b->head_oracle && !b->all.kv_n) { /* no token indexed: no oracle share */
-		out[0] = out[1] = out[2] = NAN;
-		return;
-	}
 	double *v = xcalloc(n, sizeof(double));
 	for (size_t i = 0; i < n; i++)
 		v[i] = sum[i] / ((double)b->o.seqs * b->steps_total);
@@ -123,6 +119,15 @@ static void spread(const kb_run *b, const double *sum, double out[3])
 	out[1] = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 	out[2] = v[n - 1];
 	free(v);
+}
+
+/* The spread of the heads' oracle shares; NaN (null in the JSON) when no token was indexed. */
+static void oracle_spread(const kb_run *b, double out[3])
+{
+	if (b->all.kv_n)
+		spread(b, b->head_oracle, out);
+	else
+		out[0] = out[1] = out[2] = NAN;
 }
 
 /* ---- JSON -------------------------------------------------------------------------------- */
@@ -377,7 +382,7 @@ void print_json(const kb_run *b, const kb_phases *ps, double wall)
 	const double steps = b->steps_total ? (double)b->steps_total : 1.0;
 	const acc *a = &b->all;
 	double sl = (double)b->steps_total * o->layers, ho[3], he[3], p5, p1;
-	spread(b, b->head_oracle, ho);
+	oracle_spread(b, ho);
 	run_percentiles(b, &p5, &p1);
 	spread(b, b->head_eff, he);
 	const jv top[] = {{"library_version", 0, kvt_version_string()}, {"p", o->p, NULL},
@@ -529,7 +534,7 @@ void print_summary(const kb_run *b, const kb_phases *ps, double wall)
 	const acc *a = &b->all;
 	double sl = (double)b->steps_total * b->o.layers, ho[3], he[3];
 	double bud = mean(a->budget_sum, a->kv_n), orc = mean(a->oracle_sum, a->kv_n), p5, p1;
-	spread(b, b->head_oracle, ho);
+	oracle_spread(b, ho);
 	run_percentiles(b, &p5, &p1);
 	spread(b, b->head_eff, he);
 	if (ps && ps->n) {
